@@ -1,0 +1,344 @@
+//! The engine child process: spawn, output capture, signals to its process group, exit.
+//!
+//! Owns: one engine OS process and the pipes of its stdout/stderr. Must not: decide when to
+//! stop (the lifecycle actor does), or outlive its owner: the child runs in its own process
+//! group, gets `PR_SET_PDEATHSIG` = SIGKILL so a SIGKILLed daemon leaves no engine behind,
+//! and dropping an [`EngineChild`] whose process still runs kills the whole group.
+//!
+//! `PR_SET_PDEATHSIG` fires when the *thread* that forked exits (prctl(2)), so spawn only from
+//! threads that live as long as the daemon: tokio worker threads or the main thread, never a
+//! `spawn_blocking` pool thread.
+
+use std::collections::VecDeque;
+use std::ffi::OsString;
+use std::fmt;
+use std::io;
+use std::path::{Path, PathBuf};
+use std::process::{ExitStatus, Stdio};
+use std::sync::{Arc, Mutex};
+
+use nix::sys::signal::{killpg, Signal};
+use nix::unistd::Pid;
+use tokio::io::{AsyncBufReadExt, AsyncRead, BufReader};
+use tokio::sync::watch;
+
+/// Longest line kept from the engine's output; longer lines are cut (a runaway log line must
+/// not grow the daemon's memory).
+const MAX_LINE: usize = 4096;
+
+/// What to run.
+#[derive(Debug, Clone)]
+pub struct SpawnSpec {
+    pub program: PathBuf,
+    pub args: Vec<OsString>,
+    /// Added to the daemon's environment (minus systemd's per-service variables).
+    pub env: Vec<(OsString, OsString)>,
+    /// How many of the last output lines to keep for error messages and `dsv4ctl logs`.
+    pub tail_lines: usize,
+}
+
+#[derive(Debug, thiserror::Error)]
+pub enum SpawnError {
+    #[error("engine command {program:?} not found (is it installed, and is the profile's `command` right?)")]
+    NotFound { program: PathBuf },
+    #[error("engine command {program:?} is not executable by the daemon: permission denied")]
+    PermissionDenied { program: PathBuf },
+    #[error("cannot start engine command {program:?}: {source}")]
+    Io { program: PathBuf, source: io::Error },
+}
+
+impl SpawnError {
+    fn new(program: &Path, source: io::Error) -> Self {
+        let program = program.to_path_buf();
+        match source.kind() {
+            io::ErrorKind::NotFound => SpawnError::NotFound { program },
+            io::ErrorKind::PermissionDenied => SpawnError::PermissionDenied { program },
+            _ => SpawnError::Io { program, source },
+        }
+    }
+}
+
+/// How the engine process ended.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct ExitReport {
+    pub code: Option<i32>,
+    pub signal: Option<i32>,
+}
+
+impl ExitReport {
+    fn from_status(st: ExitStatus) -> Self {
+        use std::os::unix::process::ExitStatusExt;
+        ExitReport { code: st.code(), signal: st.signal() }
+    }
+
+    pub fn success(&self) -> bool {
+        self.code == Some(0)
+    }
+}
+
+impl fmt::Display for ExitReport {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        match (self.code, self.signal) {
+            (Some(c), _) => write!(f, "exit code {c}"),
+            (None, Some(s)) => match Signal::try_from(s) {
+                Ok(sig) => write!(f, "killed by {}", sig.as_str()),
+                Err(_) => write!(f, "killed by signal {s}"),
+            },
+            (None, None) => f.write_str("unknown exit status"),
+        }
+    }
+}
+
+/// The last lines the engine wrote (stdout and stderr interleaved as they arrived).
+#[derive(Debug, Clone, Default)]
+pub struct OutputTail {
+    inner: Arc<Mutex<Tail>>,
+}
+
+#[derive(Debug, Default)]
+struct Tail {
+    cap: usize,
+    lines: VecDeque<String>,
+}
+
+impl OutputTail {
+    pub fn new(cap: usize) -> Self {
+        OutputTail { inner: Arc::new(Mutex::new(Tail { cap: cap.max(1), lines: VecDeque::new() })) }
+    }
+
+    pub fn push(&self, line: String) {
+        let mut t = self.inner.lock().unwrap_or_else(|p| p.into_inner());
+        if t.lines.len() == t.cap {
+            t.lines.pop_front();
+        }
+        t.lines.push_back(line);
+    }
+
+    /// The last `n` lines, oldest first.
+    pub fn last(&self, n: usize) -> Vec<String> {
+        let t = self.inner.lock().unwrap_or_else(|p| p.into_inner());
+        let skip = t.lines.len().saturating_sub(n);
+        t.lines.iter().skip(skip).cloned().collect()
+    }
+}
+
+/// A running (or just ended) engine process, leader of its own process group.
+#[derive(Debug)]
+pub struct EngineChild {
+    pid: u32,
+    exit: watch::Receiver<Option<ExitReport>>,
+    output: OutputTail,
+}
+
+impl EngineChild {
+    /// Starts the engine. Must be called inside a tokio runtime, from a long-lived thread
+    /// (see the module header).
+    pub fn spawn(spec: &SpawnSpec) -> Result<EngineChild, SpawnError> {
+        let mut cmd = tokio::process::Command::new(&spec.program);
+        cmd.args(&spec.args)
+            .env_remove("NOTIFY_SOCKET")
+            .env_remove("WATCHDOG_PID")
+            .env_remove("WATCHDOG_USEC")
+            .envs(spec.env.iter().map(|(k, v)| (k, v)))
+            .stdin(Stdio::null())
+            .stdout(Stdio::piped())
+            .stderr(Stdio::piped())
+            .process_group(0);
+        let parent = std::process::id() as libc::pid_t;
+        // SAFETY: the closure runs in the forked child before exec and calls only
+        // async-signal-safe syscalls (prctl, getppid); it allocates nothing (the error is a
+        // raw OS error).
+        unsafe {
+            cmd.pre_exec(move || {
+                if libc::prctl(libc::PR_SET_PDEATHSIG, libc::SIGKILL as libc::c_ulong, 0, 0, 0) != 0 {
+                    return Err(io::Error::last_os_error());
+                }
+                // The parent may have died between fork and prctl: then nobody will ever
+                // send the death signal, so give up now.
+                if libc::getppid() != parent {
+                    return Err(io::Error::from_raw_os_error(libc::ESRCH));
+                }
+                Ok(())
+            });
+        }
+        let mut child = cmd.spawn().map_err(|e| SpawnError::new(&spec.program, e))?;
+        let pid = child.id().unwrap_or(0);
+        let output = OutputTail::new(spec.tail_lines);
+        if let Some(out) = child.stdout.take() {
+            tokio::spawn(pump(out, output.clone(), pid, "stdout"));
+        }
+        if let Some(err) = child.stderr.take() {
+            tokio::spawn(pump(err, output.clone(), pid, "stderr"));
+        }
+        let (tx, rx) = watch::channel(None);
+        tokio::spawn(async move {
+            let report = match child.wait().await {
+                Ok(st) => ExitReport::from_status(st),
+                Err(e) => {
+                    tracing::error!(pid, "waiting for the engine failed: {e}");
+                    ExitReport { code: None, signal: None }
+                }
+            };
+            // Anything the engine left in its group goes with it.
+            let _ = killpg(Pid::from_raw(pid as i32), Signal::SIGKILL);
+            let _ = tx.send(Some(report));
+        });
+        Ok(EngineChild { pid, exit: rx, output })
+    }
+
+    pub fn pid(&self) -> u32 {
+        self.pid
+    }
+
+    pub fn output(&self) -> &OutputTail {
+        &self.output
+    }
+
+    /// How the process ended, once it has.
+    pub fn exit_status(&self) -> Option<ExitReport> {
+        self.exit.borrow().clone()
+    }
+
+    /// A receiver that turns `Some` when the process has ended.
+    pub fn exit_watch(&self) -> watch::Receiver<Option<ExitReport>> {
+        self.exit.clone()
+    }
+
+    /// Waits for the process to end.
+    pub async fn wait(&self) -> ExitReport {
+        let mut rx = self.exit.clone();
+        let report = match rx.wait_for(Option::is_some).await {
+            Ok(r) => r.clone(),
+            Err(_) => None,
+        };
+        report.unwrap_or(ExitReport { code: None, signal: None })
+    }
+
+    /// Sends `sig` to the engine's whole process group. Does nothing once it has ended.
+    pub fn signal(&self, sig: Signal) {
+        if self.exit.borrow().is_some() {
+            return;
+        }
+        if let Err(e) = killpg(Pid::from_raw(self.pid as i32), sig) {
+            tracing::debug!(pid = self.pid, "signal {} to the engine failed: {e}", sig.as_str());
+        }
+    }
+}
+
+impl Drop for EngineChild {
+    fn drop(&mut self) {
+        if self.exit.borrow().is_none() {
+            let _ = killpg(Pid::from_raw(self.pid as i32), Signal::SIGKILL);
+        }
+    }
+}
+
+async fn pump(stream: impl AsyncRead + Unpin, tail: OutputTail, pid: u32, which: &'static str) {
+    let mut reader = BufReader::new(stream);
+    let mut buf = Vec::with_capacity(256);
+    loop {
+        buf.clear();
+        match reader.read_until(b'\n', &mut buf).await {
+            Ok(0) | Err(_) => break,
+            Ok(_) => {
+                while matches!(buf.last(), Some(b'\n' | b'\r')) {
+                    buf.pop();
+                }
+                buf.truncate(MAX_LINE);
+                let line = String::from_utf8_lossy(&buf).into_owned();
+                tracing::info!(target: "engine", pid, stream = which, "{line}");
+                tail.push(line);
+            }
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use std::time::Duration;
+
+    fn sh(script: &str) -> SpawnSpec {
+        SpawnSpec {
+            program: "/bin/sh".into(),
+            args: vec!["-c".into(), script.into()],
+            env: vec![("DSV4_TEST_VAR".into(), "hello".into())],
+            tail_lines: 3,
+        }
+    }
+
+    #[tokio::test]
+    async fn captures_the_output_tail_and_exit_code() {
+        let c = EngineChild::spawn(&sh("for i in 1 2 3 4 5; do echo line$i; done; echo $DSV4_TEST_VAR >&2; exit 7")).unwrap();
+        let r = c.wait().await;
+        assert_eq!(r, ExitReport { code: Some(7), signal: None });
+        assert_eq!(r.to_string(), "exit code 7");
+        // the pumps may lag the exit by a moment
+        for _ in 0..100 {
+            if c.output().last(10).contains(&"hello".to_string()) {
+                break;
+            }
+            tokio::time::sleep(Duration::from_millis(10)).await;
+        }
+        let tail = c.output().last(10);
+        assert_eq!(tail.len(), 3, "{tail:?}");
+        assert!(tail.contains(&"hello".to_string()), "{tail:?}");
+        assert!(tail.contains(&"line5".to_string()), "{tail:?}");
+    }
+
+    #[tokio::test]
+    async fn signal_reaches_the_whole_group() {
+        // The shell starts a grandchild in the same group; SIGTERM to the group ends both.
+        let c = EngineChild::spawn(&sh("sleep 30 & echo $!; wait")).unwrap();
+        let mut gc = None;
+        for _ in 0..200 {
+            if let Some(l) = c.output().last(1).first() {
+                gc = l.parse::<i32>().ok();
+                break;
+            }
+            tokio::time::sleep(Duration::from_millis(10)).await;
+        }
+        let gc = gc.expect("grandchild pid");
+        c.signal(Signal::SIGTERM);
+        let r = c.wait().await;
+        assert_eq!(r.signal, Some(libc::SIGTERM), "{r}");
+        assert_eq!(r.to_string(), "killed by SIGTERM");
+        tokio::time::sleep(Duration::from_millis(50)).await;
+        assert!(!alive(gc), "grandchild {gc} survived");
+    }
+
+    #[tokio::test]
+    async fn dropping_a_running_child_kills_it() {
+        let c = EngineChild::spawn(&sh("exec sleep 30")).unwrap();
+        let pid = c.pid() as i32;
+        let watch = c.exit_watch();
+        drop(c);
+        let mut watch = watch;
+        tokio::time::timeout(Duration::from_secs(5), watch.wait_for(Option::is_some))
+            .await
+            .expect("child still running after drop")
+            .unwrap();
+        assert!(!alive(pid), "engine {pid} survived");
+    }
+
+    /// A process that is gone or a zombie (an orphan waits for a reaper that may be slow).
+    fn alive(pid: i32) -> bool {
+        match std::fs::read_to_string(format!("/proc/{pid}/stat")) {
+            Ok(stat) => stat.rsplit(')').next().map(|r| r.trim_start()).is_some_and(|r| !r.starts_with('Z')),
+            Err(_) => false,
+        }
+    }
+
+    #[tokio::test]
+    async fn a_missing_program_is_named() {
+        let spec = SpawnSpec {
+            program: "/nonexistent/llama-server".into(),
+            args: vec![],
+            env: vec![],
+            tail_lines: 10,
+        };
+        let err = EngineChild::spawn(&spec).unwrap_err();
+        assert!(matches!(err, SpawnError::NotFound { .. }));
+        assert!(err.to_string().contains("/nonexistent/llama-server"), "{err}");
+    }
+}

@@ -1,0 +1,3 @@
+//! dsv4: the on-demand supervisor for a local LLM engine.
+
+pub mod lifecycle;

@@ -1,0 +1,598 @@
+//! The lifecycle rules as a pure transition function.
+//!
+//! Owns: every decision about the engine: when to spawn, when a request may go through, when
+//! to drain, signal, give up, back off, or exit. Must not: do I/O, read clocks or hold channel
+//! ends: the actor (`actor.rs`) feeds it events with the current time and carries out the
+//! [`Effect`]s it returns. Keeping it pure is what lets the table tests and the proptest
+//! invariants below cover every rule.
+//!
+//! States (one engine generation `gen` at a time; events of older generations are ignored):
+//!
+//! ```text
+//!   Stopped --request/Start--> Starting --ready--> Ready --idle/Stop--> Stopping --exit--> Stopped
+//!                                 |  \--exit/timeout--> (Stopping) --> Backoff --until--> Stopped
+//!                      Ready --SetProfile/Stop/Shutdown with leases--> Draining --last lease--> Stopping
+//! ```
+//! Requests that arrive while the engine starts, drains or stops wait (up to `max_waiting`),
+//! and every waiter is answered, granted or failed, on every settled transition.
+
+use std::collections::VecDeque;
+use std::time::{Duration, Instant};
+
+pub type Gen = u64;
+pub type WaiterId = u64;
+
+/// The limits the rules use (from `engine.*` in the config).
+#[derive(Debug, Clone, PartialEq)]
+pub struct Limits {
+    pub start_timeout: Duration,
+    pub idle_timeout: Duration,
+    pub stop_timeout: Duration,
+    pub max_waiting: usize,
+}
+
+/// Signals the actor sends to the engine's process group.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Sig {
+    Term,
+    Int,
+    Kill,
+}
+
+/// Why an engine went away or never came up: a summary and the tail of its output.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct EngineFailure {
+    pub summary: String,
+    pub tail: Vec<String>,
+}
+
+/// Why a waiting request is not served.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum Refusal {
+    /// `max_waiting` requests already wait for the engine.
+    QueueFull { max_waiting: usize },
+    /// The engine exited (or could not be spawned) before it was ready.
+    StartFailed(EngineFailure),
+    /// The engine was not ready within `start_timeout`.
+    StartTimeout { timeout: Duration, tail: Vec<String> },
+    /// Recent starts failed; the next try is allowed after `retry_after`.
+    Backoff { retry_after: Duration, last: Option<EngineFailure> },
+    /// A `Stop` cancelled the start this request waited for.
+    StartCancelled,
+    /// The supervisor is shutting down.
+    ShuttingDown,
+}
+
+/// What the rules ask the actor to do, in order.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum Effect {
+    /// Spawn generation `gen` of the engine with `profile`.
+    Spawn { gen: Gen, profile: String },
+    /// Signal the engine of generation `gen`.
+    Signal { gen: Gen, sig: Sig },
+    /// Give each waiter a lease on generation `gen`.
+    Grant { gen: Gen, waiters: Vec<WaiterId> },
+    /// Answer each waiter with a refusal.
+    Refuse { waiters: Vec<WaiterId>, why: Refusal },
+    /// Shutdown is complete: the engine is gone, the daemon may exit.
+    Exit,
+}
+
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum Event {
+    /// A request wants a lease on a ready engine.
+    Acquire { waiter: WaiterId },
+    /// A waiting request went away before it was answered.
+    Cancel { waiter: WaiterId },
+    /// A lease on generation `gen` ended (response body finished or dropped).
+    Release { gen: Gen },
+    /// The engine of `gen` answered its readiness probe.
+    Ready { gen: Gen },
+    /// The engine of `gen` ended (or could not be spawned).
+    Exited { gen: Gen, failure: EngineFailure },
+    /// Time passed: timers are checked.
+    Tick,
+    /// Start the engine now (no request needed).
+    Start,
+    /// Stop the engine: after in-flight requests finish, or at once with `now`.
+    Stop { now: bool },
+    /// Make `profile` the active profile; a running engine is drained and restarted.
+    SetProfile { profile: String },
+    /// The daemon is going down: drain (bounded by `stop_timeout`), stop, then exit.
+    Shutdown,
+}
+
+/// What happens once the engine has exited.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Then {
+    /// Stay stopped, unless requests wait: then start again.
+    Idle,
+    /// Start again with the active profile.
+    Restart,
+    /// The start failed: back off before the next try.
+    Backoff,
+    /// The daemon exits.
+    Exit,
+}
+
+#[derive(Debug, Clone, PartialEq)]
+pub enum Phase {
+    Stopped,
+    Starting { gen: Gen, profile: String, deadline: Instant },
+    Ready { gen: Gen, profile: String, since: Instant },
+    /// Waiting for the leases of `gen` to end; forced at `deadline` when set.
+    Draining { gen: Gen, profile: String, then: Then, deadline: Option<Instant> },
+    /// Signalled; waiting for the exit. SIGINT at `interrupt_at`, SIGKILL at `kill_at`.
+    Stopping { gen: Gen, profile: String, then: Then, interrupt_at: Option<Instant>, kill_at: Option<Instant> },
+    Backoff { until: Instant },
+}
+
+impl Phase {
+    pub fn name(&self) -> &'static str {
+        match self {
+            Phase::Stopped => "stopped",
+            Phase::Starting { .. } => "starting",
+            Phase::Ready { .. } => "ready",
+            Phase::Draining { .. } => "draining",
+            Phase::Stopping { .. } => "stopping",
+            Phase::Backoff { .. } => "backoff",
+        }
+    }
+
+    /// The generation of the engine process that exists in this phase, if any.
+    pub fn gen(&self) -> Option<Gen> {
+        match self {
+            Phase::Starting { gen, .. }
+            | Phase::Ready { gen, .. }
+            | Phase::Draining { gen, .. }
+            | Phase::Stopping { gen, .. } => Some(*gen),
+            Phase::Stopped | Phase::Backoff { .. } => None,
+        }
+    }
+
+    /// The profile of the engine that exists in this phase, if any.
+    pub fn engine_profile(&self) -> Option<&str> {
+        match self {
+            Phase::Starting { profile, .. }
+            | Phase::Ready { profile, .. }
+            | Phase::Draining { profile, .. }
+            | Phase::Stopping { profile, .. } => Some(profile),
+            Phase::Stopped | Phase::Backoff { .. } => None,
+        }
+    }
+}
+
+/// First retry delay after a failed start; doubles per failure up to [`BACKOFF_MAX`].
+pub const BACKOFF_BASE: Duration = Duration::from_secs(1);
+pub const BACKOFF_MAX: Duration = Duration::from_secs(60);
+
+/// The whole lifecycle state.
+#[derive(Debug, Clone)]
+pub struct Machine {
+    phase: Phase,
+    limits: Limits,
+    /// SIGTERM -> SIGINT grace for engines that may deadlock on SIGTERM (llama-server);
+    /// `None` for engines that must get their whole `stop_timeout` (ds4 saves its KV cache).
+    interrupt_grace: Option<Duration>,
+    profile: String,
+    next_gen: Gen,
+    leases: u32,
+    idle_since: Instant,
+    waiters: VecDeque<WaiterId>,
+    failures: u32,
+    last_failure: Option<EngineFailure>,
+    shutting_down: bool,
+}
+
+impl Machine {
+    pub fn new(profile: String, limits: Limits, now: Instant) -> Self {
+        Machine {
+            phase: Phase::Stopped,
+            limits,
+            interrupt_grace: None,
+            profile,
+            next_gen: 1,
+            leases: 0,
+            idle_since: now,
+            waiters: VecDeque::new(),
+            failures: 0,
+            last_failure: None,
+            shutting_down: false,
+        }
+    }
+
+    pub fn phase(&self) -> &Phase {
+        &self.phase
+    }
+    pub fn profile(&self) -> &str {
+        &self.profile
+    }
+    pub fn leases(&self) -> u32 {
+        self.leases
+    }
+    pub fn waiting(&self) -> usize {
+        self.waiters.len()
+    }
+    pub fn failures(&self) -> u32 {
+        self.failures
+    }
+    pub fn last_failure(&self) -> Option<&EngineFailure> {
+        self.last_failure.as_ref()
+    }
+    pub fn limits(&self) -> &Limits {
+        &self.limits
+    }
+    pub fn set_limits(&mut self, limits: Limits) {
+        self.limits = limits;
+    }
+    /// Set by the actor for the engine kind of the profile it spawns.
+    pub fn set_interrupt_grace(&mut self, grace: Option<Duration>) {
+        self.interrupt_grace = grace;
+    }
+
+    /// When the engine will be stopped for idleness, if it is ready and idle.
+    pub fn idle_deadline(&self) -> Option<Instant> {
+        match self.phase {
+            Phase::Ready { .. } if self.leases == 0 => Some(self.idle_since + self.limits.idle_timeout),
+            _ => None,
+        }
+    }
+
+    /// The next instant at which a [`Event::Tick`] may change something.
+    pub fn next_deadline(&self) -> Option<Instant> {
+        match &self.phase {
+            Phase::Stopped => None,
+            Phase::Starting { deadline, .. } => Some(*deadline),
+            Phase::Ready { .. } => self.idle_deadline(),
+            Phase::Draining { deadline, .. } => *deadline,
+            Phase::Stopping { interrupt_at, kill_at, .. } => match (interrupt_at, kill_at) {
+                (Some(a), Some(b)) => Some(*a.min(b)),
+                (a, b) => a.or(*b),
+            },
+            Phase::Backoff { until } => Some(*until),
+        }
+    }
+
+    /// Applies one event at time `now` and returns what the actor must do.
+    pub fn step(&mut self, event: Event, now: Instant) -> Vec<Effect> {
+        let mut fx = Vec::new();
+        match event {
+            Event::Acquire { waiter } => self.acquire(waiter, now, &mut fx),
+            Event::Cancel { waiter } => self.waiters.retain(|w| *w != waiter),
+            Event::Release { gen } => self.release(gen, now, &mut fx),
+            Event::Ready { gen } => self.ready(gen, now, &mut fx),
+            Event::Exited { gen, failure } => self.exited(gen, failure, now, &mut fx),
+            Event::Tick => self.tick(now, &mut fx),
+            Event::Start => self.start(now, &mut fx),
+            Event::Stop { now: at_once } => self.stop(at_once, now, &mut fx),
+            Event::SetProfile { profile } => self.set_profile(profile, now, &mut fx),
+            Event::Shutdown => self.shutdown(now, &mut fx),
+        }
+        fx
+    }
+
+    fn acquire(&mut self, waiter: WaiterId, now: Instant, fx: &mut Vec<Effect>) {
+        if self.shutting_down {
+            fx.push(Effect::Refuse { waiters: vec![waiter], why: Refusal::ShuttingDown });
+            return;
+        }
+        match &self.phase {
+            Phase::Ready { gen, .. } => {
+                let gen = *gen;
+                self.leases += 1;
+                fx.push(Effect::Grant { gen, waiters: vec![waiter] });
+            }
+            Phase::Backoff { until } => {
+                let retry_after = until.saturating_duration_since(now);
+                let last = self.last_failure.clone();
+                fx.push(Effect::Refuse { waiters: vec![waiter], why: Refusal::Backoff { retry_after, last } });
+            }
+            Phase::Stopping { then: Then::Backoff, .. } => {
+                let retry_after = self.backoff_delay();
+                let last = self.last_failure.clone();
+                fx.push(Effect::Refuse { waiters: vec![waiter], why: Refusal::Backoff { retry_after, last } });
+            }
+            _ if self.waiters.len() >= self.limits.max_waiting => {
+                let max_waiting = self.limits.max_waiting;
+                fx.push(Effect::Refuse { waiters: vec![waiter], why: Refusal::QueueFull { max_waiting } });
+            }
+            Phase::Stopped => {
+                self.waiters.push_back(waiter);
+                self.begin_start(now, fx);
+            }
+            Phase::Starting { .. } | Phase::Draining { .. } | Phase::Stopping { .. } => {
+                self.waiters.push_back(waiter);
+            }
+        }
+    }
+
+    fn release(&mut self, gen: Gen, now: Instant, fx: &mut Vec<Effect>) {
+        if self.phase.gen() != Some(gen) || self.leases == 0 {
+            return; // a lease on an engine that is already gone
+        }
+        self.leases -= 1;
+        if self.leases > 0 {
+            return;
+        }
+        self.idle_since = now;
+        if let Phase::Draining { gen, profile, then, .. } = &self.phase {
+            let (gen, profile, then) = (*gen, profile.clone(), *then);
+            self.signal_stop(gen, profile, then, now, fx);
+        }
+    }
+
+    fn ready(&mut self, gen: Gen, now: Instant, fx: &mut Vec<Effect>) {
+        let Phase::Starting { gen: g, profile, .. } = &self.phase else { return };
+        if *g != gen {
+            return;
+        }
+        self.phase = Phase::Ready { gen, profile: profile.clone(), since: now };
+        self.failures = 0;
+        self.last_failure = None;
+        self.idle_since = now;
+        self.grant_waiters(gen, fx);
+    }
+
+    fn exited(&mut self, gen: Gen, failure: EngineFailure, now: Instant, fx: &mut Vec<Effect>) {
+        if self.phase.gen() != Some(gen) {
+            return;
+        }
+        self.leases = 0;
+        match &self.phase {
+            Phase::Starting { .. } => {
+                self.failures += 1;
+                self.last_failure = Some(failure.clone());
+                self.refuse_waiters(Refusal::StartFailed(failure), fx);
+                if self.shutting_down {
+                    self.finish_exit(fx);
+                } else {
+                    self.phase = Phase::Backoff { until: now + self.backoff_delay() };
+                }
+            }
+            Phase::Ready { .. } => {
+                // Died on its own. In-flight requests see their connection fail (502); the next
+                // request starts a fresh engine.
+                self.last_failure = Some(failure);
+                self.phase = Phase::Stopped;
+                if !self.waiters.is_empty() {
+                    self.begin_start(now, fx);
+                }
+            }
+            Phase::Draining { then, .. } | Phase::Stopping { then, .. } => {
+                let then = *then;
+                self.after_stop(then, now, fx);
+            }
+            Phase::Stopped | Phase::Backoff { .. } => {}
+        }
+    }
+
+    fn tick(&mut self, now: Instant, fx: &mut Vec<Effect>) {
+        match &mut self.phase {
+            Phase::Starting { gen, profile, deadline } if now >= *deadline => {
+                let (gen, profile) = (*gen, profile.clone());
+                self.failures += 1;
+                let timeout = self.limits.start_timeout;
+                self.last_failure = Some(EngineFailure {
+                    summary: format!("the engine was not ready within engine.start_timeout ({timeout:?})"),
+                    tail: Vec::new(),
+                });
+                self.refuse_waiters(Refusal::StartTimeout { timeout, tail: Vec::new() }, fx);
+                let then = if self.shutting_down { Then::Exit } else { Then::Backoff };
+                self.signal_stop(gen, profile, then, now, fx);
+            }
+            Phase::Ready { gen, profile, .. } => {
+                if self.leases == 0 && now >= self.idle_since + self.limits.idle_timeout {
+                    let (gen, profile) = (*gen, profile.clone());
+                    self.signal_stop(gen, profile, Then::Idle, now, fx);
+                }
+            }
+            Phase::Draining { gen, profile, then, deadline: Some(d) } if now >= *d => {
+                let (gen, profile, then) = (*gen, profile.clone(), *then);
+                self.signal_stop(gen, profile, then, now, fx);
+            }
+            Phase::Stopping { gen, interrupt_at, kill_at, .. } => {
+                let gen = *gen;
+                if interrupt_at.is_some_and(|t| now >= t) {
+                    *interrupt_at = None;
+                    fx.push(Effect::Signal { gen, sig: Sig::Int });
+                }
+                if kill_at.is_some_and(|t| now >= t) {
+                    *kill_at = None;
+                    fx.push(Effect::Signal { gen, sig: Sig::Kill });
+                }
+            }
+            Phase::Backoff { until } if now >= *until => {
+                self.phase = Phase::Stopped;
+            }
+            _ => {}
+        }
+    }
+
+    fn start(&mut self, now: Instant, fx: &mut Vec<Effect>) {
+        if self.shutting_down {
+            return;
+        }
+        match &mut self.phase {
+            Phase::Stopped | Phase::Backoff { .. } => self.begin_start(now, fx),
+            Phase::Draining { gen, profile, then: Then::Idle, .. } => {
+                // A stop that had not signalled yet is called off.
+                let (gen, profile) = (*gen, profile.clone());
+                self.phase = Phase::Ready { gen, profile, since: now };
+                self.grant_waiters(gen, fx);
+            }
+            Phase::Stopping { then, .. } if *then == Then::Idle => *then = Then::Restart,
+            _ => {}
+        }
+    }
+
+    fn stop(&mut self, at_once: bool, now: Instant, fx: &mut Vec<Effect>) {
+        match &mut self.phase {
+            Phase::Stopped => {}
+            Phase::Backoff { .. } => self.phase = Phase::Stopped,
+            Phase::Starting { gen, profile, .. } => {
+                let (gen, profile) = (*gen, profile.clone());
+                self.refuse_waiters(Refusal::StartCancelled, fx);
+                self.signal_stop(gen, profile, Then::Idle, now, fx);
+            }
+            Phase::Ready { gen, profile, .. } => {
+                let (gen, profile) = (*gen, profile.clone());
+                if self.leases == 0 || at_once {
+                    self.signal_stop(gen, profile, Then::Idle, now, fx);
+                } else {
+                    self.phase = Phase::Draining { gen, profile, then: Then::Idle, deadline: None };
+                }
+            }
+            Phase::Draining { gen, profile, then, .. } => {
+                if *then == Then::Restart {
+                    *then = Then::Idle;
+                }
+                if at_once {
+                    let (gen, profile, then) = (*gen, profile.clone(), *then);
+                    self.signal_stop(gen, profile, then, now, fx);
+                }
+            }
+            Phase::Stopping { then, .. } => {
+                if *then == Then::Restart {
+                    *then = Then::Idle;
+                }
+            }
+        }
+    }
+
+    fn set_profile(&mut self, profile: String, now: Instant, fx: &mut Vec<Effect>) {
+        self.profile = profile;
+        let profile_now = self.profile.clone();
+        match &mut self.phase {
+            Phase::Stopped => {}
+            Phase::Backoff { .. } => {
+                // A new profile deserves a fresh try.
+                self.failures = 0;
+                self.phase = Phase::Stopped;
+            }
+            Phase::Starting { gen, profile, .. } => {
+                if *profile != profile_now {
+                    let (gen, profile) = (*gen, profile.clone());
+                    self.signal_stop(gen, profile, Then::Restart, now, fx);
+                }
+            }
+            Phase::Ready { gen, profile, .. } => {
+                if *profile != profile_now {
+                    let (gen, profile) = (*gen, profile.clone());
+                    if self.leases == 0 {
+                        self.signal_stop(gen, profile, Then::Restart, now, fx);
+                    } else {
+                        self.phase = Phase::Draining { gen, profile, then: Then::Restart, deadline: None };
+                    }
+                }
+            }
+            Phase::Draining { gen, profile, then, .. } => {
+                if *then == Then::Restart && *profile == profile_now {
+                    // Switched back before the drain ended: keep the running engine.
+                    let (gen, profile) = (*gen, profile.clone());
+                    self.phase = Phase::Ready { gen, profile, since: now };
+                    self.grant_waiters(gen, fx);
+                } else if *then == Then::Idle {
+                    // Stop requested: the new profile applies at the next start.
+                } else {
+                    *then = Then::Restart;
+                }
+            }
+            Phase::Stopping { .. } => {}
+        }
+    }
+
+    fn shutdown(&mut self, now: Instant, fx: &mut Vec<Effect>) {
+        if self.shutting_down {
+            return;
+        }
+        self.shutting_down = true;
+        self.refuse_waiters(Refusal::ShuttingDown, fx);
+        match &mut self.phase {
+            Phase::Stopped | Phase::Backoff { .. } => self.finish_exit(fx),
+            Phase::Starting { gen, profile, .. } => {
+                let (gen, profile) = (*gen, profile.clone());
+                self.signal_stop(gen, profile, Then::Exit, now, fx);
+            }
+            Phase::Ready { gen, profile, .. } => {
+                let (gen, profile) = (*gen, profile.clone());
+                if self.leases == 0 {
+                    self.signal_stop(gen, profile, Then::Exit, now, fx);
+                } else {
+                    self.phase = Phase::Draining { gen, profile, then: Then::Exit, deadline: Some(now + self.limits.stop_timeout) };
+                }
+            }
+            Phase::Draining { then, deadline, .. } => {
+                *then = Then::Exit;
+                let cap = now + self.limits.stop_timeout;
+                *deadline = Some(deadline.map_or(cap, |d| d.min(cap)));
+            }
+            Phase::Stopping { then, .. } => *then = Then::Exit,
+        }
+    }
+
+    // ---- helpers ------------------------------------------------------------------------
+
+    fn begin_start(&mut self, now: Instant, fx: &mut Vec<Effect>) {
+        let gen = self.next_gen;
+        self.next_gen += 1;
+        self.leases = 0;
+        let profile = self.profile.clone();
+        self.phase = Phase::Starting { gen, profile: profile.clone(), deadline: now + self.limits.start_timeout };
+        fx.push(Effect::Spawn { gen, profile });
+    }
+
+    fn signal_stop(&mut self, gen: Gen, profile: String, then: Then, now: Instant, fx: &mut Vec<Effect>) {
+        let stop = self.limits.stop_timeout;
+        let interrupt_at = self.interrupt_grace.filter(|g| *g < stop).map(|g| now + g);
+        self.phase = Phase::Stopping { gen, profile, then, interrupt_at, kill_at: Some(now + stop) };
+        fx.push(Effect::Signal { gen, sig: Sig::Term });
+    }
+
+    fn after_stop(&mut self, then: Then, now: Instant, fx: &mut Vec<Effect>) {
+        self.phase = Phase::Stopped;
+        match then {
+            Then::Exit => self.finish_exit(fx),
+            Then::Restart => self.begin_start(now, fx),
+            Then::Idle if !self.waiters.is_empty() => self.begin_start(now, fx),
+            Then::Idle => {}
+            Then::Backoff => {
+                let retry_after = self.backoff_delay();
+                let last = self.last_failure.clone();
+                self.refuse_waiters(Refusal::Backoff { retry_after, last }, fx);
+                self.phase = Phase::Backoff { until: now + retry_after };
+            }
+        }
+    }
+
+    fn finish_exit(&mut self, fx: &mut Vec<Effect>) {
+        self.refuse_waiters(Refusal::ShuttingDown, fx);
+        self.phase = Phase::Stopped;
+        fx.push(Effect::Exit);
+    }
+
+    fn grant_waiters(&mut self, gen: Gen, fx: &mut Vec<Effect>) {
+        if self.waiters.is_empty() {
+            return;
+        }
+        let waiters: Vec<_> = self.waiters.drain(..).collect();
+        self.leases += waiters.len() as u32;
+        fx.push(Effect::Grant { gen, waiters });
+    }
+
+    fn refuse_waiters(&mut self, why: Refusal, fx: &mut Vec<Effect>) {
+        if self.waiters.is_empty() {
+            return;
+        }
+        let waiters = self.waiters.drain(..).collect();
+        fx.push(Effect::Refuse { waiters, why });
+    }
+
+    fn backoff_delay(&self) -> Duration {
+        let exp = self.failures.saturating_sub(1).min(16);
+        BACKOFF_BASE.saturating_mul(1 << exp).min(BACKOFF_MAX)
+    }
+}
+
+#[cfg(test)]
+#[path = "state_tests.rs"]
+mod tests;

@@ -1,0 +1,541 @@
+//! Table tests and proptest invariants for the lifecycle rules.
+
+use super::*;
+use proptest::prelude::*;
+use std::collections::{BTreeMap, BTreeSet};
+
+const S: Duration = Duration::from_secs(1);
+
+fn limits() -> Limits {
+    Limits { start_timeout: 600 * S, idle_timeout: 900 * S, stop_timeout: 120 * S, max_waiting: 3 }
+}
+
+fn fail(msg: &str) -> EngineFailure {
+    EngineFailure { summary: msg.into(), tail: vec!["last line".into()] }
+}
+
+struct T {
+    m: Machine,
+    t0: Instant,
+    now: Instant,
+}
+
+impl T {
+    fn new() -> Self {
+        let t0 = Instant::now();
+        T { m: Machine::new("320k".into(), limits(), t0), t0, now: t0 }
+    }
+    fn at(&mut self, secs: u64) -> &mut Self {
+        self.now = self.t0 + Duration::from_secs(secs);
+        self
+    }
+    fn ev(&mut self, e: Event) -> Vec<Effect> {
+        self.m.step(e, self.now)
+    }
+    fn name(&self) -> &'static str {
+        self.m.phase().name()
+    }
+    /// Drives a fresh machine to Ready with one lease per waiter given.
+    fn ready_with(&mut self, waiters: &[WaiterId]) {
+        for w in waiters {
+            self.ev(Event::Acquire { waiter: *w });
+        }
+        if waiters.is_empty() {
+            self.ev(Event::Start);
+        }
+        self.ev(Event::Ready { gen: 1 });
+        assert_eq!(self.name(), "ready");
+    }
+}
+
+fn spawn(gen: Gen, profile: &str) -> Effect {
+    Effect::Spawn { gen, profile: profile.into() }
+}
+fn grant(gen: Gen, w: &[WaiterId]) -> Effect {
+    Effect::Grant { gen, waiters: w.to_vec() }
+}
+fn term(gen: Gen) -> Effect {
+    Effect::Signal { gen, sig: Sig::Term }
+}
+
+#[test]
+fn first_request_spawns_once_and_all_waiters_are_granted() {
+    let mut t = T::new();
+    assert_eq!(t.ev(Event::Acquire { waiter: 1 }), vec![spawn(1, "320k")]);
+    assert_eq!(t.ev(Event::Acquire { waiter: 2 }), vec![]);
+    assert_eq!(t.ev(Event::Acquire { waiter: 3 }), vec![]);
+    assert_eq!(t.name(), "starting");
+    assert_eq!(t.ev(Event::Ready { gen: 1 }), vec![grant(1, &[1, 2, 3])]);
+    assert_eq!(t.m.leases(), 3);
+    assert_eq!(t.ev(Event::Acquire { waiter: 4 }), vec![grant(1, &[4])]);
+}
+
+#[test]
+fn queue_beyond_max_waiting_is_refused() {
+    let mut t = T::new();
+    for w in 1..=3 {
+        t.ev(Event::Acquire { waiter: w });
+    }
+    let fx = t.ev(Event::Acquire { waiter: 4 });
+    assert_eq!(fx, vec![Effect::Refuse { waiters: vec![4], why: Refusal::QueueFull { max_waiting: 3 } }]);
+    // a waiter that went away frees its place
+    t.ev(Event::Cancel { waiter: 2 });
+    assert_eq!(t.ev(Event::Acquire { waiter: 5 }), vec![]);
+    assert_eq!(t.ev(Event::Ready { gen: 1 }), vec![grant(1, &[1, 3, 5])]);
+}
+
+#[test]
+fn idle_counts_from_the_last_release_not_from_the_request() {
+    let mut t = T::new();
+    t.ready_with(&[1]);
+    // the request runs for longer than idle_timeout: nothing happens
+    assert_eq!(t.at(2000).ev(Event::Tick), vec![]);
+    assert_eq!(t.m.idle_deadline(), None);
+    t.at(2000).ev(Event::Release { gen: 1 });
+    assert_eq!(t.m.idle_deadline(), Some(t.t0 + 2900 * S));
+    assert_eq!(t.at(2899).ev(Event::Tick), vec![]);
+    assert_eq!(t.at(2900).ev(Event::Tick), vec![term(1)]);
+    assert_eq!(t.name(), "stopping");
+    assert_eq!(t.at(2901).ev(Event::Exited { gen: 1, failure: fail("exit code 0") }), vec![]);
+    assert_eq!(t.name(), "stopped");
+    // the next request starts a new generation
+    assert_eq!(t.ev(Event::Acquire { waiter: 2 }), vec![spawn(2, "320k")]);
+}
+
+#[test]
+fn a_request_during_stopping_waits_and_starts_the_next_engine() {
+    let mut t = T::new();
+    t.ready_with(&[]);
+    t.at(900).ev(Event::Tick);
+    assert_eq!(t.name(), "stopping");
+    assert_eq!(t.ev(Event::Acquire { waiter: 7 }), vec![]);
+    assert_eq!(t.ev(Event::Exited { gen: 1, failure: fail("exit code 0") }), vec![spawn(2, "320k")]);
+    assert_eq!(t.ev(Event::Ready { gen: 2 }), vec![grant(2, &[7])]);
+}
+
+#[test]
+fn stopping_escalates_to_interrupt_then_kill() {
+    let mut t = T::new();
+    t.m.set_interrupt_grace(Some(5 * S));
+    t.ready_with(&[]);
+    assert_eq!(t.ev(Event::Stop { now: false }), vec![term(1)]);
+    assert_eq!(t.m.next_deadline(), Some(t.t0 + 5 * S));
+    assert_eq!(t.at(5).ev(Event::Tick), vec![Effect::Signal { gen: 1, sig: Sig::Int }]);
+    assert_eq!(t.m.next_deadline(), Some(t.t0 + 120 * S));
+    assert_eq!(t.at(120).ev(Event::Tick), vec![Effect::Signal { gen: 1, sig: Sig::Kill }]);
+    assert_eq!(t.m.next_deadline(), None);
+    assert_eq!(t.at(200).ev(Event::Tick), vec![]);
+}
+
+#[test]
+fn without_interrupt_grace_only_kill_after_the_whole_stop_timeout() {
+    let mut t = T::new();
+    t.ready_with(&[]);
+    t.ev(Event::Stop { now: false });
+    assert_eq!(t.at(119).ev(Event::Tick), vec![]);
+    assert_eq!(t.at(120).ev(Event::Tick), vec![Effect::Signal { gen: 1, sig: Sig::Kill }]);
+}
+
+#[test]
+fn stop_drains_in_flight_requests_first() {
+    let mut t = T::new();
+    t.ready_with(&[1, 2]);
+    assert_eq!(t.ev(Event::Stop { now: false }), vec![]);
+    assert_eq!(t.name(), "draining");
+    assert_eq!(t.ev(Event::Release { gen: 1 }), vec![]);
+    assert_eq!(t.ev(Event::Release { gen: 1 }), vec![term(1)]);
+}
+
+#[test]
+fn stop_now_does_not_wait_for_leases() {
+    let mut t = T::new();
+    t.ready_with(&[1]);
+    assert_eq!(t.ev(Event::Stop { now: true }), vec![term(1)]);
+}
+
+#[test]
+fn profile_switch_drains_then_restarts_with_the_new_profile() {
+    let mut t = T::new();
+    t.ready_with(&[1]);
+    assert_eq!(t.ev(Event::SetProfile { profile: "64k".into() }), vec![]);
+    assert_eq!(t.name(), "draining");
+    // requests arriving during the drain wait for the new engine
+    assert_eq!(t.ev(Event::Acquire { waiter: 2 }), vec![]);
+    assert_eq!(t.ev(Event::Release { gen: 1 }), vec![term(1)]);
+    assert_eq!(t.ev(Event::Exited { gen: 1, failure: fail("exit code 0") }), vec![spawn(2, "64k")]);
+    assert_eq!(t.ev(Event::Ready { gen: 2 }), vec![grant(2, &[2])]);
+    assert_eq!(t.m.profile(), "64k");
+}
+
+#[test]
+fn switching_back_during_the_drain_keeps_the_engine() {
+    let mut t = T::new();
+    t.ready_with(&[1]);
+    t.ev(Event::SetProfile { profile: "64k".into() });
+    t.ev(Event::Acquire { waiter: 2 });
+    assert_eq!(t.ev(Event::SetProfile { profile: "320k".into() }), vec![grant(1, &[2])]);
+    assert_eq!(t.name(), "ready");
+    assert_eq!(t.m.leases(), 2);
+}
+
+#[test]
+fn set_profile_while_stopped_applies_at_next_start() {
+    let mut t = T::new();
+    assert_eq!(t.ev(Event::SetProfile { profile: "64k".into() }), vec![]);
+    assert_eq!(t.name(), "stopped");
+    assert_eq!(t.ev(Event::Start), vec![spawn(1, "64k")]);
+}
+
+#[test]
+fn same_profile_is_a_no_op() {
+    let mut t = T::new();
+    t.ready_with(&[1]);
+    assert_eq!(t.ev(Event::SetProfile { profile: "320k".into() }), vec![]);
+    assert_eq!(t.name(), "ready");
+}
+
+#[test]
+fn exit_before_ready_refuses_waiters_and_backs_off() {
+    let mut t = T::new();
+    t.ev(Event::Acquire { waiter: 1 });
+    t.ev(Event::Acquire { waiter: 2 });
+    let f = fail("exit code 1");
+    let fx = t.ev(Event::Exited { gen: 1, failure: f.clone() });
+    assert_eq!(fx, vec![Effect::Refuse { waiters: vec![1, 2], why: Refusal::StartFailed(f.clone()) }]);
+    assert_eq!(t.name(), "backoff");
+    assert_eq!(t.m.last_failure(), Some(&f));
+    // during backoff requests are refused with the last failure and a retry delay
+    let fx = t.at(0).ev(Event::Acquire { waiter: 3 });
+    assert_eq!(
+        fx,
+        vec![Effect::Refuse { waiters: vec![3], why: Refusal::Backoff { retry_after: S, last: Some(f.clone()) } }]
+    );
+    // after the backoff the next request tries again
+    t.at(1).ev(Event::Tick);
+    assert_eq!(t.name(), "stopped");
+    assert_eq!(t.ev(Event::Acquire { waiter: 4 }), vec![spawn(2, "320k")]);
+    // a second failure doubles the delay
+    t.ev(Event::Exited { gen: 2, failure: f.clone() });
+    assert_eq!(t.m.next_deadline(), Some(t.t0 + 3 * S));
+    // success resets the count
+    t.at(3).ev(Event::Tick);
+    t.ev(Event::Acquire { waiter: 5 });
+    t.ev(Event::Ready { gen: 3 });
+    assert_eq!(t.m.failures(), 0);
+    assert_eq!(t.m.last_failure(), None);
+}
+
+#[test]
+fn start_timeout_refuses_with_504_kind_then_kills_and_backs_off() {
+    let mut t = T::new();
+    t.ev(Event::Acquire { waiter: 1 });
+    assert_eq!(t.at(599).ev(Event::Tick), vec![]);
+    let fx = t.at(600).ev(Event::Tick);
+    assert_eq!(
+        fx,
+        vec![
+            Effect::Refuse { waiters: vec![1], why: Refusal::StartTimeout { timeout: 600 * S, tail: vec![] } },
+            term(1)
+        ]
+    );
+    // requests while the hung engine is being stopped are refused, not queued
+    let fx = t.ev(Event::Acquire { waiter: 2 });
+    assert!(matches!(&fx[..], [Effect::Refuse { why: Refusal::Backoff { .. }, .. }]), "{fx:?}");
+    t.at(601).ev(Event::Exited { gen: 1, failure: fail("killed by SIGTERM") });
+    assert_eq!(t.name(), "backoff");
+    assert_eq!(t.m.next_deadline(), Some(t.t0 + 602 * S));
+}
+
+#[test]
+fn explicit_start_skips_the_backoff() {
+    let mut t = T::new();
+    t.ev(Event::Start);
+    t.ev(Event::Exited { gen: 1, failure: fail("exit code 1") });
+    assert_eq!(t.name(), "backoff");
+    assert_eq!(t.ev(Event::Start), vec![spawn(2, "320k")]);
+}
+
+#[test]
+fn crash_while_ready_goes_to_stopped_and_restarts_on_demand() {
+    let mut t = T::new();
+    t.ready_with(&[1]);
+    assert_eq!(t.ev(Event::Exited { gen: 1, failure: fail("killed by SIGSEGV") }), vec![]);
+    assert_eq!(t.name(), "stopped");
+    assert_eq!(t.m.leases(), 0);
+    assert_eq!(t.m.last_failure().map(|f| f.summary.as_str()), Some("killed by SIGSEGV"));
+    // the old lease's release is harmless
+    assert_eq!(t.ev(Event::Release { gen: 1 }), vec![]);
+    assert_eq!(t.ev(Event::Acquire { waiter: 2 }), vec![spawn(2, "320k")]);
+}
+
+#[test]
+fn stale_events_of_an_old_generation_are_ignored() {
+    let mut t = T::new();
+    t.ready_with(&[]);
+    t.ev(Event::Stop { now: false });
+    t.ev(Event::Exited { gen: 1, failure: fail("exit code 0") });
+    t.ev(Event::Start);
+    assert_eq!(t.ev(Event::Ready { gen: 1 }), vec![]);
+    assert_eq!(t.ev(Event::Exited { gen: 1, failure: fail("late") }), vec![]);
+    assert_eq!(t.name(), "starting");
+}
+
+#[test]
+fn stop_while_starting_cancels_the_waiters() {
+    let mut t = T::new();
+    t.ev(Event::Acquire { waiter: 1 });
+    let fx = t.ev(Event::Stop { now: false });
+    assert_eq!(fx, vec![Effect::Refuse { waiters: vec![1], why: Refusal::StartCancelled }, term(1)]);
+}
+
+#[test]
+fn shutdown_drains_bounded_by_stop_timeout_then_exits() {
+    let mut t = T::new();
+    t.ready_with(&[1]);
+    assert_eq!(t.ev(Event::Shutdown), vec![]);
+    assert_eq!(t.name(), "draining");
+    // new requests are refused
+    let fx = t.ev(Event::Acquire { waiter: 2 });
+    assert_eq!(fx, vec![Effect::Refuse { waiters: vec![2], why: Refusal::ShuttingDown }]);
+    // the lease is not released in time: forced
+    assert_eq!(t.at(120).ev(Event::Tick), vec![term(1)]);
+    assert_eq!(t.at(121).ev(Event::Exited { gen: 1, failure: fail("exit code 0") }), vec![Effect::Exit]);
+}
+
+#[test]
+fn shutdown_when_stopped_exits_at_once() {
+    let mut t = T::new();
+    assert_eq!(t.ev(Event::Shutdown), vec![Effect::Exit]);
+    assert_eq!(t.ev(Event::Start), vec![]);
+}
+
+#[test]
+fn shutdown_while_starting_refuses_waiters_and_stops() {
+    let mut t = T::new();
+    t.ev(Event::Acquire { waiter: 1 });
+    let fx = t.ev(Event::Shutdown);
+    assert_eq!(fx, vec![Effect::Refuse { waiters: vec![1], why: Refusal::ShuttingDown }, term(1)]);
+    assert_eq!(t.ev(Event::Exited { gen: 1, failure: fail("exit code 0") }), vec![Effect::Exit]);
+}
+
+#[test]
+fn start_during_a_pending_stop_calls_it_off() {
+    let mut t = T::new();
+    t.ready_with(&[1]);
+    t.ev(Event::Stop { now: false });
+    assert_eq!(t.name(), "draining");
+    assert_eq!(t.ev(Event::Start), vec![]);
+    assert_eq!(t.name(), "ready");
+    assert_eq!(t.m.leases(), 1);
+}
+
+// ---- proptest invariants -----------------------------------------------------------------
+
+#[derive(Debug, Clone)]
+enum Op {
+    Acquire,
+    Cancel(usize),
+    Release(usize),
+    Ready,
+    Exit,
+    Advance(u64),
+    Start,
+    Stop(bool),
+    Profile(bool),
+    Shutdown,
+}
+
+fn op(forcing: bool) -> impl Strategy<Value = Op> {
+    let mut ops = vec![
+        (6, Just(Op::Acquire).boxed()),
+        (2, (0usize..64).prop_map(Op::Cancel).boxed()),
+        (5, (0usize..64).prop_map(Op::Release).boxed()),
+        (3, Just(Op::Ready).boxed()),
+        (1, Just(Op::Exit).boxed()),
+        (3, (0u64..1500).prop_map(Op::Advance).boxed()),
+        (1, Just(Op::Start).boxed()),
+        (1, Just(Op::Stop(false)).boxed()),
+        (2, any::<bool>().prop_map(Op::Profile).boxed()),
+    ];
+    if forcing {
+        ops.push((1, Just(Op::Stop(true)).boxed()));
+        ops.push((1, Just(Op::Shutdown).boxed()));
+    }
+    proptest::strategy::Union::new_weighted(ops)
+}
+
+/// A model of the world around the machine: the child process, the leases, the waiters.
+struct World {
+    m: Machine,
+    now: Instant,
+    child: Option<Gen>,
+    leases: Vec<Gen>,
+    next_waiter: WaiterId,
+    pending: BTreeSet<WaiterId>,
+    answered: BTreeMap<WaiterId, u32>,
+    exited: bool,
+}
+
+impl World {
+    fn new() -> Self {
+        let now = Instant::now();
+        let mut m = Machine::new("a".into(), limits(), now);
+        m.set_interrupt_grace(Some(5 * S));
+        World {
+            m,
+            now,
+            child: None,
+            leases: vec![],
+            next_waiter: 1,
+            pending: BTreeSet::new(),
+            answered: BTreeMap::new(),
+            exited: false,
+        }
+    }
+
+    fn apply(&mut self, e: Event) -> Result<(), TestCaseError> {
+        let forced = matches!(e, Event::Stop { now: true } | Event::Tick | Event::Shutdown);
+        let was_starting = matches!(self.m.phase(), Phase::Starting { .. });
+        let effects = self.m.step(e, self.now);
+        let leases_after = self.m.leases();
+        for fx in effects {
+            match fx {
+                Effect::Spawn { gen, .. } => {
+                    prop_assert!(self.child.is_none(), "spawn of {gen} while {:?} lives", self.child);
+                    self.child = Some(gen);
+                }
+                Effect::Signal { gen, sig } => {
+                    prop_assert_eq!(Some(gen), self.child, "signal to a child that is not there");
+                    if sig == Sig::Term && !forced && !was_starting {
+                        prop_assert_eq!(leases_after, 0, "stop while leases are held");
+                        prop_assert!(self.leases.iter().all(|g| *g != gen), "stop while leases are held");
+                    }
+                }
+                Effect::Grant { gen, waiters } => {
+                    prop_assert_eq!(Some(gen), self.child);
+                    prop_assert!(matches!(self.m.phase(), Phase::Ready { .. }), "grant outside ready");
+                    for w in waiters {
+                        self.answer(w)?;
+                        self.leases.push(gen);
+                    }
+                }
+                Effect::Refuse { waiters, .. } => {
+                    for w in waiters {
+                        self.answer(w)?;
+                    }
+                }
+                Effect::Exit => {
+                    prop_assert!(self.child.is_none(), "exit with a live child");
+                    prop_assert!(!self.exited, "exit twice");
+                    self.exited = true;
+                }
+            }
+        }
+        prop_assert!(self.m.waiting() <= limits().max_waiting);
+        if let Phase::Ready { gen, .. } = self.m.phase() {
+            let held = self.leases.iter().filter(|g| *g == gen).count() as u32;
+            prop_assert_eq!(held, self.m.leases(), "lease count drifted");
+        }
+        Ok(())
+    }
+
+    fn answer(&mut self, w: WaiterId) -> Result<(), TestCaseError> {
+        prop_assert!(self.pending.remove(&w), "waiter {w} answered but was not waiting");
+        *self.answered.entry(w).or_default() += 1;
+        Ok(())
+    }
+
+    fn run(&mut self, o: Op) -> Result<(), TestCaseError> {
+        match o {
+            Op::Acquire => {
+                let w = self.next_waiter;
+                self.next_waiter += 1;
+                self.pending.insert(w);
+                self.apply(Event::Acquire { waiter: w })
+            }
+            Op::Cancel(i) => {
+                if let Some(w) = self.pending.iter().nth(i % self.pending.len().max(1)).copied() {
+                    self.pending.remove(&w);
+                    self.answered.insert(w, 1);
+                    self.apply(Event::Cancel { waiter: w })?;
+                }
+                Ok(())
+            }
+            Op::Release(i) => {
+                if !self.leases.is_empty() {
+                    let gen = self.leases.remove(i % self.leases.len());
+                    self.apply(Event::Release { gen })?;
+                }
+                Ok(())
+            }
+            Op::Ready => match self.child {
+                Some(gen) => self.apply(Event::Ready { gen }),
+                None => Ok(()),
+            },
+            Op::Exit => match self.child.take() {
+                Some(gen) => {
+                    self.leases.retain(|g| *g != gen); // its connections fail
+                    self.apply(Event::Exited { gen, failure: fail("gone") })
+                }
+                None => Ok(()),
+            },
+            Op::Advance(secs) => {
+                self.now += Duration::from_secs(secs);
+                self.apply(Event::Tick)
+            }
+            Op::Start => self.apply(Event::Start),
+            Op::Stop(now) => self.apply(Event::Stop { now }),
+            Op::Profile(b) => self.apply(Event::SetProfile { profile: if b { "a" } else { "b" }.into() }),
+            Op::Shutdown => self.apply(Event::Shutdown),
+        }
+    }
+
+    /// Lets the world settle: engines become ready or exit when signalled, leases end,
+    /// time passes. Afterwards no waiter may be left unanswered.
+    fn settle(&mut self) -> Result<(), TestCaseError> {
+        for _ in 0..50 {
+            while let Some(gen) = self.leases.pop() {
+                self.apply(Event::Release { gen })?;
+            }
+            match (self.m.phase().clone(), self.child) {
+                (Phase::Starting { .. }, Some(gen)) => self.apply(Event::Ready { gen })?,
+                (Phase::Stopping { .. }, Some(gen)) => {
+                    self.child = None;
+                    self.apply(Event::Exited { gen, failure: fail("stopped") })?;
+                }
+                _ => {
+                    self.now += Duration::from_secs(2000);
+                    self.apply(Event::Tick)?;
+                }
+            }
+        }
+        prop_assert!(self.pending.is_empty(), "waiters never answered: {:?} in {:?}", self.pending, self.m.phase());
+        prop_assert!(self.answered.values().all(|n| *n == 1), "a waiter was answered twice");
+        Ok(())
+    }
+}
+
+proptest! {
+    #![proptest_config(ProptestConfig { cases: 2000, ..ProptestConfig::default() })]
+
+    /// At most one child; every waiter answered exactly once; lease counts stay true.
+    #[test]
+    fn invariants_hold_under_any_event_order(ops in proptest::collection::vec(op(true), 1..80)) {
+        let mut w = World::new();
+        for o in ops {
+            w.run(o)?;
+        }
+        w.settle()?;
+    }
+
+    /// Without forcing events (stop --now, shutdown), no engine is ever stopped while a
+    /// lease on it is held (checked in `apply`).
+    #[test]
+    fn no_stop_while_a_lease_is_held(ops in proptest::collection::vec(op(false), 1..80)) {
+        let mut w = World::new();
+        for o in ops {
+            w.run(o)?;
+        }
+        w.settle()?;
+    }
+}
