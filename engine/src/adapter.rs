@@ -34,6 +34,16 @@ impl EngineKind {
         }
     }
 
+    /// SIGTERM -> SIGINT grace when stopping. llama-server can deadlock in its SIGTERM handler
+    /// with a request in flight (SIGINT still ends it); ds4-server writes its KV checkpoint
+    /// after SIGTERM and must get the whole stop timeout, so it is never interrupted.
+    pub fn interrupt_grace(self) -> Option<std::time::Duration> {
+        match self {
+            EngineKind::LlamaServer => Some(std::time::Duration::from_secs(10)),
+            EngineKind::Ds4 => None,
+        }
+    }
+
     /// The full argv (without argv[0]) for this engine, listening on `host:port`.
     ///
     /// Order: the profile's typed settings, then `extra_args` verbatim, then host and port

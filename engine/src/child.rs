@@ -93,6 +93,10 @@ impl fmt::Display for ExitReport {
 #[derive(Debug, Clone, Default)]
 pub struct OutputTail {
     inner: Arc<Mutex<Tail>>,
+    /// Woken on every new line: the readiness probe looks again at once when the engine
+    /// says something (llama-server logs as it finishes loading), instead of waiting out its
+    /// poll interval.
+    news: Arc<tokio::sync::Notify>,
 }
 
 #[derive(Debug, Default)]
@@ -103,7 +107,10 @@ struct Tail {
 
 impl OutputTail {
     pub fn new(cap: usize) -> Self {
-        OutputTail { inner: Arc::new(Mutex::new(Tail { cap: cap.max(1), lines: VecDeque::new() })) }
+        OutputTail {
+            inner: Arc::new(Mutex::new(Tail { cap: cap.max(1), lines: VecDeque::new() })),
+            news: Arc::default(),
+        }
     }
 
     pub fn push(&self, line: String) {
@@ -112,6 +119,13 @@ impl OutputTail {
             t.lines.pop_front();
         }
         t.lines.push_back(line);
+        drop(t);
+        self.news.notify_waiters();
+    }
+
+    /// Resolves at the next line the engine writes.
+    pub async fn next_line(&self) {
+        self.news.notified().await
     }
 
     /// The last `n` lines, oldest first.

@@ -1,3 +1,7 @@
 //! dsv4: the on-demand supervisor for a local LLM engine.
 
+pub mod config;
+pub mod http_error;
 pub mod lifecycle;
+pub mod listener;
+pub mod proxy;

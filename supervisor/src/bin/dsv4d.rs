@@ -1,0 +1,116 @@
+//! `dsv4d`: the supervisor daemon.
+//!
+//! Reads the config, takes the API socket (socket activation or `api.listen`), starts the
+//! lifecycle actor and the HTTP front, and on SIGTERM/SIGINT drains and stops the engine
+//! before it exits 0.
+
+use std::path::PathBuf;
+use std::sync::Arc;
+
+use anyhow::{Context, Result};
+use clap::{Parser, ValueEnum};
+use dsv4::config::Config;
+use dsv4::listener::{self, Origin};
+use dsv4::proxy::{self, Ctx};
+use tokio::signal::unix::{signal, SignalKind};
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq, ValueEnum)]
+enum Bus {
+    System,
+    Session,
+    None,
+}
+
+/// The on-demand supervisor for a local LLM engine (llama-server or ds4-server).
+#[derive(Debug, Parser)]
+#[command(name = "dsv4d", version, about)]
+struct Args {
+    /// The supervisor configuration file.
+    #[arg(long, value_name = "FILE", default_value = "/etc/dsv4/supervisor.yaml")]
+    config: PathBuf,
+    /// Root below which every /sys and /proc file is read (for fixture trees).
+    #[arg(long, value_name = "DIR", default_value = "/")]
+    sysroot: PathBuf,
+    /// Address to listen on when not socket-activated (overrides api.listen).
+    #[arg(long, value_name = "ADDR")]
+    listen: Option<String>,
+    /// Where the control interface lives (D-Bus); `none` disables it.
+    #[arg(long, value_enum, default_value = "system")]
+    bus: Bus,
+}
+
+fn main() -> std::process::ExitCode {
+    let args = Args::parse();
+    init_logging();
+    // Before any thread exists: taking the activation fds edits the environment.
+    let activated = match listener::take_activation_fds() {
+        Ok(fds) => fds,
+        Err(e) => return fail(e),
+    };
+    let runtime = match tokio::runtime::Builder::new_multi_thread().enable_all().build() {
+        Ok(rt) => rt,
+        Err(e) => return fail(anyhow::Error::new(e).context("starting the async runtime")),
+    };
+    match runtime.block_on(run(args, activated)) {
+        Ok(()) => std::process::ExitCode::SUCCESS,
+        Err(e) => fail(e),
+    }
+}
+
+fn fail(e: anyhow::Error) -> std::process::ExitCode {
+    tracing::error!("{e:#}");
+    eprintln!("dsv4d: {e:#}");
+    std::process::ExitCode::FAILURE
+}
+
+fn init_logging() {
+    use tracing_subscriber::EnvFilter;
+    let filter = EnvFilter::try_from_env("DSV4_LOG").unwrap_or_else(|_| EnvFilter::new("info"));
+    use std::io::IsTerminal;
+    tracing_subscriber::fmt()
+        .with_env_filter(filter)
+        .with_writer(std::io::stderr)
+        .with_ansi(std::io::stderr().is_terminal())
+        .with_target(false)
+        .init();
+}
+
+async fn run(args: Args, activated: Vec<(std::os::fd::OwnedFd, String)>) -> Result<()> {
+    let config = Config::load(&args.config).map_err(|e| anyhow::anyhow!("{e}"))?;
+    let config = Arc::new(config);
+    if args.bus != Bus::None {
+        tracing::info!(bus = ?args.bus, "the D-Bus control interface is not available in this build yet");
+    }
+    tracing::debug!(sysroot = %args.sysroot.display(), "hardware root");
+    let listen = args.listen.as_deref().unwrap_or(&config.supervisor.api.listen);
+    let (std_listener, origin) = listener::api_listener(activated, listen)?;
+    let listener = tokio::net::TcpListener::from_std(std_listener).context("registering the API listener")?;
+    match &origin {
+        Origin::Activated { fd, name } => tracing::info!("listening on socket-activated fd {fd} ({name})"),
+        Origin::Bound { addr } => tracing::info!("listening on http://{addr}"),
+    }
+
+    let profile = config.supervisor.default_profile.clone();
+    let (lifecycle, actor) = dsv4::lifecycle::actor::spawn(config.clone(), profile.clone());
+    tracing::info!(profile, "ready; the engine starts on the first request");
+    let ctx = Arc::new(Ctx { lifecycle: lifecycle.clone(), config });
+
+    let mut term = signal(SignalKind::terminate()).context("installing the SIGTERM handler")?;
+    let mut int = signal(SignalKind::interrupt()).context("installing the SIGINT handler")?;
+    let shutdown = async move {
+        tokio::select! {
+            _ = term.recv() => tracing::info!("SIGTERM: draining and stopping"),
+            _ = int.recv() => tracing::info!("SIGINT: draining and stopping"),
+        }
+    };
+    let _ = sd_notify::notify(&[sd_notify::NotifyState::Ready, sd_notify::NotifyState::Status("engine stopped")]);
+    let connections_closed = proxy::serve(listener, ctx, shutdown).await;
+    let _ = sd_notify::notify(&[sd_notify::NotifyState::Stopping]);
+    // In-flight streams finish (bounded by engine.stop_timeout), then the engine stops.
+    lifecycle.shutdown().await;
+    let _ = actor.await;
+    // Connections still open (a cut stream's client) get a moment to see their end.
+    let _ = tokio::time::timeout(std::time::Duration::from_secs(1), connections_closed).await;
+    tracing::info!("stopped");
+    Ok(())
+}

@@ -1,0 +1,554 @@
+//! The lifecycle actor: the one owner of the engine child and of the lifecycle state.
+//!
+//! Owns: the [`Machine`], the engine process of the current generation, its readiness probe,
+//! and the oneshot replies of waiting requests. Everything else talks to it through a
+//! [`Handle`] (commands on a bounded channel, lease releases and engine events on an
+//! unbounded one, since a `Drop` cannot wait) and reads its state from a `watch`.
+//! Must not: decide anything itself; the rules are in `state.rs`.
+
+use std::collections::{HashMap, VecDeque};
+use std::net::{Ipv4Addr, SocketAddr, TcpListener};
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::Arc;
+use std::time::{Duration, Instant, SystemTime};
+
+use dsv4_engine::{EngineChild, ExitReport, OutputTail, Readiness, SpawnSpec};
+use hyper_util::client::legacy::connect::HttpConnector;
+use hyper_util::rt::TokioExecutor;
+use nix::sys::signal::Signal;
+use serde::Serialize;
+use tokio::sync::{mpsc, oneshot, watch};
+
+use super::state::{EngineFailure, Event, Gen, Limits, Machine, Phase, Refusal, Sig, WaiterId};
+use crate::config::{Config, EngineLimits};
+
+/// The HTTP client that talks to one engine generation (a fresh pool per engine).
+pub type UpstreamClient = hyper_util::client::legacy::Client<HttpConnector, hyper::body::Incoming>;
+
+/// How many lines of the engine's output are kept.
+const TAIL_LINES: usize = 200;
+/// How many of those go into an error message.
+const ERROR_TAIL_LINES: usize = 12;
+/// Readiness polling: first interval, and the cap it backs off to.
+const PROBE_FIRST: Duration = Duration::from_millis(5);
+const PROBE_MAX: Duration = Duration::from_millis(100);
+/// One probe attempt that hangs longer than this counts as "not ready yet".
+const PROBE_ATTEMPT: Duration = Duration::from_secs(5);
+
+/// The lifecycle state as others see it (also the body of `GET /status`).
+#[derive(Debug, Clone, Serialize, PartialEq)]
+pub struct Status {
+    /// stopped | starting | ready | draining | stopping | backoff
+    pub state: &'static str,
+    /// The active profile: the one the next start uses.
+    pub profile: String,
+    /// The profile of the engine that runs now, if one does.
+    pub engine_profile: Option<String>,
+    pub engine_pid: Option<u32>,
+    pub generation: Option<Gen>,
+    /// Requests holding a lease on the engine (streams until their last byte).
+    pub in_flight: u32,
+    /// Requests waiting for the engine to become ready.
+    pub waiting: usize,
+    /// Unix time (seconds) at which an idle engine will be stopped.
+    pub idle_deadline: Option<f64>,
+    /// Unix time (seconds) at which the engine became ready.
+    pub ready_since: Option<f64>,
+    /// Consecutive failed starts.
+    pub failures: u32,
+    pub last_error: Option<String>,
+}
+
+/// A running engine, as a granted request sees it.
+#[derive(Debug)]
+pub struct EngineRef {
+    pub gen: Gen,
+    pub pid: u32,
+    pub upstream: SocketAddr,
+    pub client: UpstreamClient,
+    pub output: OutputTail,
+    pub exit: watch::Receiver<Option<ExitReport>>,
+}
+
+/// The right to send one request to the engine; the engine is not stopped while any lease is
+/// held. Dropping it tells the actor, so idle time counts from the last lease released.
+#[derive(Debug)]
+pub struct Lease {
+    pub engine: Arc<EngineRef>,
+    release: mpsc::UnboundedSender<Internal>,
+}
+
+impl Drop for Lease {
+    fn drop(&mut self) {
+        let _ = self.release.send(Internal::Release { gen: self.engine.gen });
+    }
+}
+
+/// A request was not let through; maps to an HTTP error.
+pub type Refused = Refusal;
+
+#[derive(Debug, thiserror::Error, PartialEq, Eq)]
+pub enum ControlError {
+    #[error("unknown profile `{name}`; profiles: {}", known.join(", "))]
+    UnknownProfile { name: String, known: Vec<String> },
+    #[error("the supervisor is shutting down")]
+    Gone,
+}
+
+enum Command {
+    Acquire { waiter: WaiterId, reply: oneshot::Sender<Result<Lease, Refused>> },
+    Start,
+    Stop { now: bool },
+    SetProfile { name: String, reply: oneshot::Sender<Result<(), ControlError>> },
+    Shutdown { done: oneshot::Sender<()> },
+}
+
+#[derive(Debug)]
+enum Internal {
+    Release { gen: Gen },
+    Cancel { waiter: WaiterId },
+    Ready { gen: Gen },
+    Exited { gen: Gen, report: ExitReport },
+}
+
+/// The way in to the actor; cheap to clone.
+#[derive(Clone)]
+pub struct Handle {
+    commands: mpsc::Sender<Command>,
+    internal: mpsc::UnboundedSender<Internal>,
+    status: watch::Receiver<Status>,
+    next_waiter: Arc<AtomicU64>,
+}
+
+impl Handle {
+    /// Waits until the engine is ready (starting it if needed) and takes a lease on it.
+    pub async fn acquire(&self) -> Result<Lease, Refused> {
+        let waiter = self.next_waiter.fetch_add(1, Ordering::Relaxed);
+        let (reply, rx) = oneshot::channel();
+        if self.commands.send(Command::Acquire { waiter, reply }).await.is_err() {
+            return Err(Refusal::ShuttingDown);
+        }
+        // If this future is dropped (the client went away), free the place in the queue.
+        let guard = CancelOnDrop { waiter, internal: &self.internal, armed: true };
+        let answer = rx.await;
+        guard.disarm();
+        answer.unwrap_or(Err(Refusal::ShuttingDown))
+    }
+
+    pub async fn start(&self) -> Result<(), ControlError> {
+        self.commands.send(Command::Start).await.map_err(|_| ControlError::Gone)
+    }
+
+    /// Stops the engine: after in-flight requests finish, or at once with `now`.
+    pub async fn stop(&self, now: bool) -> Result<(), ControlError> {
+        self.commands.send(Command::Stop { now }).await.map_err(|_| ControlError::Gone)
+    }
+
+    /// Makes `name` the active profile; a running engine is drained and restarted with it.
+    pub async fn set_profile(&self, name: &str) -> Result<(), ControlError> {
+        let (reply, rx) = oneshot::channel();
+        self.commands
+            .send(Command::SetProfile { name: name.to_string(), reply })
+            .await
+            .map_err(|_| ControlError::Gone)?;
+        rx.await.map_err(|_| ControlError::Gone)?
+    }
+
+    /// Drains (bounded by `stop_timeout`), stops the engine, and resolves once it is gone.
+    pub async fn shutdown(&self) {
+        let (done, rx) = oneshot::channel();
+        if self.commands.send(Command::Shutdown { done }).await.is_ok() {
+            let _ = rx.await;
+        }
+    }
+
+    pub fn status(&self) -> Status {
+        self.status.borrow().clone()
+    }
+
+    pub fn watch_status(&self) -> watch::Receiver<Status> {
+        self.status.clone()
+    }
+}
+
+struct CancelOnDrop<'a> {
+    waiter: WaiterId,
+    internal: &'a mpsc::UnboundedSender<Internal>,
+    armed: bool,
+}
+
+impl CancelOnDrop<'_> {
+    fn disarm(mut self) {
+        self.armed = false;
+    }
+}
+
+impl Drop for CancelOnDrop<'_> {
+    fn drop(&mut self) {
+        if self.armed {
+            let _ = self.internal.send(Internal::Cancel { waiter: self.waiter });
+        }
+    }
+}
+
+/// The engine process the actor owns, with what a lease needs to reach it.
+struct Engine {
+    child: EngineChild,
+    shared: Arc<EngineRef>,
+    probe: tokio::task::JoinHandle<()>,
+    ready_at: Option<SystemTime>,
+}
+
+impl Drop for Engine {
+    fn drop(&mut self) {
+        self.probe.abort();
+    }
+}
+
+/// Starts the actor on the current tokio runtime.
+pub fn spawn(config: Arc<Config>, profile: String) -> (Handle, tokio::task::JoinHandle<()>) {
+    let (cmd_tx, cmd_rx) = mpsc::channel(1024);
+    let (int_tx, int_rx) = mpsc::unbounded_channel();
+    let machine = Machine::new(profile, limits(&config.supervisor.engine), Instant::now());
+    let (status_tx, status_rx) = watch::channel(Status {
+        state: "stopped",
+        profile: machine.profile().to_string(),
+        engine_profile: None,
+        engine_pid: None,
+        generation: None,
+        in_flight: 0,
+        waiting: 0,
+        idle_deadline: None,
+        ready_since: None,
+        failures: 0,
+        last_error: None,
+    });
+    let actor = Actor {
+        config,
+        machine,
+        engine: None,
+        waiters: HashMap::new(),
+        internal: int_tx.clone(),
+        status: status_tx,
+        shutdown_done: Vec::new(),
+        exited: false,
+    };
+    let task = tokio::spawn(actor.run(cmd_rx, int_rx));
+    let handle = Handle {
+        commands: cmd_tx,
+        internal: int_tx,
+        status: status_rx,
+        next_waiter: Arc::new(AtomicU64::new(1)),
+    };
+    (handle, task)
+}
+
+fn limits(e: &EngineLimits) -> Limits {
+    Limits {
+        start_timeout: e.start_timeout,
+        idle_timeout: e.idle_timeout,
+        stop_timeout: e.stop_timeout,
+        max_waiting: e.max_waiting,
+    }
+}
+
+struct Actor {
+    config: Arc<Config>,
+    machine: Machine,
+    engine: Option<Engine>,
+    waiters: HashMap<WaiterId, oneshot::Sender<Result<Lease, Refused>>>,
+    internal: mpsc::UnboundedSender<Internal>,
+    status: watch::Sender<Status>,
+    shutdown_done: Vec<oneshot::Sender<()>>,
+    exited: bool,
+}
+
+impl Actor {
+    async fn run(mut self, mut commands: mpsc::Receiver<Command>, mut internal: mpsc::UnboundedReceiver<Internal>) {
+        while !self.exited {
+            let deadline = self.machine.next_deadline().map(tokio::time::Instant::from_std);
+            let event = tokio::select! {
+                biased;
+                Some(i) = internal.recv() => self.internal_event(i),
+                c = commands.recv() => match c {
+                    Some(c) => self.command(c),
+                    // Every handle is gone: nobody can use the engine any more.
+                    None => Some(Event::Shutdown),
+                },
+                _ = sleep_until(deadline) => Some(Event::Tick),
+            };
+            if let Some(event) = event {
+                self.handle(event);
+            }
+        }
+        for done in self.shutdown_done.drain(..) {
+            let _ = done.send(());
+        }
+    }
+
+    fn command(&mut self, c: Command) -> Option<Event> {
+        match c {
+            Command::Acquire { waiter, reply } => {
+                if reply.is_closed() {
+                    return None; // the client left while the command was queued
+                }
+                self.waiters.insert(waiter, reply);
+                Some(Event::Acquire { waiter })
+            }
+            Command::Start => Some(Event::Start),
+            Command::Stop { now } => Some(Event::Stop { now }),
+            Command::SetProfile { name, reply } => {
+                if self.config.profile(&name).is_none() {
+                    let known = self.config.profile_names().into_iter().map(String::from).collect();
+                    let _ = reply.send(Err(ControlError::UnknownProfile { name, known }));
+                    return None;
+                }
+                tracing::info!("profile set to {name}");
+                let _ = reply.send(Ok(()));
+                Some(Event::SetProfile { profile: name })
+            }
+            Command::Shutdown { done } => {
+                self.shutdown_done.push(done);
+                Some(Event::Shutdown)
+            }
+        }
+    }
+
+    fn internal_event(&mut self, i: Internal) -> Option<Event> {
+        match i {
+            Internal::Release { gen } => Some(Event::Release { gen }),
+            Internal::Cancel { waiter } => {
+                self.waiters.remove(&waiter);
+                Some(Event::Cancel { waiter })
+            }
+            Internal::Ready { gen } => Some(Event::Ready { gen }),
+            Internal::Exited { gen, report } => {
+                let engine = self.engine.take_if(|e| e.shared.gen == gen);
+                let tail = engine.as_ref().map(|e| e.shared.output.last(ERROR_TAIL_LINES)).unwrap_or_default();
+                let pid = engine.as_ref().map(|e| e.shared.pid).unwrap_or(0);
+                let summary = match self.machine.phase() {
+                    Phase::Starting { .. } => format!("the engine exited before it was ready ({report})"),
+                    Phase::Ready { .. } => format!("the engine exited unexpectedly ({report})"),
+                    _ => format!("the engine stopped ({report})"),
+                };
+                if matches!(self.machine.phase(), Phase::Starting { .. } | Phase::Ready { .. }) {
+                    tracing::warn!(pid, "{summary}");
+                } else {
+                    tracing::info!(pid, "{summary}");
+                }
+                Some(Event::Exited { gen, failure: EngineFailure { summary, tail } })
+            }
+        }
+    }
+
+    /// Runs one event (and those its effects cause at once) through the rules.
+    fn handle(&mut self, first: Event) {
+        let mut queue = VecDeque::from([first]);
+        while let Some(event) = queue.pop_front() {
+            let effects = self.machine.step(event, Instant::now());
+            for fx in effects {
+                if let Some(follow) = self.perform(fx) {
+                    queue.push_back(follow);
+                }
+            }
+        }
+        self.publish();
+    }
+
+    fn perform(&mut self, fx: super::state::Effect) -> Option<Event> {
+        use super::state::Effect;
+        match fx {
+            Effect::Spawn { gen, profile } => return self.spawn_engine(gen, &profile),
+            Effect::Signal { gen, sig } => {
+                if let Some(e) = self.engine.as_ref().filter(|e| e.shared.gen == gen) {
+                    let signal = match sig {
+                        Sig::Term => Signal::SIGTERM,
+                        Sig::Int => Signal::SIGINT,
+                        Sig::Kill => Signal::SIGKILL,
+                    };
+                    tracing::info!(pid = e.shared.pid, "sending {} to the engine", signal.as_str());
+                    e.child.signal(signal);
+                }
+            }
+            Effect::Grant { gen, waiters } => {
+                let engine = self.engine.as_ref().filter(|e| e.shared.gen == gen).map(|e| e.shared.clone());
+                for w in waiters {
+                    let Some(reply) = self.waiters.remove(&w) else {
+                        // Cancelled in the meantime: give the lease back at once.
+                        let _ = self.internal.send(Internal::Release { gen });
+                        continue;
+                    };
+                    match &engine {
+                        Some(engine) => {
+                            let lease = Lease { engine: engine.clone(), release: self.internal.clone() };
+                            // A failed send drops the lease, which releases it.
+                            let _ = reply.send(Ok(lease));
+                        }
+                        None => {
+                            let _ = self.internal.send(Internal::Release { gen });
+                            let _ = reply.send(Err(Refusal::ShuttingDown));
+                        }
+                    }
+                }
+            }
+            Effect::Refuse { waiters, mut why } => {
+                if let Refusal::StartTimeout { tail, .. } = &mut why {
+                    if let Some(e) = &self.engine {
+                        *tail = e.shared.output.last(ERROR_TAIL_LINES);
+                    }
+                }
+                for w in waiters {
+                    if let Some(reply) = self.waiters.remove(&w) {
+                        let _ = reply.send(Err(why.clone()));
+                    }
+                }
+            }
+            Effect::Exit => {
+                self.exited = true;
+            }
+        }
+        None
+    }
+
+    fn spawn_engine(&mut self, gen: Gen, profile_name: &str) -> Option<Event> {
+        let fail = |summary: String| {
+            tracing::error!("{summary}");
+            Some(Event::Exited { gen, failure: EngineFailure { summary, tail: Vec::new() } })
+        };
+        let Some(profile) = self.config.profile(profile_name) else {
+            return fail(format!("profile `{profile_name}` is not in the configuration any more"));
+        };
+        let port = match free_port() {
+            Ok(p) => p,
+            Err(e) => return fail(format!("cannot find a free loopback port for the engine: {e}")),
+        };
+        let args = profile.engine.argv(&profile.params, "127.0.0.1", port);
+        let spec = SpawnSpec {
+            program: profile.command.clone(),
+            args,
+            env: profile.env.iter().map(|(k, v)| (k.into(), v.into())).collect(),
+            tail_lines: TAIL_LINES,
+        };
+        let shown: Vec<_> = spec.args.iter().map(|a| a.to_string_lossy()).collect();
+        tracing::info!(profile = profile_name, "starting engine: {} {}", spec.program.display(), shown.join(" "));
+        let child = match EngineChild::spawn(&spec) {
+            Ok(c) => c,
+            Err(e) => return fail(e.to_string()),
+        };
+        self.machine.set_interrupt_grace(profile.engine.interrupt_grace());
+        let upstream = SocketAddr::from((Ipv4Addr::LOCALHOST, port));
+        let mut connector = HttpConnector::new();
+        connector.set_nodelay(true);
+        let client = hyper_util::client::legacy::Client::builder(TokioExecutor::new()).build(connector);
+        let shared = Arc::new(EngineRef {
+            gen,
+            pid: child.pid(),
+            upstream,
+            client,
+            output: child.output().clone(),
+            exit: child.exit_watch(),
+        });
+        let probe = tokio::spawn(probe_ready(profile.engine.readiness(), shared.clone(), self.internal.clone()));
+        let internal = self.internal.clone();
+        let exit = child.exit_watch();
+        tokio::spawn(async move {
+            let mut exit = exit;
+            let report = match exit.wait_for(Option::is_some).await {
+                Ok(r) => r.clone(),
+                Err(_) => None,
+            };
+            let report = report.unwrap_or(ExitReport { code: None, signal: None });
+            let _ = internal.send(Internal::Exited { gen, report });
+        });
+        self.engine = Some(Engine { child, shared, probe, ready_at: None });
+        None
+    }
+
+    fn publish(&mut self) {
+        let m = &self.machine;
+        if let (Phase::Ready { .. }, Some(e)) = (m.phase(), self.engine.as_mut()) {
+            e.ready_at.get_or_insert_with(SystemTime::now);
+        }
+        let unix = |t: SystemTime| t.duration_since(SystemTime::UNIX_EPOCH).map(|d| d.as_secs_f64()).ok();
+        let idle_deadline = m.idle_deadline().and_then(|d| {
+            let left = d.saturating_duration_since(Instant::now());
+            unix(SystemTime::now() + left)
+        });
+        let status = Status {
+            state: m.phase().name(),
+            profile: m.profile().to_string(),
+            engine_profile: m.phase().engine_profile().map(String::from),
+            engine_pid: self.engine.as_ref().map(|e| e.shared.pid),
+            generation: m.phase().gen(),
+            in_flight: m.leases(),
+            waiting: m.waiting(),
+            idle_deadline,
+            ready_since: self.engine.as_ref().and_then(|e| e.ready_at).and_then(unix),
+            failures: m.failures(),
+            last_error: m.last_failure().map(|f| f.summary.clone()),
+        };
+        let state = status.state;
+        let changed = self.status.send_if_modified(|old| {
+            let state_changed = old.state != status.state;
+            *old = status;
+            state_changed
+        });
+        if changed {
+            tracing::info!("engine state: {state}");
+            let _ = sd_notify::notify(&[sd_notify::NotifyState::Status(&format!("engine {state}"))]);
+        }
+    }
+}
+
+async fn sleep_until(deadline: Option<tokio::time::Instant>) {
+    match deadline {
+        Some(d) => tokio::time::sleep_until(d).await,
+        None => std::future::pending().await,
+    }
+}
+
+/// A loopback port that was free a moment ago. Engines cannot take an open socket (llama-server
+/// binds its own), so the port is handed over by number; if another process takes it first the
+/// engine fails to bind, which is a start failure like any other.
+fn free_port() -> std::io::Result<u16> {
+    let l = TcpListener::bind((Ipv4Addr::LOCALHOST, 0))?;
+    Ok(l.local_addr()?.port())
+}
+
+/// Polls the engine until it answers its readiness check, then tells the actor. Also looks
+/// again whenever the engine writes a line of output (it usually logs when it gets ready).
+async fn probe_ready(readiness: Readiness, engine: Arc<EngineRef>, internal: mpsc::UnboundedSender<Internal>) {
+    let mut interval = PROBE_FIRST;
+    loop {
+        if engine.exit.borrow().is_some() {
+            return;
+        }
+        let attempt = tokio::time::timeout(PROBE_ATTEMPT, probe_once(engine.upstream, readiness.path())).await;
+        if matches!(attempt, Ok(true)) {
+            let _ = internal.send(Internal::Ready { gen: engine.gen });
+            return;
+        }
+        tokio::select! {
+            _ = tokio::time::sleep(interval) => {}
+            _ = engine.output.next_line() => {}
+        }
+        interval = (interval * 2).min(PROBE_MAX);
+    }
+}
+
+async fn probe_once(addr: SocketAddr, path: &str) -> bool {
+    use http_body_util::Empty;
+    let Ok(stream) = tokio::net::TcpStream::connect(addr).await else { return false };
+    let io = hyper_util::rt::TokioIo::new(stream);
+    let Ok((mut sender, conn)) = hyper::client::conn::http1::handshake::<_, Empty<bytes::Bytes>>(io).await else {
+        return false;
+    };
+    let conn = tokio::spawn(conn);
+    let req = hyper::Request::get(path).header(hyper::header::HOST, addr.to_string()).body(Empty::new());
+    let ok = match req {
+        Ok(req) => matches!(sender.send_request(req).await, Ok(resp) if resp.status() == hyper::StatusCode::OK),
+        Err(_) => false,
+    };
+    conn.abort();
+    ok
+}

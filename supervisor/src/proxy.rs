@@ -1,0 +1,303 @@
+//! The HTTP front: the supervisor's own endpoints and the streaming proxy to the engine.
+//!
+//! Owns: client connections, routing, hop-by-hop header handling, and the lease that each
+//! proxied request holds until its response body ends or is dropped. Must not: buffer bodies,
+//! time out a response that has not started (a 256K-token prefill takes two hours), or touch
+//! the engine process (it asks the lifecycle actor for a lease).
+//!
+//! Bodies stream frame by frame both ways. A client that goes away drops the response body,
+//! which drops the upstream response and closes its connection, so the engine stops work.
+
+use std::convert::Infallible;
+use std::future::Future;
+use std::pin::Pin;
+use std::sync::Arc;
+use std::task::{Context, Poll};
+use std::time::Duration;
+
+use bytes::Bytes;
+use http::header::{self, HeaderMap, HeaderName, HeaderValue};
+use http::{Method, Request, Response, StatusCode, Uri};
+use http_body::{Body, Frame, SizeHint};
+use hyper::body::Incoming;
+use hyper_util::rt::{TokioIo, TokioTimer};
+use serde_json::json;
+use tokio::net::TcpListener;
+
+use crate::config::Config;
+use crate::http_error::{with_tail, ApiError};
+use crate::lifecycle::{Handle, Lease};
+
+/// What every request handler needs.
+pub struct Ctx {
+    pub lifecycle: Handle,
+    pub config: Arc<Config>,
+}
+
+/// The response body: a small body of our own, or the engine's, streamed with its lease.
+pub enum ProxyBody {
+    Full(Option<Bytes>),
+    Upstream { inner: Incoming, lease: Option<Lease> },
+}
+
+impl From<Bytes> for ProxyBody {
+    fn from(b: Bytes) -> Self {
+        ProxyBody::Full(Some(b))
+    }
+}
+
+impl Body for ProxyBody {
+    type Data = Bytes;
+    type Error = hyper::Error;
+
+    fn poll_frame(mut self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<Option<Result<Frame<Bytes>, hyper::Error>>> {
+        match &mut *self {
+            ProxyBody::Full(b) => Poll::Ready(b.take().map(|b| Ok(Frame::data(b)))),
+            ProxyBody::Upstream { inner, lease } => {
+                let polled = Pin::new(inner).poll_frame(cx);
+                match &polled {
+                    // The last byte (or a broken stream) ends the request's hold on the engine.
+                    Poll::Ready(None) | Poll::Ready(Some(Err(_))) => drop(lease.take()),
+                    _ => {}
+                }
+                polled
+            }
+        }
+    }
+
+    fn is_end_stream(&self) -> bool {
+        match self {
+            ProxyBody::Full(b) => b.is_none(),
+            ProxyBody::Upstream { inner, .. } => inner.is_end_stream(),
+        }
+    }
+
+    fn size_hint(&self) -> SizeHint {
+        match self {
+            ProxyBody::Full(Some(b)) => SizeHint::with_exact(b.len() as u64),
+            ProxyBody::Full(None) => SizeHint::with_exact(0),
+            ProxyBody::Upstream { inner, .. } => inner.size_hint(),
+        }
+    }
+}
+
+/// Serves connections from `listener` until `shutdown` resolves, then stops accepting and
+/// asks open connections to close once their current exchange is done. Returns a future that
+/// resolves when every connection has closed.
+pub async fn serve(
+    listener: TcpListener,
+    ctx: Arc<Ctx>,
+    shutdown: impl Future<Output = ()>,
+) -> impl Future<Output = ()> {
+    let graceful = hyper_util::server::graceful::GracefulShutdown::new();
+    let mut http = hyper::server::conn::http1::Builder::new();
+    http.timer(TokioTimer::new()).keep_alive(true);
+    tokio::pin!(shutdown);
+    loop {
+        let (stream, peer) = tokio::select! {
+            _ = &mut shutdown => break,
+            accepted = listener.accept() => match accepted {
+                Ok(a) => a,
+                Err(e) => {
+                    // Out of fds and the like: keep serving the connections we have.
+                    tracing::warn!("accept failed: {e}");
+                    tokio::time::sleep(Duration::from_millis(50)).await;
+                    continue;
+                }
+            },
+        };
+        let _ = stream.set_nodelay(true);
+        let ctx = ctx.clone();
+        let service = hyper::service::service_fn(move |req| {
+            let ctx = ctx.clone();
+            async move { Ok::<_, Infallible>(handle(&ctx, req).await) }
+        });
+        let conn = http.serve_connection(TokioIo::new(stream), service);
+        let conn = graceful.watch(conn);
+        tokio::spawn(async move {
+            if let Err(e) = conn.await {
+                tracing::debug!(%peer, "connection ended: {e}");
+            }
+        });
+    }
+    drop(listener);
+    graceful.shutdown()
+}
+
+async fn handle(ctx: &Ctx, req: Request<Incoming>) -> Response<ProxyBody> {
+    let own = matches!(*req.method(), Method::GET | Method::HEAD);
+    match (own, req.uri().path()) {
+        (true, "/health") => {
+            let s = ctx.lifecycle.status();
+            json_response(StatusCode::OK, json!({ "status": "ok", "engine": s.state, "profile": s.profile }))
+        }
+        (true, "/status") => match serde_json::to_value(ctx.lifecycle.status()) {
+            Ok(v) => json_response(StatusCode::OK, v),
+            Err(e) => ApiError::new(StatusCode::INTERNAL_SERVER_ERROR, "server_error", "internal", e.to_string())
+                .into_response(),
+        },
+        (true, "/v1/models") => json_response(StatusCode::OK, models(ctx)),
+        _ => proxy(ctx, req).await,
+    }
+}
+
+fn json_response(status: StatusCode, v: serde_json::Value) -> Response<ProxyBody> {
+    let mut r = Response::new(ProxyBody::from(Bytes::from(v.to_string())));
+    *r.status_mut() = status;
+    r.headers_mut().insert(header::CONTENT_TYPE, HeaderValue::from_static("application/json"));
+    r
+}
+
+/// `GET /v1/models`: the profiles, from the configuration; needs no engine.
+fn models(ctx: &Ctx) -> serde_json::Value {
+    let active = ctx.lifecycle.status().profile;
+    let data: Vec<_> = ctx
+        .config
+        .profiles
+        .values()
+        .map(|p| {
+            json!({
+                "id": p.name,
+                "object": "model",
+                "created": 0,
+                "owned_by": "dsv4",
+                "engine": p.engine.name(),
+                "context": p.context(),
+                "description": p.description,
+                "active": p.name == active,
+            })
+        })
+        .collect();
+    json!({ "object": "list", "data": data })
+}
+
+async fn proxy(ctx: &Ctx, req: Request<Incoming>) -> Response<ProxyBody> {
+    let max_body = ctx.config.supervisor.api.max_body;
+    if let Some(len) = content_length(req.headers()) {
+        if len > max_body {
+            return ApiError::new(
+                StatusCode::PAYLOAD_TOO_LARGE,
+                "invalid_request_error",
+                "body_too_large",
+                format!("request body of {len} bytes is larger than api.max_body ({max_body} bytes)"),
+            )
+            .into_response();
+        }
+    }
+    let lease = match ctx.lifecycle.acquire().await {
+        Ok(lease) => lease,
+        Err(refusal) => return ApiError::from(refusal).into_response(),
+    };
+    let (mut parts, body) = req.into_parts();
+    let upstream = lease.engine.upstream;
+    let path = parts.uri.path_and_query().map(|p| p.as_str()).unwrap_or("/");
+    parts.uri = match Uri::builder().scheme("http").authority(upstream.to_string()).path_and_query(path).build() {
+        Ok(u) => u,
+        Err(e) => {
+            return ApiError::new(StatusCode::BAD_REQUEST, "invalid_request_error", "bad_uri", e.to_string())
+                .into_response()
+        }
+    };
+    parts.version = http::Version::HTTP_11;
+    strip_hop_by_hop(&mut parts.headers);
+    if let Ok(host) = HeaderValue::from_str(&upstream.to_string()) {
+        parts.headers.insert(header::HOST, host);
+    }
+    let engine = lease.engine.clone();
+    match engine.client.request(Request::from_parts(parts, body)).await {
+        Ok(resp) => {
+            let (mut parts, inner) = resp.into_parts();
+            strip_hop_by_hop(&mut parts.headers);
+            Response::from_parts(parts, ProxyBody::Upstream { inner, lease: Some(lease) })
+        }
+        Err(e) => {
+            drop(lease);
+            engine_error(&engine, &e).await.into_response()
+        }
+    }
+}
+
+/// A 502 that says why the engine did not answer: its exit, with its last output, when it died.
+async fn engine_error(engine: &crate::lifecycle::EngineRef, err: &hyper_util::client::legacy::Error) -> ApiError {
+    // The connection usually breaks a moment before the exit is noticed.
+    let mut exit = engine.exit.clone();
+    let exited = tokio::time::timeout(Duration::from_millis(250), exit.wait_for(Option::is_some)).await;
+    let report = match exited {
+        Ok(Ok(r)) => r.clone(),
+        _ => None,
+    };
+    let message = match report {
+        Some(report) => with_tail(
+            format!("the engine exited while handling the request ({report})"),
+            &engine.output.last(12),
+        ),
+        None => {
+            let cause = std::error::Error::source(err).map(|s| format!(": {s}")).unwrap_or_default();
+            format!("the engine at {} failed to answer: {err}{cause}", engine.upstream)
+        }
+    };
+    tracing::warn!("{message}");
+    ApiError::new(StatusCode::BAD_GATEWAY, "server_error", "engine_failed", message)
+}
+
+fn content_length(h: &HeaderMap) -> Option<u64> {
+    h.get(header::CONTENT_LENGTH)?.to_str().ok()?.trim().parse().ok()
+}
+
+/// Removes the headers that belong to one connection, not to the message (RFC 9110 7.6.1):
+/// the fixed set and any named in `Connection`.
+fn strip_hop_by_hop(h: &mut HeaderMap) {
+    let named: Vec<HeaderName> = h
+        .get_all(header::CONNECTION)
+        .iter()
+        .filter_map(|v| v.to_str().ok())
+        .flat_map(|v| v.split(','))
+        .filter_map(|n| HeaderName::from_bytes(n.trim().as_bytes()).ok())
+        .collect();
+    for n in named {
+        h.remove(n);
+    }
+    for n in [
+        header::CONNECTION,
+        header::TE,
+        header::TRAILER,
+        header::TRANSFER_ENCODING,
+        header::UPGRADE,
+        header::PROXY_AUTHORIZATION,
+        header::PROXY_AUTHENTICATE,
+    ] {
+        h.remove(n);
+    }
+    h.remove("keep-alive");
+    h.remove("proxy-connection");
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn hop_by_hop_headers_go_and_end_to_end_ones_stay() {
+        let mut h = HeaderMap::new();
+        h.insert(header::CONNECTION, HeaderValue::from_static("keep-alive, x-secret"));
+        h.insert("keep-alive", HeaderValue::from_static("timeout=5"));
+        h.insert("x-secret", HeaderValue::from_static("1"));
+        h.insert(header::TRANSFER_ENCODING, HeaderValue::from_static("chunked"));
+        h.insert(header::TE, HeaderValue::from_static("trailers"));
+        h.insert(header::UPGRADE, HeaderValue::from_static("websocket"));
+        h.insert(header::CONTENT_TYPE, HeaderValue::from_static("application/json"));
+        h.insert(header::AUTHORIZATION, HeaderValue::from_static("Bearer k"));
+        strip_hop_by_hop(&mut h);
+        let mut left: Vec<_> = h.keys().map(|k| k.as_str().to_string()).collect();
+        left.sort();
+        assert_eq!(left, ["authorization", "content-type"]);
+    }
+
+    #[test]
+    fn content_length_parses_or_is_absent() {
+        let mut h = HeaderMap::new();
+        assert_eq!(content_length(&h), None);
+        h.insert(header::CONTENT_LENGTH, HeaderValue::from_static("42"));
+        assert_eq!(content_length(&h), Some(42));
+    }
+}

@@ -1,0 +1,526 @@
+//! fake-engine: a test double for llama.cpp's `llama-server` (and, with
+//! `--mode ds4`, for antirez's `ds4-server`), driven by dsv4's integration
+//! tests over real loopback sockets.
+//!
+//! This file owns the command line (llama-server's flags plus failure-mode
+//! knobs, each knob also readable from `FAKE_ENGINE_<NAME>`), startup (fake
+//! model loading, binding, failing on purpose) and signal handling. The HTTP
+//! side lives in `server.rs`, the deterministic content in `gen.rs`.
+
+#![forbid(unsafe_code)]
+
+mod gen;
+mod server;
+
+use std::fmt::Display;
+use std::path::{Path, PathBuf};
+use std::process::ExitCode;
+use std::str::FromStr;
+use std::sync::Arc;
+use std::time::Duration;
+
+use clap::Parser;
+use tokio::net::TcpListener;
+use tokio::signal::unix::{signal, SignalKind};
+
+use crate::server::{Engine, EventLog};
+
+/// Which real engine to imitate.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Mode {
+    /// llama-server: port open at once, `/health` 503 while loading.
+    Llama,
+    /// ds4-server: port bound only once loaded, no `/health`.
+    Ds4,
+}
+
+impl FromStr for Mode {
+    type Err = String;
+    fn from_str(s: &str) -> Result<Mode, String> {
+        match s.trim().to_ascii_lowercase().as_str() {
+            "llama" | "llama-server" => Ok(Mode::Llama),
+            "ds4" | "ds4-server" => Ok(Mode::Ds4),
+            other => Err(format!("unknown mode {other:?} (expected llama or ds4)")),
+        }
+    }
+}
+
+/// `--fail-start`: how startup goes wrong on purpose.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum FailStart {
+    None,
+    /// Exit with this code before binding.
+    Exit(u8),
+    /// Never become ready.
+    Hang,
+}
+
+impl FromStr for FailStart {
+    type Err = String;
+    fn from_str(s: &str) -> Result<FailStart, String> {
+        let s = s.trim();
+        if s.is_empty() || s.eq_ignore_ascii_case("none") {
+            return Ok(FailStart::None);
+        }
+        if s.eq_ignore_ascii_case("hang") {
+            return Ok(FailStart::Hang);
+        }
+        if let Some(code) = s.strip_prefix("exit:") {
+            return code
+                .trim()
+                .parse::<u8>()
+                .map(FailStart::Exit)
+                .map_err(|_| format!("bad exit code in {s:?} (expected exit:0..255)"));
+        }
+        Err(format!(
+            "unknown --fail-start {s:?} (expected exit:CODE or hang)"
+        ))
+    }
+}
+
+/// Command line: llama-server's flags (so the supervisor's argv works
+/// unchanged) plus the fake's knobs.
+#[derive(Parser, Debug)]
+#[command(
+    name = "fake-engine",
+    about = "Test double for llama-server / ds4-server"
+)]
+struct Args {
+    // ----- llama-server / ds4-server flags -----
+    /// Model file (GGUF).
+    #[arg(short = 'm', long = "model")]
+    model: Option<PathBuf>,
+    /// Multimodal projector file.
+    #[arg(long = "mmproj")]
+    mmproj: Option<PathBuf>,
+    /// Context size (ds4-server spells it --ctx).
+    #[arg(short = 'c', long = "ctx-size", visible_alias = "ctx")]
+    ctx_size: Option<u64>,
+    /// Number of slots (-np).
+    #[arg(long = "parallel")]
+    parallel: Option<u32>,
+    /// K cache type (-ctk).
+    #[arg(long = "cache-type-k")]
+    cache_type_k: Option<String>,
+    /// V cache type (-ctv).
+    #[arg(long = "cache-type-v")]
+    cache_type_v: Option<String>,
+    /// Flash attention on|off|auto (-fa); bare -fa means on.
+    #[arg(long = "flash-attn", num_args = 0..=1, default_missing_value = "on")]
+    flash_attn: Option<String>,
+    /// Layers to offload (-ngl), a number or "all".
+    #[arg(long = "n-gpu-layers", allow_hyphen_values = true)]
+    n_gpu_layers: Option<String>,
+    /// Logical batch size.
+    #[arg(short = 'b', long = "batch-size")]
+    batch_size: Option<u64>,
+    /// Physical batch size (-ub).
+    #[arg(long = "ubatch-size")]
+    ubatch_size: Option<u64>,
+    /// Address to listen on.
+    #[arg(long = "host", default_value = "127.0.0.1")]
+    host: String,
+    /// Port to listen on (0 = any free port).
+    #[arg(long = "port", default_value_t = 8080)]
+    port: u16,
+    /// Enable the metrics endpoint (accepted, ignored).
+    #[arg(long = "metrics")]
+    metrics: bool,
+    /// Disable the web UI (accepted, ignored).
+    #[arg(long = "no-webui")]
+    no_webui: bool,
+    /// Model name reported by /v1/models.
+    #[arg(short = 'a', long = "alias")]
+    alias: Option<String>,
+    /// ds4: prefill chunk size (accepted, ignored).
+    #[arg(long = "prefill-chunk")]
+    prefill_chunk: Option<u64>,
+    /// ds4: KV checkpoint directory (accepted, ignored).
+    #[arg(long = "kv-disk-dir")]
+    kv_disk_dir: Option<PathBuf>,
+    /// ds4: KV checkpoint space budget (accepted, ignored).
+    #[arg(long = "kv-disk-space-mb")]
+    kv_disk_space_mb: Option<u64>,
+
+    // ----- knobs (each also FAKE_ENGINE_<NAME>; the flag wins) -----
+    /// Engine to imitate: llama or ds4 [env FAKE_ENGINE_MODE; default llama].
+    #[arg(long = "mode")]
+    mode: Option<Mode>,
+    /// Model load time in ms [env FAKE_ENGINE_LOAD_MS; default 0].
+    #[arg(long = "load-ms")]
+    load_ms: Option<u64>,
+    /// Time per generated token in ms [env FAKE_ENGINE_TOKEN_MS; default 0].
+    #[arg(long = "token-ms")]
+    token_ms: Option<u64>,
+    /// Pause once after this many tokens of a response [env FAKE_ENGINE_PAUSE_AFTER].
+    #[arg(long = "pause-after")]
+    pause_after: Option<u64>,
+    /// Length of that pause in ms [env FAKE_ENGINE_PAUSE_MS; default 0].
+    #[arg(long = "pause-ms")]
+    pause_ms: Option<u64>,
+    /// Prompt processing time before the first token, ms [env FAKE_ENGINE_PREFILL_MS; default 0].
+    #[arg(long = "prefill-ms")]
+    prefill_ms: Option<u64>,
+    /// ds4: interval of `: prefill` SSE comments, ms [env FAKE_ENGINE_PREFILL_COMMENT_MS; default 5000].
+    #[arg(long = "prefill-comment-ms")]
+    prefill_comment_ms: Option<u64>,
+    /// exit:CODE or hang [env FAKE_ENGINE_FAIL_START].
+    #[arg(long = "fail-start")]
+    fail_start: Option<FailStart>,
+    /// Exit(3) once this many tokens were produced in total [env FAKE_ENGINE_DIE_AFTER_TOKENS].
+    #[arg(long = "die-after-tokens")]
+    die_after_tokens: Option<u64>,
+    /// On SIGTERM wait this many ms, then exit 0 [env FAKE_ENGINE_SIGTERM_MS; default 0].
+    #[arg(long = "sigterm-ms")]
+    sigterm_ms: Option<u64>,
+    /// Ignore SIGTERM entirely [env FAKE_ENGINE_IGNORE_SIGTERM=1|true|yes|on].
+    #[arg(long = "ignore-sigterm")]
+    ignore_sigterm: bool,
+    /// Append event lines here [env FAKE_ENGINE_LOG_FILE].
+    #[arg(long = "log-file")]
+    log_file: Option<PathBuf>,
+}
+
+/// Effective settings after merging flags and environment.
+#[derive(Debug, Clone)]
+pub struct Config {
+    pub mode: Mode,
+    /// Name reported as the model id: the alias, else the model file name.
+    pub model_name: String,
+    pub model_path: Option<String>,
+    pub n_ctx: u64,
+    pub parallel: u32,
+    pub host: String,
+    pub port: u16,
+    pub load_ms: u64,
+    pub token_ms: u64,
+    pub pause_after: Option<u64>,
+    pub pause_ms: u64,
+    pub prefill_ms: u64,
+    pub prefill_comment_ms: u64,
+    pub fail_start: FailStart,
+    /// `None` (or 0 on the command line) disables it.
+    pub die_after_tokens: Option<u64>,
+    pub sigterm_ms: u64,
+    pub ignore_sigterm: bool,
+    pub log_file: Option<PathBuf>,
+}
+
+/// Multi-character single-dash flags of llama-server that clap cannot express
+/// as short flags, mapped to their long forms.
+const DASH_ALIASES: [(&str, &str); 6] = [
+    ("-np", "--parallel"),
+    ("-ctk", "--cache-type-k"),
+    ("-ctv", "--cache-type-v"),
+    ("-fa", "--flash-attn"),
+    ("-ngl", "--n-gpu-layers"),
+    ("-ub", "--ubatch-size"),
+];
+
+/// Rewrites `-np 4` / `-np=4` style arguments into their long forms.
+fn normalize_argv(argv: &[String]) -> Vec<String> {
+    argv.iter()
+        .enumerate()
+        .map(|(i, arg)| {
+            if i == 0 {
+                return arg.clone();
+            }
+            for (short, long) in DASH_ALIASES {
+                if arg == short {
+                    return long.to_string();
+                }
+                if let Some(rest) = arg.strip_prefix(short).and_then(|r| r.strip_prefix('=')) {
+                    return format!("{long}={rest}");
+                }
+            }
+            arg.clone()
+        })
+        .collect()
+}
+
+/// Reads `FAKE_ENGINE_<name>`; unset or empty means "not given".
+fn env_knob<T: FromStr>(name: &str) -> Result<Option<T>, String>
+where
+    T::Err: Display,
+{
+    let key = format!("FAKE_ENGINE_{name}");
+    match std::env::var(&key) {
+        Ok(v) if !v.trim().is_empty() => v
+            .trim()
+            .parse::<T>()
+            .map(Some)
+            .map_err(|e| format!("bad {key}={v:?}: {e}")),
+        Ok(_) => Ok(None),
+        Err(std::env::VarError::NotPresent) => Ok(None),
+        Err(e) => Err(format!("bad {key}: {e}")),
+    }
+}
+
+/// The flag if given, else the environment variable.
+fn knob<T: FromStr>(flag: Option<T>, name: &str) -> Result<Option<T>, String>
+where
+    T::Err: Display,
+{
+    match flag {
+        Some(v) => Ok(Some(v)),
+        None => env_knob(name),
+    }
+}
+
+/// A boolean environment knob.
+struct Truthy(bool);
+
+impl FromStr for Truthy {
+    type Err = String;
+    fn from_str(s: &str) -> Result<Truthy, String> {
+        match s.to_ascii_lowercase().as_str() {
+            "1" | "true" | "yes" | "on" => Ok(Truthy(true)),
+            "0" | "false" | "no" | "off" => Ok(Truthy(false)),
+            _ => Err("expected 1/0, true/false, yes/no or on/off".to_string()),
+        }
+    }
+}
+
+fn model_name(alias: Option<&str>, model: Option<&Path>) -> String {
+    if let Some(a) = alias.filter(|a| !a.is_empty()) {
+        return a.to_string();
+    }
+    model
+        .and_then(|p| p.file_name())
+        .map(|n| n.to_string_lossy().into_owned())
+        .unwrap_or_else(|| "fake-model".to_string())
+}
+
+fn build_config(args: &Args) -> Result<Config, String> {
+    let ignore_sigterm =
+        args.ignore_sigterm || env_knob::<Truthy>("IGNORE_SIGTERM")?.is_some_and(|t| t.0);
+    Ok(Config {
+        mode: knob(args.mode, "MODE")?.unwrap_or(Mode::Llama),
+        model_name: model_name(args.alias.as_deref(), args.model.as_deref()),
+        model_path: args.model.as_ref().map(|p| p.display().to_string()),
+        n_ctx: args.ctx_size.unwrap_or(4096),
+        parallel: args.parallel.unwrap_or(1),
+        host: args.host.clone(),
+        port: args.port,
+        load_ms: knob(args.load_ms, "LOAD_MS")?.unwrap_or(0),
+        token_ms: knob(args.token_ms, "TOKEN_MS")?.unwrap_or(0),
+        pause_after: knob(args.pause_after, "PAUSE_AFTER")?,
+        pause_ms: knob(args.pause_ms, "PAUSE_MS")?.unwrap_or(0),
+        prefill_ms: knob(args.prefill_ms, "PREFILL_MS")?.unwrap_or(0),
+        prefill_comment_ms: knob(args.prefill_comment_ms, "PREFILL_COMMENT_MS")?.unwrap_or(5000),
+        fail_start: knob(args.fail_start, "FAIL_START")?.unwrap_or(FailStart::None),
+        die_after_tokens: knob(args.die_after_tokens, "DIE_AFTER_TOKENS")?.filter(|&n| n > 0),
+        sigterm_ms: knob(args.sigterm_ms, "SIGTERM_MS")?.unwrap_or(0),
+        ignore_sigterm,
+        log_file: knob(args.log_file.clone(), "LOG_FILE")?,
+    })
+}
+
+/// SIGTERM: log, optionally linger (ds4 writes its KV checkpoint), exit 0 —
+/// or ignore it with `--ignore-sigterm`. SIGINT: exit 1 at once.
+async fn handle_signals(engine: Arc<Engine>) {
+    let (mut term, mut int) = match (
+        signal(SignalKind::terminate()),
+        signal(SignalKind::interrupt()),
+    ) {
+        (Ok(t), Ok(i)) => (t, i),
+        (Err(e), _) | (_, Err(e)) => {
+            eprintln!("fake-engine: error: cannot install signal handlers: {e}");
+            std::process::exit(1);
+        }
+    };
+    let mut deadline: Option<tokio::time::Instant> = None;
+    loop {
+        let linger = async {
+            match deadline {
+                Some(d) => tokio::time::sleep_until(d).await,
+                None => std::future::pending::<()>().await,
+            }
+        };
+        tokio::select! {
+            _ = term.recv() => {
+                engine.log.line("sigterm");
+                if engine.cfg.ignore_sigterm {
+                    eprintln!("fake-engine: SIGTERM received, ignoring it");
+                } else if deadline.is_none() {
+                    let ms = engine.cfg.sigterm_ms;
+                    if ms > 0 {
+                        eprintln!("fake-engine: SIGTERM received, writing KV checkpoint ({ms} ms)");
+                    } else {
+                        eprintln!("fake-engine: SIGTERM received, exiting");
+                    }
+                    deadline = Some(tokio::time::Instant::now() + Duration::from_millis(ms));
+                }
+            }
+            _ = int.recv() => {
+                eprintln!("fake-engine: SIGINT received, exiting");
+                std::process::exit(1);
+            }
+            _ = linger => {
+                eprintln!("fake-engine: shutdown complete");
+                std::process::exit(0);
+            }
+        }
+    }
+}
+
+async fn bind(cfg: &Config) -> Result<TcpListener, String> {
+    let listener = TcpListener::bind((cfg.host.as_str(), cfg.port))
+        .await
+        .map_err(|e| {
+            format!(
+                "couldn't bind HTTP server socket, hostname: {}, port: {}: {e}",
+                cfg.host, cfg.port
+            )
+        })?;
+    match listener.local_addr() {
+        Ok(addr) => eprintln!("main: server is listening on http://{addr}"),
+        Err(e) => return Err(format!("cannot read bound address: {e}")),
+    }
+    Ok(listener)
+}
+
+async fn run(engine: Arc<Engine>) -> ExitCode {
+    let cfg = engine.cfg.clone();
+    tokio::spawn(handle_signals(engine.clone()));
+
+    if let FailStart::Exit(code) = cfg.fail_start {
+        eprintln!("llama_model_load: error loading model: fake failure requested");
+        eprintln!("llama_load_model_from_file: failed to load model");
+        eprintln!("fake-engine: error: failing on purpose (exit {code})");
+        return ExitCode::from(code);
+    }
+    let hang = cfg.fail_start == FailStart::Hang;
+
+    let listener = match cfg.mode {
+        Mode::Llama => match bind(&cfg).await {
+            Ok(l) => {
+                let engine = engine.clone();
+                tokio::spawn(async move {
+                    if hang {
+                        eprintln!("fake-engine: hanging on purpose (never ready)");
+                        return;
+                    }
+                    tokio::time::sleep(Duration::from_millis(cfg.load_ms)).await;
+                    engine.set_ready();
+                });
+                l
+            }
+            Err(e) => {
+                eprintln!("main: {e}");
+                return ExitCode::from(1);
+            }
+        },
+        Mode::Ds4 => {
+            if hang {
+                eprintln!("fake-engine: hanging on purpose (never binding)");
+                std::future::pending::<()>().await;
+            }
+            tokio::time::sleep(Duration::from_millis(cfg.load_ms)).await;
+            match bind(&cfg).await {
+                Ok(l) => {
+                    engine.set_ready();
+                    l
+                }
+                Err(e) => {
+                    eprintln!("main: {e}");
+                    return ExitCode::from(1);
+                }
+            }
+        }
+    };
+    server::serve(engine, listener).await;
+    ExitCode::SUCCESS
+}
+
+fn main() -> ExitCode {
+    let raw: Vec<String> = std::env::args().collect();
+    let args = Args::parse_from(normalize_argv(&raw));
+    let cfg = match build_config(&args) {
+        Ok(c) => c,
+        Err(e) => {
+            eprintln!("fake-engine: error: {e}");
+            return ExitCode::from(2);
+        }
+    };
+    let log = match EventLog::open(cfg.log_file.as_deref()) {
+        Ok(l) => l,
+        Err(e) => {
+            eprintln!("fake-engine: error: cannot open log file: {e}");
+            return ExitCode::from(1);
+        }
+    };
+    log.line(&format!(
+        "start pid={} argv={}",
+        std::process::id(),
+        raw.join(" ")
+    ));
+    eprintln!(
+        "fake-engine: loading model {}",
+        cfg.model_path.as_deref().unwrap_or("(none)")
+    );
+    let engine = Arc::new(Engine::new(cfg, log));
+
+    let runtime = match tokio::runtime::Builder::new_multi_thread()
+        .worker_threads(2)
+        .enable_all()
+        .build()
+    {
+        Ok(rt) => rt,
+        Err(e) => {
+            eprintln!("fake-engine: error: cannot start runtime: {e}");
+            return ExitCode::from(1);
+        }
+    };
+    runtime.block_on(run(engine))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn argv(s: &str) -> Vec<String> {
+        s.split_whitespace().map(String::from).collect()
+    }
+
+    #[test]
+    fn multi_char_short_flags_are_mapped() {
+        let a = normalize_argv(&argv(
+            "fe -np 2 -ctk q8_0 -ctv=q8_0 -fa on -ngl all -ub 512 -m x.gguf",
+        ));
+        assert_eq!(
+            a,
+            argv("fe --parallel 2 --cache-type-k q8_0 --cache-type-v=q8_0 --flash-attn on --n-gpu-layers all --ubatch-size 512 -m x.gguf")
+        );
+        let args = Args::try_parse_from(a).unwrap();
+        assert_eq!(args.parallel, Some(2));
+        assert_eq!(args.n_gpu_layers.as_deref(), Some("all"));
+        assert_eq!(model_name(None, args.model.as_deref()), "x.gguf");
+    }
+
+    #[test]
+    fn llama_and_ds4_argv_parse() {
+        let a = normalize_argv(&argv(
+            "fe -m /m/a.gguf --mmproj p.gguf -c 8192 -np 1 -fa -ngl -1 -b 2048 --host 0.0.0.0 --port 0 --metrics --no-webui --alias foo",
+        ));
+        let args = Args::try_parse_from(a).unwrap();
+        assert_eq!(args.ctx_size, Some(8192));
+        assert_eq!(args.flash_attn.as_deref(), Some("on"));
+        assert_eq!(args.n_gpu_layers.as_deref(), Some("-1"));
+        assert_eq!(args.port, 0);
+
+        let a = argv("fe --mode ds4 -m a.gguf --ctx 100 --prefill-chunk 64 --kv-disk-dir /tmp/kv --kv-disk-space-mb 10 --fail-start exit:7");
+        let args = Args::try_parse_from(a).unwrap();
+        assert_eq!(args.ctx_size, Some(100));
+        assert_eq!(args.mode, Some(Mode::Ds4));
+        assert_eq!(args.fail_start, Some(FailStart::Exit(7)));
+    }
+
+    #[test]
+    fn fail_start_values() {
+        assert_eq!("hang".parse::<FailStart>(), Ok(FailStart::Hang));
+        assert_eq!("exit:0".parse::<FailStart>(), Ok(FailStart::Exit(0)));
+        assert!("exit:300".parse::<FailStart>().is_err());
+        assert!("explode".parse::<FailStart>().is_err());
+    }
+}

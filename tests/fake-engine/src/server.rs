@@ -1,0 +1,626 @@
+//! HTTP side of the fake engine: the accept loop, request routing, the
+//! handlers for each endpoint, token pacing (token delay, pause, prefill,
+//! die-after-tokens), the streaming response body and the event log that
+//! integration tests read.
+
+use std::convert::Infallible;
+use std::fs::{File, OpenOptions};
+use std::io::Write;
+use std::path::Path;
+use std::pin::Pin;
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
+use std::sync::{Arc, Mutex};
+use std::task::{Context, Poll};
+use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
+
+use bytes::Bytes;
+use http::header::{HeaderName, HeaderValue, CACHE_CONTROL, CONTENT_TYPE};
+use http::{Method, Request, Response, StatusCode};
+use http_body_util::{BodyExt, Limited};
+use hyper::body::{Body, Frame, Incoming, SizeHint};
+use hyper::service::service_fn;
+use hyper_util::rt::TokioIo;
+use serde_json::{json, Value};
+use tokio::net::TcpListener;
+use tokio::sync::mpsc;
+
+use crate::gen::{self, Flavor, Meta, Plan, Timings};
+use crate::{Config, Mode};
+
+/// Largest request body the JSON endpoints accept.
+const MAX_JSON_BODY: usize = 64 * 1024 * 1024;
+
+/// Frames a streaming generator may run ahead of the socket.
+const STREAM_CHANNEL_DEPTH: usize = 4;
+
+/// Append-only event log for tests (`--log-file`). Each event is one whole
+/// line written with a single `write` on an `O_APPEND` file, so lines never
+/// interleave and are visible to readers as soon as they are written.
+pub struct EventLog {
+    file: Option<Mutex<File>>,
+}
+
+impl EventLog {
+    pub fn open(path: Option<&Path>) -> std::io::Result<EventLog> {
+        let file = match path {
+            Some(p) => Some(Mutex::new(
+                OpenOptions::new().create(true).append(true).open(p)?,
+            )),
+            None => None,
+        };
+        Ok(EventLog { file })
+    }
+
+    pub fn line(&self, text: &str) {
+        let Some(file) = &self.file else { return };
+        let mut line = String::with_capacity(text.len() + 1);
+        line.push_str(text);
+        line.push('\n');
+        let mut f = file.lock().unwrap_or_else(|e| e.into_inner());
+        if let Err(e) = f.write_all(line.as_bytes()).and_then(|()| f.flush()) {
+            eprintln!("fake-engine: cannot write log file: {e}");
+        }
+    }
+}
+
+/// Shared state of the running engine.
+pub struct Engine {
+    pub cfg: Config,
+    pub log: EventLog,
+    ready: AtomicBool,
+    tokens_total: AtomicU64,
+    active: AtomicU64,
+    next_id: AtomicU64,
+}
+
+impl Engine {
+    pub fn new(cfg: Config, log: EventLog) -> Engine {
+        Engine {
+            cfg,
+            log,
+            ready: AtomicBool::new(false),
+            tokens_total: AtomicU64::new(0),
+            active: AtomicU64::new(0),
+            next_id: AtomicU64::new(1),
+        }
+    }
+
+    pub fn is_ready(&self) -> bool {
+        self.ready.load(Ordering::SeqCst)
+    }
+
+    /// Marks the model as loaded (logs `ready` once).
+    pub fn set_ready(&self) {
+        if !self.ready.swap(true, Ordering::SeqCst) {
+            eprintln!("main: model loaded");
+            self.log.line("ready");
+        }
+    }
+
+    fn meta(&self, flavor: Flavor) -> Meta {
+        let n = self.next_id.fetch_add(1, Ordering::Relaxed);
+        let created = SystemTime::now()
+            .duration_since(UNIX_EPOCH)
+            .map(|d| d.as_secs())
+            .unwrap_or(0);
+        Meta {
+            id: format!("{}{n}", flavor.id_prefix()),
+            created,
+            model: self.cfg.model_name.clone(),
+        }
+    }
+
+    /// Sleeps before producing token `i` (each token "takes" `--token-ms`);
+    /// `--pause-after 0` pauses before the very first token.
+    async fn before_token(&self, i: u64) {
+        if i == 0 && self.cfg.pause_after == Some(0) {
+            sleep_ms(self.cfg.pause_ms).await;
+        }
+        sleep_ms(self.cfg.token_ms).await;
+    }
+
+    /// Bookkeeping after token `i` went out: the process-wide counter for
+    /// `--die-after-tokens`, and the one-off `--pause-after` pause.
+    async fn after_token(&self, i: u64) {
+        let total = self.tokens_total.fetch_add(1, Ordering::SeqCst) + 1;
+        if let Some(limit) = self.cfg.die_after_tokens {
+            if total >= limit {
+                eprintln!("fake-engine: dying on purpose after {limit} tokens");
+                // Give the socket a moment to carry the last token out, so the
+                // client sees a truncated stream rather than nothing at all.
+                tokio::time::sleep(Duration::from_millis(50)).await;
+                std::process::exit(3);
+            }
+        }
+        if self.cfg.pause_after == Some(i + 1) {
+            sleep_ms(self.cfg.pause_ms).await;
+        }
+    }
+}
+
+async fn sleep_ms(ms: u64) {
+    if ms > 0 {
+        tokio::time::sleep(Duration::from_millis(ms)).await;
+    }
+}
+
+/// Counts an in-flight generation for `/slots`.
+struct Busy(Arc<Engine>);
+
+impl Busy {
+    fn new(engine: &Arc<Engine>) -> Busy {
+        engine.active.fetch_add(1, Ordering::SeqCst);
+        Busy(engine.clone())
+    }
+}
+
+impl Drop for Busy {
+    fn drop(&mut self) {
+        self.0.active.fetch_sub(1, Ordering::SeqCst);
+    }
+}
+
+/// Tracks one response from request to completion. `finish()` logs `done`;
+/// dropping it unfinished (the client went away and hyper dropped the body or
+/// the handler) logs `client-closed`.
+struct ResponseGuard {
+    engine: Arc<Engine>,
+    path: String,
+    finished: bool,
+}
+
+impl ResponseGuard {
+    fn finish(&mut self) {
+        if !self.finished {
+            self.finished = true;
+            self.engine.log.line(&format!("done {}", self.path));
+        }
+    }
+}
+
+impl Drop for ResponseGuard {
+    fn drop(&mut self) {
+        if !self.finished {
+            eprintln!("fake-engine: client closed {}", self.path);
+            self.engine
+                .log
+                .line(&format!("client-closed {}", self.path));
+        }
+    }
+}
+
+enum Source {
+    /// A complete body, handed out as one frame.
+    Full(Option<Bytes>),
+    /// Frames produced by a generator task; the channel closing ends the body.
+    Channel(mpsc::Receiver<Bytes>),
+    /// The request body of `/echo`, forwarded frame by frame.
+    Echo(Incoming),
+}
+
+/// The one response body type: each item from the source becomes its own
+/// frame (hyper writes and flushes frames individually), and reaching the end
+/// of the source completes the attached guard.
+pub struct EngineBody {
+    source: Source,
+    guard: Option<ResponseGuard>,
+}
+
+impl EngineBody {
+    fn full(bytes: Bytes) -> EngineBody {
+        EngineBody {
+            source: Source::Full(Some(bytes)),
+            guard: None,
+        }
+    }
+
+    fn channel(rx: mpsc::Receiver<Bytes>) -> EngineBody {
+        EngineBody {
+            source: Source::Channel(rx),
+            guard: None,
+        }
+    }
+
+    fn echo(body: Incoming) -> EngineBody {
+        EngineBody {
+            source: Source::Echo(body),
+            guard: None,
+        }
+    }
+
+    fn complete(&mut self) {
+        if let Some(g) = self.guard.as_mut() {
+            g.finish();
+        }
+    }
+}
+
+impl Body for EngineBody {
+    type Data = Bytes;
+    type Error = hyper::Error;
+
+    fn poll_frame(
+        self: Pin<&mut Self>,
+        cx: &mut Context<'_>,
+    ) -> Poll<Option<Result<Frame<Bytes>, hyper::Error>>> {
+        let this = self.get_mut();
+        let polled = match &mut this.source {
+            Source::Full(slot) => Poll::Ready(slot.take().map(|b| Ok(Frame::data(b)))),
+            Source::Channel(rx) => rx.poll_recv(cx).map(|o| o.map(|b| Ok(Frame::data(b)))),
+            Source::Echo(inc) => Pin::new(inc).poll_frame(cx),
+        };
+        match &polled {
+            Poll::Ready(None) => this.complete(),
+            // hyper stops polling once a body reports its end (a full body
+            // after its only frame, an echo whose request body is exhausted).
+            Poll::Ready(Some(Ok(_))) if this.is_end_stream() => this.complete(),
+            _ => {}
+        }
+        polled
+    }
+
+    fn is_end_stream(&self) -> bool {
+        match &self.source {
+            Source::Full(slot) => slot.is_none(),
+            Source::Channel(_) => false,
+            Source::Echo(inc) => inc.is_end_stream(),
+        }
+    }
+
+    fn size_hint(&self) -> SizeHint {
+        match &self.source {
+            Source::Full(Some(b)) => SizeHint::with_exact(b.len() as u64),
+            Source::Full(None) => SizeHint::with_exact(0),
+            Source::Channel(_) => SizeHint::default(),
+            Source::Echo(inc) => inc.size_hint(),
+        }
+    }
+}
+
+type Resp = Response<EngineBody>;
+
+fn json_response(status: StatusCode, v: &Value) -> Resp {
+    let mut r = Response::new(EngineBody::full(Bytes::from(v.to_string())));
+    *r.status_mut() = status;
+    r.headers_mut().insert(
+        CONTENT_TYPE,
+        HeaderValue::from_static("application/json; charset=utf-8"),
+    );
+    r
+}
+
+fn error_response(status: StatusCode, message: &str, kind: &str) -> Resp {
+    json_response(status, &gen::error_body(status.as_u16(), message, kind))
+}
+
+fn not_found() -> Resp {
+    error_response(StatusCode::NOT_FOUND, "File Not Found", "not_found_error")
+}
+
+fn loading() -> Resp {
+    error_response(
+        StatusCode::SERVICE_UNAVAILABLE,
+        "Loading model",
+        "unavailable_error",
+    )
+}
+
+fn bad_request(message: &str) -> Resp {
+    error_response(StatusCode::BAD_REQUEST, message, "invalid_request_error")
+}
+
+fn sse_response(rx: mpsc::Receiver<Bytes>) -> Resp {
+    let mut r = Response::new(EngineBody::channel(rx));
+    let h = r.headers_mut();
+    h.insert(CONTENT_TYPE, HeaderValue::from_static("text/event-stream"));
+    h.insert(CACHE_CONTROL, HeaderValue::from_static("no-cache"));
+    r
+}
+
+/// Accepts connections forever, serving each as HTTP/1.1 with keep-alive.
+pub async fn serve(engine: Arc<Engine>, listener: TcpListener) {
+    loop {
+        let (stream, _peer) = match listener.accept().await {
+            Ok(x) => x,
+            Err(e) => {
+                eprintln!("fake-engine: accept failed: {e}");
+                tokio::time::sleep(Duration::from_millis(20)).await;
+                continue;
+            }
+        };
+        if let Err(e) = stream.set_nodelay(true) {
+            eprintln!("fake-engine: set_nodelay failed: {e}");
+        }
+        let engine = engine.clone();
+        tokio::spawn(async move {
+            let svc = service_fn(move |req| {
+                let engine = engine.clone();
+                async move { Ok::<_, Infallible>(handle(engine, req).await) }
+            });
+            let conn = hyper::server::conn::http1::Builder::new()
+                .keep_alive(true)
+                .serve_connection(TokioIo::new(stream), svc);
+            if let Err(e) = conn.await {
+                if !e.is_incomplete_message() && !e.is_canceled() {
+                    eprintln!("fake-engine: connection error: {e}");
+                }
+            }
+        });
+    }
+}
+
+/// Entry point for every request: logs it, routes it, and ties the response
+/// to a guard that logs `done` / `client-closed`.
+async fn handle(engine: Arc<Engine>, req: Request<Incoming>) -> Resp {
+    let path = req.uri().path().to_string();
+    let method = req.method().clone();
+    eprintln!("fake-engine: request {method} {path}");
+    engine.log.line(&format!("request {method} {path}"));
+    let guard = ResponseGuard {
+        engine: engine.clone(),
+        path: path.clone(),
+        finished: false,
+    };
+    let mut resp = route(&engine, req, &method, &path).await;
+    let body = resp.body_mut();
+    body.guard = Some(guard);
+    if body.is_end_stream() {
+        // An empty body is never polled, so it is complete already.
+        body.complete();
+    }
+    resp
+}
+
+async fn route(engine: &Arc<Engine>, req: Request<Incoming>, method: &Method, path: &str) -> Resp {
+    let llama = engine.cfg.mode == Mode::Llama;
+    match (method, path) {
+        (&Method::GET, "/health") if llama => {
+            if engine.is_ready() {
+                json_response(StatusCode::OK, &json!({"status": "ok"}))
+            } else {
+                loading()
+            }
+        }
+        (&Method::POST, "/echo") => echo(req),
+        _ if !engine.is_ready() => loading(),
+        (&Method::GET, "/v1/models" | "/models") => {
+            json_response(StatusCode::OK, &gen::models_list(&engine.cfg.model_name))
+        }
+        (&Method::POST, "/v1/chat/completions" | "/chat/completions") => {
+            generate(engine, req, Flavor::Chat).await
+        }
+        (&Method::POST, "/v1/completions" | "/completions") => {
+            generate(engine, req, Flavor::Text).await
+        }
+        (&Method::POST, "/completion") => generate(engine, req, Flavor::Native).await,
+        (&Method::GET, "/slots") => {
+            let busy = engine.active.load(Ordering::SeqCst);
+            let slots: Vec<Value> = (0..u64::from(engine.cfg.parallel.max(1)))
+                .map(|i| json!({"id": i, "is_processing": i < busy}))
+                .collect();
+            json_response(StatusCode::OK, &Value::Array(slots))
+        }
+        (&Method::GET, "/props") => json_response(
+            StatusCode::OK,
+            &json!({
+                "n_ctx": engine.cfg.n_ctx,
+                "total_slots": engine.cfg.parallel,
+                "model_path": engine.cfg.model_path,
+                "model_alias": engine.cfg.model_name,
+                "default_generation_settings": {"n_ctx": engine.cfg.n_ctx},
+                "build_info": "fake-engine",
+            }),
+        ),
+        _ => not_found(),
+    }
+}
+
+/// Streams the request body straight back, reporting selected request
+/// headers as `x-echo-<name>` response headers.
+fn echo(req: Request<Incoming>) -> Resp {
+    const ECHOED: [&str; 8] = [
+        "content-type",
+        "connection",
+        "te",
+        "x-custom",
+        "host",
+        "transfer-encoding",
+        "keep-alive",
+        "upgrade",
+    ];
+    let (parts, body) = req.into_parts();
+    let mut resp = Response::new(EngineBody::echo(body));
+    for name in ECHOED {
+        let values: Vec<&[u8]> = parts
+            .headers
+            .get_all(name)
+            .iter()
+            .map(HeaderValue::as_bytes)
+            .collect();
+        if values.is_empty() {
+            continue;
+        }
+        let joined = values.join(&b", "[..]);
+        let (Ok(hn), Ok(hv)) = (
+            HeaderName::from_bytes(format!("x-echo-{name}").as_bytes()),
+            HeaderValue::from_bytes(&joined),
+        ) else {
+            continue;
+        };
+        resp.headers_mut().insert(hn, hv);
+    }
+    resp.headers_mut().insert(
+        CONTENT_TYPE,
+        HeaderValue::from_static("application/octet-stream"),
+    );
+    resp
+}
+
+/// Reads and parses a JSON object body, or says why it cannot (for a 400).
+async fn read_json(req: Request<Incoming>) -> Result<Value, String> {
+    let collected = match Limited::new(req.into_body(), MAX_JSON_BODY).collect().await {
+        Ok(c) => c.to_bytes(),
+        Err(e) => return Err(format!("cannot read request body: {e}")),
+    };
+    match serde_json::from_slice::<Value>(&collected) {
+        Ok(v @ Value::Object(_)) => Ok(v),
+        Ok(_) => Err("request body must be a JSON object".to_string()),
+        Err(e) => Err(format!("invalid JSON in request body: {e}")),
+    }
+}
+
+/// What a generation request asked for, after validation.
+struct Job {
+    flavor: Flavor,
+    plan: Plan,
+    prompt_n: u64,
+    stream: bool,
+}
+
+fn parse_job(flavor: Flavor, body: &Value) -> Result<Job, String> {
+    let stream = body.get("stream").and_then(Value::as_bool).unwrap_or(false);
+    let (plan, prompt_n) = match flavor {
+        Flavor::Chat => {
+            let Some(messages) = body.get("messages").and_then(Value::as_array) else {
+                return Err("'messages' is required and must be an array".to_string());
+            };
+            let n = gen::max_tokens(body, &["max_tokens", "max_completion_tokens", "n_predict"]);
+            (Plan::letters(n), gen::chat_prompt_chars(messages))
+        }
+        Flavor::Text | Flavor::Native => {
+            let keys: &[&str] = if flavor == Flavor::Native {
+                &["n_predict", "max_tokens"]
+            } else {
+                &["max_tokens", "n_predict"]
+            };
+            let Some(prompt) = body.get("prompt").and_then(gen::prompt_text) else {
+                return Err("\"prompt\" must be a string or an array of strings".to_string());
+            };
+            // `cache_prompt` is accepted for compatibility; the fake keeps no cache.
+            let _cache_prompt = body
+                .get("cache_prompt")
+                .and_then(Value::as_bool)
+                .unwrap_or(true);
+            let n = gen::max_tokens(body, keys);
+            (Plan::for_prompt(&prompt, n), prompt.chars().count() as u64)
+        }
+    };
+    Ok(Job {
+        flavor,
+        plan,
+        prompt_n,
+        stream,
+    })
+}
+
+fn ms_since(t: Instant) -> f64 {
+    t.elapsed().as_secs_f64() * 1000.0
+}
+
+async fn generate(engine: &Arc<Engine>, req: Request<Incoming>, flavor: Flavor) -> Resp {
+    let t0 = Instant::now();
+    let body = match read_json(req).await {
+        Ok(v) => v,
+        Err(m) => return bad_request(&m),
+    };
+    let job = match parse_job(flavor, &body) {
+        Ok(j) => j,
+        Err(m) => return bad_request(&m),
+    };
+    let meta = engine.meta(flavor);
+    if job.stream {
+        let (tx, rx) = mpsc::channel(STREAM_CHANNEL_DEPTH);
+        tokio::spawn(stream_job(engine.clone(), job, meta, tx, t0));
+        return sse_response(rx);
+    }
+
+    let _busy = Busy::new(engine);
+    sleep_ms(engine.cfg.prefill_ms).await;
+    let prompt_ms = ms_since(t0);
+    let t1 = Instant::now();
+    let mut content = String::new();
+    for i in 0..job.plan.len() {
+        engine.before_token(i).await;
+        content.push(job.plan.token(i));
+        engine.after_token(i).await;
+    }
+    let timings = Timings {
+        cache_n: 0,
+        prompt_n: job.prompt_n,
+        prompt_ms,
+        predicted_n: job.plan.len(),
+        predicted_ms: ms_since(t1),
+    };
+    json_response(
+        StatusCode::OK,
+        &job.flavor
+            .full(&meta, &content, job.plan.finish(), &timings),
+    )
+}
+
+/// Produces one streamed response into `tx`. Stops as soon as a send fails,
+/// which means hyper dropped the body because the client went away.
+async fn stream_job(
+    engine: Arc<Engine>,
+    job: Job,
+    meta: Meta,
+    tx: mpsc::Sender<Bytes>,
+    t0: Instant,
+) {
+    let _busy = Busy::new(&engine);
+    if !prefill(&engine, &tx, t0).await {
+        return;
+    }
+    let prompt_ms = ms_since(t0);
+    let t1 = Instant::now();
+    for i in 0..job.plan.len() {
+        engine.before_token(i).await;
+        let event = gen::sse_data(&job.flavor.chunk(&meta, job.plan.token(i)));
+        if tx.send(event).await.is_err() {
+            return;
+        }
+        engine.after_token(i).await;
+    }
+    let timings = Timings {
+        cache_n: 0,
+        prompt_n: job.prompt_n,
+        prompt_ms,
+        predicted_n: job.plan.len(),
+        predicted_ms: ms_since(t1),
+    };
+    let last = gen::sse_data(&job.flavor.final_chunk(&meta, job.plan.finish(), &timings));
+    if tx.send(last).await.is_err() {
+        return;
+    }
+    if job.flavor.ends_with_done() {
+        let _ = tx.send(gen::sse_done()).await;
+    }
+}
+
+/// Waits out `--prefill-ms` (measured from the request's arrival). In ds4 mode
+/// an SSE comment `: prefill` goes out every `--prefill-comment-ms` meanwhile.
+/// Returns false if the client went away.
+async fn prefill(engine: &Engine, tx: &mpsc::Sender<Bytes>, t0: Instant) -> bool {
+    let total = Duration::from_millis(engine.cfg.prefill_ms);
+    let every = Duration::from_millis(engine.cfg.prefill_comment_ms);
+    let comments = engine.cfg.mode == Mode::Ds4 && !every.is_zero();
+    loop {
+        let elapsed = t0.elapsed();
+        if elapsed >= total {
+            return true;
+        }
+        let left = total - elapsed;
+        if !comments {
+            tokio::time::sleep(left).await;
+            return true;
+        }
+        if left <= every {
+            tokio::time::sleep(left).await;
+            return true;
+        }
+        tokio::time::sleep(every).await;
+        if tx.send(gen::sse_comment("prefill")).await.is_err() {
+            return false;
+        }
+    }
+}
