@@ -249,7 +249,10 @@ mod tests {
 
     #[test]
     fn unset_settings_are_left_to_the_engine() {
-        let p = EngineParams { model: Some("m.gguf".into()), ..Default::default() };
+        let p = EngineParams {
+            model: Some("m.gguf".into()),
+            ..Default::default()
+        };
         let got = strs(EngineKind::LlamaServer.argv(&p, "127.0.0.1", 9));
         assert_eq!(got.join(" "), "-m m.gguf --host 127.0.0.1 --port 9");
     }
@@ -274,7 +277,10 @@ mod tests {
 
     #[test]
     fn engine_names_parse() {
-        assert_eq!("llama-server".parse::<EngineKind>(), Ok(EngineKind::LlamaServer));
+        assert_eq!(
+            "llama-server".parse::<EngineKind>(),
+            Ok(EngineKind::LlamaServer)
+        );
         assert_eq!("ds4".parse::<EngineKind>(), Ok(EngineKind::Ds4));
         let err = "vllm".parse::<EngineKind>().unwrap_err();
         assert!(err.contains("llama-server, ds4"), "{err}");

@@ -68,7 +68,10 @@ pub struct ExitReport {
 impl ExitReport {
     fn from_status(st: ExitStatus) -> Self {
         use std::os::unix::process::ExitStatusExt;
-        ExitReport { code: st.code(), signal: st.signal() }
+        ExitReport {
+            code: st.code(),
+            signal: st.signal(),
+        }
     }
 
     pub fn success(&self) -> bool {
@@ -108,7 +111,10 @@ struct Tail {
 impl OutputTail {
     pub fn new(cap: usize) -> Self {
         OutputTail {
-            inner: Arc::new(Mutex::new(Tail { cap: cap.max(1), lines: VecDeque::new() })),
+            inner: Arc::new(Mutex::new(Tail {
+                cap: cap.max(1),
+                lines: VecDeque::new(),
+            })),
             news: Arc::default(),
         }
     }
@@ -164,7 +170,14 @@ impl EngineChild {
         // raw OS error).
         unsafe {
             cmd.pre_exec(move || {
-                if libc::prctl(libc::PR_SET_PDEATHSIG, libc::SIGKILL as libc::c_ulong, 0, 0, 0) != 0 {
+                if libc::prctl(
+                    libc::PR_SET_PDEATHSIG,
+                    libc::SIGKILL as libc::c_ulong,
+                    0,
+                    0,
+                    0,
+                ) != 0
+                {
                     return Err(io::Error::last_os_error());
                 }
                 // The parent may have died between fork and prctl: then nobody will ever
@@ -190,14 +203,21 @@ impl EngineChild {
                 Ok(st) => ExitReport::from_status(st),
                 Err(e) => {
                     tracing::error!(pid, "waiting for the engine failed: {e}");
-                    ExitReport { code: None, signal: None }
+                    ExitReport {
+                        code: None,
+                        signal: None,
+                    }
                 }
             };
             // Anything the engine left in its group goes with it.
             let _ = killpg(Pid::from_raw(pid as i32), Signal::SIGKILL);
             let _ = tx.send(Some(report));
         });
-        Ok(EngineChild { pid, exit: rx, output })
+        Ok(EngineChild {
+            pid,
+            exit: rx,
+            output,
+        })
     }
 
     pub fn pid(&self) -> u32 {
@@ -225,7 +245,10 @@ impl EngineChild {
             Ok(r) => r.clone(),
             Err(_) => None,
         };
-        report.unwrap_or(ExitReport { code: None, signal: None })
+        report.unwrap_or(ExitReport {
+            code: None,
+            signal: None,
+        })
     }
 
     /// Sends `sig` to the engine's whole process group. Does nothing once it has ended.
@@ -234,7 +257,11 @@ impl EngineChild {
             return;
         }
         if let Err(e) = killpg(Pid::from_raw(self.pid as i32), sig) {
-            tracing::debug!(pid = self.pid, "signal {} to the engine failed: {e}", sig.as_str());
+            tracing::debug!(
+                pid = self.pid,
+                "signal {} to the engine failed: {e}",
+                sig.as_str()
+            );
         }
     }
 }
@@ -283,9 +310,18 @@ mod tests {
 
     #[tokio::test]
     async fn captures_the_output_tail_and_exit_code() {
-        let c = EngineChild::spawn(&sh("for i in 1 2 3 4 5; do echo line$i; done; echo $DSV4_TEST_VAR >&2; exit 7")).unwrap();
+        let c = EngineChild::spawn(&sh(
+            "for i in 1 2 3 4 5; do echo line$i; done; echo $DSV4_TEST_VAR >&2; exit 7",
+        ))
+        .unwrap();
         let r = c.wait().await;
-        assert_eq!(r, ExitReport { code: Some(7), signal: None });
+        assert_eq!(
+            r,
+            ExitReport {
+                code: Some(7),
+                signal: None
+            }
+        );
         assert_eq!(r.to_string(), "exit code 7");
         // the pumps may lag the exit by a moment
         for _ in 0..100 {
@@ -338,7 +374,11 @@ mod tests {
     /// A process that is gone or a zombie (an orphan waits for a reaper that may be slow).
     fn alive(pid: i32) -> bool {
         match std::fs::read_to_string(format!("/proc/{pid}/stat")) {
-            Ok(stat) => stat.rsplit(')').next().map(|r| r.trim_start()).is_some_and(|r| !r.starts_with('Z')),
+            Ok(stat) => stat
+                .rsplit(')')
+                .next()
+                .map(|r| r.trim_start())
+                .is_some_and(|r| !r.starts_with('Z')),
             Err(_) => false,
         }
     }
@@ -353,6 +393,9 @@ mod tests {
         };
         let err = EngineChild::spawn(&spec).unwrap_err();
         assert!(matches!(err, SpawnError::NotFound { .. }));
-        assert!(err.to_string().contains("/nonexistent/llama-server"), "{err}");
+        assert!(
+            err.to_string().contains("/nonexistent/llama-server"),
+            "{err}"
+        );
     }
 }

@@ -23,8 +23,19 @@ pub struct ApiError {
 }
 
 impl ApiError {
-    pub fn new(status: StatusCode, kind: &'static str, code: &'static str, message: impl Into<String>) -> Self {
-        ApiError { status, kind, code, message: message.into(), retry_after: None }
+    pub fn new(
+        status: StatusCode,
+        kind: &'static str,
+        code: &'static str,
+        message: impl Into<String>,
+    ) -> Self {
+        ApiError {
+            status,
+            kind,
+            code,
+            message: message.into(),
+            retry_after: None,
+        }
     }
 
     pub fn retry_after(mut self, d: Duration) -> Self {
@@ -33,7 +44,8 @@ impl ApiError {
     }
 
     pub fn body(&self) -> Bytes {
-        let v = json!({ "error": { "message": self.message, "type": self.kind, "code": self.code } });
+        let v =
+            json!({ "error": { "message": self.message, "type": self.kind, "code": self.code } });
         Bytes::from(v.to_string())
     }
 
@@ -41,11 +53,15 @@ impl ApiError {
     pub fn into_response<B: From<Bytes>>(self) -> Response<B> {
         let mut r = Response::new(B::from(self.body()));
         *r.status_mut() = self.status;
-        r.headers_mut().insert(header::CONTENT_TYPE, HeaderValue::from_static("application/json"));
+        r.headers_mut().insert(
+            header::CONTENT_TYPE,
+            HeaderValue::from_static("application/json"),
+        );
         if let Some(d) = self.retry_after {
             // Whole seconds, rounded up, at least 1.
             let secs = d.as_secs() + u64::from(d.subsec_nanos() > 0);
-            r.headers_mut().insert(header::RETRY_AFTER, HeaderValue::from(secs.max(1)));
+            r.headers_mut()
+                .insert(header::RETRY_AFTER, HeaderValue::from(secs.max(1)));
         }
         r
     }
@@ -56,7 +72,11 @@ pub fn with_tail(message: String, tail: &[String]) -> String {
     if tail.is_empty() {
         return message;
     }
-    format!("{message}; engine output (last {} lines):\n{}", tail.len(), tail.join("\n"))
+    format!(
+        "{message}; engine output (last {} lines):\n{}",
+        tail.len(),
+        tail.join("\n")
+    )
 }
 
 fn failure_text(f: &EngineFailure) -> String {
@@ -129,7 +149,10 @@ mod tests {
     async fn parts(e: ApiError) -> (StatusCode, Option<String>, serde_json::Value) {
         let r: Response<Full<Bytes>> = e.into_response();
         let status = r.status();
-        let ra = r.headers().get(header::RETRY_AFTER).map(|v| v.to_str().unwrap().to_string());
+        let ra = r
+            .headers()
+            .get(header::RETRY_AFTER)
+            .map(|v| v.to_str().unwrap().to_string());
         let body = r.into_body().collect().await.unwrap().to_bytes();
         (status, ra, serde_json::from_slice(&body).unwrap())
     }
@@ -154,16 +177,25 @@ mod tests {
 
     #[tokio::test]
     async fn timeout_is_504_and_names_the_setting() {
-        let r = Refusal::StartTimeout { timeout: Duration::from_secs(600), tail: vec![] };
+        let r = Refusal::StartTimeout {
+            timeout: Duration::from_secs(600),
+            tail: vec![],
+        };
         let (status, ra, v) = parts(r.into()).await;
         assert_eq!(status, 504);
         assert_eq!(ra, None);
-        assert_eq!(v["error"]["message"], "engine was not ready within engine.start_timeout (10m)");
+        assert_eq!(
+            v["error"]["message"],
+            "engine was not ready within engine.start_timeout (10m)"
+        );
     }
 
     #[tokio::test]
     async fn backoff_rounds_retry_after_up() {
-        let r = Refusal::Backoff { retry_after: Duration::from_millis(1500), last: None };
+        let r = Refusal::Backoff {
+            retry_after: Duration::from_millis(1500),
+            last: None,
+        };
         let (status, ra, _) = parts(r.into()).await;
         assert_eq!(status, 503);
         assert_eq!(ra.as_deref(), Some("2"));

@@ -36,12 +36,16 @@ pub fn take_activation_fds() -> Result<Vec<(OwnedFd, String)>> {
 
 /// Picks the API listener: the activated fd named `api`, else the first stream socket among
 /// the activated fds, else a fresh bind of `listen`.
-pub fn api_listener(activated: Vec<(OwnedFd, String)>, listen: &str) -> Result<(StdListener, Origin)> {
+pub fn api_listener(
+    activated: Vec<(OwnedFd, String)>,
+    listen: &str,
+) -> Result<(StdListener, Origin)> {
     if !activated.is_empty() {
         let mut chosen = None;
         let mut first_stream = None;
         for (fd, name) in activated {
-            let stream = getsockopt(&fd, sockopt::SockType).is_ok_and(|t| t == nix::sys::socket::SockType::Stream);
+            let stream = getsockopt(&fd, sockopt::SockType)
+                .is_ok_and(|t| t == nix::sys::socket::SockType::Stream);
             let listening = getsockopt(&fd, sockopt::AcceptConn).unwrap_or(false);
             if !(stream && listening) {
                 tracing::warn!("ignoring passed fd `{name}`: not a listening stream socket");
@@ -59,11 +63,19 @@ pub fn api_listener(activated: Vec<(OwnedFd, String)>, listen: &str) -> Result<(
         use std::os::fd::AsRawFd;
         let raw = fd.as_raw_fd();
         let listener = StdListener::from(fd);
-        listener.set_nonblocking(true).context("setting the activated socket non-blocking")?;
+        listener
+            .set_nonblocking(true)
+            .context("setting the activated socket non-blocking")?;
         return Ok((listener, Origin::Activated { fd: raw, name }));
     }
-    let listener = StdListener::bind(listen).with_context(|| format!("binding the API listener on {listen}"))?;
-    listener.set_nonblocking(true).context("setting the API listener non-blocking")?;
-    let addr = listener.local_addr().map(|a| a.to_string()).unwrap_or_else(|_| listen.to_string());
+    let listener = StdListener::bind(listen)
+        .with_context(|| format!("binding the API listener on {listen}"))?;
+    listener
+        .set_nonblocking(true)
+        .context("setting the API listener non-blocking")?;
+    let addr = listener
+        .local_addr()
+        .map(|a| a.to_string())
+        .unwrap_or_else(|_| listen.to_string());
     Ok((listener, Origin::Bound { addr }))
 }

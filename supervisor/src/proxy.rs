@@ -37,7 +37,10 @@ pub struct Ctx {
 /// The response body: a small body of our own, or the engine's, streamed with its lease.
 pub enum ProxyBody {
     Full(Option<Bytes>),
-    Upstream { inner: Incoming, lease: Option<Lease> },
+    Upstream {
+        inner: Incoming,
+        lease: Option<Lease>,
+    },
 }
 
 impl From<Bytes> for ProxyBody {
@@ -50,7 +53,10 @@ impl Body for ProxyBody {
     type Data = Bytes;
     type Error = hyper::Error;
 
-    fn poll_frame(mut self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<Option<Result<Frame<Bytes>, hyper::Error>>> {
+    fn poll_frame(
+        mut self: Pin<&mut Self>,
+        cx: &mut Context<'_>,
+    ) -> Poll<Option<Result<Frame<Bytes>, hyper::Error>>> {
         match &mut *self {
             ProxyBody::Full(b) => Poll::Ready(b.take().map(|b| Ok(Frame::data(b)))),
             ProxyBody::Upstream { inner, lease } => {
@@ -129,12 +135,20 @@ async fn handle(ctx: &Ctx, req: Request<Incoming>) -> Response<ProxyBody> {
     match (own, req.uri().path()) {
         (true, "/health") => {
             let s = ctx.lifecycle.status();
-            json_response(StatusCode::OK, json!({ "status": "ok", "engine": s.state, "profile": s.profile }))
+            json_response(
+                StatusCode::OK,
+                json!({ "status": "ok", "engine": s.state, "profile": s.profile }),
+            )
         }
         (true, "/status") => match serde_json::to_value(ctx.lifecycle.status()) {
             Ok(v) => json_response(StatusCode::OK, v),
-            Err(e) => ApiError::new(StatusCode::INTERNAL_SERVER_ERROR, "server_error", "internal", e.to_string())
-                .into_response(),
+            Err(e) => ApiError::new(
+                StatusCode::INTERNAL_SERVER_ERROR,
+                "server_error",
+                "internal",
+                e.to_string(),
+            )
+            .into_response(),
         },
         (true, "/v1/models") => json_response(StatusCode::OK, models(ctx)),
         _ => proxy(ctx, req).await,
@@ -144,7 +158,10 @@ async fn handle(ctx: &Ctx, req: Request<Incoming>) -> Response<ProxyBody> {
 fn json_response(status: StatusCode, v: serde_json::Value) -> Response<ProxyBody> {
     let mut r = Response::new(ProxyBody::from(Bytes::from(v.to_string())));
     *r.status_mut() = status;
-    r.headers_mut().insert(header::CONTENT_TYPE, HeaderValue::from_static("application/json"));
+    r.headers_mut().insert(
+        header::CONTENT_TYPE,
+        HeaderValue::from_static("application/json"),
+    );
     r
 }
 
@@ -179,7 +196,9 @@ async fn proxy(ctx: &Ctx, req: Request<Incoming>) -> Response<ProxyBody> {
                 StatusCode::PAYLOAD_TOO_LARGE,
                 "invalid_request_error",
                 "body_too_large",
-                format!("request body of {len} bytes is larger than api.max_body ({max_body} bytes)"),
+                format!(
+                    "request body of {len} bytes is larger than api.max_body ({max_body} bytes)"
+                ),
             )
             .into_response();
         }
@@ -190,12 +209,26 @@ async fn proxy(ctx: &Ctx, req: Request<Incoming>) -> Response<ProxyBody> {
     };
     let (mut parts, body) = req.into_parts();
     let upstream = lease.engine.upstream;
-    let path = parts.uri.path_and_query().map(|p| p.as_str()).unwrap_or("/");
-    parts.uri = match Uri::builder().scheme("http").authority(upstream.to_string()).path_and_query(path).build() {
+    let path = parts
+        .uri
+        .path_and_query()
+        .map(|p| p.as_str())
+        .unwrap_or("/");
+    parts.uri = match Uri::builder()
+        .scheme("http")
+        .authority(upstream.to_string())
+        .path_and_query(path)
+        .build()
+    {
         Ok(u) => u,
         Err(e) => {
-            return ApiError::new(StatusCode::BAD_REQUEST, "invalid_request_error", "bad_uri", e.to_string())
-                .into_response()
+            return ApiError::new(
+                StatusCode::BAD_REQUEST,
+                "invalid_request_error",
+                "bad_uri",
+                e.to_string(),
+            )
+            .into_response()
         }
     };
     parts.version = http::Version::HTTP_11;
@@ -204,11 +237,21 @@ async fn proxy(ctx: &Ctx, req: Request<Incoming>) -> Response<ProxyBody> {
         parts.headers.insert(header::HOST, host);
     }
     let engine = lease.engine.clone();
-    match engine.client.request(Request::from_parts(parts, body)).await {
+    match engine
+        .client
+        .request(Request::from_parts(parts, body))
+        .await
+    {
         Ok(resp) => {
             let (mut parts, inner) = resp.into_parts();
             strip_hop_by_hop(&mut parts.headers);
-            Response::from_parts(parts, ProxyBody::Upstream { inner, lease: Some(lease) })
+            Response::from_parts(
+                parts,
+                ProxyBody::Upstream {
+                    inner,
+                    lease: Some(lease),
+                },
+            )
         }
         Err(e) => {
             drop(lease);
@@ -218,10 +261,14 @@ async fn proxy(ctx: &Ctx, req: Request<Incoming>) -> Response<ProxyBody> {
 }
 
 /// A 502 that says why the engine did not answer: its exit, with its last output, when it died.
-async fn engine_error(engine: &crate::lifecycle::EngineRef, err: &hyper_util::client::legacy::Error) -> ApiError {
+async fn engine_error(
+    engine: &crate::lifecycle::EngineRef,
+    err: &hyper_util::client::legacy::Error,
+) -> ApiError {
     // The connection usually breaks a moment before the exit is noticed.
     let mut exit = engine.exit.clone();
-    let exited = tokio::time::timeout(Duration::from_millis(250), exit.wait_for(Option::is_some)).await;
+    let exited =
+        tokio::time::timeout(Duration::from_millis(250), exit.wait_for(Option::is_some)).await;
     let report = match exited {
         Ok(Ok(r)) => r.clone(),
         _ => None,
@@ -232,16 +279,31 @@ async fn engine_error(engine: &crate::lifecycle::EngineRef, err: &hyper_util::cl
             &engine.output.last(12),
         ),
         None => {
-            let cause = std::error::Error::source(err).map(|s| format!(": {s}")).unwrap_or_default();
-            format!("the engine at {} failed to answer: {err}{cause}", engine.upstream)
+            let cause = std::error::Error::source(err)
+                .map(|s| format!(": {s}"))
+                .unwrap_or_default();
+            format!(
+                "the engine at {} failed to answer: {err}{cause}",
+                engine.upstream
+            )
         }
     };
     tracing::warn!("{message}");
-    ApiError::new(StatusCode::BAD_GATEWAY, "server_error", "engine_failed", message)
+    ApiError::new(
+        StatusCode::BAD_GATEWAY,
+        "server_error",
+        "engine_failed",
+        message,
+    )
 }
 
 fn content_length(h: &HeaderMap) -> Option<u64> {
-    h.get(header::CONTENT_LENGTH)?.to_str().ok()?.trim().parse().ok()
+    h.get(header::CONTENT_LENGTH)?
+        .to_str()
+        .ok()?
+        .trim()
+        .parse()
+        .ok()
 }
 
 /// Removes the headers that belong to one connection, not to the message (RFC 9110 7.6.1):
@@ -279,13 +341,22 @@ mod tests {
     #[test]
     fn hop_by_hop_headers_go_and_end_to_end_ones_stay() {
         let mut h = HeaderMap::new();
-        h.insert(header::CONNECTION, HeaderValue::from_static("keep-alive, x-secret"));
+        h.insert(
+            header::CONNECTION,
+            HeaderValue::from_static("keep-alive, x-secret"),
+        );
         h.insert("keep-alive", HeaderValue::from_static("timeout=5"));
         h.insert("x-secret", HeaderValue::from_static("1"));
-        h.insert(header::TRANSFER_ENCODING, HeaderValue::from_static("chunked"));
+        h.insert(
+            header::TRANSFER_ENCODING,
+            HeaderValue::from_static("chunked"),
+        );
         h.insert(header::TE, HeaderValue::from_static("trailers"));
         h.insert(header::UPGRADE, HeaderValue::from_static("websocket"));
-        h.insert(header::CONTENT_TYPE, HeaderValue::from_static("application/json"));
+        h.insert(
+            header::CONTENT_TYPE,
+            HeaderValue::from_static("application/json"),
+        );
         h.insert(header::AUTHORIZATION, HeaderValue::from_static("Bearer k"));
         strip_hop_by_hop(&mut h);
         let mut left: Vec<_> = h.keys().map(|k| k.as_str().to_string()).collect();

@@ -1,1 +1,364 @@
-// integration tests: written by someone else
+//! End-to-end tests of `dsv4d` against the fake engine, over real loopback sockets, with the
+//! API socket handed over the way systemd socket activation does.
+
+mod support;
+
+use std::time::{Duration, Instant};
+
+use nix::sys::signal::Signal;
+use support::*;
+
+const SEC: Duration = Duration::from_secs(1);
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn twenty_concurrent_streams_during_a_cold_start_spawn_one_engine() {
+    let d = Daemon::start(
+        &Setup::default()
+            .knob("load_ms", "700")
+            .knob("token_ms", "2"),
+    );
+    let mut tasks = Vec::new();
+    for _ in 0..20 {
+        let client_d = &d;
+        tasks.push(async move {
+            let resp = client_d.post("/v1/chat/completions", chat(8, true)).await;
+            let status = resp.status().as_u16();
+            let ctype = resp
+                .headers()
+                .get("content-type")
+                .map(|v| v.to_str().unwrap().to_string());
+            let mut s = Stream::new(resp.into_body());
+            let (content, done, events) = s.collect_chat().await;
+            (status, ctype, content, done, events)
+        });
+    }
+    let results = futures_util::future::join_all(tasks).await;
+    for (status, ctype, content, done, events) in &results {
+        assert_eq!(*status, 200);
+        assert_eq!(ctype.as_deref(), Some("text/event-stream"));
+        assert_eq!(content, "abcdefgh");
+        assert!(*done, "no [DONE]");
+        assert_eq!(*events, 10, "8 tokens + final chunk + [DONE]");
+    }
+    assert_eq!(
+        d.spawns(),
+        1,
+        "engine spawned more than once:\n{}",
+        d.fake_log()
+    );
+    let s = d.status().await;
+    assert_eq!(s["state"], "ready");
+    assert_eq!(s["in_flight"], 0);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_stream_that_pauses_past_idle_timeout_completes_and_is_not_buffered() {
+    let setup = Setup::default()
+        .engine("idle_timeout", "1s")
+        .knob("pause_after", "1")
+        .knob("pause_ms", "2500");
+    let d = Daemon::start(&setup);
+    let t0 = Instant::now();
+    let resp = d.post("/v1/chat/completions", chat(4, true)).await;
+    assert_eq!(resp.status(), 200);
+    let mut s = Stream::new(resp.into_body());
+    let first = s.next_event().await.expect("first event");
+    let first_at = t0.elapsed();
+    assert!(first.contains(r#""content":"a""#), "{first}");
+    // The first token reaches the client before the 2.5 s pause: nothing buffers it.
+    assert!(
+        first_at < Duration::from_millis(2000),
+        "first chunk after {first_at:?}"
+    );
+    let (rest, done, _) = s.collect_chat().await;
+    assert!(t0.elapsed() >= Duration::from_millis(2500));
+    assert_eq!(rest, "bcd");
+    assert!(done);
+    // The pause was longer than idle_timeout, but the lease held the engine up.
+    assert_eq!(d.spawns(), 1);
+    assert!(
+        !d.fake_log().contains("sigterm"),
+        "engine stopped mid-stream:\n{}",
+        d.fake_log()
+    );
+    // Idle time counts from the end of the stream: it stops about a second later.
+    d.wait_state("stopped", 5 * SEC).await;
+    assert!(d.fake_log().contains("sigterm"));
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn idle_engine_stops_and_the_next_request_starts_it_again() {
+    let d = Daemon::start(&Setup::default().engine("idle_timeout", "1s"));
+    // The supervisor's own endpoints never start the engine.
+    for path in ["/health", "/status", "/v1/models"] {
+        let (status, v) = d.get(path).await;
+        assert_eq!(status, 200, "{path}: {v}");
+    }
+    let (_, models) = d.get("/v1/models").await;
+    let ids: Vec<_> = models["data"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|m| m["id"].as_str().unwrap())
+        .collect();
+    assert_eq!(ids, ["320k", "64k"]);
+    assert_eq!(models["data"][0]["context"], 327680);
+    assert_eq!(models["data"][0]["active"], true);
+    let (_, health) = d.get("/health").await;
+    assert_eq!(health["engine"], "stopped");
+    assert_eq!(d.spawns(), 0);
+
+    let (status, _, v) = body_json(d.post("/v1/chat/completions", chat(3, false)).await).await;
+    assert_eq!(status, 200);
+    assert_eq!(v["choices"][0]["message"]["content"], "abc");
+    assert_eq!(d.spawns(), 1);
+    let s = d.status().await;
+    assert_eq!(s["state"], "ready");
+    assert!(s["engine_pid"].as_i64().is_some());
+    assert!(s["idle_deadline"].as_f64().is_some());
+
+    d.wait_state("stopped", 5 * SEC).await;
+    assert!(d.fake_log().contains("sigterm"));
+    let (status, _, v) = body_json(d.post("/v1/chat/completions", chat(2, false)).await).await;
+    assert_eq!(status, 200, "{v}");
+    assert_eq!(d.spawns(), 2);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_engine_that_exits_at_start_gives_its_stderr_and_the_daemon_stays_up() {
+    let d = Daemon::start(&Setup::default().knob("fail_start", "exit:7"));
+    let (status, headers, v) =
+        body_json(d.post("/v1/chat/completions", chat(3, false)).await).await;
+    assert_eq!(status, 503, "{v}");
+    assert!(headers.contains_key("retry-after"));
+    assert_eq!(v["error"]["type"], "unavailable_error");
+    assert_eq!(v["error"]["code"], "engine_start_failed");
+    let msg = v["error"]["message"].as_str().unwrap();
+    assert!(
+        msg.contains("exited before it was ready (exit code 7)"),
+        "{msg}"
+    );
+    assert!(
+        msg.contains("fake-engine: error: failing on purpose (exit 7)"),
+        "{msg}"
+    );
+    let (status, health) = d.get("/health").await;
+    assert_eq!(status, 200);
+    assert_eq!(health["engine"], "backoff");
+    let s = d.status().await;
+    assert!(
+        s["last_error"].as_str().unwrap().contains("exit code 7"),
+        "{s}"
+    );
+    // During the backoff: refused at once, without a spawn.
+    let (status, headers, v) =
+        body_json(d.post("/v1/chat/completions", chat(3, false)).await).await;
+    assert_eq!(status, 503);
+    assert_eq!(v["error"]["code"], "engine_backoff");
+    assert!(headers.contains_key("retry-after"));
+    assert_eq!(d.spawns(), 1);
+    // After it, a later request tries again.
+    d.wait_state("stopped", 3 * SEC).await;
+    let (status, _, _) = body_json(d.post("/v1/chat/completions", chat(3, false)).await).await;
+    assert_eq!(status, 503);
+    assert_eq!(d.spawns(), 2);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_engine_that_never_gets_ready_times_out_with_504_and_is_stopped() {
+    let setup = Setup::default()
+        .engine("start_timeout", "1s")
+        .knob("fail_start", "hang");
+    let d = Daemon::start(&setup);
+    let t0 = Instant::now();
+    let (status, _, v) = body_json(d.post("/v1/chat/completions", chat(3, false)).await).await;
+    let took = t0.elapsed();
+    assert_eq!(status, 504, "{v}");
+    assert!(took >= SEC && took < 5 * SEC, "{took:?}");
+    assert_eq!(v["error"]["code"], "engine_start_timeout");
+    let msg = v["error"]["message"].as_str().unwrap();
+    assert!(msg.contains("engine.start_timeout (1s)"), "{msg}");
+    assert!(
+        msg.contains("fake-engine: loading model"),
+        "no output tail: {msg}"
+    );
+    d.wait_fake_log("sigterm", 3 * SEC).await;
+    d.wait_state("backoff", 3 * SEC).await;
+    let (status, _) = d.get("/health").await;
+    assert_eq!(status, 200);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_client_that_goes_away_mid_stream_closes_the_engine_connection() {
+    let d = Daemon::start(&Setup::default().knob("token_ms", "50"));
+    let resp = d.post("/v1/chat/completions", chat(400, true)).await;
+    let mut s = Stream::new(resp.into_body());
+    s.next_event().await.unwrap();
+    s.next_event().await.unwrap();
+    assert_eq!(d.status().await["in_flight"], 1);
+    drop(s);
+    d.wait_fake_log("client-closed /v1/chat/completions", 3 * SEC)
+        .await;
+    assert!(!d.fake_log().contains("done /v1/chat/completions"));
+    // and the lease is gone with it
+    let t = Instant::now();
+    while d.status().await["in_flight"] != 0 {
+        assert!(t.elapsed() < 3 * SEC, "lease still held");
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_engine_that_dies_mid_request_gives_502_with_its_output() {
+    let d = Daemon::start(&Setup::default().knob("die_after_tokens", "3"));
+    let (status, _, v) = body_json(d.post("/v1/chat/completions", chat(10, false)).await).await;
+    assert_eq!(status, 502, "{v}");
+    assert_eq!(v["error"]["code"], "engine_failed");
+    let msg = v["error"]["message"].as_str().unwrap();
+    assert!(
+        msg.contains("exited while handling the request (exit code 3)"),
+        "{msg}"
+    );
+    assert!(msg.contains("dying on purpose"), "{msg}");
+    d.wait_state("stopped", 3 * SEC).await;
+    let s = d.status().await;
+    assert!(
+        s["last_error"]
+            .as_str()
+            .unwrap()
+            .contains("exited unexpectedly"),
+        "{s}"
+    );
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn requests_beyond_max_waiting_get_503_with_retry_after() {
+    let setup = Setup::default()
+        .engine("max_waiting", "2")
+        .knob("load_ms", "800");
+    let d = Daemon::start(&setup);
+    let mut tasks = Vec::new();
+    for _ in 0..4 {
+        let d = &d;
+        tasks.push(
+            async move { body_json(d.post("/v1/chat/completions", chat(2, false)).await).await },
+        );
+    }
+    let results = futures_util::future::join_all(tasks).await;
+    let ok = results.iter().filter(|r| r.0 == 200).count();
+    let full: Vec<_> = results.iter().filter(|r| r.0 == 503).collect();
+    assert_eq!(ok, 2, "{results:?}");
+    assert_eq!(full.len(), 2, "{results:?}");
+    for (_, h, v) in full {
+        assert_eq!(v["error"]["code"], "queue_full");
+        assert!(h.contains_key("retry-after"));
+    }
+    assert_eq!(d.spawns(), 1);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn sigterm_lets_the_stream_finish_then_exits_zero_with_no_engine_left() {
+    let d = Daemon::start(&Setup::default().knob("token_ms", "100"));
+    let resp = d.post("/v1/chat/completions", chat(10, true)).await;
+    let mut s = Stream::new(resp.into_body());
+    s.next_event().await.unwrap();
+    let pid = d.status().await["engine_pid"].as_i64().unwrap();
+    assert!(alive(pid));
+    d.signal(Signal::SIGTERM);
+    // The in-flight stream still completes.
+    let (rest, done, _) = s.collect_chat().await;
+    assert_eq!(rest, "bcdefghij");
+    assert!(done);
+    let mut d = d;
+    let st = d.wait_exit(10 * SEC).await;
+    assert_eq!(st.code(), Some(0), "{}", d.log());
+    assert!(!alive(pid), "engine {pid} outlived the daemon");
+    assert!(d.fake_log().contains("sigterm"));
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn sigterm_while_stopped_exits_zero_at_once() {
+    let mut d = Daemon::start(&Setup::default());
+    d.wait_state("stopped", 5 * SEC).await;
+    d.signal(Signal::SIGTERM);
+    let st = d.wait_exit(5 * SEC).await;
+    assert_eq!(st.code(), Some(0));
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_sigkilled_daemon_leaves_no_engine_behind() {
+    let mut d = Daemon::start(&Setup::default());
+    let (status, _, _) = body_json(d.post("/v1/chat/completions", chat(2, false)).await).await;
+    assert_eq!(status, 200);
+    let pid = d.status().await["engine_pid"].as_i64().unwrap();
+    d.signal(Signal::SIGKILL);
+    d.wait_exit(5 * SEC).await;
+    let t = Instant::now();
+    while alive(pid) {
+        assert!(
+            t.elapsed() < 3 * SEC,
+            "engine {pid} survived a SIGKILLed daemon"
+        );
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn request_bodies_stream_through_and_hop_by_hop_headers_are_dropped() {
+    use bytes::Bytes;
+    use http_body_util::{BodyExt, StreamBody};
+    use hyper::body::Frame;
+    let d = Daemon::start(&Setup::default());
+    // A raw HTTP/1.1 client so the request body can be sent piece by piece.
+    let stream = tokio::net::TcpStream::connect(d.addr).await.unwrap();
+    let (mut sender, conn) =
+        hyper::client::conn::http1::handshake(hyper_util::rt::TokioIo::new(stream))
+            .await
+            .unwrap();
+    tokio::spawn(conn);
+    let (tx, rx) = tokio::sync::mpsc::channel::<Result<Frame<Bytes>, std::convert::Infallible>>(4);
+    let mut rx = rx;
+    let body = StreamBody::new(futures_util::stream::poll_fn(move |cx| rx.poll_recv(cx)));
+    let req = hyper::Request::post("/echo")
+        .header("host", "example.invalid")
+        .header("connection", "x-custom")
+        .header("x-custom", "hop")
+        .header("content-type", "text/plain")
+        .body(body)
+        .unwrap();
+    let resp_fut = tokio::spawn(async move { sender.send_request(req).await });
+    tx.send(Ok(Frame::data(Bytes::from_static(b"first "))))
+        .await
+        .unwrap();
+    let resp = tokio::time::timeout(5 * SEC, resp_fut)
+        .await
+        .expect("response head before the body ended")
+        .unwrap()
+        .unwrap();
+    assert_eq!(resp.status(), 200);
+    let h = resp.headers().clone();
+    assert_eq!(h.get("x-echo-content-type").unwrap(), "text/plain");
+    assert!(
+        h.get("x-echo-x-custom").is_none(),
+        "a header named in Connection was forwarded"
+    );
+    assert!(h
+        .get("x-echo-connection")
+        .map(|v| v != "x-custom")
+        .unwrap_or(true));
+    assert_ne!(h.get("x-echo-host").unwrap(), "example.invalid");
+    let mut body = resp.into_body();
+    // The first piece comes back before the request body is complete: streamed, not buffered.
+    let first = tokio::time::timeout(5 * SEC, body.frame())
+        .await
+        .expect("echo of the first piece")
+        .unwrap()
+        .unwrap();
+    assert_eq!(first.into_data().unwrap(), "first ");
+    tx.send(Ok(Frame::data(Bytes::from_static(b"second"))))
+        .await
+        .unwrap();
+    drop(tx);
+    let rest = body.collect().await.unwrap().to_bytes();
+    assert_eq!(rest, "second");
+}

@@ -47,7 +47,10 @@ fn main() -> std::process::ExitCode {
         Ok(fds) => fds,
         Err(e) => return fail(e),
     };
-    let runtime = match tokio::runtime::Builder::new_multi_thread().enable_all().build() {
+    let runtime = match tokio::runtime::Builder::new_multi_thread()
+        .enable_all()
+        .build()
+    {
         Ok(rt) => rt,
         Err(e) => return fail(anyhow::Error::new(e).context("starting the async runtime")),
     };
@@ -82,18 +85,27 @@ async fn run(args: Args, activated: Vec<(std::os::fd::OwnedFd, String)>) -> Resu
         tracing::info!(bus = ?args.bus, "the D-Bus control interface is not available in this build yet");
     }
     tracing::debug!(sysroot = %args.sysroot.display(), "hardware root");
-    let listen = args.listen.as_deref().unwrap_or(&config.supervisor.api.listen);
+    let listen = args
+        .listen
+        .as_deref()
+        .unwrap_or(&config.supervisor.api.listen);
     let (std_listener, origin) = listener::api_listener(activated, listen)?;
-    let listener = tokio::net::TcpListener::from_std(std_listener).context("registering the API listener")?;
+    let listener =
+        tokio::net::TcpListener::from_std(std_listener).context("registering the API listener")?;
     match &origin {
-        Origin::Activated { fd, name } => tracing::info!("listening on socket-activated fd {fd} ({name})"),
+        Origin::Activated { fd, name } => {
+            tracing::info!("listening on socket-activated fd {fd} ({name})")
+        }
         Origin::Bound { addr } => tracing::info!("listening on http://{addr}"),
     }
 
     let profile = config.supervisor.default_profile.clone();
     let (lifecycle, actor) = dsv4::lifecycle::actor::spawn(config.clone(), profile.clone());
     tracing::info!(profile, "ready; the engine starts on the first request");
-    let ctx = Arc::new(Ctx { lifecycle: lifecycle.clone(), config });
+    let ctx = Arc::new(Ctx {
+        lifecycle: lifecycle.clone(),
+        config,
+    });
 
     let mut term = signal(SignalKind::terminate()).context("installing the SIGTERM handler")?;
     let mut int = signal(SignalKind::interrupt()).context("installing the SIGINT handler")?;
@@ -103,7 +115,10 @@ async fn run(args: Args, activated: Vec<(std::os::fd::OwnedFd, String)>) -> Resu
             _ = int.recv() => tracing::info!("SIGINT: draining and stopping"),
         }
     };
-    let _ = sd_notify::notify(&[sd_notify::NotifyState::Ready, sd_notify::NotifyState::Status("engine stopped")]);
+    let _ = sd_notify::notify(&[
+        sd_notify::NotifyState::Ready,
+        sd_notify::NotifyState::Status("engine stopped"),
+    ]);
     let connections_closed = proxy::serve(listener, ctx, shutdown).await;
     let _ = sd_notify::notify(&[sd_notify::NotifyState::Stopping]);
     // In-flight streams finish (bounded by engine.stop_timeout), then the engine stops.

@@ -217,7 +217,8 @@ impl Default for Memory {
     }
 }
 
-/// Defines a config enum with its YAML spellings, `NAMES`, `as_str`, `Display` and serde.
+/// Defines a config enum with its YAML spellings: `NAMES`, `as_str`, `Display`, `FromStr`
+/// and serde.
 /// The default variant is marked `#[default]`.
 macro_rules! spelled_enum {
     (
@@ -250,6 +251,20 @@ macro_rules! spelled_enum {
         impl fmt::Display for $name {
             fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
                 f.write_str(self.as_str())
+            }
+        }
+
+        impl std::str::FromStr for $name {
+            type Err = String;
+
+            fn from_str(s: &str) -> Result<Self, String> {
+                match s {
+                    $($text => Ok($name::$variant),)+
+                    other => Err(format!(
+                        "invalid value {other:?}, expected one of: {}",
+                        $name::NAMES.join(", ")
+                    )),
+                }
             }
         }
     };

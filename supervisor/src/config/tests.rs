@@ -234,6 +234,32 @@ fn an_empty_file_means_every_default() {
 }
 
 #[test]
+fn enum_spellings() {
+    assert_eq!("stop-when-idle".parse(), Ok(OnCritical::StopWhenIdle));
+    assert_eq!(OnCritical::StopWhenIdle.to_string(), "stop-when-idle");
+    assert_eq!("none".parse(), Ok(PowerMethod::None));
+    assert_eq!(
+        CpuPolicy::NAMES,
+        ["power-saver", "balanced", "performance", "keep"]
+    );
+    assert_eq!(
+        "turbo".parse::<GpuPolicy>(),
+        Err("invalid value \"turbo\", expected one of: auto, low, high, keep".to_string())
+    );
+    let dir = TempDir::new("enums");
+    let file = dir.write("supervisor.yaml", "power:\n  cpu: turbo\n");
+    dir.write("profiles/320k.yaml", MINIMAL_PROFILE);
+    assert_eq!(
+        errors(Config::load(&file)),
+        [format!(
+            "{}:2:8: power.cpu: unknown variant `turbo`, expected one of `power-saver`, \
+             `balanced`, `performance`, `keep`",
+            file.display()
+        )]
+    );
+}
+
+#[test]
 fn profile_paths_resolve_against_the_profiles_folder() {
     let dir = TempDir::new("paths");
     let elsewhere = TempDir::new("paths-profiles");

@@ -32,6 +32,8 @@ const ERROR_TAIL_LINES: usize = 12;
 /// Readiness polling: first interval, and the cap it backs off to.
 const PROBE_FIRST: Duration = Duration::from_millis(5);
 const PROBE_MAX: Duration = Duration::from_millis(100);
+/// Output within this long after a probe is the engine logging that probe.
+const PROBE_ECHO: Duration = Duration::from_millis(20);
 /// One probe attempt that hangs longer than this counts as "not ready yet".
 const PROBE_ATTEMPT: Duration = Duration::from_secs(5);
 
@@ -80,7 +82,9 @@ pub struct Lease {
 
 impl Drop for Lease {
     fn drop(&mut self) {
-        let _ = self.release.send(Internal::Release { gen: self.engine.gen });
+        let _ = self.release.send(Internal::Release {
+            gen: self.engine.gen,
+        });
     }
 }
 
@@ -96,11 +100,21 @@ pub enum ControlError {
 }
 
 enum Command {
-    Acquire { waiter: WaiterId, reply: oneshot::Sender<Result<Lease, Refused>> },
+    Acquire {
+        waiter: WaiterId,
+        reply: oneshot::Sender<Result<Lease, Refused>>,
+    },
     Start,
-    Stop { now: bool },
-    SetProfile { name: String, reply: oneshot::Sender<Result<(), ControlError>> },
-    Shutdown { done: oneshot::Sender<()> },
+    Stop {
+        now: bool,
+    },
+    SetProfile {
+        name: String,
+        reply: oneshot::Sender<Result<(), ControlError>>,
+    },
+    Shutdown {
+        done: oneshot::Sender<()>,
+    },
 }
 
 #[derive(Debug)]
@@ -125,30 +139,48 @@ impl Handle {
     pub async fn acquire(&self) -> Result<Lease, Refused> {
         let waiter = self.next_waiter.fetch_add(1, Ordering::Relaxed);
         let (reply, rx) = oneshot::channel();
-        if self.commands.send(Command::Acquire { waiter, reply }).await.is_err() {
+        if self
+            .commands
+            .send(Command::Acquire { waiter, reply })
+            .await
+            .is_err()
+        {
             return Err(Refusal::ShuttingDown);
         }
         // If this future is dropped (the client went away), free the place in the queue.
-        let guard = CancelOnDrop { waiter, internal: &self.internal, armed: true };
+        let guard = CancelOnDrop {
+            waiter,
+            internal: &self.internal,
+            armed: true,
+        };
         let answer = rx.await;
         guard.disarm();
         answer.unwrap_or(Err(Refusal::ShuttingDown))
     }
 
     pub async fn start(&self) -> Result<(), ControlError> {
-        self.commands.send(Command::Start).await.map_err(|_| ControlError::Gone)
+        self.commands
+            .send(Command::Start)
+            .await
+            .map_err(|_| ControlError::Gone)
     }
 
     /// Stops the engine: after in-flight requests finish, or at once with `now`.
     pub async fn stop(&self, now: bool) -> Result<(), ControlError> {
-        self.commands.send(Command::Stop { now }).await.map_err(|_| ControlError::Gone)
+        self.commands
+            .send(Command::Stop { now })
+            .await
+            .map_err(|_| ControlError::Gone)
     }
 
     /// Makes `name` the active profile; a running engine is drained and restarted with it.
     pub async fn set_profile(&self, name: &str) -> Result<(), ControlError> {
         let (reply, rx) = oneshot::channel();
         self.commands
-            .send(Command::SetProfile { name: name.to_string(), reply })
+            .send(Command::SetProfile {
+                name: name.to_string(),
+                reply,
+            })
             .await
             .map_err(|_| ControlError::Gone)?;
         rx.await.map_err(|_| ControlError::Gone)?
@@ -186,7 +218,9 @@ impl CancelOnDrop<'_> {
 impl Drop for CancelOnDrop<'_> {
     fn drop(&mut self) {
         if self.armed {
-            let _ = self.internal.send(Internal::Cancel { waiter: self.waiter });
+            let _ = self.internal.send(Internal::Cancel {
+                waiter: self.waiter,
+            });
         }
     }
 }
@@ -264,9 +298,16 @@ struct Actor {
 }
 
 impl Actor {
-    async fn run(mut self, mut commands: mpsc::Receiver<Command>, mut internal: mpsc::UnboundedReceiver<Internal>) {
+    async fn run(
+        mut self,
+        mut commands: mpsc::Receiver<Command>,
+        mut internal: mpsc::UnboundedReceiver<Internal>,
+    ) {
         while !self.exited {
-            let deadline = self.machine.next_deadline().map(tokio::time::Instant::from_std);
+            let deadline = self
+                .machine
+                .next_deadline()
+                .map(tokio::time::Instant::from_std);
             let event = tokio::select! {
                 biased;
                 Some(i) = internal.recv() => self.internal_event(i),
@@ -299,7 +340,12 @@ impl Actor {
             Command::Stop { now } => Some(Event::Stop { now }),
             Command::SetProfile { name, reply } => {
                 if self.config.profile(&name).is_none() {
-                    let known = self.config.profile_names().into_iter().map(String::from).collect();
+                    let known = self
+                        .config
+                        .profile_names()
+                        .into_iter()
+                        .map(String::from)
+                        .collect();
                     let _ = reply.send(Err(ControlError::UnknownProfile { name, known }));
                     return None;
                 }
@@ -324,19 +370,30 @@ impl Actor {
             Internal::Ready { gen } => Some(Event::Ready { gen }),
             Internal::Exited { gen, report } => {
                 let engine = self.engine.take_if(|e| e.shared.gen == gen);
-                let tail = engine.as_ref().map(|e| e.shared.output.last(ERROR_TAIL_LINES)).unwrap_or_default();
+                let tail = engine
+                    .as_ref()
+                    .map(|e| e.shared.output.last(ERROR_TAIL_LINES))
+                    .unwrap_or_default();
                 let pid = engine.as_ref().map(|e| e.shared.pid).unwrap_or(0);
                 let summary = match self.machine.phase() {
-                    Phase::Starting { .. } => format!("the engine exited before it was ready ({report})"),
+                    Phase::Starting { .. } => {
+                        format!("the engine exited before it was ready ({report})")
+                    }
                     Phase::Ready { .. } => format!("the engine exited unexpectedly ({report})"),
                     _ => format!("the engine stopped ({report})"),
                 };
-                if matches!(self.machine.phase(), Phase::Starting { .. } | Phase::Ready { .. }) {
+                if matches!(
+                    self.machine.phase(),
+                    Phase::Starting { .. } | Phase::Ready { .. }
+                ) {
                     tracing::warn!(pid, "{summary}");
                 } else {
                     tracing::info!(pid, "{summary}");
                 }
-                Some(Event::Exited { gen, failure: EngineFailure { summary, tail } })
+                Some(Event::Exited {
+                    gen,
+                    failure: EngineFailure { summary, tail },
+                })
             }
         }
     }
@@ -366,12 +423,20 @@ impl Actor {
                         Sig::Int => Signal::SIGINT,
                         Sig::Kill => Signal::SIGKILL,
                     };
-                    tracing::info!(pid = e.shared.pid, "sending {} to the engine", signal.as_str());
+                    tracing::info!(
+                        pid = e.shared.pid,
+                        "sending {} to the engine",
+                        signal.as_str()
+                    );
                     e.child.signal(signal);
                 }
             }
             Effect::Grant { gen, waiters } => {
-                let engine = self.engine.as_ref().filter(|e| e.shared.gen == gen).map(|e| e.shared.clone());
+                let engine = self
+                    .engine
+                    .as_ref()
+                    .filter(|e| e.shared.gen == gen)
+                    .map(|e| e.shared.clone());
                 for w in waiters {
                     let Some(reply) = self.waiters.remove(&w) else {
                         // Cancelled in the meantime: give the lease back at once.
@@ -380,7 +445,10 @@ impl Actor {
                     };
                     match &engine {
                         Some(engine) => {
-                            let lease = Lease { engine: engine.clone(), release: self.internal.clone() };
+                            let lease = Lease {
+                                engine: engine.clone(),
+                                release: self.internal.clone(),
+                            };
                             // A failed send drops the lease, which releases it.
                             let _ = reply.send(Ok(lease));
                         }
@@ -413,33 +481,56 @@ impl Actor {
     fn spawn_engine(&mut self, gen: Gen, profile_name: &str) -> Option<Event> {
         let fail = |summary: String| {
             tracing::error!("{summary}");
-            Some(Event::Exited { gen, failure: EngineFailure { summary, tail: Vec::new() } })
+            Some(Event::Exited {
+                gen,
+                failure: EngineFailure {
+                    summary,
+                    tail: Vec::new(),
+                },
+            })
         };
         let Some(profile) = self.config.profile(profile_name) else {
-            return fail(format!("profile `{profile_name}` is not in the configuration any more"));
+            return fail(format!(
+                "profile `{profile_name}` is not in the configuration any more"
+            ));
         };
         let port = match free_port() {
             Ok(p) => p,
-            Err(e) => return fail(format!("cannot find a free loopback port for the engine: {e}")),
+            Err(e) => {
+                return fail(format!(
+                    "cannot find a free loopback port for the engine: {e}"
+                ))
+            }
         };
         let args = profile.engine.argv(&profile.params, "127.0.0.1", port);
         let spec = SpawnSpec {
             program: profile.command.clone(),
             args,
-            env: profile.env.iter().map(|(k, v)| (k.into(), v.into())).collect(),
+            env: profile
+                .env
+                .iter()
+                .map(|(k, v)| (k.into(), v.into()))
+                .collect(),
             tail_lines: TAIL_LINES,
         };
         let shown: Vec<_> = spec.args.iter().map(|a| a.to_string_lossy()).collect();
-        tracing::info!(profile = profile_name, "starting engine: {} {}", spec.program.display(), shown.join(" "));
+        tracing::info!(
+            profile = profile_name,
+            "starting engine: {} {}",
+            spec.program.display(),
+            shown.join(" ")
+        );
         let child = match EngineChild::spawn(&spec) {
             Ok(c) => c,
             Err(e) => return fail(e.to_string()),
         };
-        self.machine.set_interrupt_grace(profile.engine.interrupt_grace());
+        self.machine
+            .set_interrupt_grace(profile.engine.interrupt_grace());
         let upstream = SocketAddr::from((Ipv4Addr::LOCALHOST, port));
         let mut connector = HttpConnector::new();
         connector.set_nodelay(true);
-        let client = hyper_util::client::legacy::Client::builder(TokioExecutor::new()).build(connector);
+        let client =
+            hyper_util::client::legacy::Client::builder(TokioExecutor::new()).build(connector);
         let shared = Arc::new(EngineRef {
             gen,
             pid: child.pid(),
@@ -448,7 +539,11 @@ impl Actor {
             output: child.output().clone(),
             exit: child.exit_watch(),
         });
-        let probe = tokio::spawn(probe_ready(profile.engine.readiness(), shared.clone(), self.internal.clone()));
+        let probe = tokio::spawn(probe_ready(
+            profile.engine.readiness(),
+            shared.clone(),
+            self.internal.clone(),
+        ));
         let internal = self.internal.clone();
         let exit = child.exit_watch();
         tokio::spawn(async move {
@@ -457,10 +552,18 @@ impl Actor {
                 Ok(r) => r.clone(),
                 Err(_) => None,
             };
-            let report = report.unwrap_or(ExitReport { code: None, signal: None });
+            let report = report.unwrap_or(ExitReport {
+                code: None,
+                signal: None,
+            });
             let _ = internal.send(Internal::Exited { gen, report });
         });
-        self.engine = Some(Engine { child, shared, probe, ready_at: None });
+        self.engine = Some(Engine {
+            child,
+            shared,
+            probe,
+            ready_at: None,
+        });
         None
     }
 
@@ -469,7 +572,11 @@ impl Actor {
         if let (Phase::Ready { .. }, Some(e)) = (m.phase(), self.engine.as_mut()) {
             e.ready_at.get_or_insert_with(SystemTime::now);
         }
-        let unix = |t: SystemTime| t.duration_since(SystemTime::UNIX_EPOCH).map(|d| d.as_secs_f64()).ok();
+        let unix = |t: SystemTime| {
+            t.duration_since(SystemTime::UNIX_EPOCH)
+                .map(|d| d.as_secs_f64())
+                .ok()
+        };
         let idle_deadline = m.idle_deadline().and_then(|d| {
             let left = d.saturating_duration_since(Instant::now());
             unix(SystemTime::now() + left)
@@ -495,7 +602,8 @@ impl Actor {
         });
         if changed {
             tracing::info!("engine state: {state}");
-            let _ = sd_notify::notify(&[sd_notify::NotifyState::Status(&format!("engine {state}"))]);
+            let _ =
+                sd_notify::notify(&[sd_notify::NotifyState::Status(&format!("engine {state}"))]);
         }
     }
 }
@@ -517,20 +625,37 @@ fn free_port() -> std::io::Result<u16> {
 
 /// Polls the engine until it answers its readiness check, then tells the actor. Also looks
 /// again whenever the engine writes a line of output (it usually logs when it gets ready).
-async fn probe_ready(readiness: Readiness, engine: Arc<EngineRef>, internal: mpsc::UnboundedSender<Internal>) {
+///
+/// Lines that follow a probe within [`PROBE_ECHO`] are taken for the engine logging the probe
+/// itself and do not count, or every probe would trigger the next one.
+async fn probe_ready(
+    readiness: Readiness,
+    engine: Arc<EngineRef>,
+    internal: mpsc::UnboundedSender<Internal>,
+) {
     let mut interval = PROBE_FIRST;
     loop {
         if engine.exit.borrow().is_some() {
             return;
         }
-        let attempt = tokio::time::timeout(PROBE_ATTEMPT, probe_once(engine.upstream, readiness.path())).await;
+        let attempt =
+            tokio::time::timeout(PROBE_ATTEMPT, probe_once(engine.upstream, readiness.path()))
+                .await;
         if matches!(attempt, Ok(true)) {
             let _ = internal.send(Internal::Ready { gen: engine.gen });
             return;
         }
-        tokio::select! {
-            _ = tokio::time::sleep(interval) => {}
-            _ = engine.output.next_line() => {}
+        let probed = tokio::time::Instant::now();
+        let next = probed + interval;
+        loop {
+            tokio::select! {
+                _ = tokio::time::sleep_until(next) => break,
+                _ = engine.output.next_line() => {
+                    if probed.elapsed() >= PROBE_ECHO {
+                        break;
+                    }
+                }
+            }
         }
         interval = (interval * 2).min(PROBE_MAX);
     }
@@ -538,15 +663,23 @@ async fn probe_ready(readiness: Readiness, engine: Arc<EngineRef>, internal: mps
 
 async fn probe_once(addr: SocketAddr, path: &str) -> bool {
     use http_body_util::Empty;
-    let Ok(stream) = tokio::net::TcpStream::connect(addr).await else { return false };
+    let Ok(stream) = tokio::net::TcpStream::connect(addr).await else {
+        return false;
+    };
     let io = hyper_util::rt::TokioIo::new(stream);
-    let Ok((mut sender, conn)) = hyper::client::conn::http1::handshake::<_, Empty<bytes::Bytes>>(io).await else {
+    let Ok((mut sender, conn)) =
+        hyper::client::conn::http1::handshake::<_, Empty<bytes::Bytes>>(io).await
+    else {
         return false;
     };
     let conn = tokio::spawn(conn);
-    let req = hyper::Request::get(path).header(hyper::header::HOST, addr.to_string()).body(Empty::new());
+    let req = hyper::Request::get(path)
+        .header(hyper::header::HOST, addr.to_string())
+        .body(Empty::new());
     let ok = match req {
-        Ok(req) => matches!(sender.send_request(req).await, Ok(resp) if resp.status() == hyper::StatusCode::OK),
+        Ok(req) => {
+            matches!(sender.send_request(req).await, Ok(resp) if resp.status() == hyper::StatusCode::OK)
+        }
         Err(_) => false,
     };
     conn.abort();

@@ -54,9 +54,15 @@ pub enum Refusal {
     /// The engine exited (or could not be spawned) before it was ready.
     StartFailed(EngineFailure),
     /// The engine was not ready within `start_timeout`.
-    StartTimeout { timeout: Duration, tail: Vec<String> },
+    StartTimeout {
+        timeout: Duration,
+        tail: Vec<String>,
+    },
     /// Recent starts failed; the next try is allowed after `retry_after`.
-    Backoff { retry_after: Duration, last: Option<EngineFailure> },
+    Backoff {
+        retry_after: Duration,
+        last: Option<EngineFailure>,
+    },
     /// A `Stop` cancelled the start this request waited for.
     StartCancelled,
     /// The supervisor is shutting down.
@@ -73,7 +79,10 @@ pub enum Effect {
     /// Give each waiter a lease on generation `gen`.
     Grant { gen: Gen, waiters: Vec<WaiterId> },
     /// Answer each waiter with a refusal.
-    Refuse { waiters: Vec<WaiterId>, why: Refusal },
+    Refuse {
+        waiters: Vec<WaiterId>,
+        why: Refusal,
+    },
     /// Shutdown is complete: the engine is gone, the daemon may exit.
     Exit,
 }
@@ -118,13 +127,34 @@ pub enum Then {
 #[derive(Debug, Clone, PartialEq)]
 pub enum Phase {
     Stopped,
-    Starting { gen: Gen, profile: String, deadline: Instant },
-    Ready { gen: Gen, profile: String, since: Instant },
+    Starting {
+        gen: Gen,
+        profile: String,
+        deadline: Instant,
+    },
+    Ready {
+        gen: Gen,
+        profile: String,
+        since: Instant,
+    },
     /// Waiting for the leases of `gen` to end; forced at `deadline` when set.
-    Draining { gen: Gen, profile: String, then: Then, deadline: Option<Instant> },
+    Draining {
+        gen: Gen,
+        profile: String,
+        then: Then,
+        deadline: Option<Instant>,
+    },
     /// Signalled; waiting for the exit. SIGINT at `interrupt_at`, SIGKILL at `kill_at`.
-    Stopping { gen: Gen, profile: String, then: Then, interrupt_at: Option<Instant>, kill_at: Option<Instant> },
-    Backoff { until: Instant },
+    Stopping {
+        gen: Gen,
+        profile: String,
+        then: Then,
+        interrupt_at: Option<Instant>,
+        kill_at: Option<Instant>,
+    },
+    Backoff {
+        until: Instant,
+    },
 }
 
 impl Phase {
@@ -233,7 +263,9 @@ impl Machine {
     /// When the engine will be stopped for idleness, if it is ready and idle.
     pub fn idle_deadline(&self) -> Option<Instant> {
         match self.phase {
-            Phase::Ready { .. } if self.leases == 0 => Some(self.idle_since + self.limits.idle_timeout),
+            Phase::Ready { .. } if self.leases == 0 => {
+                Some(self.idle_since + self.limits.idle_timeout)
+            }
             _ => None,
         }
     }
@@ -245,7 +277,11 @@ impl Machine {
             Phase::Starting { deadline, .. } => Some(*deadline),
             Phase::Ready { .. } => self.idle_deadline(),
             Phase::Draining { deadline, .. } => *deadline,
-            Phase::Stopping { interrupt_at, kill_at, .. } => match (interrupt_at, kill_at) {
+            Phase::Stopping {
+                interrupt_at,
+                kill_at,
+                ..
+            } => match (interrupt_at, kill_at) {
                 (Some(a), Some(b)) => Some(*a.min(b)),
                 (a, b) => a.or(*b),
             },
@@ -273,28 +309,46 @@ impl Machine {
 
     fn acquire(&mut self, waiter: WaiterId, now: Instant, fx: &mut Vec<Effect>) {
         if self.shutting_down {
-            fx.push(Effect::Refuse { waiters: vec![waiter], why: Refusal::ShuttingDown });
+            fx.push(Effect::Refuse {
+                waiters: vec![waiter],
+                why: Refusal::ShuttingDown,
+            });
             return;
         }
         match &self.phase {
             Phase::Ready { gen, .. } => {
                 let gen = *gen;
                 self.leases += 1;
-                fx.push(Effect::Grant { gen, waiters: vec![waiter] });
+                fx.push(Effect::Grant {
+                    gen,
+                    waiters: vec![waiter],
+                });
             }
             Phase::Backoff { until } => {
                 let retry_after = until.saturating_duration_since(now);
                 let last = self.last_failure.clone();
-                fx.push(Effect::Refuse { waiters: vec![waiter], why: Refusal::Backoff { retry_after, last } });
+                fx.push(Effect::Refuse {
+                    waiters: vec![waiter],
+                    why: Refusal::Backoff { retry_after, last },
+                });
             }
-            Phase::Stopping { then: Then::Backoff, .. } => {
+            Phase::Stopping {
+                then: Then::Backoff,
+                ..
+            } => {
                 let retry_after = self.backoff_delay();
                 let last = self.last_failure.clone();
-                fx.push(Effect::Refuse { waiters: vec![waiter], why: Refusal::Backoff { retry_after, last } });
+                fx.push(Effect::Refuse {
+                    waiters: vec![waiter],
+                    why: Refusal::Backoff { retry_after, last },
+                });
             }
             _ if self.waiters.len() >= self.limits.max_waiting => {
                 let max_waiting = self.limits.max_waiting;
-                fx.push(Effect::Refuse { waiters: vec![waiter], why: Refusal::QueueFull { max_waiting } });
+                fx.push(Effect::Refuse {
+                    waiters: vec![waiter],
+                    why: Refusal::QueueFull { max_waiting },
+                });
             }
             Phase::Stopped => {
                 self.waiters.push_back(waiter);
@@ -315,18 +369,30 @@ impl Machine {
             return;
         }
         self.idle_since = now;
-        if let Phase::Draining { gen, profile, then, .. } = &self.phase {
+        if let Phase::Draining {
+            gen, profile, then, ..
+        } = &self.phase
+        {
             let (gen, profile, then) = (*gen, profile.clone(), *then);
             self.signal_stop(gen, profile, then, now, fx);
         }
     }
 
     fn ready(&mut self, gen: Gen, now: Instant, fx: &mut Vec<Effect>) {
-        let Phase::Starting { gen: g, profile, .. } = &self.phase else { return };
+        let Phase::Starting {
+            gen: g, profile, ..
+        } = &self.phase
+        else {
+            return;
+        };
         if *g != gen {
             return;
         }
-        self.phase = Phase::Ready { gen, profile: profile.clone(), since: now };
+        self.phase = Phase::Ready {
+            gen,
+            profile: profile.clone(),
+            since: now,
+        };
         self.failures = 0;
         self.last_failure = None;
         self.idle_since = now;
@@ -346,7 +412,9 @@ impl Machine {
                 if self.shutting_down {
                     self.finish_exit(fx);
                 } else {
-                    self.phase = Phase::Backoff { until: now + self.backoff_delay() };
+                    self.phase = Phase::Backoff {
+                        until: now + self.backoff_delay(),
+                    };
                 }
             }
             Phase::Ready { .. } => {
@@ -368,29 +436,56 @@ impl Machine {
 
     fn tick(&mut self, now: Instant, fx: &mut Vec<Effect>) {
         match &mut self.phase {
-            Phase::Starting { gen, profile, deadline } if now >= *deadline => {
+            Phase::Starting {
+                gen,
+                profile,
+                deadline,
+            } if now >= *deadline => {
                 let (gen, profile) = (*gen, profile.clone());
                 self.failures += 1;
                 let timeout = self.limits.start_timeout;
                 self.last_failure = Some(EngineFailure {
-                    summary: format!("the engine was not ready within engine.start_timeout ({timeout:?})"),
+                    summary: format!(
+                        "the engine was not ready within engine.start_timeout ({})",
+                        crate::config::format_duration(timeout)
+                    ),
                     tail: Vec::new(),
                 });
-                self.refuse_waiters(Refusal::StartTimeout { timeout, tail: Vec::new() }, fx);
-                let then = if self.shutting_down { Then::Exit } else { Then::Backoff };
+                self.refuse_waiters(
+                    Refusal::StartTimeout {
+                        timeout,
+                        tail: Vec::new(),
+                    },
+                    fx,
+                );
+                let then = if self.shutting_down {
+                    Then::Exit
+                } else {
+                    Then::Backoff
+                };
                 self.signal_stop(gen, profile, then, now, fx);
             }
-            Phase::Ready { gen, profile, .. } => {
-                if self.leases == 0 && now >= self.idle_since + self.limits.idle_timeout {
-                    let (gen, profile) = (*gen, profile.clone());
-                    self.signal_stop(gen, profile, Then::Idle, now, fx);
-                }
+            Phase::Ready { gen, profile, .. }
+                if self.leases == 0 && now >= self.idle_since + self.limits.idle_timeout =>
+            {
+                let (gen, profile) = (*gen, profile.clone());
+                self.signal_stop(gen, profile, Then::Idle, now, fx);
             }
-            Phase::Draining { gen, profile, then, deadline: Some(d) } if now >= *d => {
+            Phase::Draining {
+                gen,
+                profile,
+                then,
+                deadline: Some(d),
+            } if now >= *d => {
                 let (gen, profile, then) = (*gen, profile.clone(), *then);
                 self.signal_stop(gen, profile, then, now, fx);
             }
-            Phase::Stopping { gen, interrupt_at, kill_at, .. } => {
+            Phase::Stopping {
+                gen,
+                interrupt_at,
+                kill_at,
+                ..
+            } => {
                 let gen = *gen;
                 if interrupt_at.is_some_and(|t| now >= t) {
                     *interrupt_at = None;
@@ -398,7 +493,10 @@ impl Machine {
                 }
                 if kill_at.is_some_and(|t| now >= t) {
                     *kill_at = None;
-                    fx.push(Effect::Signal { gen, sig: Sig::Kill });
+                    fx.push(Effect::Signal {
+                        gen,
+                        sig: Sig::Kill,
+                    });
                 }
             }
             Phase::Backoff { until } if now >= *until => {
@@ -414,10 +512,19 @@ impl Machine {
         }
         match &mut self.phase {
             Phase::Stopped | Phase::Backoff { .. } => self.begin_start(now, fx),
-            Phase::Draining { gen, profile, then: Then::Idle, .. } => {
+            Phase::Draining {
+                gen,
+                profile,
+                then: Then::Idle,
+                ..
+            } => {
                 // A stop that had not signalled yet is called off.
                 let (gen, profile) = (*gen, profile.clone());
-                self.phase = Phase::Ready { gen, profile, since: now };
+                self.phase = Phase::Ready {
+                    gen,
+                    profile,
+                    since: now,
+                };
                 self.grant_waiters(gen, fx);
             }
             Phase::Stopping { then, .. } if *then == Then::Idle => *then = Then::Restart,
@@ -439,10 +546,17 @@ impl Machine {
                 if self.leases == 0 || at_once {
                     self.signal_stop(gen, profile, Then::Idle, now, fx);
                 } else {
-                    self.phase = Phase::Draining { gen, profile, then: Then::Idle, deadline: None };
+                    self.phase = Phase::Draining {
+                        gen,
+                        profile,
+                        then: Then::Idle,
+                        deadline: None,
+                    };
                 }
             }
-            Phase::Draining { gen, profile, then, .. } => {
+            Phase::Draining {
+                gen, profile, then, ..
+            } => {
                 if *then == Then::Restart {
                     *then = Then::Idle;
                 }
@@ -481,15 +595,26 @@ impl Machine {
                     if self.leases == 0 {
                         self.signal_stop(gen, profile, Then::Restart, now, fx);
                     } else {
-                        self.phase = Phase::Draining { gen, profile, then: Then::Restart, deadline: None };
+                        self.phase = Phase::Draining {
+                            gen,
+                            profile,
+                            then: Then::Restart,
+                            deadline: None,
+                        };
                     }
                 }
             }
-            Phase::Draining { gen, profile, then, .. } => {
+            Phase::Draining {
+                gen, profile, then, ..
+            } => {
                 if *then == Then::Restart && *profile == profile_now {
                     // Switched back before the drain ended: keep the running engine.
                     let (gen, profile) = (*gen, profile.clone());
-                    self.phase = Phase::Ready { gen, profile, since: now };
+                    self.phase = Phase::Ready {
+                        gen,
+                        profile,
+                        since: now,
+                    };
                     self.grant_waiters(gen, fx);
                 } else if *then == Then::Idle {
                     // Stop requested: the new profile applies at the next start.
@@ -518,7 +643,12 @@ impl Machine {
                 if self.leases == 0 {
                     self.signal_stop(gen, profile, Then::Exit, now, fx);
                 } else {
-                    self.phase = Phase::Draining { gen, profile, then: Then::Exit, deadline: Some(now + self.limits.stop_timeout) };
+                    self.phase = Phase::Draining {
+                        gen,
+                        profile,
+                        then: Then::Exit,
+                        deadline: Some(now + self.limits.stop_timeout),
+                    };
                 }
             }
             Phase::Draining { then, deadline, .. } => {
@@ -537,15 +667,35 @@ impl Machine {
         self.next_gen += 1;
         self.leases = 0;
         let profile = self.profile.clone();
-        self.phase = Phase::Starting { gen, profile: profile.clone(), deadline: now + self.limits.start_timeout };
+        self.phase = Phase::Starting {
+            gen,
+            profile: profile.clone(),
+            deadline: now + self.limits.start_timeout,
+        };
         fx.push(Effect::Spawn { gen, profile });
     }
 
-    fn signal_stop(&mut self, gen: Gen, profile: String, then: Then, now: Instant, fx: &mut Vec<Effect>) {
+    fn signal_stop(
+        &mut self,
+        gen: Gen,
+        profile: String,
+        then: Then,
+        now: Instant,
+        fx: &mut Vec<Effect>,
+    ) {
         let stop = self.limits.stop_timeout;
         let interrupt_at = self.interrupt_grace.filter(|g| *g < stop).map(|g| now + g);
-        self.phase = Phase::Stopping { gen, profile, then, interrupt_at, kill_at: Some(now + stop) };
-        fx.push(Effect::Signal { gen, sig: Sig::Term });
+        self.phase = Phase::Stopping {
+            gen,
+            profile,
+            then,
+            interrupt_at,
+            kill_at: Some(now + stop),
+        };
+        fx.push(Effect::Signal {
+            gen,
+            sig: Sig::Term,
+        });
     }
 
     fn after_stop(&mut self, then: Then, now: Instant, fx: &mut Vec<Effect>) {
@@ -559,7 +709,9 @@ impl Machine {
                 let retry_after = self.backoff_delay();
                 let last = self.last_failure.clone();
                 self.refuse_waiters(Refusal::Backoff { retry_after, last }, fx);
-                self.phase = Phase::Backoff { until: now + retry_after };
+                self.phase = Phase::Backoff {
+                    until: now + retry_after,
+                };
             }
         }
     }

@@ -7,11 +7,19 @@ use std::collections::{BTreeMap, BTreeSet};
 const S: Duration = Duration::from_secs(1);
 
 fn limits() -> Limits {
-    Limits { start_timeout: 600 * S, idle_timeout: 900 * S, stop_timeout: 120 * S, max_waiting: 3 }
+    Limits {
+        start_timeout: 600 * S,
+        idle_timeout: 900 * S,
+        stop_timeout: 120 * S,
+        max_waiting: 3,
+    }
 }
 
 fn fail(msg: &str) -> EngineFailure {
-    EngineFailure { summary: msg.into(), tail: vec!["last line".into()] }
+    EngineFailure {
+        summary: msg.into(),
+        tail: vec!["last line".into()],
+    }
 }
 
 struct T {
@@ -23,7 +31,11 @@ struct T {
 impl T {
     fn new() -> Self {
         let t0 = Instant::now();
-        T { m: Machine::new("320k".into(), limits(), t0), t0, now: t0 }
+        T {
+            m: Machine::new("320k".into(), limits(), t0),
+            t0,
+            now: t0,
+        }
     }
     fn at(&mut self, secs: u64) -> &mut Self {
         self.now = self.t0 + Duration::from_secs(secs);
@@ -49,13 +61,22 @@ impl T {
 }
 
 fn spawn(gen: Gen, profile: &str) -> Effect {
-    Effect::Spawn { gen, profile: profile.into() }
+    Effect::Spawn {
+        gen,
+        profile: profile.into(),
+    }
 }
 fn grant(gen: Gen, w: &[WaiterId]) -> Effect {
-    Effect::Grant { gen, waiters: w.to_vec() }
+    Effect::Grant {
+        gen,
+        waiters: w.to_vec(),
+    }
 }
 fn term(gen: Gen) -> Effect {
-    Effect::Signal { gen, sig: Sig::Term }
+    Effect::Signal {
+        gen,
+        sig: Sig::Term,
+    }
 }
 
 #[test]
@@ -77,7 +98,13 @@ fn queue_beyond_max_waiting_is_refused() {
         t.ev(Event::Acquire { waiter: w });
     }
     let fx = t.ev(Event::Acquire { waiter: 4 });
-    assert_eq!(fx, vec![Effect::Refuse { waiters: vec![4], why: Refusal::QueueFull { max_waiting: 3 } }]);
+    assert_eq!(
+        fx,
+        vec![Effect::Refuse {
+            waiters: vec![4],
+            why: Refusal::QueueFull { max_waiting: 3 }
+        }]
+    );
     // a waiter that went away frees its place
     t.ev(Event::Cancel { waiter: 2 });
     assert_eq!(t.ev(Event::Acquire { waiter: 5 }), vec![]);
@@ -96,7 +123,13 @@ fn idle_counts_from_the_last_release_not_from_the_request() {
     assert_eq!(t.at(2899).ev(Event::Tick), vec![]);
     assert_eq!(t.at(2900).ev(Event::Tick), vec![term(1)]);
     assert_eq!(t.name(), "stopping");
-    assert_eq!(t.at(2901).ev(Event::Exited { gen: 1, failure: fail("exit code 0") }), vec![]);
+    assert_eq!(
+        t.at(2901).ev(Event::Exited {
+            gen: 1,
+            failure: fail("exit code 0")
+        }),
+        vec![]
+    );
     assert_eq!(t.name(), "stopped");
     // the next request starts a new generation
     assert_eq!(t.ev(Event::Acquire { waiter: 2 }), vec![spawn(2, "320k")]);
@@ -109,7 +142,13 @@ fn a_request_during_stopping_waits_and_starts_the_next_engine() {
     t.at(900).ev(Event::Tick);
     assert_eq!(t.name(), "stopping");
     assert_eq!(t.ev(Event::Acquire { waiter: 7 }), vec![]);
-    assert_eq!(t.ev(Event::Exited { gen: 1, failure: fail("exit code 0") }), vec![spawn(2, "320k")]);
+    assert_eq!(
+        t.ev(Event::Exited {
+            gen: 1,
+            failure: fail("exit code 0")
+        }),
+        vec![spawn(2, "320k")]
+    );
     assert_eq!(t.ev(Event::Ready { gen: 2 }), vec![grant(2, &[7])]);
 }
 
@@ -120,9 +159,21 @@ fn stopping_escalates_to_interrupt_then_kill() {
     t.ready_with(&[]);
     assert_eq!(t.ev(Event::Stop { now: false }), vec![term(1)]);
     assert_eq!(t.m.next_deadline(), Some(t.t0 + 5 * S));
-    assert_eq!(t.at(5).ev(Event::Tick), vec![Effect::Signal { gen: 1, sig: Sig::Int }]);
+    assert_eq!(
+        t.at(5).ev(Event::Tick),
+        vec![Effect::Signal {
+            gen: 1,
+            sig: Sig::Int
+        }]
+    );
     assert_eq!(t.m.next_deadline(), Some(t.t0 + 120 * S));
-    assert_eq!(t.at(120).ev(Event::Tick), vec![Effect::Signal { gen: 1, sig: Sig::Kill }]);
+    assert_eq!(
+        t.at(120).ev(Event::Tick),
+        vec![Effect::Signal {
+            gen: 1,
+            sig: Sig::Kill
+        }]
+    );
     assert_eq!(t.m.next_deadline(), None);
     assert_eq!(t.at(200).ev(Event::Tick), vec![]);
 }
@@ -133,7 +184,13 @@ fn without_interrupt_grace_only_kill_after_the_whole_stop_timeout() {
     t.ready_with(&[]);
     t.ev(Event::Stop { now: false });
     assert_eq!(t.at(119).ev(Event::Tick), vec![]);
-    assert_eq!(t.at(120).ev(Event::Tick), vec![Effect::Signal { gen: 1, sig: Sig::Kill }]);
+    assert_eq!(
+        t.at(120).ev(Event::Tick),
+        vec![Effect::Signal {
+            gen: 1,
+            sig: Sig::Kill
+        }]
+    );
 }
 
 #[test]
@@ -157,12 +214,23 @@ fn stop_now_does_not_wait_for_leases() {
 fn profile_switch_drains_then_restarts_with_the_new_profile() {
     let mut t = T::new();
     t.ready_with(&[1]);
-    assert_eq!(t.ev(Event::SetProfile { profile: "64k".into() }), vec![]);
+    assert_eq!(
+        t.ev(Event::SetProfile {
+            profile: "64k".into()
+        }),
+        vec![]
+    );
     assert_eq!(t.name(), "draining");
     // requests arriving during the drain wait for the new engine
     assert_eq!(t.ev(Event::Acquire { waiter: 2 }), vec![]);
     assert_eq!(t.ev(Event::Release { gen: 1 }), vec![term(1)]);
-    assert_eq!(t.ev(Event::Exited { gen: 1, failure: fail("exit code 0") }), vec![spawn(2, "64k")]);
+    assert_eq!(
+        t.ev(Event::Exited {
+            gen: 1,
+            failure: fail("exit code 0")
+        }),
+        vec![spawn(2, "64k")]
+    );
     assert_eq!(t.ev(Event::Ready { gen: 2 }), vec![grant(2, &[2])]);
     assert_eq!(t.m.profile(), "64k");
 }
@@ -171,9 +239,16 @@ fn profile_switch_drains_then_restarts_with_the_new_profile() {
 fn switching_back_during_the_drain_keeps_the_engine() {
     let mut t = T::new();
     t.ready_with(&[1]);
-    t.ev(Event::SetProfile { profile: "64k".into() });
+    t.ev(Event::SetProfile {
+        profile: "64k".into(),
+    });
     t.ev(Event::Acquire { waiter: 2 });
-    assert_eq!(t.ev(Event::SetProfile { profile: "320k".into() }), vec![grant(1, &[2])]);
+    assert_eq!(
+        t.ev(Event::SetProfile {
+            profile: "320k".into()
+        }),
+        vec![grant(1, &[2])]
+    );
     assert_eq!(t.name(), "ready");
     assert_eq!(t.m.leases(), 2);
 }
@@ -181,7 +256,12 @@ fn switching_back_during_the_drain_keeps_the_engine() {
 #[test]
 fn set_profile_while_stopped_applies_at_next_start() {
     let mut t = T::new();
-    assert_eq!(t.ev(Event::SetProfile { profile: "64k".into() }), vec![]);
+    assert_eq!(
+        t.ev(Event::SetProfile {
+            profile: "64k".into()
+        }),
+        vec![]
+    );
     assert_eq!(t.name(), "stopped");
     assert_eq!(t.ev(Event::Start), vec![spawn(1, "64k")]);
 }
@@ -190,7 +270,12 @@ fn set_profile_while_stopped_applies_at_next_start() {
 fn same_profile_is_a_no_op() {
     let mut t = T::new();
     t.ready_with(&[1]);
-    assert_eq!(t.ev(Event::SetProfile { profile: "320k".into() }), vec![]);
+    assert_eq!(
+        t.ev(Event::SetProfile {
+            profile: "320k".into()
+        }),
+        vec![]
+    );
     assert_eq!(t.name(), "ready");
 }
 
@@ -200,22 +285,40 @@ fn exit_before_ready_refuses_waiters_and_backs_off() {
     t.ev(Event::Acquire { waiter: 1 });
     t.ev(Event::Acquire { waiter: 2 });
     let f = fail("exit code 1");
-    let fx = t.ev(Event::Exited { gen: 1, failure: f.clone() });
-    assert_eq!(fx, vec![Effect::Refuse { waiters: vec![1, 2], why: Refusal::StartFailed(f.clone()) }]);
+    let fx = t.ev(Event::Exited {
+        gen: 1,
+        failure: f.clone(),
+    });
+    assert_eq!(
+        fx,
+        vec![Effect::Refuse {
+            waiters: vec![1, 2],
+            why: Refusal::StartFailed(f.clone())
+        }]
+    );
     assert_eq!(t.name(), "backoff");
     assert_eq!(t.m.last_failure(), Some(&f));
     // during backoff requests are refused with the last failure and a retry delay
     let fx = t.at(0).ev(Event::Acquire { waiter: 3 });
     assert_eq!(
         fx,
-        vec![Effect::Refuse { waiters: vec![3], why: Refusal::Backoff { retry_after: S, last: Some(f.clone()) } }]
+        vec![Effect::Refuse {
+            waiters: vec![3],
+            why: Refusal::Backoff {
+                retry_after: S,
+                last: Some(f.clone())
+            }
+        }]
     );
     // after the backoff the next request tries again
     t.at(1).ev(Event::Tick);
     assert_eq!(t.name(), "stopped");
     assert_eq!(t.ev(Event::Acquire { waiter: 4 }), vec![spawn(2, "320k")]);
     // a second failure doubles the delay
-    t.ev(Event::Exited { gen: 2, failure: f.clone() });
+    t.ev(Event::Exited {
+        gen: 2,
+        failure: f.clone(),
+    });
     assert_eq!(t.m.next_deadline(), Some(t.t0 + 3 * S));
     // success resets the count
     t.at(3).ev(Event::Tick);
@@ -234,14 +337,32 @@ fn start_timeout_refuses_with_504_kind_then_kills_and_backs_off() {
     assert_eq!(
         fx,
         vec![
-            Effect::Refuse { waiters: vec![1], why: Refusal::StartTimeout { timeout: 600 * S, tail: vec![] } },
+            Effect::Refuse {
+                waiters: vec![1],
+                why: Refusal::StartTimeout {
+                    timeout: 600 * S,
+                    tail: vec![]
+                }
+            },
             term(1)
         ]
     );
     // requests while the hung engine is being stopped are refused, not queued
     let fx = t.ev(Event::Acquire { waiter: 2 });
-    assert!(matches!(&fx[..], [Effect::Refuse { why: Refusal::Backoff { .. }, .. }]), "{fx:?}");
-    t.at(601).ev(Event::Exited { gen: 1, failure: fail("killed by SIGTERM") });
+    assert!(
+        matches!(
+            &fx[..],
+            [Effect::Refuse {
+                why: Refusal::Backoff { .. },
+                ..
+            }]
+        ),
+        "{fx:?}"
+    );
+    t.at(601).ev(Event::Exited {
+        gen: 1,
+        failure: fail("killed by SIGTERM"),
+    });
     assert_eq!(t.name(), "backoff");
     assert_eq!(t.m.next_deadline(), Some(t.t0 + 602 * S));
 }
@@ -250,7 +371,10 @@ fn start_timeout_refuses_with_504_kind_then_kills_and_backs_off() {
 fn explicit_start_skips_the_backoff() {
     let mut t = T::new();
     t.ev(Event::Start);
-    t.ev(Event::Exited { gen: 1, failure: fail("exit code 1") });
+    t.ev(Event::Exited {
+        gen: 1,
+        failure: fail("exit code 1"),
+    });
     assert_eq!(t.name(), "backoff");
     assert_eq!(t.ev(Event::Start), vec![spawn(2, "320k")]);
 }
@@ -259,10 +383,19 @@ fn explicit_start_skips_the_backoff() {
 fn crash_while_ready_goes_to_stopped_and_restarts_on_demand() {
     let mut t = T::new();
     t.ready_with(&[1]);
-    assert_eq!(t.ev(Event::Exited { gen: 1, failure: fail("killed by SIGSEGV") }), vec![]);
+    assert_eq!(
+        t.ev(Event::Exited {
+            gen: 1,
+            failure: fail("killed by SIGSEGV")
+        }),
+        vec![]
+    );
     assert_eq!(t.name(), "stopped");
     assert_eq!(t.m.leases(), 0);
-    assert_eq!(t.m.last_failure().map(|f| f.summary.as_str()), Some("killed by SIGSEGV"));
+    assert_eq!(
+        t.m.last_failure().map(|f| f.summary.as_str()),
+        Some("killed by SIGSEGV")
+    );
     // the old lease's release is harmless
     assert_eq!(t.ev(Event::Release { gen: 1 }), vec![]);
     assert_eq!(t.ev(Event::Acquire { waiter: 2 }), vec![spawn(2, "320k")]);
@@ -273,10 +406,19 @@ fn stale_events_of_an_old_generation_are_ignored() {
     let mut t = T::new();
     t.ready_with(&[]);
     t.ev(Event::Stop { now: false });
-    t.ev(Event::Exited { gen: 1, failure: fail("exit code 0") });
+    t.ev(Event::Exited {
+        gen: 1,
+        failure: fail("exit code 0"),
+    });
     t.ev(Event::Start);
     assert_eq!(t.ev(Event::Ready { gen: 1 }), vec![]);
-    assert_eq!(t.ev(Event::Exited { gen: 1, failure: fail("late") }), vec![]);
+    assert_eq!(
+        t.ev(Event::Exited {
+            gen: 1,
+            failure: fail("late")
+        }),
+        vec![]
+    );
     assert_eq!(t.name(), "starting");
 }
 
@@ -285,7 +427,16 @@ fn stop_while_starting_cancels_the_waiters() {
     let mut t = T::new();
     t.ev(Event::Acquire { waiter: 1 });
     let fx = t.ev(Event::Stop { now: false });
-    assert_eq!(fx, vec![Effect::Refuse { waiters: vec![1], why: Refusal::StartCancelled }, term(1)]);
+    assert_eq!(
+        fx,
+        vec![
+            Effect::Refuse {
+                waiters: vec![1],
+                why: Refusal::StartCancelled
+            },
+            term(1)
+        ]
+    );
 }
 
 #[test]
@@ -296,10 +447,22 @@ fn shutdown_drains_bounded_by_stop_timeout_then_exits() {
     assert_eq!(t.name(), "draining");
     // new requests are refused
     let fx = t.ev(Event::Acquire { waiter: 2 });
-    assert_eq!(fx, vec![Effect::Refuse { waiters: vec![2], why: Refusal::ShuttingDown }]);
+    assert_eq!(
+        fx,
+        vec![Effect::Refuse {
+            waiters: vec![2],
+            why: Refusal::ShuttingDown
+        }]
+    );
     // the lease is not released in time: forced
     assert_eq!(t.at(120).ev(Event::Tick), vec![term(1)]);
-    assert_eq!(t.at(121).ev(Event::Exited { gen: 1, failure: fail("exit code 0") }), vec![Effect::Exit]);
+    assert_eq!(
+        t.at(121).ev(Event::Exited {
+            gen: 1,
+            failure: fail("exit code 0")
+        }),
+        vec![Effect::Exit]
+    );
 }
 
 #[test]
@@ -314,8 +477,23 @@ fn shutdown_while_starting_refuses_waiters_and_stops() {
     let mut t = T::new();
     t.ev(Event::Acquire { waiter: 1 });
     let fx = t.ev(Event::Shutdown);
-    assert_eq!(fx, vec![Effect::Refuse { waiters: vec![1], why: Refusal::ShuttingDown }, term(1)]);
-    assert_eq!(t.ev(Event::Exited { gen: 1, failure: fail("exit code 0") }), vec![Effect::Exit]);
+    assert_eq!(
+        fx,
+        vec![
+            Effect::Refuse {
+                waiters: vec![1],
+                why: Refusal::ShuttingDown
+            },
+            term(1)
+        ]
+    );
+    assert_eq!(
+        t.ev(Event::Exited {
+            gen: 1,
+            failure: fail("exit code 0")
+        }),
+        vec![Effect::Exit]
+    );
 }
 
 #[test]
@@ -401,19 +579,29 @@ impl World {
         for fx in effects {
             match fx {
                 Effect::Spawn { gen, .. } => {
-                    prop_assert!(self.child.is_none(), "spawn of {gen} while {:?} lives", self.child);
+                    prop_assert!(
+                        self.child.is_none(),
+                        "spawn of {gen} while {:?} lives",
+                        self.child
+                    );
                     self.child = Some(gen);
                 }
                 Effect::Signal { gen, sig } => {
                     prop_assert_eq!(Some(gen), self.child, "signal to a child that is not there");
                     if sig == Sig::Term && !forced && !was_starting {
                         prop_assert_eq!(leases_after, 0, "stop while leases are held");
-                        prop_assert!(self.leases.iter().all(|g| *g != gen), "stop while leases are held");
+                        prop_assert!(
+                            self.leases.iter().all(|g| *g != gen),
+                            "stop while leases are held"
+                        );
                     }
                 }
                 Effect::Grant { gen, waiters } => {
                     prop_assert_eq!(Some(gen), self.child);
-                    prop_assert!(matches!(self.m.phase(), Phase::Ready { .. }), "grant outside ready");
+                    prop_assert!(
+                        matches!(self.m.phase(), Phase::Ready { .. }),
+                        "grant outside ready"
+                    );
                     for w in waiters {
                         self.answer(w)?;
                         self.leases.push(gen);
@@ -440,7 +628,10 @@ impl World {
     }
 
     fn answer(&mut self, w: WaiterId) -> Result<(), TestCaseError> {
-        prop_assert!(self.pending.remove(&w), "waiter {w} answered but was not waiting");
+        prop_assert!(
+            self.pending.remove(&w),
+            "waiter {w} answered but was not waiting"
+        );
         *self.answered.entry(w).or_default() += 1;
         Ok(())
     }
@@ -454,7 +645,12 @@ impl World {
                 self.apply(Event::Acquire { waiter: w })
             }
             Op::Cancel(i) => {
-                if let Some(w) = self.pending.iter().nth(i % self.pending.len().max(1)).copied() {
+                if let Some(w) = self
+                    .pending
+                    .iter()
+                    .nth(i % self.pending.len().max(1))
+                    .copied()
+                {
                     self.pending.remove(&w);
                     self.answered.insert(w, 1);
                     self.apply(Event::Cancel { waiter: w })?;
@@ -475,7 +671,10 @@ impl World {
             Op::Exit => match self.child.take() {
                 Some(gen) => {
                     self.leases.retain(|g| *g != gen); // its connections fail
-                    self.apply(Event::Exited { gen, failure: fail("gone") })
+                    self.apply(Event::Exited {
+                        gen,
+                        failure: fail("gone"),
+                    })
                 }
                 None => Ok(()),
             },
@@ -485,7 +684,9 @@ impl World {
             }
             Op::Start => self.apply(Event::Start),
             Op::Stop(now) => self.apply(Event::Stop { now }),
-            Op::Profile(b) => self.apply(Event::SetProfile { profile: if b { "a" } else { "b" }.into() }),
+            Op::Profile(b) => self.apply(Event::SetProfile {
+                profile: if b { "a" } else { "b" }.into(),
+            }),
             Op::Shutdown => self.apply(Event::Shutdown),
         }
     }
@@ -501,7 +702,10 @@ impl World {
                 (Phase::Starting { .. }, Some(gen)) => self.apply(Event::Ready { gen })?,
                 (Phase::Stopping { .. }, Some(gen)) => {
                     self.child = None;
-                    self.apply(Event::Exited { gen, failure: fail("stopped") })?;
+                    self.apply(Event::Exited {
+                        gen,
+                        failure: fail("stopped"),
+                    })?;
                 }
                 _ => {
                     self.now += Duration::from_secs(2000);
@@ -509,8 +713,16 @@ impl World {
                 }
             }
         }
-        prop_assert!(self.pending.is_empty(), "waiters never answered: {:?} in {:?}", self.pending, self.m.phase());
-        prop_assert!(self.answered.values().all(|n| *n == 1), "a waiter was answered twice");
+        prop_assert!(
+            self.pending.is_empty(),
+            "waiters never answered: {:?} in {:?}",
+            self.pending,
+            self.m.phase()
+        );
+        prop_assert!(
+            self.answered.values().all(|n| *n == 1),
+            "a waiter was answered twice"
+        );
         Ok(())
     }
 }

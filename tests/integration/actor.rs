@@ -1,0 +1,1 @@
+//! actor tests: below

@@ -1,0 +1,381 @@
+//! Test harness: a real `dsv4d` process on a socket-activated loopback listener, driving the
+//! fake engine, with a small HTTP client.
+#![allow(dead_code)]
+
+use std::collections::BTreeMap;
+use std::io::{BufRead, BufReader};
+use std::net::{SocketAddr, TcpListener};
+use std::os::fd::AsRawFd;
+use std::os::unix::process::CommandExt;
+use std::path::{Path, PathBuf};
+use std::process::{Child, Command, ExitStatus, Stdio};
+use std::sync::atomic::{AtomicU32, Ordering};
+use std::sync::{Arc, Mutex};
+use std::time::{Duration, Instant};
+
+use bytes::Bytes;
+use http_body_util::{BodyExt, Full};
+use hyper::body::Incoming;
+use hyper_util::client::legacy::connect::HttpConnector;
+use hyper_util::client::legacy::Client;
+use hyper_util::rt::TokioExecutor;
+
+pub const FAKE_ENGINE: &str = env!("CARGO_BIN_EXE_fake-engine");
+pub const DSV4D: &str = env!("CARGO_BIN_EXE_dsv4d-under-test");
+
+/// A fresh folder under the system temp dir, removed on drop.
+pub struct TempDir(pub PathBuf);
+
+impl TempDir {
+    pub fn new(tag: &str) -> TempDir {
+        static N: AtomicU32 = AtomicU32::new(0);
+        let p = std::env::temp_dir().join(format!(
+            "dsv4-test-{tag}-{}-{}",
+            std::process::id(),
+            N.fetch_add(1, Ordering::Relaxed)
+        ));
+        let _ = std::fs::remove_dir_all(&p);
+        std::fs::create_dir_all(&p).unwrap();
+        TempDir(p)
+    }
+    pub fn path(&self) -> &Path {
+        &self.0
+    }
+}
+
+impl Drop for TempDir {
+    fn drop(&mut self) {
+        let _ = std::fs::remove_dir_all(&self.0);
+    }
+}
+
+/// What the daemon under test is configured with.
+#[derive(Clone)]
+pub struct Setup {
+    /// `engine:` keys of supervisor.yaml.
+    pub engine: BTreeMap<&'static str, String>,
+    /// FAKE_ENGINE_* knobs per profile (profile name -> knob -> value).
+    pub profiles: BTreeMap<String, BTreeMap<&'static str, String>>,
+    pub default_profile: String,
+}
+
+impl Default for Setup {
+    fn default() -> Self {
+        let mut profiles = BTreeMap::new();
+        profiles.insert("320k".to_string(), BTreeMap::new());
+        profiles.insert("64k".to_string(), BTreeMap::new());
+        Setup {
+            engine: BTreeMap::new(),
+            profiles,
+            default_profile: "320k".into(),
+        }
+    }
+}
+
+impl Setup {
+    pub fn engine(mut self, key: &'static str, value: &str) -> Self {
+        self.engine.insert(key, value.to_string());
+        self
+    }
+    /// Sets a fake-engine knob (`load_ms` -> FAKE_ENGINE_LOAD_MS) on every profile.
+    pub fn knob(mut self, knob: &'static str, value: &str) -> Self {
+        for p in self.profiles.values_mut() {
+            p.insert(knob, value.to_string());
+        }
+        self
+    }
+
+    /// Writes supervisor.yaml and the profiles into `dir`; returns the config path.
+    pub fn write(&self, dir: &Path, fake_log: &Path) -> PathBuf {
+        let profiles = dir.join("profiles");
+        std::fs::create_dir_all(&profiles).unwrap();
+        let mut engine = String::new();
+        for (k, v) in &self.engine {
+            engine.push_str(&format!("  {k}: {v}\n"));
+        }
+        let yaml = format!(
+            "api:\n  listen: 127.0.0.1:0\nengine:\n{engine}profiles_dir: profiles\ndefault_profile: {}\nstate_dir: {}\n",
+            self.default_profile,
+            dir.join("state").display()
+        );
+        let engine_block = if engine.is_empty() {
+            yaml.replace("engine:\n", "")
+        } else {
+            yaml
+        };
+        std::fs::write(dir.join("supervisor.yaml"), engine_block).unwrap();
+        for (name, knobs) in &self.profiles {
+            let context = if name == "64k" { 65536 } else { 327680 };
+            let mut env = format!("  FAKE_ENGINE_LOG_FILE: \"{}\"\n", fake_log.display());
+            for (k, v) in knobs {
+                env.push_str(&format!("  FAKE_ENGINE_{}: \"{v}\"\n", k.to_uppercase()));
+            }
+            let p = format!(
+                "description: test profile {name}\nengine: llama-server\ncommand: {FAKE_ENGINE}\n\
+                 model: /models/{name}.gguf\ncontext: {context}\nparallel: 1\nkv_cache: q8_0\n\
+                 flash_attn: on\ngpu_layers: all\nenv:\n{env}"
+            );
+            std::fs::write(profiles.join(format!("{name}.yaml")), p).unwrap();
+        }
+        dir.join("supervisor.yaml")
+    }
+}
+
+/// A running `dsv4d`.
+pub struct Daemon {
+    pub child: Child,
+    pub addr: SocketAddr,
+    pub dir: TempDir,
+    pub fake_log: PathBuf,
+    log: Arc<Mutex<String>>,
+    client: Client<HttpConnector, Full<Bytes>>,
+}
+
+impl Daemon {
+    /// Starts `dsv4d` socket-activated: the test binds the listener, as systemd would, and the
+    /// daemon gets it as fd 3 named `api`.
+    pub fn start(setup: &Setup) -> Daemon {
+        let dir = TempDir::new("daemon");
+        let fake_log = dir.path().join("fake-engine.log");
+        let config = setup.write(dir.path(), &fake_log);
+        let listener = TcpListener::bind("127.0.0.1:0").unwrap();
+        let addr = listener.local_addr().unwrap();
+        let mut cmd = Command::new("/bin/sh");
+        // `exec` keeps the shell's pid, so LISTEN_PID=$$ names the daemon itself.
+        cmd.arg("-c")
+            .arg("LISTEN_PID=$$ LISTEN_FDS=1 LISTEN_FDNAMES=api exec \"$0\" \"$@\"")
+            .arg(DSV4D)
+            .args(["--config", config.to_str().unwrap(), "--bus", "none"])
+            .env("DSV4_LOG", "debug")
+            .stdin(Stdio::null())
+            .stdout(Stdio::null())
+            .stderr(Stdio::piped());
+        let fd = listener.as_raw_fd();
+        // SAFETY: dup2 is async-signal-safe; it runs in the forked child before exec and puts
+        // the listener on fd 3 without FD_CLOEXEC, as systemd hands it over.
+        unsafe {
+            cmd.pre_exec(move || {
+                if libc::dup2(fd, 3) < 0 {
+                    return Err(std::io::Error::last_os_error());
+                }
+                if fd == 3 {
+                    libc::fcntl(3, libc::F_SETFD, 0);
+                }
+                Ok(())
+            });
+        }
+        let mut child = cmd.spawn().expect("spawn dsv4d");
+        drop(listener);
+        let log = Arc::new(Mutex::new(String::new()));
+        let stderr = child.stderr.take().unwrap();
+        let sink = log.clone();
+        std::thread::spawn(move || {
+            for line in BufReader::new(stderr).lines().map_while(Result::ok) {
+                let mut l = sink.lock().unwrap();
+                l.push_str(&line);
+                l.push('\n');
+            }
+        });
+        let client = Client::builder(TokioExecutor::new()).build_http();
+        Daemon {
+            child,
+            addr,
+            dir,
+            fake_log,
+            log,
+            client,
+        }
+    }
+
+    pub fn url(&self, path: &str) -> String {
+        format!("http://{}{path}", self.addr)
+    }
+
+    pub fn log(&self) -> String {
+        self.log.lock().unwrap().clone()
+    }
+
+    /// What the fake engine wrote to its event log (all generations).
+    pub fn fake_log(&self) -> String {
+        std::fs::read_to_string(&self.fake_log).unwrap_or_default()
+    }
+
+    /// How many engine processes were started.
+    pub fn spawns(&self) -> usize {
+        self.fake_log()
+            .lines()
+            .filter(|l| l.starts_with("start pid="))
+            .count()
+    }
+
+    pub async fn get(&self, path: &str) -> (u16, serde_json::Value) {
+        let req = hyper::Request::get(self.url(path))
+            .body(Full::default())
+            .unwrap();
+        let resp = self.client.request(req).await.expect("GET");
+        let status = resp.status().as_u16();
+        let body = resp.into_body().collect().await.unwrap().to_bytes();
+        (
+            status,
+            serde_json::from_slice(&body).unwrap_or(serde_json::Value::Null),
+        )
+    }
+
+    pub async fn status(&self) -> serde_json::Value {
+        self.get("/status").await.1
+    }
+
+    /// Sends a POST and returns the response head with its body still streaming.
+    pub async fn post(&self, path: &str, body: serde_json::Value) -> hyper::Response<Incoming> {
+        let req = hyper::Request::post(self.url(path))
+            .header("content-type", "application/json")
+            .body(Full::new(Bytes::from(body.to_string())))
+            .unwrap();
+        self.client.request(req).await.expect("POST")
+    }
+
+    /// Waits until `/status` says `state`.
+    pub async fn wait_state(&self, state: &str, within: Duration) {
+        let t = Instant::now();
+        loop {
+            let s = self.status().await;
+            if s["state"] == state {
+                return;
+            }
+            assert!(
+                t.elapsed() < within,
+                "state {state} not reached in {within:?}; status {s}\n{}",
+                self.log()
+            );
+            tokio::time::sleep(Duration::from_millis(20)).await;
+        }
+    }
+
+    /// Waits until the fake engine's log has a line containing `needle`.
+    pub async fn wait_fake_log(&self, needle: &str, within: Duration) {
+        let t = Instant::now();
+        while !self.fake_log().contains(needle) {
+            assert!(
+                t.elapsed() < within,
+                "fake engine never logged {needle:?}:\n{}",
+                self.fake_log()
+            );
+            tokio::time::sleep(Duration::from_millis(20)).await;
+        }
+    }
+
+    pub fn signal(&self, sig: nix::sys::signal::Signal) {
+        nix::sys::signal::kill(nix::unistd::Pid::from_raw(self.child.id() as i32), sig).unwrap();
+    }
+
+    /// Waits for the daemon to exit, at most `within`.
+    pub async fn wait_exit(&mut self, within: Duration) -> ExitStatus {
+        let t = Instant::now();
+        loop {
+            if let Some(st) = self.child.try_wait().unwrap() {
+                return st;
+            }
+            assert!(
+                t.elapsed() < within,
+                "dsv4d did not exit within {within:?}\n{}",
+                self.log()
+            );
+            tokio::time::sleep(Duration::from_millis(20)).await;
+        }
+    }
+}
+
+impl Drop for Daemon {
+    fn drop(&mut self) {
+        // Its engine goes with it (PR_SET_PDEATHSIG).
+        let _ = self.child.kill();
+        let _ = self.child.wait();
+    }
+}
+
+/// One streamed response, read event by event.
+pub struct Stream {
+    pub body: Incoming,
+    buf: String,
+}
+
+impl Stream {
+    pub fn new(body: Incoming) -> Stream {
+        Stream {
+            body,
+            buf: String::new(),
+        }
+    }
+
+    /// The next SSE event's text (without the trailing blank line), or None at the end.
+    pub async fn next_event(&mut self) -> Option<String> {
+        loop {
+            if let Some(i) = self.buf.find("\n\n") {
+                let ev = self.buf[..i].to_string();
+                self.buf.drain(..i + 2);
+                return Some(ev);
+            }
+            match self.body.frame().await {
+                Some(Ok(f)) => {
+                    if let Ok(d) = f.into_data() {
+                        self.buf.push_str(&String::from_utf8_lossy(&d));
+                    }
+                }
+                Some(Err(e)) => panic!("stream broke: {e}"),
+                None => return None,
+            }
+        }
+    }
+
+    /// Reads to the end; returns the concatenated `delta.content` and whether `[DONE]` came.
+    pub async fn collect_chat(&mut self) -> (String, bool, usize) {
+        let mut content = String::new();
+        let mut done = false;
+        let mut events = 0;
+        while let Some(ev) = self.next_event().await {
+            events += 1;
+            let Some(data) = ev.strip_prefix("data: ") else {
+                continue;
+            };
+            if data == "[DONE]" {
+                done = true;
+                continue;
+            }
+            let v: serde_json::Value = serde_json::from_str(data).expect("chunk JSON");
+            if let Some(c) = v["choices"][0]["delta"]["content"].as_str() {
+                content.push_str(c);
+            }
+        }
+        (content, done, events)
+    }
+}
+
+pub fn chat(max_tokens: u32, stream: bool) -> serde_json::Value {
+    serde_json::json!({
+        "messages": [{"role": "user", "content": "hello"}],
+        "max_tokens": max_tokens,
+        "stream": stream,
+    })
+}
+
+pub async fn body_json(
+    resp: hyper::Response<Incoming>,
+) -> (u16, hyper::HeaderMap, serde_json::Value) {
+    let status = resp.status().as_u16();
+    let headers = resp.headers().clone();
+    let body = resp.into_body().collect().await.unwrap().to_bytes();
+    let v = serde_json::from_slice(&body)
+        .unwrap_or_else(|_| serde_json::Value::String(String::from_utf8_lossy(&body).into()));
+    (status, headers, v)
+}
+
+/// Whether a process exists and is not a zombie.
+pub fn alive(pid: i64) -> bool {
+    match std::fs::read_to_string(format!("/proc/{pid}/stat")) {
+        Ok(stat) => stat
+            .rsplit(')')
+            .next()
+            .is_some_and(|r| !r.trim_start().starts_with('Z')),
+        Err(_) => false,
+    }
+}
