@@ -1,1 +1,603 @@
-//! actor tests: below
+//! Tests of the lifecycle actor on its own (no HTTP front end): `dsv4::lifecycle::actor`
+//! driving the fake engine over real loopback sockets, through its `Handle`.
+
+mod support;
+
+use std::path::{Path, PathBuf};
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use bytes::Bytes;
+use dsv4::config::Config;
+use dsv4::lifecycle::actor::{self, ControlError, EngineRef, Handle, Lease, Status};
+use dsv4::lifecycle::state::Refusal;
+use http_body_util::{BodyExt, Full};
+use hyper::body::Incoming;
+use support::*;
+
+const SEC: Duration = Duration::from_secs(1);
+const MS: Duration = Duration::from_millis(1);
+
+/// One actor under test, with its config folder and the fake engine's event log.
+struct Rig {
+    handle: Handle,
+    task: tokio::task::JoinHandle<()>,
+    fake_log: PathBuf,
+    _dir: TempDir,
+}
+
+impl Rig {
+    fn new(setup: &Setup) -> Rig {
+        Rig::with(setup, "320k", |_, _| {})
+    }
+
+    /// Writes `setup`, lets `extra` add to the config folder, and starts the actor on
+    /// `profile`.
+    fn with(setup: &Setup, profile: &str, extra: impl FnOnce(&Path, &Path)) -> Rig {
+        let dir = TempDir::new("actor");
+        let fake_log = dir.path().join("fake-engine.log");
+        let path = setup.write(dir.path(), &fake_log);
+        extra(dir.path(), &fake_log);
+        let config = Config::load(&path).unwrap_or_else(|e| panic!("config: {e}"));
+        let (handle, task) = actor::spawn(Arc::new(config), profile.to_string());
+        Rig {
+            handle,
+            task,
+            fake_log,
+            _dir: dir,
+        }
+    }
+
+    fn fake_log(&self) -> String {
+        std::fs::read_to_string(&self.fake_log).unwrap_or_default()
+    }
+
+    /// The fake engine's `start` lines, one per engine process.
+    fn starts(&self) -> Vec<String> {
+        self.fake_log()
+            .lines()
+            .filter(|l| l.starts_with("start pid="))
+            .map(String::from)
+            .collect()
+    }
+
+    async fn wait_fake_log(&self, needle: &str, within: Duration) {
+        let t = Instant::now();
+        while !self.fake_log().contains(needle) {
+            assert!(
+                t.elapsed() < within,
+                "fake engine never logged {needle:?} in {within:?}:\n{}",
+                self.fake_log()
+            );
+            tokio::time::sleep(10 * MS).await;
+        }
+    }
+
+    /// Waits until the published status satisfies `pred`; returns it. Polls: the status watch
+    /// wakes its receivers only when `state` changes, not when other fields do.
+    async fn wait_status(
+        &self,
+        what: &str,
+        within: Duration,
+        mut pred: impl FnMut(&Status) -> bool,
+    ) -> Status {
+        let t = Instant::now();
+        loop {
+            let s = self.handle.status();
+            if pred(&s) {
+                return s;
+            }
+            assert!(
+                t.elapsed() < within,
+                "{what} not reached in {within:?}; status {s:?}\nfake log:\n{}",
+                self.fake_log()
+            );
+            tokio::time::sleep(5 * MS).await;
+        }
+    }
+
+    async fn wait_state(&self, state: &str, within: Duration) -> Status {
+        self.wait_status(&format!("state {state}"), within, |s| s.state == state)
+            .await
+    }
+
+    async fn acquire(&self) -> Lease {
+        match tokio::time::timeout(10 * SEC, self.handle.acquire()).await {
+            Ok(Ok(lease)) => lease,
+            Ok(Err(why)) => panic!("acquire refused: {why:?}\n{}", self.fake_log()),
+            Err(_) => panic!("acquire did not resolve\n{}", self.fake_log()),
+        }
+    }
+}
+
+/// Posts a chat completion straight to the engine a lease is for, on a connection of its own.
+async fn post_chat(engine: &EngineRef, max_tokens: u32, stream: bool) -> hyper::Response<Incoming> {
+    let tcp = tokio::net::TcpStream::connect(engine.upstream)
+        .await
+        .expect("connect to the engine");
+    let (mut sender, conn) =
+        hyper::client::conn::http1::handshake(hyper_util::rt::TokioIo::new(tcp))
+            .await
+            .expect("handshake with the engine");
+    tokio::spawn(conn);
+    let req = hyper::Request::post("/v1/chat/completions")
+        .header(hyper::header::HOST, engine.upstream.to_string())
+        .header(hyper::header::CONTENT_TYPE, "application/json")
+        .body(Full::new(Bytes::from(chat(max_tokens, stream).to_string())))
+        .unwrap();
+    let resp = sender.send_request(req).await.expect("engine response");
+    assert_eq!(resp.status(), 200);
+    resp
+}
+
+/// Waits until process `pid` is gone (or a zombie).
+async fn wait_gone(pid: u32, within: Duration) {
+    let t = Instant::now();
+    while alive(pid.into()) {
+        assert!(
+            t.elapsed() < within,
+            "process {pid} still alive after {within:?}"
+        );
+        tokio::time::sleep(10 * MS).await;
+    }
+}
+
+/// Adds a `ds4` profile (engine kind ds4, the fake in ds4 mode) with the given knobs.
+fn write_ds4_profile(dir: &Path, fake_log: &Path, knobs: &[(&str, &str)]) {
+    let mut env = format!(
+        "  FAKE_ENGINE_LOG_FILE: \"{}\"\n  FAKE_ENGINE_MODE: \"ds4\"\n",
+        fake_log.display()
+    );
+    for (k, v) in knobs {
+        env.push_str(&format!("  FAKE_ENGINE_{}: \"{v}\"\n", k.to_uppercase()));
+    }
+    let p = format!(
+        "description: test profile ds4\nengine: ds4\ncommand: {FAKE_ENGINE}\n\
+         model: /models/ds4.gguf\ncontext: 65536\nenv:\n{env}"
+    );
+    std::fs::write(dir.join("profiles").join("ds4.yaml"), p).unwrap();
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_profile_switch_drains_the_stream_then_restarts_with_the_new_profile() {
+    let rig = Rig::new(&Setup::default().knob("token_ms", "50"));
+    let lease = rig.acquire().await;
+    let old = lease.engine.clone();
+    assert_eq!(old.gen, 1);
+    assert!(rig.starts()[0].contains("-c 327680"), "{:?}", rig.starts());
+    let resp = post_chat(&old, 20, true).await;
+    let mut stream = Stream::new(resp.into_body());
+    let first = stream.next_event().await.expect("first event");
+    assert!(first.contains(r#""content":"a""#), "{first}");
+
+    rig.handle.set_profile("64k").await.unwrap();
+    let s = rig.wait_state("draining", 2 * SEC).await;
+    assert_eq!(s.profile, "64k");
+    assert_eq!(s.engine_profile.as_deref(), Some("320k"));
+    assert_eq!(s.engine_pid, Some(old.pid));
+    assert_eq!(s.in_flight, 1);
+
+    let h = rig.handle.clone();
+    let mut waiter = tokio::spawn(async move { h.acquire().await });
+    rig.wait_status("one waiter", 2 * SEC, |s| s.waiting == 1)
+        .await;
+
+    // The stream runs to its end on the old engine while the new request waits.
+    let mut content = String::from("a");
+    let mut done = false;
+    while let Some(ev) = stream.next_event().await {
+        assert!(!waiter.is_finished(), "acquire resolved during the drain");
+        let data = ev.strip_prefix("data: ").unwrap_or_default();
+        if data == "[DONE]" {
+            done = true;
+        } else if let Ok(v) = serde_json::from_str::<serde_json::Value>(data) {
+            content.push_str(v["choices"][0]["delta"]["content"].as_str().unwrap_or(""));
+        }
+    }
+    assert_eq!(content, "abcdefghijklmnopqrst");
+    assert!(done, "no [DONE]");
+    let log = rig.fake_log();
+    assert!(log.contains("done /v1/chat/completions"), "{log}");
+    assert!(
+        !log.contains("sigterm"),
+        "old engine signalled mid-stream:\n{log}"
+    );
+    assert!(
+        tokio::time::timeout(200 * MS, &mut waiter).await.is_err(),
+        "acquire resolved while the old lease was still held"
+    );
+    assert_eq!(rig.handle.status().state, "draining");
+    assert!(alive(old.pid.into()));
+
+    drop(stream);
+    drop(lease);
+    let new = tokio::time::timeout(10 * SEC, waiter)
+        .await
+        .expect("the waiting acquire never resolved")
+        .unwrap()
+        .expect("the waiting acquire was refused");
+    assert_eq!(new.engine.gen, 2);
+    assert_ne!(new.engine.pid, old.pid);
+    wait_gone(old.pid, 3 * SEC).await;
+
+    let log = rig.fake_log();
+    let at = |needle: &str| {
+        log.find(needle)
+            .unwrap_or_else(|| panic!("no {needle:?} in the fake log:\n{log}"))
+    };
+    let second_start = format!("start pid={}", new.engine.pid);
+    assert!(at("done /v1/chat/completions") < at("sigterm"), "{log}");
+    assert!(at("sigterm") < at(&second_start), "{log}");
+    let starts = rig.starts();
+    assert_eq!(starts.len(), 2, "{log}");
+    assert!(starts[1].contains("-c 65536"), "{}", starts[1]);
+
+    let s = rig.handle.status();
+    assert_eq!(s.state, "ready");
+    assert_eq!(s.profile, "64k");
+    assert_eq!(s.engine_profile.as_deref(), Some("64k"));
+    assert_eq!(s.generation, Some(2));
+    assert_eq!(s.engine_pid, Some(new.engine.pid));
+    assert_eq!(s.in_flight, 1);
+    assert_eq!(s.waiting, 0);
+
+    // The new engine serves.
+    let resp = post_chat(&new.engine, 3, false).await;
+    let body = resp.into_body().collect().await.unwrap().to_bytes();
+    let v: serde_json::Value = serde_json::from_slice(&body).unwrap();
+    assert_eq!(v["choices"][0]["message"]["content"], "abc");
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_unknown_profile_is_refused_and_changes_nothing() {
+    let rig = Rig::new(&Setup::default());
+    // While stopped.
+    let err = rig.handle.set_profile("128k").await.unwrap_err();
+    assert_eq!(
+        err,
+        ControlError::UnknownProfile {
+            name: "128k".into(),
+            known: vec!["320k".into(), "64k".into()],
+        }
+    );
+    let msg = err.to_string();
+    assert!(msg.contains("`128k`"), "{msg}");
+    assert!(msg.contains("320k, 64k"), "{msg}");
+    assert_eq!(rig.handle.status().profile, "320k");
+
+    // While ready.
+    rig.handle.start().await.unwrap();
+    let before = rig.wait_state("ready", 5 * SEC).await;
+    let err = rig.handle.set_profile("128k").await.unwrap_err();
+    assert!(err.to_string().contains("320k, 64k"), "{err}");
+    tokio::time::sleep(100 * MS).await;
+    let after = rig.handle.status();
+    assert_eq!(after.state, "ready");
+    assert_eq!(after.profile, "320k");
+    assert_eq!(after.engine_profile.as_deref(), Some("320k"));
+    assert_eq!(after.generation, before.generation);
+    assert_eq!(after.engine_pid, before.engine_pid);
+    assert!(!rig.fake_log().contains("sigterm"), "{}", rig.fake_log());
+    let lease = rig.acquire().await;
+    assert_eq!(lease.engine.gen, 1);
+    assert_eq!(rig.starts().len(), 1);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_graceful_stop_waits_for_the_lease_and_an_immediate_one_does_not() {
+    // sigterm_ms keeps the engine in `stopping` long enough to be seen.
+    let rig = Rig::new(&Setup::default().knob("sigterm_ms", "300"));
+    let lease = rig.acquire().await;
+    let pid = lease.engine.pid;
+    rig.handle.stop(false).await.unwrap();
+    let s = rig.wait_state("draining", 2 * SEC).await;
+    assert_eq!(s.in_flight, 1);
+    tokio::time::sleep(300 * MS).await;
+    assert_eq!(rig.handle.status().state, "draining");
+    assert!(
+        !rig.fake_log().contains("sigterm"),
+        "engine signalled while a lease was held:\n{}",
+        rig.fake_log()
+    );
+    assert!(alive(pid.into()));
+
+    drop(lease);
+    rig.wait_state("stopping", 2 * SEC).await;
+    rig.wait_fake_log("sigterm", 2 * SEC).await;
+    let s = rig.wait_state("stopped", 5 * SEC).await;
+    assert_eq!(s.engine_pid, None);
+    assert_eq!(s.generation, None);
+    assert_eq!(s.in_flight, 0);
+    assert_eq!(s.last_error, None);
+    wait_gone(pid, 2 * SEC).await;
+
+    // stop(true) does not wait for the lease.
+    let lease = rig.acquire().await;
+    assert_eq!(lease.engine.gen, 2);
+    let pid = lease.engine.pid;
+    rig.handle.stop(true).await.unwrap();
+    let t = Instant::now();
+    let s = rig
+        .wait_status("stopping or stopped", 2 * SEC, |s| {
+            s.state == "stopping" || s.state == "stopped"
+        })
+        .await;
+    assert_ne!(s.state, "draining");
+    while rig.fake_log().matches("sigterm").count() < 2 {
+        assert!(
+            t.elapsed() < 2 * SEC,
+            "no SIGTERM with the lease held:\n{}",
+            rig.fake_log()
+        );
+        tokio::time::sleep(10 * MS).await;
+    }
+    rig.wait_state("stopped", 5 * SEC).await;
+    wait_gone(pid, 2 * SEC).await;
+    // A lease on the stopped engine is released harmlessly; a new one starts generation 3.
+    drop(lease);
+    tokio::time::sleep(50 * MS).await;
+    let s = rig.handle.status();
+    assert_eq!((s.state, s.in_flight), ("stopped", 0));
+    let lease = rig.acquire().await;
+    assert_eq!(lease.engine.gen, 3);
+    rig.wait_status("one lease", 2 * SEC, |s| {
+        s.state == "ready" && s.in_flight == 1
+    })
+    .await;
+    drop(lease);
+    rig.wait_status("no lease", 2 * SEC, |s| s.in_flight == 0)
+        .await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_slow_ds4_stop_gets_its_time_and_an_engine_ignoring_sigterm_is_killed() {
+    // ds4 writes its KV checkpoint after SIGTERM: it must not be interrupted or killed early.
+    let setup = Setup::default().engine("stop_timeout", "5s");
+    let rig = Rig::with(&setup, "ds4", |dir, log| {
+        write_ds4_profile(dir, log, &[("sigterm_ms", "1500")])
+    });
+    let lease = rig.acquire().await;
+    let pid = lease.engine.pid;
+    let mut exit = lease.engine.exit.clone();
+    assert!(
+        rig.starts()[0].contains("--ctx 65536"),
+        "{:?}",
+        rig.starts()
+    );
+    drop(lease);
+    rig.wait_status("idle", 2 * SEC, |s| s.state == "ready" && s.in_flight == 0)
+        .await;
+
+    let t0 = Instant::now();
+    rig.handle.stop(false).await.unwrap();
+    rig.wait_fake_log("sigterm", 2 * SEC).await;
+    tokio::time::sleep(SEC.saturating_sub(t0.elapsed())).await;
+    assert!(alive(pid.into()), "engine ended early");
+    assert!(exit.borrow().is_none());
+    assert_eq!(rig.handle.status().state, "stopping");
+
+    let report = tokio::time::timeout(4 * SEC, exit.wait_for(Option::is_some))
+        .await
+        .expect("engine did not exit")
+        .unwrap()
+        .clone()
+        .unwrap();
+    let took = t0.elapsed();
+    // Exit code 0: it ran its SIGTERM course (a SIGINT would make it exit 1, SIGKILL gives a signal).
+    assert_eq!((report.code, report.signal), (Some(0), None), "{report}");
+    assert!(took >= 1400 * MS, "exited after {took:?}");
+    let s = rig.wait_state("stopped", 2 * SEC).await;
+    assert_eq!(s.last_error, None);
+    assert_eq!(s.engine_pid, None);
+
+    // An engine that ignores SIGTERM is SIGKILLed once stop_timeout has passed.
+    let setup = Setup::default()
+        .engine("stop_timeout", "1s")
+        .knob("ignore_sigterm", "1");
+    let rig = Rig::new(&setup);
+    rig.handle.start().await.unwrap();
+    let s = rig.wait_state("ready", 5 * SEC).await;
+    let pid = s.engine_pid.unwrap();
+    let lease = rig.acquire().await;
+    let mut exit = lease.engine.exit.clone();
+    drop(lease);
+    rig.wait_status("idle", 2 * SEC, |s| s.in_flight == 0).await;
+    let t0 = Instant::now();
+    rig.handle.stop(false).await.unwrap();
+    rig.wait_fake_log("sigterm", 2 * SEC).await;
+    wait_gone(pid, 3 * SEC).await;
+    let took = t0.elapsed();
+    let report = tokio::time::timeout(SEC, exit.wait_for(Option::is_some))
+        .await
+        .expect("no exit report")
+        .unwrap()
+        .clone()
+        .unwrap();
+    assert_eq!(report.signal, Some(libc::SIGKILL), "{report}");
+    assert!(
+        took >= 900 * MS,
+        "killed after {took:?}, before stop_timeout"
+    );
+    let s = rig.wait_state("stopped", 2 * SEC).await;
+    assert_eq!(s.last_error, None);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn start_brings_the_engine_up_without_a_request() {
+    let rig = Rig::new(&Setup::default());
+    assert_eq!(rig.handle.status().state, "stopped");
+    rig.handle.start().await.unwrap();
+    let s = rig.wait_state("ready", 5 * SEC).await;
+    let pid = s.engine_pid.expect("engine_pid");
+    assert!(alive(pid.into()));
+    assert_eq!(s.generation, Some(1));
+    assert_eq!(s.engine_profile.as_deref(), Some("320k"));
+    assert_eq!(s.in_flight, 0);
+    assert!(s.ready_since.is_some());
+    assert!(s.idle_deadline.is_some());
+    assert_eq!(s.last_error, None);
+    // Starting a ready engine again does nothing.
+    rig.handle.start().await.unwrap();
+    tokio::time::sleep(100 * MS).await;
+    assert_eq!(rig.handle.status().engine_pid, Some(pid));
+    assert_eq!(rig.starts().len(), 1);
+    assert!(
+        !rig.fake_log().contains("request POST"),
+        "{}",
+        rig.fake_log()
+    );
+    assert!(rig.starts()[0].contains(&format!("start pid={pid} ")));
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn shutdown_waits_for_the_stream_then_stops_the_engine_and_ends_the_actor() {
+    let setup = Setup::default()
+        .engine("stop_timeout", "5s")
+        .knob("token_ms", "50");
+    let rig = Rig::new(&setup);
+    let lease = rig.acquire().await;
+    let pid = lease.engine.pid;
+    let resp = post_chat(&lease.engine, 20, true).await;
+    let mut stream = Stream::new(resp.into_body());
+    stream.next_event().await.expect("first event");
+
+    let h = rig.handle.clone();
+    let t0 = Instant::now();
+    let mut shutdown = tokio::spawn(async move { h.shutdown().await });
+    rig.wait_state("draining", 2 * SEC).await;
+    // No new leases once shutting down.
+    let refused = tokio::time::timeout(2 * SEC, rig.handle.acquire())
+        .await
+        .expect("acquire during shutdown did not resolve");
+    assert!(
+        matches!(refused, Err(Refusal::ShuttingDown)),
+        "{:?}",
+        refused.map(|l| l.engine.gen)
+    );
+
+    let (rest, done, _) = stream.collect_chat().await;
+    assert_eq!(rest, "bcdefghijklmnopqrst");
+    assert!(done);
+    assert!(
+        !shutdown.is_finished(),
+        "shutdown did not wait for the lease"
+    );
+    assert!(!rig.fake_log().contains("sigterm"), "{}", rig.fake_log());
+    drop(stream);
+    drop(lease);
+
+    tokio::time::timeout(5 * SEC, &mut shutdown)
+        .await
+        .expect("shutdown did not resolve")
+        .unwrap();
+    assert!(t0.elapsed() < 5 * SEC);
+    assert!(rig.fake_log().contains("sigterm"));
+    wait_gone(pid, 2 * SEC).await;
+    let Rig { handle, task, .. } = rig;
+    tokio::time::timeout(2 * SEC, task)
+        .await
+        .expect("the actor task did not end")
+        .unwrap();
+    assert!(matches!(handle.acquire().await, Err(Refusal::ShuttingDown)));
+    assert_eq!(handle.start().await, Err(ControlError::Gone));
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn shutdown_drains_no_longer_than_stop_timeout() {
+    let setup = Setup::default()
+        .engine("stop_timeout", "1s")
+        .knob("token_ms", "50");
+    let rig = Rig::new(&setup);
+    let lease = rig.acquire().await;
+    let pid = lease.engine.pid;
+    // 400 tokens: 20 s, far beyond stop_timeout.
+    let resp = post_chat(&lease.engine, 400, true).await;
+    let mut body = resp.into_body();
+    body.frame().await.expect("first frame").unwrap();
+
+    let t0 = Instant::now();
+    tokio::time::timeout(4 * SEC, rig.handle.shutdown())
+        .await
+        .expect("shutdown was not bounded by stop_timeout");
+    let took = t0.elapsed();
+    assert!(took >= 900 * MS, "the drain was cut short: {took:?}");
+    assert!(rig.fake_log().contains("sigterm"));
+    assert!(!rig.fake_log().contains("done /v1/chat/completions"));
+    wait_gone(pid, 2 * SEC).await;
+    tokio::time::timeout(2 * SEC, rig.task)
+        .await
+        .expect("the actor task did not end")
+        .unwrap();
+    drop(lease);
+}
+
+/// Regression: dropping every `Handle` is a shutdown. A closed command channel is ready at
+/// once, forever; the actor used to spin on it (a core at 100 %) and never reach its timers,
+/// so an engine that ignored SIGTERM was never killed and the actor never ended.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn dropping_every_handle_stops_the_engine_within_stop_timeout() {
+    let setup = Setup::default()
+        .engine("stop_timeout", "1s")
+        .knob("ignore_sigterm", "1");
+    let rig = Rig::new(&setup);
+    rig.handle.start().await.unwrap();
+    let pid = rig.wait_state("ready", 5 * SEC).await.engine_pid.unwrap();
+    let Rig {
+        handle,
+        task,
+        fake_log,
+        _dir,
+    } = rig;
+    drop(handle);
+    let log = || std::fs::read_to_string(&fake_log).unwrap_or_default();
+    let t = Instant::now();
+    while !log().contains("sigterm") {
+        assert!(t.elapsed() < 2 * SEC, "no SIGTERM after the handles went");
+        tokio::time::sleep(10 * MS).await;
+    }
+    let cpu0 = process_cpu_time();
+    let wall0 = Instant::now();
+    wait_gone(pid, 3 * SEC).await;
+    let (cpu, wall) = (process_cpu_time() - cpu0, wall0.elapsed());
+    assert!(
+        cpu < wall / 2,
+        "the process burnt {cpu:?} of CPU in {wall:?} while the engine stopped"
+    );
+    tokio::time::timeout(2 * SEC, task)
+        .await
+        .expect("the actor task did not end")
+        .unwrap();
+}
+
+/// Regression: `watch_status()` receivers used to be woken only when `state` changed, so a
+/// profile switch while stopped, or a lease taken or released, went unseen.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_status_watch_wakes_on_every_change() {
+    let rig = Rig::new(&Setup::default());
+    let mut rx = rig.handle.watch_status();
+    rx.mark_unchanged();
+    rig.handle.set_profile("64k").await.unwrap();
+    // The answer comes after the status that reflects it is published.
+    assert_eq!(rig.handle.status().profile, "64k");
+    tokio::time::timeout(SEC, rx.changed())
+        .await
+        .expect("no change notified for the new profile")
+        .unwrap();
+    assert_eq!(rx.borrow_and_update().profile, "64k");
+}
+
+/// User + system CPU time of this test process.
+fn process_cpu_time() -> Duration {
+    let stat = std::fs::read_to_string("/proc/self/stat").unwrap();
+    let fields: Vec<&str> = stat
+        .rsplit(')')
+        .next()
+        .unwrap()
+        .split_whitespace()
+        .collect();
+    // After the comm field: state is field 3, utime 14, stime 15 (1-based in proc(5)).
+    let ticks: u64 = fields[11].parse::<u64>().unwrap() + fields[12].parse::<u64>().unwrap();
+    // SAFETY: sysconf has no preconditions.
+    let hz = unsafe { libc::sysconf(libc::_SC_CLK_TCK) }.max(1) as u64;
+    Duration::from_millis(ticks * 1000 / hz)
+}

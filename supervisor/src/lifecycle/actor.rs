@@ -31,7 +31,7 @@ const TAIL_LINES: usize = 200;
 const ERROR_TAIL_LINES: usize = 12;
 /// Readiness polling: first interval, and the cap it backs off to.
 const PROBE_FIRST: Duration = Duration::from_millis(5);
-const PROBE_MAX: Duration = Duration::from_millis(100);
+const PROBE_MAX: Duration = Duration::from_millis(40);
 /// Output within this long after a probe is the engine logging that probe.
 const PROBE_ECHO: Duration = Duration::from_millis(20);
 /// One probe attempt that hangs longer than this counts as "not ready yet".
@@ -265,6 +265,7 @@ pub fn spawn(config: Arc<Config>, profile: String) -> (Handle, tokio::task::Join
         internal: int_tx.clone(),
         status: status_tx,
         shutdown_done: Vec::new(),
+        outbox: Vec::new(),
         exited: false,
     };
     let task = tokio::spawn(actor.run(cmd_rx, int_rx));
@@ -294,7 +295,21 @@ struct Actor {
     internal: mpsc::UnboundedSender<Internal>,
     status: watch::Sender<Status>,
     shutdown_done: Vec<oneshot::Sender<()>>,
+    /// Answers held back until the status they imply is published, so a caller that reads
+    /// the status right after its answer sees its own change.
+    outbox: Vec<Reply>,
     exited: bool,
+}
+
+enum Reply {
+    Lease(
+        oneshot::Sender<Result<Lease, Refused>>,
+        Result<Lease, Refused>,
+    ),
+    Control(
+        oneshot::Sender<Result<(), ControlError>>,
+        Result<(), ControlError>,
+    ),
 }
 
 impl Actor {
@@ -303,6 +318,7 @@ impl Actor {
         mut commands: mpsc::Receiver<Command>,
         mut internal: mpsc::UnboundedReceiver<Internal>,
     ) {
+        let mut commands_open = true;
         while !self.exited {
             let deadline = self
                 .machine
@@ -311,15 +327,19 @@ impl Actor {
             let event = tokio::select! {
                 biased;
                 Some(i) = internal.recv() => self.internal_event(i),
-                c = commands.recv() => match c {
+                c = commands.recv(), if commands_open => match c {
                     Some(c) => self.command(c),
                     // Every handle is gone: nobody can use the engine any more.
-                    None => Some(Event::Shutdown),
+                    None => {
+                        commands_open = false;
+                        Some(Event::Shutdown)
+                    }
                 },
                 _ = sleep_until(deadline) => Some(Event::Tick),
             };
-            if let Some(event) = event {
-                self.handle(event);
+            match event {
+                Some(event) => self.handle(event),
+                None => self.flush_outbox(),
             }
         }
         for done in self.shutdown_done.drain(..) {
@@ -346,11 +366,14 @@ impl Actor {
                         .into_iter()
                         .map(String::from)
                         .collect();
-                    let _ = reply.send(Err(ControlError::UnknownProfile { name, known }));
+                    self.outbox.push(Reply::Control(
+                        reply,
+                        Err(ControlError::UnknownProfile { name, known }),
+                    ));
                     return None;
                 }
                 tracing::info!("profile set to {name}");
-                let _ = reply.send(Ok(()));
+                self.outbox.push(Reply::Control(reply, Ok(())));
                 Some(Event::SetProfile { profile: name })
             }
             Command::Shutdown { done } => {
@@ -410,6 +433,17 @@ impl Actor {
             }
         }
         self.publish();
+        self.flush_outbox();
+    }
+
+    fn flush_outbox(&mut self) {
+        for reply in self.outbox.drain(..) {
+            // A failed send drops the lease inside, which releases it.
+            let _ = match reply {
+                Reply::Lease(tx, r) => tx.send(r).map_err(drop),
+                Reply::Control(tx, r) => tx.send(r).map_err(drop),
+            };
+        }
     }
 
     fn perform(&mut self, fx: super::state::Effect) -> Option<Event> {
@@ -450,11 +484,12 @@ impl Actor {
                                 release: self.internal.clone(),
                             };
                             // A failed send drops the lease, which releases it.
-                            let _ = reply.send(Ok(lease));
+                            self.outbox.push(Reply::Lease(reply, Ok(lease)));
                         }
                         None => {
                             let _ = self.internal.send(Internal::Release { gen });
-                            let _ = reply.send(Err(Refusal::ShuttingDown));
+                            self.outbox
+                                .push(Reply::Lease(reply, Err(Refusal::ShuttingDown)));
                         }
                     }
                 }
@@ -467,7 +502,7 @@ impl Actor {
                 }
                 for w in waiters {
                     if let Some(reply) = self.waiters.remove(&w) {
-                        let _ = reply.send(Err(why.clone()));
+                        self.outbox.push(Reply::Lease(reply, Err(why.clone())));
                     }
                 }
             }
@@ -595,12 +630,14 @@ impl Actor {
             last_error: m.last_failure().map(|f| f.summary.clone()),
         };
         let state = status.state;
-        let changed = self.status.send_if_modified(|old| {
-            let state_changed = old.state != status.state;
+        let mut state_changed = false;
+        self.status.send_if_modified(|old| {
+            state_changed = old.state != status.state;
+            let changed = *old != status;
             *old = status;
-            state_changed
+            changed
         });
-        if changed {
+        if state_changed {
             tracing::info!("engine state: {state}");
             let _ =
                 sd_notify::notify(&[sd_notify::NotifyState::Status(&format!("engine {state}"))]);
@@ -634,14 +671,16 @@ async fn probe_ready(
     internal: mpsc::UnboundedSender<Internal>,
 ) {
     let mut interval = PROBE_FIRST;
+    let mut conn = None;
     loop {
         if engine.exit.borrow().is_some() {
             return;
         }
-        let attempt =
-            tokio::time::timeout(PROBE_ATTEMPT, probe_once(engine.upstream, readiness.path()))
-                .await;
-        if matches!(attempt, Ok(true)) {
+        let attempt = tokio::time::timeout(
+            PROBE_ATTEMPT,
+            probe_once(&mut conn, engine.upstream, readiness.path()),
+        );
+        if matches!(attempt.await, Ok(true)) {
             let _ = internal.send(Internal::Ready { gen: engine.gen });
             return;
         }
@@ -661,27 +700,47 @@ async fn probe_ready(
     }
 }
 
-async fn probe_once(addr: SocketAddr, path: &str) -> bool {
+type ProbeConn = hyper::client::conn::http1::SendRequest<http_body_util::Empty<bytes::Bytes>>;
+
+/// One readiness check, on the connection of the previous check when the engine kept it open
+/// (a load of a minute is hundreds of checks; one connection each would be wasteful).
+async fn probe_once(conn: &mut Option<ProbeConn>, addr: SocketAddr, path: &str) -> bool {
     use http_body_util::Empty;
-    let Ok(stream) = tokio::net::TcpStream::connect(addr).await else {
+    if conn.as_ref().is_none_or(|c| c.is_closed()) {
+        *conn = None;
+        let Ok(stream) = tokio::net::TcpStream::connect(addr).await else {
+            return false;
+        };
+        let _ = stream.set_nodelay(true);
+        let io = hyper_util::rt::TokioIo::new(stream);
+        let Ok((sender, driver)) = hyper::client::conn::http1::handshake(io).await else {
+            return false;
+        };
+        // The driver ends with the connection; it does not outlive the engine.
+        tokio::spawn(driver);
+        *conn = Some(sender);
+    }
+    let Some(sender) = conn.as_mut() else {
         return false;
     };
-    let io = hyper_util::rt::TokioIo::new(stream);
-    let Ok((mut sender, conn)) =
-        hyper::client::conn::http1::handshake::<_, Empty<bytes::Bytes>>(io).await
-    else {
+    if sender.ready().await.is_err() {
+        *conn = None;
         return false;
-    };
-    let conn = tokio::spawn(conn);
+    }
     let req = hyper::Request::get(path)
         .header(hyper::header::HOST, addr.to_string())
         .body(Empty::new());
-    let ok = match req {
-        Ok(req) => {
-            matches!(sender.send_request(req).await, Ok(resp) if resp.status() == hyper::StatusCode::OK)
+    let Ok(req) = req else { return false };
+    match sender.send_request(req).await {
+        Ok(resp) => {
+            let ok = resp.status() == hyper::StatusCode::OK;
+            // Read the body so the connection can carry the next check.
+            let _ = http_body_util::BodyExt::collect(resp.into_body()).await;
+            ok
         }
-        Err(_) => false,
-    };
-    conn.abort();
-    ok
+        Err(_) => {
+            *conn = None;
+            false
+        }
+    }
 }

@@ -89,11 +89,19 @@ impl Engine {
         self.ready.load(Ordering::SeqCst)
     }
 
-    /// Marks the model as loaded (logs `ready` once).
+    /// Marks the model as loaded (logs `ready t_ns=<unix time in ns>` once, for benchmarks
+    /// that measure how soon a supervisor notices). `FAKE_ENGINE_QUIET_READY=1` leaves out the
+    /// `main: model loaded` stderr line, to measure readiness found by polling alone.
     pub fn set_ready(&self) {
         if !self.ready.swap(true, Ordering::SeqCst) {
-            eprintln!("main: model loaded");
-            self.log.line("ready");
+            let t_ns = std::time::SystemTime::now()
+                .duration_since(std::time::UNIX_EPOCH)
+                .map(|d| d.as_nanos())
+                .unwrap_or(0);
+            if std::env::var_os("FAKE_ENGINE_QUIET_READY").is_none_or(|v| v.is_empty()) {
+                eprintln!("main: model loaded");
+            }
+            self.log.line(&format!("ready t_ns={t_ns}"));
         }
     }
 

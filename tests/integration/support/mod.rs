@@ -146,7 +146,10 @@ impl Daemon {
             .arg("LISTEN_PID=$$ LISTEN_FDS=1 LISTEN_FDNAMES=api exec \"$0\" \"$@\"")
             .arg(DSV4D)
             .args(["--config", config.to_str().unwrap(), "--bus", "none"])
-            .env("DSV4_LOG", "debug")
+            .env(
+                "DSV4_LOG",
+                std::env::var("DSV4_LOG").unwrap_or_else(|_| "debug".into()),
+            )
             .stdin(Stdio::null())
             .stdout(Stdio::null())
             .stderr(Stdio::piped());

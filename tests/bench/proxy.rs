@@ -1,0 +1,232 @@
+//! Proxy benchmark: what a client sees direct to the engine vs through `dsv4d`, in one run.
+//!
+//! Prints (with the fake engine as the upstream, both paths interleaved so drift hits both):
+//! - non-streaming request latency (p50/p90/p99) direct and via dsv4d, and the added p50;
+//! - streaming throughput in SSE events/s both ways, and the ratio;
+//! - readiness lag: engine ready -> first response byte to a request that waited for the start,
+//!   with the engine announcing readiness on stderr (as llama-server does) and without (polling).
+//!
+//! Run: `cargo bench -p dsv4-tests --bench proxy` (env `BENCH_REQUESTS`, `BENCH_TOKENS`,
+//! `BENCH_STARTS` scale it).
+
+#[path = "../integration/support/mod.rs"]
+mod support;
+
+use std::net::SocketAddr;
+use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
+
+use bytes::Bytes;
+use http_body_util::{BodyExt, Full};
+use hyper::client::conn::http1::SendRequest;
+use support::{Daemon, Setup};
+
+fn env_usize(name: &str, default: usize) -> usize {
+    std::env::var(name)
+        .ok()
+        .and_then(|v| v.parse().ok())
+        .unwrap_or(default)
+}
+
+async fn connect(addr: SocketAddr) -> SendRequest<Full<Bytes>> {
+    let stream = tokio::net::TcpStream::connect(addr).await.expect("connect");
+    stream.set_nodelay(true).unwrap();
+    let (sender, conn) =
+        hyper::client::conn::http1::handshake(hyper_util::rt::TokioIo::new(stream))
+            .await
+            .expect("handshake");
+    tokio::spawn(conn);
+    sender
+}
+
+fn chat(max_tokens: usize, stream: bool) -> Bytes {
+    Bytes::from(
+        serde_json::json!({
+            "messages": [{"role": "user", "content": "hi"}],
+            "max_tokens": max_tokens,
+            "stream": stream,
+        })
+        .to_string(),
+    )
+}
+
+fn request(addr: SocketAddr, body: Bytes) -> hyper::Request<Full<Bytes>> {
+    hyper::Request::post("/v1/chat/completions")
+        .header("host", addr.to_string())
+        .header("content-type", "application/json")
+        .body(Full::new(body))
+        .unwrap()
+}
+
+/// One request on a kept-alive connection; returns the latency and the number of body frames.
+async fn once(
+    s: &mut SendRequest<Full<Bytes>>,
+    addr: SocketAddr,
+    body: Bytes,
+) -> (Duration, usize) {
+    s.ready().await.expect("connection ready");
+    let t = Instant::now();
+    let resp = s.send_request(request(addr, body)).await.expect("request");
+    assert_eq!(resp.status(), 200);
+    let mut b = resp.into_body();
+    let mut frames = 0;
+    while let Some(f) = b.frame().await {
+        f.expect("frame");
+        frames += 1;
+    }
+    (t.elapsed(), frames)
+}
+
+fn pct(sorted: &[Duration], p: f64) -> Duration {
+    let i = ((sorted.len() as f64 - 1.0) * p).round() as usize;
+    sorted[i]
+}
+
+fn us(d: Duration) -> f64 {
+    d.as_secs_f64() * 1e6
+}
+
+#[tokio::main(flavor = "multi_thread", worker_threads = 1)]
+async fn main() {
+    // Keep the daemon's own logging at info: per-request debug lines are not what is measured.
+    std::env::set_var(
+        "DSV4_LOG",
+        std::env::var("DSV4_LOG").unwrap_or_else(|_| "info".into()),
+    );
+    let requests = env_usize("BENCH_REQUESTS", 3000);
+    let tokens = env_usize("BENCH_TOKENS", 20000);
+    let starts = env_usize("BENCH_STARTS", 8);
+
+    println!(
+        "dsv4 proxy benchmark (fake engine upstream; {} cores)",
+        std::thread::available_parallelism()
+            .map(|n| n.get())
+            .unwrap_or(0)
+    );
+    let d = Daemon::start(&Setup::default().engine("idle_timeout", "1h"));
+    // Warm up: start the engine through the daemon, then find its port for the direct path.
+    let mut via = connect(d.addr).await;
+    once(&mut via, d.addr, chat(1, false)).await;
+    let status = d.status().await;
+    assert_eq!(status["state"], "ready", "{status}");
+    let engine = engine_addr(&d);
+    let mut direct = connect(engine).await;
+    for _ in 0..200 {
+        once(&mut direct, engine, chat(1, false)).await;
+        once(&mut via, d.addr, chat(1, false)).await;
+    }
+
+    // 1. Non-streaming latency, interleaved.
+    let (mut ld, mut lv) = (Vec::with_capacity(requests), Vec::with_capacity(requests));
+    for _ in 0..requests {
+        ld.push(once(&mut direct, engine, chat(1, false)).await.0);
+        lv.push(once(&mut via, d.addr, chat(1, false)).await.0);
+    }
+    ld.sort();
+    lv.sort();
+    println!(
+        "\nnon-streaming request latency ({requests} each, 1 token, keep-alive, concurrency 1):"
+    );
+    println!(
+        "  {:<8} {:>9} {:>9} {:>9}",
+        "path", "p50 us", "p90 us", "p99 us"
+    );
+    for (name, v) in [("direct", &ld), ("dsv4d", &lv)] {
+        println!(
+            "  {:<8} {:>9.1} {:>9.1} {:>9.1}",
+            name,
+            us(pct(v, 0.5)),
+            us(pct(v, 0.9)),
+            us(pct(v, 0.99))
+        );
+    }
+    let added = us(pct(&lv, 0.5)) - us(pct(&ld, 0.5));
+    println!("  added p50: {added:.1} us (target < 100 us)");
+
+    // 2. Streaming throughput, interleaved rounds.
+    let rounds = 3;
+    let (mut ed, mut ev) = (0.0f64, 0.0f64);
+    let (mut td, mut tv) = (Duration::ZERO, Duration::ZERO);
+    for _ in 0..rounds {
+        let (t, f) = once(&mut direct, engine, chat(tokens, true)).await;
+        td += t;
+        ed += f as f64;
+        let (t, f) = once(&mut via, d.addr, chat(tokens, true)).await;
+        tv += t;
+        ev += f as f64;
+    }
+    let (rd, rv) = (ed / td.as_secs_f64(), ev / tv.as_secs_f64());
+    println!("\nstreaming throughput ({rounds} streams of {tokens} tokens each way, one SSE event per frame):");
+    println!("  direct {rd:>10.0} events/s");
+    println!(
+        "  dsv4d  {rv:>10.0} events/s  ({:.1}% of direct; target >= 95%)",
+        rv / rd * 100.0
+    );
+    drop(direct);
+    drop(via);
+    drop(d);
+
+    // 3. Readiness lag over cold starts.
+    println!("\nreadiness lag: engine ready -> first byte to the waiting client ({starts} cold starts, 300 ms load):");
+    for (label, quiet) in [
+        ("engine logs 'model loaded' (llama-server does)", false),
+        ("silent engine (polling only)", true),
+    ] {
+        let mut setup = Setup::default().knob("load_ms", "300");
+        if quiet {
+            setup = setup.knob("quiet_ready", "1");
+        }
+        let mut lags = Vec::new();
+        for _ in 0..starts {
+            let d = Daemon::start(&setup);
+            let stream = tokio::net::TcpStream::connect(d.addr).await.unwrap();
+            let (mut s, conn) =
+                hyper::client::conn::http1::handshake(hyper_util::rt::TokioIo::new(stream))
+                    .await
+                    .unwrap();
+            tokio::spawn(conn);
+            let resp = s
+                .send_request(request(d.addr, chat(1, true)))
+                .await
+                .unwrap();
+            let mut body = resp.into_body();
+            let _ = body.frame().await;
+            let first_byte = SystemTime::now()
+                .duration_since(UNIX_EPOCH)
+                .unwrap()
+                .as_nanos();
+            let ready = d
+                .fake_log()
+                .lines()
+                .find_map(|l| {
+                    l.strip_prefix("ready t_ns=")
+                        .and_then(|t| t.parse::<u128>().ok())
+                })
+                .expect("ready line in the fake engine log");
+            // The response head is sent once the engine answered the proxied request; the lag
+            // includes that request's own (sub-millisecond) time.
+            lags.push(Duration::from_nanos(first_byte.saturating_sub(ready) as u64));
+        }
+        lags.sort();
+        println!(
+            "  {label:<50} p50 {:>7.2} ms  max {:>7.2} ms  (target < 50 ms)",
+            us(pct(&lags, 0.5)) / 1000.0,
+            us(*lags.last().unwrap()) / 1000.0
+        );
+    }
+}
+
+/// The engine's loopback address, from its argv in the fake engine's log.
+fn engine_addr(d: &Daemon) -> SocketAddr {
+    let log = d.fake_log();
+    let start = log
+        .lines()
+        .find(|l| l.starts_with("start pid="))
+        .expect("engine start line");
+    let port = start
+        .split_whitespace()
+        .skip_while(|w| *w != "--port")
+        .nth(1)
+        .and_then(|p| p.parse::<u16>().ok())
+        .expect("--port in the engine argv");
+    SocketAddr::from(([127, 0, 0, 1], port))
+}
