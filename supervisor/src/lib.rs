@@ -5,3 +5,4 @@ pub mod http_error;
 pub mod lifecycle;
 pub mod listener;
 pub mod proxy;
+pub mod upstream;

@@ -27,6 +27,7 @@ use tokio::net::TcpListener;
 use crate::config::Config;
 use crate::http_error::{with_tail, ApiError};
 use crate::lifecycle::{Handle, Lease};
+use crate::upstream::UpstreamBody;
 
 /// What every request handler needs.
 pub struct Ctx {
@@ -38,7 +39,7 @@ pub struct Ctx {
 pub enum ProxyBody {
     Full(Option<Bytes>),
     Upstream {
-        inner: Incoming,
+        inner: UpstreamBody,
         lease: Option<Lease>,
     },
 }
@@ -209,28 +210,27 @@ async fn proxy(ctx: &Ctx, req: Request<Incoming>) -> Response<ProxyBody> {
     };
     let (mut parts, body) = req.into_parts();
     let upstream = lease.engine.upstream;
-    let path = parts
-        .uri
-        .path_and_query()
-        .map(|p| p.as_str())
-        .unwrap_or("/");
-    parts.uri = match Uri::builder()
-        .scheme("http")
-        .authority(upstream.to_string())
-        .path_and_query(path)
-        .build()
-    {
-        Ok(u) => u,
-        Err(e) => {
-            return ApiError::new(
-                StatusCode::BAD_REQUEST,
-                "invalid_request_error",
-                "bad_uri",
-                e.to_string(),
-            )
-            .into_response()
-        }
-    };
+    // Origin form (`/path?query`), as an HTTP/1.1 client sends to a server it talks to
+    // directly.
+    if parts.uri.scheme().is_some() || parts.uri.authority().is_some() {
+        let path = parts
+            .uri
+            .path_and_query()
+            .map(|p| p.as_str())
+            .unwrap_or("/");
+        parts.uri = match Uri::try_from(path) {
+            Ok(u) => u,
+            Err(e) => {
+                return ApiError::new(
+                    StatusCode::BAD_REQUEST,
+                    "invalid_request_error",
+                    "bad_uri",
+                    e.to_string(),
+                )
+                .into_response()
+            }
+        };
+    }
     parts.version = http::Version::HTTP_11;
     strip_hop_by_hop(&mut parts.headers);
     if let Ok(host) = HeaderValue::from_str(&upstream.to_string()) {
@@ -238,7 +238,7 @@ async fn proxy(ctx: &Ctx, req: Request<Incoming>) -> Response<ProxyBody> {
     }
     let engine = lease.engine.clone();
     match engine
-        .client
+        .connections
         .request(Request::from_parts(parts, body))
         .await
     {
@@ -263,7 +263,7 @@ async fn proxy(ctx: &Ctx, req: Request<Incoming>) -> Response<ProxyBody> {
 /// A 502 that says why the engine did not answer: its exit, with its last output, when it died.
 async fn engine_error(
     engine: &crate::lifecycle::EngineRef,
-    err: &hyper_util::client::legacy::Error,
+    err: &crate::upstream::UpstreamError,
 ) -> ApiError {
     // The connection usually breaks a moment before the exit is noticed.
     let mut exit = engine.exit.clone();
@@ -280,12 +280,10 @@ async fn engine_error(
         ),
         None => {
             let cause = std::error::Error::source(err)
-                .map(|s| format!(": {s}"))
+                .and_then(std::error::Error::source)
+                .map(|s| format!(" ({s})"))
                 .unwrap_or_default();
-            format!(
-                "the engine at {} failed to answer: {err}{cause}",
-                engine.upstream
-            )
+            format!("{err}{cause}")
         }
     };
     tracing::warn!("{message}");

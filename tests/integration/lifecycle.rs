@@ -362,3 +362,21 @@ async fn request_bodies_stream_through_and_hop_by_hop_headers_are_dropped() {
     let rest = body.collect().await.unwrap().to_bytes();
     assert_eq!(rest, "second");
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_fast_stream_arrives_whole_and_in_order() {
+    // The proxy may carry several events in one frame when they are already there; none may
+    // be lost, split wrongly or reordered.
+    let d = Daemon::start(&Setup::default());
+    for _ in 0..2 {
+        let resp = d.post("/v1/chat/completions", chat(5000, true)).await;
+        let mut s = Stream::new(resp.into_body());
+        let (content, done, events) = s.collect_chat().await;
+        let want: String = (0..5000u32).map(|i| char::from(b'a' + (i % 26) as u8)).collect();
+        assert_eq!(content, want);
+        assert!(done);
+        assert_eq!(events, 5002);
+    }
+    // both streams went over the engine's kept-alive connection pool of one engine
+    assert_eq!(d.spawns(), 1);
+}

@@ -13,17 +13,13 @@ use std::sync::Arc;
 use std::time::{Duration, Instant, SystemTime};
 
 use dsv4_engine::{EngineChild, ExitReport, OutputTail, Readiness, SpawnSpec};
-use hyper_util::client::legacy::connect::HttpConnector;
-use hyper_util::rt::TokioExecutor;
 use nix::sys::signal::Signal;
 use serde::Serialize;
 use tokio::sync::{mpsc, oneshot, watch};
 
 use super::state::{EngineFailure, Event, Gen, Limits, Machine, Phase, Refusal, Sig, WaiterId};
 use crate::config::{Config, EngineLimits};
-
-/// The HTTP client that talks to one engine generation (a fresh pool per engine).
-pub type UpstreamClient = hyper_util::client::legacy::Client<HttpConnector, hyper::body::Incoming>;
+use crate::upstream::Upstream;
 
 /// How many lines of the engine's output are kept.
 const TAIL_LINES: usize = 200;
@@ -32,8 +28,8 @@ const ERROR_TAIL_LINES: usize = 12;
 /// Readiness polling: first interval, and the cap it backs off to.
 const PROBE_FIRST: Duration = Duration::from_millis(5);
 const PROBE_MAX: Duration = Duration::from_millis(40);
-/// Output within this long after a probe is the engine logging that probe.
-const PROBE_ECHO: Duration = Duration::from_millis(20);
+/// Checks triggered by engine output are at least this far apart, whatever the engine logs.
+const PROBE_MIN_GAP: Duration = Duration::from_millis(5);
 /// One probe attempt that hangs longer than this counts as "not ready yet".
 const PROBE_ATTEMPT: Duration = Duration::from_secs(5);
 
@@ -67,7 +63,8 @@ pub struct EngineRef {
     pub gen: Gen,
     pub pid: u32,
     pub upstream: SocketAddr,
-    pub client: UpstreamClient,
+    /// The connections to this engine (a fresh pool per generation).
+    pub connections: Arc<Upstream>,
     pub output: OutputTail,
     pub exit: watch::Receiver<Option<ExitReport>>,
 }
@@ -562,15 +559,11 @@ impl Actor {
         self.machine
             .set_interrupt_grace(profile.engine.interrupt_grace());
         let upstream = SocketAddr::from((Ipv4Addr::LOCALHOST, port));
-        let mut connector = HttpConnector::new();
-        connector.set_nodelay(true);
-        let client =
-            hyper_util::client::legacy::Client::builder(TokioExecutor::new()).build(connector);
         let shared = Arc::new(EngineRef {
             gen,
             pid: child.pid(),
             upstream,
-            client,
+            connections: Upstream::new(upstream),
             output: child.output().clone(),
             exit: child.exit_watch(),
         });
@@ -663,8 +656,8 @@ fn free_port() -> std::io::Result<u16> {
 /// Polls the engine until it answers its readiness check, then tells the actor. Also looks
 /// again whenever the engine writes a line of output (it usually logs when it gets ready).
 ///
-/// Lines that follow a probe within [`PROBE_ECHO`] are taken for the engine logging the probe
-/// itself and do not count, or every probe would trigger the next one.
+/// A line that names the probe's path is the engine logging the probe itself and does not
+/// count, or every probe would trigger the next; [`PROBE_MIN_GAP`] bounds the rest.
 async fn probe_ready(
     readiness: Readiness,
     engine: Arc<EngineRef>,
@@ -690,7 +683,9 @@ async fn probe_ready(
             tokio::select! {
                 _ = tokio::time::sleep_until(next) => break,
                 _ = engine.output.next_line() => {
-                    if probed.elapsed() >= PROBE_ECHO {
+                    let about_probe = engine.output.last(1).first().is_some_and(|l| l.contains(readiness.path()));
+                    if !about_probe {
+                        tokio::time::sleep_until(probed + PROBE_MIN_GAP).await;
                         break;
                     }
                 }
