@@ -372,7 +372,9 @@ async fn a_fast_stream_arrives_whole_and_in_order() {
         let resp = d.post("/v1/chat/completions", chat(5000, true)).await;
         let mut s = Stream::new(resp.into_body());
         let (content, done, events) = s.collect_chat().await;
-        let want: String = (0..5000u32).map(|i| char::from(b'a' + (i % 26) as u8)).collect();
+        let want: String = (0..5000u32)
+            .map(|i| char::from(b'a' + (i % 26) as u8))
+            .collect();
         assert_eq!(content, want);
         assert!(done);
         assert_eq!(events, 5002);
