@@ -79,6 +79,9 @@ fn init_logging() {
         .with_writer(std::io::stderr)
         .with_ansi(std::io::stderr().is_terminal())
         .with_target(false)
+        // Reporting a failed log write is itself a write to stderr, and one that panics when
+        // stderr is gone (a closed pipe): a daemon must outlive its log reader.
+        .log_internal_errors(false)
         .init();
 }
 
