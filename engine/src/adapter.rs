@@ -119,10 +119,8 @@ impl EngineKind {
             }
         }
         a.extend(p.extra_args.iter().map(OsString::from));
-        if self == EngineKind::LlamaServer {
-            a.push("--host".into());
-            a.push(host.into());
-        }
+        a.push("--host".into());
+        a.push(host.into());
         a.push("--port".into());
         a.push(port.to_string().into());
         a
@@ -271,7 +269,7 @@ mod tests {
         assert_eq!(
             got.join(" "),
             "--ctx 327680 --prefill-chunk 4096 --kv-disk-dir /var/cache/ds4 \
-             --kv-disk-space-mb 20480 --power 100 --port 8123"
+             --kv-disk-space-mb 20480 --power 100 --host 127.0.0.1 --port 8123"
         );
     }
 

@@ -5,4 +5,5 @@ pub mod http_error;
 pub mod lifecycle;
 pub mod listener;
 pub mod proxy;
+pub mod stats;
 pub mod upstream;

@@ -13,7 +13,7 @@ use std::future::Future;
 use std::pin::Pin;
 use std::sync::Arc;
 use std::task::{Context, Poll};
-use std::time::Duration;
+use std::time::{Duration, Instant};
 
 use bytes::Bytes;
 use http::header::{self, HeaderMap, HeaderName, HeaderValue};
@@ -27,12 +27,14 @@ use tokio::net::TcpListener;
 use crate::config::Config;
 use crate::http_error::{with_tail, ApiError};
 use crate::lifecycle::{Handle, Lease};
+use crate::stats::{Stats, Tap};
 use crate::upstream::UpstreamBody;
 
 /// What every request handler needs.
 pub struct Ctx {
     pub lifecycle: Handle,
     pub config: Arc<Config>,
+    pub stats: Stats,
 }
 
 /// The response body: a small body of our own, or the engine's, streamed with its lease.
@@ -41,6 +43,8 @@ pub enum ProxyBody {
     Upstream {
         inner: UpstreamBody,
         lease: Option<Lease>,
+        /// Reads the engine's `timings` off the response's end, for the statistics.
+        tap: Option<Box<Tapped>>,
     },
 }
 
@@ -60,12 +64,34 @@ impl Body for ProxyBody {
     ) -> Poll<Option<Result<Frame<Bytes>, hyper::Error>>> {
         match &mut *self {
             ProxyBody::Full(b) => Poll::Ready(b.take().map(|b| Ok(Frame::data(b)))),
-            ProxyBody::Upstream { inner, lease } => {
-                let polled = Pin::new(inner).poll_frame(cx);
+            ProxyBody::Upstream { inner, lease, tap } => {
+                let polled = Pin::new(&mut *inner).poll_frame(cx);
                 match &polled {
+                    Poll::Ready(Some(Ok(frame))) => {
+                        if let (Some(t), Some(d)) = (tap.as_mut(), frame.data_ref()) {
+                            t.tap.push(d);
+                        }
+                        // hyper stops polling a body that says it has ended (a known length
+                        // is reached), so the end may show here rather than as `None`.
+                        if inner.is_end_stream() {
+                            drop(lease.take());
+                            if let Some(t) = tap.take() {
+                                t.finish();
+                            }
+                        }
+                    }
                     // The last byte (or a broken stream) ends the request's hold on the engine.
-                    Poll::Ready(None) | Poll::Ready(Some(Err(_))) => drop(lease.take()),
-                    _ => {}
+                    Poll::Ready(None) => {
+                        drop(lease.take());
+                        if let Some(t) = tap.take() {
+                            t.finish();
+                        }
+                    }
+                    Poll::Ready(Some(Err(_))) => {
+                        drop(lease.take());
+                        tap.take();
+                    }
+                    Poll::Pending => {}
                 }
                 polled
             }
@@ -84,6 +110,24 @@ impl Body for ProxyBody {
             ProxyBody::Full(Some(b)) => SizeHint::with_exact(b.len() as u64),
             ProxyBody::Full(None) => SizeHint::with_exact(0),
             ProxyBody::Upstream { inner, .. } => inner.size_hint(),
+        }
+    }
+}
+
+/// A response being watched for its `timings`.
+pub struct Tapped {
+    tap: Tap,
+    stats: Stats,
+    profile: String,
+    path: String,
+    started: Instant,
+}
+
+impl Tapped {
+    fn finish(self) {
+        if let Some(t) = self.tap.timings() {
+            let wall_ms = self.started.elapsed().as_secs_f64() * 1000.0;
+            self.stats.record(&self.profile, &self.path, &t, wall_ms);
         }
     }
 }
@@ -141,7 +185,7 @@ async fn handle(ctx: &Ctx, req: Request<Incoming>) -> Response<ProxyBody> {
                 json!({ "status": "ok", "engine": s.state, "profile": s.profile }),
             )
         }
-        (true, "/status") => match serde_json::to_value(ctx.lifecycle.status()) {
+        (true, "/status") => match status_json(ctx) {
             Ok(v) => json_response(StatusCode::OK, v),
             Err(e) => ApiError::new(
                 StatusCode::INTERNAL_SERVER_ERROR,
@@ -154,6 +198,13 @@ async fn handle(ctx: &Ctx, req: Request<Incoming>) -> Response<ProxyBody> {
         (true, "/v1/models") => json_response(StatusCode::OK, models(ctx)),
         _ => proxy(ctx, req).await,
     }
+}
+
+/// The lifecycle status with the request statistics under `requests`.
+fn status_json(ctx: &Ctx) -> Result<serde_json::Value, serde_json::Error> {
+    let mut v = serde_json::to_value(ctx.lifecycle.status())?;
+    v["requests"] = serde_json::to_value(ctx.stats.report(5))?;
+    Ok(v)
 }
 
 fn json_response(status: StatusCode, v: serde_json::Value) -> Response<ProxyBody> {
@@ -204,12 +255,14 @@ async fn proxy(ctx: &Ctx, req: Request<Incoming>) -> Response<ProxyBody> {
             .into_response();
         }
     }
+    let started = Instant::now();
     let lease = match ctx.lifecycle.acquire().await {
         Ok(lease) => lease,
         Err(refusal) => return ApiError::from(refusal).into_response(),
     };
     let (mut parts, body) = req.into_parts();
     let upstream = lease.engine.upstream;
+    let tap_path = (parts.method == Method::POST).then(|| parts.uri.path().to_string());
     // Origin form (`/path?query`), as an HTTP/1.1 client sends to a server it talks to
     // directly.
     if parts.uri.scheme().is_some() || parts.uri.authority().is_some() {
@@ -245,11 +298,30 @@ async fn proxy(ctx: &Ctx, req: Request<Incoming>) -> Response<ProxyBody> {
         Ok(resp) => {
             let (mut parts, inner) = resp.into_parts();
             strip_hop_by_hop(&mut parts.headers);
+            let content_type = parts
+                .headers
+                .get(header::CONTENT_TYPE)
+                .and_then(|v| v.to_str().ok());
+            let tap = match tap_path {
+                Some(path) if parts.status.is_success() => {
+                    Tap::for_content_type(content_type).map(|tap| {
+                        Box::new(Tapped {
+                            tap,
+                            stats: ctx.stats.clone(),
+                            profile: engine.profile.clone(),
+                            path,
+                            started,
+                        })
+                    })
+                }
+                _ => None,
+            };
             Response::from_parts(
                 parts,
                 ProxyBody::Upstream {
                     inner,
                     lease: Some(lease),
+                    tap,
                 },
             )
         }

@@ -282,6 +282,11 @@ impl Body for UpstreamBody {
                     Ok(d) => {
                         data.push(d);
                         fresh = true;
+                        if this.body.is_end_stream() {
+                            // A known length reached: no `None` will follow.
+                            this.finish();
+                            break;
+                        }
                         if data.len() >= MAX_JOINED {
                             break;
                         }

@@ -468,3 +468,32 @@ async fn a_bad_config_is_fatal_with_the_file_line_and_field() {
     );
     assert!(err.starts_with("dsv4d: "), "{err}");
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn engine_connections_are_kept_alive_and_reused() {
+    let d = Daemon::start(&Setup::default());
+    for n in [1, 5, 7] {
+        let (status, _, _) = body_json(d.post("/v1/chat/completions", chat(n, false)).await).await;
+        assert_eq!(status, 200);
+        let resp = d.post("/v1/chat/completions", chat(n, true)).await;
+        let (content, done, _) = Stream::new(resp.into_body()).collect_chat().await;
+        assert_eq!(content.len(), n as usize);
+        assert!(done);
+    }
+    let (_, _, v) = body_json(
+        d.post(
+            "/completion",
+            serde_json::json!({"prompt": "7", "n_predict": 4}),
+        )
+        .await,
+    )
+    .await;
+    assert_eq!(v["content"], "89");
+    // One connection for the readiness probe, one for all seven requests.
+    let conns = d
+        .fake_log()
+        .lines()
+        .filter(|l| l.starts_with("connection from"))
+        .count();
+    assert_eq!(conns, 2, "{}", d.fake_log());
+}

@@ -112,6 +112,7 @@ async fn run(args: Args, activated: Vec<(std::os::fd::OwnedFd, String)>) -> Resu
     let ctx = Arc::new(Ctx {
         lifecycle: lifecycle.clone(),
         config,
+        stats: Default::default(),
     });
 
     let mut term = signal(SignalKind::terminate()).context("installing the SIGTERM handler")?;

@@ -61,6 +61,8 @@ pub struct Status {
 #[derive(Debug)]
 pub struct EngineRef {
     pub gen: Gen,
+    /// The profile this engine runs.
+    pub profile: String,
     pub pid: u32,
     pub upstream: SocketAddr,
     /// The connections to this engine (a fresh pool per generation).
@@ -561,6 +563,7 @@ impl Actor {
         let upstream = SocketAddr::from((Ipv4Addr::LOCALHOST, port));
         let shared = Arc::new(EngineRef {
             gen,
+            profile: profile_name.to_string(),
             pid: child.pid(),
             upstream,
             connections: Upstream::new(upstream),

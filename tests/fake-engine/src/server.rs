@@ -328,7 +328,7 @@ fn sse_response(rx: mpsc::Receiver<Bytes>) -> Resp {
 /// Accepts connections forever, serving each as HTTP/1.1 with keep-alive.
 pub async fn serve(engine: Arc<Engine>, listener: TcpListener) {
     loop {
-        let (stream, _peer) = match listener.accept().await {
+        let (stream, peer) = match listener.accept().await {
             Ok(x) => x,
             Err(e) => {
                 eprintln!("fake-engine: accept failed: {e}");
@@ -339,6 +339,8 @@ pub async fn serve(engine: Arc<Engine>, listener: TcpListener) {
         if let Err(e) = stream.set_nodelay(true) {
             eprintln!("fake-engine: set_nodelay failed: {e}");
         }
+        // One line per connection, so tests can see whether a client reuses them.
+        engine.log.line(&format!("connection from {peer}"));
         let engine = engine.clone();
         tokio::spawn(async move {
             let svc = service_fn(move |req| {

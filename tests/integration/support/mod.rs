@@ -57,6 +57,8 @@ pub struct Setup {
     /// FAKE_ENGINE_* knobs per profile (profile name -> knob -> value).
     pub profiles: BTreeMap<String, BTreeMap<&'static str, String>>,
     pub default_profile: String,
+    /// `engine:` of every profile (the fake engine plays either).
+    pub engine_kind: &'static str,
 }
 
 impl Default for Setup {
@@ -68,6 +70,7 @@ impl Default for Setup {
             engine: BTreeMap::new(),
             profiles,
             default_profile: "320k".into(),
+            engine_kind: "llama-server",
         }
     }
 }
@@ -83,6 +86,12 @@ impl Setup {
             p.insert(knob, value.to_string());
         }
         self
+    }
+
+    /// Every profile runs `engine: ds4`, with the fake engine playing ds4-server.
+    pub fn ds4(mut self) -> Self {
+        self.engine_kind = "ds4";
+        self.knob("mode", "ds4")
     }
 
     /// Writes supervisor.yaml and the profiles into `dir`; returns the config path.
@@ -111,9 +120,10 @@ impl Setup {
                 env.push_str(&format!("  FAKE_ENGINE_{}: \"{v}\"\n", k.to_uppercase()));
             }
             let p = format!(
-                "description: test profile {name}\nengine: llama-server\ncommand: {FAKE_ENGINE}\n\
+                "description: test profile {name}\nengine: {}\ncommand: {FAKE_ENGINE}\n\
                  model: /models/{name}.gguf\ncontext: {context}\nparallel: 1\nkv_cache: q8_0\n\
-                 flash_attn: on\ngpu_layers: all\nenv:\n{env}"
+                 flash_attn: on\ngpu_layers: all\nenv:\n{env}",
+                self.engine_kind
             );
             std::fs::write(profiles.join(format!("{name}.yaml")), p).unwrap();
         }

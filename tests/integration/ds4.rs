@@ -1,0 +1,92 @@
+//! `dsv4d` driving a ds4-server (the fake engine in ds4 mode): no `/health`, the port opens
+//! only once the model is loaded, `: prefill` comments while a long prompt is read, and a
+//! slow, KV-saving exit on SIGTERM.
+
+mod support;
+
+use std::time::{Duration, Instant};
+
+use nix::sys::signal::Signal;
+use support::*;
+
+const SEC: Duration = Duration::from_secs(1);
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn readiness_is_the_port_opening_then_models_answering() {
+    let d = Daemon::start(&Setup::default().ds4().knob("load_ms", "800"));
+    let t0 = Instant::now();
+    let (status, _, v) = body_json(d.post("/v1/chat/completions", chat(3, false)).await).await;
+    assert_eq!(status, 200, "{v}");
+    assert_eq!(v["choices"][0]["message"]["content"], "abc");
+    assert!(t0.elapsed() >= Duration::from_millis(800));
+    let log = d.fake_log();
+    assert_eq!(d.spawns(), 1);
+    assert!(log.contains("request GET /v1/models"), "{log}");
+    assert!(
+        !log.contains("request GET /health"),
+        "ds4 has no /health: {log}"
+    );
+    let argv = log.lines().find(|l| l.starts_with("start pid=")).unwrap();
+    assert!(argv.contains(" --ctx 327680 "), "{argv}");
+    assert!(argv.contains(" --host 127.0.0.1 --port "), "{argv}");
+    assert!(!argv.contains(" -c "), "{argv}");
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn prefill_comments_reach_the_client_as_they_come() {
+    let setup = Setup::default()
+        .ds4()
+        .knob("prefill_ms", "1300")
+        .knob("prefill_comment_ms", "300");
+    let d = Daemon::start(&setup);
+    let t0 = Instant::now();
+    let resp = d.post("/v1/chat/completions", chat(2, true)).await;
+    assert_eq!(resp.status(), 200);
+    let mut s = Stream::new(resp.into_body());
+    let mut comments = Vec::new();
+    let first_data = loop {
+        let ev = s.next_event().await.expect("stream ended during prefill");
+        if ev.starts_with(':') {
+            comments.push((ev, t0.elapsed()));
+        } else {
+            break t0.elapsed();
+        }
+    };
+    assert!(comments.len() >= 3, "{comments:?}");
+    assert!(
+        comments.iter().all(|(c, _)| c == ": prefill"),
+        "{comments:?}"
+    );
+    // Unchanged and unbuffered: the first comment came well before the first token.
+    assert!(
+        first_data - comments[0].1 >= Duration::from_millis(600),
+        "{comments:?} then data at {first_data:?}"
+    );
+    let (rest, done, _) = s.collect_chat().await;
+    assert_eq!(rest, "b");
+    assert!(done);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn sigterm_gives_ds4_its_grace_to_save_the_kv_cache() {
+    let setup = Setup::default()
+        .ds4()
+        .engine("stop_timeout", "5s")
+        .knob("sigterm_ms", "1500");
+    let mut d = Daemon::start(&setup);
+    let (status, _, _) = body_json(d.post("/v1/chat/completions", chat(2, false)).await).await;
+    assert_eq!(status, 200);
+    let pid = d.status().await["engine_pid"].as_i64().unwrap();
+    let t0 = Instant::now();
+    d.signal(Signal::SIGTERM);
+    // Still there a second later: nothing cut the KV save short.
+    tokio::time::sleep(SEC).await;
+    assert!(alive(pid), "engine killed before its stop grace");
+    let st = d.wait_exit(10 * SEC).await;
+    assert_eq!(st.code(), Some(0));
+    assert!(t0.elapsed() >= Duration::from_millis(1400));
+    assert!(!alive(pid));
+    let log = d.log();
+    assert!(log.contains("the engine stopped (exit code 0)"), "{log}");
+    assert!(!log.contains("SIGKILL") && !log.contains("SIGINT"), "{log}");
+}
