@@ -59,6 +59,8 @@ pub struct Setup {
     pub default_profile: String,
     /// `engine:` of every profile (the fake engine plays either).
     pub engine_kind: &'static str,
+    /// Profiles written as given (name -> YAML) instead of the fake-engine ones.
+    pub custom_profiles: BTreeMap<String, String>,
 }
 
 impl Default for Setup {
@@ -71,6 +73,7 @@ impl Default for Setup {
             profiles,
             default_profile: "320k".into(),
             engine_kind: "llama-server",
+            custom_profiles: BTreeMap::new(),
         }
     }
 }
@@ -113,7 +116,15 @@ impl Setup {
             yaml
         };
         std::fs::write(dir.join("supervisor.yaml"), engine_block).unwrap();
-        for (name, knobs) in &self.profiles {
+        for (name, yaml) in &self.custom_profiles {
+            std::fs::write(profiles.join(format!("{name}.yaml")), yaml).unwrap();
+        }
+        let generated = if self.custom_profiles.is_empty() {
+            &self.profiles
+        } else {
+            &BTreeMap::new()
+        };
+        for (name, knobs) in generated {
             let context = if name == "64k" { 65536 } else { 327680 };
             let mut env = format!("  FAKE_ENGINE_LOG_FILE: \"{}\"\n", fake_log.display());
             for (k, v) in knobs {

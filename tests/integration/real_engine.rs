@@ -1,0 +1,143 @@
+//! `dsv4d` with a real llama-server (built by `tests/engine/prepare`) and the tiny generated
+//! model, whose output is known: letters run a, b, c, ... and digits count up to 9, then stop.
+//!
+//! The engine comes from `DSV4_LLAMA_SERVER` and `DSV4_TINY_MODEL`, or else from the cache
+//! that `tests/engine/prepare` fills. These tests fail, with that hint, when neither has it:
+//! they never pass by skipping.
+
+mod support;
+
+use std::path::PathBuf;
+use std::time::Duration;
+
+use nix::sys::signal::Signal;
+use support::*;
+
+const SEC: Duration = Duration::from_secs(1);
+
+fn cache_dir() -> PathBuf {
+    if let Some(d) = std::env::var_os("DSV4_CACHE") {
+        return PathBuf::from(d).join("engine");
+    }
+    let base = std::env::var_os("XDG_CACHE_HOME")
+        .map(PathBuf::from)
+        .or_else(|| std::env::var_os("HOME").map(|h| PathBuf::from(h).join(".cache")))
+        .unwrap_or_else(|| PathBuf::from(".cache"));
+    base.join("dsv4").join("engine")
+}
+
+/// The real engine and the tiny model.
+fn engine() -> (PathBuf, PathBuf) {
+    let server = std::env::var_os("DSV4_LLAMA_SERVER")
+        .map(PathBuf::from)
+        .unwrap_or_else(|| cache_dir().join("bin/llama-server"));
+    let model = std::env::var_os("DSV4_TINY_MODEL")
+        .map(PathBuf::from)
+        .unwrap_or_else(|| cache_dir().join("models/tiny.gguf"));
+    assert!(
+        server.is_file() && model.is_file(),
+        "no real llama-server at {} or no tiny model at {}: run tests/engine/prepare first \
+         (or set DSV4_LLAMA_SERVER and DSV4_TINY_MODEL)",
+        server.display(),
+        model.display()
+    );
+    (server, model)
+}
+
+fn setup() -> Setup {
+    let (server, model) = engine();
+    let mut s = Setup::default()
+        .engine("idle_timeout", "1s")
+        .engine("stop_timeout", "5s");
+    s.custom_profiles.insert(
+        "tiny".into(),
+        format!(
+            "description: tiny test model\nengine: llama-server\ncommand: {}\nmodel: {}\n\
+             context: 1024\nparallel: 1\nextra_args: [--no-webui]\n",
+            server.display(),
+            model.display()
+        ),
+    );
+    s.default_profile = "tiny".into();
+    s
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_streamed_chat_starts_the_real_engine_on_demand() {
+    let d = Daemon::start(&setup());
+    assert_eq!(d.status().await["state"], "stopped");
+    let resp = d.post("/v1/chat/completions", chat(8, true)).await;
+    assert_eq!(resp.status(), 200);
+    assert_eq!(resp.headers()["content-type"], "text/event-stream");
+    let (content, done, _) = Stream::new(resp.into_body()).collect_chat().await;
+    assert_eq!(content, "abcdefgh");
+    assert!(done);
+    let s = d.status().await;
+    assert_eq!(s["state"], "ready");
+    assert_eq!(s["generation"], 1);
+    assert!(alive(s["engine_pid"].as_i64().unwrap()));
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn native_completion_returns_timings_and_status_weights_them() {
+    let d = Daemon::start(&setup());
+    let mut tokens = 0.0;
+    let mut ms = 0.0;
+    for (prompt, want) in [
+        ("count 5", "6789"),
+        ("count 1", "23456789"),
+        ("3", "456789"),
+    ] {
+        let body = serde_json::json!({"prompt": prompt, "n_predict": 16, "cache_prompt": false});
+        let (status, _, v) = body_json(d.post("/completion", body).await).await;
+        assert_eq!(status, 200, "{v}");
+        assert_eq!(v["content"], want);
+        let t = &v["timings"];
+        assert!(t["prompt_n"].as_u64().unwrap() > 0, "{t}");
+        assert_eq!(
+            t["predicted_n"].as_u64().unwrap() as usize,
+            want.len() + 1,
+            "{t}"
+        );
+        tokens += t["predicted_n"].as_f64().unwrap();
+        ms += t["predicted_ms"].as_f64().unwrap();
+    }
+    let r = d.status().await["requests"].clone();
+    assert_eq!(r["requests"], 3, "{r}");
+    assert_eq!(r["generated_tokens"].as_f64().unwrap(), tokens);
+    let want = tokens * 1000.0 / ms;
+    let got = r["decode_tok_s"].as_f64().unwrap();
+    assert!(
+        (got - want).abs() <= 1e-6 * want,
+        "weighted decode {got} vs {want} from the engine's timings"
+    );
+    assert!(r["prefill_tok_s"].as_f64().unwrap() > 0.0);
+    assert_eq!(r["by_profile"]["tiny"]["requests"], 3);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_idle_real_engine_stops_and_starts_again() {
+    let d = Daemon::start(&setup());
+    let (status, _, v) = body_json(d.post("/v1/chat/completions", chat(3, false)).await).await;
+    assert_eq!(status, 200, "{v}");
+    assert_eq!(v["choices"][0]["message"]["content"], "abc");
+    let pid = d.status().await["engine_pid"].as_i64().unwrap();
+    d.wait_state("stopped", 10 * SEC).await;
+    assert!(!alive(pid), "idle engine {pid} still running");
+    let (status, _, v) = body_json(d.post("/v1/chat/completions", chat(2, false)).await).await;
+    assert_eq!(status, 200, "{v}");
+    assert_eq!(v["choices"][0]["message"]["content"], "ab");
+    assert_eq!(d.status().await["generation"], 2);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn sigterm_stops_the_real_engine_and_exits_zero() {
+    let mut d = Daemon::start(&setup());
+    let (status, _, _) = body_json(d.post("/v1/chat/completions", chat(2, false)).await).await;
+    assert_eq!(status, 200);
+    let pid = d.status().await["engine_pid"].as_i64().unwrap();
+    d.signal(Signal::SIGTERM);
+    let st = d.wait_exit(15 * SEC).await;
+    assert_eq!(st.code(), Some(0), "{}", d.log());
+    assert!(!alive(pid), "engine {pid} outlived the daemon");
+}
