@@ -41,9 +41,11 @@ struct Args {
 
 fn main() -> std::process::ExitCode {
     let args = Args::parse();
-    init_logging();
-    // Before any thread exists: taking the activation fds edits the environment.
-    let activated = match listener::take_activation_fds() {
+    // Before any thread exists (the log writer is one): taking the activation fds edits the
+    // environment.
+    let activated = listener::take_activation_fds();
+    let _log = init_logging();
+    let activated = match activated {
         Ok(fds) => fds,
         Err(e) => return fail(e),
     };
@@ -70,19 +72,28 @@ fn fail(e: anyhow::Error) -> std::process::ExitCode {
     std::process::ExitCode::FAILURE
 }
 
-fn init_logging() {
+/// Logs go to stderr (the journal under systemd) from a thread of their own, so that the
+/// engine's chatter (llama-server logs several lines per request) never makes a request
+/// wait for a write. Nothing is dropped: a full buffer makes the logger wait instead. The
+/// returned guard flushes what is left when `main` ends.
+fn init_logging() -> tracing_appender::non_blocking::WorkerGuard {
+    use std::io::IsTerminal;
     use tracing_subscriber::EnvFilter;
     let filter = EnvFilter::try_from_env("DSV4_LOG").unwrap_or_else(|_| EnvFilter::new("info"));
-    use std::io::IsTerminal;
+    let (writer, guard) = tracing_appender::non_blocking::NonBlockingBuilder::default()
+        .lossy(false)
+        .thread_name("dsv4d-log")
+        .finish(std::io::stderr());
     tracing_subscriber::fmt()
         .with_env_filter(filter)
-        .with_writer(std::io::stderr)
+        .with_writer(writer)
         .with_ansi(std::io::stderr().is_terminal())
         .with_target(false)
         // Reporting a failed log write is itself a write to stderr, and one that panics when
         // stderr is gone (a closed pipe): a daemon must outlive its log reader.
         .log_internal_errors(false)
         .init();
+    guard
 }
 
 async fn run(args: Args, activated: Vec<(std::os::fd::OwnedFd, String)>) -> Result<()> {
