@@ -33,8 +33,10 @@ pub struct SpawnSpec {
     pub args: Vec<OsString>,
     /// Added to the daemon's environment (minus systemd's per-service variables).
     pub env: Vec<(OsString, OsString)>,
-    /// How many of the last output lines to keep for error messages and `dsv4ctl logs`.
+    /// How many of the last output lines to keep for error messages.
     pub tail_lines: usize,
+    /// A second tail that also gets every line (a log that runs across engine restarts).
+    pub also: Option<OutputTail>,
 }
 
 #[derive(Debug, thiserror::Error)]
@@ -106,6 +108,8 @@ pub struct OutputTail {
 struct Tail {
     cap: usize,
     lines: VecDeque<String>,
+    /// Lines pushed so far: the number of the next line.
+    total: u64,
 }
 
 impl OutputTail {
@@ -114,6 +118,7 @@ impl OutputTail {
             inner: Arc::new(Mutex::new(Tail {
                 cap: cap.max(1),
                 lines: VecDeque::new(),
+                total: 0,
             })),
             news: Arc::default(),
         }
@@ -125,8 +130,20 @@ impl OutputTail {
             t.lines.pop_front();
         }
         t.lines.push_back(line);
+        t.total += 1;
         drop(t);
         self.news.notify_waiters();
+    }
+
+    /// Lines numbered `since` and later that are still kept, at most the last `max` of them,
+    /// and the number of the next line to come. Lines are numbered from 0 in push order.
+    pub fn since(&self, since: u64, max: usize) -> (u64, Vec<String>) {
+        let t = self.inner.lock().unwrap_or_else(|p| p.into_inner());
+        let first_kept = t.total - t.lines.len() as u64;
+        let from = since.max(first_kept).min(t.total);
+        let available = (t.total - from) as usize;
+        let skip = t.lines.len() - available + available.saturating_sub(max);
+        (t.total, t.lines.iter().skip(skip).cloned().collect())
     }
 
     /// Resolves at the next line the engine writes.
@@ -192,10 +209,10 @@ impl EngineChild {
         let pid = child.id().unwrap_or(0);
         let output = OutputTail::new(spec.tail_lines);
         if let Some(out) = child.stdout.take() {
-            tokio::spawn(pump(out, output.clone(), pid, "stdout"));
+            tokio::spawn(pump(out, output.clone(), spec.also.clone(), pid, "stdout"));
         }
         if let Some(err) = child.stderr.take() {
-            tokio::spawn(pump(err, output.clone(), pid, "stderr"));
+            tokio::spawn(pump(err, output.clone(), spec.also.clone(), pid, "stderr"));
         }
         let (tx, rx) = watch::channel(None);
         tokio::spawn(async move {
@@ -274,7 +291,13 @@ impl Drop for EngineChild {
     }
 }
 
-async fn pump(stream: impl AsyncRead + Unpin, tail: OutputTail, pid: u32, which: &'static str) {
+async fn pump(
+    stream: impl AsyncRead + Unpin,
+    tail: OutputTail,
+    also: Option<OutputTail>,
+    pid: u32,
+    which: &'static str,
+) {
     let mut reader = BufReader::new(stream);
     let mut buf = Vec::with_capacity(256);
     loop {
@@ -288,6 +311,9 @@ async fn pump(stream: impl AsyncRead + Unpin, tail: OutputTail, pid: u32, which:
                 buf.truncate(MAX_LINE);
                 let line = String::from_utf8_lossy(&buf).into_owned();
                 tracing::info!(target: "engine", pid, stream = which, "{line}");
+                if let Some(also) = &also {
+                    also.push(line.clone());
+                }
                 tail.push(line);
             }
         }
@@ -305,6 +331,7 @@ mod tests {
             args: vec!["-c".into(), script.into()],
             env: vec![("DSV4_TEST_VAR".into(), "hello".into())],
             tail_lines: 3,
+            also: None,
         }
     }
 
@@ -371,6 +398,24 @@ mod tests {
         assert!(!alive(pid), "engine {pid} survived");
     }
 
+    #[test]
+    fn lines_are_numbered_across_the_ring() {
+        let t = OutputTail::new(3);
+        assert_eq!(t.since(0, 10), (0, vec![]));
+        for i in 0..5 {
+            t.push(format!("l{i}"));
+        }
+        // l0 and l1 fell out of the ring
+        assert_eq!(
+            t.since(0, 10),
+            (5, vec!["l2".into(), "l3".into(), "l4".into()])
+        );
+        assert_eq!(t.since(3, 10), (5, vec!["l3".into(), "l4".into()]));
+        assert_eq!(t.since(0, 1), (5, vec!["l4".into()]));
+        assert_eq!(t.since(5, 10), (5, vec![]));
+        assert_eq!(t.since(99, 10), (5, vec![]));
+    }
+
     /// A process that is gone or a zombie (an orphan waits for a reaper that may be slow).
     fn alive(pid: i32) -> bool {
         match std::fs::read_to_string(format!("/proc/{pid}/stat")) {
@@ -390,6 +435,7 @@ mod tests {
             args: vec![],
             env: vec![],
             tail_lines: 10,
+            also: None,
         };
         let err = EngineChild::spawn(&spec).unwrap_err();
         assert!(matches!(err, SpawnError::NotFound { .. }));

@@ -1,9 +1,11 @@
 //! dsv4: the on-demand supervisor for a local LLM engine.
 
 pub mod config;
+pub mod dbus;
 pub mod http_error;
 pub mod lifecycle;
 pub mod listener;
 pub mod proxy;
+pub mod state_file;
 pub mod stats;
 pub mod upstream;

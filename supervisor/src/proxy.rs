@@ -200,10 +200,18 @@ async fn handle(ctx: &Ctx, req: Request<Incoming>) -> Response<ProxyBody> {
     }
 }
 
-/// The lifecycle status with the request statistics under `requests`.
 fn status_json(ctx: &Ctx) -> Result<serde_json::Value, serde_json::Error> {
-    let mut v = serde_json::to_value(ctx.lifecycle.status())?;
-    v["requests"] = serde_json::to_value(ctx.stats.report(5))?;
+    status_document(&ctx.lifecycle, &ctx.stats)
+}
+
+/// The status document (`GET /status`, D-Bus `Status()`): the lifecycle status with the
+/// request statistics under `requests`.
+pub fn status_document(
+    lifecycle: &Handle,
+    stats: &Stats,
+) -> Result<serde_json::Value, serde_json::Error> {
+    let mut v = serde_json::to_value(lifecycle.status())?;
+    v["requests"] = serde_json::to_value(stats.report(5))?;
     Ok(v)
 }
 

@@ -10,8 +10,11 @@ use std::sync::Arc;
 use anyhow::{Context, Result};
 use clap::{Parser, ValueEnum};
 use dsv4::config::Config;
+use dsv4::dbus;
 use dsv4::listener::{self, Origin};
 use dsv4::proxy::{self, Ctx};
+use dsv4::state_file;
+use dsv4::stats::Stats;
 use tokio::signal::unix::{signal, SignalKind};
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq, ValueEnum)]
@@ -37,6 +40,9 @@ struct Args {
     /// Where the control interface lives (D-Bus); `none` disables it.
     #[arg(long, value_enum, default_value = "system")]
     bus: Bus,
+    /// Members of this group (and root) may start, stop and switch profiles over D-Bus.
+    #[arg(long, value_name = "GROUP", default_value = dsv4_client::CONTROL_GROUP)]
+    control_group: String,
 }
 
 fn main() -> std::process::ExitCode {
@@ -96,12 +102,30 @@ fn init_logging() -> tracing_appender::non_blocking::WorkerGuard {
     guard
 }
 
+/// The profile remembered from the last `SetProfile`, when it is still configured; else
+/// `default_profile`.
+fn active_profile(config: &Config) -> String {
+    let default = &config.supervisor.default_profile;
+    match state_file::load_profile(&config.supervisor.state_dir) {
+        Some(p) if config.profile(&p).is_some() => {
+            if &p != default {
+                tracing::info!("using profile {p}, chosen earlier (default_profile is {default})");
+            }
+            p
+        }
+        Some(p) => {
+            tracing::warn!(
+                "profile {p}, chosen earlier, is not configured any more; using {default}"
+            );
+            default.clone()
+        }
+        None => default.clone(),
+    }
+}
+
 async fn run(args: Args, activated: Vec<(std::os::fd::OwnedFd, String)>) -> Result<()> {
     let config = Config::load(&args.config).map_err(|e| anyhow::anyhow!("{e}"))?;
     let config = Arc::new(config);
-    if args.bus != Bus::None {
-        tracing::info!(bus = ?args.bus, "the D-Bus control interface is not available in this build yet");
-    }
     tracing::debug!(sysroot = %args.sysroot.display(), "hardware root");
     let listen = args
         .listen
@@ -117,13 +141,27 @@ async fn run(args: Args, activated: Vec<(std::os::fd::OwnedFd, String)>) -> Resu
         Origin::Bound { addr } => tracing::info!("listening on http://{addr}"),
     }
 
-    let profile = config.supervisor.default_profile.clone();
+    let profile = active_profile(&config);
     let (lifecycle, actor) = dsv4::lifecycle::actor::spawn(config.clone(), profile.clone());
     tracing::info!(profile, "ready; the engine starts on the first request");
+    let stats = Stats::default();
+    let bus = match args.bus {
+        Bus::None => None,
+        Bus::System => Some(dbus::Bus::System),
+        Bus::Session => Some(dbus::Bus::Session),
+    };
+    // Kept for the daemon's life: dropping it leaves the bus.
+    let _control = match bus {
+        Some(bus) => {
+            let group = dbus::ControlGroup::lookup(&args.control_group);
+            Some(dbus::serve(bus, lifecycle.clone(), config.clone(), stats.clone(), group).await?)
+        }
+        None => None,
+    };
     let ctx = Arc::new(Ctx {
         lifecycle: lifecycle.clone(),
         config,
-        stats: Default::default(),
+        stats,
     });
 
     let mut term = signal(SignalKind::terminate()).context("installing the SIGTERM handler")?;

@@ -21,8 +21,10 @@ use super::state::{EngineFailure, Event, Gen, Limits, Machine, Phase, Refusal, S
 use crate::config::{Config, EngineLimits};
 use crate::upstream::Upstream;
 
-/// How many lines of the engine's output are kept.
+/// How many lines of one engine's output are kept (for its error messages).
 const TAIL_LINES: usize = 200;
+/// How many lines of engine output, across restarts, are kept for `dsv4ctl logs`.
+const LOG_LINES: usize = 2000;
 /// How many of those go into an error message.
 const ERROR_TAIL_LINES: usize = 12;
 /// Readiness polling: first interval, and the cap it backs off to.
@@ -131,6 +133,7 @@ pub struct Handle {
     internal: mpsc::UnboundedSender<Internal>,
     status: watch::Receiver<Status>,
     next_waiter: Arc<AtomicU64>,
+    log: OutputTail,
 }
 
 impl Handle {
@@ -200,6 +203,12 @@ impl Handle {
     pub fn watch_status(&self) -> watch::Receiver<Status> {
         self.status.clone()
     }
+
+    /// Engine output lines numbered `since` on (at most the last `max`), across engine
+    /// restarts, and the number of the next line.
+    pub fn logs(&self, since: u64, max: usize) -> (u64, Vec<String>) {
+        self.log.since(since, max)
+    }
 }
 
 struct CancelOnDrop<'a> {
@@ -256,7 +265,9 @@ pub fn spawn(config: Arc<Config>, profile: String) -> (Handle, tokio::task::Join
         failures: 0,
         last_error: None,
     });
+    let log = OutputTail::new(LOG_LINES);
     let actor = Actor {
+        log: log.clone(),
         config,
         machine,
         engine: None,
@@ -273,6 +284,7 @@ pub fn spawn(config: Arc<Config>, profile: String) -> (Handle, tokio::task::Join
         internal: int_tx,
         status: status_rx,
         next_waiter: Arc::new(AtomicU64::new(1)),
+        log,
     };
     (handle, task)
 }
@@ -288,6 +300,8 @@ fn limits(e: &EngineLimits) -> Limits {
 
 struct Actor {
     config: Arc<Config>,
+    /// Every engine's output, across restarts.
+    log: OutputTail,
     machine: Machine,
     engine: Option<Engine>,
     waiters: HashMap<WaiterId, oneshot::Sender<Result<Lease, Refused>>>,
@@ -372,6 +386,14 @@ impl Actor {
                     return None;
                 }
                 tracing::info!("profile set to {name}");
+                let state_dir = &self.config.supervisor.state_dir;
+                if let Err(e) = crate::state_file::save_profile(state_dir, &name) {
+                    // The switch still happens; only remembering it failed.
+                    tracing::warn!(
+                        "cannot remember profile {name} in {}: {e}",
+                        state_dir.display()
+                    );
+                }
                 self.outbox.push(Reply::Control(reply, Ok(())));
                 Some(Event::SetProfile { profile: name })
             }
@@ -546,6 +568,7 @@ impl Actor {
                 .map(|(k, v)| (k.into(), v.into()))
                 .collect(),
             tail_lines: TAIL_LINES,
+            also: Some(self.log.clone()),
         };
         let shown: Vec<_> = spec.args.iter().map(|a| a.to_string_lossy()).collect();
         tracing::info!(

@@ -1,0 +1,46 @@
+//! What dsv4d remembers across restarts, in `state_dir`: the active profile.
+//!
+//! Owns: the file `state_dir/profile` (one line, the profile name). Must not: decide which
+//! profile is valid (the caller checks the name against the configuration).
+
+use std::io;
+use std::path::{Path, PathBuf};
+
+fn profile_file(state_dir: &Path) -> PathBuf {
+    state_dir.join("profile")
+}
+
+/// The remembered profile, if one was saved and can be read.
+pub fn load_profile(state_dir: &Path) -> Option<String> {
+    let text = std::fs::read_to_string(profile_file(state_dir)).ok()?;
+    let name = text.trim();
+    (!name.is_empty()).then(|| name.to_string())
+}
+
+/// Remembers `name`, atomically (a crash leaves the old file or the new one, never half).
+pub fn save_profile(state_dir: &Path, name: &str) -> io::Result<()> {
+    std::fs::create_dir_all(state_dir)?;
+    let file = profile_file(state_dir);
+    let tmp = state_dir.join(".profile.tmp");
+    std::fs::write(&tmp, format!("{name}\n"))?;
+    std::fs::rename(&tmp, &file)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn a_saved_profile_loads_back() {
+        let dir = std::env::temp_dir().join(format!("dsv4-state-test-{}", std::process::id()));
+        let _ = std::fs::remove_dir_all(&dir);
+        assert_eq!(load_profile(&dir), None);
+        save_profile(&dir.join("nested"), "64k").unwrap();
+        assert_eq!(load_profile(&dir.join("nested")).as_deref(), Some("64k"));
+        save_profile(&dir.join("nested"), "320k").unwrap();
+        assert_eq!(load_profile(&dir.join("nested")).as_deref(), Some("320k"));
+        std::fs::write(dir.join("nested/profile"), "  \n").unwrap();
+        assert_eq!(load_profile(&dir.join("nested")), None);
+        std::fs::remove_dir_all(&dir).unwrap();
+    }
+}
