@@ -45,7 +45,67 @@ impl TempDir {
 
 impl Drop for TempDir {
     fn drop(&mut self) {
-        let _ = std::fs::remove_dir_all(&self.0);
+        if !self.0.as_os_str().is_empty() {
+            let _ = std::fs::remove_dir_all(&self.0);
+        }
+    }
+}
+
+/// A private D-Bus bus daemon (session type, allow-all policy), reachable by every user so
+/// tests can call as `nobody`. Killed on drop.
+pub struct PrivateBus {
+    pub address: String,
+    pid: i32,
+    _dir: TempDir,
+}
+
+impl PrivateBus {
+    pub fn start() -> PrivateBus {
+        use std::os::unix::fs::PermissionsExt;
+        let dir = TempDir::new("bus");
+        std::fs::set_permissions(dir.path(), std::fs::Permissions::from_mode(0o755)).unwrap();
+        let socket = dir.path().join("bus");
+        let conf = dir.path().join("bus.conf");
+        std::fs::write(
+            &conf,
+            format!(
+                "<!DOCTYPE busconfig PUBLIC \"-//freedesktop//DTD D-Bus Bus Configuration 1.0//EN\" \
+                 \"http://www.freedesktop.org/standards/dbus/1.0/busconfig.dtd\">\n\
+                 <busconfig><type>session</type><listen>unix:path={}</listen>\
+                 <policy context=\"default\"><allow user=\"*\"/><allow own=\"*\"/>\
+                 <allow send_destination=\"*\"/><allow receive_sender=\"*\"/></policy></busconfig>\n",
+                socket.display()
+            ),
+        )
+        .unwrap();
+        let out = Command::new("dbus-daemon")
+            .arg(format!("--config-file={}", conf.display()))
+            .args(["--fork", "--print-address=1", "--print-pid=1"])
+            .output()
+            .expect("dbus-daemon (apt-get install dbus-daemon)");
+        assert!(
+            out.status.success(),
+            "dbus-daemon: {}",
+            String::from_utf8_lossy(&out.stderr)
+        );
+        let text = String::from_utf8(out.stdout).unwrap();
+        let mut lines = text.lines();
+        let address = lines.next().unwrap().to_string();
+        let pid = lines.next().unwrap().trim().parse().unwrap();
+        PrivateBus {
+            address,
+            pid,
+            _dir: dir,
+        }
+    }
+}
+
+impl Drop for PrivateBus {
+    fn drop(&mut self) {
+        let _ = nix::sys::signal::kill(
+            nix::unistd::Pid::from_raw(self.pid),
+            nix::sys::signal::Signal::SIGTERM,
+        );
     }
 }
 
@@ -61,6 +121,10 @@ pub struct Setup {
     pub engine_kind: &'static str,
     /// Profiles written as given (name -> YAML) instead of the fake-engine ones.
     pub custom_profiles: BTreeMap<String, String>,
+    /// Serve the control interface on this (private) session bus; `--bus none` without.
+    pub session_bus: Option<String>,
+    /// More `dsv4d` arguments.
+    pub daemon_args: Vec<String>,
 }
 
 impl Default for Setup {
@@ -74,6 +138,8 @@ impl Default for Setup {
             default_profile: "320k".into(),
             engine_kind: "llama-server",
             custom_profiles: BTreeMap::new(),
+            session_bus: None,
+            daemon_args: Vec::new(),
         }
     }
 }
@@ -156,7 +222,11 @@ impl Daemon {
     /// Starts `dsv4d` socket-activated: the test binds the listener, as systemd would, and the
     /// daemon gets it as fd 3 named `api`.
     pub fn start(setup: &Setup) -> Daemon {
-        let dir = TempDir::new("daemon");
+        Daemon::start_in(setup, TempDir::new("daemon"))
+    }
+
+    /// Starts `dsv4d` with its config and state in `dir` (which may hold a previous run's).
+    pub fn start_in(setup: &Setup, dir: TempDir) -> Daemon {
         let fake_log = dir.path().join("fake-engine.log");
         let config = setup.write(dir.path(), &fake_log);
         let listener = TcpListener::bind("127.0.0.1:0").unwrap();
@@ -166,7 +236,12 @@ impl Daemon {
         cmd.arg("-c")
             .arg("LISTEN_PID=$$ LISTEN_FDS=1 LISTEN_FDNAMES=api exec \"$0\" \"$@\"")
             .arg(DSV4D)
-            .args(["--config", config.to_str().unwrap(), "--bus", "none"])
+            .args(["--config", config.to_str().unwrap()])
+            .args(match &setup.session_bus {
+                Some(_) => ["--bus", "session"],
+                None => ["--bus", "none"],
+            })
+            .args(&setup.daemon_args)
             .env(
                 "DSV4_LOG",
                 std::env::var("DSV4_LOG").unwrap_or_else(|_| "debug".into()),
@@ -187,6 +262,9 @@ impl Daemon {
                 }
                 Ok(())
             });
+        }
+        if let Some(addr) = &setup.session_bus {
+            cmd.env("DBUS_SESSION_BUS_ADDRESS", addr);
         }
         let mut child = cmd.spawn().expect("spawn dsv4d");
         drop(listener);
@@ -290,6 +368,14 @@ impl Daemon {
 
     pub fn signal(&self, sig: nix::sys::signal::Signal) {
         nix::sys::signal::kill(nix::unistd::Pid::from_raw(self.child.id() as i32), sig).unwrap();
+    }
+
+    /// SIGTERM, wait for the exit, and hand back the folder with its config and state.
+    pub async fn stop(mut self) -> TempDir {
+        self.signal(nix::sys::signal::Signal::SIGTERM);
+        let st = self.wait_exit(Duration::from_secs(15)).await;
+        assert_eq!(st.code(), Some(0), "{}", self.log());
+        TempDir(std::mem::take(&mut self.dir.0))
     }
 
     /// Waits for the daemon to exit, at most `within`.

@@ -1,0 +1,572 @@
+//! `dsv4ctl`: control dsv4d over D-Bus.
+//!
+//! Owns: the command line and what it prints. Must not: link the daemon's library; it
+//! speaks to the daemon only through `dsv4_client` (names, proxy, status types), so it sees
+//! exactly what any other client sees.
+//!
+//! Exit codes: 0 ok; 1 the daemon refused or failed (its message is printed); 2 a usage
+//! error or a daemon that cannot be reached. Errors are one line on stderr, `dsv4ctl: ...`.
+
+// A binary's root module looks for modules next to it: point into dsv4ctl/.
+#[path = "dsv4ctl/bus.rs"]
+mod bus;
+#[path = "dsv4ctl/error.rs"]
+mod error;
+#[path = "dsv4ctl/render.rs"]
+mod render;
+#[path = "dsv4ctl/wait.rs"]
+mod wait;
+
+use std::fmt;
+use std::io::{IsTerminal, Write};
+use std::process::ExitCode;
+use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
+
+use clap::{CommandFactory, Parser, Subcommand, ValueEnum};
+use dsv4_client::Status;
+
+use crate::bus::Daemon;
+use crate::error::Failure;
+use crate::wait::{StartWait, Step};
+
+/// How often `start --wait` looks at the status.
+const WAIT_POLL: Duration = Duration::from_millis(100);
+/// How often `logs -f` asks for new lines.
+const FOLLOW_POLL: Duration = Duration::from_millis(300);
+/// The most lines one `logs -f` poll asks for.
+const FOLLOW_MAX: u32 = 10_000;
+
+/// The message bus dsv4d is on.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, ValueEnum)]
+pub enum Bus {
+    /// The system bus (dsv4d as a system service).
+    System,
+    /// The session bus of the user (dsv4d run by hand or as a user service).
+    Session,
+}
+
+impl fmt::Display for Bus {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str(match self {
+            Bus::System => "system",
+            Bus::Session => "session",
+        })
+    }
+}
+
+/// Control dsv4d, the on-demand supervisor of a local LLM engine.
+///
+/// dsv4d starts the engine (llama-server or ds4-server) when a request needs it and stops it
+/// once it has been idle. dsv4ctl talks to it over D-Bus (io.github.dsv4.Supervisor1): it
+/// shows the status, starts and stops the engine, switches profiles and shows the engine's
+/// output. Reading is open to everyone; changing anything needs root or membership of the
+/// dsv4 group.
+///
+/// Exit status: 0 on success, 1 when the daemon refused or failed, 2 on a usage error or
+/// when the daemon cannot be reached.
+#[derive(Debug, Parser)]
+#[command(name = "dsv4ctl", version, propagate_version = true)]
+struct Cli {
+    /// The bus dsv4d is on [default: $DSV4_BUS, else system]
+    #[arg(long, value_enum, global = true, value_name = "BUS")]
+    bus: Option<Bus>,
+    /// Print JSON instead of text
+    #[arg(long, global = true)]
+    json: bool,
+    #[command(subcommand)]
+    command: Command,
+}
+
+#[derive(Debug, Subcommand)]
+enum Command {
+    /// Show the engine's state, profile and request statistics
+    ///
+    /// Shows the lifecycle state (stopped, starting, ready, draining, stopping, backoff), the
+    /// active profile (and the running engine's, if another), the engine's pid and uptime,
+    /// the requests in flight and waiting, when the idle engine will be stopped, the last
+    /// error, and request totals with token-weighted decode and prefill rates. Never starts
+    /// the engine.
+    ///
+    /// With --json, prints the Status() document as JSON.
+    Status,
+    /// Start the engine of the active profile now
+    ///
+    /// Calls Start(): the engine starts without waiting for a request. With --wait, waits
+    /// until it is ready and shows its progress; it fails (exit 1) if the engine does not
+    /// start.
+    Start {
+        /// Wait until the engine is ready
+        #[arg(long)]
+        wait: bool,
+        /// Give up waiting after this long (e.g. 90s, 5m) [default: as long as dsv4d waits]
+        #[arg(long, value_name = "DURATION", requires = "wait", value_parser = render::parse_duration)]
+        timeout: Option<Duration>,
+    },
+    /// Stop the engine once in-flight requests have finished
+    ///
+    /// Calls Stop(): requests in flight finish first, then the engine is stopped. With --now,
+    /// calls StopNow(), which stops it at once and cuts in-flight requests off. The next
+    /// request starts it again.
+    Stop {
+        /// Stop at once, cutting in-flight requests off
+        #[arg(long)]
+        now: bool,
+    },
+    /// Show the active profile, or switch to another one
+    ///
+    /// Without NAME, prints the active profile (the one the next start uses), and the
+    /// running engine's if that is another one. With NAME, makes it the active profile (it
+    /// is kept across restarts of the daemon): a running engine is restarted with it once
+    /// its in-flight requests have finished, and requests that arrive meanwhile wait for
+    /// the new engine.
+    Profile {
+        /// The profile to switch to (see `dsv4ctl profiles`)
+        name: Option<String>,
+    },
+    /// List the profiles
+    ///
+    /// Shows each profile's name, engine, context size and description; `*` marks the
+    /// active one. With --json, prints the ListProfiles() JSON array.
+    Profiles,
+    /// Show the engine's output
+    ///
+    /// Prints the last lines the engine (llama-server, ds4-server) wrote, across engine
+    /// restarts. With -f, keeps printing new lines until interrupted (Ctrl-C). The daemon's
+    /// own log is in the journal: journalctl -u dsv4d.
+    Logs {
+        /// Keep printing new lines as the engine writes them
+        #[arg(short, long)]
+        follow: bool,
+        /// How many of the last lines to print
+        #[arg(short = 'n', long = "lines", value_name = "N", default_value_t = 50)]
+        lines: u32,
+    },
+    /// Print a shell completion script
+    ///
+    /// Prints the completion script for SHELL to standard output. For example, for bash:
+    /// dsv4ctl completions bash > /etc/bash_completion.d/dsv4ctl
+    Completions {
+        /// The shell to write completions for
+        #[arg(value_enum)]
+        shell: clap_complete::Shell,
+    },
+}
+
+#[tokio::main(flavor = "current_thread")]
+async fn main() -> ExitCode {
+    let cli = Cli::parse();
+    match run(cli).await {
+        Ok(()) => ExitCode::SUCCESS,
+        Err(f) => ExitCode::from(f.report()),
+    }
+}
+
+async fn run(cli: Cli) -> Result<(), Failure> {
+    let json = cli.json;
+    if let Command::Completions { shell } = cli.command {
+        let mut script = Vec::new();
+        clap_complete::generate(shell, &mut Cli::command(), "dsv4ctl", &mut script);
+        return write_out(&script);
+    }
+    let bus = resolve_bus(cli.bus, std::env::var("DSV4_BUS").ok().as_deref())?;
+    let daemon = Daemon::connect(bus).await?;
+    match cli.command {
+        Command::Status => status(&daemon, json).await,
+        Command::Start { wait, timeout } => start(&daemon, json, wait, timeout).await,
+        Command::Stop { now } => stop(&daemon, json, now).await,
+        Command::Profile { name: None } => show_profile(&daemon, json).await,
+        Command::Profile { name: Some(name) } => set_profile(&daemon, json, &name).await,
+        Command::Profiles => profiles(&daemon, json).await,
+        Command::Logs { follow, lines } => logs(&daemon, json, follow, lines).await,
+        Command::Completions { .. } => unreachable!("handled above"),
+    }
+}
+
+/// `--bus`, else `$DSV4_BUS`, else the system bus.
+fn resolve_bus(flag: Option<Bus>, env: Option<&str>) -> Result<Bus, Failure> {
+    if let Some(bus) = flag {
+        return Ok(bus);
+    }
+    match env.map(str::trim) {
+        None | Some("") => Ok(Bus::System),
+        Some(v) => Bus::from_str(v, true)
+            .map_err(|_| Failure::Usage(format!("DSV4_BUS must be system or session, not {v:?}"))),
+    }
+}
+
+async fn status(daemon: &Daemon, json: bool) -> Result<(), Failure> {
+    let s = daemon.status().await?;
+    if json {
+        print_json(&s)
+    } else {
+        print(&render::status_table(&s, unix_now()))
+    }
+}
+
+async fn start(
+    daemon: &Daemon,
+    json: bool,
+    wait: bool,
+    timeout: Option<Duration>,
+) -> Result<(), Failure> {
+    let before = daemon.status().await?;
+    let t0 = Instant::now();
+    daemon.start().await?;
+    if wait {
+        let s = wait_ready(daemon, &before, t0, timeout, !json).await?;
+        return if json { print_json(&s) } else { Ok(()) };
+    }
+    let s = daemon.status().await?;
+    if json {
+        return print_json(&s);
+    }
+    match s.state.as_str() {
+        "ready" => println_out(&format!(
+            "the engine is ready (profile {})",
+            s.engine_profile.as_deref().unwrap_or(&s.profile)
+        )),
+        _ => println_out(&format!(
+            "starting the engine (profile {}); `dsv4ctl start --wait` waits until it is ready",
+            s.profile
+        )),
+    }
+}
+
+/// Polls the status until the engine is ready; shows the progress unless `quiet` is false.
+async fn wait_ready(
+    daemon: &Daemon,
+    before: &Status,
+    t0: Instant,
+    timeout: Option<Duration>,
+    show: bool,
+) -> Result<Status, Failure> {
+    let mut progress = Progress::new(show);
+    let mut waiter = StartWait::new(before);
+    let deadline = timeout.map(|t| t0 + t);
+    loop {
+        let s = match daemon.status().await {
+            Ok(s) => s,
+            Err(e) => {
+                progress.clear();
+                return Err(e);
+            }
+        };
+        let step = waiter.observe(&s, t0.elapsed());
+        match step {
+            Step::Ready => {
+                progress.ready(t0.elapsed())?;
+                return Ok(s);
+            }
+            Step::Failed(why) => {
+                progress.clear();
+                return Err(Failure::Failed(format!("engine failed to start: {why}")));
+            }
+            Step::Waiting => progress.state(&s, t0.elapsed())?,
+        }
+        if let Some(d) = deadline {
+            if Instant::now() >= d {
+                progress.clear();
+                return Err(Failure::Failed(format!(
+                    "the engine was not ready within {} (state: {})",
+                    render::elapsed(d - t0),
+                    s.state
+                )));
+            }
+            tokio::time::sleep(WAIT_POLL.min(d.saturating_duration_since(Instant::now()))).await;
+        } else {
+            tokio::time::sleep(WAIT_POLL).await;
+        }
+    }
+}
+
+/// The progress of `start --wait`: a spinner on a terminal, else a line per state change.
+struct Progress {
+    spinner: Option<indicatif::ProgressBar>,
+    show: bool,
+    last: Option<String>,
+}
+
+impl Progress {
+    fn new(show: bool) -> Progress {
+        let spinner = (show && std::io::stdout().is_terminal()).then(|| {
+            let pb = indicatif::ProgressBar::with_draw_target(
+                None,
+                indicatif::ProgressDrawTarget::stdout(),
+            );
+            pb.set_style(
+                indicatif::ProgressStyle::with_template("{spinner} {msg}")
+                    .unwrap_or_else(|_| indicatif::ProgressStyle::default_spinner()),
+            );
+            pb.enable_steady_tick(Duration::from_millis(100));
+            pb
+        });
+        Progress {
+            spinner,
+            show,
+            last: None,
+        }
+    }
+
+    fn state(&mut self, s: &Status, elapsed: Duration) -> Result<(), Failure> {
+        if let Some(pb) = &self.spinner {
+            pb.set_message(format!(
+                "{} (profile {}) {}",
+                s.state,
+                s.engine_profile.as_deref().unwrap_or(&s.profile),
+                render::elapsed(elapsed)
+            ));
+            return Ok(());
+        }
+        // A `stopped` seen at first is the state from before Start() was carried out.
+        if self.show && self.last.as_deref() != Some(&s.state) && s.state != "stopped" {
+            self.last = Some(s.state.clone());
+            println_out(&s.state)?;
+        }
+        Ok(())
+    }
+
+    fn ready(&mut self, elapsed: Duration) -> Result<(), Failure> {
+        self.clear();
+        if self.show {
+            println_out(&format!("ready after {}", render::elapsed(elapsed)))?;
+        }
+        Ok(())
+    }
+
+    fn clear(&mut self) {
+        if let Some(pb) = self.spinner.take() {
+            pb.finish_and_clear();
+        }
+    }
+}
+
+async fn stop(daemon: &Daemon, json: bool, now: bool) -> Result<(), Failure> {
+    let before = daemon.status().await?;
+    if now {
+        daemon.stop_now().await?;
+    } else {
+        daemon.stop().await?;
+    }
+    if json {
+        return print_json(&daemon.status().await?);
+    }
+    let text = match before.state.as_str() {
+        "stopped" => "the engine is not running".to_string(),
+        "backoff" => "stopped (the retry after the failed start is called off)".to_string(),
+        _ if now => "stopping now (in-flight requests are cut off)".to_string(),
+        _ if before.in_flight > 0 => format!(
+            "stopping (in-flight requests finish first)\n{} in flight",
+            before.in_flight
+        ),
+        _ => "stopping (in-flight requests finish first)".to_string(),
+    };
+    println_out(&text)
+}
+
+async fn show_profile(daemon: &Daemon, json: bool) -> Result<(), Failure> {
+    let s = daemon.status().await?;
+    if json {
+        return print_json(&serde_json::json!({
+            "profile": s.profile,
+            "engine_profile": s.engine_profile,
+        }));
+    }
+    println_out(&render::active_profile(&s))
+}
+
+async fn set_profile(daemon: &Daemon, json: bool, name: &str) -> Result<(), Failure> {
+    let before = daemon.status().await?;
+    daemon.set_profile(name).await?;
+    if json {
+        return print_json(&daemon.status().await?);
+    }
+    println_out(&set_profile_text(&before, name))
+}
+
+/// What `dsv4ctl profile NAME` says happened, from the state before `SetProfile(NAME)`.
+fn set_profile_text(before: &Status, name: &str) -> String {
+    let running = matches!(before.state.as_str(), "ready" | "starting");
+    if running && before.engine_profile.as_deref() == Some(name) {
+        format!("profile {name}: the running engine already uses it")
+    } else if running {
+        format!(
+            "profile {name}: the running engine restarts with it once in-flight requests finish"
+        )
+    } else {
+        format!("profile {name}: applies at the next start")
+    }
+}
+
+async fn profiles(daemon: &Daemon, json: bool) -> Result<(), Failure> {
+    let list = daemon.list_profiles().await?;
+    if json {
+        print_json(&list)
+    } else {
+        print(&render::profiles_table(&list))
+    }
+}
+
+async fn logs(daemon: &Daemon, json: bool, follow: bool, lines: u32) -> Result<(), Failure> {
+    let (mut next, batch) = daemon.logs(0, lines).await?;
+    if !follow {
+        if json {
+            print_json(&serde_json::json!({ "next": next, "lines": batch }))?;
+        } else {
+            print_lines(&batch, false)?;
+        }
+        eprintln!("dsv4ctl: the daemon's own log: journalctl -u dsv4d");
+        return Ok(());
+    }
+    print_lines(&batch, json)?;
+    let ctrl_c = tokio::signal::ctrl_c();
+    tokio::pin!(ctrl_c);
+    loop {
+        tokio::select! {
+            _ = &mut ctrl_c => return Ok(()),
+            _ = tokio::time::sleep(FOLLOW_POLL) => {}
+        }
+        let (mut after, mut batch) = daemon.logs(next, FOLLOW_MAX).await?;
+        if after < next {
+            // The numbers went back: the daemon restarted; its lines count from 0 again.
+            (after, batch) = daemon.logs(0, FOLLOW_MAX).await?;
+        }
+        next = after;
+        print_lines(&batch, json)?;
+    }
+}
+
+/// Lines as they are, or (with --json) one JSON string per line.
+fn print_lines(lines: &[String], json: bool) -> Result<(), Failure> {
+    let mut out = String::new();
+    for l in lines {
+        if json {
+            out.push_str(&serde_json::Value::from(l.as_str()).to_string());
+        } else {
+            out.push_str(l);
+        }
+        out.push('\n');
+    }
+    print(&out)
+}
+
+fn print_json<T: serde::Serialize>(v: &T) -> Result<(), Failure> {
+    let text = serde_json::to_string_pretty(v)
+        .map_err(|e| Failure::Failed(format!("cannot write JSON: {e}")))?;
+    println_out(&text)
+}
+
+fn println_out(s: &str) -> Result<(), Failure> {
+    print(&format!("{s}\n"))
+}
+
+fn print(s: &str) -> Result<(), Failure> {
+    write_out(s.as_bytes())
+}
+
+fn write_out(bytes: &[u8]) -> Result<(), Failure> {
+    let mut out = std::io::stdout().lock();
+    out.write_all(bytes)
+        .and_then(|()| out.flush())
+        .map_err(error::output)
+}
+
+fn unix_now() -> f64 {
+    SystemTime::now()
+        .duration_since(UNIX_EPOCH)
+        .map_or(0.0, |d| d.as_secs_f64())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn the_cli_is_well_formed() {
+        Cli::command().debug_assert();
+    }
+
+    #[test]
+    fn the_bus_comes_from_the_flag_then_the_environment() {
+        assert_eq!(resolve_bus(None, None), Ok(Bus::System));
+        assert_eq!(resolve_bus(None, Some("")), Ok(Bus::System));
+        assert_eq!(resolve_bus(None, Some("session")), Ok(Bus::Session));
+        assert_eq!(
+            resolve_bus(Some(Bus::System), Some("session")),
+            Ok(Bus::System)
+        );
+        let bad = resolve_bus(None, Some("user")).unwrap_err();
+        assert_eq!(bad.exit_code(), 2);
+        assert_eq!(
+            bad.message().unwrap(),
+            "DSV4_BUS must be system or session, not \"user\""
+        );
+    }
+
+    #[test]
+    fn usage() {
+        let cli = Cli::try_parse_from([
+            "dsv4ctl",
+            "start",
+            "--wait",
+            "--timeout",
+            "90s",
+            "--bus",
+            "session",
+        ])
+        .unwrap();
+        assert_eq!(cli.bus, Some(Bus::Session));
+        assert!(matches!(
+            cli.command,
+            Command::Start { wait: true, timeout: Some(t) } if t == Duration::from_secs(90)
+        ));
+        assert!(Cli::try_parse_from(["dsv4ctl", "start", "--timeout", "9s"]).is_err());
+        let cli = Cli::try_parse_from(["dsv4ctl", "--json", "logs", "-fn", "5"]).unwrap();
+        assert!(cli.json);
+        assert!(matches!(
+            cli.command,
+            Command::Logs {
+                follow: true,
+                lines: 5
+            }
+        ));
+        let cli = Cli::try_parse_from(["dsv4ctl", "logs"]).unwrap();
+        assert!(matches!(
+            cli.command,
+            Command::Logs {
+                follow: false,
+                lines: 50
+            }
+        ));
+        let e = Cli::try_parse_from(["dsv4ctl", "frobnicate"]).unwrap_err();
+        assert_eq!(e.exit_code(), 2);
+    }
+
+    #[test]
+    fn what_set_profile_says() {
+        let mut s: Status = serde_json::from_value(serde_json::json!({
+            "state": "ready", "profile": "320k", "engine_profile": "320k", "engine_pid": 7,
+            "generation": 1, "in_flight": 0, "waiting": 0, "idle_deadline": null,
+            "ready_since": null, "failures": 0, "last_error": null,
+            "requests": {
+                "requests": 0, "prompt_tokens": 0, "cached_tokens": 0, "generated_tokens": 0,
+                "decode_tok_s": null, "prefill_tok_s": null, "long_prompt_requests": 0,
+                "long_prompt_prefill_tok_s": null, "by_profile": {}, "recent": []
+            }
+        }))
+        .unwrap();
+        assert_eq!(
+            set_profile_text(&s, "64k"),
+            "profile 64k: the running engine restarts with it once in-flight requests finish"
+        );
+        assert_eq!(
+            set_profile_text(&s, "320k"),
+            "profile 320k: the running engine already uses it"
+        );
+        s.state = "stopped".into();
+        s.engine_profile = None;
+        assert_eq!(
+            set_profile_text(&s, "64k"),
+            "profile 64k: applies at the next start"
+        );
+    }
+}

@@ -1,0 +1,129 @@
+//! The connection to dsv4d: connect to the bus, check that the name has an owner, and call
+//! `io.github.dsv4.Supervisor1` with every call bounded in time.
+
+use std::future::Future;
+use std::time::Duration;
+
+use dsv4_client::{ProfileInfo, Status, Supervisor1Proxy};
+use zbus::proxy::CacheProperties;
+
+use crate::error::Failure;
+use crate::Bus;
+
+/// The bound on connecting and on every single call.
+pub const CALL_TIMEOUT: Duration = Duration::from_secs(5);
+
+/// dsv4d, reached over `bus`.
+pub struct Daemon {
+    bus: Bus,
+    proxy: Supervisor1Proxy<'static>,
+}
+
+impl Daemon {
+    /// Connects to `bus` and checks that dsv4d owns its name there, so that a missing daemon
+    /// is reported as such (and never waits on D-Bus activation).
+    pub async fn connect(bus: Bus) -> Result<Daemon, Failure> {
+        let cannot =
+            |why: String| Failure::Unreachable(format!("cannot connect to the {bus} bus: {why}"));
+        let builder = match bus {
+            Bus::System => zbus::connection::Builder::system(),
+            Bus::Session => zbus::connection::Builder::session(),
+        }
+        .map_err(|e| cannot(e.to_string()))?;
+        let conn = match tokio::time::timeout(CALL_TIMEOUT, builder.build()).await {
+            Err(_) => {
+                return Err(cannot(format!(
+                    "no answer within {}s",
+                    CALL_TIMEOUT.as_secs()
+                )))
+            }
+            Ok(Err(e)) => return Err(cannot(e.to_string())),
+            Ok(Ok(conn)) => conn,
+        };
+
+        let dbus = bounded(bus, "the bus's proxy", zbus::fdo::DBusProxy::new(&conn)).await?;
+        let name = zbus::names::BusName::try_from(dsv4_client::BUS_NAME)
+            .map_err(|e| Failure::Failed(format!("bad bus name: {e}")))?;
+        let owned = match tokio::time::timeout(CALL_TIMEOUT, dbus.name_has_owner(name)).await {
+            Err(_) => return Err(no_answer("the bus", "NameHasOwner()")),
+            Ok(Err(e)) => {
+                return Err(Failure::from_zbus(e.into(), bus, "NameHasOwner()"));
+            }
+            Ok(Ok(owned)) => owned,
+        };
+        if !owned {
+            return Err(Failure::not_running(bus));
+        }
+
+        let proxy = bounded(
+            bus,
+            "the proxy",
+            Supervisor1Proxy::builder(&conn)
+                .cache_properties(CacheProperties::No)
+                .build(),
+        )
+        .await?;
+        Ok(Daemon { bus, proxy })
+    }
+
+    /// `Status()`, parsed (so it is validated against the client's types).
+    pub async fn status(&self) -> Result<Status, Failure> {
+        let json = bounded(self.bus, "Status()", self.proxy.status()).await?;
+        serde_json::from_str(&json).map_err(|e| {
+            Failure::Failed(format!(
+                "dsv4d answered Status() with a document dsv4ctl does not understand: {e}"
+            ))
+        })
+    }
+
+    /// `ListProfiles()`, parsed.
+    pub async fn list_profiles(&self) -> Result<Vec<ProfileInfo>, Failure> {
+        let json = bounded(self.bus, "ListProfiles()", self.proxy.list_profiles()).await?;
+        serde_json::from_str(&json).map_err(|e| {
+            Failure::Failed(format!(
+                "dsv4d answered ListProfiles() with a document dsv4ctl does not understand: {e}"
+            ))
+        })
+    }
+
+    pub async fn start(&self) -> Result<(), Failure> {
+        bounded(self.bus, "Start()", self.proxy.start()).await
+    }
+
+    pub async fn stop(&self) -> Result<(), Failure> {
+        bounded(self.bus, "Stop()", self.proxy.stop()).await
+    }
+
+    pub async fn stop_now(&self) -> Result<(), Failure> {
+        bounded(self.bus, "StopNow()", self.proxy.stop_now()).await
+    }
+
+    pub async fn set_profile(&self, name: &str) -> Result<(), Failure> {
+        bounded(self.bus, "SetProfile()", self.proxy.set_profile(name)).await
+    }
+
+    /// `Logs(since, max)`: the number to ask from next time, and the lines.
+    pub async fn logs(&self, since: u64, max: u32) -> Result<(u64, Vec<String>), Failure> {
+        bounded(self.bus, "Logs()", self.proxy.logs(since, max)).await
+    }
+}
+
+/// Runs one D-Bus interaction of dsv4d's for at most [`CALL_TIMEOUT`].
+async fn bounded<T>(
+    bus: Bus,
+    what: &str,
+    call: impl Future<Output = zbus::Result<T>>,
+) -> Result<T, Failure> {
+    match tokio::time::timeout(CALL_TIMEOUT, call).await {
+        Err(_) => Err(no_answer("dsv4d", what)),
+        Ok(Err(e)) => Err(Failure::from_zbus(e, bus, what)),
+        Ok(Ok(v)) => Ok(v),
+    }
+}
+
+fn no_answer(who: &str, what: &str) -> Failure {
+    Failure::Unreachable(format!(
+        "{who} did not answer {what} within {}s",
+        CALL_TIMEOUT.as_secs()
+    ))
+}

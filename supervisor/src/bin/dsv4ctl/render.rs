@@ -1,0 +1,440 @@
+//! Text for people: durations, rates, the status table and the profiles table. Pure
+//! functions of their inputs (the current time is a parameter), so they are unit-tested.
+
+use std::time::Duration;
+
+use dsv4_client::{ProfileInfo, Status, Totals};
+
+/// A whole number of seconds as `42s`, `3m12s`, `1h2m3s` or `2d4h5m`; negative counts as 0.
+pub fn duration(seconds: f64) -> String {
+    let s = if seconds.is_finite() && seconds > 0.0 {
+        seconds.floor() as u64
+    } else {
+        0
+    };
+    let (d, h, m, s) = (s / 86_400, s / 3600 % 24, s / 60 % 60, s % 60);
+    if d > 0 {
+        format!("{d}d{h}h{m}m")
+    } else if h > 0 {
+        format!("{h}h{m}m{s}s")
+    } else if m > 0 {
+        format!("{m}m{s}s")
+    } else {
+        format!("{s}s")
+    }
+}
+
+/// An elapsed time with a tenth of a second below a minute (`1.2s`), else as [`duration`].
+pub fn elapsed(d: Duration) -> String {
+    let secs = d.as_secs_f64();
+    if secs < 60.0 {
+        format!("{:.1}s", (secs * 10.0).floor() / 10.0)
+    } else {
+        duration(secs)
+    }
+}
+
+/// A rate with four significant digits: `13.35`, `122.7`, `1234`, `0.512`.
+pub fn rate(v: f64) -> String {
+    let a = v.abs();
+    if a >= 1000.0 {
+        format!("{v:.0}")
+    } else if a >= 100.0 {
+        format!("{v:.1}")
+    } else if a >= 10.0 {
+        format!("{v:.2}")
+    } else {
+        format!("{v:.3}")
+    }
+}
+
+/// Parses `--timeout`: `90s`, `500ms`, `15m`, `1h30m`, `1.5s`, `2d`; a bare number is seconds.
+pub fn parse_duration(s: &str) -> Result<Duration, String> {
+    let t = s.trim();
+    if t.is_empty() {
+        return Err("empty duration".into());
+    }
+    if let Ok(secs) = t.parse::<f64>() {
+        return Duration::try_from_secs_f64(secs).map_err(|e| format!("{s:?}: {e}"));
+    }
+    let bad = || format!("{s:?} is not a duration (examples: 30s, 500ms, 15m, 1h30m)");
+    let mut total = 0.0f64;
+    let mut rest = t;
+    while !rest.is_empty() {
+        let num_len = rest
+            .find(|c: char| !(c.is_ascii_digit() || c == '.'))
+            .ok_or_else(bad)?;
+        if num_len == 0 {
+            return Err(bad());
+        }
+        let n: f64 = rest[..num_len].parse().map_err(|_| bad())?;
+        rest = &rest[num_len..];
+        let unit_len = rest
+            .find(|c: char| c.is_ascii_digit() || c == '.')
+            .unwrap_or(rest.len());
+        let unit = match &rest[..unit_len] {
+            "ms" => 0.001,
+            "s" => 1.0,
+            "m" | "min" => 60.0,
+            "h" => 3600.0,
+            "d" => 86_400.0,
+            _ => return Err(bad()),
+        };
+        rest = &rest[unit_len..];
+        total += n * unit;
+    }
+    Duration::try_from_secs_f64(total).map_err(|e| format!("{s:?}: {e}"))
+}
+
+/// The status as a short table. `now` is the Unix time in seconds.
+pub fn status_table(s: &Status, now: f64) -> String {
+    let mut rows: Vec<(&str, String)> = Vec::new();
+    let state = if s.failures > 0 {
+        let starts = if s.failures == 1 { "start" } else { "starts" };
+        format!("{} ({} failed {starts} in a row)", s.state, s.failures)
+    } else {
+        s.state.clone()
+    };
+    rows.push(("state", state));
+    let profile = match s.engine_profile.as_deref() {
+        Some(engine) if engine != s.profile => {
+            format!("{} (the running engine: {engine})", s.profile)
+        }
+        _ => s.profile.clone(),
+    };
+    rows.push(("profile", profile));
+    rows.push((
+        "engine pid",
+        s.engine_pid
+            .filter(|p| *p != 0)
+            .map_or_else(dash, |p| p.to_string()),
+    ));
+    rows.push((
+        "uptime",
+        s.ready_since
+            .filter(|t| *t > 0.0)
+            .map_or_else(dash, |t| duration(now - t)),
+    ));
+    rows.push(("in flight", s.in_flight.to_string()));
+    rows.push(("waiting", s.waiting.to_string()));
+    rows.push((
+        "idle stop",
+        s.idle_deadline
+            .filter(|t| *t > 0.0)
+            .map_or_else(dash, |t| format!("stops in {}", duration(t - now))),
+    ));
+    rows.push((
+        "last error",
+        s.last_error
+            .as_deref()
+            .map(str::trim)
+            .filter(|e| !e.is_empty())
+            .map_or_else(dash, str::to_string),
+    ));
+    let t = &s.requests.all;
+    rows.push((
+        "requests",
+        format!(
+            "{} (prompt tokens {}, cached {}, generated {})",
+            t.requests, t.prompt_tokens, t.cached_tokens, t.generated_tokens
+        ),
+    ));
+    rows.push(("decode", decode(t)));
+    rows.push(("prefill", prefill(t)));
+    table(&rows)
+}
+
+fn decode(t: &Totals) -> String {
+    t.decode_tok_s
+        .map_or_else(dash, |r| format!("{} tok/s", rate(r)))
+}
+
+/// The prefill rate over prompts of at least 1K new tokens (the figure that tells how fast
+/// a long prompt goes), and the rate over all prompts.
+fn prefill(t: &Totals) -> String {
+    let all = t.prefill_tok_s.map(|r| format!("{} tok/s", rate(r)));
+    match (t.long_prompt_prefill_tok_s, t.long_prompt_requests) {
+        (Some(long), n) if n > 0 => {
+            let requests = if n == 1 { "request" } else { "requests" };
+            let mut s = format!(
+                "{} tok/s (prompts >= 1K tokens: {n} {requests})",
+                rate(long)
+            );
+            if let Some(all) = all {
+                s.push_str(&format!("; {all} over all prompts"));
+            }
+            s
+        }
+        _ => match all {
+            Some(all) => format!("{all} (all prompts; none >= 1K tokens yet)"),
+            None => dash(),
+        },
+    }
+}
+
+fn dash() -> String {
+    "-".to_string()
+}
+
+/// Two columns, the first padded; continuation lines of a value are indented under it.
+fn table(rows: &[(&str, String)]) -> String {
+    let width = rows.iter().map(|(k, _)| k.len()).max().unwrap_or(0);
+    let mut out = String::new();
+    for (k, v) in rows {
+        let mut lines = v.lines();
+        out.push_str(&format!(
+            "{k:<width$}  {}\n",
+            lines.next().unwrap_or_default()
+        ));
+        for l in lines {
+            out.push_str(&format!("{:width$}  {l}\n", ""));
+        }
+    }
+    out
+}
+
+/// The profiles as a table, `*` marking the active one.
+pub fn profiles_table(profiles: &[ProfileInfo]) -> String {
+    let mut rows: Vec<[String; 5]> = vec![[
+        String::new(),
+        "NAME".into(),
+        "ENGINE".into(),
+        "CONTEXT".into(),
+        "DESCRIPTION".into(),
+    ]];
+    for p in profiles {
+        rows.push([
+            if p.active { "*" } else { "" }.to_string(),
+            p.name.clone(),
+            p.engine.clone(),
+            p.context.map_or_else(dash, |c| c.to_string()),
+            p.description
+                .as_deref()
+                .map(|d| d.split_whitespace().collect::<Vec<_>>().join(" "))
+                .filter(|d| !d.is_empty())
+                .unwrap_or_else(dash),
+        ]);
+    }
+    let mut widths = [0usize; 5];
+    for r in &rows {
+        for (w, c) in widths.iter_mut().zip(r) {
+            *w = (*w).max(c.chars().count());
+        }
+    }
+    let mut out = String::new();
+    for r in &rows {
+        let mut line = String::new();
+        for (i, (c, w)) in r.iter().zip(widths).enumerate() {
+            if i == 0 {
+                line.push_str(&format!("{c:<w$} "));
+            } else if i + 1 == r.len() {
+                line.push_str(c);
+            } else {
+                line.push_str(&format!("{c:<w$}  "));
+            }
+        }
+        out.push_str(line.trim_end());
+        out.push('\n');
+    }
+    out
+}
+
+/// What `dsv4ctl profile` prints: the active profile, and the running engine's if another.
+pub fn active_profile(s: &Status) -> String {
+    match s.engine_profile.as_deref() {
+        Some(engine) if !engine.is_empty() && engine != s.profile => {
+            format!("{} (the running engine still uses {engine})", s.profile)
+        }
+        _ => s.profile.clone(),
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use dsv4_client::Requests;
+
+    #[test]
+    fn durations() {
+        assert_eq!(duration(0.0), "0s");
+        assert_eq!(duration(-5.0), "0s");
+        assert_eq!(duration(f64::NAN), "0s");
+        assert_eq!(duration(42.9), "42s");
+        assert_eq!(duration(192.0), "3m12s");
+        assert_eq!(duration(890.0), "14m50s");
+        assert_eq!(duration(900.0), "15m0s");
+        assert_eq!(duration(3723.0), "1h2m3s");
+        assert_eq!(
+            duration(2.0 * 86_400.0 + 4.0 * 3600.0 + 5.0 * 60.0 + 9.0),
+            "2d4h5m"
+        );
+        assert_eq!(elapsed(Duration::from_millis(1234)), "1.2s");
+        assert_eq!(elapsed(Duration::from_millis(59_990)), "59.9s");
+        assert_eq!(elapsed(Duration::from_secs(64)), "1m4s");
+    }
+
+    #[test]
+    fn rates_have_four_significant_digits() {
+        assert_eq!(rate(13.3512), "13.35");
+        assert_eq!(rate(122.66), "122.7");
+        assert_eq!(rate(1234.4), "1234");
+        assert_eq!(rate(0.5123), "0.512");
+        assert_eq!(rate(5.0), "5.000");
+    }
+
+    #[test]
+    fn timeouts_parse() {
+        assert_eq!(parse_duration("90s"), Ok(Duration::from_secs(90)));
+        assert_eq!(parse_duration("90"), Ok(Duration::from_secs(90)));
+        assert_eq!(parse_duration("500ms"), Ok(Duration::from_millis(500)));
+        assert_eq!(parse_duration("1h30m"), Ok(Duration::from_secs(5400)));
+        assert_eq!(parse_duration("1.5s"), Ok(Duration::from_millis(1500)));
+        assert_eq!(parse_duration("2m5s"), Ok(Duration::from_secs(125)));
+        assert!(parse_duration("").is_err());
+        assert!(parse_duration("s").is_err());
+        assert!(parse_duration("5x").is_err());
+        assert!(parse_duration("-1").is_err());
+        assert!(parse_duration("5 m").is_err());
+    }
+
+    fn status() -> Status {
+        Status {
+            state: "ready".into(),
+            profile: "320k".into(),
+            engine_profile: Some("320k".into()),
+            engine_pid: Some(4242),
+            generation: Some(3),
+            in_flight: 1,
+            waiting: 0,
+            idle_deadline: Some(1_000_890.4),
+            ready_since: Some(999_808.0),
+            failures: 0,
+            last_error: None,
+            requests: Requests {
+                all: Totals {
+                    requests: 12,
+                    prompt_tokens: 34_567,
+                    cached_tokens: 1200,
+                    generated_tokens: 4567,
+                    decode_tok_s: Some(13.3512),
+                    prefill_tok_s: Some(98.2),
+                    long_prompt_requests: 3,
+                    long_prompt_prefill_tok_s: Some(122.66),
+                },
+                by_profile: Default::default(),
+                recent: Vec::new(),
+            },
+        }
+    }
+
+    #[test]
+    fn the_status_table() {
+        let table = status_table(&status(), 1_000_000.0);
+        assert_eq!(
+            table,
+            "\
+state       ready
+profile     320k
+engine pid  4242
+uptime      3m12s
+in flight   1
+waiting     0
+idle stop   stops in 14m50s
+last error  -
+requests    12 (prompt tokens 34567, cached 1200, generated 4567)
+decode      13.35 tok/s
+prefill     122.7 tok/s (prompts >= 1K tokens: 3 requests); 98.20 tok/s over all prompts
+"
+        );
+    }
+
+    #[test]
+    fn the_status_table_when_stopped_after_failures() {
+        let mut s = status();
+        s.state = "backoff".into();
+        s.profile = "64k".into();
+        s.engine_profile = None;
+        s.engine_pid = None;
+        s.idle_deadline = None;
+        s.ready_since = None;
+        s.in_flight = 0;
+        s.waiting = 2;
+        s.failures = 2;
+        s.last_error = Some("the engine exited with status 1 before it was ready".into());
+        s.requests = Requests::default();
+        let table = status_table(&s, 1_000_000.0);
+        assert_eq!(
+            table,
+            "\
+state       backoff (2 failed starts in a row)
+profile     64k
+engine pid  -
+uptime      -
+in flight   0
+waiting     2
+idle stop   -
+last error  the engine exited with status 1 before it was ready
+requests    0 (prompt tokens 0, cached 0, generated 0)
+decode      -
+prefill     -
+"
+        );
+    }
+
+    #[test]
+    fn the_status_table_names_the_engines_profile_when_it_differs() {
+        let mut s = status();
+        s.profile = "64k".into();
+        s.requests.all.long_prompt_requests = 0;
+        s.requests.all.long_prompt_prefill_tok_s = None;
+        s.last_error = Some("first line\nsecond line".into());
+        let table = status_table(&s, 1_000_000.0);
+        assert!(table.contains("profile     64k (the running engine: 320k)\n"));
+        assert!(table.contains("prefill     98.20 tok/s (all prompts; none >= 1K tokens yet)\n"));
+        assert!(table.contains("last error  first line\n            second line\n"));
+    }
+
+    #[test]
+    fn an_overdue_deadline_counts_as_zero() {
+        let table = status_table(&status(), 1_000_900.0);
+        assert!(table.contains("idle stop   stops in 0s\n"));
+    }
+
+    #[test]
+    fn the_profiles_table() {
+        let profiles = vec![
+            ProfileInfo {
+                name: "320k".into(),
+                description: Some("service: the full context".into()),
+                engine: "llama-server".into(),
+                context: Some(327_680),
+                active: true,
+            },
+            ProfileInfo {
+                name: "64k".into(),
+                description: None,
+                engine: "ds4".into(),
+                context: None,
+                active: false,
+            },
+        ];
+        assert_eq!(
+            profiles_table(&profiles),
+            "  NAME  ENGINE        CONTEXT  DESCRIPTION
+* 320k  llama-server  327680   service: the full context
+  64k   ds4           -        -
+"
+        );
+    }
+
+    #[test]
+    fn the_active_profile() {
+        let mut s = status();
+        assert_eq!(active_profile(&s), "320k");
+        s.engine_profile = Some("64k".into());
+        assert_eq!(
+            active_profile(&s),
+            "320k (the running engine still uses 64k)"
+        );
+    }
+}

@@ -1,0 +1,283 @@
+//! The control plane end to end: `dsv4d` serving `io.github.dsv4.Supervisor1` on a private
+//! bus started by the test, driven by the real `dsv4ctl` (and, for signals, a zbus client).
+
+mod support;
+
+use std::path::PathBuf;
+use std::process::{Command, Output};
+use std::time::{Duration, Instant};
+
+use dsv4_client::Supervisor1Proxy;
+use futures_util::StreamExt;
+use support::*;
+
+const SEC: Duration = Duration::from_secs(1);
+const DSV4CTL: &str = env!("CARGO_BIN_EXE_dsv4ctl-under-test");
+
+/// Runs `dsv4ctl --bus session ARGS` on `bus`, optionally as another user via setpriv.
+fn ctl(bus: &str, args: &[&str], as_user: Option<&[&str]>) -> Output {
+    let mut cmd = match as_user {
+        Some(setpriv_args) => {
+            let mut c = Command::new("setpriv");
+            c.args(setpriv_args).arg(ctl_copy());
+            c
+        }
+        None => Command::new(DSV4CTL),
+    };
+    cmd.arg("--bus")
+        .arg("session")
+        .args(args)
+        .env("DBUS_SESSION_BUS_ADDRESS", bus);
+    let t = Instant::now();
+    let out = cmd.output().expect("run dsv4ctl");
+    assert!(
+        t.elapsed() < 20 * SEC,
+        "dsv4ctl {args:?} took {:?}",
+        t.elapsed()
+    );
+    out
+}
+
+/// A copy of dsv4ctl that any user may run (the build folder may not be reachable).
+fn ctl_copy() -> PathBuf {
+    use std::os::unix::fs::PermissionsExt;
+    static COPY: std::sync::OnceLock<PathBuf> = std::sync::OnceLock::new();
+    COPY.get_or_init(|| {
+        let dir = std::env::temp_dir().join(format!("dsv4-ctl-{}", std::process::id()));
+        std::fs::create_dir_all(&dir).unwrap();
+        std::fs::set_permissions(&dir, std::fs::Permissions::from_mode(0o755)).unwrap();
+        let p = dir.join("dsv4ctl");
+        std::fs::copy(DSV4CTL, &p).unwrap();
+        std::fs::set_permissions(&p, std::fs::Permissions::from_mode(0o755)).unwrap();
+        p
+    })
+    .clone()
+}
+
+fn text(b: &[u8]) -> String {
+    String::from_utf8_lossy(b).into_owned()
+}
+
+fn setup(bus: &PrivateBus) -> Setup {
+    let mut s = Setup::default().knob("load_ms", "300");
+    s.session_bus = Some(bus.address.clone());
+    s
+}
+
+async fn wait_bus_name(d: &Daemon, bus: &PrivateBus) {
+    let t = Instant::now();
+    loop {
+        if ctl(&bus.address, &["status", "--json"], None).status.code() == Some(0) {
+            return;
+        }
+        assert!(
+            t.elapsed() < 10 * SEC,
+            "dsv4d never appeared on the bus\n{}",
+            d.log()
+        );
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn start_switch_profile_and_stop_with_dsv4ctl() {
+    let bus = PrivateBus::start();
+    let d = Daemon::start(&setup(&bus).knob("token_ms", "40"));
+    wait_bus_name(&d, &bus).await;
+
+    // Every State change, as PropertiesChanged carries it.
+    let conn = zbus::connection::Builder::address(bus.address.as_str())
+        .unwrap()
+        .build()
+        .await
+        .unwrap();
+    let proxy = Supervisor1Proxy::new(&conn).await.unwrap();
+    let mut changes = proxy.receive_state_changed().await;
+    let seen = std::sync::Arc::new(std::sync::Mutex::new(Vec::<String>::new()));
+    let sink = seen.clone();
+    tokio::spawn(async move {
+        while let Some(c) = changes.next().await {
+            if let Ok(v) = c.get().await {
+                sink.lock().unwrap().push(v);
+            }
+        }
+    });
+
+    let out = ctl(&bus.address, &["status", "--json"], None);
+    assert_eq!(out.status.code(), Some(0), "{}", text(&out.stderr));
+    let s: dsv4_client::Status = serde_json::from_slice(&out.stdout).expect("status --json parses");
+    assert_eq!(s.state, "stopped");
+    assert_eq!(s.profile, "320k");
+
+    let out = ctl(&bus.address, &["start", "--wait"], None);
+    assert_eq!(
+        out.status.code(),
+        Some(0),
+        "{}{}",
+        text(&out.stdout),
+        text(&out.stderr)
+    );
+    assert_eq!(proxy.state().await.unwrap(), "ready");
+    let first_pid = proxy.engine_pid().await.unwrap();
+    assert!(first_pid > 0);
+    assert!(d.fake_log().contains("-c 327680"));
+
+    // A request in flight during the switch completes on the old engine.
+    let resp = d.post("/v1/chat/completions", chat(30, true)).await;
+    let mut stream = Stream::new(resp.into_body());
+    stream.next_event().await.unwrap();
+    let out = ctl(&bus.address, &["profile", "64k"], None);
+    assert_eq!(out.status.code(), Some(0), "{}", text(&out.stderr));
+    assert_eq!(proxy.profile().await.unwrap(), "64k");
+    assert_eq!(proxy.state().await.unwrap(), "draining");
+    let (rest, done, _) = stream.collect_chat().await;
+    assert_eq!(rest.len(), 29);
+    assert!(done);
+    let t = Instant::now();
+    while proxy.state().await.unwrap() != "ready" || proxy.engine_pid().await.unwrap() == first_pid
+    {
+        assert!(t.elapsed() < 10 * SEC, "no restart with the new profile");
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+    let starts: Vec<_> = d
+        .fake_log()
+        .lines()
+        .filter(|l| l.starts_with("start pid="))
+        .map(String::from)
+        .collect();
+    assert_eq!(starts.len(), 2);
+    assert!(starts[1].contains(" -c 65536 "), "{}", starts[1]);
+    assert_eq!(proxy.engine_profile().await.unwrap(), "64k");
+    let out = ctl(&bus.address, &["status"], None);
+    assert!(text(&out.stdout).contains("64k"), "{}", text(&out.stdout));
+
+    let out = ctl(&bus.address, &["stop"], None);
+    assert_eq!(out.status.code(), Some(0), "{}", text(&out.stderr));
+    d.wait_state("stopped", 10 * SEC).await;
+    assert_eq!(proxy.engine_pid().await.unwrap(), 0);
+
+    // The States went by in order, each announced.
+    tokio::time::sleep(Duration::from_millis(200)).await;
+    let seen = seen.lock().unwrap().clone();
+    let want = [
+        "starting", "ready", "draining", "stopping", "starting", "ready", "stopping", "stopped",
+    ];
+    let mut it = seen.iter();
+    for w in want {
+        assert!(it.any(|s| s == w), "missing {w} in order in {seen:?}");
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn callers_outside_the_control_group_can_read_but_not_change() {
+    let bus = PrivateBus::start();
+    // `users` (gid 100) stands in for the dsv4 group.
+    let mut s = setup(&bus);
+    s.daemon_args = vec!["--control-group".into(), "users".into()];
+    let d = Daemon::start(&s);
+    wait_bus_name(&d, &bus).await;
+    let nobody: &[&str] = &["--reuid=nobody", "--regid=nogroup", "--clear-groups"];
+    for args in [
+        &["start"][..],
+        &["stop"],
+        &["profile", "64k"],
+        &["stop", "--now"],
+    ] {
+        let out = ctl(&bus.address, args, Some(nobody));
+        let err = text(&out.stderr);
+        assert_eq!(out.status.code(), Some(1), "{args:?}: {err}");
+        assert!(err.starts_with("dsv4ctl: "), "{err}");
+        assert!(err.contains("`users` group"), "{args:?}: {err}");
+        assert!(err.contains("usermod -aG users"), "{err}");
+    }
+    let out = ctl(&bus.address, &["status", "--json"], Some(nobody));
+    assert_eq!(out.status.code(), Some(0), "{}", text(&out.stderr));
+    let out = ctl(&bus.address, &["profiles"], Some(nobody));
+    assert_eq!(out.status.code(), Some(0), "{}", text(&out.stderr));
+    assert_eq!(d.spawns(), 0);
+    assert!(d.log().contains("refused"), "{}", d.log());
+
+    // A member of the group may.
+    let member: &[&str] = &["--reuid=nobody", "--regid=nogroup", "--groups=100"];
+    let out = ctl(&bus.address, &["start", "--wait"], Some(member));
+    assert_eq!(out.status.code(), Some(0), "{}", text(&out.stderr));
+    assert_eq!(d.spawns(), 1);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_unknown_profile_is_refused_with_the_valid_names() {
+    let bus = PrivateBus::start();
+    let d = Daemon::start(&setup(&bus));
+    wait_bus_name(&d, &bus).await;
+    let out = ctl(&bus.address, &["profile", "128k"], None);
+    let err = text(&out.stderr);
+    assert_eq!(out.status.code(), Some(1), "{err}");
+    assert!(
+        err.starts_with("dsv4ctl: ") && err.contains("128k") && err.contains("320k, 64k"),
+        "{err}"
+    );
+    let out = ctl(&bus.address, &["profile"], None);
+    assert_eq!(out.status.code(), Some(0));
+    assert!(text(&out.stdout).contains("320k"), "{}", text(&out.stdout));
+    let (status, _) = d.get("/health").await;
+    assert_eq!(status, 200);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn without_a_daemon_dsv4ctl_says_so_and_exits_2() {
+    let bus = PrivateBus::start();
+    let t = Instant::now();
+    let out = ctl(&bus.address, &["status"], None);
+    let err = text(&out.stderr);
+    assert_eq!(out.status.code(), Some(2), "{err}");
+    assert!(
+        err.starts_with("dsv4ctl: ") && err.contains("session bus"),
+        "{err}"
+    );
+    assert!(t.elapsed() < 6 * SEC);
+    // and without a bus at all
+    let out = ctl("unix:path=/nonexistent/bus", &["start"], None);
+    let err = text(&out.stderr);
+    assert_eq!(out.status.code(), Some(2), "{err}");
+    assert!(err.contains("session bus"), "{err}");
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_chosen_profile_survives_a_daemon_restart() {
+    let bus = PrivateBus::start();
+    let s = setup(&bus);
+    let d = Daemon::start(&s);
+    wait_bus_name(&d, &bus).await;
+    let out = ctl(&bus.address, &["profile", "64k"], None);
+    assert_eq!(out.status.code(), Some(0), "{}", text(&out.stderr));
+    let dir = d.stop().await;
+    let d = Daemon::start_in(&s, dir);
+    wait_bus_name(&d, &bus).await;
+    let out = ctl(&bus.address, &["status", "--json"], None);
+    let st: dsv4_client::Status = serde_json::from_slice(&out.stdout).unwrap();
+    assert_eq!(st.profile, "64k");
+    // and the next start uses it
+    let (status, _, _) = body_json(d.post("/v1/chat/completions", chat(2, false)).await).await;
+    assert_eq!(status, 200);
+    assert!(d
+        .fake_log()
+        .lines()
+        .any(|l| l.starts_with("start pid=") && l.contains(" -c 65536 ")));
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn logs_show_the_engine_output() {
+    let bus = PrivateBus::start();
+    let d = Daemon::start(&setup(&bus));
+    wait_bus_name(&d, &bus).await;
+    let out = ctl(&bus.address, &["start", "--wait"], None);
+    assert_eq!(out.status.code(), Some(0), "{}", text(&out.stderr));
+    let out = ctl(&bus.address, &["logs"], None);
+    assert_eq!(out.status.code(), Some(0), "{}", text(&out.stderr));
+    let logs = text(&out.stdout);
+    assert!(
+        logs.contains("fake-engine: loading model /models/320k.gguf"),
+        "{logs}"
+    );
+    assert!(logs.contains("main: model loaded"), "{logs}");
+}
