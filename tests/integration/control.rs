@@ -281,3 +281,19 @@ async fn logs_show_the_engine_output() {
     );
     assert!(logs.contains("main: model loaded"), "{logs}");
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn start_wait_fails_with_the_engine_error() {
+    let bus = PrivateBus::start();
+    let d = Daemon::start(&setup(&bus).knob("fail_start", "exit:7"));
+    wait_bus_name(&d, &bus).await;
+    let out = ctl(&bus.address, &["start", "--wait"], None);
+    let err = text(&out.stderr);
+    assert_eq!(out.status.code(), Some(1), "{err}");
+    assert!(err.starts_with("dsv4ctl: engine failed to start"), "{err}");
+    assert!(err.contains("exit code 7"), "{err}");
+    // the daemon is fine
+    let out = ctl(&bus.address, &["status"], None);
+    assert_eq!(out.status.code(), Some(0));
+    assert!(text(&out.stdout).contains("backoff"), "{}", text(&out.stdout));
+}
