@@ -295,5 +295,9 @@ async fn start_wait_fails_with_the_engine_error() {
     // the daemon is fine
     let out = ctl(&bus.address, &["status"], None);
     assert_eq!(out.status.code(), Some(0));
-    assert!(text(&out.stdout).contains("backoff"), "{}", text(&out.stdout));
+    assert!(
+        text(&out.stdout).contains("backoff"),
+        "{}",
+        text(&out.stdout)
+    );
 }
