@@ -23,6 +23,7 @@ use hyper::body::Incoming;
 use hyper_util::rt::{TokioIo, TokioTimer};
 use serde_json::json;
 use tokio::net::TcpListener;
+use tokio::sync::watch;
 
 use crate::config::Config;
 use crate::http_error::{with_tail, ApiError};
@@ -33,7 +34,8 @@ use crate::upstream::UpstreamBody;
 /// What every request handler needs.
 pub struct Ctx {
     pub lifecycle: Handle,
-    pub config: Arc<Config>,
+    /// The configuration in force; a reload replaces it (read it per request).
+    pub config: watch::Receiver<Arc<Config>>,
     pub stats: Stats,
 }
 
@@ -228,8 +230,8 @@ fn json_response(status: StatusCode, v: serde_json::Value) -> Response<ProxyBody
 /// `GET /v1/models`: the profiles, from the configuration; needs no engine.
 fn models(ctx: &Ctx) -> serde_json::Value {
     let active = ctx.lifecycle.status().profile;
-    let data: Vec<_> = ctx
-        .config
+    let config = ctx.config.borrow().clone();
+    let data: Vec<_> = config
         .profiles
         .values()
         .map(|p| {
@@ -249,7 +251,8 @@ fn models(ctx: &Ctx) -> serde_json::Value {
 }
 
 async fn proxy(ctx: &Ctx, req: Request<Incoming>) -> Response<ProxyBody> {
-    let max_body = ctx.config.supervisor.api.max_body;
+    let config = ctx.config.borrow().clone();
+    let max_body = config.supervisor.api.max_body;
     if let Some(len) = content_length(req.headers()) {
         if len > max_body {
             return ApiError::new(

@@ -158,9 +158,10 @@ async fn run(args: Args, activated: Vec<(std::os::fd::OwnedFd, String)>) -> Resu
         }
         None => None,
     };
+    let (_config_tx, config_rx) = tokio::sync::watch::channel(config.clone());
     let ctx = Arc::new(Ctx {
         lifecycle: lifecycle.clone(),
-        config,
+        config: config_rx,
         stats,
     });
 
