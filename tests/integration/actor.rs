@@ -153,7 +153,7 @@ fn write_ds4_profile(dir: &Path, fake_log: &Path, knobs: &[(&str, &str)]) {
     }
     let p = format!(
         "description: test profile ds4\nengine: ds4\ncommand: {FAKE_ENGINE}\n\
-         model: /models/ds4.gguf\ncontext: 65536\nenv:\n{env}"
+         model: models/320k.gguf\ncontext: 65536\nenv:\n{env}"
     );
     std::fs::write(dir.join("profiles").join("ds4.yaml"), p).unwrap();
 }

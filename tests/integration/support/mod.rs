@@ -185,6 +185,11 @@ impl Setup {
         for (name, yaml) in &self.custom_profiles {
             std::fs::write(profiles.join(format!("{name}.yaml")), yaml).unwrap();
         }
+        // The fake engine reads no model, but the config loader checks that the file is there.
+        std::fs::create_dir_all(profiles.join("models")).unwrap();
+        for name in self.profiles.keys() {
+            std::fs::write(profiles.join(format!("models/{name}.gguf")), b"GGUF").unwrap();
+        }
         let generated = if self.custom_profiles.is_empty() {
             &self.profiles
         } else {
@@ -198,7 +203,7 @@ impl Setup {
             }
             let p = format!(
                 "description: test profile {name}\nengine: {}\ncommand: {FAKE_ENGINE}\n\
-                 model: /models/{name}.gguf\ncontext: {context}\nparallel: 1\nkv_cache: q8_0\n\
+                 model: models/{name}.gguf\ncontext: {context}\nparallel: 1\nkv_cache: q8_0\n\
                  flash_attn: on\ngpu_layers: all\nenv:\n{env}",
                 self.engine_kind
             );
