@@ -15,6 +15,7 @@ use std::sync::Arc;
 
 use anyhow::Context as _;
 use dsv4_client::{ProfileInfo, BUS_NAME, ERROR_FAILED, ERROR_UNKNOWN_PROFILE, OBJECT_PATH};
+use tokio::sync::{broadcast, watch};
 use zbus::message::Header;
 use zbus::names::ErrorName;
 use zbus::object_server::SignalEmitter;
@@ -22,6 +23,7 @@ use zbus::Connection;
 
 use crate::config::Config;
 use crate::lifecycle::{ControlError, Handle, Status};
+use crate::reload::Alert;
 use crate::stats::Stats;
 
 /// Which bus to serve on.
@@ -124,9 +126,20 @@ impl From<ControlError> for Fault {
 /// The object served at `/io/github/dsv4/Supervisor1`.
 pub struct Supervisor {
     lifecycle: Handle,
-    config: Arc<Config>,
+    config: watch::Receiver<Arc<Config>>,
     stats: Stats,
     group: ControlGroup,
+}
+
+/// What the control interface is made of.
+pub struct Parts {
+    pub lifecycle: Handle,
+    /// The configuration in force (replaced by reloads).
+    pub config: watch::Receiver<Arc<Config>>,
+    pub stats: Stats,
+    pub group: ControlGroup,
+    /// Alerts to raise as `Alert(kind, message)` signals.
+    pub alerts: broadcast::Receiver<Alert>,
 }
 
 impl Supervisor {
@@ -221,8 +234,8 @@ impl Supervisor {
 
     async fn list_profiles(&self) -> Result<String, Fault> {
         let active = self.lifecycle.status().profile;
-        let list: Vec<ProfileInfo> = self
-            .config
+        let config = self.config.borrow().clone();
+        let list: Vec<ProfileInfo> = config
             .profiles
             .values()
             .map(|p| ProfileInfo {
@@ -255,6 +268,7 @@ impl Supervisor {
     #[zbus(property)]
     async fn profiles(&self) -> Vec<String> {
         self.config
+            .borrow()
             .profile_names()
             .into_iter()
             .map(String::from)
@@ -283,6 +297,11 @@ impl Supervisor {
 
     /// `StateChanged(state, profile)`: the lifecycle state changed. (Named apart in Rust from
     /// the `State` property's own change notifier.)
+    /// `Alert(kind, message)`: something a desktop user should hear about (a rejected
+    /// configuration change, ...).
+    #[zbus(signal)]
+    async fn alert(emitter: &SignalEmitter<'_>, kind: &str, message: &str) -> zbus::Result<()>;
+
     #[zbus(signal, name = "StateChanged")]
     async fn lifecycle_changed(
         emitter: &SignalEmitter<'_>,
@@ -293,21 +312,22 @@ impl Supervisor {
 
 /// Connects to `bus`, serves the object, then asks for the well-known name, and keeps the
 /// properties current. The returned connection must be kept for the daemon's life.
-pub async fn serve(
-    bus: Bus,
-    lifecycle: Handle,
-    config: Arc<Config>,
-    stats: Stats,
-    group: ControlGroup,
-) -> anyhow::Result<Connection> {
+pub async fn serve(bus: Bus, parts: Parts) -> anyhow::Result<Connection> {
     let builder = match bus {
         Bus::System => zbus::connection::Builder::system(),
         Bus::Session => zbus::connection::Builder::session(),
     }
     .with_context(|| format!("connecting to the {} bus", bus.name()))?;
+    let Parts {
+        lifecycle,
+        config,
+        stats,
+        group,
+        alerts,
+    } = parts;
     let object = Supervisor {
         lifecycle: lifecycle.clone(),
-        config,
+        config: config.clone(),
         stats,
         group,
     };
@@ -329,13 +349,18 @@ pub async fn serve(
         )
     })?;
     tracing::info!("control interface on the {} bus as {BUS_NAME}", bus.name());
-    tokio::spawn(announce_changes(conn.clone(), lifecycle));
+    tokio::spawn(announce_changes(conn.clone(), lifecycle, config, alerts));
     Ok(conn)
 }
 
 /// Emits `PropertiesChanged` for each property whose value changed, and `StateChanged` when
 /// the state did.
-async fn announce_changes(conn: Connection, lifecycle: Handle) {
+async fn announce_changes(
+    conn: Connection,
+    lifecycle: Handle,
+    mut config: watch::Receiver<Arc<Config>>,
+    mut alerts: broadcast::Receiver<Alert>,
+) {
     let Ok(iface) = conn
         .object_server()
         .interface::<_, Supervisor>(OBJECT_PATH)
@@ -345,7 +370,33 @@ async fn announce_changes(conn: Connection, lifecycle: Handle) {
     };
     let mut rx = lifecycle.watch_status();
     let mut old: Status = rx.borrow_and_update().clone();
-    while rx.changed().await.is_ok() {
+    loop {
+        tokio::select! {
+            changed = rx.changed() => if changed.is_err() { return },
+            changed = config.changed() => {
+                if changed.is_err() {
+                    return;
+                }
+                config.borrow_and_update();
+                let e = iface.signal_emitter();
+                if let Err(err) = iface.get().await.profiles_changed(e).await {
+                    tracing::debug!("announcing a change on D-Bus failed: {err}");
+                }
+                continue;
+            }
+            alert = alerts.recv() => {
+                match alert {
+                    Ok(a) => {
+                        if let Err(err) = Supervisor::alert(iface.signal_emitter(), a.kind, &a.message).await {
+                            tracing::debug!("sending an Alert on D-Bus failed: {err}");
+                        }
+                    }
+                    Err(broadcast::error::RecvError::Lagged(_)) => {}
+                    Err(broadcast::error::RecvError::Closed) => return,
+                }
+                continue;
+            }
+        }
         let new = rx.borrow_and_update().clone();
         let e = iface.signal_emitter();
         let obj = iface.get().await;

@@ -1,11 +1,13 @@
 //! dsv4: the on-demand supervisor for a local LLM engine.
 
+pub mod auth;
 pub mod config;
 pub mod dbus;
 pub mod http_error;
 pub mod lifecycle;
 pub mod listener;
 pub mod proxy;
+pub mod reload;
 pub mod state_file;
 pub mod stats;
 pub mod upstream;

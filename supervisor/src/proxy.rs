@@ -1,9 +1,10 @@
 //! The HTTP front: the supervisor's own endpoints and the streaming proxy to the engine.
 //!
-//! Owns: client connections, routing, hop-by-hop header handling, and the lease that each
-//! proxied request holds until its response body ends or is dropped. Must not: buffer bodies,
-//! time out a response that has not started (a 256K-token prefill takes two hours), or touch
-//! the engine process (it asks the lifecycle actor for a lease).
+//! Owns: client connections, routing, API key checks (see [`crate::auth`]), the request body
+//! limit, hop-by-hop header handling, and the lease that each proxied request holds until its
+//! response body ends or is dropped. Must not: buffer bodies, time out a response that has
+//! not started (a 256K-token prefill takes two hours), or touch the engine process (it asks
+//! the lifecycle actor for a lease).
 //!
 //! Bodies stream frame by frame both ways. A client that goes away drops the response body,
 //! which drops the upstream response and closes its connection, so the engine stops work.
@@ -19,12 +20,14 @@ use bytes::Bytes;
 use http::header::{self, HeaderMap, HeaderName, HeaderValue};
 use http::{Method, Request, Response, StatusCode, Uri};
 use http_body::{Body, Frame, SizeHint};
+use http_body_util::{LengthLimitError, Limited};
 use hyper::body::Incoming;
 use hyper_util::rt::{TokioIo, TokioTimer};
 use serde_json::json;
 use tokio::net::TcpListener;
 use tokio::sync::watch;
 
+use crate::auth::{ApiKeys, AuthResult, KeyCache, X_API_KEY};
 use crate::config::Config;
 use crate::http_error::{with_tail, ApiError};
 use crate::lifecycle::{Handle, Lease};
@@ -37,6 +40,8 @@ pub struct Ctx {
     /// The configuration in force; a reload replaces it (read it per request).
     pub config: watch::Receiver<Arc<Config>>,
     pub stats: Stats,
+    /// The API keys of the configuration in force (`api.api_keys_file`), read on first use.
+    pub api_keys: KeyCache,
 }
 
 /// The response body: a small body of our own, or the engine's, streamed with its lease.
@@ -177,16 +182,27 @@ pub async fn serve(
     graceful.shutdown()
 }
 
-async fn handle(ctx: &Ctx, req: Request<Incoming>) -> Response<ProxyBody> {
+async fn handle(ctx: &Ctx, mut req: Request<Incoming>) -> Response<ProxyBody> {
     let own = matches!(*req.method(), Method::GET | Method::HEAD);
-    match (own, req.uri().path()) {
-        (true, "/health") => {
-            let s = ctx.lifecycle.status();
-            json_response(
-                StatusCode::OK,
-                json!({ "status": "ok", "engine": s.state, "profile": s.profile }),
-            )
+    if own && req.uri().path() == "/health" {
+        // Open always: it is what a load balancer or a watchdog polls.
+        let s = ctx.lifecycle.status();
+        return json_response(
+            StatusCode::OK,
+            json!({ "status": "ok", "engine": s.state, "profile": s.profile }),
+        );
+    }
+    let config = ctx.config.borrow().clone();
+    if let Err(refused) = check_key(ctx.api_keys.get(&config), req.headers_mut()) {
+        let unauthorized = refused.status == StatusCode::UNAUTHORIZED;
+        let mut r: Response<ProxyBody> = refused.into_response();
+        if unauthorized {
+            r.headers_mut()
+                .insert(header::WWW_AUTHENTICATE, HeaderValue::from_static("Bearer"));
         }
+        return r;
+    }
+    match (own, req.uri().path()) {
         (true, "/status") => match status_json(ctx) {
             Ok(v) => json_response(StatusCode::OK, v),
             Err(e) => ApiError::new(
@@ -198,8 +214,48 @@ async fn handle(ctx: &Ctx, req: Request<Incoming>) -> Response<ProxyBody> {
             .into_response(),
         },
         (true, "/v1/models") => json_response(StatusCode::OK, models(ctx)),
-        _ => proxy(ctx, req).await,
+        _ => proxy(ctx, &config, req).await,
     }
+}
+
+/// Checks the request's API key against `keys` (`None`: the configuration asks for none);
+/// on success removes it from the headers, so that it does not travel on to the engine
+/// (llama-server has an `--api-key` of its own, which dsv4d does not use). Fails closed: keys
+/// that cannot be read refuse every request. A 401 needs `WWW-Authenticate: Bearer` added.
+fn check_key(
+    keys: Option<Result<Arc<ApiKeys>, String>>,
+    headers: &mut HeaderMap,
+) -> Result<(), ApiError> {
+    let keys = match keys {
+        None => return Ok(()),
+        Some(Ok(keys)) => keys,
+        Some(Err(why)) => {
+            return Err(ApiError::new(
+                StatusCode::SERVICE_UNAVAILABLE,
+                "unavailable_error",
+                "api_keys_unavailable",
+                format!(
+                    "the API keys cannot be loaded, so every request is refused until that \
+                     is fixed and the configuration reloaded (or dsv4d restarted): {why}"
+                ),
+            ))
+        }
+    };
+    let message = match keys.allows(headers) {
+        AuthResult::Ok => {
+            headers.remove(header::AUTHORIZATION);
+            headers.remove(X_API_KEY);
+            return Ok(());
+        }
+        AuthResult::Missing => "missing API key: send Authorization: Bearer <key> or x-api-key",
+        AuthResult::Invalid => "invalid API key",
+    };
+    Err(ApiError::new(
+        StatusCode::UNAUTHORIZED,
+        "invalid_request_error",
+        "invalid_api_key",
+        message,
+    ))
 }
 
 fn status_json(ctx: &Ctx) -> Result<serde_json::Value, serde_json::Error> {
@@ -250,8 +306,7 @@ fn models(ctx: &Ctx) -> serde_json::Value {
     json!({ "object": "list", "data": data })
 }
 
-async fn proxy(ctx: &Ctx, req: Request<Incoming>) -> Response<ProxyBody> {
-    let config = ctx.config.borrow().clone();
+async fn proxy(ctx: &Ctx, config: &Config, req: Request<Incoming>) -> Response<ProxyBody> {
     let max_body = config.supervisor.api.max_body;
     if let Some(len) = content_length(req.headers()) {
         if len > max_body {
@@ -272,6 +327,13 @@ async fn proxy(ctx: &Ctx, req: Request<Incoming>) -> Response<ProxyBody> {
         Err(refusal) => return ApiError::from(refusal).into_response(),
     };
     let (mut parts, body) = req.into_parts();
+    // A body without a Content-Length (chunked) is counted as it streams through: past
+    // `max_body` it ends in an error, which aborts the exchange with the engine and, when the
+    // engine has not answered yet, becomes a 413 below. The engine has seen the head and up
+    // to `max_body` bytes of the body by then, and then its connection breaks off mid-body (a
+    // response it had already begun breaks off for the client instead). A body with a
+    // Content-Length over the limit was refused above without reaching the engine.
+    let body = Limited::new(body, usize::try_from(max_body).unwrap_or(usize::MAX));
     let upstream = lease.engine.upstream;
     let tap_path = (parts.method == Method::POST).then(|| parts.uri.path().to_string());
     // Origin form (`/path?query`), as an HTTP/1.1 client sends to a server it talks to
@@ -338,6 +400,15 @@ async fn proxy(ctx: &Ctx, req: Request<Incoming>) -> Response<ProxyBody> {
         }
         Err(e) => {
             drop(lease);
+            if over_limit(&e) {
+                return ApiError::new(
+                    StatusCode::PAYLOAD_TOO_LARGE,
+                    "invalid_request_error",
+                    "body_too_large",
+                    format!("request body larger than api.max_body ({max_body} bytes)"),
+                )
+                .into_response();
+            }
             engine_error(&engine, &e).await.into_response()
         }
     }
@@ -376,6 +447,18 @@ async fn engine_error(
         "engine_failed",
         message,
     )
+}
+
+/// Whether the exchange failed because the request body went past `api.max_body`.
+fn over_limit(err: &(dyn std::error::Error + 'static)) -> bool {
+    let mut cause = Some(err);
+    while let Some(e) = cause {
+        if e.is::<LengthLimitError>() {
+            return true;
+        }
+        cause = e.source();
+    }
+    false
 }
 
 fn content_length(h: &HeaderMap) -> Option<u64> {
@@ -418,6 +501,7 @@ fn strip_hop_by_hop(h: &mut HeaderMap) {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use http_body_util::{BodyExt, Full};
 
     #[test]
     fn hop_by_hop_headers_go_and_end_to_end_ones_stay() {
@@ -451,5 +535,105 @@ mod tests {
         assert_eq!(content_length(&h), None);
         h.insert(header::CONTENT_LENGTH, HeaderValue::from_static("42"));
         assert_eq!(content_length(&h), Some(42));
+    }
+
+    fn keys() -> Option<Result<Arc<ApiKeys>, String>> {
+        Some(Ok(Arc::new(ApiKeys::parse("sk-right\n").unwrap())))
+    }
+
+    fn headers(pairs: &[(&'static str, &'static str)]) -> HeaderMap {
+        let mut h = HeaderMap::new();
+        for (k, v) in pairs {
+            h.append(*k, HeaderValue::from_static(v));
+        }
+        h
+    }
+
+    #[test]
+    fn a_right_key_passes_and_no_credential_is_forwarded() {
+        for pairs in [
+            &[("authorization", "Bearer sk-right")][..],
+            &[("x-api-key", "sk-right")],
+            // Every credential header goes, the wrong ones sent beside the right one too.
+            &[
+                ("authorization", "Bearer sk-other"),
+                ("x-api-key", "sk-also-sent"),
+                ("x-api-key", "sk-right"),
+            ],
+        ] {
+            let mut h = headers(pairs);
+            h.insert(
+                header::CONTENT_TYPE,
+                HeaderValue::from_static("application/json"),
+            );
+            assert_eq!(check_key(keys(), &mut h), Ok(()), "{pairs:?}");
+            let left: Vec<_> = h.keys().map(|k| k.as_str()).collect();
+            assert_eq!(left, ["content-type"], "{pairs:?}");
+        }
+    }
+
+    #[test]
+    fn without_keys_configured_credentials_pass_through() {
+        let mut h = headers(&[("authorization", "Bearer x"), ("x-api-key", "y")]);
+        assert_eq!(check_key(None, &mut h), Ok(()));
+        assert_eq!(h.len(), 2);
+    }
+
+    #[test]
+    fn a_missing_or_wrong_key_is_401_in_openai_shape() {
+        for (pairs, message) in [
+            (
+                &[][..],
+                "missing API key: send Authorization: Bearer <key> or x-api-key",
+            ),
+            (&[("authorization", "Bearer sk-wrong")], "invalid API key"),
+            (&[("x-api-key", "sk-wrong")], "invalid API key"),
+        ] {
+            let mut h = headers(pairs);
+            let e = check_key(keys(), &mut h).unwrap_err();
+            assert_eq!(e.status, StatusCode::UNAUTHORIZED);
+            assert_eq!(e.kind, "invalid_request_error");
+            assert_eq!(e.code, "invalid_api_key");
+            assert_eq!(e.message, message);
+            // A refused request is not touched further.
+            assert_eq!(h.len(), pairs.len());
+        }
+    }
+
+    #[test]
+    fn keys_that_cannot_be_read_refuse_with_503() {
+        let why = "the API key file /k may be read or written by group or others (mode 0644); \
+                   run chmod 600 /k";
+        let mut h = headers(&[("authorization", "Bearer sk-right")]);
+        let e = check_key(Some(Err(why.into())), &mut h).unwrap_err();
+        assert_eq!(e.status, StatusCode::SERVICE_UNAVAILABLE);
+        assert_eq!(e.code, "api_keys_unavailable");
+        assert!(e.message.ends_with(why), "{}", e.message);
+    }
+
+    #[tokio::test]
+    async fn the_body_limit_is_told_apart_from_other_failures() {
+        // The error the limiting body gives, wrapped as the engine connection reports it.
+        let limited = http_body_util::Limited::new(Full::new(Bytes::from_static(b"12345")), 4);
+        let err = limited.collect().await.unwrap_err();
+        let wrapped = WrappedError(err);
+        assert!(over_limit(&wrapped));
+        let other = WrappedError("connection reset".into());
+        assert!(!over_limit(&other));
+    }
+
+    #[derive(Debug)]
+    struct WrappedError(Box<dyn std::error::Error + Send + Sync>);
+
+    impl std::fmt::Display for WrappedError {
+        fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+            f.write_str("the engine broke the exchange")
+        }
+    }
+
+    impl std::error::Error for WrappedError {
+        fn source(&self) -> Option<&(dyn std::error::Error + 'static)> {
+            Some(&*self.0)
+        }
     }
 }

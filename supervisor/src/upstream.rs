@@ -31,11 +31,15 @@ const MAX_IDLE: usize = 16;
 /// Largest frame made by joining events that are already there.
 const MAX_JOINED: usize = 64 * 1024;
 
-type Driver = Connection<TokioIo<tokio::net::TcpStream>, Incoming>;
+/// The client's request body on its way to the engine, cut off past `api.max_body` (the
+/// proxy sets the limit and turns the cut into a 413).
+pub type RequestBody = http_body_util::Limited<Incoming>;
+
+type Driver = Connection<TokioIo<tokio::net::TcpStream>, RequestBody>;
 
 /// One HTTP/1.1 connection: the handle to send on and the state machine that drives it.
 struct Conn {
-    send: SendRequest<Incoming>,
+    send: SendRequest<RequestBody>,
     driver: Pin<Box<Driver>>,
 }
 
@@ -127,7 +131,7 @@ impl Upstream {
     /// connection (which goes back to the pool once the body has ended).
     pub async fn request(
         self: &Arc<Self>,
-        req: Request<Incoming>,
+        req: Request<RequestBody>,
     ) -> Result<Response<UpstreamBody>, UpstreamError> {
         let addr = self.addr;
         let mut req = req;

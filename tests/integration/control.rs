@@ -301,3 +301,65 @@ async fn start_wait_fails_with_the_engine_error() {
         text(&out.stdout)
     );
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn config_check_reports_every_problem_or_a_summary() {
+    let dir = TempDir::new("check");
+    let config = Setup::default().write(dir.path(), &dir.path().join("fake.log"));
+    let check = |path: &std::path::Path| {
+        Command::new(DSV4CTL)
+            .args(["config", "check"])
+            .arg(path)
+            .env("DSV4D", DSV4D)
+            .output()
+            .unwrap()
+    };
+    let out = check(&config);
+    assert_eq!(
+        out.status.code(),
+        Some(0),
+        "{}{}",
+        text(&out.stdout),
+        text(&out.stderr)
+    );
+    assert!(
+        text(&out.stdout).contains("320k") && text(&out.stdout).contains("64k"),
+        "{}",
+        text(&out.stdout)
+    );
+    // Two mistakes, both reported, with file:line:column and field.
+    let yaml = std::fs::read_to_string(&config).unwrap();
+    std::fs::write(
+        &config,
+        yaml.replace("profiles_dir:", "idle_timout: 5m\nprofiles_dir:"),
+    )
+    .unwrap();
+    let p = dir.path().join("profiles/64k.yaml");
+    let prof = std::fs::read_to_string(&p).unwrap();
+    std::fs::write(&p, prof.replace("context: 65536", "context: 100")).unwrap();
+    let out = check(&config);
+    let stdout = text(&out.stdout);
+    assert_eq!(out.status.code(), Some(1), "{stdout}");
+    assert!(
+        stdout.contains("supervisor.yaml:") && stdout.contains("idle_timout"),
+        "{stdout}"
+    );
+    assert!(
+        stdout.contains("profiles/64k.yaml:") && stdout.contains("context: must be at least 512"),
+        "{stdout}"
+    );
+    assert!(
+        text(&out.stderr).starts_with("dsv4ctl: "),
+        "{}",
+        text(&out.stderr)
+    );
+    // and dsv4d --check-config itself
+    let out = Command::new(DSV4D)
+        .arg("--check-config")
+        .arg("--config")
+        .arg(&config)
+        .output()
+        .unwrap();
+    assert_eq!(out.status.code(), Some(1));
+    assert_eq!(text(&out.stdout), stdout);
+}

@@ -93,6 +93,9 @@ pub struct Status {
     pub ready_since: Option<f64>,
     pub failures: u32,
     pub last_error: Option<String>,
+    /// The running engine's profile changed in the configuration; it applies at the next start.
+    #[serde(default)]
+    pub restart_pending: bool,
     pub requests: Requests,
 }
 

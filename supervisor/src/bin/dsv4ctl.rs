@@ -141,6 +141,16 @@ enum Command {
         #[arg(short = 'n', long = "lines", value_name = "N", default_value_t = 50)]
         lines: u32,
     },
+    /// Check a configuration
+    ///
+    /// Reads supervisor.yaml and its profiles the way dsv4d does and prints every problem
+    /// with its file, line, column and field, or a summary when there is none. Runs
+    /// `dsv4d --check-config` (dsv4d next to dsv4ctl, or $DSV4D, or dsv4d in PATH); needs no
+    /// running daemon.
+    Config {
+        #[command(subcommand)]
+        action: ConfigAction,
+    },
     /// Print a shell completion script
     ///
     /// Prints the completion script for SHELL to standard output. For example, for bash:
@@ -149,6 +159,16 @@ enum Command {
         /// The shell to write completions for
         #[arg(value_enum)]
         shell: clap_complete::Shell,
+    },
+}
+
+#[derive(Debug, Subcommand)]
+enum ConfigAction {
+    /// Check FILE (default /etc/dsv4/supervisor.yaml): exit 0 when valid, 1 when not
+    Check {
+        /// The supervisor.yaml to check
+        #[arg(value_name = "FILE")]
+        file: Option<std::path::PathBuf>,
     },
 }
 
@@ -168,6 +188,12 @@ async fn run(cli: Cli) -> Result<(), Failure> {
         clap_complete::generate(shell, &mut Cli::command(), "dsv4ctl", &mut script);
         return write_out(&script);
     }
+    if let Command::Config {
+        action: ConfigAction::Check { file },
+    } = cli.command
+    {
+        return config_check(file);
+    }
     let bus = resolve_bus(cli.bus, std::env::var("DSV4_BUS").ok().as_deref())?;
     let daemon = Daemon::connect(bus).await?;
     match cli.command {
@@ -178,7 +204,43 @@ async fn run(cli: Cli) -> Result<(), Failure> {
         Command::Profile { name: Some(name) } => set_profile(&daemon, json, &name).await,
         Command::Profiles => profiles(&daemon, json).await,
         Command::Logs { follow, lines } => logs(&daemon, json, follow, lines).await,
-        Command::Completions { .. } => unreachable!("handled above"),
+        Command::Completions { .. } | Command::Config { .. } => unreachable!("handled above"),
+    }
+}
+
+/// `config check`: the daemon's own loader judges, through `dsv4d --check-config`, so the
+/// CLI needs none of the daemon's code and the two can never disagree.
+fn config_check(file: Option<std::path::PathBuf>) -> Result<(), Failure> {
+    use std::path::PathBuf;
+    let dsv4d = std::env::var_os("DSV4D")
+        .map(PathBuf::from)
+        .or_else(|| {
+            let sibling = std::env::current_exe().ok()?.parent()?.join("dsv4d");
+            sibling.is_file().then_some(sibling)
+        })
+        .unwrap_or_else(|| PathBuf::from("dsv4d"));
+    let file = file.unwrap_or_else(|| PathBuf::from("/etc/dsv4/supervisor.yaml"));
+    let status = std::process::Command::new(&dsv4d)
+        .arg("--check-config")
+        .arg("--config")
+        .arg(&file)
+        .status()
+        .map_err(|e| {
+            Failure::Usage(format!(
+                "cannot run {}: {e} (set DSV4D to the path of dsv4d)",
+                dsv4d.display()
+            ))
+        })?;
+    match status.code() {
+        Some(0) => Ok(()),
+        Some(1) => Err(Failure::Failed(format!(
+            "{} has problems (listed above)",
+            file.display()
+        ))),
+        _ => Err(Failure::Usage(format!(
+            "{} --check-config failed: {status}",
+            dsv4d.display()
+        ))),
     }
 }
 

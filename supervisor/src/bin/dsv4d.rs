@@ -13,6 +13,7 @@ use dsv4::config::Config;
 use dsv4::dbus;
 use dsv4::listener::{self, Origin};
 use dsv4::proxy::{self, Ctx};
+use dsv4::reload::Reloader;
 use dsv4::state_file;
 use dsv4::stats::Stats;
 use tokio::signal::unix::{signal, SignalKind};
@@ -40,6 +41,9 @@ struct Args {
     /// Where the control interface lives (D-Bus); `none` disables it.
     #[arg(long, value_enum, default_value = "system")]
     bus: Bus,
+    /// Check the configuration, print every problem (or a summary), and exit: 0 valid, 1 not.
+    #[arg(long)]
+    check_config: bool,
     /// Members of this group (and root) may start, stop and switch profiles over D-Bus.
     #[arg(long, value_name = "GROUP", default_value = dsv4_client::CONTROL_GROUP)]
     control_group: String,
@@ -47,6 +51,9 @@ struct Args {
 
 fn main() -> std::process::ExitCode {
     let args = Args::parse();
+    if args.check_config {
+        return check_config(&args.config);
+    }
     // Before any thread exists (the log writer is one): taking the activation fds edits the
     // environment.
     let activated = listener::take_activation_fds();
@@ -69,6 +76,19 @@ fn main() -> std::process::ExitCode {
     match runtime.block_on(run(args, activated)) {
         Ok(()) => std::process::ExitCode::SUCCESS,
         Err(e) => fail(e),
+    }
+}
+
+fn check_config(path: &std::path::Path) -> std::process::ExitCode {
+    match Config::load(path) {
+        Ok(config) => {
+            println!("{}", config.summary());
+            std::process::ExitCode::SUCCESS
+        }
+        Err(problems) => {
+            println!("{problems}");
+            std::process::ExitCode::FAILURE
+        }
     }
 }
 
@@ -143,6 +163,9 @@ async fn run(args: Args, activated: Vec<(std::os::fd::OwnedFd, String)>) -> Resu
 
     let profile = active_profile(&config);
     let (lifecycle, actor) = dsv4::lifecycle::actor::spawn(config.clone(), profile.clone());
+    // The configuration in force, replaced by reloads (SIGHUP, or an edited file).
+    let (config_tx, config_rx) = tokio::sync::watch::channel(config.clone());
+    let (alerts, _) = tokio::sync::broadcast::channel(16);
     tracing::info!(profile, "ready; the engine starts on the first request");
     let stats = Stats::default();
     let bus = match args.bus {
@@ -154,15 +177,31 @@ async fn run(args: Args, activated: Vec<(std::os::fd::OwnedFd, String)>) -> Resu
     let _control = match bus {
         Some(bus) => {
             let group = dbus::ControlGroup::lookup(&args.control_group);
-            Some(dbus::serve(bus, lifecycle.clone(), config.clone(), stats.clone(), group).await?)
+            let parts = dbus::Parts {
+                lifecycle: lifecycle.clone(),
+                config: config_rx.clone(),
+                stats: stats.clone(),
+                group,
+                alerts: alerts.subscribe(),
+            };
+            Some(dbus::serve(bus, parts).await?)
         }
         None => None,
     };
-    let (_config_tx, config_rx) = tokio::sync::watch::channel(config.clone());
+    tokio::spawn(
+        Reloader {
+            path: args.config.clone(),
+            config: config_tx,
+            lifecycle: lifecycle.clone(),
+            alerts,
+        }
+        .run(),
+    );
     let ctx = Arc::new(Ctx {
         lifecycle: lifecycle.clone(),
         config: config_rx,
         stats,
+        api_keys: Default::default(),
     });
 
     let mut term = signal(SignalKind::terminate()).context("installing the SIGTERM handler")?;

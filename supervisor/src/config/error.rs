@@ -3,12 +3,16 @@
 use std::fmt;
 use std::path::{Path, PathBuf};
 
-/// Everything wrong with a configuration, one [`Problem`] per finding.
+/// Everything wrong with a configuration, one [`Problem`] per finding, sorted by file
+/// (`supervisor.yaml` first) and position.
 ///
 /// Displays as one problem per line (no trailing newline).
 #[derive(Debug, Clone, PartialEq, thiserror::Error)]
 #[error("{}", render(.problems))]
 pub struct ConfigError {
+    /// The folder of `supervisor.yaml`, which relative [`Problem::file`] paths (and relative
+    /// paths in messages) are relative to.
+    pub dir: PathBuf,
     pub problems: Vec<Problem>,
 }
 
@@ -26,6 +30,8 @@ fn render(problems: &[Problem]) -> String {
 /// out when unknown (`file:line: field: message`, `file: field: message`, `file: message`).
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct Problem {
+    /// As shown to the user: relative to the folder of `supervisor.yaml` when inside it
+    /// (see [`ConfigError::dir`]), else absolute.
     pub file: PathBuf,
     /// 1-based.
     pub line: Option<usize>,
@@ -206,6 +212,7 @@ mod tests {
     #[test]
     fn config_error_is_one_problem_per_line() {
         let e = ConfigError {
+            dir: PathBuf::from("/etc/dsv4"),
             problems: vec![
                 Problem::new(Path::new("a.yaml"), "x", "one"),
                 Problem::new(Path::new("b.yaml"), "", "two").at(Some((1, 2))),

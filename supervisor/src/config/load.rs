@@ -1,4 +1,8 @@
-//! Reading the files, converting the raw serde types, and the checks serde cannot make.
+//! Reading the files, converting the raw serde types, and the checks serde cannot make:
+//! ranges, cross-field rules, the files the configuration names, and the engine arguments.
+//!
+//! Everything is checked in one pass and every problem is kept; the problems are then sorted
+//! by file (`supervisor.yaml` first, then the profiles by name) and position.
 
 use std::collections::BTreeMap;
 use std::fs;
@@ -10,49 +14,126 @@ use dsv4_engine::{EngineKind, EngineParams};
 use serde::de::DeserializeOwned;
 
 use super::error::{self, Problem};
-use super::locate::find_key;
+use super::files::{self, Role, Shown};
+use super::locate::{find, find_item, find_key, Spot};
 use super::raw::{
     Celsius, Dur, Engine, Flash, Layers, RawProfile, RawSupervisor, Size, PROFILE_KEYS,
     SUPERVISOR_KEYS,
 };
-use super::units::format_temperature;
+use super::rules;
+use super::units::{format_duration, format_temperature};
 use super::{Config, ConfigError, Profile, Supervisor};
 
 const MIB: u64 = 1 << 20;
-const MIN_CONTEXT: u32 = 512;
+pub(crate) const MIN_CONTEXT: u32 = 512;
+pub(crate) const MAX_CONTEXT: u32 = 10_000_000;
+pub(crate) const MAX_PARALLEL: u32 = 256;
+pub(crate) const MAX_WAITING: usize = 100_000;
+pub(crate) const MIN_STOP_TIMEOUT: Duration = Duration::from_secs(1);
+/// Plausible limits for `thermal.warn` and `thermal.critical`, in degrees Celsius.
+pub(crate) const TEMPERATURE_RANGE: (f64, f64) = (1.0, 150.0);
 
-/// One file being checked: problems about a key get the key's position when it can be found.
-struct Doc<'a> {
-    file: &'a Path,
-    text: &'a str,
+/// What [`load`] checks besides the text.
+#[derive(Debug, Clone, Copy)]
+pub(super) struct Options {
+    /// Whether the files and programs the configuration names must exist.
+    pub check_files: bool,
 }
 
-impl Doc<'_> {
-    fn problem(&self, path: &[&str], message: impl Into<String>) -> Problem {
-        Problem::new(self.file, path.join("."), message).at(find_key(self.text, path))
+impl Default for Options {
+    fn default() -> Self {
+        Options { check_files: true }
     }
 }
 
-pub(super) fn load(path: &Path) -> Result<Config, ConfigError> {
+/// What every check needs to know.
+struct Ctx {
+    shown: Shown,
+    check_files: bool,
+}
+
+/// One file being checked: problems about a key get the key's position when it can be found.
+struct Doc<'a> {
+    /// As shown in messages.
+    file: PathBuf,
+    text: &'a str,
+}
+
+impl<'a> Doc<'a> {
+    fn new(ctx: &Ctx, file: &Path, text: &'a str) -> Doc<'a> {
+        Doc {
+            file: ctx.shown.path(file),
+            text,
+        }
+    }
+
+    /// A problem with the value at `path`: at the value when it is on the key's line, else at
+    /// the key; without a position when the key is not written.
+    fn problem(&self, path: &[&str], message: impl Into<String>) -> Problem {
+        let position = find(self.text, path).map(Spot::value_or_key);
+        self.at(path.join("."), position, message)
+    }
+
+    /// A problem about item `index` of the sequence at `path`.
+    fn item_problem(&self, path: &[&str], index: usize, message: impl Into<String>) -> Problem {
+        let position = find_item(self.text, path, index)
+            .or_else(|| find(self.text, path).map(Spot::value_or_key));
+        self.at(path.join("."), position, message)
+    }
+
+    /// A problem about the key at `path` itself (its name), reported under `field`.
+    fn key_problem(&self, field: &str, path: &[&str], message: impl Into<String>) -> Problem {
+        let position = find_key(self.text, path).or_else(|| find_key(self.text, &path[..1]));
+        self.at(field, position, message)
+    }
+
+    fn at(
+        &self,
+        field: impl Into<String>,
+        position: Option<(usize, usize)>,
+        message: impl Into<String>,
+    ) -> Problem {
+        Problem::new(&self.file, field, message).at(position)
+    }
+}
+
+pub(super) fn load(path: &Path, options: Options) -> Result<Config, ConfigError> {
     let file = std::path::absolute(path).unwrap_or_else(|_| path.to_path_buf());
     let base = file.parent().map(Path::to_path_buf).unwrap_or_default();
+    let ctx = Ctx {
+        shown: Shown::new(&base),
+        check_files: options.check_files,
+    };
     let mut problems = Vec::new();
 
-    let text = read(&file, &mut problems);
-    let doc = Doc {
-        file: &file,
-        text: text.as_deref().unwrap_or(""),
+    let text = match fs::read_to_string(&file) {
+        Ok(text) => Some(text),
+        Err(e) => {
+            problems.push(Problem::new(
+                &ctx.shown.path(&file),
+                "",
+                format!("cannot read {}: {e}", file.display()),
+            ));
+            None
+        }
     };
+    let doc = Doc::new(&ctx, &file, text.as_deref().unwrap_or(""));
     let raw = text
         .as_deref()
-        .and_then(|t| parse::<RawSupervisor>(&file, t, SUPERVISOR_KEYS, &mut problems));
+        .and_then(|t| parse::<RawSupervisor>(&doc.file, t, SUPERVISOR_KEYS, &mut problems));
     let parsed = raw.is_some();
     let (supervisor, dir_known) = match raw {
-        Some(raw) => supervisor_from_raw(raw.unwrap_or_default(), &base, &doc, &mut problems),
+        Some(raw) => supervisor_from_raw(raw.unwrap_or_default(), &base, &doc, &ctx, &mut problems),
         None => fallback_supervisor(&base, text.as_deref()),
     };
 
-    let found = load_profiles(&supervisor.profiles_dir, &doc, dir_known, &mut problems);
+    let found = load_profiles(
+        &supervisor.profiles_dir,
+        &doc,
+        &ctx,
+        dir_known,
+        &mut problems,
+    );
 
     let default = &supervisor.default_profile;
     if parsed
@@ -65,7 +146,7 @@ pub(super) fn load(path: &Path) -> Result<Config, ConfigError> {
             &["default_profile"],
             format!(
                 "no profile named {default:?} in {}; available: {}",
-                supervisor.profiles_dir.display(),
+                ctx.shown.text(&supervisor.profiles_dir),
                 names.join(", ")
             ),
         ));
@@ -78,23 +159,47 @@ pub(super) fn load(path: &Path) -> Result<Config, ConfigError> {
             profiles: found.profiles,
         })
     } else {
-        Err(ConfigError { problems })
+        sort(&doc.file, &mut problems);
+        Err(ConfigError {
+            dir: base,
+            problems,
+        })
     }
 }
 
-fn read(file: &Path, problems: &mut Vec<Problem>) -> Option<String> {
+/// By file (`top` first, then in the order the files were checked), then by position, the
+/// problems without one first. The sort is stable.
+fn sort(top: &Path, problems: &mut [Problem]) {
+    let mut files: Vec<PathBuf> = vec![top.to_path_buf()];
+    for p in problems.iter() {
+        if !files.contains(&p.file) {
+            files.push(p.file.clone());
+        }
+    }
+    problems.sort_by_key(|p| {
+        let rank = files.iter().position(|f| *f == p.file);
+        (rank, p.line.unwrap_or(0), p.column.unwrap_or(0))
+    });
+}
+
+fn read(ctx: &Ctx, file: &Path, problems: &mut Vec<Problem>) -> Option<String> {
     match fs::read_to_string(file) {
         Ok(text) => Some(text),
         Err(e) => {
-            problems.push(Problem::new(file, "", format!("cannot read: {e}")));
+            problems.push(Problem::new(
+                &ctx.shown.path(file),
+                "",
+                format!("cannot read: {e}"),
+            ));
             None
         }
     }
 }
 
 /// `Some(None)` for an empty document (only comments, or `null`), `None` after a problem.
+/// `shown` is the file as messages show it.
 fn parse<T: DeserializeOwned>(
-    file: &Path,
+    shown: &Path,
     text: &str,
     top_keys: &[&str],
     problems: &mut Vec<Problem>,
@@ -102,7 +207,7 @@ fn parse<T: DeserializeOwned>(
     match serde_yaml_ng::from_str::<Option<T>>(text) {
         Ok(value) => Some(value),
         Err(e) => {
-            problems.push(error::from_yaml(file, &e, top_keys));
+            problems.push(error::from_yaml(shown, &e, top_keys));
             None
         }
     }
@@ -140,6 +245,7 @@ fn supervisor_from_raw(
     raw: RawSupervisor,
     base: &Path,
     doc: &Doc,
+    ctx: &Ctx,
     problems: &mut Vec<Problem>,
 ) -> (Supervisor, bool) {
     let mut s = Supervisor::defaults(base);
@@ -166,13 +272,18 @@ fn supervisor_from_raw(
         s.api.listen = listen;
     }
     if let Some(keys) = api.api_keys_file {
+        let path = resolve(base, &keys);
         if keys.is_empty() {
             problems.push(doc.problem(
                 &["api", "api_keys_file"],
                 "must not be empty (use null for no API keys)",
             ));
+        } else if text_check(doc, &["api", "api_keys_file"], &keys, problems) && ctx.check_files {
+            if let Some(message) = files::check_secret_file(&ctx.shown, &path) {
+                problems.push(doc.problem(&["api", "api_keys_file"], message));
+            }
         }
-        s.api.api_keys_file = Some(resolve(base, &keys));
+        s.api.api_keys_file = Some(path);
     }
     if let Some(Size(max_body)) = api.max_body {
         if max_body == 0 {
@@ -194,15 +305,22 @@ fn supervisor_from_raw(
         engine.idle_timeout,
         &mut s.engine.idle_timeout,
     );
-    positive(
-        problems,
-        &["engine", "stop_timeout"],
-        engine.stop_timeout,
-        &mut s.engine.stop_timeout,
-    );
+    if let Some(Dur(stop)) = engine.stop_timeout {
+        // The engine needs time to drain and exit; ds4-server also writes its KV cache.
+        if stop < MIN_STOP_TIMEOUT {
+            problems.push(doc.problem(
+                &["engine", "stop_timeout"],
+                format!("must be at least {}", format_duration(MIN_STOP_TIMEOUT)),
+            ));
+        }
+        s.engine.stop_timeout = stop;
+    }
     if let Some(max_waiting) = engine.max_waiting {
-        if max_waiting < 1 {
-            problems.push(doc.problem(&["engine", "max_waiting"], "must be at least 1"));
+        if !(1..=MAX_WAITING).contains(&max_waiting) {
+            problems.push(doc.problem(
+                &["engine", "max_waiting"],
+                format!("must be between 1 and {MAX_WAITING}"),
+            ));
         }
         s.engine.max_waiting = max_waiting;
     }
@@ -210,6 +328,8 @@ fn supervisor_from_raw(
     if let Some(dir) = raw.profiles_dir {
         if dir.is_empty() {
             problems.push(doc.problem(&["profiles_dir"], "must not be empty"));
+            dir_known = false;
+        } else if !text_check(doc, &["profiles_dir"], &dir, problems) {
             dir_known = false;
         }
         s.profiles_dir = resolve(base, &dir);
@@ -221,9 +341,7 @@ fn supervisor_from_raw(
         s.default_profile = name;
     }
     if let Some(dir) = raw.state_dir {
-        if dir.is_empty() {
-            problems.push(doc.problem(&["state_dir"], "must not be empty"));
-        }
+        text_check(doc, &["state_dir"], &dir, problems);
         s.state_dir = resolve(base, &dir);
     }
     if let Some(exit) = raw.exit_when_idle {
@@ -254,14 +372,62 @@ fn supervisor_from_raw(
         monitor.idle_interval,
         &mut s.monitor.idle_interval,
     );
+    if s.monitor.interval > s.monitor.idle_interval && !s.monitor.idle_interval.is_zero() {
+        let path: &[&str] = if monitor.interval.is_some() {
+            &["monitor", "interval"]
+        } else {
+            &["monitor", "idle_interval"]
+        };
+        problems.push(doc.problem(
+            path,
+            format!(
+                "monitor.interval ({}) must not be longer than monitor.idle_interval ({})",
+                format_duration(s.monitor.interval),
+                format_duration(s.monitor.idle_interval)
+            ),
+        ));
+    }
 
-    let thermal = raw.thermal.unwrap_or_default();
+    thermal_from_raw(raw.thermal.unwrap_or_default(), &mut s, doc, problems);
+
+    if let Some(Size(reserve)) = raw.memory.unwrap_or_default().reserve {
+        s.memory.reserve = reserve;
+    }
+
+    (s, dir_known)
+}
+
+fn thermal_from_raw(
+    thermal: super::raw::RawThermal,
+    s: &mut Supervisor,
+    doc: &Doc,
+    problems: &mut Vec<Problem>,
+) {
     let celsius = |v: Option<Celsius>, default: f64| v.map_or(default, |Celsius(c)| c);
     s.thermal.warn = celsius(thermal.warn, s.thermal.warn);
     s.thermal.critical = celsius(thermal.critical, s.thermal.critical);
     s.thermal.hysteresis = celsius(thermal.hysteresis, s.thermal.hysteresis);
     s.thermal.on_critical = thermal.on_critical.unwrap_or(s.thermal.on_critical);
-    if s.thermal.warn >= s.thermal.critical {
+
+    let (low, high) = TEMPERATURE_RANGE;
+    let mut in_range = true;
+    for (key, value) in [("warn", thermal.warn), ("critical", thermal.critical)] {
+        if let Some(Celsius(c)) = value {
+            if !(low..=high).contains(&c) {
+                in_range = false;
+                problems.push(doc.problem(
+                    &["thermal", key],
+                    format!(
+                        "must be between {} and {}",
+                        format_temperature(low),
+                        format_temperature(high)
+                    ),
+                ));
+            }
+        }
+    }
+    let (warn, critical, hysteresis) = (s.thermal.warn, s.thermal.critical, s.thermal.hysteresis);
+    if in_range && warn >= critical {
         let path: &[&str] = if thermal.warn.is_some() || thermal.critical.is_none() {
             &["thermal", "warn"]
         } else {
@@ -271,20 +437,32 @@ fn supervisor_from_raw(
             path,
             format!(
                 "thermal.warn ({}) must be below thermal.critical ({})",
-                format_temperature(s.thermal.warn),
-                format_temperature(s.thermal.critical)
+                format_temperature(warn),
+                format_temperature(critical)
             ),
         ));
     }
-    if s.thermal.hysteresis < 0.0 {
+    if hysteresis < 0.0 {
         problems.push(doc.problem(&["thermal", "hysteresis"], "must not be negative"));
+    } else if in_range && warn < critical && hysteresis >= critical - warn {
+        // Otherwise the critical alarm could only clear below the warning threshold.
+        let path: &[&str] = if thermal.hysteresis.is_some() {
+            &["thermal", "hysteresis"]
+        } else if thermal.critical.is_some() {
+            &["thermal", "critical"]
+        } else {
+            &["thermal", "warn"]
+        };
+        problems.push(doc.problem(
+            path,
+            format!(
+                "thermal.hysteresis ({}) must be smaller than the gap between thermal.warn and \
+                 thermal.critical ({})",
+                format_temperature(hysteresis),
+                format_temperature(critical - warn)
+            ),
+        ));
     }
-
-    if let Some(Size(reserve)) = raw.memory.unwrap_or_default().reserve {
-        s.memory.reserve = reserve;
-    }
-
-    (s, dir_known)
 }
 
 #[derive(Default)]
@@ -295,7 +473,13 @@ struct Found {
     profiles: BTreeMap<String, Profile>,
 }
 
-fn load_profiles(dir: &Path, doc: &Doc, dir_known: bool, problems: &mut Vec<Problem>) -> Found {
+fn load_profiles(
+    dir: &Path,
+    doc: &Doc,
+    ctx: &Ctx,
+    dir_known: bool,
+    problems: &mut Vec<Problem>,
+) -> Found {
     let mut found = Found::default();
     let entries = match fs::read_dir(dir) {
         Ok(entries) => entries,
@@ -303,7 +487,7 @@ fn load_profiles(dir: &Path, doc: &Doc, dir_known: bool, problems: &mut Vec<Prob
             if dir_known {
                 problems.push(doc.problem(
                     &["profiles_dir"],
-                    format!("cannot read profiles folder {}: {e}", dir.display()),
+                    format!("cannot read profiles folder {}: {e}", ctx.shown.text(dir)),
                 ));
             }
             return found;
@@ -316,7 +500,7 @@ fn load_profiles(dir: &Path, doc: &Doc, dir_known: bool, problems: &mut Vec<Prob
             Ok(entry) => entry,
             Err(e) => {
                 problems.push(Problem::new(
-                    dir,
+                    &ctx.shown.path(dir),
                     "",
                     format!("cannot list profiles folder: {e}"),
                 ));
@@ -331,7 +515,7 @@ fn load_profiles(dir: &Path, doc: &Doc, dir_known: bool, problems: &mut Vec<Prob
         }
         let Some(name) = file_name.to_str() else {
             problems.push(Problem::new(
-                &path,
+                &ctx.shown.path(&path),
                 "",
                 "profile file name is not valid UTF-8",
             ));
@@ -341,7 +525,11 @@ fn load_profiles(dir: &Path, doc: &Doc, dir_known: bool, problems: &mut Vec<Prob
             Ok(meta) if meta.is_file() => {}
             Ok(_) => continue,
             Err(e) => {
-                problems.push(Problem::new(&path, "", format!("cannot read: {e}")));
+                problems.push(Problem::new(
+                    &ctx.shown.path(&path),
+                    "",
+                    format!("cannot read: {e}"),
+                ));
                 continue;
             }
         }
@@ -356,39 +544,40 @@ fn load_profiles(dir: &Path, doc: &Doc, dir_known: bool, problems: &mut Vec<Prob
     if files.is_empty() && dir_known {
         problems.push(doc.problem(
             &["profiles_dir"],
-            format!("no profiles (*.yaml or *.yml files) in {}", dir.display()),
+            format!(
+                "no profiles (*.yaml or *.yml files) in {}",
+                ctx.shown.text(dir)
+            ),
         ));
     }
 
     for (name, path) in files {
+        let shown = ctx.shown.path(&path);
         if let Some(first) = found.files.get(&name) {
             problems.push(Problem::new(
-                &path,
+                &shown,
                 "",
                 format!(
                     "profile {name:?} is already defined by {}; remove or rename one of them",
-                    first.display()
+                    ctx.shown.text(first)
                 ),
             ));
             continue;
         }
         found.files.insert(name.clone(), path.clone());
         if let Err(message) = check_profile_name(&name) {
-            problems.push(Problem::new(&path, "", message));
+            problems.push(Problem::new(&shown, "", message));
             continue;
         }
-        let Some(text) = read(&path, problems) else {
+        let Some(text) = read(ctx, &path, problems) else {
             continue;
         };
-        let Some(raw) = parse::<RawProfile>(&path, &text, PROFILE_KEYS, problems) else {
+        let Some(raw) = parse::<RawProfile>(&shown, &text, PROFILE_KEYS, problems) else {
             continue;
         };
-        let doc = Doc {
-            file: &path,
-            text: &text,
-        };
-        if let Some(profile) = profile_from_raw(&name, dir, raw.unwrap_or_default(), &doc, problems)
-        {
+        let doc = Doc::new(ctx, &path, &text);
+        let raw = raw.unwrap_or_default();
+        if let Some(profile) = profile_from_raw(&name, &path, dir, raw, &doc, ctx, problems) {
             found.profiles.insert(name, profile);
         }
     }
@@ -409,9 +598,11 @@ fn check_profile_name(name: &str) -> Result<(), String> {
 
 fn profile_from_raw(
     name: &str,
+    file: &Path,
     dir: &Path,
     raw: RawProfile,
     doc: &Doc,
+    ctx: &Ctx,
     problems: &mut Vec<Problem>,
 ) -> Option<Profile> {
     let before = problems.len();
@@ -430,45 +621,104 @@ fn profile_from_raw(
             None
         }
         Some(command) => {
-            text_check(doc, &["command"], command, problems);
-            // A bare program name is looked up in PATH at spawn.
-            Some(if command.contains('/') {
+            // A bare program name is looked up in PATH at spawn, with the profile's env.PATH
+            // when it sets one.
+            let resolved = if command.contains('/') {
                 resolve(dir, command)
             } else {
                 PathBuf::from(command)
-            })
+            };
+            let env_path = raw.env.as_ref().and_then(|env| env.get("PATH"));
+            let message = text_problem(command).map(str::to_string).or_else(|| {
+                ctx.check_files
+                    .then(|| {
+                        let env_path = env_path.map(String::as_str);
+                        files::check_command(&ctx.shown, command, &resolved, dir, env_path)
+                    })
+                    .flatten()
+            });
+            if let Some(message) = message {
+                problems.push(doc.problem(&["command"], message));
+            }
+            Some(resolved)
         }
     };
 
     if engine == Some(EngineKind::LlamaServer) && raw.model.is_none() {
         problems.push(doc.problem(&["model"], "required for engine llama-server"));
     }
-    let mut path_field = |key: &str, value: Option<String>| {
-        value.map(|v| {
-            text_check(doc, &[key], &v, problems);
-            resolve(dir, &v)
-        })
+    type Check<'c> = &'c dyn Fn(&Path) -> Option<String>;
+    let model_check = |p: &Path| {
+        files::check_file(&ctx.shown, p, Role::Model).or_else(|| files::check_shards(&ctx.shown, p))
     };
-    let model = path_field("model", raw.model);
-    let mmproj = path_field("mmproj", raw.mmproj);
-    let kv_disk_dir = path_field("kv_disk_dir", raw.kv_disk_dir);
+    let mmproj_check = |p: &Path| files::check_file(&ctx.shown, p, Role::Mmproj);
+    let dir_check = |p: &Path| files::check_creatable_dir(&ctx.shown, p);
+    // A path the engine reads, resolved against the profiles folder; `check` is what must
+    // hold on disk (none when the engine ignores the key).
+    let mut path_field = |key: &str, value: Option<String>, check: Option<Check>| {
+        let value = value?;
+        let path = resolve(dir, &value);
+        let message = text_problem(&value).map(str::to_string).or_else(|| {
+            check
+                .filter(|_| ctx.check_files)
+                .and_then(|check| check(&path))
+        });
+        if let Some(message) = message {
+            problems.push(doc.problem(&[key], message));
+        }
+        Some(path)
+    };
+    let model = path_field("model", raw.model, Some(&model_check));
+    // ds4 ignores mmproj, and llama-server kv_disk_dir, so their files need not exist.
+    let mmproj = path_field(
+        "mmproj",
+        raw.mmproj,
+        (engine != Some(EngineKind::Ds4)).then_some(&mmproj_check as Check),
+    );
+    let kv_disk_dir = path_field(
+        "kv_disk_dir",
+        raw.kv_disk_dir,
+        (engine != Some(EngineKind::LlamaServer)).then_some(&dir_check as Check),
+    );
 
     if let Some(kv) = &raw.kv_cache {
-        text_check(doc, &["kv_cache"], kv, problems);
+        if let Some(message) = text_problem(kv)
+            .map(str::to_string)
+            .or_else(|| rules::check_kv_cache(kv))
+        {
+            problems.push(doc.problem(&["kv_cache"], message));
+        }
     }
     if let Some(context) = raw.context {
         if context < MIN_CONTEXT {
             problems.push(doc.problem(&["context"], format!("must be at least {MIN_CONTEXT}")));
+        } else if context > MAX_CONTEXT {
+            problems.push(doc.problem(&["context"], format!("must be at most {MAX_CONTEXT}")));
+        }
+    }
+    if let Some(parallel) = raw.parallel {
+        if !(1..=MAX_PARALLEL).contains(&parallel) {
+            problems.push(doc.problem(
+                &["parallel"],
+                format!("must be between 1 and {MAX_PARALLEL}"),
+            ));
         }
     }
     for (key, value) in [
-        ("parallel", raw.parallel),
         ("batch", raw.batch),
         ("ubatch", raw.ubatch),
         ("prefill_chunk", raw.prefill_chunk),
     ] {
         if value == Some(0) {
             problems.push(doc.problem(&[key], "must be at least 1"));
+        }
+    }
+    if let (Some(batch), Some(ubatch)) = (raw.batch, raw.ubatch) {
+        if batch > 0 && ubatch > batch {
+            problems.push(doc.problem(
+                &["ubatch"],
+                format!("ubatch ({ubatch}) must not be larger than batch ({batch})"),
+            ));
         }
     }
     let kv_disk_space_mb = raw.kv_disk_space.map(|Size(bytes)| bytes / MIB);
@@ -482,21 +732,14 @@ fn profile_from_raw(
 
     let extra_args = raw.extra_args.unwrap_or_default();
     for (i, arg) in extra_args.iter().enumerate() {
-        if arg.contains('\0') {
-            problems
-                .push(doc.problem(&["extra_args"], format!("argument {i} contains a NUL byte")));
+        if let Some(message) = rules::check_extra_arg(arg) {
+            problems.push(doc.item_problem(&["extra_args"], i, message));
         }
     }
     let env = raw.env.unwrap_or_default();
     for (key, value) in &env {
-        if key.is_empty() || key.contains(['=', '\0']) {
-            problems.push(
-                doc.problem(
-                    &["env"],
-                    format!("invalid variable name {key:?}: must be non-empty, without '=' or NUL"),
-                )
-                .at(find_key(doc.text, &["env", key])),
-            );
+        if let Some(message) = rules::check_env_name(key) {
+            problems.push(doc.key_problem("env", &["env", key], message));
         } else if value.contains('\0') {
             problems.push(doc.problem(&["env", key], "contains a NUL byte"));
         }
@@ -507,7 +750,7 @@ fn profile_from_raw(
     }
     Some(Profile {
         name: name.to_string(),
-        file: doc.file.to_path_buf(),
+        file: file.to_path_buf(),
         description: raw.description,
         engine: engine?,
         command: command?,
@@ -532,10 +775,23 @@ fn profile_from_raw(
 }
 
 /// Text that ends up in argv or a path must be non-empty and free of NUL bytes.
-fn text_check(doc: &Doc, path: &[&str], value: &str, problems: &mut Vec<Problem>) {
+fn text_problem(value: &str) -> Option<&'static str> {
     if value.is_empty() {
-        problems.push(doc.problem(path, "must not be empty"));
+        Some("must not be empty")
     } else if value.contains('\0') {
-        problems.push(doc.problem(path, "contains a NUL byte"));
+        Some("contains a NUL byte")
+    } else {
+        None
+    }
+}
+
+/// [`text_problem`] reported at `path`; true when the text is fine.
+fn text_check(doc: &Doc, path: &[&str], value: &str, problems: &mut Vec<Problem>) -> bool {
+    match text_problem(value) {
+        Some(message) => {
+            problems.push(doc.problem(path, message));
+            false
+        }
+        None => true,
     }
 }

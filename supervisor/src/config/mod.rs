@@ -11,12 +11,27 @@
 //! resolve against the folder of `supervisor.yaml`; relative paths in a profile (`command`
 //! when it contains a `/`, `model`, `mmproj`, `kv_disk_dir`) resolve against the profiles
 //! folder. A bare `command` such as `llama-server` is kept as is and looked up in `PATH` when
-//! the engine is spawned. Whether files exist is not checked here.
+//! the engine is spawned.
+//!
+//! Besides the text, loading checks what the configuration names on disk: the engine
+//! `command` must be an executable file (a bare name must be found in `PATH`, the profile's
+//! `env.PATH` when set), `model` and `mmproj` must be files (a sharded model must be named
+//! by its first shard, with the others beside it), `kv_disk_dir` must be a folder or be
+//! creatable in an existing one, and `api_keys_file` must be a file that only its owner may
+//! read or write (mode 600, as the daemon requires). Keys the profile's engine ignores (`mmproj` for ds4, `kv_disk_dir` for llama-server) may
+//! name files that do not exist. A missing file under the shipped example paths
+//! (`/srv/models/dsv4-flash/`, `/usr/local/bin/llama-server`, `/usr/local/bin/ds4-server`)
+//! is reported as the unedited example. `state_dir` is not checked (systemd creates it).
+//!
+//! Messages show paths relative to the folder of `supervisor.yaml` when they are inside it,
+//! else absolute: `profiles/320k.yaml:12:10: context: must be at least 512`.
 
 mod error;
+mod files;
 mod load;
 mod locate;
 mod raw;
+mod rules;
 mod units;
 
 #[cfg(test)]
@@ -50,7 +65,44 @@ impl Config {
     /// Returns all problems found: a file that does not parse stops at its first error, but
     /// the other files are still read and checked.
     pub fn load(path: &Path) -> Result<Config, ConfigError> {
-        load::load(path)
+        load::load(path, load::Options::default())
+    }
+
+    /// A short report for `dsv4d --check-config`: a first line naming the file, the number of
+    /// profiles and the default, then one line per profile.
+    ///
+    /// ```text
+    /// supervisor.yaml OK: 2 profiles in profiles, default 320k
+    ///   320k: llama-server, context 327680, planned memory 87.82GiB (320K service profile)
+    ///   64k: llama-server, context 65536, planned memory 86GiB (64K validation profile)
+    /// ```
+    pub fn summary(&self) -> String {
+        let name = self.file.file_name().map_or_else(
+            || self.file.display().to_string(),
+            |n| n.to_string_lossy().into(),
+        );
+        let dir = self.file.parent().unwrap_or(Path::new(""));
+        let count = self.profiles.len();
+        let mut out = format!(
+            "{name} OK: {count} profile{} in {}, default {}",
+            if count == 1 { "" } else { "s" },
+            files::Shown::new(dir).text(&self.supervisor.profiles_dir),
+            self.supervisor.default_profile
+        );
+        for (name, p) in &self.profiles {
+            out.push_str(&format!("\n  {name}: {}", p.engine));
+            match p.context() {
+                Some(context) => out.push_str(&format!(", context {context}")),
+                None => out.push_str(", the engine's default context"),
+            }
+            if let Some(bytes) = p.planned_memory {
+                out.push_str(&format!(", planned memory {}", format_size(bytes)));
+            }
+            if let Some(description) = p.description.as_deref().filter(|d| !d.is_empty()) {
+                out.push_str(&format!(" ({description})"));
+            }
+        }
+        out
     }
 
     pub fn profile(&self, name: &str) -> Option<&Profile> {

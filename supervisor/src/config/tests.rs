@@ -1,7 +1,12 @@
 //! Loading whole configurations from files.
+//!
+//! Most kinds of mistake are covered by the fixture cases in `tests/fixtures/config/bad/`
+//! (see [`bad_fixtures_report_exactly_the_expected_problems`]); the tests here cover what a
+//! fixture cannot hold (permissions, absolute paths, the environment) and the loader's API.
 
 use std::collections::BTreeMap;
 use std::fs;
+use std::os::unix::fs::PermissionsExt;
 use std::path::{Path, PathBuf};
 use std::sync::atomic::{AtomicUsize, Ordering};
 use std::time::Duration;
@@ -35,6 +40,23 @@ impl TempDir {
         fs::write(&path, text).unwrap();
         path
     }
+
+    fn write_mode(&self, relative: &str, text: &str, mode: u32) -> PathBuf {
+        let path = self.write(relative, text);
+        fs::set_permissions(&path, fs::Permissions::from_mode(mode)).unwrap();
+        path
+    }
+
+    /// An executable stand-in for an engine.
+    fn program(&self, relative: &str) -> PathBuf {
+        self.write_mode(relative, "#!/bin/sh\nexit 0\n", 0o755)
+    }
+
+    /// The files [`MINIMAL_PROFILE`] names, in the profiles folder `profiles`.
+    fn engine_files(&self, profiles: &str) {
+        self.program(&format!("{profiles}/bin/engine"));
+        self.write(&format!("{profiles}/m.gguf"), "");
+    }
 }
 
 impl Drop for TempDir {
@@ -43,7 +65,8 @@ impl Drop for TempDir {
     }
 }
 
-const MINIMAL_PROFILE: &str = "engine: llama-server\ncommand: llama-server\nmodel: m.gguf\n";
+/// A valid profile once [`TempDir::engine_files`] has made its files.
+const MINIMAL_PROFILE: &str = "engine: llama-server\ncommand: bin/engine\nmodel: m.gguf\n";
 
 fn errors(result: Result<Config, ConfigError>) -> Vec<String> {
     match result {
@@ -52,9 +75,19 @@ fn errors(result: Result<Config, ConfigError>) -> Vec<String> {
     }
 }
 
+/// Loads without checking that files exist.
+fn load_text_only(path: &Path) -> Result<Config, ConfigError> {
+    load::load(path, load::Options { check_files: false })
+}
+
 #[test]
 fn full_config_round_trip() {
     let dir = TempDir::new("full");
+    let base = dir.path();
+    dir.write_mode("keys.txt", "secret\n", 0o600);
+    dir.program("bin/llama-server");
+    dir.write("mm.gguf", "");
+    dir.write("m.gguf", "");
     let file = dir.write(
         "supervisor.yaml",
         r#"# every key, none at its default
@@ -79,11 +112,12 @@ memory: { reserve: 4GB }
     );
     dir.write(
         "my-profiles/small.yaml",
-        r#"description: small test profile
+        &format!(
+            r#"description: small test profile
 engine: llama-server
 command: llama-server
 model: models/a.gguf
-mmproj: /abs/mm.gguf
+mmproj: {base}/mm.gguf
 context: 4096
 parallel: 2
 batch: 1024
@@ -92,21 +126,27 @@ kv_cache: f16
 flash_attn: auto
 gpu_layers: 40
 extra_args: [--metrics, "--alias", dsv4, --threads, 8]
-env: { LLAMA_ARG_THREADS: 8, HOME: /tmp }
+env: {{ LLAMA_ARG_THREADS: 8, HOME: /tmp, PATH: "/nonexistent:{base}/bin" }}
 planned_memory: 10GiB
 "#,
+            base = base.display()
+        ),
     );
+    dir.write("my-profiles/models/a.gguf", "");
+    dir.program("my-profiles/bin/ds4-server");
     dir.write(
         "my-profiles/disk.yml",
-        "engine: ds4\ncommand: ./bin/ds4-server\nmodel: /srv/m.gguf\ncontext: 327680\n\
-         prefill_chunk: 4096\nkv_disk_dir: cache\nkv_disk_space: 20GiB\nflash_attn: false\n",
+        &format!(
+            "engine: ds4\ncommand: ./bin/ds4-server\nmodel: {}/m.gguf\ncontext: 327680\n\
+             prefill_chunk: 4096\nkv_disk_dir: cache\nkv_disk_space: 20GiB\nflash_attn: false\n",
+            base.display()
+        ),
     );
     dir.write("my-profiles/notes.txt", "not a profile");
     dir.write("my-profiles/.hidden.yaml", "not: a profile");
     fs::create_dir_all(dir.path().join("my-profiles/sub.yaml")).unwrap();
 
     let config = Config::load(&file).unwrap();
-    let base = dir.path();
     let profiles_dir = base.join("my-profiles");
     let want = Config {
         file: file.clone(),
@@ -155,7 +195,7 @@ planned_memory: 10GiB
                     engine: EngineKind::Ds4,
                     command: profiles_dir.join("./bin/ds4-server"),
                     params: EngineParams {
-                        model: Some("/srv/m.gguf".into()),
+                        model: Some(base.join("m.gguf")),
                         context: Some(327_680),
                         prefill_chunk: Some(4096),
                         kv_disk_dir: Some(profiles_dir.join("cache")),
@@ -177,7 +217,7 @@ planned_memory: 10GiB
                     command: "llama-server".into(),
                     params: EngineParams {
                         model: Some(profiles_dir.join("models/a.gguf")),
-                        mmproj: Some("/abs/mm.gguf".into()),
+                        mmproj: Some(base.join("mm.gguf")),
                         context: Some(4096),
                         parallel: Some(2),
                         batch: Some(1024),
@@ -196,6 +236,10 @@ planned_memory: 10GiB
                     env: BTreeMap::from([
                         ("HOME".to_string(), "/tmp".to_string()),
                         ("LLAMA_ARG_THREADS".to_string(), "8".to_string()),
+                        (
+                            "PATH".to_string(),
+                            format!("/nonexistent:{}/bin", base.display()),
+                        ),
                     ]),
                 },
             ),
@@ -206,6 +250,12 @@ planned_memory: 10GiB
     assert_eq!(config.profile("small").unwrap().context(), Some(4096));
     assert_eq!(config.default_profile().unwrap().name, "small");
     assert!(config.profile("nope").is_none());
+    assert_eq!(
+        config.summary(),
+        "supervisor.yaml OK: 2 profiles in my-profiles, default small\n  \
+         disk: ds4, context 327680\n  \
+         small: llama-server, context 4096, planned memory 10GiB (small test profile)"
+    );
 }
 
 #[test]
@@ -214,6 +264,7 @@ fn an_empty_file_means_every_default() {
         let dir = TempDir::new("defaults");
         let file = dir.write("supervisor.yaml", text);
         dir.write("profiles/320k.yaml", MINIMAL_PROFILE);
+        dir.engine_files("profiles");
         let config = Config::load(&file).unwrap();
         assert_eq!(
             config.supervisor,
@@ -221,6 +272,11 @@ fn an_empty_file_means_every_default() {
             "{text:?}"
         );
         assert_eq!(config.file, file);
+        assert_eq!(
+            config.summary(),
+            "supervisor.yaml OK: 1 profile in profiles, default 320k\n  \
+             320k: llama-server, the engine's default context"
+        );
     }
     let d = Supervisor::default();
     assert_eq!(d.profiles_dir, Path::new("./profiles"));
@@ -249,13 +305,13 @@ fn enum_spellings() {
     let dir = TempDir::new("enums");
     let file = dir.write("supervisor.yaml", "power:\n  cpu: turbo\n");
     dir.write("profiles/320k.yaml", MINIMAL_PROFILE);
+    dir.engine_files("profiles");
     assert_eq!(
         errors(Config::load(&file)),
-        [format!(
-            "{}:2:8: power.cpu: unknown variant `turbo`, expected one of `power-saver`, \
-             `balanced`, `performance`, `keep`",
-            file.display()
-        )]
+        [
+            "supervisor.yaml:2:8: power.cpu: unknown variant `turbo`, expected one of \
+          `power-saver`, `balanced`, `performance`, `keep`"
+        ]
     );
 }
 
@@ -274,13 +330,70 @@ fn profile_paths_resolve_against_the_profiles_folder() {
         "p.yaml",
         "engine: llama-server\ncommand: bin/llama-server\nmodel: ../m.gguf\nmmproj: mm.gguf\n",
     );
-    let config = Config::load(&file).unwrap();
+    let config = load_text_only(&file).unwrap();
     let p = config.profile("p").unwrap();
     assert_eq!(p.command, elsewhere.path().join("bin/llama-server"));
     assert_eq!(p.params.model, Some(elsewhere.path().join("../m.gguf")));
     assert_eq!(p.params.mmproj, Some(elsewhere.path().join("mm.gguf")));
     assert_eq!(config.supervisor.state_dir, Path::new("/var/lib/x"));
     assert_eq!(config.supervisor.profiles_dir, elsewhere.path());
+
+    // Outside the folder of supervisor.yaml, paths are shown absolute.
+    let p = elsewhere.path().join("p.yaml");
+    let e = elsewhere.path().display();
+    assert_eq!(
+        errors(Config::load(&file)),
+        [
+            format!(
+                "{}:2:10: command: {e}/bin/llama-server does not exist",
+                p.display()
+            ),
+            format!("{}:3:8: model: {e}/../m.gguf does not exist", p.display()),
+            format!("{}:4:9: mmproj: {e}/mm.gguf does not exist", p.display()),
+        ]
+    );
+}
+
+#[test]
+fn messages_show_paths_relative_to_the_config_folder() {
+    let dir = TempDir::new("relative");
+    let file = dir.write("etc/dsv4/supervisor.yaml", "profiles_dir: ../profiles\n");
+    dir.write("etc/profiles/320k.yaml", "engine: ds4\ncommand: x/y\n");
+    let shown = dir.path().join("etc/dsv4/../profiles");
+    let e = Config::load(&file).unwrap_err();
+    assert_eq!(e.dir, dir.path().join("etc/dsv4"));
+    assert_eq!(
+        e.to_string(),
+        format!(
+            "{s}/320k.yaml:2:10: command: {s}/x/y does not exist",
+            s = shown.display()
+        )
+    );
+
+    // A relative path to supervisor.yaml: the same messages.
+    let dir = TempDir::new("relative-arg");
+    let file = dir.write("supervisor.yaml", "engine: { stop_timeout: 0s }\n");
+    dir.write("profiles/320k.yaml", MINIMAL_PROFILE);
+    dir.engine_files("profiles");
+    let cwd = std::env::current_dir().unwrap();
+    let relative: PathBuf = std::iter::repeat_n("..", cwd.components().count())
+        .collect::<PathBuf>()
+        .join(file.strip_prefix("/").unwrap());
+    assert_eq!(
+        errors(Config::load(&relative)),
+        ["supervisor.yaml:1:25: engine.stop_timeout: must be at least 1s"]
+    );
+
+    let missing = dir.path().join("missing.yaml");
+    let got = errors(Config::load(&missing));
+    assert_eq!(got.len(), 1, "{got:?}");
+    assert!(
+        got[0].starts_with(&format!(
+            "missing.yaml: cannot read {}: ",
+            missing.display()
+        )),
+        "{got:?}"
+    );
 }
 
 #[test]
@@ -290,27 +403,21 @@ fn unknown_key_is_reported_with_position_and_path() {
         "supervisor.yaml",
         "api:\n  listen: 127.0.0.1:8080\nengine:\n  idle_timout: 15m\n",
     );
-    let profile = dir.write(
+    dir.write(
         "profiles/320k.yaml",
         "engine: ds4\ncommand: ds4-server\nmodle: m.gguf\n",
     );
-    let got = errors(Config::load(&file));
     assert_eq!(
-        got,
+        errors(Config::load(&file)),
         [
-            format!(
-                "{}:4:3: engine.idle_timout: unknown key `idle_timout`, expected one of \
-                 `start_timeout`, `idle_timeout`, `stop_timeout`, `max_waiting`; \
-                 did you mean `idle_timeout`?",
-                file.display()
-            ),
-            format!(
-                "{}:3:1: modle: unknown key `modle`, expected one of `description`, `engine`, \
-                 `command`, `model`, `mmproj`, `context`, `parallel`, `batch`, `ubatch`, \
-                 `kv_cache`, `flash_attn`, `gpu_layers`, `prefill_chunk`, `kv_disk_dir`, \
-                 `kv_disk_space`, `planned_memory`, `extra_args`, `env`; did you mean `model`?",
-                profile.display()
-            ),
+            "supervisor.yaml:4:3: engine.idle_timout: unknown key `idle_timout`, expected one \
+             of `start_timeout`, `idle_timeout`, `stop_timeout`, `max_waiting`; \
+             did you mean `idle_timeout`?",
+            "profiles/320k.yaml:3:1: modle: unknown key `modle`, expected one of \
+             `description`, `engine`, `command`, `model`, `mmproj`, `context`, `parallel`, \
+             `batch`, `ubatch`, `kv_cache`, `flash_attn`, `gpu_layers`, `prefill_chunk`, \
+             `kv_disk_dir`, `kv_disk_space`, `planned_memory`, `extra_args`, `env`; \
+             did you mean `model`?",
         ]
     );
 }
@@ -319,35 +426,25 @@ fn unknown_key_is_reported_with_position_and_path() {
 fn unit_errors_carry_position_and_path() {
     let dir = TempDir::new("units");
     let file = dir.write("supervisor.yaml", "engine:\n  idle_timeout: 90\n");
-    let profile = dir.write(
+    dir.write(
         "profiles/320k.yaml",
         "engine: llama-server\ncommand: x\nmodel: m\nplanned_memory: 87.82 GB2\n",
     );
-    let other = dir.write("profiles/other.yaml", "engine: vllm\n");
-    let flow = dir.write(
+    dir.write("profiles/other.yaml", "engine: vllm\n");
+    dir.write(
         "profiles/flow.yaml",
         "{engine: ds4, command: x, context: -1}\n",
     );
     assert_eq!(
         errors(Config::load(&file)),
         [
-            format!(
-                "{}:2:17: engine.idle_timeout: invalid duration \"90\": add a unit (ms, s, m, h, d)",
-                file.display()
-            ),
-            format!(
-                "{}:4:17: planned_memory: invalid size \"87.82 GB2\": unknown unit \"GB2\" \
-                 (use B, KiB, MiB, GiB, TiB, KB, MB, GB, TB)",
-                profile.display()
-            ),
-            format!(
-                "{}:1:36: context: invalid type: integer `-1`, expected u32",
-                flow.display()
-            ),
-            format!(
-                "{}:1:9: engine: unknown engine `vllm`, expected one of: llama-server, ds4",
-                other.display()
-            ),
+            "supervisor.yaml:2:17: engine.idle_timeout: invalid duration \"90\": add a unit \
+             (ms, s, m, h, d)",
+            "profiles/320k.yaml:4:17: planned_memory: invalid size \"87.82 GB2\": unknown \
+             unit \"GB2\" (use B, KiB, MiB, GiB, TiB, KB, MB, GB, TB)",
+            "profiles/flow.yaml:1:36: context: invalid type: integer `-1`, expected u32",
+            "profiles/other.yaml:1:9: engine: unknown engine `vllm`, expected one of: \
+             llama-server, ds4",
         ]
     );
 }
@@ -358,13 +455,13 @@ fn default_profile_must_exist() {
     let file = dir.write("supervisor.yaml", "# choose\ndefault_profile: 128k\n");
     dir.write("profiles/64k.yaml", MINIMAL_PROFILE);
     dir.write("profiles/320k.yml", MINIMAL_PROFILE);
+    dir.engine_files("profiles");
     assert_eq!(
         errors(Config::load(&file)),
-        [format!(
-            "{}:2:1: default_profile: no profile named \"128k\" in {}; available: 320k, 64k",
-            file.display(),
-            dir.path().join("profiles").display()
-        )]
+        [
+            "supervisor.yaml:2:18: default_profile: no profile named \"128k\" in profiles; \
+          available: 320k, 64k"
+        ]
     );
 
     // The default 320k, not written in the file: no position.
@@ -372,16 +469,15 @@ fn default_profile_must_exist() {
     fs::remove_file(dir.path().join("profiles/320k.yml")).unwrap();
     assert_eq!(
         errors(Config::load(&file)),
-        [format!(
-            "{}: default_profile: no profile named \"320k\" in {}; available: 64k",
-            file.display(),
-            dir.path().join("profiles").display()
-        )]
+        [
+            "supervisor.yaml: default_profile: no profile named \"320k\" in profiles; \
+          available: 64k"
+        ]
     );
 }
 
 #[test]
-fn semantic_problems_are_all_reported() {
+fn semantic_problems_are_all_reported_in_file_order() {
     let dir = TempDir::new("semantic");
     let file = dir.write(
         "supervisor.yaml",
@@ -389,42 +485,37 @@ fn semantic_problems_are_all_reported() {
          stop_timeout: 0ms\n  max_waiting: 0\nexit_when_idle: 0s\n\
          monitor: { interval: 0s }\nthermal: { warn: 95C, critical: 90C, hysteresis: -1C }\n",
     );
-    let p = dir.write(
+    dir.write(
         "profiles/320k.yaml",
         "engine: llama-server\ncommand: ''\ncontext: 100\nparallel: 0\nbatch: 0\n\
          kv_disk_space: 1KiB\nplanned_memory: 0\nenv:\n  'A=B': x\n",
     );
-    let empty = dir.write("profiles/empty.yaml", "# nothing yet\n");
-    let f = file.display();
-    let p = p.display();
-    let e = empty.display();
+    dir.write("profiles/empty.yaml", "# nothing yet\n");
     assert_eq!(
         errors(Config::load(&file)),
         [
-            format!(
-                "{f}:2:3: api.listen: invalid address \"localhost:8080\": expected IP:port, \
-                 e.g. 127.0.0.1:8080 or [::1]:8080"
-            ),
-            format!("{f}:3:3: api.max_body: must be greater than 0"),
-            format!("{f}:5:3: engine.start_timeout: must be greater than 0"),
-            format!("{f}:6:3: engine.stop_timeout: must be greater than 0"),
-            format!("{f}:7:3: engine.max_waiting: must be at least 1"),
-            format!("{f}:8:1: exit_when_idle: must be greater than 0 (null = never exit)"),
-            format!("{f}:9:12: monitor.interval: must be greater than 0"),
-            format!(
-                "{f}:10:12: thermal.warn: thermal.warn (95C) must be below thermal.critical (90C)"
-            ),
-            format!("{f}:10:38: thermal.hysteresis: must not be negative"),
-            format!("{p}:2:1: command: must not be empty"),
-            format!("{p}: model: required for engine llama-server"),
-            format!("{p}:3:1: context: must be at least 512"),
-            format!("{p}:4:1: parallel: must be at least 1"),
-            format!("{p}:5:1: batch: must be at least 1"),
-            format!("{p}:6:1: kv_disk_space: must be at least 1MiB"),
-            format!("{p}:7:1: planned_memory: must be greater than 0"),
-            format!("{p}:9:3: env: invalid variable name \"A=B\": must be non-empty, without '=' or NUL"),
-            format!("{e}: engine: required: one of llama-server, ds4"),
-            format!("{e}: command: required: the engine executable"),
+            "supervisor.yaml:2:11: api.listen: invalid address \"localhost:8080\": expected \
+             IP:port, e.g. 127.0.0.1:8080 or [::1]:8080",
+            "supervisor.yaml:3:13: api.max_body: must be greater than 0",
+            "supervisor.yaml:5:18: engine.start_timeout: must be greater than 0",
+            "supervisor.yaml:6:17: engine.stop_timeout: must be at least 1s",
+            "supervisor.yaml:7:16: engine.max_waiting: must be between 1 and 100000",
+            "supervisor.yaml:8:17: exit_when_idle: must be greater than 0 (null = never exit)",
+            "supervisor.yaml:9:22: monitor.interval: must be greater than 0",
+            "supervisor.yaml:10:18: thermal.warn: thermal.warn (95C) must be below \
+             thermal.critical (90C)",
+            "supervisor.yaml:10:50: thermal.hysteresis: must not be negative",
+            "profiles/320k.yaml: model: required for engine llama-server",
+            "profiles/320k.yaml:2:10: command: must not be empty",
+            "profiles/320k.yaml:3:10: context: must be at least 512",
+            "profiles/320k.yaml:4:11: parallel: must be between 1 and 256",
+            "profiles/320k.yaml:5:8: batch: must be at least 1",
+            "profiles/320k.yaml:6:16: kv_disk_space: must be at least 1MiB",
+            "profiles/320k.yaml:7:17: planned_memory: must be greater than 0",
+            "profiles/320k.yaml:9:3: env: invalid variable name \"A=B\": use letters, digits \
+             and '_', not starting with a digit",
+            "profiles/empty.yaml: engine: required: one of llama-server, ds4",
+            "profiles/empty.yaml: command: required: the engine executable",
         ]
     );
 }
@@ -436,25 +527,20 @@ fn other_files_are_checked_after_a_parse_error() {
         "supervisor.yaml",
         "profiles_dir: mine\nstate_dir: 'unterminated\n",
     );
-    let bad = dir.write(
+    dir.write(
         "profiles/320k.yaml",
-        "engine: ds4\ncommand: x\ncontext: 10\n",
+        "engine: ds4\ncommand: bin/engine\ncontext: 10\n",
     );
     dir.write("profiles/ok.yaml", MINIMAL_PROFILE);
-    let got = errors(Config::load(&file));
-    assert_eq!(got.len(), 2, "{got:#?}");
+    dir.engine_files("profiles");
     // The YAML does not parse, so its profiles_dir is unknown: the default folder is used.
     assert_eq!(
-        got[0],
-        format!(
-            "{}:3:1: found unexpected end of stream, while scanning a quoted scalar at line 2 \
-             column 12",
-            file.display()
-        )
-    );
-    assert_eq!(
-        got[1],
-        format!("{}:3:1: context: must be at least 512", bad.display())
+        errors(Config::load(&file)),
+        [
+            "supervisor.yaml:3:1: found unexpected end of stream, while scanning a quoted \
+             scalar at line 2 column 12",
+            "profiles/320k.yaml:3:10: context: must be at least 512",
+        ]
     );
 
     // A value error leaves the YAML readable: its profiles_dir is still used.
@@ -462,20 +548,13 @@ fn other_files_are_checked_after_a_parse_error() {
         "supervisor.yaml",
         "profiles_dir: mine\nengine: { idle_timeout: soon }\n",
     );
-    let mine = dir.write("mine/p.yaml", "engine: ds4\n");
-    let got = errors(Config::load(&file));
+    dir.write("mine/p.yaml", "engine: ds4\n");
     assert_eq!(
-        got,
+        errors(Config::load(&file)),
         [
-            format!(
-                "{}:2:25: engine.idle_timeout: invalid duration \"soon\": expected a number \
-                 followed by a unit, e.g. 90s or 1h30m",
-                file.display()
-            ),
-            format!(
-                "{}: command: required: the engine executable",
-                mine.display()
-            ),
+            "supervisor.yaml:2:25: engine.idle_timeout: invalid duration \"soon\": expected a \
+             number followed by a unit, e.g. 90s or 1h30m",
+            "mine/p.yaml: command: required: the engine executable",
         ]
     );
 }
@@ -484,32 +563,19 @@ fn other_files_are_checked_after_a_parse_error() {
 fn profiles_folder_problems() {
     let dir = TempDir::new("folder");
     let file = dir.write("supervisor.yaml", "profiles_dir: nowhere\n");
-    let got = errors(Config::load(&file));
-    assert_eq!(got.len(), 1);
-    let prefix = format!(
-        "{}:1:1: profiles_dir: cannot read profiles folder {}: ",
-        file.display(),
-        dir.path().join("nowhere").display()
+    assert_eq!(
+        errors(Config::load(&file)),
+        [
+            "supervisor.yaml:1:15: profiles_dir: cannot read profiles folder nowhere: \
+          No such file or directory (os error 2)"
+        ]
     );
-    assert!(got[0].starts_with(&prefix), "{got:?}");
 
     fs::create_dir_all(dir.path().join("nowhere")).unwrap();
     dir.write("nowhere/README", "profiles go here");
     assert_eq!(
         errors(Config::load(&file)),
-        [format!(
-            "{}:1:1: profiles_dir: no profiles (*.yaml or *.yml files) in {}",
-            file.display(),
-            dir.path().join("nowhere").display()
-        )]
-    );
-
-    let missing = dir.path().join("missing.yaml");
-    let got = errors(Config::load(&missing));
-    assert_eq!(got.len(), 1, "{got:?}");
-    assert!(
-        got[0].starts_with(&format!("{}: cannot read: ", missing.display())),
-        "{got:?}"
+        ["supervisor.yaml:1:15: profiles_dir: no profiles (*.yaml or *.yml files) in nowhere"]
     );
 }
 
@@ -517,29 +583,143 @@ fn profiles_folder_problems() {
 fn profile_names_are_unique_and_plain() {
     let dir = TempDir::new("names");
     let file = dir.write("supervisor.yaml", "default_profile: a\n");
-    let first = dir.write("profiles/a.yaml", MINIMAL_PROFILE);
-    let second = dir.write("profiles/a.yml", MINIMAL_PROFILE);
-    let spaced = dir.write("profiles/b c.yaml", MINIMAL_PROFILE);
+    dir.write("profiles/a.yaml", MINIMAL_PROFILE);
+    dir.write("profiles/a.yml", MINIMAL_PROFILE);
+    dir.write("profiles/b c.yaml", MINIMAL_PROFILE);
+    dir.engine_files("profiles");
     assert_eq!(
         errors(Config::load(&file)),
         [
+            "profiles/a.yml: profile \"a\" is already defined by profiles/a.yaml; remove or \
+             rename one of them",
+            "profiles/b c.yaml: invalid profile name \"b c\": use letters, digits, '.', '_' \
+             and '-' (not first)",
+        ]
+    );
+}
+
+#[test]
+fn engine_programs() {
+    let dir = TempDir::new("programs");
+    let file = dir.write("supervisor.yaml", "default_profile: found\n");
+    dir.write("profiles/m.gguf", "");
+    dir.program("bin/dsv4-test-engine");
+    dir.write_mode("bin/dsv4-test-data", "", 0o644);
+    let bin = dir.path().join("bin");
+    let b = bin.display();
+    let profile = |command: &str, path: &str| {
+        format!("engine: llama-server\ncommand: {command}\nmodel: m.gguf\nenv: {{ PATH: \"{path}\" }}\n")
+    };
+    dir.write(
+        "profiles/found.yaml",
+        &profile("dsv4-test-engine", &format!("/nonexistent::{b}")),
+    );
+    dir.write(
+        "profiles/not-executable.yaml",
+        &profile("dsv4-test-data", &format!("{b}")),
+    );
+    dir.write("profiles/empty-path.yaml", &profile("dsv4-test-engine", ""));
+    dir.program("profiles/local-engine");
+    dir.write(
+        "profiles/local.yaml",
+        &profile("local-engine", "/nonexistent"),
+    );
+    dir.write(
+        "profiles/absolute.yaml",
+        &profile(&format!("{b}/dsv4-test-data"), "/bin"),
+    );
+    assert_eq!(
+        errors(Config::load(&file)),
+        [
+            "profiles/absolute.yaml:2:10: command: bin/dsv4-test-data is not executable \
+             (chmod +x it)"
+                .to_string(),
+            "profiles/empty-path.yaml:2:10: command: dsv4-test-engine is not a path and PATH \
+             is empty or not set: write the full path"
+                .to_string(),
+            "profiles/local.yaml:2:10: command: local-engine not found in PATH (/nonexistent, \
+             from env.PATH); for profiles/local-engine, write ./local-engine"
+                .to_string(),
             format!(
-                "{}: profile \"a\" is already defined by {}; remove or rename one of them",
-                second.display(),
-                first.display()
-            ),
-            format!(
-                "{}: invalid profile name \"b c\": use letters, digits, '.', '_' and '-' (not first)",
-                spaced.display()
+                "profiles/not-executable.yaml:2:10: command: dsv4-test-data not found in PATH \
+                 ({b}, from env.PATH)"
             ),
         ]
     );
 }
 
 #[test]
-fn shipped_policies_load() {
+fn api_keys_must_be_private() {
+    let dir = TempDir::new("keys");
+    let file = dir.write("supervisor.yaml", "api: { api_keys_file: keys }\n");
+    dir.write("profiles/320k.yaml", MINIMAL_PROFILE);
+    dir.engine_files("profiles");
+    let shown = |mode: &str| {
+        format!(
+            "supervisor.yaml:1:23: api.api_keys_file: keys may be read or written by group \
+             or others (mode {mode}); it holds secrets: chmod 600 it"
+        )
+    };
+    dir.write_mode("keys", "k\n", 0o644);
+    assert_eq!(errors(Config::load(&file)), [shown("0644")]);
+    dir.write_mode("keys", "k\n", 0o620);
+    assert_eq!(errors(Config::load(&file)), [shown("0620")]);
+    dir.write_mode("keys", "k\n", 0o600);
+    assert!(Config::load(&file).is_ok());
+    fs::remove_file(dir.path().join("keys")).unwrap();
+    fs::create_dir(dir.path().join("keys")).unwrap();
+    assert_eq!(
+        errors(Config::load(&file)),
+        ["supervisor.yaml:1:23: api.api_keys_file: keys is a folder, not a file"]
+    );
+}
+
+#[test]
+fn shipped_policies_fail_only_on_the_example_paths() {
     let path = Path::new(env!("CARGO_MANIFEST_DIR")).join("../policies/supervisor.yaml");
-    let config = match Config::load(&path) {
+    // Where the example paths exist (the machine is set up like the examples), they are
+    // not problems.
+    let missing = |p: &str| !Path::new(p).exists();
+    let note = "this is the example path shipped in the profile: edit it to point at your";
+    let mut want = Vec::new();
+    for (file, command, model, mmproj) in [
+        ("320k", (8, 10), (9, 8), (10, 9)),
+        ("64k", (9, 10), (10, 8), (11, 9)),
+    ] {
+        let at = |(line, column): (usize, usize)| format!("profiles/{file}.yaml:{line}:{column}");
+        let command_path = "/usr/local/bin/llama-server";
+        if missing(command_path) {
+            want.push(format!(
+                "{}: command: {command_path} does not exist ({note} llama-server)",
+                at(command)
+            ));
+        }
+        let model_path = "/srv/models/dsv4-flash/IQ2_XXS-00001-of-00004.gguf";
+        if missing(model_path) {
+            want.push(format!(
+                "{}: model: {model_path} does not exist ({note} model)",
+                at(model)
+            ));
+        }
+        let mmproj_path = "/srv/models/dsv4-flash/mmproj-F16.gguf";
+        if missing(mmproj_path) {
+            want.push(format!(
+                "{}: mmproj: {mmproj_path} does not exist ({note} vision projector, or remove \
+                 mmproj)",
+                at(mmproj)
+            ));
+        }
+    }
+    match Config::load(&path) {
+        Ok(_) => assert!(want.is_empty(), "expected {want:#?}"),
+        Err(e) => {
+            let got: Vec<String> = e.problems.iter().map(Problem::to_string).collect();
+            assert_eq!(got, want);
+        }
+    }
+
+    // Every other key is valid, and they say what the brief says.
+    let config = match load_text_only(&path) {
         Ok(config) => config,
         Err(e) => panic!("{e}"),
     };
@@ -574,14 +754,20 @@ fn shipped_policies_load() {
             .model
             .as_ref()
             .unwrap()
-            .starts_with("/srv/models/dsv4-flash/"));
+            .starts_with(files::EXAMPLE_MODEL_DIR));
         assert!(p
             .params
             .mmproj
             .as_ref()
             .unwrap()
-            .starts_with("/srv/models/dsv4-flash/"));
+            .starts_with(files::EXAMPLE_MODEL_DIR));
     }
+    assert_eq!(
+        config.summary(),
+        "supervisor.yaml OK: 2 profiles in profiles, default 320k\n  \
+         320k: llama-server, context 327680, planned memory 87.82GiB (320K service profile)\n  \
+         64k: llama-server, context 65536, planned memory 86GiB (64K validation profile)"
+    );
 }
 
 #[test]
@@ -613,6 +799,132 @@ fn shipped_policies_document_every_key() {
     }
 }
 
+// The fixture cases: `tests/fixtures/config/{bad,good}/<case>/` each hold a `supervisor.yaml`,
+// usually a `profiles/` folder, and `expected.txt`: for a bad case the exact problems, one a
+// line; for a good case the summary. A case may list in `requires-missing.txt` absolute
+// paths (one a line, `#` comments) that must not exist for it to hold; where one exists the
+// case is skipped. Run with DSV4_BLESS=1 to rewrite `expected.txt` from what the loader says.
+
+fn fixture_cases(kind: &str) -> Vec<PathBuf> {
+    let root = Path::new(env!("CARGO_MANIFEST_DIR")).join("../tests/fixtures/config");
+    let mut cases: Vec<PathBuf> = fs::read_dir(root.join(kind))
+        .unwrap_or_else(|e| panic!("{}: {e}", root.join(kind).display()))
+        .map(|entry| entry.unwrap().path())
+        .filter(|path| path.is_dir())
+        .collect();
+    cases.sort();
+    cases
+}
+
+/// Why the case does not hold on this machine, if it does not.
+fn skip_reason(case: &Path) -> Option<String> {
+    let list = fs::read_to_string(case.join("requires-missing.txt")).ok()?;
+    list.lines()
+        .map(str::trim)
+        .filter(|l| !l.is_empty() && !l.starts_with('#'))
+        .find(|p| Path::new(p).exists())
+        .map(|p| format!("{p} exists"))
+}
+
+/// Compares `got` with the case's `expected.txt`; on a mismatch, a readable diff.
+fn check_expected(case: &Path, got: &str) -> Result<(), String> {
+    let file = case.join("expected.txt");
+    if std::env::var_os("DSV4_BLESS").is_some() {
+        fs::write(&file, format!("{got}\n")).unwrap();
+        return Ok(());
+    }
+    let want = fs::read_to_string(&file).unwrap_or_default();
+    let want = want.strip_suffix('\n').unwrap_or(&want);
+    if want == got {
+        return Ok(());
+    }
+    Err(format!(
+        "{}: output differs from expected.txt (- expected, + got):\n{}",
+        case.display(),
+        line_diff(want, got)
+    ))
+}
+
+/// A line diff by longest common subsequence: ` ` both, `-` only `a`, `+` only `b`.
+fn line_diff(a: &str, b: &str) -> String {
+    let a: Vec<&str> = a.lines().collect();
+    let b: Vec<&str> = b.lines().collect();
+    // common[i][j]: length of the LCS of a[i..] and b[j..].
+    let mut common = vec![vec![0usize; b.len() + 1]; a.len() + 1];
+    for i in (0..a.len()).rev() {
+        for j in (0..b.len()).rev() {
+            common[i][j] = if a[i] == b[j] {
+                common[i + 1][j + 1] + 1
+            } else {
+                common[i + 1][j].max(common[i][j + 1])
+            };
+        }
+    }
+    let (mut i, mut j) = (0, 0);
+    let mut out = Vec::new();
+    while i < a.len() || j < b.len() {
+        if i < a.len() && j < b.len() && a[i] == b[j] {
+            out.push(format!("  {}", a[i]));
+            i += 1;
+            j += 1;
+        } else if j < b.len() && (i == a.len() || common[i][j + 1] >= common[i + 1][j]) {
+            out.push(format!("+ {}", b[j]));
+            j += 1;
+        } else {
+            out.push(format!("- {}", a[i]));
+            i += 1;
+        }
+    }
+    out.join("\n")
+}
+
+#[test]
+fn line_diffs() {
+    assert_eq!(line_diff("a\nb\nc", "a\nc\nd"), "  a\n- b\n  c\n+ d");
+    assert_eq!(line_diff("", "x"), "+ x");
+    assert_eq!(line_diff("x", ""), "- x");
+}
+
+#[test]
+fn bad_fixtures_report_exactly_the_expected_problems() {
+    let mut failures = Vec::new();
+    let mut checked = 0;
+    for case in fixture_cases("bad") {
+        if let Some(why) = skip_reason(&case) {
+            eprintln!("skipping {}: {why}", case.display());
+            continue;
+        }
+        let got = match Config::load(&case.join("supervisor.yaml")) {
+            Ok(config) => format!("(no problems)\n{}", config.summary()),
+            Err(e) => e.to_string(),
+        };
+        if let Err(diff) = check_expected(&case, &got) {
+            failures.push(diff);
+        }
+        checked += 1;
+    }
+    assert!(checked >= 15, "only {checked} bad cases");
+    assert!(failures.is_empty(), "\n{}", failures.join("\n\n"));
+}
+
+#[test]
+fn good_fixtures_load() {
+    let mut failures = Vec::new();
+    let cases = fixture_cases("good");
+    assert!(!cases.is_empty());
+    for case in cases {
+        match Config::load(&case.join("supervisor.yaml")) {
+            Ok(config) => {
+                if let Err(diff) = check_expected(&case, &config.summary()) {
+                    failures.push(diff);
+                }
+            }
+            Err(e) => failures.push(format!("{}:\n{e}", case.display())),
+        }
+    }
+    assert!(failures.is_empty(), "\n{}", failures.join("\n\n"));
+}
+
 /// YAML-ish text built from real keys, so that the fuzzing reaches the checks.
 fn yamlish(keys: &'static [&'static str]) -> impl Strategy<Value = String> {
     let value = prop_oneof![
@@ -632,6 +944,159 @@ fn yamlish(keys: &'static [&'static str]) -> impl Strategy<Value = String> {
     prop::collection::vec(line, 0..8).prop_map(|lines| lines.join("\n"))
 }
 
+/// The keys under each section of `supervisor.yaml`.
+const SECTION_KEYS: &[(&str, &[&str])] = &[
+    ("api", &["listen", "api_keys_file", "max_body"]),
+    (
+        "engine",
+        &[
+            "start_timeout",
+            "idle_timeout",
+            "stop_timeout",
+            "max_waiting",
+        ],
+    ),
+    ("power", &["cpu", "gpu", "method"]),
+    ("monitor", &["interval", "idle_interval"]),
+    (
+        "thermal",
+        &["warn", "critical", "hysteresis", "on_critical"],
+    ),
+    ("memory", &["reserve"]),
+];
+
+/// Any YAML value, with scalars that come close to valid ones: numbers at the edges of the
+/// ranges, values with units, paths that exist or not, flags dsv4d owns.
+fn yaml_value() -> impl Strategy<Value = serde_yaml_ng::Value> {
+    use serde_yaml_ng::Value;
+    let text = prop_oneof![
+        prop::sample::select(
+            &[
+                "",
+                "0",
+                "1",
+                "0s",
+                "1s",
+                "500ms",
+                "90",
+                "15m",
+                "1h30m",
+                "-5s",
+                "0B",
+                "64MiB",
+                "87.82GiB",
+                "1KiB",
+                "85C",
+                "95C",
+                "-1C",
+                "150C",
+                "151C",
+                "auto",
+                "all",
+                "on",
+                "llama-server",
+                "ds4",
+                "keep",
+                "stop",
+                "q8_0",
+                "q8",
+                "/",
+                ".",
+                "..",
+                "/bin/sh",
+                "/etc",
+                "/nonexistent/x",
+                "/srv/models/dsv4-flash/x.gguf",
+                "/usr/local/bin/llama-server",
+                "sh",
+                "bin/x",
+                "a-00001-of-00002.gguf",
+                "a-00002-of-00002.gguf",
+                "--port",
+                "--host=x",
+                "-c",
+                "--metrics",
+                "A=B",
+                "1A",
+                "127.0.0.1:8080",
+                "[::1]:0",
+                "localhost",
+                "320k",
+                "a\0b",
+                "é",
+            ][..]
+        )
+        .prop_map(str::to_string),
+        "\\PC{0,16}",
+    ];
+    let leaf = prop_oneof![
+        Just(Value::Null),
+        any::<bool>().prop_map(Value::Bool),
+        prop::sample::select(&[0i64, -1, 1, 511, 512, 256, 257, 100_000, 100_001][..])
+            .prop_map(|n| Value::Number(n.into())),
+        any::<i64>().prop_map(|n| Value::Number(n.into())),
+        any::<u64>().prop_map(|n| Value::Number(n.into())),
+        any::<f64>().prop_map(|n| Value::Number(n.into())),
+        text.prop_map(Value::String),
+    ];
+    leaf.prop_recursive(3, 24, 4, |inner| {
+        prop_oneof![
+            prop::collection::vec(inner.clone(), 0..4).prop_map(Value::Sequence),
+            prop::collection::vec(("[A-Za-z_=1 -]{0,6}", inner), 0..4).prop_map(|entries| {
+                Value::Mapping(
+                    entries
+                        .into_iter()
+                        .map(|(k, v)| (Value::String(k), v))
+                        .collect(),
+                )
+            }),
+        ]
+    })
+}
+
+/// A mapping of some of `keys`, each with a value from `value`.
+fn mapping_of<S>(keys: &'static [&'static str], value: S) -> BoxedStrategy<serde_yaml_ng::Value>
+where
+    S: Strategy<Value = serde_yaml_ng::Value> + 'static,
+{
+    prop::collection::vec((prop::sample::select(keys), value), 0..8)
+        .prop_map(|entries| {
+            serde_yaml_ng::Value::Mapping(
+                entries
+                    .into_iter()
+                    .map(|(k, v)| (serde_yaml_ng::Value::String(k.to_string()), v))
+                    .collect(),
+            )
+        })
+        .boxed()
+}
+
+/// `supervisor.yaml` with known keys: sections hold known keys with any values.
+fn supervisor_values() -> impl Strategy<Value = serde_yaml_ng::Value> {
+    let sections: Vec<BoxedStrategy<(String, serde_yaml_ng::Value)>> = SECTION_KEYS
+        .iter()
+        .map(|&(section, keys)| {
+            mapping_of(keys, yaml_value())
+                .prop_map(move |m| (section.to_string(), m))
+                .boxed()
+        })
+        .collect();
+    let section = prop::strategy::Union::new(sections);
+    let scalar = (
+        prop::sample::select(super::raw::SUPERVISOR_KEYS),
+        yaml_value(),
+    )
+        .prop_map(|(k, v)| (k.to_string(), v));
+    prop::collection::vec(prop_oneof![section, scalar], 0..8).prop_map(|entries| {
+        serde_yaml_ng::Value::Mapping(
+            entries
+                .into_iter()
+                .map(|(k, v)| (serde_yaml_ng::Value::String(k), v))
+                .collect(),
+        )
+    })
+}
+
 proptest! {
     #![proptest_config(ProptestConfig { cases: 128, ..ProptestConfig::default() })]
 
@@ -648,6 +1113,37 @@ proptest! {
             Err(e) => {
                 prop_assert!(!e.problems.is_empty());
                 prop_assert!(!e.to_string().is_empty());
+            }
+        }
+    }
+
+    #[test]
+    fn any_values_in_known_keys_never_panic(
+        supervisor in supervisor_values(),
+        profile in mapping_of(super::raw::PROFILE_KEYS, yaml_value()),
+        flow in any::<bool>(),
+    ) {
+        let dir = TempDir::new("values");
+        dir.engine_files("profiles");
+        dir.write("profiles/a-00001-of-00002.gguf", "");
+        let render = |value: &serde_yaml_ng::Value| {
+            let text = serde_yaml_ng::to_string(value).unwrap();
+            // Also one flow document on a line, for the position scan.
+            if flow { serde_json::to_string(value).unwrap_or(text) } else { text }
+        };
+        let file = dir.write("supervisor.yaml", &render(&supervisor));
+        dir.write("profiles/320k.yaml", &render(&profile));
+        match Config::load(&file) {
+            Ok(config) => {
+                prop_assert!(config.profile("320k").is_some());
+                prop_assert!(!config.summary().is_empty());
+            }
+            Err(e) => {
+                prop_assert!(!e.problems.is_empty());
+                for p in &e.problems {
+                    prop_assert!(!p.message.is_empty());
+                    prop_assert!(p.line.is_none() || p.line.unwrap() >= 1);
+                }
             }
         }
     }

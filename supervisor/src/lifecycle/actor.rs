@@ -57,6 +57,9 @@ pub struct Status {
     /// Consecutive failed starts.
     pub failures: u32,
     pub last_error: Option<String>,
+    /// The running engine's profile was changed in the configuration since it started: the
+    /// change applies at its next start.
+    pub restart_pending: bool,
 }
 
 /// A running engine, as a granted request sees it.
@@ -115,6 +118,9 @@ enum Command {
     },
     Shutdown {
         done: oneshot::Sender<()>,
+    },
+    Reload {
+        config: Arc<Config>,
     },
 }
 
@@ -188,6 +194,11 @@ impl Handle {
         rx.await.map_err(|_| ControlError::Gone)?
     }
 
+    /// Replaces the configuration: limits apply at once, profile settings at the next start.
+    pub async fn reload(&self, config: Arc<Config>) {
+        let _ = self.commands.send(Command::Reload { config }).await;
+    }
+
     /// Drains (bounded by `stop_timeout`), stops the engine, and resolves once it is gone.
     pub async fn shutdown(&self) {
         let (done, rx) = oneshot::channel();
@@ -236,6 +247,8 @@ impl Drop for CancelOnDrop<'_> {
 /// The engine process the actor owns, with what a lease needs to reach it.
 struct Engine {
     child: EngineChild,
+    /// The profile as it was when this engine started.
+    spawned: crate::config::Profile,
     shared: Arc<EngineRef>,
     probe: tokio::task::JoinHandle<()>,
     ready_at: Option<SystemTime>,
@@ -264,6 +277,7 @@ pub fn spawn(config: Arc<Config>, profile: String) -> (Handle, tokio::task::Join
         ready_since: None,
         failures: 0,
         last_error: None,
+        restart_pending: false,
     });
     let log = OutputTail::new(LOG_LINES);
     let actor = Actor {
@@ -400,6 +414,13 @@ impl Actor {
             Command::Shutdown { done } => {
                 self.shutdown_done.push(done);
                 Some(Event::Shutdown)
+            }
+            Command::Reload { config } => {
+                self.machine.set_limits(limits(&config.supervisor.engine));
+                self.config = config;
+                // No event: nothing changes state, but the status (restart pending) may.
+                self.publish();
+                None
             }
         }
     }
@@ -613,6 +634,7 @@ impl Actor {
             let _ = internal.send(Internal::Exited { gen, report });
         });
         self.engine = Some(Engine {
+            spawned: profile.clone(),
             child,
             shared,
             probe,
@@ -647,6 +669,10 @@ impl Actor {
             ready_since: self.engine.as_ref().and_then(|e| e.ready_at).and_then(unix),
             failures: m.failures(),
             last_error: m.last_failure().map(|f| f.summary.clone()),
+            restart_pending: self
+                .engine
+                .as_ref()
+                .is_some_and(|e| self.config.profile(&e.shared.profile) != Some(&e.spawned)),
         };
         let state = status.state;
         let mut state_changed = false;

@@ -102,6 +102,11 @@ pub fn status_table(s: &Status, now: f64) -> String {
         }
         _ => s.profile.clone(),
     };
+    let profile = if s.restart_pending {
+        format!("{profile} (its settings changed: they apply when the engine next starts)")
+    } else {
+        profile
+    };
     rows.push(("profile", profile));
     rows.push((
         "engine pid",
@@ -310,6 +315,7 @@ mod tests {
             ready_since: Some(999_808.0),
             failures: 0,
             last_error: None,
+            restart_pending: false,
             requests: Requests {
                 all: Totals {
                     requests: 12,

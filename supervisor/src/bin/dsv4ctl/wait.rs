@@ -87,6 +87,7 @@ mod tests {
             ready_since: None,
             failures,
             last_error: last_error.map(str::to_string),
+            restart_pending: false,
             requests: Default::default(),
         }
     }

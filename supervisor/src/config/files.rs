@@ -1,0 +1,305 @@
+//! Checks against the file system: the engine program, the model files, the folders and the
+//! API keys file named in the configuration must be there.
+//!
+//! Every function returns the problem as a message (or `None` when all is well); the caller
+//! attaches the file, the position and the key. Paths in messages are shown by [`Shown`]:
+//! relative to the folder of `supervisor.yaml` when inside it, else as they are (absolute).
+
+use std::fs;
+use std::io;
+use std::os::unix::fs::PermissionsExt;
+use std::path::{Component, Path, PathBuf};
+
+/// Where the shipped profiles expect the model; a missing file under it is the unedited
+/// example.
+pub(crate) const EXAMPLE_MODEL_DIR: &str = "/srv/models/dsv4-flash/";
+
+/// The engine programs the shipped profiles name.
+pub(crate) const EXAMPLE_COMMANDS: &[&str] =
+    &["/usr/local/bin/llama-server", "/usr/local/bin/ds4-server"];
+
+const EXAMPLE: &str = "this is the example path shipped in the profile";
+
+/// Shows paths in messages relative to `base` (the folder of `supervisor.yaml`) when they are
+/// inside it.
+#[derive(Debug, Clone)]
+pub(crate) struct Shown {
+    base: PathBuf,
+}
+
+impl Shown {
+    pub fn new(base: &Path) -> Shown {
+        Shown {
+            base: base.to_path_buf(),
+        }
+    }
+
+    /// `base/profiles/./a.yaml` -> `profiles/a.yaml`; `base` itself -> `.`; a path outside
+    /// `base` (or leaving it through `..`) is kept as it is.
+    pub fn path(&self, path: &Path) -> PathBuf {
+        match path.strip_prefix(&self.base) {
+            Ok(rest) if rest.as_os_str().is_empty() => PathBuf::from("."),
+            Ok(rest) if rest.components().all(|c| matches!(c, Component::Normal(_))) => {
+                rest.components().collect()
+            }
+            _ => path.to_path_buf(),
+        }
+    }
+
+    /// [`Shown::path`] as text.
+    pub fn text(&self, path: &Path) -> String {
+        self.path(path).display().to_string()
+    }
+}
+
+/// What a missing or unusable path is for, to word the message.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) enum Role {
+    Model,
+    Mmproj,
+    /// A file that is not an example in the shipped profiles.
+    File,
+}
+
+impl Role {
+    /// The note added when `path` is missing and is the shipped example.
+    fn example_note(self, path: &Path) -> Option<&'static str> {
+        if !path.starts_with(EXAMPLE_MODEL_DIR) {
+            return None;
+        }
+        match self {
+            Role::Model => Some("edit it to point at your model"),
+            Role::Mmproj => Some("edit it to point at your vision projector, or remove mmproj"),
+            Role::File => None,
+        }
+    }
+}
+
+/// A regular file (following symlinks) must be at `path`.
+pub(crate) fn check_file(shown: &Shown, path: &Path, role: Role) -> Option<String> {
+    let text = shown.text(path);
+    match fs::metadata(path) {
+        Err(e) if e.kind() == io::ErrorKind::NotFound => Some(match role.example_note(path) {
+            Some(note) => format!("{text} does not exist ({EXAMPLE}: {note})"),
+            None => format!("{text} does not exist"),
+        }),
+        Err(e) => Some(format!("cannot access {text}: {e}")),
+        Ok(m) if m.is_dir() => Some(format!("{text} is a folder, not a file")),
+        Ok(m) if !m.is_file() => Some(format!("{text} is not a regular file")),
+        Ok(_) => None,
+    }
+}
+
+/// A model split into shards (`name-00001-of-00004.gguf`) must be named by its first shard,
+/// and the other shards must sit next to it (llama.cpp loads them from there).
+pub(crate) fn check_shards(shown: &Shown, model: &Path) -> Option<String> {
+    let name = model.file_name()?.to_str()?;
+    let (prefix, index, count) = split_shard_name(name)?;
+    let shard = |i: u32| format!("{prefix}-{i:05}-of-{count:05}.gguf");
+    if index != 1 {
+        return Some(format!(
+            "{} is shard {index} of {count}; name the first one, {}",
+            shown.text(model),
+            shard(1)
+        ));
+    }
+    let folder = model.parent()?;
+    let missing: Vec<String> = (2..=count)
+        .map(shard)
+        .filter(|name| !folder.join(name).is_file())
+        .collect();
+    match missing.len() {
+        0 => None,
+        n => Some(format!(
+            "{} is shard 1 of {count}, but {} {} missing next to it: {}",
+            shown.text(model),
+            n,
+            if n == 1 { "shard is" } else { "shards are" },
+            list(&missing, 4)
+        )),
+    }
+}
+
+/// `prefix-NNNNN-of-MMMMM.gguf` -> (prefix, N, M).
+fn split_shard_name(name: &str) -> Option<(&str, u32, u32)> {
+    let stem = name.strip_suffix(".gguf")?;
+    // "-NNNNN-of-MMMMM" is 15 bytes.
+    let split = stem.len().checked_sub(15)?;
+    if !stem.is_char_boundary(split) {
+        return None;
+    }
+    let (prefix, tail) = stem.split_at(split);
+    let digits = |s: &str| s.len() == 5 && s.bytes().all(|b| b.is_ascii_digit());
+    let index = tail.get(1..6).filter(|s| digits(s))?;
+    let count = tail.get(10..15).filter(|s| digits(s))?;
+    if !tail.starts_with('-') || tail.get(6..10) != Some("-of-") || prefix.is_empty() {
+        return None;
+    }
+    let (index, count) = (index.parse().ok()?, count.parse().ok()?);
+    (index >= 1 && count >= 1 && index <= count).then_some((prefix, index, count))
+}
+
+/// At most `max` items, then `and N more`.
+fn list(items: &[String], max: usize) -> String {
+    if items.len() <= max {
+        return items.join(", ");
+    }
+    format!(
+        "{}, and {} more",
+        items[..max].join(", "),
+        items.len() - max
+    )
+}
+
+/// The engine program: a path (`written` contains a `/`, resolved to `resolved`) must be an
+/// executable file; a bare name must be found in `PATH`, the profile's `env.PATH` when it sets
+/// one (the engine is spawned with it), else the daemon's. `dir` is the profiles folder, for
+/// a hint when a bare name that is not in `PATH` is there.
+pub(crate) fn check_command(
+    shown: &Shown,
+    written: &str,
+    resolved: &Path,
+    dir: &Path,
+    env_path: Option<&str>,
+) -> Option<String> {
+    if !written.contains('/') {
+        let (search, from) = match env_path {
+            Some(p) => (Some(p.to_string()), ", from env.PATH"),
+            None => (
+                std::env::var_os("PATH").map(|p| p.to_string_lossy().into_owned()),
+                "",
+            ),
+        };
+        let Some(search) = search.filter(|s| !s.is_empty()) else {
+            return Some(format!(
+                "{written} is not a path and PATH is empty or not set: write the full path"
+            ));
+        };
+        let found = search
+            .split(':')
+            .filter(|dir| !dir.is_empty())
+            .any(|dir| is_executable_file(&Path::new(dir).join(written)));
+        if found {
+            return None;
+        }
+        let mut message = format!("{written} not found in PATH ({search}{from})");
+        let local = dir.join(written);
+        if local.exists() {
+            message.push_str(&format!("; for {}, write ./{written}", shown.text(&local)));
+        }
+        return Some(message);
+    }
+    let text = shown.text(resolved);
+    match fs::metadata(resolved) {
+        Err(e) if e.kind() == io::ErrorKind::NotFound => {
+            let shipped = EXAMPLE_COMMANDS.iter().any(|c| resolved == Path::new(c));
+            Some(match resolved.file_name() {
+                Some(name) if shipped => format!(
+                    "{text} does not exist ({EXAMPLE}: edit it to point at your {})",
+                    name.to_string_lossy()
+                ),
+                _ => format!("{text} does not exist"),
+            })
+        }
+        Err(e) => Some(format!("cannot access {text}: {e}")),
+        Ok(m) if m.is_dir() => Some(format!("{text} is a folder, not a program")),
+        Ok(m) if !m.is_file() => Some(format!("{text} is not a regular file")),
+        Ok(m) if m.permissions().mode() & 0o111 == 0 => {
+            Some(format!("{text} is not executable (chmod +x it)"))
+        }
+        Ok(_) => None,
+    }
+}
+
+fn is_executable_file(path: &Path) -> bool {
+    fs::metadata(path).is_ok_and(|m| m.is_file() && m.permissions().mode() & 0o111 != 0)
+}
+
+/// A folder the engine creates (`kv_disk_dir`): if it exists it must be a folder, else its
+/// parent must.
+pub(crate) fn check_creatable_dir(shown: &Shown, dir: &Path) -> Option<String> {
+    match fs::metadata(dir) {
+        Ok(m) if m.is_dir() => return None,
+        Ok(_) => return Some(format!("{} exists and is not a folder", shown.text(dir))),
+        Err(e) if e.kind() != io::ErrorKind::NotFound => {
+            return Some(format!("cannot access {}: {e}", shown.text(dir)))
+        }
+        Err(_) => {}
+    }
+    let parent = dir.parent().filter(|p| !p.as_os_str().is_empty())?;
+    match fs::metadata(parent) {
+        Ok(m) if m.is_dir() => None,
+        Ok(_) => Some(format!(
+            "parent folder {} is not a folder",
+            shown.text(parent)
+        )),
+        Err(e) if e.kind() == io::ErrorKind::NotFound => Some(format!(
+            "parent folder {} does not exist",
+            shown.text(parent)
+        )),
+        Err(e) => Some(format!("cannot access {}: {e}", shown.text(parent))),
+    }
+}
+
+/// The API keys file: a regular file that only its owner may read or write, since it holds
+/// secrets (the same rule as `auth::ApiKeys::load`, which reads it).
+pub(crate) fn check_secret_file(shown: &Shown, path: &Path) -> Option<String> {
+    if let Some(problem) = check_file(shown, path, Role::File) {
+        return Some(problem);
+    }
+    let mode = fs::metadata(path).ok()?.permissions().mode() & 0o7777;
+    (mode & 0o077 != 0).then(|| {
+        format!(
+            "{} may be read or written by group or others (mode {mode:04o}); it holds \
+             secrets: chmod 600 it",
+            shown.text(path)
+        )
+    })
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn shown_paths() {
+        let shown = Shown::new(Path::new("/etc/dsv4"));
+        let text = |p: &str| shown.text(Path::new(p));
+        assert_eq!(text("/etc/dsv4/profiles/a.yaml"), "profiles/a.yaml");
+        assert_eq!(text("/etc/dsv4/profiles/./bin/x"), "profiles/bin/x");
+        assert_eq!(text("/etc/dsv4"), ".");
+        assert_eq!(text("/etc/dsv4/../x"), "/etc/dsv4/../x");
+        assert_eq!(text("/etc/dsv4x/a"), "/etc/dsv4x/a");
+        assert_eq!(text("/srv/m.gguf"), "/srv/m.gguf");
+    }
+
+    #[test]
+    fn shard_names() {
+        assert_eq!(
+            split_shard_name("IQ2_XXS-00001-of-00004.gguf"),
+            Some(("IQ2_XXS", 1, 4))
+        );
+        assert_eq!(split_shard_name("a-00004-of-00004.gguf"), Some(("a", 4, 4)));
+        for name in [
+            "IQ2_XXS.gguf",
+            "-00001-of-00004.gguf",
+            "a-00005-of-00004.gguf",
+            "a-00000-of-00004.gguf",
+            "a-0001-of-00004.gguf",
+            "a_00001-of-00004.gguf",
+            "a-00001_of-00004.gguf",
+            "a-00001-of-00004.bin",
+            "é-00001-of-0000é.gguf",
+            "",
+        ] {
+            assert_eq!(split_shard_name(name), None, "{name}");
+        }
+    }
+
+    #[test]
+    fn lists_are_cut() {
+        let items: Vec<String> = (1..=6).map(|i| i.to_string()).collect();
+        assert_eq!(list(&items[..2], 4), "1, 2");
+        assert_eq!(list(&items, 4), "1, 2, 3, 4, and 2 more");
+    }
+}

@@ -1,0 +1,124 @@
+//! Rules about what a profile passes to the engine: the flags `extra_args` must leave to
+//! dsv4d, environment variable names, and the K/V cache types llama.cpp knows.
+
+/// Flags that dsv4d sets itself, and what to write instead: `None` when dsv4d owns the
+/// setting outright (it picks the address the engine listens on), else the profile key.
+///
+/// Both engines take the last occurrence of a flag and `extra_args` come before `--host` and
+/// `--port`, so those would be ignored anyway; the model and context would silently override
+/// the profile's (whose context dsv4d reports and checks).
+const OWNED_FLAGS: &[(&str, Option<&str>)] = &[
+    ("--host", None),
+    ("--port", None),
+    ("-m", Some("model")),
+    ("--model", Some("model")),
+    ("-c", Some("context")),
+    ("--ctx-size", Some("context")),
+    ("--ctx", Some("context")),
+];
+
+/// The problem with one `extra_args` item, if any. `--flag=value` counts as `--flag`.
+pub(crate) fn check_extra_arg(arg: &str) -> Option<String> {
+    if arg.contains('\0') {
+        return Some(format!("{arg:?} contains a NUL byte"));
+    }
+    let flag = match arg.split_once('=') {
+        Some((flag, _)) if flag.starts_with("--") => flag,
+        _ => arg,
+    };
+    let (_, key) = OWNED_FLAGS.iter().find(|(f, _)| *f == flag)?;
+    Some(match key {
+        None => format!("{flag} is set by dsv4d; remove it"),
+        Some(key) => format!("{flag} duplicates {key}; set {key} instead"),
+    })
+}
+
+/// Environment variable names: a letter or `_`, then letters, digits and `_` (POSIX).
+pub(crate) fn check_env_name(name: &str) -> Option<String> {
+    let mut chars = name.chars();
+    let valid = chars
+        .next()
+        .is_some_and(|c| c.is_ascii_alphabetic() || c == '_')
+        && chars.all(|c| c.is_ascii_alphanumeric() || c == '_');
+    (!valid).then(|| {
+        format!(
+            "invalid variable name {name:?}: use letters, digits and '_', not starting with a digit"
+        )
+    })
+}
+
+/// The cache types llama-server accepts for `-ctk`/`-ctv` (llama.cpp `common/arg.cpp`,
+/// `kv_cache_types`).
+pub(crate) const KV_CACHE_TYPES: &[&str] = &[
+    "f32", "f16", "bf16", "q8_0", "q4_0", "q4_1", "iq4_nl", "q5_0", "q5_1",
+];
+
+pub(crate) fn check_kv_cache(kv: &str) -> Option<String> {
+    (!KV_CACHE_TYPES.contains(&kv)).then(|| {
+        format!(
+            "unknown cache type {kv:?}: expected one of {}",
+            KV_CACHE_TYPES.join(", ")
+        )
+    })
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn owned_flags() {
+        assert_eq!(
+            check_extra_arg("--port").as_deref(),
+            Some("--port is set by dsv4d; remove it")
+        );
+        assert_eq!(
+            check_extra_arg("--host=0.0.0.0").as_deref(),
+            Some("--host is set by dsv4d; remove it")
+        );
+        assert_eq!(
+            check_extra_arg("-c").as_deref(),
+            Some("-c duplicates context; set context instead")
+        );
+        assert_eq!(
+            check_extra_arg("--model=x.gguf").as_deref(),
+            Some("--model duplicates model; set model instead")
+        );
+        for fine in [
+            "--metrics",
+            "--no-webui",
+            "-cb",
+            "--ctx-shift",
+            "-mu",
+            "--portable",
+            "8080",
+            "-c=1",
+            "",
+        ] {
+            assert_eq!(check_extra_arg(fine), None, "{fine}");
+        }
+        assert!(check_extra_arg("a\0b").is_some());
+    }
+
+    #[test]
+    fn env_names() {
+        for good in ["A", "_", "HIP_VISIBLE_DEVICES", "a1", "_1"] {
+            assert_eq!(check_env_name(good), None, "{good}");
+        }
+        for bad in ["", "1A", "A-B", "A=B", "A B", "É", "A\0"] {
+            assert!(check_env_name(bad).is_some(), "{bad:?}");
+        }
+    }
+
+    #[test]
+    fn kv_cache_types() {
+        assert_eq!(check_kv_cache("q8_0"), None);
+        assert_eq!(
+            check_kv_cache("q8").as_deref(),
+            Some(
+                "unknown cache type \"q8\": expected one of f32, f16, bf16, q8_0, q4_0, q4_1, \
+                 iq4_nl, q5_0, q5_1"
+            )
+        );
+    }
+}

@@ -1,0 +1,171 @@
+//! Configuration reload while the daemon runs: file edits (including an editor's
+//! write-then-rename) and SIGHUP; a valid change applies without restarting the engine, an
+//! invalid one is rejected whole with an `Alert`, and the daemon keeps serving.
+
+mod support;
+
+use std::path::Path;
+use std::time::{Duration, Instant};
+
+use futures_util::StreamExt;
+use nix::sys::signal::Signal;
+use support::*;
+
+const SEC: Duration = Duration::from_secs(1);
+
+/// Replaces a file the way editors save: write a temporary file, rename it over the old one.
+fn editor_save(path: &Path, text: &str) {
+    let tmp = path.with_extension("yaml.tmp-save");
+    std::fs::write(&tmp, text).unwrap();
+    std::fs::rename(&tmp, path).unwrap();
+}
+
+async fn wait_log(d: &Daemon, needle: &str, within: Duration) {
+    let t = Instant::now();
+    while !d.log().contains(needle) {
+        assert!(
+            t.elapsed() < within,
+            "daemon never logged {needle:?}:\n{}",
+            d.log()
+        );
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_new_idle_timeout_applies_to_the_running_engine() {
+    let d = Daemon::start(&Setup::default().engine("idle_timeout", "1h"));
+    let (status, _, _) = body_json(d.post("/v1/chat/completions", chat(2, false)).await).await;
+    assert_eq!(status, 200);
+    let s = d.status().await;
+    let deadline_before = s["idle_deadline"].as_f64().unwrap();
+    let cfg = d.dir.path().join("supervisor.yaml");
+    let text = std::fs::read_to_string(&cfg).unwrap();
+    editor_save(&cfg, &text.replace("idle_timeout: 1h", "idle_timeout: 1s"));
+    // Picked up once, and the engine, idle, stops within the new timeout.
+    d.wait_state("stopped", 5 * SEC).await;
+    assert_eq!(
+        d.log().matches("configuration reloaded").count(),
+        1,
+        "{}",
+        d.log()
+    );
+    assert_eq!(d.spawns(), 1, "the reload restarted the engine");
+    assert!(deadline_before > 0.0);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_invalid_edit_is_rejected_whole_with_an_alert() {
+    let bus = PrivateBus::start();
+    let mut setup = Setup::default().engine("idle_timeout", "1h");
+    setup.session_bus = Some(bus.address.clone());
+    let d = Daemon::start(&setup);
+    let conn = zbus::connection::Builder::address(bus.address.as_str())
+        .unwrap()
+        .build()
+        .await
+        .unwrap();
+    // Wait for the daemon on the bus, then listen for its Alert signals.
+    let t = Instant::now();
+    let proxy = loop {
+        if let Ok(p) = dsv4_client::Supervisor1Proxy::new(&conn).await {
+            if p.state().await.is_ok() {
+                break p;
+            }
+        }
+        assert!(t.elapsed() < 10 * SEC, "no daemon on the bus\n{}", d.log());
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    };
+    let rule = zbus::MatchRule::builder()
+        .msg_type(zbus::message::Type::Signal)
+        .interface(dsv4_client::INTERFACE)
+        .unwrap()
+        .member("Alert")
+        .unwrap()
+        .build();
+    let mut alerts = zbus::MessageStream::for_match_rule(rule, &conn, None)
+        .await
+        .unwrap();
+
+    let cfg = d.dir.path().join("supervisor.yaml");
+    let text = std::fs::read_to_string(&cfg).unwrap();
+    // Two mistakes: the whole change is refused, including the valid-looking part.
+    let bad = text.replace(
+        "idle_timeout: 1h",
+        "idle_timeout: banana\n  stop_timeout: 5s\n  max_wating: 3",
+    );
+    editor_save(&cfg, &bad);
+    let msg = tokio::time::timeout(5 * SEC, alerts.next())
+        .await
+        .expect("no Alert signal")
+        .unwrap()
+        .unwrap();
+    let (kind, message): (String, String) = msg.body().deserialize().unwrap();
+    assert_eq!(kind, "config");
+    assert!(message.contains("supervisor.yaml:"), "{message}");
+    assert!(
+        message.contains("idle_timeout") || message.contains("max_wating"),
+        "{message}"
+    );
+    wait_log(&d, "the last good one stays", 5 * SEC).await;
+    // Still serving, with the old settings.
+    let (status, _, _) = body_json(d.post("/v1/chat/completions", chat(2, false)).await).await;
+    assert_eq!(status, 200);
+    let s = d.status().await;
+    assert!(
+        s["idle_deadline"].as_f64().unwrap() - s["ready_since"].as_f64().unwrap() > 3000.0,
+        "{s}"
+    );
+    assert_eq!(proxy.state().await.unwrap(), "ready");
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_changed_active_profile_applies_at_the_next_start() {
+    let d = Daemon::start(&Setup::default().engine("idle_timeout", "2s"));
+    let (status, _, _) = body_json(d.post("/v1/chat/completions", chat(2, false)).await).await;
+    assert_eq!(status, 200);
+    assert_eq!(d.status().await["restart_pending"], false);
+    let p = d.dir.path().join("profiles/320k.yaml");
+    let text = std::fs::read_to_string(&p).unwrap();
+    editor_save(&p, &text.replace("context: 327680", "context: 200000"));
+    let t = Instant::now();
+    while d.status().await["restart_pending"] != true {
+        assert!(t.elapsed() < 5 * SEC, "restart never pending\n{}", d.log());
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+    // The running engine is left alone...
+    assert_eq!(d.spawns(), 1);
+    assert_eq!(d.status().await["state"], "ready");
+    // ...and once it has stopped (idle), the next one gets the new context.
+    d.wait_state("stopped", 5 * SEC).await;
+    let (status, _, _) = body_json(d.post("/v1/chat/completions", chat(2, false)).await).await;
+    assert_eq!(status, 200);
+    let starts: Vec<_> = d
+        .fake_log()
+        .lines()
+        .filter(|l| l.starts_with("start pid="))
+        .map(String::from)
+        .collect();
+    assert_eq!(starts.len(), 2);
+    assert!(starts[0].contains(" -c 327680 "), "{}", starts[0]);
+    assert!(starts[1].contains(" -c 200000 "), "{}", starts[1]);
+    assert_eq!(d.status().await["restart_pending"], false);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn sighup_reloads() {
+    let d = Daemon::start(&Setup::default());
+    d.wait_state("stopped", 5 * SEC).await;
+    let cfg = d.dir.path().join("supervisor.yaml");
+    let text = std::fs::read_to_string(&cfg).unwrap();
+    // Written in place while the daemon is told to reload: SIGHUP (the write may also be seen).
+    std::fs::write(
+        &cfg,
+        text.replace("state_dir:", "exit_when_idle: null\nstate_dir:"),
+    )
+    .unwrap();
+    d.signal(Signal::SIGHUP);
+    wait_log(&d, "SIGHUP: configuration reloaded", 5 * SEC).await;
+    let (status, _) = d.get("/health").await;
+    assert_eq!(status, 200);
+}
