@@ -334,6 +334,19 @@ mod tests {
     }
 
     #[test]
+    fn a_pending_restart_is_shown() {
+        let mut s = status();
+        s.restart_pending = true;
+        let table = status_table(&s, 1_000_000.0);
+        assert!(
+            table.contains(
+                "profile     320k (its settings changed: they apply when the engine next starts)\n"
+            ),
+            "{table}"
+        );
+    }
+
+    #[test]
     fn the_status_table() {
         let table = status_table(&status(), 1_000_000.0);
         assert_eq!(
