@@ -15,7 +15,10 @@ use std::sync::{Arc, Mutex};
 use std::time::SystemTime;
 
 use bytes::Bytes;
-use serde::{Deserialize, Serialize};
+// The document types are the client's own: what the daemon serves is by construction what
+// `dsv4ctl` and other clients parse.
+pub use dsv4_client::{RequestRecord as Record, Requests as Report, Totals as Summary};
+use serde::Deserialize;
 
 /// New (uncached) prompt tokens from which a request counts for the long-prompt prefill rate.
 pub const LONG_PROMPT: u64 = 1024;
@@ -37,25 +40,9 @@ pub struct Timings {
     pub predicted_ms: f64,
 }
 
-/// One finished request.
-#[derive(Debug, Clone, PartialEq, Serialize)]
-pub struct Record {
-    pub profile: String,
-    pub path: String,
-    /// Unix time (s) the request ended.
-    pub at: f64,
-    pub prompt_tokens: u64,
-    pub cached_tokens: u64,
-    pub generated_tokens: u64,
-    pub prefill_tok_s: Option<f64>,
-    pub decode_tok_s: Option<f64>,
-    pub prompt_ms: f64,
-    pub decode_ms: f64,
-    pub wall_ms: f64,
-}
-
-#[derive(Debug, Clone, Default, PartialEq, Serialize)]
-pub struct Totals {
+/// Running sums over the requests of one profile, or of all.
+#[derive(Debug, Clone, Default, PartialEq)]
+struct Sums {
     pub requests: u64,
     pub prompt_tokens: u64,
     pub cached_tokens: u64,
@@ -67,7 +54,7 @@ pub struct Totals {
     pub long_prompt_ms: f64,
 }
 
-impl Totals {
+impl Sums {
     fn add(&mut self, t: &Timings) {
         self.requests += 1;
         self.prompt_tokens += t.prompt_n;
@@ -100,36 +87,10 @@ fn rate(tokens: u64, ms: f64) -> Option<f64> {
     (tokens > 0 && ms > 0.0).then(|| tokens as f64 * 1000.0 / ms)
 }
 
-/// Totals with their token-weighted rates (tokens per second).
-#[derive(Debug, Clone, PartialEq, Serialize)]
-pub struct Summary {
-    pub requests: u64,
-    pub prompt_tokens: u64,
-    pub cached_tokens: u64,
-    pub generated_tokens: u64,
-    /// Generated tokens over decode time, all requests.
-    pub decode_tok_s: Option<f64>,
-    /// New prompt tokens over prefill time, all requests.
-    pub prefill_tok_s: Option<f64>,
-    pub long_prompt_requests: u64,
-    /// New prompt tokens over prefill time, requests with at least 1024 new prompt tokens.
-    pub long_prompt_prefill_tok_s: Option<f64>,
-}
-
-/// What `/status` shows under `requests`.
-#[derive(Debug, Clone, PartialEq, Serialize)]
-pub struct Report {
-    #[serde(flatten)]
-    pub all: Summary,
-    pub by_profile: BTreeMap<String, Summary>,
-    /// The last few requests, newest last.
-    pub recent: Vec<Record>,
-}
-
 #[derive(Debug, Default)]
 struct Inner {
-    all: Totals,
-    by_profile: BTreeMap<String, Totals>,
+    all: Sums,
+    by_profile: BTreeMap<String, Sums>,
     records: VecDeque<Record>,
 }
 
