@@ -141,3 +141,33 @@ async fn sigterm_stops_the_real_engine_and_exits_zero() {
     assert_eq!(st.code(), Some(0), "{}", d.log());
     assert!(!alive(pid), "engine {pid} outlived the daemon");
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_shipped_profile_settings_start_the_real_engine() {
+    // The argv the shipped 64k/320k profiles produce (all but the model files): the real
+    // llama-server must accept every flag dsv4d writes.
+    let (server, model) = engine();
+    let mut s = Setup::default();
+    s.custom_profiles.insert(
+        "tiny".into(),
+        format!(
+            "engine: llama-server\ncommand: {}\nmodel: {}\ncontext: 2048\nparallel: 1\n\
+             batch: 2048\nubatch: 512\nkv_cache: q8_0\nflash_attn: on\ngpu_layers: all\n\
+             planned_memory: 10MiB\nextra_args: [--metrics, --no-webui]\n",
+            server.display(),
+            model.display()
+        ),
+    );
+    s.default_profile = "tiny".into();
+    let d = Daemon::start(&s);
+    let resp = d.post("/v1/chat/completions", chat(5, true)).await;
+    assert_eq!(resp.status(), 200);
+    let (content, done, _) = Stream::new(resp.into_body()).collect_chat().await;
+    assert_eq!(content, "abcde");
+    assert!(done);
+    let log = d.log();
+    assert!(
+        log.contains("-c 2048 -np 1 -ctk q8_0 -ctv q8_0 -fa on -ngl all -b 2048 -ub 512 --metrics --no-webui --host 127.0.0.1 --port"),
+        "{log}"
+    );
+}
