@@ -6,6 +6,7 @@ pub mod dbus;
 pub mod http_error;
 pub mod lifecycle;
 pub mod listener;
+pub mod metrics;
 pub mod proxy;
 pub mod reload;
 pub mod state_file;

@@ -214,6 +214,15 @@ async fn handle(ctx: &Ctx, mut req: Request<Incoming>) -> Response<ProxyBody> {
             .into_response(),
         },
         (true, "/v1/models") => json_response(StatusCode::OK, models(ctx)),
+        (true, "/metrics") => {
+            let text = crate::metrics::render(&ctx.lifecycle.status(), &ctx.stats.report(0));
+            let mut r = Response::new(ProxyBody::from(Bytes::from(text)));
+            r.headers_mut().insert(
+                header::CONTENT_TYPE,
+                HeaderValue::from_static("text/plain; version=0.0.4; charset=utf-8"),
+            );
+            r
+        }
         _ => proxy(ctx, &config, req).await,
     }
 }

@@ -90,7 +90,7 @@ async fn a_stream_that_pauses_past_idle_timeout_completes_and_is_not_buffered() 
 async fn idle_engine_stops_and_the_next_request_starts_it_again() {
     let d = Daemon::start(&Setup::default().engine("idle_timeout", "1s"));
     // The supervisor's own endpoints never start the engine.
-    for path in ["/health", "/status", "/v1/models"] {
+    for path in ["/health", "/status", "/v1/models", "/metrics"] {
         let (status, v) = d.get(path).await;
         assert_eq!(status, 200, "{path}: {v}");
     }
