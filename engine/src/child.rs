@@ -19,7 +19,6 @@ use std::sync::{Arc, Mutex};
 
 use nix::sys::signal::{killpg, Signal};
 use nix::unistd::Pid;
-use tokio::io::{AsyncBufReadExt, AsyncRead, BufReader};
 use tokio::sync::watch;
 
 /// Longest line kept from the engine's output; longer lines are cut (a runaway log line must
@@ -209,10 +208,22 @@ impl EngineChild {
         let pid = child.id().unwrap_or(0);
         let output = OutputTail::new(spec.tail_lines);
         if let Some(out) = child.stdout.take() {
-            tokio::spawn(pump(out, output.clone(), spec.also.clone(), pid, "stdout"));
+            spawn_pump(
+                out.into_owned_fd(),
+                output.clone(),
+                spec.also.clone(),
+                pid,
+                "stdout",
+            );
         }
         if let Some(err) = child.stderr.take() {
-            tokio::spawn(pump(err, output.clone(), spec.also.clone(), pid, "stderr"));
+            spawn_pump(
+                err.into_owned_fd(),
+                output.clone(),
+                spec.also.clone(),
+                pid,
+                "stderr",
+            );
         }
         let (tx, rx) = watch::channel(None);
         tokio::spawn(async move {
@@ -291,19 +302,54 @@ impl Drop for EngineChild {
     }
 }
 
-async fn pump(
-    stream: impl AsyncRead + Unpin,
+/// Reads one of the engine's output pipes on a thread of its own: an engine that logs a
+/// lot (llama-server writes several lines per request) never wakes the thread that carries
+/// requests. The thread ends when the pipe closes.
+fn spawn_pump(
+    fd: io::Result<std::os::fd::OwnedFd>,
     tail: OutputTail,
     also: Option<OutputTail>,
     pid: u32,
     which: &'static str,
 ) {
-    let mut reader = BufReader::new(stream);
+    use nix::fcntl::{fcntl, FcntlArg, OFlag};
+    let fd = match fd {
+        Ok(fd) => fd,
+        Err(e) => {
+            tracing::warn!(pid, "cannot read the engine's {which}: {e}");
+            return;
+        }
+    };
+    // tokio made the pipe non-blocking; this thread wants plain blocking reads.
+    if let Ok(bits) = fcntl(&fd, FcntlArg::F_GETFL) {
+        let flags = OFlag::from_bits_truncate(bits) - OFlag::O_NONBLOCK;
+        let _ = fcntl(&fd, FcntlArg::F_SETFL(flags));
+    }
+    let file = std::fs::File::from(fd);
+    let spawned = std::thread::Builder::new()
+        .name(format!("engine-{which}"))
+        .spawn(move || pump(file, tail, also, pid, which));
+    if let Err(e) = spawned {
+        tracing::warn!(pid, "cannot start the reader of the engine's {which}: {e}");
+    }
+}
+
+fn pump(
+    stream: impl std::io::Read,
+    tail: OutputTail,
+    also: Option<OutputTail>,
+    pid: u32,
+    which: &'static str,
+) {
+    use std::io::BufRead;
+    let mut reader = std::io::BufReader::new(stream);
     let mut buf = Vec::with_capacity(256);
     loop {
         buf.clear();
-        match reader.read_until(b'\n', &mut buf).await {
-            Ok(0) | Err(_) => break,
+        match reader.read_until(b'\n', &mut buf) {
+            Ok(0) => break,
+            Err(e) if e.kind() == io::ErrorKind::Interrupted => continue,
+            Err(_) => break,
             Ok(_) => {
                 while matches!(buf.last(), Some(b'\n' | b'\r')) {
                     buf.pop();

@@ -119,7 +119,7 @@ impl Stats {
             decode_ms: t.predicted_ms,
             wall_ms,
         };
-        tracing::info!(
+        tracing::debug!(
             profile,
             path,
             prompt_tokens = t.prompt_n,

@@ -232,7 +232,10 @@ impl Daemon {
 
     /// Starts `dsv4d` with its config and state in `dir` (which may hold a previous run's).
     pub fn start_in(setup: &Setup, dir: TempDir) -> Daemon {
-        let fake_log = dir.path().join("fake-engine.log");
+        // Not next to supervisor.yaml: the daemon watches that folder, and the engine writes
+        // this log on every request.
+        let _ = std::fs::create_dir_all(dir.path().join("logs"));
+        let fake_log = dir.path().join("logs/fake-engine.log");
         let config = setup.write(dir.path(), &fake_log);
         let listener = TcpListener::bind("127.0.0.1:0").unwrap();
         let addr = listener.local_addr().unwrap();
