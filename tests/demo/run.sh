@@ -20,6 +20,8 @@ MODEL=$(sed -n 's/^model=//p' <<<"$ENGINE")
 cargo build --release --locked --bin dsv4d
 BIN=$(pwd)/target/release
 
+# The demo owns this folder: profiles left from an earlier run must not linger.
+rm -rf "$DEMO/profiles"
 mkdir -p "$DEMO/profiles" "$DEMO/state"
 cat > "$DEMO/supervisor.yaml" <<YAML
 # Written by tests/demo/run.sh; rewritten on every run.
