@@ -140,12 +140,7 @@ async fn a_changed_active_profile_applies_at_the_next_start() {
     d.wait_state("stopped", 5 * SEC).await;
     let (status, _, _) = body_json(d.post("/v1/chat/completions", chat(2, false)).await).await;
     assert_eq!(status, 200);
-    let starts: Vec<_> = d
-        .fake_log()
-        .lines()
-        .filter(|l| l.starts_with("start pid="))
-        .map(String::from)
-        .collect();
+    let starts = d.starts();
     assert_eq!(starts.len(), 2);
     assert!(starts[0].contains(" -c 327680 "), "{}", starts[0]);
     assert!(starts[1].contains(" -c 200000 "), "{}", starts[1]);

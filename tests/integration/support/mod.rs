@@ -310,12 +310,18 @@ impl Daemon {
         std::fs::read_to_string(&self.fake_log).unwrap_or_default()
     }
 
-    /// How many engine processes were started.
-    pub fn spawns(&self) -> usize {
+    /// The fake engine's start lines (`start pid=... argv=...`), one per engine process.
+    pub fn starts(&self) -> Vec<String> {
         self.fake_log()
             .lines()
             .filter(|l| l.starts_with("start pid="))
-            .count()
+            .map(String::from)
+            .collect()
+    }
+
+    /// How many engine processes were started.
+    pub fn spawns(&self) -> usize {
+        self.starts().len()
     }
 
     pub async fn get(&self, path: &str) -> (u16, serde_json::Value) {
