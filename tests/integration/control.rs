@@ -47,7 +47,10 @@ fn ctl_copy() -> PathBuf {
         std::fs::create_dir_all(&dir).unwrap();
         std::fs::set_permissions(&dir, std::fs::Permissions::from_mode(0o755)).unwrap();
         let p = dir.join("dsv4ctl");
-        std::fs::copy(DSV4CTL, &p).unwrap();
+        // Copied by a child process, not by this one: a process that other test threads fork
+        // from must not hold the copy open for writing, or exec of it fails with ETXTBSY.
+        let st = Command::new("cp").arg(DSV4CTL).arg(&p).status().unwrap();
+        assert!(st.success(), "cp {DSV4CTL}");
         std::fs::set_permissions(&p, std::fs::Permissions::from_mode(0o755)).unwrap();
         p
     })
@@ -139,12 +142,7 @@ async fn start_switch_profile_and_stop_with_dsv4ctl() {
         assert!(t.elapsed() < 10 * SEC, "no restart with the new profile");
         tokio::time::sleep(Duration::from_millis(20)).await;
     }
-    let starts: Vec<_> = d
-        .fake_log()
-        .lines()
-        .filter(|l| l.starts_with("start pid="))
-        .map(String::from)
-        .collect();
+    let starts = d.starts();
     assert_eq!(starts.len(), 2);
     assert!(starts[1].contains(" -c 65536 "), "{}", starts[1]);
     assert_eq!(proxy.engine_profile().await.unwrap(), "64k");
