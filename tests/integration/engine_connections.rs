@@ -1,0 +1,3 @@
+//! Connections to the engine: every way an engine closes them, back to back.
+
+mod support;

@@ -1,0 +1,3 @@
+//! A real-client soak through dsv4d in front of the real llama-server.
+
+mod support;
