@@ -5,10 +5,12 @@
 //! This file owns the command line (llama-server's flags plus failure-mode
 //! knobs, each knob also readable from `FAKE_ENGINE_<NAME>`), startup (fake
 //! model loading, binding, failing on purpose) and signal handling. The HTTP
-//! side lives in `server.rs`, the deterministic content in `gen.rs`.
+//! side lives in `server.rs`, the deterministic content in `gen.rs`, when
+//! connections close (`--connections`) in `conn.rs`.
 
 #![forbid(unsafe_code)]
 
+mod conn;
 mod gen;
 mod server;
 
@@ -23,6 +25,7 @@ use clap::Parser;
 use tokio::net::TcpListener;
 use tokio::signal::unix::{signal, SignalKind};
 
+use crate::conn::Connections;
 use crate::server::{Engine, EventLog};
 
 /// Which real engine to imitate.
@@ -179,6 +182,14 @@ struct Args {
     /// Append event lines here [env FAKE_ENGINE_LOG_FILE].
     #[arg(long = "log-file")]
     log_file: Option<PathBuf>,
+    /// When to close connections: keep, close-after-stream, close-after-response, max:N,
+    /// idle:MS, keep-alive-header, llama, random:PCT@before-read|after-read|mid-response,
+    /// comma-separated [env FAKE_ENGINE_CONNECTIONS; default keep].
+    #[arg(long = "connections")]
+    connections: Option<Connections>,
+    /// Seed of the random connection breaks [env FAKE_ENGINE_SEED; default 1].
+    #[arg(long = "seed")]
+    seed: Option<u64>,
 }
 
 /// Effective settings after merging flags and environment.
@@ -204,6 +215,8 @@ pub struct Config {
     pub sigterm_ms: u64,
     pub ignore_sigterm: bool,
     pub log_file: Option<PathBuf>,
+    pub connections: Connections,
+    pub seed: u64,
 }
 
 /// Multi-character single-dash flags of llama-server that clap cannot express
@@ -313,6 +326,8 @@ fn build_config(args: &Args) -> Result<Config, String> {
         sigterm_ms: knob(args.sigterm_ms, "SIGTERM_MS")?.unwrap_or(0),
         ignore_sigterm,
         log_file: knob(args.log_file.clone(), "LOG_FILE")?,
+        connections: knob(args.connections.clone(), "CONNECTIONS")?.unwrap_or_default(),
+        seed: knob(args.seed, "SEED")?.unwrap_or(1),
     })
 }
 

@@ -1,7 +1,9 @@
 //! HTTP side of the fake engine: the accept loop, request routing, the
 //! handlers for each endpoint, token pacing (token delay, pause, prefill,
 //! die-after-tokens), the streaming response body and the event log that
-//! integration tests read.
+//! integration tests read. When connections close is `conn.rs`'s business;
+//! the handlers here report each request and response to it, and carry out
+//! the random breaks that fall inside an exchange (after-read, mid-response).
 
 use std::convert::Infallible;
 use std::fs::{File, OpenOptions};
@@ -19,11 +21,11 @@ use http::{Method, Request, Response, StatusCode};
 use http_body_util::{BodyExt, Limited};
 use hyper::body::{Body, Frame, Incoming, SizeHint};
 use hyper::service::service_fn;
-use hyper_util::rt::TokioIo;
 use serde_json::{json, Value};
 use tokio::net::TcpListener;
 use tokio::sync::mpsc;
 
+use crate::conn::{self, ConnState, Reason, Rng};
 use crate::gen::{self, Flavor, Meta, Plan, Timings};
 use crate::{Config, Mode};
 
@@ -67,6 +69,8 @@ impl EventLog {
 pub struct Engine {
     pub cfg: Config,
     pub log: EventLog,
+    /// Dice for `--connections random:…` (seeded by `--seed`).
+    pub rng: Rng,
     ready: AtomicBool,
     tokens_total: AtomicU64,
     active: AtomicU64,
@@ -76,6 +80,7 @@ pub struct Engine {
 impl Engine {
     pub fn new(cfg: Config, log: EventLog) -> Engine {
         Engine {
+            rng: Rng::new(cfg.seed),
             cfg,
             log,
             ready: AtomicBool::new(false),
@@ -170,18 +175,34 @@ impl Drop for Busy {
 
 /// Tracks one response from request to completion. `finish()` logs `done`;
 /// dropping it unfinished (the client went away and hyper dropped the body or
-/// the handler) logs `client-closed`.
+/// the handler) logs `client-closed`, unless the engine broke the connection
+/// on purpose. Either way the connection's state hears of it.
 struct ResponseGuard {
     engine: Arc<Engine>,
+    conn: Arc<ConnState>,
     path: String,
+    /// Chunked (no length known up front): what `close-after-stream` closes after.
+    streamed: bool,
     finished: bool,
 }
 
 impl ResponseGuard {
+    fn new(engine: &Arc<Engine>, conn: &Arc<ConnState>, path: &str) -> ResponseGuard {
+        conn.request_started();
+        ResponseGuard {
+            engine: engine.clone(),
+            conn: conn.clone(),
+            path: path.to_string(),
+            streamed: false,
+            finished: false,
+        }
+    }
+
     fn finish(&mut self) {
         if !self.finished {
             self.finished = true;
             self.engine.log.line(&format!("done {}", self.path));
+            self.conn.response_finished(self.streamed);
         }
     }
 }
@@ -189,12 +210,25 @@ impl ResponseGuard {
 impl Drop for ResponseGuard {
     fn drop(&mut self) {
         if !self.finished {
-            eprintln!("fake-engine: client closed {}", self.path);
-            self.engine
-                .log
-                .line(&format!("client-closed {}", self.path));
+            if !self.conn.closing() {
+                eprintln!("fake-engine: client closed {}", self.path);
+                self.engine
+                    .log
+                    .line(&format!("client-closed {}", self.path));
+            }
+            self.conn.response_abandoned();
         }
     }
+}
+
+/// `random:…@mid-response`: the body stops after its first event (a stream),
+/// its first frame (an echo) or half of it (a full body), and the connection
+/// is dropped.
+struct Cut {
+    conn: Arc<ConnState>,
+    /// Enough went out; the next poll breaks the connection.
+    sent: bool,
+    broken: bool,
 }
 
 enum Source {
@@ -212,6 +246,9 @@ enum Source {
 pub struct EngineBody {
     source: Source,
     guard: Option<ResponseGuard>,
+    cut: Option<Cut>,
+    /// Length announced when a cut full body no longer has all of it.
+    declared: Option<u64>,
 }
 
 impl EngineBody {
@@ -219,6 +256,8 @@ impl EngineBody {
         EngineBody {
             source: Source::Full(Some(bytes)),
             guard: None,
+            cut: None,
+            declared: None,
         }
     }
 
@@ -226,6 +265,8 @@ impl EngineBody {
         EngineBody {
             source: Source::Channel(rx),
             guard: None,
+            cut: None,
+            declared: None,
         }
     }
 
@@ -233,6 +274,8 @@ impl EngineBody {
         EngineBody {
             source: Source::Echo(body),
             guard: None,
+            cut: None,
+            declared: None,
         }
     }
 
@@ -240,6 +283,19 @@ impl EngineBody {
         if let Some(g) = self.guard.as_mut() {
             g.finish();
         }
+    }
+
+    /// Arms `random:…@mid-response` on a body that is not empty.
+    fn cut(&mut self, conn: Arc<ConnState>) {
+        if let Source::Full(Some(b)) = &mut self.source {
+            self.declared = Some(b.len() as u64);
+            b.truncate(b.len() / 2);
+        }
+        self.cut = Some(Cut {
+            conn,
+            sent: false,
+            broken: false,
+        });
     }
 }
 
@@ -252,11 +308,26 @@ impl Body for EngineBody {
         cx: &mut Context<'_>,
     ) -> Poll<Option<Result<Frame<Bytes>, hyper::Error>>> {
         let this = self.get_mut();
+        if let Some(cut) = this.cut.as_mut().filter(|c| c.sent) {
+            if !cut.broken {
+                cut.broken = true;
+                cut.conn.break_now(Reason::MidResponse);
+            }
+            return Poll::Pending;
+        }
         let polled = match &mut this.source {
             Source::Full(slot) => Poll::Ready(slot.take().map(|b| Ok(Frame::data(b)))),
             Source::Channel(rx) => rx.poll_recv(cx).map(|o| o.map(|b| Ok(Frame::data(b)))),
             Source::Echo(inc) => Pin::new(inc).poll_frame(cx),
         };
+        if let (Some(cut), Poll::Ready(Some(Ok(frame)))) = (this.cut.as_mut(), &polled) {
+            // A stream is cut after its first event, not after a `: prefill` comment.
+            let event =
+                |d: &Bytes| !matches!(this.source, Source::Channel(_)) || d.starts_with(b"data:");
+            if frame.data_ref().is_some_and(event) {
+                cut.sent = true;
+            }
+        }
         match &polled {
             Poll::Ready(None) => this.complete(),
             // hyper stops polling once a body reports its end (a full body
@@ -268,6 +339,10 @@ impl Body for EngineBody {
     }
 
     fn is_end_stream(&self) -> bool {
+        if self.cut.is_some() {
+            // A cut body never ends; it breaks.
+            return false;
+        }
         match &self.source {
             Source::Full(slot) => slot.is_none(),
             Source::Channel(_) => false,
@@ -276,6 +351,9 @@ impl Body for EngineBody {
     }
 
     fn size_hint(&self) -> SizeHint {
+        if let Some(n) = self.declared {
+            return SizeHint::with_exact(n);
+        }
         match &self.source {
             Source::Full(Some(b)) => SizeHint::with_exact(b.len() as u64),
             Source::Full(None) => SizeHint::with_exact(0),
@@ -325,7 +403,8 @@ fn sse_response(rx: mpsc::Receiver<Bytes>) -> Resp {
     r
 }
 
-/// Accepts connections forever, serving each as HTTP/1.1 with keep-alive.
+/// Accepts connections forever, serving each as HTTP/1.1 with keep-alive
+/// (closed as `--connections` says, by `conn::run`).
 pub async fn serve(engine: Arc<Engine>, listener: TcpListener) {
     loop {
         let (stream, peer) = match listener.accept().await {
@@ -342,26 +421,21 @@ pub async fn serve(engine: Arc<Engine>, listener: TcpListener) {
         // One line per connection, so tests can see whether a client reuses them.
         engine.log.line(&format!("connection from {peer}"));
         let engine = engine.clone();
-        tokio::spawn(async move {
-            let svc = service_fn(move |req| {
-                let engine = engine.clone();
-                async move { Ok::<_, Infallible>(handle(engine, req).await) }
-            });
-            let conn = hyper::server::conn::http1::Builder::new()
-                .keep_alive(true)
-                .serve_connection(TokioIo::new(stream), svc);
-            if let Err(e) = conn.await {
-                if !e.is_incomplete_message() && !e.is_canceled() {
-                    eprintln!("fake-engine: connection error: {e}");
-                }
-            }
+        let state = ConnState::new(engine.clone());
+        let conn = state.clone();
+        let svc = service_fn(move |req| {
+            let engine = engine.clone();
+            let conn = conn.clone();
+            async move { Ok::<_, Infallible>(handle(engine, conn, req).await) }
         });
+        tokio::spawn(conn::run(state, stream, svc));
     }
 }
 
 /// Entry point for every request: logs it, routes it, and ties the response
-/// to a guard that logs `done` / `client-closed`.
-async fn handle(engine: Arc<Engine>, req: Request<Incoming>) -> Resp {
+/// to a guard that logs `done` / `client-closed`. Random breaks inside the
+/// exchange (`--connections random:…`) happen here, never to `GET /health`.
+async fn handle(engine: Arc<Engine>, conn: Arc<ConnState>, req: Request<Incoming>) -> Resp {
     let path = req.uri().path().to_string();
     let method = req.method().clone();
     // Health checks are not logged: a supervisor polls them, and their lines would crowd
@@ -370,17 +444,29 @@ async fn handle(engine: Arc<Engine>, req: Request<Incoming>) -> Resp {
         eprintln!("fake-engine: request {method} {path}");
     }
     engine.log.line(&format!("request {method} {path}"));
-    let guard = ResponseGuard {
-        engine: engine.clone(),
-        path: path.clone(),
-        finished: false,
-    };
+    let mut guard = ResponseGuard::new(&engine, &conn, &path);
+    let dice = !(method == Method::GET && path == "/health");
+    if dice && conn.roll_after_read() {
+        // The whole request is read, then the connection goes without a byte of answer.
+        let _ = Limited::new(req.into_body(), MAX_JSON_BODY).collect().await;
+        conn.break_now(Reason::AfterRead);
+        return std::future::pending().await;
+    }
     let mut resp = route(&engine, req, &method, &path).await;
+    if conn.keep_alive_header() {
+        resp.headers_mut().insert(
+            HeaderName::from_static("keep-alive"),
+            HeaderValue::from_static(conn::KEEP_ALIVE_VALUE),
+        );
+    }
     let body = resp.body_mut();
+    guard.streamed = body.size_hint().exact().is_none();
     body.guard = Some(guard);
     if body.is_end_stream() {
         // An empty body is never polled, so it is complete already.
         body.complete();
+    } else if dice && conn.roll_mid_response() {
+        body.cut(conn.clone());
     }
     resp
 }
