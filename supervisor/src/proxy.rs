@@ -20,7 +20,7 @@ use bytes::Bytes;
 use http::header::{self, HeaderMap, HeaderName, HeaderValue};
 use http::{Method, Request, Response, StatusCode, Uri};
 use http_body::{Body, Frame, SizeHint};
-use http_body_util::{LengthLimitError, Limited};
+use http_body_util::Limited;
 use hyper::body::Incoming;
 use hyper_util::rt::{TokioIo, TokioTimer};
 use serde_json::json;
@@ -32,7 +32,7 @@ use crate::config::Config;
 use crate::http_error::{with_tail, ApiError};
 use crate::lifecycle::{Handle, Lease};
 use crate::stats::{Stats, Tap};
-use crate::upstream::UpstreamBody;
+use crate::upstream::{UpstreamBody, UpstreamError};
 
 /// What every request handler needs.
 pub struct Ctx {
@@ -45,6 +45,8 @@ pub struct Ctx {
 }
 
 /// The response body: a small body of our own, or the engine's, streamed with its lease.
+// The engine's variant is the common one; boxing it would cost an allocation per request.
+#[allow(clippy::large_enum_variant)]
 pub enum ProxyBody {
     Full(Option<Bytes>),
     Upstream {
@@ -52,7 +54,17 @@ pub enum ProxyBody {
         lease: Option<Lease>,
         /// Reads the engine's `timings` off the response's end, for the statistics.
         tap: Option<Box<Tapped>>,
+        /// An event stream: a break is told to the client as an error event first.
+        sse: bool,
+        /// The break, held back while its error event goes out.
+        broken: Option<Broken>,
     },
+}
+
+/// A stream the engine broke off, between its error event and the failure after it.
+pub enum Broken {
+    Unflushed(hyper::Error),
+    Flushed(hyper::Error),
 }
 
 impl From<Bytes> for ProxyBody {
@@ -71,7 +83,25 @@ impl Body for ProxyBody {
     ) -> Poll<Option<Result<Frame<Bytes>, hyper::Error>>> {
         match &mut *self {
             ProxyBody::Full(b) => Poll::Ready(b.take().map(|b| Ok(Frame::data(b)))),
-            ProxyBody::Upstream { inner, lease, tap } => {
+            ProxyBody::Upstream {
+                inner,
+                lease,
+                tap,
+                sse,
+                broken,
+            } => {
+                match broken.take() {
+                    // hyper drops what it has not yet written when a body fails, so the
+                    // error event is let out (one turn, in which hyper flushes) before the
+                    // failure that breaks the connection.
+                    Some(Broken::Unflushed(e)) => {
+                        *broken = Some(Broken::Flushed(e));
+                        cx.waker().wake_by_ref();
+                        return Poll::Pending;
+                    }
+                    Some(Broken::Flushed(e)) => return Poll::Ready(Some(Err(e))),
+                    None => {}
+                }
                 let polled = Pin::new(&mut *inner).poll_frame(cx);
                 match &polled {
                     Poll::Ready(Some(Ok(frame))) => {
@@ -94,9 +124,20 @@ impl Body for ProxyBody {
                             t.finish();
                         }
                     }
-                    Poll::Ready(Some(Err(_))) => {
-                        drop(lease.take());
+                    Poll::Ready(Some(Err(e))) => {
                         tap.take();
+                        let lease = lease.take();
+                        if *sse {
+                            // Clients show an error event's message; a stream that merely
+                            // stops looks like a complete, cut-off answer. The connection
+                            // still breaks after it, so nothing mistakes it for an end.
+                            let tail = lease.map(|l| l.engine.output.last(12));
+                            let event = error_event(e, &tail.unwrap_or_default());
+                            if let Poll::Ready(Some(Err(e))) = polled {
+                                *broken = Some(Broken::Unflushed(e));
+                            }
+                            return Poll::Ready(Some(Ok(Frame::data(event))));
+                        }
                     }
                     Poll::Pending => {}
                 }
@@ -108,7 +149,8 @@ impl Body for ProxyBody {
     fn is_end_stream(&self) -> bool {
         match self {
             ProxyBody::Full(b) => b.is_none(),
-            ProxyBody::Upstream { inner, .. } => inner.is_end_stream(),
+            // A break held back behind its error event is still to come.
+            ProxyBody::Upstream { inner, broken, .. } => broken.is_none() && inner.is_end_stream(),
         }
     }
 
@@ -343,7 +385,6 @@ async fn proxy(ctx: &Ctx, config: &Config, req: Request<Incoming>) -> Response<P
     // response it had already begun breaks off for the client instead). A body with a
     // Content-Length over the limit was refused above without reaching the engine.
     let body = Limited::new(body, usize::try_from(max_body).unwrap_or(usize::MAX));
-    let upstream = lease.engine.upstream;
     let tap_path = (parts.method == Method::POST).then(|| parts.uri.path().to_string());
     // Origin form (`/path?query`), as an HTTP/1.1 client sends to a server it talks to
     // directly.
@@ -368,15 +409,11 @@ async fn proxy(ctx: &Ctx, config: &Config, req: Request<Incoming>) -> Response<P
     }
     parts.version = http::Version::HTTP_11;
     strip_hop_by_hop(&mut parts.headers);
-    if let Ok(host) = HeaderValue::from_str(&upstream.to_string()) {
-        parts.headers.insert(header::HOST, host);
-    }
+    parts
+        .headers
+        .insert(header::HOST, lease.engine.connections.host().clone());
     let engine = lease.engine.clone();
-    match engine
-        .connections
-        .request(Request::from_parts(parts, body))
-        .await
-    {
+    match engine.connections.request(parts, body).await {
         Ok(resp) => {
             let (mut parts, inner) = resp.into_parts();
             strip_hop_by_hop(&mut parts.headers);
@@ -384,6 +421,7 @@ async fn proxy(ctx: &Ctx, config: &Config, req: Request<Incoming>) -> Response<P
                 .headers
                 .get(header::CONTENT_TYPE)
                 .and_then(|v| v.to_str().ok());
+            let sse = content_type.is_some_and(|t| t.starts_with("text/event-stream"));
             let tap = match tap_path {
                 Some(path) if parts.status.is_success() => {
                     Tap::for_content_type(content_type).map(|tap| {
@@ -404,12 +442,14 @@ async fn proxy(ctx: &Ctx, config: &Config, req: Request<Incoming>) -> Response<P
                     inner,
                     lease: Some(lease),
                     tap,
+                    sse,
+                    broken: None,
                 },
             )
         }
         Err(e) => {
             drop(lease);
-            if over_limit(&e) {
+            if e.over_limit() {
                 return ApiError::new(
                     StatusCode::PAYLOAD_TOO_LARGE,
                     "invalid_request_error",
@@ -424,10 +464,7 @@ async fn proxy(ctx: &Ctx, config: &Config, req: Request<Incoming>) -> Response<P
 }
 
 /// A 502 that says why the engine did not answer: its exit, with its last output, when it died.
-async fn engine_error(
-    engine: &crate::lifecycle::EngineRef,
-    err: &crate::upstream::UpstreamError,
-) -> ApiError {
+async fn engine_error(engine: &crate::lifecycle::EngineRef, err: &UpstreamError) -> ApiError {
     // The connection usually breaks a moment before the exit is noticed.
     let mut exit = engine.exit.clone();
     let exited =
@@ -441,13 +478,7 @@ async fn engine_error(
             format!("the engine exited while handling the request ({report})"),
             &engine.output.last(12),
         ),
-        None => {
-            let cause = std::error::Error::source(err)
-                .and_then(std::error::Error::source)
-                .map(|s| format!(" ({s})"))
-                .unwrap_or_default();
-            format!("{err}{cause}")
-        }
+        None => with_tail(describe(err), &engine.output.last(12)),
     };
     tracing::warn!("{message}");
     ApiError::new(
@@ -458,16 +489,32 @@ async fn engine_error(
     )
 }
 
-/// Whether the exchange failed because the request body went past `api.max_body`.
-fn over_limit(err: &(dyn std::error::Error + 'static)) -> bool {
-    let mut cause = Some(err);
-    while let Some(e) = cause {
-        if e.is::<LengthLimitError>() {
-            return true;
+/// An error and its causes on one line: hyper's own message is terse ("connection closed
+/// before message completed"), its source says what happened underneath.
+fn describe(err: &dyn std::error::Error) -> String {
+    let mut text = err.to_string();
+    let mut cause = err.source();
+    while let Some(c) = cause {
+        let c_text = c.to_string();
+        if !text.contains(&c_text) {
+            text = format!("{text}: {c_text}");
         }
-        cause = e.source();
+        cause = c.source();
     }
-    false
+    text
+}
+
+/// The SSE event that tells a streaming client why its answer broke off, in OpenAI's error
+/// shape (the `openai` packages raise it as an `APIError` with this message).
+fn error_event(err: &hyper::Error, tail: &[String]) -> Bytes {
+    let message = with_tail(
+        format!("the engine broke off the answer: {}", describe(err)),
+        tail,
+    );
+    let v = json!({
+        "error": { "message": message, "type": "server_error", "code": "engine_failed" }
+    });
+    Bytes::from(format!("data: {v}\n\n"))
 }
 
 fn content_length(h: &HeaderMap) -> Option<u64> {
@@ -622,27 +669,23 @@ mod tests {
 
     #[tokio::test]
     async fn the_body_limit_is_told_apart_from_other_failures() {
-        // The error the limiting body gives, wrapped as the engine connection reports it.
+        // The error the limiting body gives, as reading the client's body reports it.
         let limited = http_body_util::Limited::new(Full::new(Bytes::from_static(b"12345")), 4);
         let err = limited.collect().await.unwrap_err();
-        let wrapped = WrappedError(err);
-        assert!(over_limit(&wrapped));
-        let other = WrappedError("connection reset".into());
-        assert!(!over_limit(&other));
+        assert!(UpstreamError::Body(err).over_limit());
+        assert!(!UpstreamError::Body("connection reset".into()).over_limit());
     }
 
-    #[derive(Debug)]
-    struct WrappedError(Box<dyn std::error::Error + Send + Sync>);
-
-    impl std::fmt::Display for WrappedError {
-        fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-            f.write_str("the engine broke the exchange")
-        }
-    }
-
-    impl std::error::Error for WrappedError {
-        fn source(&self) -> Option<&(dyn std::error::Error + 'static)> {
-            Some(&*self.0)
-        }
+    #[test]
+    fn an_error_is_described_with_its_causes_once() {
+        let io = std::io::Error::new(std::io::ErrorKind::ConnectionReset, "reset by peer");
+        let e = UpstreamError::Connect {
+            addr: ([127, 0, 0, 1], 9).into(),
+            source: io,
+        };
+        assert_eq!(
+            describe(&e),
+            "cannot connect to the engine at 127.0.0.1:9: reset by peer"
+        );
     }
 }

@@ -1,52 +1,134 @@
-//! The connection to one engine generation: a small keep-alive pool of HTTP/1.1 connections
+//! The connections to one engine generation: a small keep-alive pool of HTTP/1.1 connections
 //! whose driving happens inside the request's own task.
 //!
-//! Owns: the TCP connections to the engine, and the response body that reads from them.
-//! Must not: time out anything (a prefill may keep a response silent for hours), or outlive
-//! the engine generation it belongs to (the pool goes with the last lease).
+//! Owns: the TCP connections to the engine, the request body on its way there, and the
+//! response body that reads from them. Must not: time out anything (a prefill may keep a
+//! response silent for hours), or outlive the engine generation it belongs to (the pool goes
+//! with the last lease).
+//!
+//! Engines close connections whenever they like: llama-server right after the last chunk of
+//! every streamed answer and after 5 s of keep-alive, any server after `max` requests or
+//! when overloaded. Nothing tells the proxy beforehand, so a pooled connection may be dead,
+//! or die while a request is on its way. Three rules keep that from ever reaching a client:
+//! 1. A connection is driven before it is reused and as it goes back to the pool, so a close
+//!    that has already arrived is seen, and one idle past [`IDLE_EXPIRY`] is not reused at all
+//!    (well inside llama-server's 5 s, so its keep-alive timeout never races a request).
+//! 2. A request whose body is small enough to keep ([`REPLAY_MAX`], which covers chat
+//!    requests; the bytes are shared, not copied) may go on a pooled connection; if that
+//!    connection breaks before any byte of an answer, the request goes again, once, on a
+//!    fresh connection. A connection the engine had already closed has not seen the request,
+//!    so nothing is done twice. A larger or unsized body always gets a fresh connection.
+//! 3. A connection's driver is dropped the moment it ends, so a request that was waiting on
+//!    it learns at once (hyper resolves the send with the connection's error), instead of
+//!    waiting forever on a connection that no longer exists.
 //!
 //! Why not hyper-util's pooled client: it runs every connection as a task of its own, so each
-//! SSE event crosses two tasks and leaves as one write of its own. Here the request's task
-//! polls the connection itself: a response body hands on every event the socket already
-//! holds in one frame (nothing waits for more; a lone event goes out at once), which keeps
-//! a fast stream from costing one system call per event, and a request needs no hop through
-//! a connection task.
+//! request and each SSE event crosses two tasks and leaves as a write of its own (measured:
+//! see the commit that made this choice, and `cargo bench -p dsv4-tests --bench proxy`). Here
+//! the request's task polls the connection itself: a response body hands on every event the
+//! socket already holds in one frame (nothing waits for more; a lone event goes out at once).
 
+use std::collections::VecDeque;
 use std::future::Future;
 use std::io;
 use std::net::SocketAddr;
 use std::pin::Pin;
 use std::sync::{Arc, Mutex};
 use std::task::{Context, Poll};
+use std::time::{Duration, Instant};
 
 use bytes::{Bytes, BytesMut};
 use http::{HeaderMap, Request, Response};
 use http_body::{Body, Frame, SizeHint};
+use http_body_util::{BodyExt, LengthLimitError, Limited};
 use hyper::body::Incoming;
 use hyper::client::conn::http1::{Connection, SendRequest};
 use hyper_util::rt::TokioIo;
 
-/// Idle connections kept for reuse.
-const MAX_IDLE: usize = 16;
+/// Idle connections kept for reuse: as many as clients are likely to keep busy at once, so
+/// that a steady load reuses connections instead of opening and closing one per request
+/// (measured: at 64 concurrent clients, a pool of 16 spent a fifth of dsv4d's time in
+/// connect and close). [`IDLE_EXPIRY`] gives them back to the engine soon after the load
+/// is gone, which matters to engines that serve each connection with a thread of its own.
+const MAX_IDLE: usize = 128;
+/// An idle connection older than this is closed rather than reused: engines close idle
+/// connections on their own (llama-server after 5 s), and a request sent just as they do
+/// would be lost to the race.
+pub const IDLE_EXPIRY: Duration = Duration::from_secs(2);
+/// Request bodies up to this size are kept until the answer begins, so that a request on a
+/// pooled connection that turns out dead can go again on a fresh one.
+pub const REPLAY_MAX: u64 = 1024 * 1024;
 /// Largest frame made by joining events that are already there.
 const MAX_JOINED: usize = 64 * 1024;
 
 /// The client's request body on its way to the engine, cut off past `api.max_body` (the
 /// proxy sets the limit and turns the cut into a 413).
-pub type RequestBody = http_body_util::Limited<Incoming>;
+pub type ClientBody = Limited<Incoming>;
+
+/// What goes to the engine: the client's body as it streams, or a small one held whole.
+pub enum RequestBody {
+    Streaming(ClientBody),
+    Held(Option<Bytes>),
+}
+
+impl Body for RequestBody {
+    type Data = Bytes;
+    type Error = Box<dyn std::error::Error + Send + Sync>;
+
+    fn poll_frame(
+        self: Pin<&mut Self>,
+        cx: &mut Context<'_>,
+    ) -> Poll<Option<Result<Frame<Bytes>, Self::Error>>> {
+        match self.get_mut() {
+            RequestBody::Streaming(b) => Pin::new(b).poll_frame(cx),
+            RequestBody::Held(b) => Poll::Ready(b.take().map(|b| Ok(Frame::data(b)))),
+        }
+    }
+
+    fn is_end_stream(&self) -> bool {
+        match self {
+            RequestBody::Streaming(b) => b.is_end_stream(),
+            RequestBody::Held(b) => b.is_none(),
+        }
+    }
+
+    fn size_hint(&self) -> SizeHint {
+        match self {
+            RequestBody::Streaming(b) => b.size_hint(),
+            RequestBody::Held(Some(b)) => SizeHint::with_exact(b.len() as u64),
+            RequestBody::Held(None) => SizeHint::with_exact(0),
+        }
+    }
+}
 
 type Driver = Connection<TokioIo<tokio::net::TcpStream>, RequestBody>;
 
 /// One HTTP/1.1 connection: the handle to send on and the state machine that drives it.
 struct Conn {
     send: SendRequest<RequestBody>,
-    driver: Pin<Box<Driver>>,
+    /// `None` once the connection has ended: dropping the driver is what tells a request
+    /// still queued on `send` that it will never go out.
+    driver: Option<Pin<Box<Driver>>>,
+    /// When it last went back to the pool.
+    idle_since: Instant,
 }
 
 impl Conn {
     /// Polls the connection; `true` once it has ended (closed, or broken).
     fn drive(&mut self, cx: &mut Context<'_>) -> bool {
-        self.driver.as_mut().poll(cx).is_ready()
+        let Some(d) = self.driver.as_mut() else {
+            return true;
+        };
+        if d.as_mut().poll(cx).is_ready() {
+            self.driver = None;
+            return true;
+        }
+        false
+    }
+
+    /// Whether it can take a request now, seeing any close that has already arrived.
+    fn usable(&mut self, cx: &mut Context<'_>) -> bool {
+        !self.drive(cx) && !self.send.is_closed()
     }
 }
 
@@ -55,34 +137,63 @@ impl Conn {
 pub enum UpstreamError {
     #[error("cannot connect to the engine at {addr}: {source}")]
     Connect { addr: SocketAddr, source: io::Error },
+    #[error(
+        "the engine at {addr} closed the connection after the request was sent, before any \
+         byte of an answer"
+    )]
+    Closed {
+        addr: SocketAddr,
+        source: hyper::Error,
+    },
     #[error("the engine at {addr} broke the exchange: {source}")]
     Http {
         addr: SocketAddr,
         source: hyper::Error,
     },
+    /// Reading the client's body failed (too large, or the client went away).
+    #[error("reading the request body")]
+    Body(#[source] Box<dyn std::error::Error + Send + Sync>),
+}
+
+impl UpstreamError {
+    /// Whether the client's body went past `api.max_body`.
+    pub fn over_limit(&self) -> bool {
+        let mut cause: Option<&(dyn std::error::Error + 'static)> = Some(self);
+        while let Some(e) = cause {
+            if e.is::<LengthLimitError>() {
+                return true;
+            }
+            cause = e.source();
+        }
+        false
+    }
 }
 
 /// The engine's address and its idle connections.
-#[derive(Debug)]
 pub struct Upstream {
     addr: SocketAddr,
-    idle: Mutex<Vec<ConnSlot>>,
+    /// `Host` for requests to it, made once.
+    host: http::HeaderValue,
+    idle: Mutex<VecDeque<Conn>>,
 }
 
-/// `Conn` without its `Debug`-less parts in the way.
-struct ConnSlot(Conn);
-
-impl std::fmt::Debug for ConnSlot {
+impl std::fmt::Debug for Upstream {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        f.write_str("Conn")
+        f.debug_struct("Upstream")
+            .field("addr", &self.addr)
+            .finish_non_exhaustive()
     }
 }
 
 impl Upstream {
     pub fn new(addr: SocketAddr) -> Arc<Upstream> {
+        // Digits, dots and a colon: always a valid value.
+        let host = http::HeaderValue::from_str(&addr.to_string())
+            .unwrap_or_else(|_| http::HeaderValue::from_static("localhost"));
         Arc::new(Upstream {
             addr,
-            idle: Mutex::new(Vec::new()),
+            host,
+            idle: Mutex::new(VecDeque::new()),
         })
     }
 
@@ -90,23 +201,50 @@ impl Upstream {
         self.addr
     }
 
-    fn take_idle(&self) -> Option<Conn> {
-        let mut idle = self.idle.lock().unwrap_or_else(|p| p.into_inner());
-        while let Some(ConnSlot(c)) = idle.pop() {
-            if !c.send.is_closed() {
+    /// The `Host` header for requests to the engine.
+    pub fn host(&self) -> &http::HeaderValue {
+        &self.host
+    }
+
+    /// How many idle connections the pool holds.
+    pub fn idle_count(&self) -> usize {
+        self.idle.lock().unwrap_or_else(|p| p.into_inner()).len()
+    }
+
+    /// The most recently used idle connection that is still open, if any.
+    async fn take_idle(&self) -> Option<Conn> {
+        loop {
+            let mut c = {
+                let mut idle = self.idle.lock().unwrap_or_else(|p| p.into_inner());
+                idle.pop_back()?
+            };
+            if c.idle_since.elapsed() >= IDLE_EXPIRY {
+                // The rest are older still.
+                self.idle.lock().unwrap_or_else(|p| p.into_inner()).clear();
+                return None;
+            }
+            if std::future::poll_fn(|cx| Poll::Ready(c.usable(cx))).await {
                 return Some(c);
             }
         }
-        None
     }
 
-    fn put_idle(&self, c: Conn) {
-        if c.send.is_closed() {
+    /// Gives a connection whose exchange has ended back to the pool, unless it has closed.
+    fn put_idle(&self, mut c: Conn, cx: &mut Context<'_>) {
+        if !c.usable(cx) {
             return;
         }
+        let now = Instant::now();
+        c.idle_since = now;
         let mut idle = self.idle.lock().unwrap_or_else(|p| p.into_inner());
+        while idle
+            .front()
+            .is_some_and(|o| now.duration_since(o.idle_since) >= IDLE_EXPIRY)
+        {
+            idle.pop_front();
+        }
         if idle.len() < MAX_IDLE {
-            idle.push(ConnSlot(c));
+            idle.push_back(c);
         }
     }
 
@@ -123,78 +261,147 @@ impl Upstream {
             .map_err(|source| UpstreamError::Http { addr, source })?;
         Ok(Conn {
             send,
-            driver: Box::pin(driver),
+            driver: Some(Box::pin(driver)),
+            idle_since: Instant::now(),
         })
     }
 
-    /// Sends `req` to the engine and returns its response, whose body streams from the
-    /// connection (which goes back to the pool once the body has ended).
+    /// Sends the request to the engine and returns its response, whose body streams from
+    /// the connection (which goes back to the pool once the body has ended).
     pub async fn request(
         self: &Arc<Self>,
-        req: Request<RequestBody>,
+        parts: http::request::Parts,
+        body: ClientBody,
     ) -> Result<Response<UpstreamBody>, UpstreamError> {
         let addr = self.addr;
-        let mut req = req;
-        loop {
-            let (mut conn, reused) = match self.take_idle() {
-                Some(c) => (c, true),
-                None => (self.connect().await?, false),
-            };
-            // Wait until the connection can take a request, driving it meanwhile.
-            let ready = std::future::poll_fn(|cx| {
-                if let Poll::Ready(r) = conn.send.poll_ready(cx) {
-                    return Poll::Ready(r.is_ok());
-                }
-                if conn.drive(cx) {
-                    return Poll::Ready(false);
-                }
-                Poll::Pending
-            })
-            .await;
-            if !ready {
-                if reused {
-                    continue; // the engine closed it while it was idle
-                }
-                return Err(UpstreamError::Connect {
-                    addr,
-                    source: io::Error::new(
-                        io::ErrorKind::ConnectionAborted,
-                        "closed before the first request",
-                    ),
-                });
-            }
-            let mut sent = std::pin::pin!(conn.send.try_send_request(req));
-            let mut live = true;
-            let outcome = std::future::poll_fn(|cx| {
-                if let Poll::Ready(r) = sent.as_mut().poll(cx) {
-                    return Poll::Ready(r);
-                }
-                if live && conn.driver.as_mut().poll(cx).is_ready() {
-                    live = false;
-                    // The send future resolves with the connection's error next.
-                    cx.waker().wake_by_ref();
-                }
-                Poll::Pending
-            })
-            .await;
-            match outcome {
-                Ok(resp) => {
-                    let conn = live.then_some(conn);
-                    return Ok(resp.map(|body| UpstreamBody::new(body, conn, self.clone())));
-                }
-                Err(mut e) => match e.take_message() {
-                    // Not sent at all (a stale connection): another connection may take it.
-                    Some(back) if reused => req = back,
-                    _ => {
-                        return Err(UpstreamError::Http {
-                            addr,
-                            source: e.into_error(),
-                        })
+        let held = match body.size_hint().exact() {
+            Some(0) => Some(Bytes::new()),
+            Some(n) if n <= REPLAY_MAX => Some(collect(body).await?),
+            _ => {
+                // Too large to keep for a second try: only a fresh connection will do.
+                let conn = self.connect().await?;
+                let req = Request::from_parts(parts, RequestBody::Streaming(body));
+                return match self.send(conn, req).await {
+                    Sent::Answered(r) => Ok(r),
+                    Sent::Unsent(_, e) | Sent::Lost(e) => {
+                        Err(UpstreamError::Http { addr, source: e })
                     }
-                },
+                };
+            }
+        };
+        let held = held.unwrap_or_default();
+        let request = |parts: &http::request::Parts| {
+            let mut r = Request::new(RequestBody::Held(Some(held.clone())));
+            *r.method_mut() = parts.method.clone();
+            *r.uri_mut() = parts.uri.clone();
+            *r.version_mut() = parts.version;
+            *r.headers_mut() = parts.headers.clone();
+            r
+        };
+        // A pooled connection first; if it turns out dead before answering, a fresh one.
+        let mut req = request(&parts);
+        if let Some(conn) = self.take_idle().await {
+            match self.send(conn, req).await {
+                Sent::Answered(r) => return Ok(r),
+                Sent::Unsent(back, e) => {
+                    tracing::debug!("pooled engine connection was closed, not sent: {e}");
+                    req = back;
+                }
+                Sent::Lost(e) => {
+                    tracing::debug!(
+                        "pooled engine connection broke before an answer, sending again: {e}"
+                    );
+                    req = request(&parts);
+                }
             }
         }
+        let conn = self.connect().await?;
+        match self.send(conn, req).await {
+            Sent::Answered(r) => Ok(r),
+            Sent::Unsent(_, source) => Err(UpstreamError::Http { addr, source }),
+            Sent::Lost(source) if source.is_incomplete_message() => {
+                Err(UpstreamError::Closed { addr, source })
+            }
+            Sent::Lost(source) => Err(UpstreamError::Http { addr, source }),
+        }
     }
+
+    /// Sends on one connection, driving it until the answer's head has arrived.
+    async fn send(self: &Arc<Self>, mut conn: Conn, req: Request<RequestBody>) -> Sent {
+        // Wait until the connection can take a request, driving it meanwhile.
+        let ready = std::future::poll_fn(|cx| {
+            if let Poll::Ready(r) = conn.send.poll_ready(cx) {
+                return Poll::Ready(r);
+            }
+            if conn.drive(cx) {
+                // `poll_ready` now reports the closed connection.
+                cx.waker().wake_by_ref();
+            }
+            Poll::Pending
+        })
+        .await;
+        if let Err(e) = ready {
+            return Sent::Unsent(req, e);
+        }
+        let mut sent = std::pin::pin!(conn.send.try_send_request(req));
+        let outcome = std::future::poll_fn(|cx| {
+            if let Poll::Ready(r) = sent.as_mut().poll(cx) {
+                return Poll::Ready(r);
+            }
+            if conn.drive(cx) {
+                // The driver is gone, so the send resolves with the connection's end next.
+                cx.waker().wake_by_ref();
+            }
+            Poll::Pending
+        })
+        .await;
+        match outcome {
+            Ok(resp) => {
+                let conn = conn.driver.is_some().then_some(conn);
+                Sent::Answered(resp.map(|body| UpstreamBody::new(body, conn, self.clone())))
+            }
+            Err(mut e) => match e.take_message() {
+                Some(back) => Sent::Unsent(back, e.into_error()),
+                None => Sent::Lost(e.into_error()),
+            },
+        }
+    }
+}
+
+/// How one try on one connection went.
+enum Sent {
+    Answered(Response<UpstreamBody>),
+    /// The request never left: here it is back.
+    Unsent(Request<RequestBody>, hyper::Error),
+    /// The request (or part of it) went out, and the connection broke before an answer.
+    Lost(hyper::Error),
+}
+
+/// Reads a body of known, small size whole. Its frames are shared, not copied, unless
+/// there are several.
+async fn collect(body: ClientBody) -> Result<Bytes, UpstreamError> {
+    let mut body = std::pin::pin!(body);
+    let mut first: Option<Bytes> = None;
+    let mut more: Option<BytesMut> = None;
+    while let Some(frame) = body.frame().await {
+        let Ok(data) = frame.map_err(UpstreamError::Body)?.into_data() else {
+            continue;
+        };
+        match (&first, &mut more) {
+            (None, _) => first = Some(data),
+            (Some(f), None) => {
+                let mut m = BytesMut::with_capacity(f.len() + data.len());
+                m.extend_from_slice(f);
+                m.extend_from_slice(&data);
+                more = Some(m);
+            }
+            (Some(_), Some(m)) => m.extend_from_slice(&data),
+        }
+    }
+    Ok(match more {
+        Some(m) => m.freeze(),
+        None => first.unwrap_or_default(),
+    })
 }
 
 /// The engine's response body. Reading it drives its connection; events already received
@@ -204,6 +411,8 @@ pub struct UpstreamBody {
     conn: Option<Conn>,
     pool: Arc<Upstream>,
     trailers: Option<HeaderMap>,
+    /// The connection broke after data that has yet to go out: the error comes next.
+    broken: Option<hyper::Error>,
     ended: bool,
 }
 
@@ -214,14 +423,15 @@ impl UpstreamBody {
             conn,
             pool,
             trailers: None,
+            broken: None,
             ended: false,
         }
     }
 
-    fn finish(&mut self) {
+    fn finish(&mut self, cx: &mut Context<'_>) {
         self.ended = true;
         if let Some(c) = self.conn.take() {
-            self.pool.put_idle(c);
+            self.pool.put_idle(c, cx);
         }
     }
 }
@@ -270,6 +480,10 @@ impl Body for UpstreamBody {
         cx: &mut Context<'_>,
     ) -> Poll<Option<Result<Frame<Bytes>, hyper::Error>>> {
         let this = &mut *self;
+        if let Some(e) = this.broken.take() {
+            this.ended = true;
+            return Poll::Ready(Some(Err(e)));
+        }
         if let Some(t) = this.trailers.take() {
             return Poll::Ready(Some(Ok(Frame::trailers(t))));
         }
@@ -288,7 +502,7 @@ impl Body for UpstreamBody {
                         fresh = true;
                         if this.body.is_end_stream() {
                             // A known length reached: no `None` will follow.
-                            this.finish();
+                            this.finish(cx);
                             break;
                         }
                         if data.len() >= MAX_JOINED {
@@ -304,11 +518,16 @@ impl Body for UpstreamBody {
                 },
                 Poll::Ready(Some(Err(e))) => {
                     this.conn = None;
+                    // What arrived before the break still goes out first.
+                    if let Some(d) = data.take() {
+                        this.broken = Some(e);
+                        return Poll::Ready(Some(Ok(Frame::data(d))));
+                    }
                     this.ended = true;
                     return Poll::Ready(Some(Err(e)));
                 }
                 Poll::Ready(None) => {
-                    this.finish();
+                    this.finish(cx);
                     break;
                 }
                 Poll::Pending => {

@@ -471,7 +471,7 @@ async fn a_bad_config_is_fatal_with_the_file_line_and_field() {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn engine_connections_are_kept_alive_and_reused() {
-    let d = Daemon::start(&Setup::default());
+    let d = Daemon::start(&Setup::default().knob("connections", "keep"));
     for n in [1, 5, 7] {
         let (status, _, _) = body_json(d.post("/v1/chat/completions", chat(n, false)).await).await;
         assert_eq!(status, 200);

@@ -7,60 +7,13 @@
 
 mod support;
 
-use std::path::PathBuf;
 use std::time::Duration;
 
 use nix::sys::signal::Signal;
+use support::real::{engine, setup};
 use support::*;
 
 const SEC: Duration = Duration::from_secs(1);
-
-fn cache_dir() -> PathBuf {
-    if let Some(d) = std::env::var_os("DSV4_CACHE") {
-        return PathBuf::from(d).join("engine");
-    }
-    let base = std::env::var_os("XDG_CACHE_HOME")
-        .map(PathBuf::from)
-        .or_else(|| std::env::var_os("HOME").map(|h| PathBuf::from(h).join(".cache")))
-        .unwrap_or_else(|| PathBuf::from(".cache"));
-    base.join("dsv4").join("engine")
-}
-
-/// The real engine and the tiny model.
-fn engine() -> (PathBuf, PathBuf) {
-    let server = std::env::var_os("DSV4_LLAMA_SERVER")
-        .map(PathBuf::from)
-        .unwrap_or_else(|| cache_dir().join("bin/llama-server"));
-    let model = std::env::var_os("DSV4_TINY_MODEL")
-        .map(PathBuf::from)
-        .unwrap_or_else(|| cache_dir().join("models/tiny.gguf"));
-    assert!(
-        server.is_file() && model.is_file(),
-        "no real llama-server at {} or no tiny model at {}: run tests/engine/prepare first \
-         (or set DSV4_LLAMA_SERVER and DSV4_TINY_MODEL)",
-        server.display(),
-        model.display()
-    );
-    (server, model)
-}
-
-fn setup() -> Setup {
-    let (server, model) = engine();
-    let mut s = Setup::default()
-        .engine("idle_timeout", "1s")
-        .engine("stop_timeout", "5s");
-    s.custom_profiles.insert(
-        "tiny".into(),
-        format!(
-            "description: tiny test model\nengine: llama-server\ncommand: {}\nmodel: {}\n\
-             context: 1024\nparallel: 1\nextra_args: [--no-webui]\n",
-            server.display(),
-            model.display()
-        ),
-    );
-    s.default_profile = "tiny".into();
-    s
-}
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_streamed_chat_starts_the_real_engine_on_demand() {

@@ -20,6 +20,7 @@ use hyper_util::client::legacy::connect::HttpConnector;
 use hyper_util::client::legacy::Client;
 use hyper_util::rt::TokioExecutor;
 
+pub mod real;
 pub const FAKE_ENGINE: &str = env!("CARGO_BIN_EXE_fake-engine");
 pub const DSV4D: &str = env!("CARGO_BIN_EXE_dsv4d-under-test");
 
@@ -128,10 +129,13 @@ pub struct Setup {
 }
 
 impl Default for Setup {
+    /// Two profiles, `320k` (the default) and `64k`, whose fake engine handles connections
+    /// as llama-server does: closed after every streamed answer and after 5 s idle.
     fn default() -> Self {
+        let llama = BTreeMap::from([("connections", "llama".to_string())]);
         let mut profiles = BTreeMap::new();
-        profiles.insert("320k".to_string(), BTreeMap::new());
-        profiles.insert("64k".to_string(), BTreeMap::new());
+        profiles.insert("320k".to_string(), llama.clone());
+        profiles.insert("64k".to_string(), llama);
         Setup {
             engine: BTreeMap::new(),
             profiles,
@@ -160,7 +164,7 @@ impl Setup {
     /// Every profile runs `engine: ds4`, with the fake engine playing ds4-server.
     pub fn ds4(mut self) -> Self {
         self.engine_kind = "ds4";
-        self.knob("mode", "ds4")
+        self.knob("mode", "ds4").knob("connections", "keep")
     }
 
     /// Writes supervisor.yaml and the profiles into `dir`; returns the config path.

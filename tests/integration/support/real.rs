@@ -1,0 +1,151 @@
+//! The real engine: llama-server built by `tests/engine/prepare` and the tiny generated model,
+//! whose output is known (letters run a, b, c, ..., digits count up to 9, then stop).
+//!
+//! They come from `DSV4_LLAMA_SERVER` and `DSV4_TINY_MODEL`, or else from the cache that
+//! `tests/engine/prepare` fills. Tests that need them fail, with that hint, when neither has
+//! them: they never pass by skipping.
+
+use std::path::PathBuf;
+use std::process::{Child, Command, Stdio};
+use std::time::{Duration, Instant};
+
+use super::{Setup, TempDir};
+
+/// `${DSV4_CACHE:-${XDG_CACHE_HOME:-$HOME/.cache}/dsv4}/SUB`, as the prepare scripts have it.
+pub fn cache_dir_of(sub: &str) -> PathBuf {
+    if let Some(d) = std::env::var_os("DSV4_CACHE") {
+        return PathBuf::from(d).join(sub);
+    }
+    let base = std::env::var_os("XDG_CACHE_HOME")
+        .map(PathBuf::from)
+        .or_else(|| std::env::var_os("HOME").map(|h| PathBuf::from(h).join(".cache")))
+        .unwrap_or_else(|| PathBuf::from(".cache"));
+    base.join("dsv4").join(sub)
+}
+
+/// Where `tests/engine/prepare` keeps the engine and the model.
+pub fn cache_dir() -> PathBuf {
+    cache_dir_of("engine")
+}
+
+/// The real engine and the tiny model.
+pub fn engine() -> (PathBuf, PathBuf) {
+    let server = std::env::var_os("DSV4_LLAMA_SERVER")
+        .map(PathBuf::from)
+        .unwrap_or_else(|| cache_dir().join("bin/llama-server"));
+    let model = std::env::var_os("DSV4_TINY_MODEL")
+        .map(PathBuf::from)
+        .unwrap_or_else(|| cache_dir().join("models/tiny.gguf"));
+    assert!(
+        server.is_file() && model.is_file(),
+        "no real llama-server at {} or no tiny model at {}: run tests/engine/prepare first \
+         (or set DSV4_LLAMA_SERVER and DSV4_TINY_MODEL)",
+        server.display(),
+        model.display()
+    );
+    (server, model)
+}
+
+/// A daemon setup whose only profile, `tiny`, runs the real engine on the tiny model; an idle
+/// engine stops after 1 s.
+pub fn setup() -> Setup {
+    setup_with_args(&[])
+}
+
+/// `setup()`, with more llama-server arguments in the profile's `extra_args`.
+pub fn setup_with_args(extra_args: &[&str]) -> Setup {
+    let (server, model) = engine();
+    let extra_args: Vec<String> = ["--no-webui"]
+        .iter()
+        .chain(extra_args)
+        .map(|a| format!("{a:?}"))
+        .collect();
+    let mut s = Setup::default()
+        .engine("idle_timeout", "1s")
+        .engine("stop_timeout", "5s");
+    s.custom_profiles.insert(
+        "tiny".into(),
+        format!(
+            "description: tiny test model\nengine: llama-server\ncommand: {}\nmodel: {}\n\
+             context: 1024\nparallel: 1\nextra_args: [{}]\n",
+            server.display(),
+            model.display(),
+            extra_args.join(", ")
+        ),
+    );
+    s.default_profile = "tiny".into();
+    s
+}
+
+/// The real llama-server on the tiny model with no dsv4d in front: to check that a test's
+/// clients and expectations hold against the engine itself. Killed on drop.
+pub struct LlamaServer {
+    child: Child,
+    /// `http://127.0.0.1:PORT`
+    pub url: String,
+    log: PathBuf,
+    _dir: TempDir,
+}
+
+impl LlamaServer {
+    /// Starts it as `tests/engine/prepare`'s smoke test does (port 0: the kernel picks one,
+    /// which the server prints once the model is loaded); waits up to 30 s for that.
+    pub fn start() -> LlamaServer {
+        LlamaServer::start_with_args(&[])
+    }
+
+    /// `start()`, with more llama-server arguments.
+    pub fn start_with_args(extra_args: &[&str]) -> LlamaServer {
+        let (server, model) = engine();
+        let dir = TempDir::new("llama-server");
+        let log = dir.path().join("llama-server.log");
+        let out = std::fs::File::create(&log).unwrap();
+        let child = Command::new(&server)
+            .arg("-m")
+            .arg(&model)
+            .args(["--host", "127.0.0.1", "--port", "0"])
+            .args(["-c", "1024", "-np", "1", "--no-webui"])
+            .args(extra_args)
+            .stdin(Stdio::null())
+            .stdout(out.try_clone().unwrap())
+            .stderr(out)
+            .spawn()
+            .unwrap_or_else(|e| panic!("cannot start {}: {e}", server.display()));
+        let mut s = LlamaServer {
+            child,
+            url: String::new(),
+            log,
+            _dir: dir,
+        };
+        let t = Instant::now();
+        loop {
+            let text = s.log();
+            if let Some(i) = text.find("listening on http://") {
+                let rest = &text[i + "listening on ".len()..];
+                s.url = rest.split_whitespace().next().unwrap_or_default().into();
+                return s;
+            }
+            if let Some(st) = s.child.try_wait().unwrap() {
+                panic!("llama-server exited while starting ({st}):\n{text}");
+            }
+            assert!(
+                t.elapsed() < Duration::from_secs(30),
+                "llama-server did not listen within 30 s:\n{text}"
+            );
+            std::thread::sleep(Duration::from_millis(10));
+        }
+    }
+
+    /// What it has written so far.
+    pub fn log(&self) -> String {
+        let bytes = std::fs::read(&self.log).unwrap_or_default();
+        String::from_utf8_lossy(&bytes).into_owned()
+    }
+}
+
+impl Drop for LlamaServer {
+    fn drop(&mut self) {
+        let _ = self.child.kill();
+        let _ = self.child.wait();
+    }
+}
