@@ -4,13 +4,20 @@
 //! - non-streaming request latency (p50/p90/p99) direct and via dsv4d, and the added p50;
 //! - streaming throughput in SSE events/s both ways, and the ratio;
 //! - readiness lag: engine ready -> first response byte to a request that waited for the start,
-//!   with the engine announcing readiness on stderr (as llama-server does) and without (polling).
+//!   with the engine announcing readiness on stderr (as llama-server does) and without (polling);
+//! - proxies (`proxies.rs`): wrk against the same engine direct, through dsv4d, nginx and
+//!   systemd-socket-proxyd: p50 and added p50 at concurrency 1, req/s at 64, and the CPU per
+//!   request of each proxy and of the engine behind it; installs nginx and wrk if missing.
 //!
 //! Run: `cargo bench -p dsv4-tests --bench proxy` (env `BENCH_REQUESTS`, `BENCH_TOKENS`,
-//! `BENCH_STARTS` scale it).
+//! `BENCH_STARTS` scale it; `BENCH_WRK_SECONDS`, `BENCH_ROUNDS`, `BENCH_NGINX_WORKERS`,
+//! `BENCH_ENGINE_CONNECTIONS` the proxies section). `BENCH_ONLY=proxies` runs only the proxies
+//! section, `BENCH_ONLY=classic` only the others.
 
 #[path = "../integration/support/mod.rs"]
 mod support;
+
+mod proxies;
 
 use std::net::SocketAddr;
 use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
@@ -59,15 +66,28 @@ fn request(addr: SocketAddr, body: Bytes) -> hyper::Request<Full<Bytes>> {
 
 /// One request on a kept-alive connection; returns the latency and the number of SSE events
 /// (blank-line separated) in the body. Events, not frames: a proxy may carry several events
-/// in one frame.
+/// in one frame. A connection the server closed (an engine closes one after so many requests,
+/// or after a stream, as llama-server does) is reopened, untimed, and the request sent again:
+/// it never reached the server.
 async fn once(
     s: &mut SendRequest<Full<Bytes>>,
     addr: SocketAddr,
     body: Bytes,
 ) -> (Duration, usize) {
-    s.ready().await.expect("connection ready");
-    let t = Instant::now();
-    let resp = s.send_request(request(addr, body)).await.expect("request");
+    let (t, resp) = loop {
+        if s.ready().await.is_err() {
+            *s = connect(addr).await;
+            continue;
+        }
+        let t = Instant::now();
+        match s.send_request(request(addr, body.clone())).await {
+            Ok(resp) => break (t, resp),
+            Err(e) if e.is_canceled() || e.is_closed() || e.is_incomplete_message() => {
+                *s = connect(addr).await;
+            }
+            Err(e) => panic!("request: {e}"),
+        }
+    };
     assert_eq!(resp.status(), 200);
     let mut b = resp.into_body();
     let mut events = 0;
@@ -100,16 +120,27 @@ async fn main() {
         "DSV4_LOG",
         std::env::var("DSV4_LOG").unwrap_or_else(|_| "info".into()),
     );
-    let requests = env_usize("BENCH_REQUESTS", 3000);
-    let tokens = env_usize("BENCH_TOKENS", 20000);
-    let starts = env_usize("BENCH_STARTS", 8);
-
+    let only = std::env::var("BENCH_ONLY").unwrap_or_default();
     println!(
         "dsv4 proxy benchmark (fake engine upstream; {} cores)",
         std::thread::available_parallelism()
             .map(|n| n.get())
             .unwrap_or(0)
     );
+    if only != "proxies" {
+        classic().await;
+    }
+    if only != "classic" {
+        proxies::run().await;
+    }
+}
+
+/// The in-process sections: latency and streaming throughput with a hyper client, readiness lag.
+async fn classic() {
+    let requests = env_usize("BENCH_REQUESTS", 3000);
+    let tokens = env_usize("BENCH_TOKENS", 20000);
+    let starts = env_usize("BENCH_STARTS", 8);
+
     let d = Daemon::start(&Setup::default().engine("idle_timeout", "1h"));
     // Warm up: start the engine through the daemon, then find its port for the direct path.
     let mut via = connect(d.addr).await;
