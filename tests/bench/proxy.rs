@@ -34,17 +34,6 @@ fn env_usize(name: &str, default: usize) -> usize {
         .unwrap_or(default)
 }
 
-async fn connect(addr: SocketAddr) -> SendRequest<Full<Bytes>> {
-    let stream = tokio::net::TcpStream::connect(addr).await.expect("connect");
-    stream.set_nodelay(true).unwrap();
-    let (sender, conn) =
-        hyper::client::conn::http1::handshake(hyper_util::rt::TokioIo::new(stream))
-            .await
-            .expect("handshake");
-    tokio::spawn(conn);
-    sender
-}
-
 fn chat(max_tokens: usize, stream: bool) -> Bytes {
     Bytes::from(
         serde_json::json!({
@@ -76,14 +65,14 @@ async fn once(
 ) -> (Duration, usize) {
     let (t, resp) = loop {
         if s.ready().await.is_err() {
-            *s = connect(addr).await;
+            *s = support::one_connection(addr).await;
             continue;
         }
         let t = Instant::now();
         match s.send_request(request(addr, body.clone())).await {
             Ok(resp) => break (t, resp),
             Err(e) if e.is_canceled() || e.is_closed() || e.is_incomplete_message() => {
-                *s = connect(addr).await;
+                *s = support::one_connection(addr).await;
             }
             Err(e) => panic!("request: {e}"),
         }
@@ -143,12 +132,12 @@ async fn classic() {
 
     let d = Daemon::start(&Setup::default().engine("idle_timeout", "1h"));
     // Warm up: start the engine through the daemon, then find its port for the direct path.
-    let mut via = connect(d.addr).await;
+    let mut via = support::one_connection(d.addr).await;
     once(&mut via, d.addr, chat(1, false)).await;
     let status = d.status().await;
     assert_eq!(status["state"], "ready", "{status}");
     let engine = engine_addr(&d);
-    let mut direct = connect(engine).await;
+    let mut direct = support::one_connection(engine).await;
     for _ in 0..200 {
         once(&mut direct, engine, chat(1, false)).await;
         once(&mut via, d.addr, chat(1, false)).await;
@@ -217,12 +206,7 @@ async fn classic() {
         let mut lags = Vec::new();
         for _ in 0..starts {
             let d = Daemon::start(&setup);
-            let stream = tokio::net::TcpStream::connect(d.addr).await.unwrap();
-            let (mut s, conn) =
-                hyper::client::conn::http1::handshake(hyper_util::rt::TokioIo::new(stream))
-                    .await
-                    .unwrap();
-            tokio::spawn(conn);
+            let mut s = support::one_connection(d.addr).await;
             let resp = s
                 .send_request(request(d.addr, chat(1, true)))
                 .await

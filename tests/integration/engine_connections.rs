@@ -21,17 +21,6 @@ use support::*;
 /// Longer than any answer here takes; a request past it is a hang.
 const HANG: Duration = Duration::from_secs(5);
 
-async fn one_connection(addr: SocketAddr) -> SendRequest<Full<Bytes>> {
-    let stream = tokio::net::TcpStream::connect(addr).await.expect("connect");
-    stream.set_nodelay(true).unwrap();
-    let (sender, conn) =
-        hyper::client::conn::http1::handshake(hyper_util::rt::TokioIo::new(stream))
-            .await
-            .expect("handshake");
-    tokio::spawn(conn);
-    sender
-}
-
 /// The `i`-th request of a run: chat streamed, chat plain, text completion and native
 /// completion in turn, each with the answer the fake engine gives to it.
 fn nth(i: usize) -> (&'static str, serde_json::Value, bool, &'static str) {
@@ -270,9 +259,10 @@ async fn an_engine_that_drops_a_request_it_read_gives_an_honest_502() {
             ),
             "{msg}"
         );
-        // The engine's last lines come with it (the close may be logged a moment after).
+        // The engine's last lines come with it. Which ones depends on how far the reader of
+        // its output has got when the connection breaks; the first line is always there.
         assert!(msg.contains("engine output (last"), "{msg}");
-        assert!(msg.contains("request POST /v1/chat/completions"), "{msg}");
+        assert!(msg.contains("fake-engine: loading model"), "{msg}");
     }
     // The engine is still up and serving: the exchange broke, not the engine.
     assert_eq!(d.status().await["state"], "ready");
@@ -310,7 +300,8 @@ async fn a_stream_the_engine_breaks_off_ends_with_an_error_event() {
     assert_eq!(v["error"]["code"], "engine_failed", "{v}");
     let msg = v["error"]["message"].as_str().unwrap();
     assert!(msg.starts_with("the engine broke off the answer"), "{msg}");
-    assert!(msg.contains("request POST /v1/chat/completions"), "{msg}");
+    assert!(msg.contains("engine output (last"), "{msg}");
+    assert!(msg.contains("fake-engine: loading model"), "{msg}");
     // The events before the break came through as they were.
     assert!(text.starts_with("data: {"), "{text}");
 }

@@ -478,6 +478,20 @@ impl Stream {
     }
 }
 
+/// One client connection of its own (no pool), with TCP_NODELAY, driven by a task.
+pub async fn one_connection(
+    addr: SocketAddr,
+) -> hyper::client::conn::http1::SendRequest<Full<Bytes>> {
+    let stream = tokio::net::TcpStream::connect(addr).await.expect("connect");
+    stream.set_nodelay(true).unwrap();
+    let (sender, conn) =
+        hyper::client::conn::http1::handshake(hyper_util::rt::TokioIo::new(stream))
+            .await
+            .expect("handshake");
+    tokio::spawn(conn);
+    sender
+}
+
 pub fn chat(max_tokens: u32, stream: bool) -> serde_json::Value {
     serde_json::json!({
         "messages": [{"role": "user", "content": "hello"}],
