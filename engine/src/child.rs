@@ -24,6 +24,11 @@ use tokio::sync::watch;
 /// Longest line kept from the engine's output; longer lines are cut (a runaway log line must
 /// not grow the daemon's memory).
 const MAX_LINE: usize = 4096;
+/// How long an engine line may wait to be logged, and how many may wait (see [`LogBatch`]).
+const LOG_BATCH: std::time::Duration = std::time::Duration::from_millis(20);
+const LOG_BATCH_LINES: usize = 256;
+/// Room for output that arrives while a batch is written (a pipe holds 64 KiB).
+const READ_BUFFER: usize = 64 * 1024;
 
 /// What to run.
 #[derive(Debug, Clone)]
@@ -335,16 +340,45 @@ fn spawn_pump(
 }
 
 fn pump(
-    stream: impl std::io::Read,
+    file: std::fs::File,
     tail: OutputTail,
     also: Option<OutputTail>,
     pid: u32,
     which: &'static str,
 ) {
     use std::io::BufRead;
-    let mut reader = std::io::BufReader::new(stream);
+    use std::os::fd::AsFd;
+    let fd = match file.try_clone() {
+        Ok(f) => f,
+        Err(e) => {
+            tracing::warn!(pid, "cannot read the engine's {which}: {e}");
+            return;
+        }
+    };
+    let mut reader = std::io::BufReader::with_capacity(READ_BUFFER, file);
     let mut buf = Vec::with_capacity(256);
+    // Lines go to the tail at once (errors quote it); to the log in batches.
+    let mut batch = LogBatch::new(pid, which);
     loop {
+        if reader.buffer().is_empty() {
+            if let Some(due) = batch.due() {
+                // Nothing left to read: wait for more, at most until the batch is due.
+                let left = due.saturating_duration_since(std::time::Instant::now());
+                let ms = u16::try_from(left.as_millis().max(1)).unwrap_or(u16::MAX);
+                let mut fds = [nix::poll::PollFd::new(
+                    fd.as_fd(),
+                    nix::poll::PollFlags::POLLIN,
+                )];
+                match nix::poll::poll(&mut fds, nix::poll::PollTimeout::from(ms)) {
+                    Ok(0) => {
+                        batch.flush();
+                        continue;
+                    }
+                    Ok(_) | Err(nix::errno::Errno::EINTR) => {}
+                    Err(_) => batch.flush(),
+                }
+            }
+        }
         buf.clear();
         match reader.read_until(b'\n', &mut buf) {
             Ok(0) => break,
@@ -356,13 +390,57 @@ fn pump(
                 }
                 buf.truncate(MAX_LINE);
                 let line = String::from_utf8_lossy(&buf).into_owned();
-                tracing::info!(target: "engine", pid, stream = which, "{line}");
                 if let Some(also) = &also {
                     also.push(line.clone());
                 }
-                tail.push(line);
+                tail.push(line.clone());
+                batch.push(line);
             }
         }
+    }
+    batch.flush();
+}
+
+/// The engine's lines on their way to the log, written a few at a time: llama-server logs
+/// several lines per request, and waking the log writer for each one cost the daemon more
+/// than proxying the request (measured: 12 to 24 us of CPU per line, one line per request,
+/// on 2 cores). A line waits at most [`LOG_BATCH`].
+struct LogBatch {
+    pid: u32,
+    which: &'static str,
+    lines: Vec<String>,
+    since: Option<std::time::Instant>,
+}
+
+impl LogBatch {
+    fn new(pid: u32, which: &'static str) -> Self {
+        LogBatch {
+            pid,
+            which,
+            lines: Vec::new(),
+            since: None,
+        }
+    }
+
+    fn push(&mut self, line: String) {
+        self.since.get_or_insert_with(std::time::Instant::now);
+        self.lines.push(line);
+        if self.lines.len() >= LOG_BATCH_LINES {
+            self.flush();
+        }
+    }
+
+    /// When the lines held must go out, if any are held.
+    fn due(&self) -> Option<std::time::Instant> {
+        self.since.map(|t| t + LOG_BATCH)
+    }
+
+    fn flush(&mut self) {
+        let (pid, which) = (self.pid, self.which);
+        for line in self.lines.drain(..) {
+            tracing::info!(target: "engine", pid, stream = which, "{line}");
+        }
+        self.since = None;
     }
 }
 
