@@ -278,21 +278,19 @@ impl Upstream {
     ) -> Result<Response<UpstreamBody>, UpstreamError> {
         let addr = self.addr;
         let held = match body.size_hint().exact() {
-            Some(0) => Some(Bytes::new()),
-            Some(n) if n <= REPLAY_MAX => Some(collect(body).await?),
+            Some(0) => Bytes::new(),
+            Some(n) if n <= REPLAY_MAX => collect(body).await?,
             _ => {
                 // Too large to keep for a second try: only a fresh connection will do.
                 let conn = self.connect().await?;
                 let req = Request::from_parts(parts, RequestBody::Streaming(body));
                 return match self.send(conn, req).await {
                     Sent::Answered(r) => Ok(r),
-                    Sent::Unsent(_, e) | Sent::Lost(e) => {
-                        Err(UpstreamError::Http { addr, source: e })
-                    }
+                    Sent::Unsent(_, source) => Err(UpstreamError::Http { addr, source }),
+                    Sent::Lost(source) => Err(lost(addr, source)),
                 };
             }
         };
-        let held = held.unwrap_or_default();
         let request = |parts: &http::request::Parts| {
             let mut r = Request::new(RequestBody::Held(Some(held.clone())));
             *r.method_mut() = parts.method.clone();
@@ -310,22 +308,22 @@ impl Upstream {
                     tracing::debug!("pooled engine connection was closed, not sent: {e}");
                     req = back;
                 }
-                Sent::Lost(e) => {
+                Sent::Lost(e) if closed_before_answer(&e) => {
                     tracing::debug!(
                         "pooled engine connection broke before an answer, sending again: {e}"
                     );
                     req = request(&parts);
                 }
+                // Not a connection that went away (an answer it could not read, say):
+                // sending again would not help, and the engine may have acted on it.
+                Sent::Lost(source) => return Err(lost(addr, source)),
             }
         }
         let conn = self.connect().await?;
         match self.send(conn, req).await {
             Sent::Answered(r) => Ok(r),
             Sent::Unsent(_, source) => Err(UpstreamError::Http { addr, source }),
-            Sent::Lost(source) if source.is_incomplete_message() => {
-                Err(UpstreamError::Closed { addr, source })
-            }
-            Sent::Lost(source) => Err(UpstreamError::Http { addr, source }),
+            Sent::Lost(source) => Err(lost(addr, source)),
         }
     }
 
@@ -368,6 +366,37 @@ impl Upstream {
                 None => Sent::Lost(e.into_error()),
             },
         }
+    }
+}
+
+/// Whether an exchange failed because the connection went away before any answer: closed
+/// (the engine let a kept-alive connection go) or reset (it closed with the request unread).
+fn closed_before_answer(e: &hyper::Error) -> bool {
+    if e.is_incomplete_message() || e.is_closed() || e.is_canceled() {
+        return true;
+    }
+    let mut cause = std::error::Error::source(e);
+    while let Some(c) = cause {
+        if let Some(io) = c.downcast_ref::<io::Error>() {
+            return matches!(
+                io.kind(),
+                io::ErrorKind::ConnectionReset
+                    | io::ErrorKind::ConnectionAborted
+                    | io::ErrorKind::BrokenPipe
+                    | io::ErrorKind::UnexpectedEof
+            );
+        }
+        cause = c.source();
+    }
+    false
+}
+
+/// The error for a request that went out and got no answer.
+fn lost(addr: SocketAddr, source: hyper::Error) -> UpstreamError {
+    if closed_before_answer(&source) {
+        UpstreamError::Closed { addr, source }
+    } else {
+        UpstreamError::Http { addr, source }
     }
 }
 
