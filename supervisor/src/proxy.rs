@@ -30,7 +30,7 @@ use tokio::sync::watch;
 use crate::auth::{ApiKeys, AuthResult, KeyCache, X_API_KEY};
 use crate::config::Config;
 use crate::http_error::{with_tail, ApiError};
-use crate::lifecycle::{Handle, Lease};
+use crate::lifecycle::{Handle, Lease, ERROR_TAIL_LINES};
 use crate::stats::{Stats, Tap};
 use crate::upstream::{UpstreamBody, UpstreamError};
 
@@ -131,7 +131,7 @@ impl Body for ProxyBody {
                             // Clients show an error event's message; a stream that merely
                             // stops looks like a complete, cut-off answer. The connection
                             // still breaks after it, so nothing mistakes it for an end.
-                            let tail = lease.map(|l| l.engine.output.last(12));
+                            let tail = lease.map(|l| l.engine.output.last(ERROR_TAIL_LINES));
                             let event = error_event(e, &tail.unwrap_or_default());
                             if let Poll::Ready(Some(Err(e))) = polled {
                                 *broken = Some(Broken::Unflushed(e));
@@ -476,9 +476,9 @@ async fn engine_error(engine: &crate::lifecycle::EngineRef, err: &UpstreamError)
     let message = match report {
         Some(report) => with_tail(
             format!("the engine exited while handling the request ({report})"),
-            &engine.output.last(12),
+            &engine.output.last(ERROR_TAIL_LINES),
         ),
-        None => with_tail(describe(err), &engine.output.last(12)),
+        None => with_tail(describe(err), &engine.output.last(ERROR_TAIL_LINES)),
     };
     tracing::warn!("{message}");
     ApiError::new(

@@ -26,7 +26,7 @@ const TAIL_LINES: usize = 200;
 /// How many lines of engine output, across restarts, are kept for `dsv4ctl logs`.
 const LOG_LINES: usize = 2000;
 /// How many of those go into an error message.
-const ERROR_TAIL_LINES: usize = 12;
+pub const ERROR_TAIL_LINES: usize = 12;
 /// Readiness polling: first interval, and the cap it backs off to.
 const PROBE_FIRST: Duration = Duration::from_millis(5);
 const PROBE_MAX: Duration = Duration::from_millis(40);

@@ -3,4 +3,4 @@
 pub mod actor;
 pub mod state;
 
-pub use actor::{ControlError, EngineRef, Handle, Lease, Refused, Status};
+pub use actor::{ControlError, EngineRef, Handle, Lease, Refused, Status, ERROR_TAIL_LINES};
