@@ -348,13 +348,6 @@ fn pump(
 ) {
     use std::io::BufRead;
     use std::os::fd::AsFd;
-    let fd = match file.try_clone() {
-        Ok(f) => f,
-        Err(e) => {
-            tracing::warn!(pid, "cannot read the engine's {which}: {e}");
-            return;
-        }
-    };
     let mut reader = std::io::BufReader::with_capacity(READ_BUFFER, file);
     let mut buf = Vec::with_capacity(256);
     // Lines go to the tail at once (errors quote it); to the log in batches.
@@ -366,7 +359,7 @@ fn pump(
                 let left = due.saturating_duration_since(std::time::Instant::now());
                 let ms = u16::try_from(left.as_millis().max(1)).unwrap_or(u16::MAX);
                 let mut fds = [nix::poll::PollFd::new(
-                    fd.as_fd(),
+                    reader.get_ref().as_fd(),
                     nix::poll::PollFlags::POLLIN,
                 )];
                 match nix::poll::poll(&mut fds, nix::poll::PollTimeout::from(ms)) {

@@ -209,11 +209,6 @@ impl Upstream {
         &self.host
     }
 
-    /// How many idle connections the pool holds.
-    pub fn idle_count(&self) -> usize {
-        self.idle.lock().unwrap_or_else(|p| p.into_inner()).len()
-    }
-
     /// The most recently used idle connection that is still open, if any.
     async fn take_idle(&self) -> Option<Conn> {
         loop {
@@ -284,11 +279,7 @@ impl Upstream {
                 // Too large to keep for a second try: only a fresh connection will do.
                 let conn = self.connect().await?;
                 let req = Request::from_parts(parts, RequestBody::Streaming(body));
-                return match self.send(conn, req).await {
-                    Sent::Answered(r) => Ok(r),
-                    Sent::Unsent(_, source) => Err(UpstreamError::Http { addr, source }),
-                    Sent::Lost(source) => Err(lost(addr, source)),
-                };
+                return self.send(conn, req).await.answer(addr);
             }
         };
         let request = |parts: &http::request::Parts| {
@@ -320,11 +311,7 @@ impl Upstream {
             }
         }
         let conn = self.connect().await?;
-        match self.send(conn, req).await {
-            Sent::Answered(r) => Ok(r),
-            Sent::Unsent(_, source) => Err(UpstreamError::Http { addr, source }),
-            Sent::Lost(source) => Err(lost(addr, source)),
-        }
+        self.send(conn, req).await.answer(addr)
     }
 
     /// Sends on one connection, driving it until the answer's head has arrived.
@@ -409,31 +396,28 @@ enum Sent {
     Lost(hyper::Error),
 }
 
-/// Reads a body of known, small size whole. Its frames are shared, not copied, unless
-/// there are several.
-async fn collect(body: ClientBody) -> Result<Bytes, UpstreamError> {
-    let mut body = std::pin::pin!(body);
-    let mut first: Option<Bytes> = None;
-    let mut more: Option<BytesMut> = None;
-    while let Some(frame) = body.frame().await {
-        let Ok(data) = frame.map_err(UpstreamError::Body)?.into_data() else {
-            continue;
-        };
-        match (&first, &mut more) {
-            (None, _) => first = Some(data),
-            (Some(f), None) => {
-                let mut m = BytesMut::with_capacity(f.len() + data.len());
-                m.extend_from_slice(f);
-                m.extend_from_slice(&data);
-                more = Some(m);
-            }
-            (Some(_), Some(m)) => m.extend_from_slice(&data),
+impl Sent {
+    /// The answer, or why there is none, when no other try follows.
+    fn answer(self, addr: SocketAddr) -> Result<Response<UpstreamBody>, UpstreamError> {
+        match self {
+            Sent::Answered(r) => Ok(r),
+            Sent::Unsent(_, source) => Err(UpstreamError::Http { addr, source }),
+            Sent::Lost(source) => Err(lost(addr, source)),
         }
     }
-    Ok(match more {
-        Some(m) => m.freeze(),
-        None => first.unwrap_or_default(),
-    })
+}
+
+/// Reads a body of known, small size whole. A body that came in one frame is shared, not
+/// copied.
+async fn collect(body: ClientBody) -> Result<Bytes, UpstreamError> {
+    let mut body = std::pin::pin!(body);
+    let mut whole = Joined::default();
+    while let Some(frame) = body.frame().await {
+        if let Ok(data) = frame.map_err(UpstreamError::Body)?.into_data() {
+            whole.push(data);
+        }
+    }
+    Ok(whole.take().unwrap_or_default())
 }
 
 /// The engine's response body. Reading it drives its connection; events already received
