@@ -155,6 +155,27 @@ impl OutputTail {
         self.news.notified().await
     }
 
+    /// As [`since`](Self::since), but when no line numbered `since` or later exists yet (the
+    /// caller has seen everything), waits up to `wait` for the next one. A `since` beyond the
+    /// lines pushed so far (numbers from an earlier process) is answered at once.
+    pub async fn since_or_wait(
+        &self,
+        since: u64,
+        max: usize,
+        wait: std::time::Duration,
+    ) -> (u64, Vec<String>) {
+        let news = self.news.notified();
+        tokio::pin!(news);
+        // Registered before looking, so a line pushed in between still wakes this waiter.
+        news.as_mut().enable();
+        let (next, lines) = self.since(since, max);
+        if next != since {
+            return (next, lines);
+        }
+        let _ = tokio::time::timeout(wait, news).await;
+        self.since(since, max)
+    }
+
     /// The last `n` lines, oldest first.
     pub fn last(&self, n: usize) -> Vec<String> {
         let t = self.inner.lock().unwrap_or_else(|p| p.into_inner());
@@ -450,6 +471,41 @@ mod tests {
             tail_lines: 3,
             also: None,
         }
+    }
+
+    #[tokio::test(start_paused = true)]
+    async fn a_follower_waits_for_the_next_line_and_no_longer() {
+        let tail = OutputTail::new(10);
+        tail.push("one".into());
+        // Lines it has not seen: at once.
+        assert_eq!(
+            tail.since_or_wait(0, 10, Duration::from_secs(5)).await,
+            (1, vec!["one".to_string()])
+        );
+        // Numbers from an earlier daemon (beyond what exists): at once, nothing.
+        assert_eq!(
+            tail.since_or_wait(7, 10, Duration::from_secs(5)).await,
+            (1, vec![])
+        );
+        // Nothing new: waits the whole time, then nothing.
+        let t0 = tokio::time::Instant::now();
+        assert_eq!(
+            tail.since_or_wait(1, 10, Duration::from_secs(5)).await,
+            (1, vec![])
+        );
+        assert_eq!(t0.elapsed(), Duration::from_secs(5));
+        // A line written while it waits ends the wait at once.
+        let writer = tail.clone();
+        let t0 = tokio::time::Instant::now();
+        tokio::spawn(async move {
+            tokio::time::sleep(Duration::from_secs(1)).await;
+            writer.push("two".into());
+        });
+        assert_eq!(
+            tail.since_or_wait(1, 10, Duration::from_secs(5)).await,
+            (2, vec!["two".to_string()])
+        );
+        assert_eq!(t0.elapsed(), Duration::from_secs(1));
     }
 
     #[tokio::test]

@@ -14,33 +14,21 @@
 use std::sync::Arc;
 
 use anyhow::Context as _;
-use dsv4_client::{ProfileInfo, BUS_NAME, ERROR_FAILED, ERROR_UNKNOWN_PROFILE, OBJECT_PATH};
+use dsv4_client::{
+    AlertKind, Bus, State, BUS_NAME, ERROR_FAILED, ERROR_START_FAILED, ERROR_UNKNOWN_PROFILE,
+    OBJECT_PATH, WAIT_LOGS_MAX_MS,
+};
 use tokio::sync::{broadcast, watch};
 use zbus::message::Header;
 use zbus::names::ErrorName;
 use zbus::object_server::SignalEmitter;
 use zbus::Connection;
 
+use crate::alert::Alert;
 use crate::config::Config;
-use crate::lifecycle::{ControlError, Handle, Status};
-use crate::reload::Alert;
+use crate::http_error::ApiError;
+use crate::lifecycle::{ControlError, Handle, Refused, Status};
 use crate::stats::Stats;
-
-/// Which bus to serve on.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub enum Bus {
-    System,
-    Session,
-}
-
-impl Bus {
-    fn name(self) -> &'static str {
-        match self {
-            Bus::System => "system",
-            Bus::Session => "session",
-        }
-    }
-}
 
 /// Who may change the supervisor's state besides root.
 #[derive(Debug, Clone)]
@@ -123,8 +111,9 @@ impl From<ControlError> for Fault {
     }
 }
 
-/// The object served at `/io/github/dsv4/Supervisor1`.
-pub struct Supervisor {
+/// The object served at `/io/github/dsv4/Supervisor1` (the D-Bus face of the supervisor; not
+/// to be confused with `config::Supervisor`, the settings of supervisor.yaml).
+pub struct ControlObject {
     lifecycle: Handle,
     config: watch::Receiver<Arc<Config>>,
     stats: Stats,
@@ -142,7 +131,7 @@ pub struct Parts {
     pub alerts: broadcast::Receiver<Alert>,
 }
 
-impl Supervisor {
+impl ControlObject {
     /// Lets root and members of the control group through; everyone else gets AccessDenied
     /// with a message that says what to do.
     async fn authorize(
@@ -186,8 +175,18 @@ impl Supervisor {
     }
 }
 
+impl From<Refused> for Fault {
+    fn from(r: Refused) -> Fault {
+        // The same words as the HTTP error a waiting request gets.
+        Fault {
+            name: ERROR_START_FAILED,
+            message: ApiError::from(r).message,
+        }
+    }
+}
+
 #[zbus::interface(name = "io.github.dsv4.Supervisor1")]
-impl Supervisor {
+impl ControlObject {
     async fn start(
         &self,
         #[zbus(header)] header: Header<'_>,
@@ -195,6 +194,17 @@ impl Supervisor {
     ) -> Result<(), Fault> {
         self.authorize(&header, conn, "Start").await?;
         Ok(self.lifecycle.start().await?)
+    }
+
+    /// Waits like a request: the lease is let go at once, so the idle time counts from now.
+    async fn start_and_wait(
+        &self,
+        #[zbus(header)] header: Header<'_>,
+        #[zbus(connection)] conn: &Connection,
+    ) -> Result<String, Fault> {
+        self.authorize(&header, conn, "StartAndWait").await?;
+        let lease = self.lifecycle.start_and_acquire().await?;
+        Ok(lease.engine.profile.clone())
     }
 
     async fn stop(
@@ -227,25 +237,13 @@ impl Supervisor {
 
     /// The status JSON, the same document as `GET /status`.
     async fn status(&self) -> Result<String, Fault> {
-        crate::proxy::status_document(&self.lifecycle, &self.stats)
-            .map(|v| v.to_string())
-            .map_err(|e| Fault::failed(e.to_string()))
+        let doc = crate::proxy::status_document(&self.lifecycle, &self.stats);
+        serde_json::to_string(&doc).map_err(|e| Fault::failed(e.to_string()))
     }
 
     async fn list_profiles(&self) -> Result<String, Fault> {
         let active = self.lifecycle.status().profile;
-        let config = self.config.borrow().clone();
-        let list: Vec<ProfileInfo> = config
-            .profiles
-            .values()
-            .map(|p| ProfileInfo {
-                name: p.name.clone(),
-                description: p.description.clone(),
-                engine: p.engine.name().to_string(),
-                context: p.context(),
-                active: p.name == active,
-            })
-            .collect();
+        let list = crate::profiles::list(&self.config.borrow(), &active);
         serde_json::to_string(&list).map_err(|e| Fault::failed(e.to_string()))
     }
 
@@ -253,9 +251,14 @@ impl Supervisor {
         self.lifecycle.logs(since, max as usize)
     }
 
+    async fn wait_logs(&self, since: u64, max: u32, wait_ms: u32) -> (u64, Vec<String>) {
+        let wait = std::time::Duration::from_millis(wait_ms.min(WAIT_LOGS_MAX_MS).into());
+        self.lifecycle.wait_logs(since, max as usize, wait).await
+    }
+
     #[zbus(property)]
     async fn state(&self) -> String {
-        self.lifecycle.status().state.to_string()
+        self.lifecycle.status().state.as_str().to_string()
     }
     #[zbus(property)]
     async fn profile(&self) -> String {
@@ -300,12 +303,13 @@ impl Supervisor {
     /// `Alert(kind, message)`: something a desktop user should hear about (a rejected
     /// configuration change, ...).
     #[zbus(signal)]
-    async fn alert(emitter: &SignalEmitter<'_>, kind: &str, message: &str) -> zbus::Result<()>;
+    async fn alert(emitter: &SignalEmitter<'_>, kind: AlertKind, message: &str)
+        -> zbus::Result<()>;
 
     #[zbus(signal, name = "StateChanged")]
     async fn lifecycle_changed(
         emitter: &SignalEmitter<'_>,
-        state: &str,
+        state: State,
         profile: &str,
     ) -> zbus::Result<()>;
 }
@@ -317,7 +321,7 @@ pub async fn serve(bus: Bus, parts: Parts) -> anyhow::Result<Connection> {
         Bus::System => zbus::connection::Builder::system(),
         Bus::Session => zbus::connection::Builder::session(),
     }
-    .with_context(|| format!("connecting to the {} bus", bus.name()))?;
+    .with_context(|| format!("connecting to the {} bus", bus))?;
     let Parts {
         lifecycle,
         config,
@@ -325,7 +329,7 @@ pub async fn serve(bus: Bus, parts: Parts) -> anyhow::Result<Connection> {
         group,
         alerts,
     } = parts;
-    let object = Supervisor {
+    let object = ControlObject {
         lifecycle: lifecycle.clone(),
         config: config.clone(),
         stats,
@@ -339,16 +343,16 @@ pub async fn serve(bus: Bus, parts: Parts) -> anyhow::Result<Connection> {
         .with_context(|| {
             format!(
                 "connecting to the {} bus (use --bus none to run without D-Bus)",
-                bus.name()
+                bus
             )
         })?;
     conn.request_name(BUS_NAME).await.with_context(|| {
         format!(
             "taking the name {BUS_NAME} on the {} bus (is another dsv4d running?)",
-            bus.name()
+            bus
         )
     })?;
-    tracing::info!("control interface on the {} bus as {BUS_NAME}", bus.name());
+    tracing::info!("control interface on the {} bus as {BUS_NAME}", bus);
     tokio::spawn(announce_changes(conn.clone(), lifecycle, config, alerts));
     Ok(conn)
 }
@@ -363,7 +367,7 @@ async fn announce_changes(
 ) {
     let Ok(iface) = conn
         .object_server()
-        .interface::<_, Supervisor>(OBJECT_PATH)
+        .interface::<_, ControlObject>(OBJECT_PATH)
         .await
     else {
         return;
@@ -387,7 +391,7 @@ async fn announce_changes(
             alert = alerts.recv() => {
                 match alert {
                     Ok(a) => {
-                        if let Err(err) = Supervisor::alert(iface.signal_emitter(), a.kind, &a.message).await {
+                        if let Err(err) = ControlObject::alert(iface.signal_emitter(), a.kind, &a.message).await {
                             tracing::debug!("sending an Alert on D-Bus failed: {err}");
                         }
                     }
@@ -403,7 +407,7 @@ async fn announce_changes(
         let mut results = Vec::new();
         if new.state != old.state {
             results.push(obj.state_changed(e).await);
-            results.push(Supervisor::lifecycle_changed(e, new.state, &new.profile).await);
+            results.push(ControlObject::lifecycle_changed(e, new.state, &new.profile).await);
         }
         if new.profile != old.profile {
             results.push(obj.profile_changed(e).await);

@@ -1,5 +1,6 @@
 //! dsv4: the on-demand supervisor for a local LLM engine.
 
+pub mod alert;
 pub mod auth;
 pub mod config;
 pub mod dbus;
@@ -7,6 +8,7 @@ pub mod http_error;
 pub mod lifecycle;
 pub mod listener;
 pub mod metrics;
+pub mod profiles;
 pub mod proxy;
 pub mod reload;
 pub mod state_file;

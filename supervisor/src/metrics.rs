@@ -6,12 +6,10 @@
 
 use std::fmt::Write;
 
+use dsv4_client::State;
+
 use crate::lifecycle::Status;
 use crate::stats::Report;
-
-const STATES: [&str; 6] = [
-    "stopped", "starting", "ready", "draining", "stopping", "backoff",
-];
 
 fn family(out: &mut String, name: &str, kind: &str, help: &str) {
     let _ = writeln!(out, "# HELP {name} {help}");
@@ -33,7 +31,7 @@ pub fn render(status: &Status, requests: &Report) -> String {
         "gauge",
         "Engine lifecycle state: 1 for the current one.",
     );
-    for s in STATES {
+    for s in State::ALL {
         let _ = writeln!(
             o,
             "dsv4_engine_state{{state=\"{s}\"}} {}",
@@ -156,20 +154,12 @@ mod tests {
             predicted_ms: 10_000.0,
         };
         stats.record("320k", "/v1/chat/completions", &t, 20_000.0);
-        let status = Status {
-            state: "ready",
-            profile: "320k".into(),
-            engine_profile: Some("320k".into()),
-            engine_pid: Some(7),
-            generation: Some(2),
-            in_flight: 1,
-            waiting: 0,
-            idle_deadline: None,
-            ready_since: None,
-            failures: 0,
-            last_error: None,
-            restart_pending: false,
-        };
+        let mut status = Status::stopped("320k");
+        status.state = State::Ready;
+        status.engine_profile = Some("320k".into());
+        status.engine_pid = Some(7);
+        status.generation = Some(2);
+        status.in_flight = 1;
         let text = render(&status, &stats.report(0));
         for line in [
             "dsv4_engine_state{state=\"ready\"} 1",

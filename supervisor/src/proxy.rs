@@ -17,6 +17,7 @@ use std::task::{Context, Poll};
 use std::time::{Duration, Instant};
 
 use bytes::Bytes;
+use dsv4_client::Status;
 use http::header::{self, HeaderMap, HeaderName, HeaderValue};
 use http::{Method, Request, Response, StatusCode, Uri};
 use http_body::{Body, Frame, SizeHint};
@@ -245,16 +246,18 @@ async fn handle(ctx: &Ctx, mut req: Request<Incoming>) -> Response<ProxyBody> {
         return r;
     }
     match (own, req.uri().path()) {
-        (true, "/status") => match status_json(ctx) {
-            Ok(v) => json_response(StatusCode::OK, v),
-            Err(e) => ApiError::new(
-                StatusCode::INTERNAL_SERVER_ERROR,
-                "server_error",
-                "internal",
-                e.to_string(),
-            )
-            .into_response(),
-        },
+        (true, "/status") => {
+            match serde_json::to_value(status_document(&ctx.lifecycle, &ctx.stats)) {
+                Ok(v) => json_response(StatusCode::OK, v),
+                Err(e) => ApiError::new(
+                    StatusCode::INTERNAL_SERVER_ERROR,
+                    "server_error",
+                    "internal",
+                    e.to_string(),
+                )
+                .into_response(),
+            }
+        }
         (true, "/v1/models") => json_response(StatusCode::OK, models(ctx)),
         (true, "/metrics") => {
             let text = crate::metrics::render(&ctx.lifecycle.status(), &ctx.stats.report(0));
@@ -309,19 +312,13 @@ fn check_key(
     ))
 }
 
-fn status_json(ctx: &Ctx) -> Result<serde_json::Value, serde_json::Error> {
-    status_document(&ctx.lifecycle, &ctx.stats)
-}
-
-/// The status document (`GET /status`, D-Bus `Status()`): the lifecycle status with the
-/// request statistics under `requests`.
-pub fn status_document(
-    lifecycle: &Handle,
-    stats: &Stats,
-) -> Result<serde_json::Value, serde_json::Error> {
-    let mut v = serde_json::to_value(lifecycle.status())?;
-    v["requests"] = serde_json::to_value(stats.report(5))?;
-    Ok(v)
+/// The status document (`GET /status`, D-Bus `Status()`): the lifecycle's status with the
+/// request statistics (the last few requests in full).
+pub fn status_document(lifecycle: &Handle, stats: &Stats) -> Status {
+    Status {
+        engine: lifecycle.status(),
+        requests: stats.report(5),
+    }
 }
 
 fn json_response(status: StatusCode, v: serde_json::Value) -> Response<ProxyBody> {
@@ -334,23 +331,22 @@ fn json_response(status: StatusCode, v: serde_json::Value) -> Response<ProxyBody
     r
 }
 
-/// `GET /v1/models`: the profiles, from the configuration; needs no engine.
+/// `GET /v1/models`: the profiles, from the configuration; needs no engine. OpenAI's list
+/// shape, with what `ListProfiles()` tells about each.
 fn models(ctx: &Ctx) -> serde_json::Value {
     let active = ctx.lifecycle.status().profile;
-    let config = ctx.config.borrow().clone();
-    let data: Vec<_> = config
-        .profiles
-        .values()
+    let data: Vec<_> = crate::profiles::list(&ctx.config.borrow(), &active)
+        .into_iter()
         .map(|p| {
             json!({
                 "id": p.name,
                 "object": "model",
                 "created": 0,
                 "owned_by": "dsv4",
-                "engine": p.engine.name(),
-                "context": p.context(),
+                "engine": p.engine,
+                "context": p.context,
                 "description": p.description,
-                "active": p.name == active,
+                "active": p.active,
             })
         })
         .collect();

@@ -16,28 +16,23 @@ use std::path::{Path, PathBuf};
 use std::sync::Arc;
 use std::time::Duration;
 
+use dsv4_client::AlertKind;
 use notify::{EventKind, RecursiveMode, Watcher};
 use tokio::signal::unix::{signal, SignalKind};
-use tokio::sync::{broadcast, mpsc, watch};
+use tokio::sync::{mpsc, watch};
 
+use crate::alert::Alerts;
 use crate::config::Config;
 use crate::lifecycle::Handle;
 
 /// Quiet time after the last file event before reloading.
 const DEBOUNCE: Duration = Duration::from_millis(250);
 
-/// Something a desktop user should hear about (shown by `dsv4ctl notify-agent`).
-#[derive(Debug, Clone, PartialEq)]
-pub struct Alert {
-    pub kind: &'static str,
-    pub message: String,
-}
-
 pub struct Reloader {
     pub path: PathBuf,
     pub config: watch::Sender<Arc<Config>>,
     pub lifecycle: Handle,
-    pub alerts: broadcast::Sender<Alert>,
+    pub alerts: Alerts,
 }
 
 /// Whether a file event can change the configuration: a YAML file (or the config file
@@ -122,10 +117,10 @@ impl Reloader {
             Ok(Ok(new)) => new,
             Ok(Err(problems)) => {
                 tracing::error!("{why}: the new configuration is rejected, the last good one stays:\n{problems}");
-                let _ = self.alerts.send(Alert {
-                    kind: "config",
-                    message: format!("configuration change rejected; the last good configuration stays:\n{problems}"),
-                });
+                self.alerts.raise(
+                    AlertKind::Config,
+                    format!("configuration change rejected; the last good configuration stays:\n{problems}"),
+                );
                 return;
             }
             Err(e) => {

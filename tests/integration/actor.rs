@@ -8,9 +8,10 @@ use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use bytes::Bytes;
+use dsv4::alert::Alerts;
 use dsv4::config::Config;
 use dsv4::lifecycle::actor::{self, ControlError, EngineRef, Handle, Lease, Status};
-use dsv4::lifecycle::state::Refusal;
+use dsv4::lifecycle::state::{Refusal, State};
 use http_body_util::{BodyExt, Full};
 use hyper::body::Incoming;
 use support::*;
@@ -39,7 +40,7 @@ impl Rig {
         let path = setup.write(dir.path(), &fake_log);
         extra(dir.path(), &fake_log);
         let config = Config::load(&path).unwrap_or_else(|e| panic!("config: {e}"));
-        let (handle, task) = actor::spawn(Arc::new(config), profile.to_string());
+        let (handle, task) = actor::spawn(Arc::new(config), profile.to_string(), Alerts::default());
         Rig {
             handle,
             task,
@@ -96,7 +97,7 @@ impl Rig {
         }
     }
 
-    async fn wait_state(&self, state: &str, within: Duration) -> Status {
+    async fn wait_state(&self, state: State, within: Duration) -> Status {
         self.wait_status(&format!("state {state}"), within, |s| s.state == state)
             .await
     }
@@ -171,7 +172,7 @@ async fn a_profile_switch_drains_the_stream_then_restarts_with_the_new_profile()
     assert!(first.contains(r#""content":"a""#), "{first}");
 
     rig.handle.set_profile("64k").await.unwrap();
-    let s = rig.wait_state("draining", 2 * SEC).await;
+    let s = rig.wait_state(State::Draining, 2 * SEC).await;
     assert_eq!(s.profile, "64k");
     assert_eq!(s.engine_profile.as_deref(), Some("320k"));
     assert_eq!(s.engine_pid, Some(old.pid));
@@ -206,7 +207,7 @@ async fn a_profile_switch_drains_the_stream_then_restarts_with_the_new_profile()
         tokio::time::timeout(200 * MS, &mut waiter).await.is_err(),
         "acquire resolved while the old lease was still held"
     );
-    assert_eq!(rig.handle.status().state, "draining");
+    assert_eq!(rig.handle.status().state, State::Draining);
     assert!(alive(old.pid.into()));
 
     drop(stream);
@@ -233,7 +234,7 @@ async fn a_profile_switch_drains_the_stream_then_restarts_with_the_new_profile()
     assert!(starts[1].contains("-c 65536"), "{}", starts[1]);
 
     let s = rig.handle.status();
-    assert_eq!(s.state, "ready");
+    assert_eq!(s.state, State::Ready);
     assert_eq!(s.profile, "64k");
     assert_eq!(s.engine_profile.as_deref(), Some("64k"));
     assert_eq!(s.generation, Some(2));
@@ -267,12 +268,12 @@ async fn an_unknown_profile_is_refused_and_changes_nothing() {
 
     // While ready.
     rig.handle.start().await.unwrap();
-    let before = rig.wait_state("ready", 5 * SEC).await;
+    let before = rig.wait_state(State::Ready, 5 * SEC).await;
     let err = rig.handle.set_profile("128k").await.unwrap_err();
     assert!(err.to_string().contains("320k, 64k"), "{err}");
     tokio::time::sleep(100 * MS).await;
     let after = rig.handle.status();
-    assert_eq!(after.state, "ready");
+    assert_eq!(after.state, State::Ready);
     assert_eq!(after.profile, "320k");
     assert_eq!(after.engine_profile.as_deref(), Some("320k"));
     assert_eq!(after.generation, before.generation);
@@ -290,10 +291,10 @@ async fn a_graceful_stop_waits_for_the_lease_and_an_immediate_one_does_not() {
     let lease = rig.acquire().await;
     let pid = lease.engine.pid;
     rig.handle.stop(false).await.unwrap();
-    let s = rig.wait_state("draining", 2 * SEC).await;
+    let s = rig.wait_state(State::Draining, 2 * SEC).await;
     assert_eq!(s.in_flight, 1);
     tokio::time::sleep(300 * MS).await;
-    assert_eq!(rig.handle.status().state, "draining");
+    assert_eq!(rig.handle.status().state, State::Draining);
     assert!(
         !rig.fake_log().contains("sigterm"),
         "engine signalled while a lease was held:\n{}",
@@ -302,9 +303,9 @@ async fn a_graceful_stop_waits_for_the_lease_and_an_immediate_one_does_not() {
     assert!(alive(pid.into()));
 
     drop(lease);
-    rig.wait_state("stopping", 2 * SEC).await;
+    rig.wait_state(State::Stopping, 2 * SEC).await;
     rig.wait_fake_log("sigterm", 2 * SEC).await;
-    let s = rig.wait_state("stopped", 5 * SEC).await;
+    let s = rig.wait_state(State::Stopped, 5 * SEC).await;
     assert_eq!(s.engine_pid, None);
     assert_eq!(s.generation, None);
     assert_eq!(s.in_flight, 0);
@@ -319,10 +320,10 @@ async fn a_graceful_stop_waits_for_the_lease_and_an_immediate_one_does_not() {
     let t = Instant::now();
     let s = rig
         .wait_status("stopping or stopped", 2 * SEC, |s| {
-            s.state == "stopping" || s.state == "stopped"
+            s.state == State::Stopping || s.state == State::Stopped
         })
         .await;
-    assert_ne!(s.state, "draining");
+    assert_ne!(s.state, State::Draining);
     while rig.fake_log().matches("sigterm").count() < 2 {
         assert!(
             t.elapsed() < 2 * SEC,
@@ -331,17 +332,17 @@ async fn a_graceful_stop_waits_for_the_lease_and_an_immediate_one_does_not() {
         );
         tokio::time::sleep(10 * MS).await;
     }
-    rig.wait_state("stopped", 5 * SEC).await;
+    rig.wait_state(State::Stopped, 5 * SEC).await;
     wait_gone(pid, 2 * SEC).await;
     // A lease on the stopped engine is released harmlessly; a new one starts generation 3.
     drop(lease);
     tokio::time::sleep(50 * MS).await;
     let s = rig.handle.status();
-    assert_eq!((s.state, s.in_flight), ("stopped", 0));
+    assert_eq!((s.state, s.in_flight), (State::Stopped, 0));
     let lease = rig.acquire().await;
     assert_eq!(lease.engine.gen, 3);
     rig.wait_status("one lease", 2 * SEC, |s| {
-        s.state == "ready" && s.in_flight == 1
+        s.state == State::Ready && s.in_flight == 1
     })
     .await;
     drop(lease);
@@ -365,8 +366,10 @@ async fn a_slow_ds4_stop_gets_its_time_and_an_engine_ignoring_sigterm_is_killed(
         rig.starts()
     );
     drop(lease);
-    rig.wait_status("idle", 2 * SEC, |s| s.state == "ready" && s.in_flight == 0)
-        .await;
+    rig.wait_status("idle", 2 * SEC, |s| {
+        s.state == State::Ready && s.in_flight == 0
+    })
+    .await;
 
     let t0 = Instant::now();
     rig.handle.stop(false).await.unwrap();
@@ -374,7 +377,7 @@ async fn a_slow_ds4_stop_gets_its_time_and_an_engine_ignoring_sigterm_is_killed(
     tokio::time::sleep(SEC.saturating_sub(t0.elapsed())).await;
     assert!(alive(pid.into()), "engine ended early");
     assert!(exit.borrow().is_none());
-    assert_eq!(rig.handle.status().state, "stopping");
+    assert_eq!(rig.handle.status().state, State::Stopping);
 
     let report = tokio::time::timeout(4 * SEC, exit.wait_for(Option::is_some))
         .await
@@ -386,7 +389,7 @@ async fn a_slow_ds4_stop_gets_its_time_and_an_engine_ignoring_sigterm_is_killed(
     // Exit code 0: it ran its SIGTERM course (a SIGINT would make it exit 1, SIGKILL gives a signal).
     assert_eq!((report.code, report.signal), (Some(0), None), "{report}");
     assert!(took >= 1400 * MS, "exited after {took:?}");
-    let s = rig.wait_state("stopped", 2 * SEC).await;
+    let s = rig.wait_state(State::Stopped, 2 * SEC).await;
     assert_eq!(s.last_error, None);
     assert_eq!(s.engine_pid, None);
 
@@ -396,7 +399,7 @@ async fn a_slow_ds4_stop_gets_its_time_and_an_engine_ignoring_sigterm_is_killed(
         .knob("ignore_sigterm", "1");
     let rig = Rig::new(&setup);
     rig.handle.start().await.unwrap();
-    let s = rig.wait_state("ready", 5 * SEC).await;
+    let s = rig.wait_state(State::Ready, 5 * SEC).await;
     let pid = s.engine_pid.unwrap();
     let lease = rig.acquire().await;
     let mut exit = lease.engine.exit.clone();
@@ -418,16 +421,16 @@ async fn a_slow_ds4_stop_gets_its_time_and_an_engine_ignoring_sigterm_is_killed(
         took >= 900 * MS,
         "killed after {took:?}, before stop_timeout"
     );
-    let s = rig.wait_state("stopped", 2 * SEC).await;
+    let s = rig.wait_state(State::Stopped, 2 * SEC).await;
     assert_eq!(s.last_error, None);
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn start_brings_the_engine_up_without_a_request() {
     let rig = Rig::new(&Setup::default());
-    assert_eq!(rig.handle.status().state, "stopped");
+    assert_eq!(rig.handle.status().state, State::Stopped);
     rig.handle.start().await.unwrap();
-    let s = rig.wait_state("ready", 5 * SEC).await;
+    let s = rig.wait_state(State::Ready, 5 * SEC).await;
     let pid = s.engine_pid.expect("engine_pid");
     assert!(alive(pid.into()));
     assert_eq!(s.generation, Some(1));
@@ -464,7 +467,7 @@ async fn shutdown_waits_for_the_stream_then_stops_the_engine_and_ends_the_actor(
     let h = rig.handle.clone();
     let t0 = Instant::now();
     let mut shutdown = tokio::spawn(async move { h.shutdown().await });
-    rig.wait_state("draining", 2 * SEC).await;
+    rig.wait_state(State::Draining, 2 * SEC).await;
     // No new leases once shutting down.
     let refused = tokio::time::timeout(2 * SEC, rig.handle.acquire())
         .await
@@ -541,7 +544,11 @@ async fn dropping_every_handle_stops_the_engine_within_stop_timeout() {
         .knob("ignore_sigterm", "1");
     let rig = Rig::new(&setup);
     rig.handle.start().await.unwrap();
-    let pid = rig.wait_state("ready", 5 * SEC).await.engine_pid.unwrap();
+    let pid = rig
+        .wait_state(State::Ready, 5 * SEC)
+        .await
+        .engine_pid
+        .unwrap();
     let Rig {
         handle,
         task,

@@ -7,7 +7,7 @@ use std::path::PathBuf;
 use std::process::{Command, Output};
 use std::time::{Duration, Instant};
 
-use dsv4_client::Supervisor1Proxy;
+use dsv4_client::{State, Supervisor1Proxy};
 use futures_util::StreamExt;
 use support::*;
 
@@ -67,6 +67,17 @@ fn setup(bus: &PrivateBus) -> Setup {
     s
 }
 
+/// A connection to `bus` and the typed proxy of the daemon on it.
+async fn client(bus: &PrivateBus) -> (zbus::Connection, Supervisor1Proxy<'static>) {
+    let conn = zbus::connection::Builder::address(bus.address.as_str())
+        .unwrap()
+        .build()
+        .await
+        .unwrap();
+    let proxy = Supervisor1Proxy::new(&conn).await.unwrap();
+    (conn, proxy)
+}
+
 async fn wait_bus_name(d: &Daemon, bus: &PrivateBus) {
     let t = Instant::now();
     loop {
@@ -89,12 +100,7 @@ async fn start_switch_profile_and_stop_with_dsv4ctl() {
     wait_bus_name(&d, &bus).await;
 
     // Every State change, as PropertiesChanged carries it.
-    let conn = zbus::connection::Builder::address(bus.address.as_str())
-        .unwrap()
-        .build()
-        .await
-        .unwrap();
-    let proxy = Supervisor1Proxy::new(&conn).await.unwrap();
+    let (_conn, proxy) = client(&bus).await;
     let mut changes = proxy.receive_state_changed().await;
     let seen = std::sync::Arc::new(std::sync::Mutex::new(Vec::<String>::new()));
     let sink = seen.clone();
@@ -109,8 +115,8 @@ async fn start_switch_profile_and_stop_with_dsv4ctl() {
     let out = ctl(&bus.address, &["status", "--json"], None);
     assert_eq!(out.status.code(), Some(0), "{}", text(&out.stderr));
     let s: dsv4_client::Status = serde_json::from_slice(&out.stdout).expect("status --json parses");
-    assert_eq!(s.state, "stopped");
-    assert_eq!(s.profile, "320k");
+    assert_eq!(s.engine.state, State::Stopped);
+    assert_eq!(s.engine.profile, "320k");
 
     let out = ctl(&bus.address, &["start", "--wait"], None);
     assert_eq!(
@@ -152,7 +158,13 @@ async fn start_switch_profile_and_stop_with_dsv4ctl() {
     let out = ctl(&bus.address, &["stop"], None);
     assert_eq!(out.status.code(), Some(0), "{}", text(&out.stderr));
     d.wait_state("stopped", 10 * SEC).await;
-    assert_eq!(proxy.engine_pid().await.unwrap(), 0);
+    // The proxy's cached properties follow PropertiesChanged, which may come a moment after
+    // the HTTP status already says stopped.
+    let t = Instant::now();
+    while proxy.engine_pid().await.unwrap() != 0 {
+        assert!(t.elapsed() < 5 * SEC, "EnginePid never went back to 0");
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
 
     // The States went by in order, each announced.
     tokio::time::sleep(Duration::from_millis(200)).await;
@@ -253,7 +265,7 @@ async fn the_chosen_profile_survives_a_daemon_restart() {
     wait_bus_name(&d, &bus).await;
     let out = ctl(&bus.address, &["status", "--json"], None);
     let st: dsv4_client::Status = serde_json::from_slice(&out.stdout).unwrap();
-    assert_eq!(st.profile, "64k");
+    assert_eq!(st.engine.profile, "64k");
     // and the next start uses it
     let (status, _, _) = body_json(d.post("/v1/chat/completions", chat(2, false)).await).await;
     assert_eq!(status, 200);
@@ -285,11 +297,22 @@ async fn start_wait_fails_with_the_engine_error() {
     let bus = PrivateBus::start();
     let d = Daemon::start(&setup(&bus).knob("fail_start", "exit:7"));
     wait_bus_name(&d, &bus).await;
-    let out = ctl(&bus.address, &["start", "--wait"], None);
-    let err = text(&out.stderr);
-    assert_eq!(out.status.code(), Some(1), "{err}");
-    assert!(err.starts_with("dsv4ctl: engine failed to start"), "{err}");
-    assert!(err.contains("exit code 7"), "{err}");
+    // Twice: the second start comes while the daemon backs off after the first failure, and
+    // must be a real try answered by its own failure, not an old state read as the answer.
+    for attempt in 1..=2 {
+        let t = Instant::now();
+        let out = ctl(&bus.address, &["start", "--wait"], None);
+        let took = t.elapsed();
+        let err = text(&out.stderr);
+        assert_eq!(out.status.code(), Some(1), "{err}");
+        assert!(err.starts_with("dsv4ctl: engine failed to start"), "{err}");
+        assert!(err.contains("exit code 7"), "{err}");
+        // The engine's last lines, as the daemon quotes them.
+        assert!(err.contains("failed to load model"), "{err}");
+        // The engine fails at once; the answer follows it, with no grace period.
+        assert!(took < SEC, "attempt {attempt}: dsv4ctl took {took:?}");
+        assert_eq!(d.starts().len(), attempt, "{}", d.log());
+    }
     // the daemon is fine
     let out = ctl(&bus.address, &["status"], None);
     assert_eq!(out.status.code(), Some(0));
@@ -298,6 +321,123 @@ async fn start_wait_fails_with_the_engine_error() {
         "{}",
         text(&out.stdout)
     );
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn start_wait_shows_the_states_the_daemon_announces() {
+    let bus = PrivateBus::start();
+    let d = Daemon::start(&setup(&bus).knob("load_ms", "600"));
+    wait_bus_name(&d, &bus).await;
+    let t = Instant::now();
+    let out = ctl(&bus.address, &["start", "--wait"], None);
+    let took = t.elapsed();
+    let stdout = text(&out.stdout);
+    assert_eq!(out.status.code(), Some(0), "{stdout}{}", text(&out.stderr));
+    let lines: Vec<&str> = stdout.lines().collect();
+    assert_eq!(lines.first(), Some(&"starting"), "{stdout}");
+    assert!(
+        lines.last().is_some_and(|l| l.starts_with("ready after ")),
+        "{stdout}"
+    );
+    // It waited for the load, and not much longer.
+    assert!(took >= Duration::from_millis(600), "{took:?}");
+    assert!(took < 3 * SEC, "{took:?}");
+    assert_eq!(d.status().await["state"], State::Ready.as_str());
+    // Already ready: answered at once.
+    let out = ctl(&bus.address, &["--json", "start", "--wait"], None);
+    assert_eq!(out.status.code(), Some(0), "{}", text(&out.stderr));
+    let s: dsv4_client::Status = serde_json::from_slice(&out.stdout).unwrap();
+    assert_eq!(s.engine.state, State::Ready);
+    assert_eq!(d.starts().len(), 1);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn logs_follow_prints_new_lines_as_the_engine_writes_them() {
+    use std::io::{BufRead, BufReader};
+    let bus = PrivateBus::start();
+    let d = Daemon::start(&setup(&bus));
+    wait_bus_name(&d, &bus).await;
+    let out = ctl(&bus.address, &["start", "--wait"], None);
+    assert_eq!(out.status.code(), Some(0), "{}", text(&out.stderr));
+    let mut follow = Command::new(DSV4CTL)
+        .args(["--bus", "session", "logs", "-f", "-n", "1"])
+        .env("DBUS_SESSION_BUS_ADDRESS", &bus.address)
+        .stdout(std::process::Stdio::piped())
+        .stderr(std::process::Stdio::null())
+        .spawn()
+        .unwrap();
+    let (tx, rx) = std::sync::mpsc::channel::<String>();
+    let stdout = follow.stdout.take().unwrap();
+    std::thread::spawn(move || {
+        for line in BufReader::new(stdout).lines() {
+            let Ok(line) = line else { return };
+            if tx.send(line).is_err() {
+                return;
+            }
+        }
+    });
+    // The last line so far comes first.
+    rx.recv_timeout(5 * SEC).expect("logs -f printed nothing");
+    // A request makes the engine log; the line shows up while logs -f keeps running.
+    tokio::time::sleep(Duration::from_millis(200)).await;
+    let resp = d.post("/v1/chat/completions", chat(2, false)).await;
+    assert_eq!(resp.status(), 200);
+    let deadline = Instant::now() + 5 * SEC;
+    let mut seen = Vec::new();
+    loop {
+        let left = deadline.saturating_duration_since(Instant::now());
+        match rx.recv_timeout(left) {
+            Ok(line) if line.contains("/v1/chat/completions") => break,
+            Ok(line) => seen.push(line),
+            Err(_) => panic!(
+                "the request's log line never came; saw {seen:?}\n{}",
+                d.log()
+            ),
+        }
+    }
+    assert!(follow.try_wait().unwrap().is_none(), "logs -f ended");
+    // Ctrl-C ends it cleanly.
+    nix::sys::signal::kill(
+        nix::unistd::Pid::from_raw(follow.id() as i32),
+        nix::sys::signal::Signal::SIGINT,
+    )
+    .unwrap();
+    let status = follow.wait().unwrap();
+    assert_eq!(status.code(), Some(0));
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_engine_that_dies_while_serving_raises_an_alert() {
+    let bus = PrivateBus::start();
+    let d = Daemon::start(&setup(&bus).knob("die_after_tokens", "3"));
+    wait_bus_name(&d, &bus).await;
+    let (_conn, proxy) = client(&bus).await;
+    let mut alerts = proxy.receive_alert().await.unwrap();
+    // A clean start and stop raise nothing.
+    let out = ctl(&bus.address, &["start", "--wait"], None);
+    assert_eq!(out.status.code(), Some(0), "{}", text(&out.stderr));
+    let out = ctl(&bus.address, &["stop"], None);
+    assert_eq!(out.status.code(), Some(0), "{}", text(&out.stderr));
+    d.wait_state("stopped", 10 * SEC).await;
+    // A request that makes it die mid-answer does.
+    let resp = d.post("/v1/chat/completions", chat(10, false)).await;
+    assert_eq!(resp.status(), 502);
+    let alert = tokio::time::timeout(5 * SEC, alerts.next())
+        .await
+        .expect("no Alert signal")
+        .unwrap();
+    let args = alert.args().unwrap();
+    assert_eq!(args.kind, dsv4_client::AlertKind::Engine);
+    assert!(args.message.contains("profile 320k"), "{}", args.message);
+    assert!(args.message.contains("exit code 3"), "{}", args.message);
+    assert!(
+        args.message.contains("dying on purpose"),
+        "{}",
+        args.message
+    );
+    // Only the crash: nothing else is queued.
+    let more = tokio::time::timeout(Duration::from_millis(300), alerts.next()).await;
+    assert!(more.is_err(), "unexpected second alert");
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

@@ -76,16 +76,7 @@ async fn an_invalid_edit_is_rejected_whole_with_an_alert() {
         assert!(t.elapsed() < 10 * SEC, "no daemon on the bus\n{}", d.log());
         tokio::time::sleep(Duration::from_millis(50)).await;
     };
-    let rule = zbus::MatchRule::builder()
-        .msg_type(zbus::message::Type::Signal)
-        .interface(dsv4_client::INTERFACE)
-        .unwrap()
-        .member("Alert")
-        .unwrap()
-        .build();
-    let mut alerts = zbus::MessageStream::for_match_rule(rule, &conn, None)
-        .await
-        .unwrap();
+    let mut alerts = proxy.receive_alert().await.unwrap();
 
     let cfg = d.dir.path().join("supervisor.yaml");
     let text = std::fs::read_to_string(&cfg).unwrap();
@@ -95,13 +86,13 @@ async fn an_invalid_edit_is_rejected_whole_with_an_alert() {
         "idle_timeout: banana\n  stop_timeout: 5s\n  max_wating: 3",
     );
     editor_save(&cfg, &bad);
-    let msg = tokio::time::timeout(5 * SEC, alerts.next())
+    let alert = tokio::time::timeout(5 * SEC, alerts.next())
         .await
         .expect("no Alert signal")
-        .unwrap()
         .unwrap();
-    let (kind, message): (String, String) = msg.body().deserialize().unwrap();
-    assert_eq!(kind, "config");
+    let args = alert.args().unwrap();
+    let (kind, message) = (args.kind, args.message.to_string());
+    assert_eq!(kind, dsv4_client::AlertKind::Config);
     assert!(message.contains("supervisor.yaml:"), "{message}");
     assert!(
         message.contains("idle_timeout") || message.contains("max_wating"),

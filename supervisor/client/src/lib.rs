@@ -1,11 +1,14 @@
 //! The client side of dsv4's control interface: D-Bus names, the proxy for
 //! `io.github.dsv4.Supervisor1`, and the JSON types of `Status()` / `GET /status`.
 //!
-//! Owns: the contract as a client sees it. Must not: depend on the daemon's internals;
-//! `dsv4ctl` links this crate only, and the daemon's tests check that what it serves
-//! parses into these types.
+//! Owns: the project's shared vocabulary: the engine [`State`], the [`Status`] document, the
+//! [`Bus`], [`ProfileInfo`] and the [`AlertKind`]s. The daemon publishes these very types and
+//! `dsv4ctl` parses them, so the two cannot drift apart. Must not: depend on the daemon's
+//! internals; `dsv4ctl` links this crate only.
 
 use std::collections::BTreeMap;
+use std::fmt;
+use std::str::FromStr;
 
 use serde::{Deserialize, Serialize};
 
@@ -18,6 +21,11 @@ pub const CONTROL_GROUP: &str = "dsv4";
 /// Error names beyond the standard `org.freedesktop.DBus.Error.AccessDenied`.
 pub const ERROR_UNKNOWN_PROFILE: &str = "io.github.dsv4.Supervisor1.Error.UnknownProfile";
 pub const ERROR_FAILED: &str = "io.github.dsv4.Supervisor1.Error.Failed";
+/// `StartAndWait()` was answered with a refusal: the engine did not start (its message says
+/// why, with the engine's last lines), the start timed out, or it was cancelled.
+pub const ERROR_START_FAILED: &str = "io.github.dsv4.Supervisor1.Error.StartFailed";
+/// The longest `WaitLogs()` waits for a line, whatever the caller asks.
+pub const WAIT_LOGS_MAX_MS: u32 = 10_000;
 
 /// `io.github.dsv4.Supervisor1`.
 ///
@@ -31,6 +39,12 @@ pub const ERROR_FAILED: &str = "io.github.dsv4.Supervisor1.Error.Failed";
 pub trait Supervisor1 {
     /// Starts the engine of the active profile now.
     fn start(&self) -> zbus::Result<()>;
+    /// Starts the engine of the active profile (a failed start's backoff is skipped) and
+    /// returns once it is ready, with the profile it runs; or fails with
+    /// [`ERROR_START_FAILED`] and the reason (the engine's last lines included) as soon as the
+    /// start fails, times out or is cancelled. It waits like a request does, so it can take
+    /// as long as the engine takes to load (at most `engine.start_timeout`).
+    fn start_and_wait(&self) -> zbus::Result<String>;
     /// Stops the engine once in-flight requests have finished.
     fn stop(&self) -> zbus::Result<()>;
     /// Stops the engine at once, cutting in-flight requests.
@@ -45,8 +59,12 @@ pub trait Supervisor1 {
     /// Engine output lines numbered from `since` on (at most the last `max` of them), and the
     /// number to ask from next time. Numbers run across engine restarts.
     fn logs(&self, since: u64, max: u32) -> zbus::Result<(u64, Vec<String>)>;
+    /// As [`logs`](Self::logs), but when no line numbered `since` or later exists yet, waits
+    /// up to `wait_ms` (at most [`WAIT_LOGS_MAX_MS`]) for the engine to write one: `logs -f`
+    /// asks again as soon as it has an answer, and costs nothing while the engine is quiet.
+    fn wait_logs(&self, since: u64, max: u32, wait_ms: u32) -> zbus::Result<(u64, Vec<String>)>;
 
-    /// stopped | starting | ready | draining | stopping | backoff
+    /// A [`State`] by name (`.parse::<State>()`).
     #[zbus(property)]
     fn state(&self) -> zbus::Result<String>;
     /// The active profile (the next start uses it).
@@ -74,28 +92,228 @@ pub trait Supervisor1 {
     /// `StateChanged(state, profile)`: the lifecycle state changed. (Named apart in Rust
     /// from the `State` property's own change stream.)
     #[zbus(signal, name = "StateChanged")]
-    fn lifecycle_changed(&self, state: &str, profile: &str) -> zbus::Result<()>;
+    fn lifecycle_changed(&self, state: State, profile: &str) -> zbus::Result<()>;
+
+    /// `Alert(kind, message)`: something a desktop user should hear about.
+    #[zbus(signal)]
+    fn alert(&self, kind: AlertKind, message: &str) -> zbus::Result<()>;
 }
 
-/// `Status()` / `GET /status`.
+/// The engine's lifecycle state. Serialized lower-case, as in `Status()`, the `State`
+/// property, `StateChanged` and the `dsv4_engine_state` metric.
+#[derive(
+    Debug,
+    Clone,
+    Copy,
+    PartialEq,
+    Eq,
+    Hash,
+    PartialOrd,
+    Ord,
+    Serialize,
+    Deserialize,
+    zbus::zvariant::Type,
+)]
+#[serde(rename_all = "lowercase")]
+#[zvariant(signature = "s")]
+pub enum State {
+    /// No engine runs; the next request starts one.
+    Stopped,
+    /// The engine was spawned and is loading; requests wait for it.
+    Starting,
+    /// The engine answers requests.
+    Ready,
+    /// The engine finishes its in-flight requests before it stops (or restarts).
+    Draining,
+    /// The engine was signalled and is on its way out.
+    Stopping,
+    /// A start failed; the next one is allowed after a pause.
+    Backoff,
+}
+
+impl State {
+    /// Every state, in lifecycle order.
+    pub const ALL: [State; 6] = [
+        State::Stopped,
+        State::Starting,
+        State::Ready,
+        State::Draining,
+        State::Stopping,
+        State::Backoff,
+    ];
+
+    pub fn as_str(self) -> &'static str {
+        match self {
+            State::Stopped => "stopped",
+            State::Starting => "starting",
+            State::Ready => "ready",
+            State::Draining => "draining",
+            State::Stopping => "stopping",
+            State::Backoff => "backoff",
+        }
+    }
+
+    /// Whether an engine process exists in this state.
+    pub fn has_engine(self) -> bool {
+        matches!(
+            self,
+            State::Starting | State::Ready | State::Draining | State::Stopping
+        )
+    }
+}
+
+impl fmt::Display for State {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str(self.as_str())
+    }
+}
+
+/// A name that is not one of the [`State`]s.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct UnknownState(pub String);
+
+impl fmt::Display for UnknownState {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        write!(f, "unknown engine state {:?}; states: ", self.0)?;
+        let names: Vec<&str> = State::ALL.iter().map(|s| s.as_str()).collect();
+        f.write_str(&names.join(", "))
+    }
+}
+
+impl std::error::Error for UnknownState {}
+
+impl FromStr for State {
+    type Err = UnknownState;
+    fn from_str(s: &str) -> Result<State, UnknownState> {
+        State::ALL
+            .into_iter()
+            .find(|st| st.as_str() == s)
+            .ok_or_else(|| UnknownState(s.to_string()))
+    }
+}
+
+/// The message bus the supervisor's control interface is on.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+#[cfg_attr(feature = "clap", derive(clap::ValueEnum))]
+pub enum Bus {
+    /// The system bus (dsv4d as a system service).
+    System,
+    /// The session bus of the user (dsv4d run by hand or as a user service).
+    Session,
+}
+
+impl Bus {
+    pub fn as_str(self) -> &'static str {
+        match self {
+            Bus::System => "system",
+            Bus::Session => "session",
+        }
+    }
+}
+
+impl fmt::Display for Bus {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str(self.as_str())
+    }
+}
+
+impl FromStr for Bus {
+    type Err = String;
+    fn from_str(s: &str) -> Result<Bus, String> {
+        match s.trim().to_ascii_lowercase().as_str() {
+            "system" => Ok(Bus::System),
+            "session" => Ok(Bus::Session),
+            _ => Err(format!("the bus must be system or session, not {s:?}")),
+        }
+    }
+}
+
+/// What an `Alert(kind, message)` is about. On the bus the kind is its lower-case name; a
+/// kind this client does not know (from a newer daemon) arrives as [`AlertKind::Other`].
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Serialize, Deserialize, zbus::zvariant::Type)]
+#[serde(rename_all = "lowercase")]
+#[zvariant(signature = "s")]
+pub enum AlertKind {
+    /// A configuration change was rejected; the last good configuration stays in force.
+    Config,
+    /// The engine died while it was serving (not at a stop the supervisor asked for).
+    Engine,
+    /// A kind this client does not know.
+    #[serde(other)]
+    Other,
+}
+
+impl AlertKind {
+    pub fn as_str(self) -> &'static str {
+        match self {
+            AlertKind::Config => "config",
+            AlertKind::Engine => "engine",
+            AlertKind::Other => "other",
+        }
+    }
+}
+
+impl fmt::Display for AlertKind {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str(self.as_str())
+    }
+}
+
+/// The engine's part of [`Status`]: what the lifecycle actor publishes.
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
-pub struct Status {
-    pub state: String,
+pub struct EngineStatus {
+    pub state: State,
+    /// The active profile: the one the next start uses.
     pub profile: String,
+    /// The profile of the engine that runs now, if one does.
     pub engine_profile: Option<String>,
     pub engine_pid: Option<u32>,
+    /// Counts engine starts; stale events from an older engine are told apart by it.
     pub generation: Option<u64>,
+    /// Requests holding a lease on the engine (streams until their last byte).
     pub in_flight: u32,
+    /// Requests waiting for the engine to become ready.
     pub waiting: usize,
-    /// Unix time (s).
+    /// Unix time (s) at which the idle engine will be stopped.
     pub idle_deadline: Option<f64>,
-    /// Unix time (s).
+    /// Unix time (s) at which the engine became ready.
     pub ready_since: Option<f64>,
+    /// Consecutive failed starts.
     pub failures: u32,
+    /// Why the last start failed or the engine died.
     pub last_error: Option<String>,
     /// The running engine's profile changed in the configuration; it applies at the next start.
     #[serde(default)]
     pub restart_pending: bool,
+}
+
+impl EngineStatus {
+    /// No engine, nothing waiting: how a supervisor begins.
+    pub fn stopped(profile: impl Into<String>) -> EngineStatus {
+        EngineStatus {
+            state: State::Stopped,
+            profile: profile.into(),
+            engine_profile: None,
+            engine_pid: None,
+            generation: None,
+            in_flight: 0,
+            waiting: 0,
+            idle_deadline: None,
+            ready_since: None,
+            failures: 0,
+            last_error: None,
+            restart_pending: false,
+        }
+    }
+}
+
+/// `Status()` / `GET /status` / `dsv4ctl status --json`: one document, made of parts. The
+/// engine's fields sit at the top level (so `.state` is the engine state); each other part
+/// has a key of its own.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct Status {
+    #[serde(flatten)]
+    pub engine: EngineStatus,
     pub requests: Requests,
 }
 
@@ -143,4 +361,95 @@ pub struct ProfileInfo {
     pub engine: String,
     pub context: Option<u32>,
     pub active: bool,
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn states_are_their_lower_case_names_everywhere() {
+        for s in State::ALL {
+            let json = serde_json::to_string(&s).unwrap();
+            assert_eq!(json, format!("\"{}\"", s.as_str()));
+            assert_eq!(serde_json::from_str::<State>(&json).unwrap(), s);
+            assert_eq!(s.as_str().parse::<State>(), Ok(s));
+            assert_eq!(s.to_string(), s.as_str());
+        }
+        let bad = "loading".parse::<State>().unwrap_err();
+        assert_eq!(
+            bad.to_string(),
+            "unknown engine state \"loading\"; states: stopped, starting, ready, draining, \
+             stopping, backoff"
+        );
+    }
+
+    #[test]
+    fn states_with_an_engine() {
+        let with: Vec<State> = State::ALL.into_iter().filter(|s| s.has_engine()).collect();
+        assert_eq!(
+            with,
+            [
+                State::Starting,
+                State::Ready,
+                State::Draining,
+                State::Stopping
+            ]
+        );
+    }
+
+    #[test]
+    fn an_alert_kind_from_a_newer_daemon_is_other() {
+        let k: AlertKind = serde_json::from_str("\"thermal-x\"").unwrap();
+        assert_eq!(k, AlertKind::Other);
+        let k: AlertKind = serde_json::from_str("\"engine\"").unwrap();
+        assert_eq!(k, AlertKind::Engine);
+        assert_eq!(
+            serde_json::to_string(&AlertKind::Config).unwrap(),
+            "\"config\""
+        );
+    }
+
+    #[test]
+    fn alert_kinds_and_states_travel_as_strings_on_the_bus() {
+        use zbus::zvariant::{serialized::Context, to_bytes, Type, LE};
+        assert_eq!(AlertKind::SIGNATURE, &zbus::zvariant::Signature::Str);
+        assert_eq!(State::SIGNATURE, &zbus::zvariant::Signature::Str);
+        let ctxt = Context::new_dbus(LE, 0);
+        let bytes = to_bytes(ctxt, &(AlertKind::Engine, "gone")).unwrap();
+        let (back, _): ((AlertKind, String), _) = bytes.deserialize().unwrap();
+        assert_eq!(back, (AlertKind::Engine, "gone".to_string()));
+        let unknown = to_bytes(ctxt, &("memory-pressure", "x")).unwrap();
+        let (back, _): ((AlertKind, String), _) = unknown.deserialize().unwrap();
+        assert_eq!(back.0, AlertKind::Other);
+        let state = to_bytes(ctxt, &State::Backoff).unwrap();
+        let (s, _): (String, _) = state.deserialize().unwrap();
+        assert_eq!(s, "backoff");
+    }
+
+    #[test]
+    fn the_status_document_keeps_the_engine_fields_at_the_top() {
+        let s = Status {
+            engine: EngineStatus::stopped("320k"),
+            requests: Requests::default(),
+        };
+        let v = serde_json::to_value(&s).unwrap();
+        assert_eq!(v["state"], "stopped");
+        assert_eq!(v["profile"], "320k");
+        assert!(v["requests"]["by_profile"].is_object());
+        assert!(v.get("engine").is_none());
+        let back: Status = serde_json::from_value(v).unwrap();
+        assert_eq!(back, s);
+    }
+
+    #[test]
+    fn buses_by_name() {
+        assert_eq!("system".parse::<Bus>(), Ok(Bus::System));
+        assert_eq!(" Session ".parse::<Bus>(), Ok(Bus::Session));
+        assert!("user"
+            .parse::<Bus>()
+            .unwrap_err()
+            .contains("system or session"));
+        assert_eq!(Bus::Session.to_string(), "session");
+    }
 }

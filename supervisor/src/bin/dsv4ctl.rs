@@ -14,45 +14,22 @@ mod bus;
 mod error;
 #[path = "dsv4ctl/render.rs"]
 mod render;
-#[path = "dsv4ctl/wait.rs"]
-mod wait;
 
-use std::fmt;
 use std::io::{IsTerminal, Write};
 use std::process::ExitCode;
 use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
 
 use clap::{CommandFactory, Parser, Subcommand, ValueEnum};
-use dsv4_client::Status;
+use dsv4_client::{Bus, EngineStatus, State};
+use futures_util::StreamExt;
 
 use crate::bus::Daemon;
 use crate::error::Failure;
-use crate::wait::{StartWait, Step};
 
-/// How often `start --wait` looks at the status.
-const WAIT_POLL: Duration = Duration::from_millis(100);
-/// How often `logs -f` asks for new lines.
-const FOLLOW_POLL: Duration = Duration::from_millis(300);
-/// The most lines one `logs -f` poll asks for.
+/// How long one `logs -f` question waits for a new line before it is asked again.
+const FOLLOW_WAIT: Duration = Duration::from_secs(10);
+/// The most lines one `logs -f` question asks for.
 const FOLLOW_MAX: u32 = 10_000;
-
-/// The message bus dsv4d is on.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, ValueEnum)]
-pub enum Bus {
-    /// The system bus (dsv4d as a system service).
-    System,
-    /// The session bus of the user (dsv4d run by hand or as a user service).
-    Session,
-}
-
-impl fmt::Display for Bus {
-    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        f.write_str(match self {
-            Bus::System => "system",
-            Bus::Session => "session",
-        })
-    }
-}
 
 /// Control dsv4d, the on-demand supervisor of a local LLM engine.
 ///
@@ -91,9 +68,10 @@ enum Command {
     Status,
     /// Start the engine of the active profile now
     ///
-    /// Calls Start(): the engine starts without waiting for a request. With --wait, waits
-    /// until it is ready and shows its progress; it fails (exit 1) if the engine does not
-    /// start.
+    /// Calls Start(): the engine starts without waiting for a request. With --wait, calls
+    /// StartAndWait() instead: the daemon answers once the engine is ready, or with the
+    /// reason (and the engine's last lines) as soon as the start fails (exit 1). The states
+    /// it goes through are shown as the daemon announces them (StateChanged).
     Start {
         /// Wait until the engine is ready
         #[arg(long)]
@@ -271,81 +249,93 @@ async fn start(
     wait: bool,
     timeout: Option<Duration>,
 ) -> Result<(), Failure> {
-    let before = daemon.status().await?;
-    let t0 = Instant::now();
-    daemon.start().await?;
     if wait {
-        let s = wait_ready(daemon, &before, t0, timeout, !json).await?;
-        return if json { print_json(&s) } else { Ok(()) };
+        wait_ready(daemon, timeout, !json).await?;
+        return if json {
+            print_json(&daemon.status().await?)
+        } else {
+            Ok(())
+        };
     }
+    daemon.start().await?;
     let s = daemon.status().await?;
     if json {
         return print_json(&s);
     }
-    match s.state.as_str() {
-        "ready" => println_out(&format!(
+    let e = &s.engine;
+    match e.state {
+        State::Ready => println_out(&format!(
             "the engine is ready (profile {})",
-            s.engine_profile.as_deref().unwrap_or(&s.profile)
+            e.engine_profile.as_deref().unwrap_or(&e.profile)
         )),
         _ => println_out(&format!(
             "starting the engine (profile {}); `dsv4ctl start --wait` waits until it is ready",
-            s.profile
+            e.profile
         )),
     }
 }
 
-/// Polls the status until the engine is ready; shows the progress unless `quiet` is false.
-async fn wait_ready(
-    daemon: &Daemon,
-    before: &Status,
-    t0: Instant,
-    timeout: Option<Duration>,
-    show: bool,
-) -> Result<Status, Failure> {
+/// `StartAndWait()`, showing the states the daemon announces meanwhile (unless `show` is
+/// false), bounded by `timeout` when given.
+async fn wait_ready(daemon: &Daemon, timeout: Option<Duration>, show: bool) -> Result<(), Failure> {
+    let t0 = Instant::now();
     let mut progress = Progress::new(show);
-    let mut waiter = StartWait::new(before);
-    let deadline = timeout.map(|t| t0 + t);
-    loop {
-        let s = match daemon.status().await {
-            Ok(s) => s,
-            Err(e) => {
-                progress.clear();
-                return Err(e);
-            }
-        };
-        let step = waiter.observe(&s, t0.elapsed());
-        match step {
-            Step::Ready => {
-                progress.ready(t0.elapsed())?;
-                return Ok(s);
-            }
-            Step::Failed(why) => {
-                progress.clear();
-                return Err(Failure::Failed(format!("engine failed to start: {why}")));
-            }
-            Step::Waiting => progress.state(&s, t0.elapsed())?,
+    // Subscribed before the call, so no change in between is missed.
+    let mut changes = daemon.state_changes().await?;
+    let now = daemon.status().await?;
+    progress.state(now.engine.state, &shown_profile(&now.engine), t0.elapsed())?;
+    let call = daemon.start_and_wait();
+    tokio::pin!(call);
+    let give_up = async {
+        match timeout {
+            Some(t) => tokio::time::sleep(t).await,
+            None => std::future::pending().await,
         }
-        if let Some(d) = deadline {
-            if Instant::now() >= d {
+    };
+    tokio::pin!(give_up);
+    loop {
+        tokio::select! {
+            answer = &mut call => {
+                return match answer {
+                    Ok(_) => progress.ready(t0.elapsed()),
+                    Err(e) => {
+                        progress.clear();
+                        Err(e)
+                    }
+                };
+            }
+            Some(change) = changes.next() => {
+                if let Ok(args) = change.args() {
+                    progress.state(args.state, args.profile, t0.elapsed())?;
+                }
+            }
+            () = &mut give_up => {
                 progress.clear();
+                let state = match daemon.status().await {
+                    Ok(s) => s.engine.state.to_string(),
+                    Err(_) => "unknown".into(),
+                };
                 return Err(Failure::Failed(format!(
-                    "the engine was not ready within {} (state: {})",
-                    render::elapsed(d - t0),
-                    s.state
+                    "the engine was not ready within {} (state: {state})",
+                    render::elapsed(t0.elapsed())
                 )));
             }
-            tokio::time::sleep(WAIT_POLL.min(d.saturating_duration_since(Instant::now()))).await;
-        } else {
-            tokio::time::sleep(WAIT_POLL).await;
         }
     }
+}
+
+/// The profile a state is about: the running engine's, else the active one.
+fn shown_profile(s: &EngineStatus) -> String {
+    s.engine_profile
+        .clone()
+        .unwrap_or_else(|| s.profile.clone())
 }
 
 /// The progress of `start --wait`: a spinner on a terminal, else a line per state change.
 struct Progress {
     spinner: Option<indicatif::ProgressBar>,
     show: bool,
-    last: Option<String>,
+    last: Option<State>,
 }
 
 impl Progress {
@@ -369,20 +359,19 @@ impl Progress {
         }
     }
 
-    fn state(&mut self, s: &Status, elapsed: Duration) -> Result<(), Failure> {
+    fn state(&mut self, state: State, profile: &str, elapsed: Duration) -> Result<(), Failure> {
         if let Some(pb) = &self.spinner {
             pb.set_message(format!(
-                "{} (profile {}) {}",
-                s.state,
-                s.engine_profile.as_deref().unwrap_or(&s.profile),
+                "{state} (profile {profile}) {}",
                 render::elapsed(elapsed)
             ));
             return Ok(());
         }
-        // A `stopped` seen at first is the state from before Start() was carried out.
-        if self.show && self.last.as_deref() != Some(&s.state) && s.state != "stopped" {
-            self.last = Some(s.state.clone());
-            println_out(&s.state)?;
+        // `stopped` and `backoff` are where a start begins, not progress.
+        let progress = !matches!(state, State::Stopped | State::Backoff);
+        if self.show && progress && self.last != Some(state) {
+            self.last = Some(state);
+            println_out(state.as_str())?;
         }
         Ok(())
     }
@@ -412,9 +401,10 @@ async fn stop(daemon: &Daemon, json: bool, now: bool) -> Result<(), Failure> {
     if json {
         return print_json(&daemon.status().await?);
     }
-    let text = match before.state.as_str() {
-        "stopped" => "the engine is not running".to_string(),
-        "backoff" => "stopped (the retry after the failed start is called off)".to_string(),
+    let before = &before.engine;
+    let text = match before.state {
+        State::Stopped => "the engine is not running".to_string(),
+        State::Backoff => "stopped (the retry after the failed start is called off)".to_string(),
         _ if now => "stopping now (in-flight requests are cut off)".to_string(),
         _ if before.in_flight > 0 => format!(
             "stopping (in-flight requests finish first)\n{} in flight",
@@ -426,7 +416,7 @@ async fn stop(daemon: &Daemon, json: bool, now: bool) -> Result<(), Failure> {
 }
 
 async fn show_profile(daemon: &Daemon, json: bool) -> Result<(), Failure> {
-    let s = daemon.status().await?;
+    let s = daemon.status().await?.engine;
     if json {
         return print_json(&serde_json::json!({
             "profile": s.profile,
@@ -442,12 +432,12 @@ async fn set_profile(daemon: &Daemon, json: bool, name: &str) -> Result<(), Fail
     if json {
         return print_json(&daemon.status().await?);
     }
-    println_out(&set_profile_text(&before, name))
+    println_out(&set_profile_text(&before.engine, name))
 }
 
 /// What `dsv4ctl profile NAME` says happened, from the state before `SetProfile(NAME)`.
-fn set_profile_text(before: &Status, name: &str) -> String {
-    let running = matches!(before.state.as_str(), "ready" | "starting");
+fn set_profile_text(before: &EngineStatus, name: &str) -> String {
+    let running = matches!(before.state, State::Ready | State::Starting);
     if running && before.engine_profile.as_deref() == Some(name) {
         format!("profile {name}: the running engine already uses it")
     } else if running {
@@ -483,11 +473,11 @@ async fn logs(daemon: &Daemon, json: bool, follow: bool, lines: u32) -> Result<(
     let ctrl_c = tokio::signal::ctrl_c();
     tokio::pin!(ctrl_c);
     loop {
-        tokio::select! {
+        // Answered as soon as the engine writes a line (or after FOLLOW_WAIT with none).
+        let (mut after, mut batch) = tokio::select! {
             _ = &mut ctrl_c => return Ok(()),
-            _ = tokio::time::sleep(FOLLOW_POLL) => {}
-        }
-        let (mut after, mut batch) = daemon.logs(next, FOLLOW_MAX).await?;
+            answer = daemon.wait_logs(next, FOLLOW_MAX, FOLLOW_WAIT) => answer?,
+        };
         if after < next {
             // The numbers went back: the daemon restarted; its lines count from 0 again.
             (after, batch) = daemon.logs(0, FOLLOW_MAX).await?;
@@ -605,17 +595,9 @@ mod tests {
 
     #[test]
     fn what_set_profile_says() {
-        let mut s: Status = serde_json::from_value(serde_json::json!({
-            "state": "ready", "profile": "320k", "engine_profile": "320k", "engine_pid": 7,
-            "generation": 1, "in_flight": 0, "waiting": 0, "idle_deadline": null,
-            "ready_since": null, "failures": 0, "last_error": null,
-            "requests": {
-                "requests": 0, "prompt_tokens": 0, "cached_tokens": 0, "generated_tokens": 0,
-                "decode_tok_s": null, "prefill_tok_s": null, "long_prompt_requests": 0,
-                "long_prompt_prefill_tok_s": null, "by_profile": {}, "recent": []
-            }
-        }))
-        .unwrap();
+        let mut s = EngineStatus::stopped("320k");
+        s.state = State::Ready;
+        s.engine_profile = Some("320k".into());
         assert_eq!(
             set_profile_text(&s, "64k"),
             "profile 64k: the running engine restarts with it once in-flight requests finish"
@@ -624,7 +606,7 @@ mod tests {
             set_profile_text(&s, "320k"),
             "profile 320k: the running engine already uses it"
         );
-        s.state = "stopped".into();
+        s.state = State::Stopped;
         s.engine_profile = None;
         assert_eq!(
             set_profile_text(&s, "64k"),

@@ -8,7 +8,8 @@ use std::path::PathBuf;
 use std::sync::Arc;
 
 use anyhow::{Context, Result};
-use clap::{Parser, ValueEnum};
+use clap::Parser;
+use dsv4::alert::Alerts;
 use dsv4::config::Config;
 use dsv4::dbus;
 use dsv4::listener::{self, Origin};
@@ -16,13 +17,21 @@ use dsv4::proxy::{self, Ctx};
 use dsv4::reload::Reloader;
 use dsv4::state_file;
 use dsv4::stats::Stats;
+use dsv4_client::Bus;
 use tokio::signal::unix::{signal, SignalKind};
 
-#[derive(Debug, Clone, Copy, PartialEq, Eq, ValueEnum)]
-enum Bus {
-    System,
-    Session,
-    None,
+/// `--bus`: a bus, or `none` for no control interface.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+struct BusChoice(Option<Bus>);
+
+fn parse_bus_choice(s: &str) -> Result<BusChoice, String> {
+    match s.trim() {
+        "none" => Ok(BusChoice(None)),
+        other => other
+            .parse::<Bus>()
+            .map(|b| BusChoice(Some(b)))
+            .map_err(|_| format!("expected system, session or none, not {s:?}")),
+    }
 }
 
 /// The on-demand supervisor for a local LLM engine (llama-server or ds4-server).
@@ -38,9 +47,9 @@ struct Args {
     /// Address to listen on when not socket-activated (overrides api.listen).
     #[arg(long, value_name = "ADDR")]
     listen: Option<String>,
-    /// Where the control interface lives (D-Bus); `none` disables it.
-    #[arg(long, value_enum, default_value = "system")]
-    bus: Bus,
+    /// Where the control interface lives (D-Bus): system, session, or none to disable it.
+    #[arg(long, value_name = "BUS", default_value = "system", value_parser = parse_bus_choice)]
+    bus: BusChoice,
     /// Check the configuration, print every problem (or a summary), and exit: 0 valid, 1 not.
     #[arg(long)]
     check_config: bool,
@@ -162,19 +171,15 @@ async fn run(args: Args, activated: Vec<(std::os::fd::OwnedFd, String)>) -> Resu
     }
 
     let profile = active_profile(&config);
-    let (lifecycle, actor) = dsv4::lifecycle::actor::spawn(config.clone(), profile.clone());
+    let alerts = Alerts::default();
+    let (lifecycle, actor) =
+        dsv4::lifecycle::actor::spawn(config.clone(), profile.clone(), alerts.clone());
     // The configuration in force, replaced by reloads (SIGHUP, or an edited file).
     let (config_tx, config_rx) = tokio::sync::watch::channel(config.clone());
-    let (alerts, _) = tokio::sync::broadcast::channel(16);
     tracing::info!(profile, "ready; the engine starts on the first request");
     let stats = Stats::default();
-    let bus = match args.bus {
-        Bus::None => None,
-        Bus::System => Some(dbus::Bus::System),
-        Bus::Session => Some(dbus::Bus::Session),
-    };
     // Kept for the daemon's life: dropping it leaves the bus.
-    let _control = match bus {
+    let _control = match args.bus.0 {
         Some(bus) => {
             let group = dbus::ControlGroup::lookup(&args.control_group);
             let parts = dbus::Parts {
@@ -223,6 +228,6 @@ async fn run(args: Args, activated: Vec<(std::os::fd::OwnedFd, String)>) -> Resu
     let _ = actor.await;
     // Connections still open (a cut stream's client) get a moment to see their end.
     let _ = tokio::time::timeout(std::time::Duration::from_secs(1), connections_closed).await;
-    tracing::info!("stopped");
+    tracing::info!("dsv4d stopped");
     Ok(())
 }

@@ -12,12 +12,13 @@ use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::Arc;
 use std::time::{Duration, Instant, SystemTime};
 
+use dsv4_client::AlertKind;
 use dsv4_engine::{EngineChild, ExitReport, OutputTail, Readiness, SpawnSpec};
 use nix::sys::signal::Signal;
-use serde::Serialize;
 use tokio::sync::{mpsc, oneshot, watch};
 
 use super::state::{EngineFailure, Event, Gen, Limits, Machine, Phase, Refusal, Sig, WaiterId};
+use crate::alert::Alerts;
 use crate::config::{Config, EngineLimits};
 use crate::upstream::Upstream;
 
@@ -35,32 +36,8 @@ const PROBE_MIN_GAP: Duration = Duration::from_millis(5);
 /// One probe attempt that hangs longer than this counts as "not ready yet".
 const PROBE_ATTEMPT: Duration = Duration::from_secs(5);
 
-/// The lifecycle state as others see it (also the body of `GET /status`).
-#[derive(Debug, Clone, Serialize, PartialEq)]
-pub struct Status {
-    /// stopped | starting | ready | draining | stopping | backoff
-    pub state: &'static str,
-    /// The active profile: the one the next start uses.
-    pub profile: String,
-    /// The profile of the engine that runs now, if one does.
-    pub engine_profile: Option<String>,
-    pub engine_pid: Option<u32>,
-    pub generation: Option<Gen>,
-    /// Requests holding a lease on the engine (streams until their last byte).
-    pub in_flight: u32,
-    /// Requests waiting for the engine to become ready.
-    pub waiting: usize,
-    /// Unix time (seconds) at which an idle engine will be stopped.
-    pub idle_deadline: Option<f64>,
-    /// Unix time (seconds) at which the engine became ready.
-    pub ready_since: Option<f64>,
-    /// Consecutive failed starts.
-    pub failures: u32,
-    pub last_error: Option<String>,
-    /// The running engine's profile was changed in the configuration since it started: the
-    /// change applies at its next start.
-    pub restart_pending: bool,
-}
+/// The lifecycle state as others see it: the engine part of `GET /status` and `Status()`.
+pub type Status = dsv4_client::EngineStatus;
 
 /// A running engine, as a granted request sees it.
 #[derive(Debug)]
@@ -108,6 +85,11 @@ enum Command {
         waiter: WaiterId,
         reply: oneshot::Sender<Result<Lease, Refused>>,
     },
+    /// `Start`, then `Acquire` for `waiter`: one command, so nothing can come between.
+    StartAndAcquire {
+        waiter: WaiterId,
+        reply: oneshot::Sender<Result<Lease, Refused>>,
+    },
     Start,
     Stop {
         now: bool,
@@ -145,14 +127,25 @@ pub struct Handle {
 impl Handle {
     /// Waits until the engine is ready (starting it if needed) and takes a lease on it.
     pub async fn acquire(&self) -> Result<Lease, Refused> {
+        self.wait_for_lease(|waiter, reply| Command::Acquire { waiter, reply })
+            .await
+    }
+
+    /// Starts the engine now (a backoff after a failed start is skipped, as with
+    /// [`start`](Self::start)) and waits for it like a request: the answer is a lease once it
+    /// is ready, or the refusal that ended the start.
+    pub async fn start_and_acquire(&self) -> Result<Lease, Refused> {
+        self.wait_for_lease(|waiter, reply| Command::StartAndAcquire { waiter, reply })
+            .await
+    }
+
+    async fn wait_for_lease(
+        &self,
+        command: impl FnOnce(WaiterId, oneshot::Sender<Result<Lease, Refused>>) -> Command,
+    ) -> Result<Lease, Refused> {
         let waiter = self.next_waiter.fetch_add(1, Ordering::Relaxed);
         let (reply, rx) = oneshot::channel();
-        if self
-            .commands
-            .send(Command::Acquire { waiter, reply })
-            .await
-            .is_err()
-        {
+        if self.commands.send(command(waiter, reply)).await.is_err() {
             return Err(Refusal::ShuttingDown);
         }
         // If this future is dropped (the client went away), free the place in the queue.
@@ -220,6 +213,11 @@ impl Handle {
     pub fn logs(&self, since: u64, max: usize) -> (u64, Vec<String>) {
         self.log.since(since, max)
     }
+
+    /// As [`logs`](Self::logs), waiting up to `wait` for a line when there is none yet.
+    pub async fn wait_logs(&self, since: u64, max: usize, wait: Duration) -> (u64, Vec<String>) {
+        self.log.since_or_wait(since, max, wait).await
+    }
 }
 
 struct CancelOnDrop<'a> {
@@ -261,24 +259,16 @@ impl Drop for Engine {
 }
 
 /// Starts the actor on the current tokio runtime.
-pub fn spawn(config: Arc<Config>, profile: String) -> (Handle, tokio::task::JoinHandle<()>) {
+/// `alerts` gets an alert when an engine dies while it serves.
+pub fn spawn(
+    config: Arc<Config>,
+    profile: String,
+    alerts: Alerts,
+) -> (Handle, tokio::task::JoinHandle<()>) {
     let (cmd_tx, cmd_rx) = mpsc::channel(1024);
     let (int_tx, int_rx) = mpsc::unbounded_channel();
     let machine = Machine::new(profile, limits(&config.supervisor.engine), Instant::now());
-    let (status_tx, status_rx) = watch::channel(Status {
-        state: "stopped",
-        profile: machine.profile().to_string(),
-        engine_profile: None,
-        engine_pid: None,
-        generation: None,
-        in_flight: 0,
-        waiting: 0,
-        idle_deadline: None,
-        ready_since: None,
-        failures: 0,
-        last_error: None,
-        restart_pending: false,
-    });
+    let (status_tx, status_rx) = watch::channel(Status::stopped(machine.profile()));
     let log = OutputTail::new(LOG_LINES);
     let actor = Actor {
         log: log.clone(),
@@ -289,6 +279,7 @@ pub fn spawn(config: Arc<Config>, profile: String) -> (Handle, tokio::task::Join
         internal: int_tx.clone(),
         status: status_tx,
         shutdown_done: Vec::new(),
+        alerts,
         outbox: Vec::new(),
         exited: false,
     };
@@ -322,6 +313,7 @@ struct Actor {
     internal: mpsc::UnboundedSender<Internal>,
     status: watch::Sender<Status>,
     shutdown_done: Vec<oneshot::Sender<()>>,
+    alerts: Alerts,
     /// Answers held back until the status they imply is published, so a caller that reads
     /// the status right after its answer sees its own change.
     outbox: Vec<Reply>,
@@ -396,6 +388,14 @@ impl Actor {
                 self.waiters.insert(waiter, reply);
                 Some(Event::Acquire { waiter })
             }
+            Command::StartAndAcquire { waiter, reply } => {
+                if reply.is_closed() {
+                    return None;
+                }
+                self.handle(Event::Start);
+                self.waiters.insert(waiter, reply);
+                Some(Event::Acquire { waiter })
+            }
             Command::Start => Some(Event::Start),
             Command::Stop { now } => Some(Event::Stop { now }),
             Command::SetProfile { name, reply } => {
@@ -457,16 +457,24 @@ impl Actor {
                     Phase::Starting { .. } => {
                         format!("the engine exited before it was ready ({report})")
                     }
-                    Phase::Ready { .. } => format!("the engine exited unexpectedly ({report})"),
+                    Phase::Ready { .. } | Phase::Draining { .. } => {
+                        format!("the engine exited unexpectedly ({report})")
+                    }
                     _ => format!("the engine stopped ({report})"),
                 };
-                if matches!(
-                    self.machine.phase(),
-                    Phase::Starting { .. } | Phase::Ready { .. }
-                ) {
-                    tracing::warn!(pid, "{summary}");
-                } else {
-                    tracing::info!(pid, "{summary}");
+                match self.machine.phase() {
+                    Phase::Starting { .. } => tracing::warn!(pid, "{summary}"),
+                    // It was serving (or finishing what it served): someone should hear of it.
+                    Phase::Ready { profile, .. } | Phase::Draining { profile, .. } => {
+                        tracing::warn!(pid, "{summary}");
+                        let mut message = format!("engine (profile {profile}) crashed: {report}");
+                        if !tail.is_empty() {
+                            message.push_str("; its last lines:\n");
+                            message.push_str(&tail.join("\n"));
+                        }
+                        self.alerts.raise(AlertKind::Engine, message);
+                    }
+                    _ => tracing::info!(pid, "{summary}"),
                 }
                 Some(Event::Exited {
                     gen,
@@ -671,7 +679,7 @@ impl Actor {
             unix(SystemTime::now() + left)
         });
         let status = Status {
-            state: m.phase().name(),
+            state: m.phase().state(),
             profile: m.profile().to_string(),
             engine_profile: m.phase().engine_profile().map(String::from),
             engine_pid: self.engine.as_ref().map(|e| e.shared.pid),

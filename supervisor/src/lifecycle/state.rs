@@ -19,6 +19,8 @@
 use std::collections::VecDeque;
 use std::time::{Duration, Instant};
 
+pub use dsv4_client::State;
+
 pub type Gen = u64;
 pub type WaiterId = u64;
 
@@ -158,14 +160,15 @@ pub enum Phase {
 }
 
 impl Phase {
-    pub fn name(&self) -> &'static str {
+    /// The state clients see.
+    pub fn state(&self) -> State {
         match self {
-            Phase::Stopped => "stopped",
-            Phase::Starting { .. } => "starting",
-            Phase::Ready { .. } => "ready",
-            Phase::Draining { .. } => "draining",
-            Phase::Stopping { .. } => "stopping",
-            Phase::Backoff { .. } => "backoff",
+            Phase::Stopped => State::Stopped,
+            Phase::Starting { .. } => State::Starting,
+            Phase::Ready { .. } => State::Ready,
+            Phase::Draining { .. } => State::Draining,
+            Phase::Stopping { .. } => State::Stopping,
+            Phase::Backoff { .. } => State::Backoff,
         }
     }
 

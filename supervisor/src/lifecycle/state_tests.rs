@@ -44,8 +44,8 @@ impl T {
     fn ev(&mut self, e: Event) -> Vec<Effect> {
         self.m.step(e, self.now)
     }
-    fn name(&self) -> &'static str {
-        self.m.phase().name()
+    fn state(&self) -> State {
+        self.m.phase().state()
     }
     /// Drives a fresh machine to Ready with one lease per waiter given.
     fn ready_with(&mut self, waiters: &[WaiterId]) {
@@ -56,7 +56,7 @@ impl T {
             self.ev(Event::Start);
         }
         self.ev(Event::Ready { gen: 1 });
-        assert_eq!(self.name(), "ready");
+        assert_eq!(self.state(), State::Ready);
     }
 }
 
@@ -85,7 +85,7 @@ fn first_request_spawns_once_and_all_waiters_are_granted() {
     assert_eq!(t.ev(Event::Acquire { waiter: 1 }), vec![spawn(1, "320k")]);
     assert_eq!(t.ev(Event::Acquire { waiter: 2 }), vec![]);
     assert_eq!(t.ev(Event::Acquire { waiter: 3 }), vec![]);
-    assert_eq!(t.name(), "starting");
+    assert_eq!(t.state(), State::Starting);
     assert_eq!(t.ev(Event::Ready { gen: 1 }), vec![grant(1, &[1, 2, 3])]);
     assert_eq!(t.m.leases(), 3);
     assert_eq!(t.ev(Event::Acquire { waiter: 4 }), vec![grant(1, &[4])]);
@@ -122,7 +122,7 @@ fn idle_counts_from_the_last_release_not_from_the_request() {
     assert_eq!(t.m.idle_deadline(), Some(t.t0 + 2900 * S));
     assert_eq!(t.at(2899).ev(Event::Tick), vec![]);
     assert_eq!(t.at(2900).ev(Event::Tick), vec![term(1)]);
-    assert_eq!(t.name(), "stopping");
+    assert_eq!(t.state(), State::Stopping);
     assert_eq!(
         t.at(2901).ev(Event::Exited {
             gen: 1,
@@ -130,7 +130,7 @@ fn idle_counts_from_the_last_release_not_from_the_request() {
         }),
         vec![]
     );
-    assert_eq!(t.name(), "stopped");
+    assert_eq!(t.state(), State::Stopped);
     // the next request starts a new generation
     assert_eq!(t.ev(Event::Acquire { waiter: 2 }), vec![spawn(2, "320k")]);
 }
@@ -140,7 +140,7 @@ fn a_request_during_stopping_waits_and_starts_the_next_engine() {
     let mut t = T::new();
     t.ready_with(&[]);
     t.at(900).ev(Event::Tick);
-    assert_eq!(t.name(), "stopping");
+    assert_eq!(t.state(), State::Stopping);
     assert_eq!(t.ev(Event::Acquire { waiter: 7 }), vec![]);
     assert_eq!(
         t.ev(Event::Exited {
@@ -198,7 +198,7 @@ fn stop_drains_in_flight_requests_first() {
     let mut t = T::new();
     t.ready_with(&[1, 2]);
     assert_eq!(t.ev(Event::Stop { now: false }), vec![]);
-    assert_eq!(t.name(), "draining");
+    assert_eq!(t.state(), State::Draining);
     assert_eq!(t.ev(Event::Release { gen: 1 }), vec![]);
     assert_eq!(t.ev(Event::Release { gen: 1 }), vec![term(1)]);
 }
@@ -220,7 +220,7 @@ fn profile_switch_drains_then_restarts_with_the_new_profile() {
         }),
         vec![]
     );
-    assert_eq!(t.name(), "draining");
+    assert_eq!(t.state(), State::Draining);
     // requests arriving during the drain wait for the new engine
     assert_eq!(t.ev(Event::Acquire { waiter: 2 }), vec![]);
     assert_eq!(t.ev(Event::Release { gen: 1 }), vec![term(1)]);
@@ -249,7 +249,7 @@ fn switching_back_during_the_drain_keeps_the_engine() {
         }),
         vec![grant(1, &[2])]
     );
-    assert_eq!(t.name(), "ready");
+    assert_eq!(t.state(), State::Ready);
     assert_eq!(t.m.leases(), 2);
 }
 
@@ -262,7 +262,7 @@ fn set_profile_while_stopped_applies_at_next_start() {
         }),
         vec![]
     );
-    assert_eq!(t.name(), "stopped");
+    assert_eq!(t.state(), State::Stopped);
     assert_eq!(t.ev(Event::Start), vec![spawn(1, "64k")]);
 }
 
@@ -276,7 +276,7 @@ fn same_profile_is_a_no_op() {
         }),
         vec![]
     );
-    assert_eq!(t.name(), "ready");
+    assert_eq!(t.state(), State::Ready);
 }
 
 #[test]
@@ -296,7 +296,7 @@ fn exit_before_ready_refuses_waiters_and_backs_off() {
             why: Refusal::StartFailed(f.clone())
         }]
     );
-    assert_eq!(t.name(), "backoff");
+    assert_eq!(t.state(), State::Backoff);
     assert_eq!(t.m.last_failure(), Some(&f));
     // during backoff requests are refused with the last failure and a retry delay
     let fx = t.at(0).ev(Event::Acquire { waiter: 3 });
@@ -312,7 +312,7 @@ fn exit_before_ready_refuses_waiters_and_backs_off() {
     );
     // after the backoff the next request tries again
     t.at(1).ev(Event::Tick);
-    assert_eq!(t.name(), "stopped");
+    assert_eq!(t.state(), State::Stopped);
     assert_eq!(t.ev(Event::Acquire { waiter: 4 }), vec![spawn(2, "320k")]);
     // a second failure doubles the delay
     t.ev(Event::Exited {
@@ -363,7 +363,7 @@ fn start_timeout_refuses_with_504_kind_then_kills_and_backs_off() {
         gen: 1,
         failure: fail("killed by SIGTERM"),
     });
-    assert_eq!(t.name(), "backoff");
+    assert_eq!(t.state(), State::Backoff);
     assert_eq!(t.m.next_deadline(), Some(t.t0 + 602 * S));
 }
 
@@ -375,7 +375,7 @@ fn explicit_start_skips_the_backoff() {
         gen: 1,
         failure: fail("exit code 1"),
     });
-    assert_eq!(t.name(), "backoff");
+    assert_eq!(t.state(), State::Backoff);
     assert_eq!(t.ev(Event::Start), vec![spawn(2, "320k")]);
 }
 
@@ -390,7 +390,7 @@ fn crash_while_ready_goes_to_stopped_and_restarts_on_demand() {
         }),
         vec![]
     );
-    assert_eq!(t.name(), "stopped");
+    assert_eq!(t.state(), State::Stopped);
     assert_eq!(t.m.leases(), 0);
     assert_eq!(
         t.m.last_failure().map(|f| f.summary.as_str()),
@@ -419,7 +419,7 @@ fn stale_events_of_an_old_generation_are_ignored() {
         }),
         vec![]
     );
-    assert_eq!(t.name(), "starting");
+    assert_eq!(t.state(), State::Starting);
 }
 
 #[test]
@@ -444,7 +444,7 @@ fn shutdown_drains_bounded_by_stop_timeout_then_exits() {
     let mut t = T::new();
     t.ready_with(&[1]);
     assert_eq!(t.ev(Event::Shutdown), vec![]);
-    assert_eq!(t.name(), "draining");
+    assert_eq!(t.state(), State::Draining);
     // new requests are refused
     let fx = t.ev(Event::Acquire { waiter: 2 });
     assert_eq!(
@@ -501,9 +501,9 @@ fn start_during_a_pending_stop_calls_it_off() {
     let mut t = T::new();
     t.ready_with(&[1]);
     t.ev(Event::Stop { now: false });
-    assert_eq!(t.name(), "draining");
+    assert_eq!(t.state(), State::Draining);
     assert_eq!(t.ev(Event::Start), vec![]);
-    assert_eq!(t.name(), "ready");
+    assert_eq!(t.state(), State::Ready);
     assert_eq!(t.m.leases(), 1);
 }
 
@@ -704,7 +704,7 @@ impl World {
                     self.child = None;
                     self.apply(Event::Exited {
                         gen,
-                        failure: fail("stopped"),
+                        failure: fail("gone"),
                     })?;
                 }
                 _ => {

@@ -4,11 +4,10 @@
 use std::future::Future;
 use std::time::Duration;
 
-use dsv4_client::{ProfileInfo, Status, Supervisor1Proxy};
+use dsv4_client::{Bus, ProfileInfo, StateChangedStream, Status, Supervisor1Proxy};
 use zbus::proxy::CacheProperties;
 
 use crate::error::Failure;
-use crate::Bus;
 
 /// The bound on connecting and on every single call.
 pub const CALL_TIMEOUT: Duration = Duration::from_secs(5);
@@ -90,6 +89,26 @@ impl Daemon {
         bounded(self.bus, "Start()", self.proxy.start()).await
     }
 
+    /// `StartAndWait()`: the profile of the engine once it is ready. Not bounded in time here
+    /// (an engine may load for minutes; the daemon answers within `engine.start_timeout`): the
+    /// caller bounds it when the user asks for a timeout.
+    pub async fn start_and_wait(&self) -> Result<String, Failure> {
+        self.proxy
+            .start_and_wait()
+            .await
+            .map_err(|e| Failure::from_zbus(e, self.bus, "StartAndWait()"))
+    }
+
+    /// The `StateChanged` signals from now on.
+    pub async fn state_changes(&self) -> Result<StateChangedStream, Failure> {
+        bounded(
+            self.bus,
+            "the StateChanged subscription",
+            self.proxy.receive_lifecycle_changed(),
+        )
+        .await
+    }
+
     pub async fn stop(&self) -> Result<(), Failure> {
         bounded(self.bus, "Stop()", self.proxy.stop()).await
     }
@@ -105,6 +124,22 @@ impl Daemon {
     /// `Logs(since, max)`: the number to ask from next time, and the lines.
     pub async fn logs(&self, since: u64, max: u32) -> Result<(u64, Vec<String>), Failure> {
         bounded(self.bus, "Logs()", self.proxy.logs(since, max)).await
+    }
+
+    /// `WaitLogs(since, max, wait)`: as [`logs`](Self::logs), waiting up to `wait` for a line.
+    pub async fn wait_logs(
+        &self,
+        since: u64,
+        max: u32,
+        wait: Duration,
+    ) -> Result<(u64, Vec<String>), Failure> {
+        let wait_ms = u32::try_from(wait.as_millis()).unwrap_or(u32::MAX);
+        let call = self.proxy.wait_logs(since, max, wait_ms);
+        match tokio::time::timeout(wait + CALL_TIMEOUT, call).await {
+            Err(_) => Err(no_answer("dsv4d", "WaitLogs()")),
+            Ok(Err(e)) => Err(Failure::from_zbus(e, self.bus, "WaitLogs()")),
+            Ok(Ok(v)) => Ok(v),
+        }
     }
 }
 

@@ -8,7 +8,7 @@ use std::fmt;
 
 use zbus::DBusError;
 
-use crate::Bus;
+use dsv4_client::Bus;
 
 /// The standard D-Bus error names dsv4ctl treats specially.
 const ACCESS_DENIED: &str = "org.freedesktop.DBus.Error.AccessDenied";

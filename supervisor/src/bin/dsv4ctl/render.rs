@@ -3,7 +3,7 @@
 
 use std::time::Duration;
 
-use dsv4_client::{ProfileInfo, Status, Totals};
+use dsv4_client::{EngineStatus, ProfileInfo, Status, Totals};
 
 /// A whole number of seconds as `42s`, `3m12s`, `1h2m3s` or `2d4h5m`; negative counts as 0.
 pub fn duration(seconds: f64) -> String {
@@ -87,13 +87,14 @@ pub fn parse_duration(s: &str) -> Result<Duration, String> {
 }
 
 /// The status as a short table. `now` is the Unix time in seconds.
-pub fn status_table(s: &Status, now: f64) -> String {
+pub fn status_table(doc: &Status, now: f64) -> String {
+    let s = &doc.engine;
     let mut rows: Vec<(&str, String)> = Vec::new();
     let state = if s.failures > 0 {
         let starts = if s.failures == 1 { "start" } else { "starts" };
         format!("{} ({} failed {starts} in a row)", s.state, s.failures)
     } else {
-        s.state.clone()
+        s.state.to_string()
     };
     rows.push(("state", state));
     let profile = match s.engine_profile.as_deref() {
@@ -136,7 +137,7 @@ pub fn status_table(s: &Status, now: f64) -> String {
             .filter(|e| !e.is_empty())
             .map_or_else(dash, str::to_string),
     ));
-    let t = &s.requests.all;
+    let t = &doc.requests.all;
     rows.push((
         "requests",
         format!(
@@ -245,7 +246,7 @@ pub fn profiles_table(profiles: &[ProfileInfo]) -> String {
 }
 
 /// What `dsv4ctl profile` prints: the active profile, and the running engine's if another.
-pub fn active_profile(s: &Status) -> String {
+pub fn active_profile(s: &EngineStatus) -> String {
     match s.engine_profile.as_deref() {
         Some(engine) if !engine.is_empty() && engine != s.profile => {
             format!("{} (the running engine still uses {engine})", s.profile)
@@ -257,7 +258,7 @@ pub fn active_profile(s: &Status) -> String {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use dsv4_client::Requests;
+    use dsv4_client::{Requests, State};
 
     #[test]
     fn durations() {
@@ -304,18 +305,20 @@ mod tests {
 
     fn status() -> Status {
         Status {
-            state: "ready".into(),
-            profile: "320k".into(),
-            engine_profile: Some("320k".into()),
-            engine_pid: Some(4242),
-            generation: Some(3),
-            in_flight: 1,
-            waiting: 0,
-            idle_deadline: Some(1_000_890.4),
-            ready_since: Some(999_808.0),
-            failures: 0,
-            last_error: None,
-            restart_pending: false,
+            engine: EngineStatus {
+                state: State::Ready,
+                profile: "320k".into(),
+                engine_profile: Some("320k".into()),
+                engine_pid: Some(4242),
+                generation: Some(3),
+                in_flight: 1,
+                waiting: 0,
+                idle_deadline: Some(1_000_890.4),
+                ready_since: Some(999_808.0),
+                failures: 0,
+                last_error: None,
+                restart_pending: false,
+            },
             requests: Requests {
                 all: Totals {
                     requests: 12,
@@ -336,7 +339,7 @@ mod tests {
     #[test]
     fn a_pending_restart_is_shown() {
         let mut s = status();
-        s.restart_pending = true;
+        s.engine.restart_pending = true;
         let table = status_table(&s, 1_000_000.0);
         assert!(
             table.contains(
@@ -370,16 +373,16 @@ prefill     122.7 tok/s (prompts >= 1K tokens: 3 requests); 98.20 tok/s over all
     #[test]
     fn the_status_table_when_stopped_after_failures() {
         let mut s = status();
-        s.state = "backoff".into();
-        s.profile = "64k".into();
-        s.engine_profile = None;
-        s.engine_pid = None;
-        s.idle_deadline = None;
-        s.ready_since = None;
-        s.in_flight = 0;
-        s.waiting = 2;
-        s.failures = 2;
-        s.last_error = Some("the engine exited with status 1 before it was ready".into());
+        s.engine.state = State::Backoff;
+        s.engine.profile = "64k".into();
+        s.engine.engine_profile = None;
+        s.engine.engine_pid = None;
+        s.engine.idle_deadline = None;
+        s.engine.ready_since = None;
+        s.engine.in_flight = 0;
+        s.engine.waiting = 2;
+        s.engine.failures = 2;
+        s.engine.last_error = Some("the engine exited with status 1 before it was ready".into());
         s.requests = Requests::default();
         let table = status_table(&s, 1_000_000.0);
         assert_eq!(
@@ -403,10 +406,10 @@ prefill     -
     #[test]
     fn the_status_table_names_the_engines_profile_when_it_differs() {
         let mut s = status();
-        s.profile = "64k".into();
+        s.engine.profile = "64k".into();
         s.requests.all.long_prompt_requests = 0;
         s.requests.all.long_prompt_prefill_tok_s = None;
-        s.last_error = Some("first line\nsecond line".into());
+        s.engine.last_error = Some("first line\nsecond line".into());
         let table = status_table(&s, 1_000_000.0);
         assert!(table.contains("profile     64k (the running engine: 320k)\n"));
         assert!(table.contains("prefill     98.20 tok/s (all prompts; none >= 1K tokens yet)\n"));
@@ -449,10 +452,10 @@ prefill     -
     #[test]
     fn the_active_profile() {
         let mut s = status();
-        assert_eq!(active_profile(&s), "320k");
-        s.engine_profile = Some("64k".into());
+        assert_eq!(active_profile(&s.engine), "320k");
+        s.engine.engine_profile = Some("64k".into());
         assert_eq!(
-            active_profile(&s),
+            active_profile(&s.engine),
             "320k (the running engine still uses 64k)"
         );
     }
