@@ -14,7 +14,7 @@ use std::future::Future;
 use std::pin::Pin;
 use std::sync::Arc;
 use std::task::{Context, Poll};
-use std::time::{Duration, Instant};
+use std::time::Duration;
 
 use bytes::Bytes;
 use dsv4_client::Status;
@@ -27,6 +27,7 @@ use hyper_util::rt::{TokioIo, TokioTimer};
 use serde_json::json;
 use tokio::net::TcpListener;
 use tokio::sync::watch;
+use tokio::time::Instant;
 
 use crate::auth::{ApiKeys, AuthResult, KeyCache, X_API_KEY};
 use crate::config::Config;

@@ -38,7 +38,7 @@ use std::net::SocketAddr;
 use std::pin::Pin;
 use std::sync::{Arc, Mutex};
 use std::task::{Context, Poll};
-use std::time::{Duration, Instant};
+use std::time::Duration;
 
 use bytes::{Bytes, BytesMut};
 use http::{HeaderMap, Request, Response};
@@ -47,6 +47,7 @@ use http_body_util::{BodyExt, LengthLimitError, Limited};
 use hyper::body::Incoming;
 use hyper::client::conn::http1::{Connection, SendRequest};
 use hyper_util::rt::TokioIo;
+use tokio::time::Instant;
 
 /// Idle connections kept for reuse: as many as clients are likely to keep busy at once, so
 /// that a steady load reuses connections instead of opening and closing one per request

@@ -608,3 +608,94 @@ fn process_cpu_time() -> Duration {
     let hz = unsafe { libc::sysconf(libc::_SC_CLK_TCK) }.max(1) as u64;
     Duration::from_millis(ticks * 1000 / hz)
 }
+
+/// Waits (in whatever time the runtime keeps) until the published state is `state`.
+async fn until_state(rig: &Rig, state: State) -> Status {
+    let mut w = rig.handle.watch_status();
+    loop {
+        let s = w.borrow_and_update().clone();
+        if s.state == state {
+            return s;
+        }
+        w.changed().await.expect("the actor ended");
+    }
+}
+
+// The actor keeps its time on tokio's clock, so an hour of idle timeout passes in paused time.
+// The engine starts in real time (a real process has to load); the clock is paused once it is
+// ready, and resumed as soon as the stop begins, so the engine's own exit is not hurried.
+#[tokio::test(flavor = "current_thread")]
+async fn an_idle_engine_is_stopped_after_its_idle_timeout_in_paused_time() {
+    let rig = Rig::new(&Setup::default().engine("idle_timeout", "1h"));
+    rig.handle.start().await.unwrap();
+    rig.wait_state(State::Ready, 10 * SEC).await;
+    let wall = Instant::now();
+    tokio::time::pause();
+    let t0 = tokio::time::Instant::now();
+    until_state(&rig, State::Stopping).await;
+    let idle = t0.elapsed();
+    tokio::time::resume();
+    rig.wait_state(State::Stopped, 5 * SEC).await;
+    assert!(
+        // Idle time counts from the ready, a few real milliseconds before the pause.
+        idle > Duration::from_secs(3599) && idle < Duration::from_secs(3601),
+        "stopped after {idle:?} of paused time"
+    );
+    assert!(
+        wall.elapsed() < SEC,
+        "took {:?} of wall time",
+        wall.elapsed()
+    );
+    // A graceful stop: SIGTERM, not the escalation.
+    assert!(rig.fake_log().contains("sigterm"), "{}", rig.fake_log());
+    assert_eq!(rig.starts().len(), 1);
+}
+
+// Backoff after failed starts: 1 s, then 2 s (doubling), in paused time. Each start runs in
+// real time (the engine is a real process that fails), each backoff paused.
+#[tokio::test(flavor = "current_thread")]
+async fn failed_starts_back_off_doubling_in_paused_time() {
+    let rig = Rig::new(&Setup::default().knob("fail_start", "exit:7"));
+    let wall = Instant::now();
+    for (failures, backoff) in [(1, 1), (2, 2)] {
+        rig.handle.start().await.unwrap();
+        let s = until_state(&rig, State::Backoff).await;
+        assert_eq!(s.failures, failures);
+        assert!(
+            s.last_error
+                .as_deref()
+                .unwrap_or("")
+                .contains("exit code 7"),
+            "{s:?}"
+        );
+        tokio::time::pause();
+        let t0 = tokio::time::Instant::now();
+        // A request during the backoff is refused at once, with the time left.
+        match rig.handle.acquire().await {
+            Err(Refusal::Backoff { retry_after, .. }) => {
+                assert!(
+                    retry_after <= Duration::from_secs(backoff),
+                    "{retry_after:?}"
+                )
+            }
+            other => panic!("expected a backoff refusal, got {other:?}"),
+        }
+        let s = until_state(&rig, State::Stopped).await;
+        let waited = t0.elapsed();
+        tokio::time::resume();
+        // The start itself took a few real milliseconds before the clock was paused.
+        let want = Duration::from_secs(backoff);
+        assert!(
+            // Timers round up to the millisecond.
+            waited <= want + 10 * MS && waited > want - Duration::from_millis(500),
+            "backoff {failures}: {waited:?} of paused time, want about {want:?}"
+        );
+        assert_eq!(s.failures, failures, "the count survives the backoff");
+    }
+    assert_eq!(rig.starts().len(), 2);
+    assert!(
+        wall.elapsed() < SEC,
+        "took {:?} of wall time",
+        wall.elapsed()
+    );
+}

@@ -17,11 +17,12 @@ mod render;
 
 use std::io::{IsTerminal, Write};
 use std::process::ExitCode;
-use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
+use std::time::{Duration, SystemTime, UNIX_EPOCH};
 
 use clap::{CommandFactory, Parser, Subcommand, ValueEnum};
 use dsv4_client::{Bus, EngineStatus, State};
 use futures_util::StreamExt;
+use tokio::time::Instant;
 
 use crate::bus::Daemon;
 use crate::error::Failure;

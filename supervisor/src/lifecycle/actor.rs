@@ -10,12 +10,14 @@ use std::collections::{HashMap, VecDeque};
 use std::net::{Ipv4Addr, SocketAddr, TcpListener};
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::Arc;
-use std::time::{Duration, Instant, SystemTime};
+use std::time::{Duration, SystemTime};
 
 use dsv4_client::AlertKind;
 use dsv4_engine::{EngineChild, ExitReport, OutputTail, Readiness, SpawnSpec};
 use nix::sys::signal::Signal;
 use tokio::sync::{mpsc, oneshot, watch};
+// The clock tests can pause; the std clock is banned in this crate (supervisor/clippy.toml).
+use tokio::time::Instant;
 
 use super::state::{EngineFailure, Event, Gen, Limits, Machine, Phase, Refusal, Sig, WaiterId};
 use crate::alert::Alerts;
@@ -349,7 +351,7 @@ impl Actor {
         while !self.exited {
             if let Some(due) = self.machine.next_deadline() {
                 if armed.is_none_or(|a| due < a) {
-                    timer.as_mut().reset(tokio::time::Instant::from_std(due));
+                    timer.as_mut().reset(due);
                     armed = Some(due);
                 }
             }

@@ -17,7 +17,11 @@
 //! and every waiter is answered, granted or failed, on every settled transition.
 
 use std::collections::VecDeque;
-use std::time::{Duration, Instant};
+use std::time::Duration;
+
+// A value type here (the rules never read a clock); tokio's, so the actor can take `now`
+// from a clock that tests pause.
+use tokio::time::Instant;
 
 pub use dsv4_client::State;
 
