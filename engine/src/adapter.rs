@@ -29,8 +29,8 @@ impl EngineKind {
     /// How the supervisor learns that a freshly spawned engine can serve.
     pub fn readiness(self) -> Readiness {
         match self {
-            EngineKind::LlamaServer => Readiness::HealthOk { path: "/health" },
-            EngineKind::Ds4 => Readiness::ConnectThenOk { path: "/v1/models" },
+            EngineKind::LlamaServer => Readiness { path: "/health" },
+            EngineKind::Ds4 => Readiness { path: "/v1/models" },
         }
     }
 
@@ -147,20 +147,18 @@ impl FromStr for EngineKind {
     }
 }
 
-/// How readiness is probed.
+/// How readiness is probed: `GET path` until it answers 200. Until then a refused
+/// connection and any other answer both mean "still loading", which covers both engines:
+/// llama-server binds its port at once and answers `/health` with 503 while it loads;
+/// ds4-server opens its port only once the model is loaded.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub enum Readiness {
-    /// Poll `GET path` until it answers 200 (503 means still loading).
-    HealthOk { path: &'static str },
-    /// The port opens only once the model is loaded; then `GET path` must answer 200.
-    ConnectThenOk { path: &'static str },
+pub struct Readiness {
+    pub path: &'static str,
 }
 
 impl Readiness {
     pub fn path(self) -> &'static str {
-        match self {
-            Readiness::HealthOk { path } | Readiness::ConnectThenOk { path } => path,
-        }
+        self.path
     }
 }
 

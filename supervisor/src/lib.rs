@@ -13,4 +13,5 @@ pub mod proxy;
 pub mod reload;
 pub mod state_file;
 pub mod stats;
+pub mod sysroot;
 pub mod upstream;

@@ -19,10 +19,17 @@ pub enum Origin {
     Bound { addr: String },
 }
 
-/// The listening fds systemd passed, each with its name. Call once, before any thread starts.
-pub fn take_activation_fds() -> Result<Vec<(OwnedFd, String)>> {
-    // SAFETY: called from `main` before the tokio runtime or any other thread exists, which
-    // is the precondition for `std::env::remove_var` inside.
+/// The listening fds systemd passed, each with its name, taken out of the environment.
+///
+/// # Safety
+///
+/// Must be called while the process has a single thread (from `main`, before the async
+/// runtime, the log writer or anything else starts a thread): it removes `LISTEN_PID`,
+/// `LISTEN_FDS` and `LISTEN_FDNAMES` from the environment, which races with any other thread
+/// reading the environment. Call it at most once: the fds it wraps are then owned (and
+/// closed) by what it returns.
+pub unsafe fn take_activation_fds() -> Result<Vec<(OwnedFd, String)>> {
+    // SAFETY: single-threaded, by this function's contract, as `remove_var` inside requires.
     let fds = unsafe { sd_notify::listen_fds_with_names_and_unset_env() }
         .context("reading the sockets passed by systemd (LISTEN_FDS)")?;
     Ok(fds

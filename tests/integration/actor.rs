@@ -8,7 +8,6 @@ use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use bytes::Bytes;
-use dsv4::alert::Alerts;
 use dsv4::config::Config;
 use dsv4::lifecycle::actor::{self, ControlError, EngineRef, Handle, Lease, Status};
 use dsv4::lifecycle::state::{Refusal, State};
@@ -40,7 +39,8 @@ impl Rig {
         let path = setup.write(dir.path(), &fake_log);
         extra(dir.path(), &fake_log);
         let config = Config::load(&path).unwrap_or_else(|e| panic!("config: {e}"));
-        let (handle, task) = actor::spawn(Arc::new(config), profile.to_string(), Alerts::default());
+        let (handle, task) =
+            actor::spawn(Arc::new(config), profile.to_string(), Default::default());
         Rig {
             handle,
             task,

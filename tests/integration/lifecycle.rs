@@ -497,3 +497,27 @@ async fn engine_connections_are_kept_alive_and_reused() {
         .count();
     assert_eq!(conns, 2, "{}", d.fake_log());
 }
+
+/// `--sysroot` is where the daemon reads the host: a fixture tree shaped like a 128 GB
+/// Strix Halo's `/proc` stands in for this machine's.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_host_is_read_below_the_sysroot() {
+    let fixture = concat!(env!("CARGO_MANIFEST_DIR"), "/fixtures/sysroot/strix-halo");
+    let setup = Setup {
+        daemon_args: vec!["--sysroot".into(), fixture.into()],
+        ..Setup::default()
+    };
+    let d = Daemon::start(&setup);
+    let resp = d.post("/v1/chat/completions", chat(2, false)).await;
+    assert_eq!(resp.status(), 200);
+    // MemAvailable: 118012544 kB in the fixture.
+    let log = d.log();
+    assert!(
+        log.contains("memory available before the start: 112.5 GiB"),
+        "{log}"
+    );
+    assert!(
+        log.contains(&format!("reading /proc and /sys below {fixture}")),
+        "{log}"
+    );
+}

@@ -12,11 +12,13 @@ use clap::Parser;
 use dsv4::alert::Alerts;
 use dsv4::config::Config;
 use dsv4::dbus;
+use dsv4::lifecycle::Services;
 use dsv4::listener::{self, Origin};
 use dsv4::proxy::{self, Ctx};
 use dsv4::reload::Reloader;
 use dsv4::state_file;
 use dsv4::stats::Stats;
+use dsv4::sysroot::SysRoot;
 use dsv4_client::Bus;
 use tokio::signal::unix::{signal, SignalKind};
 
@@ -65,7 +67,9 @@ fn main() -> std::process::ExitCode {
     }
     // Before any thread exists (the log writer is one): taking the activation fds edits the
     // environment.
-    let activated = listener::take_activation_fds();
+    // SAFETY: no other thread exists yet (the runtime and the log writer start below), and
+    // this is the only call.
+    let activated = unsafe { listener::take_activation_fds() };
     let _log = init_logging();
     let activated = match activated {
         Ok(fds) => fds,
@@ -155,7 +159,10 @@ fn active_profile(config: &Config) -> String {
 async fn run(args: Args, activated: Vec<(std::os::fd::OwnedFd, String)>) -> Result<()> {
     let config = Config::load(&args.config).map_err(|e| anyhow::anyhow!("{e}"))?;
     let config = Arc::new(config);
-    tracing::debug!(sysroot = %args.sysroot.display(), "hardware root");
+    let sysroot = SysRoot::new(&args.sysroot)?;
+    if sysroot != SysRoot::default() {
+        tracing::info!("reading /proc and /sys below {}", sysroot.root().display());
+    }
     let listen = args
         .listen
         .as_deref()
@@ -172,8 +179,12 @@ async fn run(args: Args, activated: Vec<(std::os::fd::OwnedFd, String)>) -> Resu
 
     let profile = active_profile(&config);
     let alerts = Alerts::default();
+    let services = Services {
+        alerts: alerts.clone(),
+        sysroot,
+    };
     let (lifecycle, actor) =
-        dsv4::lifecycle::actor::spawn(config.clone(), profile.clone(), alerts.clone());
+        dsv4::lifecycle::actor::spawn(config.clone(), profile.clone(), services);
     // The configuration in force, replaced by reloads (SIGHUP, or an edited file).
     let (config_tx, config_rx) = tokio::sync::watch::channel(config.clone());
     tracing::info!(profile, "ready; the engine starts on the first request");

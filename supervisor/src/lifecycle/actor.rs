@@ -22,6 +22,7 @@ use tokio::time::Instant;
 use super::state::{EngineFailure, Event, Gen, Limits, Machine, Phase, Refusal, Sig, WaiterId};
 use crate::alert::Alerts;
 use crate::config::{Config, EngineLimits};
+use crate::sysroot::SysRoot;
 use crate::upstream::Upstream;
 
 /// How many lines of one engine's output are kept (for its error messages).
@@ -261,12 +262,21 @@ impl Drop for Engine {
 }
 
 /// Starts the actor on the current tokio runtime.
-/// `alerts` gets an alert when an engine dies while it serves.
+/// What the actor uses from the rest of the daemon.
+#[derive(Debug, Clone, Default)]
+pub struct Services {
+    /// Gets an alert when an engine dies while it serves.
+    pub alerts: Alerts,
+    /// Where the host's memory figures are read before each start.
+    pub sysroot: SysRoot,
+}
+
 pub fn spawn(
     config: Arc<Config>,
     profile: String,
-    alerts: Alerts,
+    services: Services,
 ) -> (Handle, tokio::task::JoinHandle<()>) {
+    let Services { alerts, sysroot } = services;
     let (cmd_tx, cmd_rx) = mpsc::channel(1024);
     let (int_tx, int_rx) = mpsc::unbounded_channel();
     let machine = Machine::new(profile, limits(&config.supervisor.engine), Instant::now());
@@ -282,6 +292,7 @@ pub fn spawn(
         status: status_tx,
         shutdown_done: Vec::new(),
         alerts,
+        sysroot,
         outbox: Vec::new(),
         exited: false,
     };
@@ -316,6 +327,7 @@ struct Actor {
     status: watch::Sender<Status>,
     shutdown_done: Vec<oneshot::Sender<()>>,
     alerts: Alerts,
+    sysroot: SysRoot,
     /// Answers held back until the status they imply is published, so a caller that reads
     /// the status right after its answer sees its own change.
     outbox: Vec<Reply>,
@@ -621,6 +633,13 @@ impl Actor {
             spec.program.display(),
             shown.join(" ")
         );
+        match self.sysroot.mem_available() {
+            Ok(bytes) => tracing::info!(
+                "memory available before the start: {:.1} GiB",
+                bytes as f64 / (1u64 << 30) as f64
+            ),
+            Err(e) => tracing::debug!("memory available before the start: unknown ({e})"),
+        }
         let child = match EngineChild::spawn(&spec) {
             Ok(c) => c,
             Err(e) => return fail(e.to_string()),

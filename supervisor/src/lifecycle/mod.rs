@@ -3,4 +3,6 @@
 pub mod actor;
 pub mod state;
 
-pub use actor::{ControlError, EngineRef, Handle, Lease, Refused, Status, ERROR_TAIL_LINES};
+pub use actor::{
+    ControlError, EngineRef, Handle, Lease, Refused, Services, Status, ERROR_TAIL_LINES,
+};
