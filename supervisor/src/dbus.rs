@@ -19,6 +19,7 @@ use dsv4_client::{
     OBJECT_PATH, WAIT_LOGS_MAX_MS,
 };
 use tokio::sync::{broadcast, watch};
+use tokio::time::{Duration, Instant};
 use zbus::message::Header;
 use zbus::names::ErrorName;
 use zbus::object_server::SignalEmitter;
@@ -357,8 +358,28 @@ pub async fn serve(bus: Bus, parts: Parts) -> anyhow::Result<Connection> {
     Ok(conn)
 }
 
+/// The least time between two announcements of the per-request figures (`InFlight`,
+/// `Waiting`, `IdleDeadline`). Every request moves them twice; announcing each move cost the
+/// daemon and the bus daemon more than proxying the request (measured with a bus: 179 us of
+/// dsv4d's CPU per small request instead of 108, and 89 us of dbus-daemon's). A watcher
+/// sees their latest values at most this late; the state and the profiles are never held.
+const FIGURES_GAP: Duration = Duration::from_millis(250);
+
+/// Whether anything but the per-request figures differs.
+fn discrete_change(a: &Status, b: &Status) -> bool {
+    a.state != b.state
+        || a.profile != b.profile
+        || a.engine_profile != b.engine_profile
+        || a.engine_pid != b.engine_pid
+        || a.last_error != b.last_error
+}
+
+fn figures_change(a: &Status, b: &Status) -> bool {
+    a.in_flight != b.in_flight || a.waiting != b.waiting || a.idle_deadline != b.idle_deadline
+}
+
 /// Emits `PropertiesChanged` for each property whose value changed, and `StateChanged` when
-/// the state did.
+/// the state did; the per-request figures at most every [`FIGURES_GAP`].
 async fn announce_changes(
     conn: Connection,
     lifecycle: Handle,
@@ -374,9 +395,19 @@ async fn announce_changes(
     };
     let mut rx = lifecycle.watch_status();
     let mut old: Status = rx.borrow_and_update().clone();
+    let mut figures_sent: Option<Instant> = None;
+    // When held-back figures go out.
+    let mut figures_due: Option<Instant> = None;
     loop {
+        let hold = async {
+            match figures_due {
+                Some(t) => tokio::time::sleep_until(t).await,
+                None => std::future::pending().await,
+            }
+        };
         tokio::select! {
             changed = rx.changed() => if changed.is_err() { return },
+            () = hold => figures_due = None,
             changed = config.changed() => {
                 if changed.is_err() {
                     return;
@@ -402,6 +433,22 @@ async fn announce_changes(
             }
         }
         let new = rx.borrow_and_update().clone();
+        let figures = figures_change(&old, &new);
+        if !discrete_change(&old, &new) {
+            if !figures || figures_due.is_some() {
+                continue;
+            }
+            if let Some(next) = figures_sent.map(|t| t + FIGURES_GAP) {
+                if Instant::now() < next {
+                    figures_due = Some(next);
+                    continue;
+                }
+            }
+        }
+        figures_due = None;
+        if figures {
+            figures_sent = Some(Instant::now());
+        }
         let e = iface.signal_emitter();
         let obj = iface.get().await;
         let mut results = Vec::new();

@@ -501,3 +501,46 @@ async fn config_check_reports_every_problem_or_a_summary() {
     assert_eq!(out.status.code(), Some(1));
     assert_eq!(text(&out.stdout), stdout);
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn per_request_figures_are_announced_at_a_bounded_rate_and_end_true() {
+    let bus = PrivateBus::start();
+    let d = Daemon::start(&setup(&bus));
+    wait_bus_name(&d, &bus).await;
+    let (_conn, proxy) = client(&bus).await;
+    let out = ctl(&bus.address, &["start", "--wait"], None);
+    assert_eq!(out.status.code(), Some(0), "{}", text(&out.stderr));
+    let mut in_flight = proxy.receive_in_flight_changed().await;
+    // The stream first yields the current value.
+    tokio::time::timeout(5 * SEC, in_flight.next())
+        .await
+        .unwrap();
+    let seen = std::sync::Arc::new(std::sync::Mutex::new(Vec::<u32>::new()));
+    let sink = seen.clone();
+    tokio::spawn(async move {
+        while let Some(c) = in_flight.next().await {
+            if let Ok(v) = c.get().await {
+                sink.lock().unwrap().push(v);
+            }
+        }
+    });
+    // 40 requests one after another: InFlight goes 0 -> 1 -> 0 each time.
+    let t = Instant::now();
+    for _ in 0..40 {
+        let resp = d.post("/v1/chat/completions", chat(1, false)).await;
+        assert_eq!(resp.status(), 200);
+        let _ = http_body_util::BodyExt::collect(resp.into_body()).await;
+    }
+    let took = t.elapsed();
+    // The last value always goes out, at most a gap later.
+    tokio::time::sleep(Duration::from_millis(600)).await;
+    let seen = seen.lock().unwrap().clone();
+    assert_eq!(seen.last(), Some(&0), "{seen:?}");
+    // Held back to one announcement per 250 ms (plus the first and the last).
+    let bound = (took.as_millis() / 250 + 3) as usize;
+    assert!(
+        seen.len() <= bound,
+        "{} InFlight announcements for 40 requests in {took:?}: {seen:?}",
+        seen.len()
+    );
+}
