@@ -5,6 +5,8 @@
 //! `dsv4ctl` links this crate only, and the daemon's tests check that what it serves
 //! parses into these types.
 
+pub mod duration;
+
 use std::collections::BTreeMap;
 
 use serde::{Deserialize, Serialize};
