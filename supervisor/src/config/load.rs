@@ -15,7 +15,7 @@ use std::time::Duration;
 use dsv4_engine::{EngineKind, EngineParams};
 
 use super::error::Problem;
-use super::files::{self, Role, Shown};
+use super::files::{self, Shown};
 use super::raw::{Engine, Flash, Layers, RawProfile, Size};
 use super::rules;
 use super::yaml::Doc;
@@ -30,32 +30,18 @@ const MIN_STOP_TIMEOUT: Duration = Duration::from_secs(1);
 /// Plausible limits for `thermal.warn` and `thermal.critical`, in degrees Celsius.
 const TEMPERATURE_RANGE: (f64, f64) = (1.0, 150.0);
 
-/// What [`load`] checks besides the text.
-#[derive(Debug, Clone, Copy)]
-pub(super) struct Options {
-    /// Whether the files and programs the configuration names must exist.
-    pub check_files: bool,
-}
-
-impl Default for Options {
-    fn default() -> Self {
-        Options { check_files: true }
-    }
-}
-
 /// What every check needs to know.
 struct Ctx {
     shown: Shown,
+    /// Whether the files and programs the configuration names must exist.
     check_files: bool,
 }
 
-pub(super) fn load(path: &Path, options: Options) -> Result<Config, ConfigError> {
+pub(super) fn load(path: &Path, check_files: bool) -> Result<Config, ConfigError> {
     let file = std::path::absolute(path).unwrap_or_else(|_| path.to_path_buf());
     let base = file.parent().map(Path::to_path_buf).unwrap_or_default();
-    let ctx = Ctx {
-        shown: Shown::new(&base),
-        check_files: options.check_files,
-    };
+    let shown = Shown::new(&base);
+    let ctx = Ctx { shown, check_files };
     let mut problems = Vec::new();
     let text = fs::read_to_string(&file)
         .map_err(|e| {
@@ -76,21 +62,12 @@ pub(super) fn load(path: &Path, options: Options) -> Result<Config, ConfigError>
     let mut supervisor = raw.unwrap_or_default();
     let dir_known = check_supervisor(&mut supervisor, &base, &doc, &ctx, &mut problems) && parsed;
 
-    let found = load_profiles(
-        &supervisor.profiles_dir,
-        &doc,
-        &ctx,
-        dir_known,
-        &mut problems,
-    );
+    let dir = &supervisor.profiles_dir;
+    let (files, profiles) = load_profiles(dir, &doc, &ctx, dir_known, &mut problems);
     let default = &supervisor.default_profile;
-    if parsed
-        && !doc.dropped("default_profile")
-        && !default.is_empty()
-        && !found.files.is_empty()
-        && !found.files.contains_key(default)
-    {
-        let names: Vec<&str> = found.files.keys().map(String::as_str).collect();
+    let checked = parsed && !doc.dropped("default_profile") && !default.is_empty();
+    if checked && !files.is_empty() && !files.contains_key(default) {
+        let names: Vec<&str> = files.keys().map(String::as_str).collect();
         problems.push(doc.problem(
             "default_profile",
             format!(
@@ -105,7 +82,7 @@ pub(super) fn load(path: &Path, options: Options) -> Result<Config, ConfigError>
         return Ok(Config {
             file,
             supervisor,
-            profiles: found.profiles,
+            profiles,
         });
     }
     // By file (supervisor.yaml first, then in the order the files were checked), then by
@@ -263,13 +240,9 @@ fn check_supervisor(
     dir_known
 }
 
-#[derive(Default)]
-struct Found {
-    /// Every profile file by name, including those with problems.
-    files: BTreeMap<String, PathBuf>,
-    /// The profiles without problems.
-    profiles: BTreeMap<String, Profile>,
-}
+/// Every profile file in `dir` by name (those with problems too), and the profiles without
+/// problems.
+type Profiles = (BTreeMap<String, PathBuf>, BTreeMap<String, Profile>);
 
 fn load_profiles(
     dir: &Path,
@@ -277,19 +250,16 @@ fn load_profiles(
     ctx: &Ctx,
     dir_known: bool,
     problems: &mut Vec<Problem>,
-) -> Found {
-    let mut found = Found::default();
+) -> Profiles {
+    let (mut found, mut profiles) = Profiles::default();
     let entries = match fs::read_dir(dir) {
         Ok(entries) => entries,
-        Err(e) => {
-            if dir_known {
-                problems.push(doc.problem(
-                    "profiles_dir",
-                    format!("cannot read profiles folder {}: {e}", ctx.shown.text(dir)),
-                ));
-            }
-            return found;
+        Err(e) if dir_known => {
+            let message = format!("cannot read profiles folder {}: {e}", ctx.shown.text(dir));
+            problems.push(doc.problem("profiles_dir", message));
+            return (found, profiles);
         }
+        Err(_) => return (found, profiles),
     };
 
     let mut files: Vec<(String, PathBuf)> = Vec::new();
@@ -302,25 +272,23 @@ fn load_profiles(
                 continue;
             }
         };
-        let shown = ctx.shown.path(&path);
-        let name = path.file_name().unwrap_or_default().to_owned();
-        let lossy = name.to_string_lossy();
-        let stem = lossy
-            .strip_suffix(".yaml")
-            .or_else(|| lossy.strip_suffix(".yml"));
-        let Some(stem) = stem.filter(|_| !lossy.starts_with('.')) else {
+        let name = path.file_name().unwrap_or_default().to_string_lossy();
+        let stem = name.strip_suffix(".yaml").or(name.strip_suffix(".yml"));
+        let Some(stem) = stem.filter(|_| !name.starts_with('.')).map(str::to_string) else {
             continue;
         };
-        if name.to_str().is_none() {
-            let message = "profile file name is not valid UTF-8";
-            problems.push(Problem::new(&shown, "", message));
-            continue;
-        }
-        match fs::metadata(&path) {
-            Ok(meta) if meta.is_file() => files.push((stem.to_string(), path)),
-            Ok(_) => {}
-            Err(e) => problems.push(Problem::new(&shown, "", format!("cannot read: {e}"))),
-        }
+        let problem = match fs::metadata(&path) {
+            _ if path.file_name().and_then(|n| n.to_str()).is_none() => {
+                "profile file name is not valid UTF-8".to_string()
+            }
+            Ok(meta) if meta.is_file() => {
+                files.push((stem, path));
+                continue;
+            }
+            Ok(_) => continue,
+            Err(e) => format!("cannot read: {e}"),
+        };
+        problems.push(Problem::new(&ctx.shown.path(&path), "", problem));
     }
     files.sort();
 
@@ -336,7 +304,7 @@ fn load_profiles(
 
     for (name, path) in files {
         let shown = ctx.shown.path(&path);
-        if let Some(first) = found.files.get(&name) {
+        if let Some(first) = found.get(&name) {
             let message = format!(
                 "profile {name:?} is already defined by {}; remove or rename one of them",
                 ctx.shown.text(first)
@@ -344,7 +312,7 @@ fn load_profiles(
             problems.push(Problem::new(&shown, "", message));
             continue;
         }
-        found.files.insert(name.clone(), path.clone());
+        found.insert(name.clone(), path.clone());
         // Profile names appear in the API, the CLI and the state file: keep them plain.
         let plain = |c: char| c.is_ascii_alphanumeric() || matches!(c, '.' | '_' | '-');
         if name.is_empty() || name.starts_with('-') || !name.chars().all(plain) {
@@ -368,10 +336,10 @@ fn load_profiles(
         };
         let profile = profile_from_raw(&name, &path, dir, raw, &doc, ctx, problems);
         if problems.len() == before {
-            found.profiles.insert(name, profile);
+            profiles.insert(name, profile);
         }
     }
-    found
+    (found, profiles)
 }
 
 /// The profile, and the problems with it (when there are any, the profile is not used).
@@ -434,10 +402,15 @@ fn profile_from_raw(
         }
         Some(path)
     };
-    let model: Check =
-        |s, p| files::check_file(s, p, Role::Model).or_else(|| files::check_shards(s, p));
+    let model: Check = |s, p| {
+        let example = "edit it to point at your model";
+        files::check_file(s, p, Some(example)).or_else(|| files::check_shards(s, p))
+    };
     let model = path_field("model", raw.model, Some(model));
-    let mmproj: Check = |s, p| files::check_file(s, p, Role::Mmproj);
+    let mmproj: Check = |s, p| {
+        let example = "edit it to point at your vision projector, or remove mmproj";
+        files::check_file(s, p, Some(example))
+    };
     let mmproj = (engine != Some(EngineKind::Ds4)).then_some(mmproj);
     let mmproj = path_field("mmproj", raw.mmproj, mmproj);
     let folder: Check = files::check_creatable_dir;
@@ -488,14 +461,14 @@ fn profile_from_raw(
     let extra_args = raw.extra_args.unwrap_or_default();
     for (i, arg) in extra_args.iter().enumerate() {
         if let Some(message) = rules::check_extra_arg(arg) {
-            problems.push(doc.at("extra_args", &format!("extra_args[{i}]"), message));
+            problems.push(doc.at("extra_args", &format!("extra_args[{i}]"), false, message));
         }
     }
     let env = raw.env.unwrap_or_default();
     for (key, value) in &env {
         let path = format!("env.{key}");
         if let Some(message) = rules::check_env_name(key) {
-            problems.push(doc.key_problem("env", &path, message));
+            problems.push(doc.at("env", &path, true, message));
         } else if value.contains('\0') {
             problems.push(doc.problem(&path, "contains a NUL byte"));
         }

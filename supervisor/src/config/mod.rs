@@ -60,10 +60,11 @@ pub struct Config {
 impl Config {
     /// Reads `supervisor.yaml` at `path` and every profile in its `profiles_dir`.
     ///
-    /// Returns all problems found: a file that does not parse stops at its first error, but
+    /// Returns all problems found: every unknown key and every value that does not fit, and
+    /// the problems in what was read. A file that is not YAML stops at its first error, but
     /// the other files are still read and checked.
     pub fn load(path: &Path) -> Result<Config, ConfigError> {
-        load::load(path, load::Options::default())
+        load::load(path, true)
     }
 
     /// A short report for `dsv4d --check-config`: a first line naming the file, the number of
@@ -124,11 +125,8 @@ impl Config {
 
 /// `supervisor.yaml`.
 #[derive(Debug, Clone, PartialEq, Deserialize)]
-#[serde(
-    default,
-    deny_unknown_fields,
-    expecting = "a mapping of supervisor settings"
-)]
+#[serde(default, deny_unknown_fields)]
+#[serde(expecting = "a mapping of supervisor settings")]
 pub struct Supervisor {
     pub api: Api,
     pub engine: EngineLimits,
@@ -175,11 +173,8 @@ impl Default for Supervisor {
 
 /// `api:`.
 #[derive(Debug, Clone, PartialEq, Deserialize)]
-#[serde(
-    default,
-    deny_unknown_fields,
-    expecting = "a mapping of `api` settings"
-)]
+#[serde(default, deny_unknown_fields)]
+#[serde(expecting = "a mapping of `api` settings")]
 pub struct Api {
     /// `IP:port` (checked to parse as a `SocketAddr`); used only when not socket-activated.
     pub listen: String,
@@ -202,11 +197,8 @@ impl Default for Api {
 
 /// `engine:`, the lifecycle limits.
 #[derive(Debug, Clone, PartialEq, Deserialize)]
-#[serde(
-    default,
-    deny_unknown_fields,
-    expecting = "a mapping of `engine` settings"
-)]
+#[serde(default, deny_unknown_fields)]
+#[serde(expecting = "a mapping of `engine` settings")]
 pub struct EngineLimits {
     /// Engine spawn to ready.
     #[serde(deserialize_with = "raw::duration")]
@@ -234,11 +226,8 @@ impl Default for EngineLimits {
 
 /// `power:`.
 #[derive(Debug, Clone, PartialEq, Default, Deserialize)]
-#[serde(
-    default,
-    deny_unknown_fields,
-    expecting = "a mapping of `power` settings"
-)]
+#[serde(default, deny_unknown_fields)]
+#[serde(expecting = "a mapping of `power` settings")]
 pub struct Power {
     pub cpu: CpuPolicy,
     pub gpu: GpuPolicy,
@@ -247,11 +236,8 @@ pub struct Power {
 
 /// `monitor:`, how often to sample temperatures and memory.
 #[derive(Debug, Clone, PartialEq, Deserialize)]
-#[serde(
-    default,
-    deny_unknown_fields,
-    expecting = "a mapping of `monitor` settings"
-)]
+#[serde(default, deny_unknown_fields)]
+#[serde(expecting = "a mapping of `monitor` settings")]
 pub struct Monitor {
     /// While the engine runs.
     #[serde(deserialize_with = "raw::duration")]
@@ -272,11 +258,8 @@ impl Default for Monitor {
 
 /// `thermal:`, in degrees Celsius.
 #[derive(Debug, Clone, PartialEq, Deserialize)]
-#[serde(
-    default,
-    deny_unknown_fields,
-    expecting = "a mapping of `thermal` settings"
-)]
+#[serde(default, deny_unknown_fields)]
+#[serde(expecting = "a mapping of `thermal` settings")]
 pub struct Thermal {
     #[serde(deserialize_with = "raw::celsius")]
     pub warn: f64,
@@ -301,11 +284,8 @@ impl Default for Thermal {
 
 /// `memory:`.
 #[derive(Debug, Clone, PartialEq, Deserialize)]
-#[serde(
-    default,
-    deny_unknown_fields,
-    expecting = "a mapping of `memory` settings"
-)]
+#[serde(default, deny_unknown_fields)]
+#[serde(expecting = "a mapping of `memory` settings")]
 pub struct Memory {
     /// Refuse an engine start that would leave less than this many bytes available.
     #[serde(deserialize_with = "raw::size")]

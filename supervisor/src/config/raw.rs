@@ -1,22 +1,25 @@
 //! The values as written: a profile as serde reads it, and the scalars that are read as text
-//! and parsed (durations, sizes, temperatures and the engine's settings), each a newtype
-//! that serde builds through `TryFrom<String>`, so that the parser's message is the error.
+//! and parsed (sizes and the engine's settings, each a newtype that serde builds through
+//! `TryFrom<String>`; durations, sizes and temperatures in the settings types), so that the
+//! parser's message is the error.
 //!
 //! Range checks and cross-field checks happen afterwards, in `load.rs`.
 
 use std::collections::BTreeMap;
+use std::fmt::Display;
 use std::time::Duration;
 
-use dsv4_client::duration::{self, ParseError};
+use dsv4_client::duration;
 use dsv4_engine::{EngineKind, FlashAttn, GpuLayers};
-use serde::{Deserialize, Deserializer};
+use serde::{de, Deserialize, Deserializer};
 
 use super::units::{parse_size, parse_temperature};
 
 /// `profiles/<name>.yaml`. `engine` and `command` are required, but optional here so that a
 /// profile missing both reports both.
 #[derive(Debug, Default, Deserialize)]
-#[serde(deny_unknown_fields, expecting = "a mapping of profile settings")]
+#[serde(deny_unknown_fields)]
+#[serde(expecting = "a mapping of profile settings")]
 pub(crate) struct RawProfile {
     pub description: Option<String>,
     pub engine: Option<Engine>,
@@ -38,18 +41,6 @@ pub(crate) struct RawProfile {
     pub env: Option<BTreeMap<String, String>>,
 }
 
-/// A duration such as `90s` or `15m`.
-#[derive(Debug, Clone, Copy, PartialEq, Deserialize)]
-#[serde(try_from = "String")]
-pub(crate) struct Dur(pub Duration);
-
-impl TryFrom<String> for Dur {
-    type Error = ParseError;
-    fn try_from(text: String) -> Result<Self, ParseError> {
-        duration::parse(&text).map(Dur)
-    }
-}
-
 /// A byte size such as `64MiB` or `87.82GiB`.
 #[derive(Debug, Clone, Copy, PartialEq, Deserialize)]
 #[serde(try_from = "String")]
@@ -59,18 +50,6 @@ impl TryFrom<String> for Size {
     type Error = String;
     fn try_from(text: String) -> Result<Self, String> {
         parse_size(&text).map(Size)
-    }
-}
-
-/// A temperature such as `85C`.
-#[derive(Debug, Clone, Copy, PartialEq, Deserialize)]
-#[serde(try_from = "String")]
-pub(crate) struct Celsius(pub f64);
-
-impl TryFrom<String> for Celsius {
-    type Error = String;
-    fn try_from(text: String) -> Result<Self, String> {
-        parse_temperature(&text).map(Celsius)
     }
 }
 
@@ -123,25 +102,36 @@ impl TryFrom<String> for Layers {
     }
 }
 
-// For the fields of the public settings types, which hold the parsed values themselves.
+// The fields of the public settings types hold the parsed values themselves.
+
+/// Reads a scalar as text and parses it; the parser's message is the error.
+fn parsed<'de, D: Deserializer<'de>, T, E: Display>(
+    d: D,
+    parse: fn(&str) -> Result<T, E>,
+) -> Result<T, D::Error> {
+    parse(&String::deserialize(d)?).map_err(de::Error::custom)
+}
 
 pub(crate) fn duration<'de, D: Deserializer<'de>>(d: D) -> Result<Duration, D::Error> {
-    Dur::deserialize(d).map(|Dur(v)| v)
+    parsed(d, duration::parse)
 }
 
 /// `null` is `None` (never).
-pub(crate) fn duration_or_never<'de, D: Deserializer<'de>>(
-    d: D,
-) -> Result<Option<Duration>, D::Error> {
-    Option::<Dur>::deserialize(d).map(|v| v.map(|Dur(v)| v))
+pub(crate) fn duration_or_never<'de, D>(d: D) -> Result<Option<Duration>, D::Error>
+where
+    D: Deserializer<'de>,
+{
+    Option::<String>::deserialize(d)?
+        .map(|text| duration::parse(&text).map_err(de::Error::custom))
+        .transpose()
 }
 
 pub(crate) fn size<'de, D: Deserializer<'de>>(d: D) -> Result<u64, D::Error> {
-    Size::deserialize(d).map(|Size(v)| v)
+    parsed(d, parse_size)
 }
 
 pub(crate) fn celsius<'de, D: Deserializer<'de>>(d: D) -> Result<f64, D::Error> {
-    Celsius::deserialize(d).map(|Celsius(v)| v)
+    parsed(d, parse_temperature)
 }
 
 #[cfg(test)]

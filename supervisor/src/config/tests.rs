@@ -77,7 +77,7 @@ fn errors(result: Result<Config, ConfigError>) -> Vec<String> {
 
 /// Loads without checking that files exist.
 fn load_text_only(path: &Path) -> Result<Config, ConfigError> {
-    load::load(path, load::Options { check_files: false })
+    load::load(path, false)
 }
 
 #[test]
@@ -260,7 +260,14 @@ planned_memory: 10GiB
 
 #[test]
 fn an_empty_file_means_every_default() {
-    for text in ["", "# only a comment\n", "~\n", "api:\nengine:\npower:\n"] {
+    let nulls = "api: ~\nengine: { idle_timeout: }\npower: { cpu: null }\nstate_dir: Null\n";
+    for text in [
+        "",
+        "# only a comment\n",
+        "~\n",
+        "api:\nengine:\npower:\n",
+        nulls,
+    ] {
         let dir = TempDir::new("defaults");
         let file = dir.write("supervisor.yaml", text);
         dir.write("profiles/320k.yaml", MINIMAL_PROFILE);
@@ -1151,4 +1158,26 @@ proptest! {
             }
         }
     }
+}
+
+#[test]
+fn aliases_and_deep_nesting_stop_at_the_first_mistake() {
+    let dir = TempDir::new("odd");
+    let file = dir.write("supervisor.yaml", "");
+    dir.engine_files("profiles");
+    // Setting an entry aside could break an alias to it: only the first mistake is certain.
+    dir.write(
+        "profiles/320k.yaml",
+        "engine: &e llama-server\ncommand: bin/engine\nmodel: m.gguf\ncontext: lots\n\
+         paralel: 2\ndescription: *e\n",
+    );
+    let deep = format!("context: {}{}\n", "[".repeat(300), "]".repeat(300));
+    dir.write("profiles/deep.yaml", &deep);
+    let got = errors(Config::load(&file));
+    assert_eq!(got.len(), 2, "{got:#?}");
+    assert_eq!(
+        got[0],
+        "profiles/320k.yaml:4:10: context: invalid type: string \"lots\", expected u32"
+    );
+    assert!(got[1].starts_with("profiles/deep.yaml:1:"), "{got:#?}");
 }

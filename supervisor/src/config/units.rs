@@ -81,23 +81,12 @@ pub fn parse_size(s: &str) -> Result<u64, String> {
 /// Formats a byte size with the largest binary unit it reaches and at most two decimals:
 /// `87.82GiB`, `8GiB`, `64MiB`, `512B`. Meant for messages; it may round.
 pub fn format_size(bytes: u64) -> String {
-    const UNITS: [(&str, u64); 4] = [
-        ("TiB", 1 << 40),
-        ("GiB", 1 << 30),
-        ("MiB", 1 << 20),
-        ("KiB", 1 << 10),
-    ];
-    for (name, len) in UNITS {
-        if bytes >= len {
-            if bytes % len == 0 {
-                return format!("{}{name}", bytes / len);
-            }
-            let text = format!("{:.2}", bytes as f64 / len as f64);
-            let text = text.trim_end_matches('0').trim_end_matches('.');
-            return format!("{text}{name}");
-        }
-    }
-    format!("{bytes}B")
+    let units = [("TiB", 40), ("GiB", 30), ("MiB", 20), ("KiB", 10)];
+    let Some((name, shift)) = units.into_iter().find(|(_, shift)| bytes >> shift > 0) else {
+        return format!("{bytes}B");
+    };
+    let text = format!("{:.2}", bytes as f64 / (1u64 << shift) as f64);
+    format!("{}{name}", text.trim_end_matches('0').trim_end_matches('.'))
 }
 
 /// Parses a temperature in degrees Celsius: `85C`, `85.5C`, `85°C`, `85 °C`, `-5C`.

@@ -182,26 +182,18 @@ impl Doc {
     /// when it starts on the key's line, else at the key; without a position when the key is
     /// not written.
     pub fn problem(&self, path: &str, message: impl Into<String>) -> Problem {
-        self.at(path, path, message)
+        self.at(path, path, false, message)
     }
 
-    /// [`Doc::problem`] reported under `field`, e.g. an item `extra_args[2]` as `extra_args`.
-    pub fn at(&self, field: &str, path: &str, message: impl Into<String>) -> Problem {
-        let position = self.spans.entries.get(path).map(|e| {
-            let at = if e.value.line() == e.key.line() {
-                e.value
-            } else {
-                e.key
-            };
-            position(at)
+    /// A problem reported under `field` about the entry at `path` (an item `extra_args[2]`
+    /// under `extra_args`), or about its key's name (`on_key`).
+    pub fn at(&self, field: &str, path: &str, on_key: bool, message: impl Into<String>) -> Problem {
+        let entry = self.spans.entries.get(path);
+        let spot = entry.map(|e| {
+            let on_key = on_key || e.value.line() != e.key.line();
+            position(if on_key { e.key } else { e.value })
         });
-        Problem::new(&self.file, field, message).at(position)
-    }
-
-    /// A problem about the key at `path` itself (its name), reported under `field`.
-    pub fn key_problem(&self, field: &str, path: &str, message: impl Into<String>) -> Problem {
-        let position = self.spans.entries.get(path).map(|e| position(e.key));
-        Problem::new(&self.file, field, message).at(position)
+        Problem::new(&self.file, field, message).at(spot)
     }
 
     pub fn written(&self, path: &str) -> bool {
@@ -219,57 +211,33 @@ impl Doc {
         &mut self,
         error: &serde_path_to_error::Error<serde_yaml_ng::Error>,
     ) -> (Problem, String) {
-        let inner = error.inner();
-        let mut path = error.path().to_string();
-        if path == "." {
-            path.clear();
-        }
-        let mut message = message(inner);
-        let location = inner.location().map(|l| (l.line(), l.column()));
+        let path = Some(error.path().to_string()).filter(|p| p != ".");
+        let path = path.unwrap_or_default();
+        let mut message = message(error.inner()).replacen("duplicate field", "duplicate key", 1);
         // serde_yaml_ng starts with the path of what it was reading: the error's own path or
         // one of its parents.
         let parents = path.rmatch_indices(['.', '[']).map(|(i, _)| &path[..i]);
-        if let Some(prefix) = std::iter::once(path.as_str())
+        let prefix = std::iter::once(path.as_str())
             .chain(parents)
-            .find(|p| !p.is_empty() && message.starts_with(&format!("{p}: ")))
-        {
+            .find(|p| !p.is_empty() && message.starts_with(&format!("{p}: ")));
+        if let Some(prefix) = prefix {
             message.drain(..prefix.len() + 2);
         }
-
-        // An unknown key's path ends with it; a duplicate key's path is its mapping's.
-        let key_error = [
-            ("unknown field `", "unknown key `"),
-            ("duplicate field `", "duplicate key `"),
-        ]
-        .into_iter()
-        .find_map(|(serde_word, word)| {
-            let rest = message.strip_prefix(serde_word)?;
-            let (key, expected) = rest.split_once('`')?;
-            Some((word, key.to_string(), expected.to_string()))
-        });
-        if let Some((word, key, expected)) = key_error {
-            if !path.ends_with(key.as_str()) {
-                path = if path.is_empty() {
-                    key.clone()
-                } else {
-                    format!("{path}.{key}")
-                };
-            }
-            message = format!("{word}{key}`{expected}");
-            let names = expected.split('`').skip(1).step_by(2);
-            if let Some(meant) = closest(&key, names) {
+        let mut problem = self.problem(&path, &message);
+        // An unknown key: its path ends with it.
+        let unknown = message.strip_prefix("unknown field `");
+        if let Some((key, expected)) = unknown.and_then(|rest| rest.split_once('`')) {
+            let mut message = format!("unknown key `{key}`{expected}");
+            if let Some(meant) = closest(key, expected.split('`').skip(1).step_by(2)) {
                 message.push_str(&format!("; did you mean `{meant}`?"));
-                let parent = &path[..path.len() - key.len()];
+                let parent = path.strip_suffix(key).unwrap_or_default();
                 self.dropped.insert(format!("{parent}{meant}"));
             }
-            let position = self.spans.entries.get(&path).map(|e| position(e.key));
-            let problem = Problem::new(&self.file, path.as_str(), message);
-            return (problem.at(position.or(location)), path);
+            problem = self.at(&path, &path, true, message);
         }
-
-        let mut problem = self.problem(&path, message);
         if problem.line.is_none() {
-            problem = problem.at(location);
+            let location = error.inner().location();
+            problem = problem.at(location.map(|l| (l.line(), l.column())));
         }
         // A list item that does not fit sets its whole list aside.
         let mut culprit = path;
