@@ -6,6 +6,8 @@
 //! `dsv4ctl` parses them, so the two cannot drift apart. Must not: depend on the daemon's
 //! internals; `dsv4ctl` links this crate only.
 
+pub mod duration;
+
 use std::collections::BTreeMap;
 use std::fmt;
 use std::str::FromStr;

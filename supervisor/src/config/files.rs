@@ -52,37 +52,17 @@ impl Shown {
     }
 }
 
-/// What a missing or unusable path is for, to word the message.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub(crate) enum Role {
-    Model,
-    Mmproj,
-    /// A file that is not an example in the shipped profiles.
-    File,
-}
-
-impl Role {
-    /// The note added when `path` is missing and is the shipped example.
-    fn example_note(self, path: &Path) -> Option<&'static str> {
-        if !path.starts_with(EXAMPLE_MODEL_DIR) {
-            return None;
-        }
-        match self {
-            Role::Model => Some("edit it to point at your model"),
-            Role::Mmproj => Some("edit it to point at your vision projector, or remove mmproj"),
-            Role::File => None,
-        }
-    }
-}
-
-/// A regular file (following symlinks) must be at `path`.
-pub(crate) fn check_file(shown: &Shown, path: &Path, role: Role) -> Option<String> {
+/// A regular file (following symlinks) must be at `path`. `example` says what to do when it
+/// is missing under the shipped example folder.
+pub(crate) fn check_file(shown: &Shown, path: &Path, example: Option<&str>) -> Option<String> {
     let text = shown.text(path);
     match fs::metadata(path) {
-        Err(e) if e.kind() == io::ErrorKind::NotFound => Some(match role.example_note(path) {
-            Some(note) => format!("{text} does not exist ({EXAMPLE}: {note})"),
-            None => format!("{text} does not exist"),
-        }),
+        Err(e) if e.kind() == io::ErrorKind::NotFound => Some(
+            match example.filter(|_| path.starts_with(EXAMPLE_MODEL_DIR)) {
+                Some(note) => format!("{text} does not exist ({EXAMPLE}: {note})"),
+                None => format!("{text} does not exist"),
+            },
+        ),
         Err(e) => Some(format!("cannot access {text}: {e}")),
         Ok(m) if m.is_dir() => Some(format!("{text} is a folder, not a file")),
         Ok(m) if !m.is_file() => Some(format!("{text} is not a regular file")),
@@ -122,21 +102,14 @@ pub(crate) fn check_shards(shown: &Shown, model: &Path) -> Option<String> {
 
 /// `prefix-NNNNN-of-MMMMM.gguf` -> (prefix, N, M).
 fn split_shard_name(name: &str) -> Option<(&str, u32, u32)> {
-    let stem = name.strip_suffix(".gguf")?;
-    // "-NNNNN-of-MMMMM" is 15 bytes.
-    let split = stem.len().checked_sub(15)?;
-    if !stem.is_char_boundary(split) {
-        return None;
-    }
-    let (prefix, tail) = stem.split_at(split);
-    let digits = |s: &str| s.len() == 5 && s.bytes().all(|b| b.is_ascii_digit());
-    let index = tail.get(1..6).filter(|s| digits(s))?;
-    let count = tail.get(10..15).filter(|s| digits(s))?;
-    if !tail.starts_with('-') || tail.get(6..10) != Some("-of-") || prefix.is_empty() {
-        return None;
-    }
-    let (index, count) = (index.parse().ok()?, count.parse().ok()?);
-    (index >= 1 && count >= 1 && index <= count).then_some((prefix, index, count))
+    let (rest, count) = name.strip_suffix(".gguf")?.rsplit_once("-of-")?;
+    let (prefix, index) = rest.rsplit_once('-')?;
+    let number = |s: &str| {
+        let digits = s.len() == 5 && s.bytes().all(|b| b.is_ascii_digit());
+        digits.then(|| s.parse::<u32>().ok()).flatten()
+    };
+    let (index, count) = (number(index)?, number(count)?);
+    (!prefix.is_empty() && 1 <= index && index <= count).then_some((prefix, index, count))
 }
 
 /// At most `max` items, then `and N more`.
@@ -244,7 +217,7 @@ pub(crate) fn check_creatable_dir(shown: &Shown, dir: &Path) -> Option<String> {
 /// The API keys file: a regular file that only its owner may read or write, since it holds
 /// secrets (the same rule as `auth::ApiKeys::load`, which reads it).
 pub(crate) fn check_secret_file(shown: &Shown, path: &Path) -> Option<String> {
-    if let Some(problem) = check_file(shown, path, Role::File) {
+    if let Some(problem) = check_file(shown, path, None) {
         return Some(problem);
     }
     let mode = fs::metadata(path).ok()?.permissions().mode() & 0o7777;

@@ -29,26 +29,24 @@
 mod error;
 mod files;
 mod load;
-mod locate;
 mod raw;
 mod rules;
 mod units;
+mod yaml;
 
 #[cfg(test)]
 mod tests;
 
 use std::collections::BTreeMap;
-use std::fmt;
 use std::path::{Path, PathBuf};
 use std::time::Duration;
 
 use dsv4_engine::{EngineKind, EngineParams};
 use serde::Deserialize;
 
+pub use dsv4_client::duration::{format as format_duration, parse as parse_duration};
 pub use error::{ConfigError, Problem};
-pub use units::{
-    format_duration, format_size, format_temperature, parse_duration, parse_size, parse_temperature,
-};
+pub use units::{format_size, format_temperature, parse_size, parse_temperature};
 
 /// The whole configuration: the supervisor settings and every profile, by name.
 #[derive(Debug, Clone, PartialEq)]
@@ -62,10 +60,11 @@ pub struct Config {
 impl Config {
     /// Reads `supervisor.yaml` at `path` and every profile in its `profiles_dir`.
     ///
-    /// Returns all problems found: a file that does not parse stops at its first error, but
+    /// Returns all problems found: every unknown key and every value that does not fit, and
+    /// the problems in what was read. A file that is not YAML stops at its first error, but
     /// the other files are still read and checked.
     pub fn load(path: &Path) -> Result<Config, ConfigError> {
-        load::load(path, load::Options::default())
+        load::load(path, true)
     }
 
     /// A short report for `dsv4d --check-config`: a first line naming the file, the number of
@@ -120,8 +119,14 @@ impl Config {
     }
 }
 
+// The settings deserialize straight into these types, over their defaults; `load.rs` then
+// checks them and resolves the relative paths. In the files a key set to null counts as
+// not written (see `yaml::Doc::read`), so `api:` alone means every `api` default.
+
 /// `supervisor.yaml`.
-#[derive(Debug, Clone, PartialEq)]
+#[derive(Debug, Clone, PartialEq, Deserialize)]
+#[serde(default, deny_unknown_fields)]
+#[serde(expecting = "a mapping of supervisor settings")]
 pub struct Supervisor {
     pub api: Api,
     pub engine: EngineLimits,
@@ -131,7 +136,9 @@ pub struct Supervisor {
     pub default_profile: String,
     /// Resolved against the folder of `supervisor.yaml` when relative.
     pub state_dir: PathBuf,
-    /// The daemon exits once the engine has been stopped this long; `None` = never.
+    /// The daemon exits once the engine has been stopped this long; `None` (written `null`) =
+    /// never.
+    #[serde(deserialize_with = "raw::duration_or_never")]
     pub exit_when_idle: Option<Duration>,
     pub power: Power,
     pub monitor: Monitor,
@@ -158,20 +165,23 @@ impl Supervisor {
 }
 
 impl Default for Supervisor {
-    /// [`Supervisor::defaults`] relative to the current folder (`./profiles`).
+    /// [`Supervisor::defaults`] with `profiles_dir` relative (`profiles`).
     fn default() -> Self {
-        Supervisor::defaults(Path::new("."))
+        Supervisor::defaults(Path::new(""))
     }
 }
 
 /// `api:`.
-#[derive(Debug, Clone, PartialEq)]
+#[derive(Debug, Clone, PartialEq, Deserialize)]
+#[serde(default, deny_unknown_fields)]
+#[serde(expecting = "a mapping of `api` settings")]
 pub struct Api {
     /// `IP:port` (checked to parse as a `SocketAddr`); used only when not socket-activated.
     pub listen: String,
     /// One key per line; `None` = no authentication. Resolved against the config folder.
     pub api_keys_file: Option<PathBuf>,
     /// Largest accepted request body, in bytes.
+    #[serde(deserialize_with = "raw::size")]
     pub max_body: u64,
 }
 
@@ -186,13 +196,18 @@ impl Default for Api {
 }
 
 /// `engine:`, the lifecycle limits.
-#[derive(Debug, Clone, PartialEq)]
+#[derive(Debug, Clone, PartialEq, Deserialize)]
+#[serde(default, deny_unknown_fields)]
+#[serde(expecting = "a mapping of `engine` settings")]
 pub struct EngineLimits {
     /// Engine spawn to ready.
+    #[serde(deserialize_with = "raw::duration")]
     pub start_timeout: Duration,
     /// No request in flight for this long: stop the engine.
+    #[serde(deserialize_with = "raw::duration")]
     pub idle_timeout: Duration,
     /// SIGTERM to SIGKILL grace.
+    #[serde(deserialize_with = "raw::duration")]
     pub stop_timeout: Duration,
     /// Requests held while the engine starts; beyond that, 503 with Retry-After.
     pub max_waiting: usize,
@@ -210,7 +225,9 @@ impl Default for EngineLimits {
 }
 
 /// `power:`.
-#[derive(Debug, Clone, PartialEq, Default)]
+#[derive(Debug, Clone, PartialEq, Default, Deserialize)]
+#[serde(default, deny_unknown_fields)]
+#[serde(expecting = "a mapping of `power` settings")]
 pub struct Power {
     pub cpu: CpuPolicy,
     pub gpu: GpuPolicy,
@@ -218,11 +235,15 @@ pub struct Power {
 }
 
 /// `monitor:`, how often to sample temperatures and memory.
-#[derive(Debug, Clone, PartialEq)]
+#[derive(Debug, Clone, PartialEq, Deserialize)]
+#[serde(default, deny_unknown_fields)]
+#[serde(expecting = "a mapping of `monitor` settings")]
 pub struct Monitor {
     /// While the engine runs.
+    #[serde(deserialize_with = "raw::duration")]
     pub interval: Duration,
     /// While it does not.
+    #[serde(deserialize_with = "raw::duration")]
     pub idle_interval: Duration,
 }
 
@@ -236,11 +257,16 @@ impl Default for Monitor {
 }
 
 /// `thermal:`, in degrees Celsius.
-#[derive(Debug, Clone, PartialEq)]
+#[derive(Debug, Clone, PartialEq, Deserialize)]
+#[serde(default, deny_unknown_fields)]
+#[serde(expecting = "a mapping of `thermal` settings")]
 pub struct Thermal {
+    #[serde(deserialize_with = "raw::celsius")]
     pub warn: f64,
+    #[serde(deserialize_with = "raw::celsius")]
     pub critical: f64,
     /// How far below a threshold the temperature must fall before its alarm clears.
+    #[serde(deserialize_with = "raw::celsius")]
     pub hysteresis: f64,
     pub on_critical: OnCritical,
 }
@@ -257,9 +283,12 @@ impl Default for Thermal {
 }
 
 /// `memory:`.
-#[derive(Debug, Clone, PartialEq)]
+#[derive(Debug, Clone, PartialEq, Deserialize)]
+#[serde(default, deny_unknown_fields)]
+#[serde(expecting = "a mapping of `memory` settings")]
 pub struct Memory {
     /// Refuse an engine start that would leave less than this many bytes available.
+    #[serde(deserialize_with = "raw::size")]
     pub reserve: u64,
 }
 
@@ -269,113 +298,56 @@ impl Default for Memory {
     }
 }
 
-/// Defines a config enum with its YAML spellings: `NAMES`, `as_str`, `Display`, `FromStr`
-/// and serde.
-/// The default variant is marked `#[default]`.
-macro_rules! spelled_enum {
-    (
-        $(#[$meta:meta])*
-        $name:ident, $expecting:literal,
-        { $($(#[$vmeta:meta])* $variant:ident = $text:literal),+ $(,)? }
-    ) => {
-        $(#[$meta])*
-        #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Default, Deserialize)]
-        #[serde(expecting = $expecting)]
-        pub enum $name {
-            $(
-                $(#[$vmeta])*
-                #[serde(rename = $text)]
-                $variant,
-            )+
-        }
-
-        impl $name {
-            /// The spellings accepted in YAML, in declaration order.
-            pub const NAMES: &'static [&'static str] = &[$($text),+];
-
-            pub fn as_str(self) -> &'static str {
-                match self {
-                    $($name::$variant => $text,)+
-                }
-            }
-        }
-
-        impl fmt::Display for $name {
-            fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-                f.write_str(self.as_str())
-            }
-        }
-
-        impl std::str::FromStr for $name {
-            type Err = String;
-
-            fn from_str(s: &str) -> Result<Self, String> {
-                match s {
-                    $($text => Ok($name::$variant),)+
-                    other => Err(format!(
-                        "invalid value {other:?}, expected one of: {}",
-                        $name::NAMES.join(", ")
-                    )),
-                }
-            }
-        }
-    };
+/// `power.cpu`: the CPU power profile while the engine runs.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Default, Deserialize)]
+#[serde(rename_all = "kebab-case")]
+pub enum CpuPolicy {
+    #[default]
+    PowerSaver,
+    Balanced,
+    Performance,
+    /// Leave it alone.
+    Keep,
 }
 
-spelled_enum! {
-    /// `power.cpu`: the CPU power profile while the engine runs.
-    CpuPolicy, "one of power-saver, balanced, performance, keep",
-    {
-        #[default]
-        PowerSaver = "power-saver",
-        Balanced = "balanced",
-        Performance = "performance",
-        /// Leave it alone.
-        Keep = "keep",
-    }
+/// `power.gpu`: the GPU power level while the engine runs.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Default, Deserialize)]
+#[serde(rename_all = "kebab-case")]
+pub enum GpuPolicy {
+    #[default]
+    Auto,
+    Low,
+    High,
+    /// Leave it alone.
+    Keep,
 }
 
-spelled_enum! {
-    /// `power.gpu`: the GPU power level while the engine runs.
-    GpuPolicy, "one of auto, low, high, keep",
-    {
-        #[default]
-        Auto = "auto",
-        Low = "low",
-        High = "high",
-        /// Leave it alone.
-        Keep = "keep",
-    }
+/// `power.method`: how power settings are applied.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Default, Deserialize)]
+#[serde(rename_all = "kebab-case")]
+pub enum PowerMethod {
+    /// power-profiles-daemon when present, else cpufreq.
+    #[default]
+    Auto,
+    /// power-profiles-daemon.
+    Ppd,
+    /// The cpufreq governor in sysfs.
+    Cpufreq,
+    /// Do not touch power settings.
+    None,
 }
 
-spelled_enum! {
-    /// `power.method`: how power settings are applied.
-    PowerMethod, "one of auto, ppd, cpufreq, none",
-    {
-        /// power-profiles-daemon when present, else cpufreq.
-        #[default]
-        Auto = "auto",
-        /// power-profiles-daemon.
-        Ppd = "ppd",
-        /// The cpufreq governor in sysfs.
-        Cpufreq = "cpufreq",
-        /// Do not touch power settings.
-        None = "none",
-    }
-}
-
-spelled_enum! {
-    /// `thermal.on_critical`: what to do at the critical temperature.
-    OnCritical, "one of notify, stop-when-idle, stop",
-    {
-        /// Log and report only.
-        #[default]
-        Notify = "notify",
-        /// Stop the engine as soon as no request is in flight.
-        StopWhenIdle = "stop-when-idle",
-        /// Stop the engine now.
-        Stop = "stop",
-    }
+/// `thermal.on_critical`: what to do at the critical temperature.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Default, Deserialize)]
+#[serde(rename_all = "kebab-case")]
+pub enum OnCritical {
+    /// Log and report only.
+    #[default]
+    Notify,
+    /// Stop the engine as soon as no request is in flight.
+    StopWhenIdle,
+    /// Stop the engine now.
+    Stop,
 }
 
 /// One engine profile, `profiles/<name>.yaml`.

@@ -77,7 +77,7 @@ fn errors(result: Result<Config, ConfigError>) -> Vec<String> {
 
 /// Loads without checking that files exist.
 fn load_text_only(path: &Path) -> Result<Config, ConfigError> {
-    load::load(path, load::Options { check_files: false })
+    load::load(path, false)
 }
 
 #[test]
@@ -260,7 +260,14 @@ planned_memory: 10GiB
 
 #[test]
 fn an_empty_file_means_every_default() {
-    for text in ["", "# only a comment\n", "~\n", "api:\nengine:\npower:\n"] {
+    let nulls = "api: ~\nengine: { idle_timeout: }\npower: { cpu: null }\nstate_dir: Null\n";
+    for text in [
+        "",
+        "# only a comment\n",
+        "~\n",
+        "api:\nengine:\npower:\n",
+        nulls,
+    ] {
         let dir = TempDir::new("defaults");
         let file = dir.write("supervisor.yaml", text);
         dir.write("profiles/320k.yaml", MINIMAL_PROFILE);
@@ -279,7 +286,7 @@ fn an_empty_file_means_every_default() {
         );
     }
     let d = Supervisor::default();
-    assert_eq!(d.profiles_dir, Path::new("./profiles"));
+    assert_eq!(d.profiles_dir, Path::new("profiles"));
     assert_eq!(d.api.listen, "127.0.0.1:8080");
     assert_eq!(d.api.max_body, 64 << 20);
     assert_eq!(d.engine.idle_timeout, Duration::from_secs(900));
@@ -291,16 +298,22 @@ fn an_empty_file_means_every_default() {
 
 #[test]
 fn enum_spellings() {
-    assert_eq!("stop-when-idle".parse(), Ok(OnCritical::StopWhenIdle));
-    assert_eq!(OnCritical::StopWhenIdle.to_string(), "stop-when-idle");
-    assert_eq!("none".parse(), Ok(PowerMethod::None));
+    let read = |text: &str| serde_yaml_ng::from_str::<Power>(text).map_err(|e| e.to_string());
     assert_eq!(
-        CpuPolicy::NAMES,
-        ["power-saver", "balanced", "performance", "keep"]
+        read("{ cpu: keep, gpu: high, method: none }"),
+        Ok(Power {
+            cpu: CpuPolicy::Keep,
+            gpu: GpuPolicy::High,
+            method: PowerMethod::None
+        })
     );
     assert_eq!(
-        "turbo".parse::<GpuPolicy>(),
-        Err("invalid value \"turbo\", expected one of: auto, low, high, keep".to_string())
+        serde_yaml_ng::from_str::<OnCritical>("stop-when-idle").unwrap(),
+        OnCritical::StopWhenIdle
+    );
+    assert_eq!(
+        read("gpu: 5").unwrap_err(),
+        "gpu: unknown variant `5`, expected one of `auto`, `low`, `high`, `keep` at line 1 column 6"
     );
     let dir = TempDir::new("enums");
     let file = dir.write("supervisor.yaml", "power:\n  cpu: turbo\n");
@@ -408,7 +421,7 @@ fn unknown_key_is_reported_with_position_and_path() {
         "engine: ds4\ncommand: ds4-server\nmodle: m.gguf\n",
     );
     assert_eq!(
-        errors(Config::load(&file)),
+        errors(load_text_only(&file)),
         [
             "supervisor.yaml:4:3: engine.idle_timout: unknown key `idle_timout`, expected one \
              of `start_timeout`, `idle_timeout`, `stop_timeout`, `max_waiting`; \
@@ -436,13 +449,15 @@ fn unit_errors_carry_position_and_path() {
         "{engine: ds4, command: x, context: -1}\n",
     );
     assert_eq!(
-        errors(Config::load(&file)),
+        errors(load_text_only(&file)),
         [
             "supervisor.yaml:2:17: engine.idle_timeout: invalid duration \"90\": add a unit \
              (ms, s, m, h, d)",
             "profiles/320k.yaml:4:17: planned_memory: invalid size \"87.82 GB2\": unknown \
              unit \"GB2\" (use B, KiB, MiB, GiB, TiB, KB, MB, GB, TB)",
             "profiles/flow.yaml:1:36: context: invalid type: integer `-1`, expected u32",
+            // The rest of a file is still checked after a value that does not fit.
+            "profiles/other.yaml: command: required: the engine executable",
             "profiles/other.yaml:1:9: engine: unknown engine `vllm`, expected one of: \
              llama-server, ds4",
         ]
@@ -552,6 +567,7 @@ fn other_files_are_checked_after_a_parse_error() {
     assert_eq!(
         errors(Config::load(&file)),
         [
+            "supervisor.yaml: default_profile: no profile named \"320k\" in mine; available: p",
             "supervisor.yaml:2:25: engine.idle_timeout: invalid duration \"soon\": expected a \
              number followed by a unit, e.g. 90s or 1h30m",
             "mine/p.yaml: command: required: the engine executable",
@@ -774,8 +790,11 @@ fn shipped_policies_fail_only_on_the_example_paths() {
 fn shipped_policies_document_every_key() {
     let dir = Path::new(env!("CARGO_MANIFEST_DIR")).join("../policies");
     let text = fs::read_to_string(dir.join("supervisor.yaml")).unwrap();
-    for key in super::raw::SUPERVISOR_KEYS {
-        assert!(super::locate::find_key(&text, &[key]).is_some(), "{key}");
+    let shipped: serde_yaml_ng::Mapping = serde_yaml_ng::from_str(&text).unwrap();
+    let keys = keys_of::<Supervisor>();
+    assert_eq!(keys.len(), 10);
+    for key in keys {
+        assert!(shipped.contains_key(key), "{key}");
     }
     // The ds4 variant, commented out, uses keys a profile accepts.
     for name in ["64k", "320k"] {
@@ -789,7 +808,7 @@ fn shipped_policies_document_every_key() {
             .filter(|l| {
                 l.split(':')
                     .next()
-                    .is_some_and(|k| super::raw::PROFILE_KEYS.contains(&k))
+                    .is_some_and(|k| keys_of::<super::raw::RawProfile>().contains(&k))
             })
             .map(|l| format!("{l}\n"))
             .collect();
@@ -926,7 +945,16 @@ fn good_fixtures_load() {
 }
 
 /// YAML-ish text built from real keys, so that the fuzzing reaches the checks.
-fn yamlish(keys: &'static [&'static str]) -> impl Strategy<Value = String> {
+/// The keys serde accepts in a `T`, as its message for an unknown key lists them.
+fn keys_of<T: serde::de::DeserializeOwned + std::fmt::Debug>() -> Vec<&'static str> {
+    let message = serde_yaml_ng::from_str::<T>("not-a-key: 1")
+        .unwrap_err()
+        .to_string();
+    let keys = message.split('`').skip(3).step_by(2);
+    keys.map(|k| &*String::leak(k.to_string())).collect()
+}
+
+fn yamlish(keys: Vec<&'static str>) -> impl Strategy<Value = String> {
     let value = prop_oneof![
         Just(String::new()),
         Just("null".to_string()),
@@ -943,27 +971,6 @@ fn yamlish(keys: &'static [&'static str]) -> impl Strategy<Value = String> {
         .prop_map(|(key, indent, value)| format!("{indent}{key}: {value}"));
     prop::collection::vec(line, 0..8).prop_map(|lines| lines.join("\n"))
 }
-
-/// The keys under each section of `supervisor.yaml`.
-const SECTION_KEYS: &[(&str, &[&str])] = &[
-    ("api", &["listen", "api_keys_file", "max_body"]),
-    (
-        "engine",
-        &[
-            "start_timeout",
-            "idle_timeout",
-            "stop_timeout",
-            "max_waiting",
-        ],
-    ),
-    ("power", &["cpu", "gpu", "method"]),
-    ("monitor", &["interval", "idle_interval"]),
-    (
-        "thermal",
-        &["warn", "critical", "hysteresis", "on_critical"],
-    ),
-    ("memory", &["reserve"]),
-];
 
 /// Any YAML value, with scalars that come close to valid ones: numbers at the edges of the
 /// ranges, values with units, paths that exist or not, flags dsv4d owns.
@@ -1055,7 +1062,7 @@ fn yaml_value() -> impl Strategy<Value = serde_yaml_ng::Value> {
 }
 
 /// A mapping of some of `keys`, each with a value from `value`.
-fn mapping_of<S>(keys: &'static [&'static str], value: S) -> BoxedStrategy<serde_yaml_ng::Value>
+fn mapping_of<S>(keys: Vec<&'static str>, value: S) -> BoxedStrategy<serde_yaml_ng::Value>
 where
     S: Strategy<Value = serde_yaml_ng::Value> + 'static,
 {
@@ -1073,19 +1080,23 @@ where
 
 /// `supervisor.yaml` with known keys: sections hold known keys with any values.
 fn supervisor_values() -> impl Strategy<Value = serde_yaml_ng::Value> {
-    let sections: Vec<BoxedStrategy<(String, serde_yaml_ng::Value)>> = SECTION_KEYS
-        .iter()
-        .map(|&(section, keys)| {
-            mapping_of(keys, yaml_value())
-                .prop_map(move |m| (section.to_string(), m))
-                .boxed()
-        })
-        .collect();
+    let sections: Vec<BoxedStrategy<(String, serde_yaml_ng::Value)>> = [
+        ("api", keys_of::<Api>()),
+        ("engine", keys_of::<EngineLimits>()),
+        ("power", keys_of::<Power>()),
+        ("monitor", keys_of::<Monitor>()),
+        ("thermal", keys_of::<Thermal>()),
+        ("memory", keys_of::<Memory>()),
+    ]
+    .into_iter()
+    .map(|(section, keys)| {
+        mapping_of(keys, yaml_value())
+            .prop_map(move |m| (section.to_string(), m))
+            .boxed()
+    })
+    .collect();
     let section = prop::strategy::Union::new(sections);
-    let scalar = (
-        prop::sample::select(super::raw::SUPERVISOR_KEYS),
-        yaml_value(),
-    )
+    let scalar = (prop::sample::select(keys_of::<Supervisor>()), yaml_value())
         .prop_map(|(k, v)| (k.to_string(), v));
     prop::collection::vec(prop_oneof![section, scalar], 0..8).prop_map(|entries| {
         serde_yaml_ng::Value::Mapping(
@@ -1102,8 +1113,8 @@ proptest! {
 
     #[test]
     fn the_loader_never_panics(
-        supervisor in prop_oneof!["\\PC{0,200}", yamlish(super::raw::SUPERVISOR_KEYS)],
-        profile in prop_oneof!["\\PC{0,200}", yamlish(super::raw::PROFILE_KEYS)],
+        supervisor in prop_oneof!["\\PC{0,200}", yamlish(keys_of::<Supervisor>())],
+        profile in prop_oneof!["\\PC{0,200}", yamlish(keys_of::<super::raw::RawProfile>())],
     ) {
         let dir = TempDir::new("fuzz");
         let file = dir.write("supervisor.yaml", &supervisor);
@@ -1120,7 +1131,7 @@ proptest! {
     #[test]
     fn any_values_in_known_keys_never_panic(
         supervisor in supervisor_values(),
-        profile in mapping_of(super::raw::PROFILE_KEYS, yaml_value()),
+        profile in mapping_of(keys_of::<super::raw::RawProfile>(), yaml_value()),
         flow in any::<bool>(),
     ) {
         let dir = TempDir::new("values");
@@ -1147,4 +1158,26 @@ proptest! {
             }
         }
     }
+}
+
+#[test]
+fn aliases_and_deep_nesting_stop_at_the_first_mistake() {
+    let dir = TempDir::new("odd");
+    let file = dir.write("supervisor.yaml", "");
+    dir.engine_files("profiles");
+    // Setting an entry aside could break an alias to it: only the first mistake is certain.
+    dir.write(
+        "profiles/320k.yaml",
+        "engine: &e llama-server\ncommand: bin/engine\nmodel: m.gguf\ncontext: lots\n\
+         paralel: 2\ndescription: *e\n",
+    );
+    let deep = format!("context: {}{}\n", "[".repeat(300), "]".repeat(300));
+    dir.write("profiles/deep.yaml", &deep);
+    let got = errors(Config::load(&file));
+    assert_eq!(got.len(), 2, "{got:#?}");
+    assert_eq!(
+        got[0],
+        "profiles/320k.yaml:4:10: context: invalid type: string \"lots\", expected u32"
+    );
+    assert!(got[1].starts_with("profiles/deep.yaml:1:"), "{got:#?}");
 }

@@ -1,0 +1,286 @@
+//! Reading one YAML file into a serde type, reporting every mistake in it with its position.
+//!
+//! serde_yaml_ng reads the values, serde_path_to_error says which key a failure is about, and
+//! the spans of saphyr-parser's events say where each key, value and list item is written,
+//! for serde's errors and for the problems `load.rs` finds afterwards.
+//!
+//! serde stops at the first error. So that one run reports every unknown key and every value
+//! that does not fit, the entry at fault is then blanked out of the text (replaced by spaces,
+//! so every other position stays) and the text read again, until it reads. A file that is not
+//! YAML at all stops at its first error, as does one with aliases (blanking an anchor would
+//! break them).
+
+use std::collections::{HashMap, HashSet};
+use std::iter::Peekable;
+use std::ops::Range;
+use std::path::PathBuf;
+
+use saphyr_parser::{Event, Marker, Parser, ScalarStyle, StrInput};
+use serde::de::DeserializeOwned;
+
+use super::error::Problem;
+
+/// Deeper nesting than this is not followed (no setting is nested more than three deep).
+const MAX_DEPTH: usize = 32;
+
+/// Where a mapping entry or a sequence item is written.
+#[derive(Debug, Clone)]
+struct Entry {
+    /// The key; for an item, the item.
+    key: Marker,
+    value: Marker,
+    /// In characters, from the key up to the next entry or the end of the collection.
+    range: Range<usize>,
+    /// The value is a plain `null`, `~` or nothing.
+    null: bool,
+}
+
+/// Every entry of a document by path: `engine.idle_timeout`, `extra_args[2]` (the way
+/// serde_path_to_error writes paths).
+#[derive(Debug, Default)]
+struct Spans {
+    entries: HashMap<String, Entry>,
+    aliases: bool,
+}
+
+type Events<'a> = Peekable<Parser<'a, StrInput<'a>>>;
+
+impl Spans {
+    /// The entries of the first document of `text`, as far as it is YAML.
+    fn of(text: &str) -> Spans {
+        let mut spans = Spans::default();
+        let mut events = Parser::new_from_str(text).peekable();
+        while let Some(Ok((event, _))) = events.next() {
+            if !matches!(event, Event::StreamStart | Event::DocumentStart(_)) {
+                spans.node(&mut events, &event, "", 0);
+                break;
+            }
+        }
+        spans
+    }
+
+    /// Records the entries inside the node that opened with `event`. `None` when the events
+    /// end early (a YAML error) or nest too deep: what was recorded so far stands.
+    fn node(&mut self, events: &mut Events, event: &Event, path: &str, depth: usize) -> Option<()> {
+        let mapping = match event {
+            _ if depth > MAX_DEPTH => return None,
+            Event::MappingStart(..) => true,
+            Event::SequenceStart(..) => false,
+            Event::Alias(_) => {
+                self.aliases = true;
+                return Some(());
+            }
+            _ => return Some(()),
+        };
+        for index in 0.. {
+            let (first, first_span) = events.next()?.ok()?;
+            if matches!(first, Event::MappingEnd | Event::SequenceEnd) {
+                break;
+            }
+            let (child, value, value_span) = if mapping {
+                let name = match &first {
+                    Event::Scalar(name, ..) => name.to_string(),
+                    _ => "?".to_string(),
+                };
+                // A key that is itself a collection: followed, under no usable path.
+                self.node(events, &first, "?", depth + 1)?;
+                let (value, value_span) = events.next()?.ok()?;
+                let child = match path {
+                    "" => name,
+                    _ => format!("{path}.{name}"),
+                };
+                (child, value, value_span)
+            } else {
+                (format!("{path}[{index}]"), first, first_span)
+            };
+            let null = mapping
+                && matches!(&value, Event::Scalar(v, ScalarStyle::Plain, ..)
+                    if matches!(v.as_ref(), "" | "~" | "null" | "Null" | "NULL"));
+            self.node(events, &value, &child, depth + 1)?;
+            let end = match events.peek() {
+                Some(Ok((_, next))) => next.start.index(),
+                _ => usize::MAX,
+            };
+            let entry = Entry {
+                key: first_span.start,
+                value: value_span.start,
+                range: first_span.start.index()..end,
+                null,
+            };
+            self.entries.insert(child, entry);
+        }
+        Some(())
+    }
+}
+
+/// A file that was read: problems found afterwards get their key's position from it.
+#[derive(Debug)]
+pub(crate) struct Doc {
+    /// As shown in messages.
+    pub file: PathBuf,
+    spans: Spans,
+    /// Entries set aside because of a problem, and the keys an unknown key may have meant:
+    /// checks that would only repeat that problem skip them.
+    dropped: HashSet<String>,
+}
+
+impl Doc {
+    /// Reads `text` (the file `file` as messages show it) as a `T`; an empty document is
+    /// `T::default()`. `None` when nothing could be read, after reporting why.
+    ///
+    /// A key set to null counts as not written (so its default applies), unless
+    /// `null_is_value` says otherwise for its path.
+    pub fn read<T: DeserializeOwned + Default>(
+        file: PathBuf,
+        text: &str,
+        null_is_value: fn(&str) -> bool,
+        problems: &mut Vec<Problem>,
+    ) -> (Doc, Option<T>) {
+        let mut doc = Doc {
+            file,
+            spans: Spans::of(text),
+            dropped: HashSet::new(),
+        };
+        if let Err(error) = serde_yaml_ng::from_str::<serde::de::IgnoredAny>(text) {
+            let location = error.location();
+            let problem = Problem::new(&doc.file, "", message(&error));
+            problems.push(problem.at(location.map(|l| (l.line(), l.column()))));
+            return (doc, None);
+        }
+        let mut text: Vec<char> = text.chars().collect();
+        for (path, entry) in &doc.spans.entries {
+            if entry.null && !null_is_value(path) {
+                blank(&mut text, &entry.range);
+            }
+        }
+        let before = problems.len();
+        loop {
+            let source: String = text.iter().collect();
+            let de = serde_yaml_ng::Deserializer::from_str(&source);
+            let error = match serde_path_to_error::deserialize::<_, Option<T>>(de) {
+                Ok(value) => return (doc, Some(value.unwrap_or_default())),
+                Err(error) => error,
+            };
+            let (problem, culprit) = doc.serde_problem(&error);
+            let entry = match doc.spans.entries.get(&culprit) {
+                Some(entry) if !doc.spans.aliases && doc.dropped.insert(culprit) => entry,
+                // Only the first error is certain to be the file's own: a later one that
+                // cannot be set aside may come from the blanking.
+                _ => {
+                    if problems.len() == before {
+                        problems.push(problem);
+                    }
+                    return (doc, None);
+                }
+            };
+            blank(&mut text, &entry.range);
+            problems.push(problem);
+        }
+    }
+
+    /// A problem about the value at `path` (dotted, as `engine.idle_timeout`): at the value
+    /// when it starts on the key's line, else at the key; without a position when the key is
+    /// not written.
+    pub fn problem(&self, path: &str, message: impl Into<String>) -> Problem {
+        self.at(path, path, false, message)
+    }
+
+    /// A problem reported under `field` about the entry at `path` (an item `extra_args[2]`
+    /// under `extra_args`), or about its key's name (`on_key`).
+    pub fn at(&self, field: &str, path: &str, on_key: bool, message: impl Into<String>) -> Problem {
+        let entry = self.spans.entries.get(path);
+        let spot = entry.map(|e| {
+            let on_key = on_key || e.value.line() != e.key.line();
+            position(if on_key { e.key } else { e.value })
+        });
+        Problem::new(&self.file, field, message).at(spot)
+    }
+
+    pub fn written(&self, path: &str) -> bool {
+        self.spans.entries.contains_key(path)
+    }
+
+    /// Whether the entry at `path` was set aside after a problem (or may have been meant by
+    /// an unknown key).
+    pub fn dropped(&self, path: &str) -> bool {
+        self.dropped.contains(path)
+    }
+
+    /// The problem serde found, and the path of the entry to set aside for it.
+    fn serde_problem(
+        &mut self,
+        error: &serde_path_to_error::Error<serde_yaml_ng::Error>,
+    ) -> (Problem, String) {
+        let path = Some(error.path().to_string()).filter(|p| p != ".");
+        let path = path.unwrap_or_default();
+        let mut message = message(error.inner()).replacen("duplicate field", "duplicate key", 1);
+        // serde_yaml_ng starts with the path of what it was reading: the error's own path or
+        // one of its parents.
+        let parents = path.rmatch_indices(['.', '[']).map(|(i, _)| &path[..i]);
+        let prefix = std::iter::once(path.as_str())
+            .chain(parents)
+            .find(|p| !p.is_empty() && message.starts_with(&format!("{p}: ")));
+        if let Some(prefix) = prefix {
+            message.drain(..prefix.len() + 2);
+        }
+        let mut problem = self.problem(&path, &message);
+        // An unknown key: its path ends with it.
+        let unknown = message.strip_prefix("unknown field `");
+        if let Some((key, expected)) = unknown.and_then(|rest| rest.split_once('`')) {
+            let mut message = format!("unknown key `{key}`{expected}");
+            if let Some(meant) = closest(key, expected.split('`').skip(1).step_by(2)) {
+                message.push_str(&format!("; did you mean `{meant}`?"));
+                let parent = path.strip_suffix(key).unwrap_or_default();
+                self.dropped.insert(format!("{parent}{meant}"));
+            }
+            problem = self.at(&path, &path, true, message);
+        }
+        if problem.line.is_none() {
+            let location = error.inner().location();
+            problem = problem.at(location.map(|l| (l.line(), l.column())));
+        }
+        // A list item that does not fit sets its whole list aside.
+        let mut culprit = path;
+        while culprit.ends_with(']') {
+            culprit.truncate(culprit.rfind('[').unwrap_or(0));
+        }
+        (problem, culprit)
+    }
+}
+
+/// serde_yaml_ng's message without the position it appends.
+fn message(error: &serde_yaml_ng::Error) -> String {
+    let mut message = error.to_string();
+    if let Some(l) = error.location() {
+        let suffix = format!(" at line {} column {}", l.line(), l.column());
+        if let Some(i) = message.rfind(&suffix) {
+            message.replace_range(i..i + suffix.len(), "");
+        }
+    }
+    message
+}
+
+/// The candidate nearest to `word` by edit distance, when it is near enough to be a typo.
+fn closest<'a>(word: &str, candidates: impl Iterator<Item = &'a str>) -> Option<&'a str> {
+    let limit = (word.chars().count() / 3).max(1);
+    candidates
+        .map(|c| (strsim::osa_distance(word, c), c))
+        .filter(|(d, _)| *d <= limit)
+        .min_by_key(|(d, _)| *d)
+        .map(|(_, c)| c)
+}
+
+/// 1-based (line, column), the column in characters, as serde_yaml_ng counts.
+fn position(m: Marker) -> (usize, usize) {
+    (m.line(), m.col() + 1)
+}
+
+/// Replaces the characters in `range` with spaces, keeping line breaks.
+fn blank(text: &mut [char], range: &Range<usize>) {
+    let end = range.end.min(text.len());
+    for c in text.get_mut(range.start.min(end)..end).unwrap_or_default() {
+        if !matches!(c, '\n' | '\r') {
+            *c = ' ';
+        }
+    }
+}
