@@ -5,23 +5,15 @@ use std::time::Duration;
 
 use dsv4_client::{EngineStatus, ProfileInfo, Status, Totals};
 
-/// A whole number of seconds as `42s`, `3m12s`, `1h2m3s` or `2d4h5m`; negative counts as 0.
+/// Seconds as a whole number of them in the project's one duration format (`42s`, `3m12s`,
+/// `1h2m3s`, `2d4h5m9s`); negative counts as 0.
 pub fn duration(seconds: f64) -> String {
     let s = if seconds.is_finite() && seconds > 0.0 {
         seconds.floor() as u64
     } else {
         0
     };
-    let (d, h, m, s) = (s / 86_400, s / 3600 % 24, s / 60 % 60, s % 60);
-    if d > 0 {
-        format!("{d}d{h}h{m}m")
-    } else if h > 0 {
-        format!("{h}h{m}m{s}s")
-    } else if m > 0 {
-        format!("{m}m{s}s")
-    } else {
-        format!("{s}s")
-    }
+    dsv4_client::duration::format(Duration::from_secs(s))
 }
 
 /// An elapsed time with a tenth of a second below a minute (`1.2s`), else as [`duration`].
@@ -48,42 +40,10 @@ pub fn rate(v: f64) -> String {
     }
 }
 
-/// Parses `--timeout`: `90s`, `500ms`, `15m`, `1h30m`, `1.5s`, `2d`; a bare number is seconds.
+/// Parses `--timeout`: the project's one duration grammar (`90s`, `500ms`, `15m`, `1h30m`,
+/// `1.5s`, `2d`), and a bare number as seconds, as `sleep` and `timeout` take it.
 pub fn parse_duration(s: &str) -> Result<Duration, String> {
-    let t = s.trim();
-    if t.is_empty() {
-        return Err("empty duration".into());
-    }
-    if let Ok(secs) = t.parse::<f64>() {
-        return Duration::try_from_secs_f64(secs).map_err(|e| format!("{s:?}: {e}"));
-    }
-    let bad = || format!("{s:?} is not a duration (examples: 30s, 500ms, 15m, 1h30m)");
-    let mut total = 0.0f64;
-    let mut rest = t;
-    while !rest.is_empty() {
-        let num_len = rest
-            .find(|c: char| !(c.is_ascii_digit() || c == '.'))
-            .ok_or_else(bad)?;
-        if num_len == 0 {
-            return Err(bad());
-        }
-        let n: f64 = rest[..num_len].parse().map_err(|_| bad())?;
-        rest = &rest[num_len..];
-        let unit_len = rest
-            .find(|c: char| c.is_ascii_digit() || c == '.')
-            .unwrap_or(rest.len());
-        let unit = match &rest[..unit_len] {
-            "ms" => 0.001,
-            "s" => 1.0,
-            "m" | "min" => 60.0,
-            "h" => 3600.0,
-            "d" => 86_400.0,
-            _ => return Err(bad()),
-        };
-        rest = &rest[unit_len..];
-        total += n * unit;
-    }
-    Duration::try_from_secs_f64(total).map_err(|e| format!("{s:?}: {e}"))
+    dsv4_client::duration::parse_or_seconds(s).map_err(|e| e.to_string())
 }
 
 /// The status as a short table. `now` is the Unix time in seconds.
@@ -268,11 +228,11 @@ mod tests {
         assert_eq!(duration(42.9), "42s");
         assert_eq!(duration(192.0), "3m12s");
         assert_eq!(duration(890.0), "14m50s");
-        assert_eq!(duration(900.0), "15m0s");
+        assert_eq!(duration(900.0), "15m");
         assert_eq!(duration(3723.0), "1h2m3s");
         assert_eq!(
             duration(2.0 * 86_400.0 + 4.0 * 3600.0 + 5.0 * 60.0 + 9.0),
-            "2d4h5m"
+            "2d4h5m9s"
         );
         assert_eq!(elapsed(Duration::from_millis(1234)), "1.2s");
         assert_eq!(elapsed(Duration::from_millis(59_990)), "59.9s");
@@ -300,7 +260,10 @@ mod tests {
         assert!(parse_duration("s").is_err());
         assert!(parse_duration("5x").is_err());
         assert!(parse_duration("-1").is_err());
-        assert!(parse_duration("5 m").is_err());
+        // The same grammar as the configuration files.
+        assert_eq!(parse_duration("5 m"), Ok(Duration::from_secs(300)));
+        assert_eq!(parse_duration("1h 30m"), Ok(Duration::from_secs(5400)));
+        assert!(parse_duration("30m1h").is_err());
     }
 
     fn status() -> Status {
