@@ -1,6 +1,7 @@
 //! dsv4: the on-demand supervisor for a local LLM engine.
 
 pub mod auth;
+pub mod body;
 pub mod config;
 pub mod dbus;
 pub mod http_error;
