@@ -73,8 +73,9 @@ impl Rig {
         }
     }
 
-    /// Waits until the published status satisfies `pred`; returns it. Polls: the status watch
-    /// wakes its receivers only when `state` changes, not when other fields do.
+    /// Waits until the published status satisfies `pred`; returns it. Polls rather than waits
+    /// on the status watch, so that no test here leans on the watch's wake-ups, which
+    /// `the_status_watch_wakes_on_every_change` checks on their own.
     async fn wait_status(
         &self,
         what: &str,
