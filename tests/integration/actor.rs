@@ -1,19 +1,17 @@
 //! Tests of the lifecycle actor on its own (no HTTP front end): `dsv4::lifecycle::actor`
 //! driving the fake engine over real loopback sockets, through its `Handle`.
 
-mod support;
-
 use std::path::{Path, PathBuf};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
+use crate::support::*;
 use bytes::Bytes;
 use dsv4::config::Config;
 use dsv4::lifecycle::actor::{self, ControlError, EngineRef, Handle, Lease, Status};
 use dsv4::lifecycle::state::Refusal;
 use http_body_util::{BodyExt, Full};
 use hyper::body::Incoming;
-use support::*;
 
 const SEC: Duration = Duration::from_secs(1);
 const MS: Duration = Duration::from_millis(1);

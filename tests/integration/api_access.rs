@@ -1,8 +1,6 @@
 //! Access to the HTTP front, end to end against the fake engine: API keys
 //! (`api.api_keys_file`) and the request body limit (`api.max_body`).
 
-mod support;
-
 use std::io::{BufRead, BufReader};
 use std::os::unix::fs::PermissionsExt;
 use std::path::PathBuf;
@@ -10,13 +8,13 @@ use std::process::{Child, Command, Stdio};
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
+use crate::support::*;
 use bytes::Bytes;
 use http_body_util::{BodyExt, Full, StreamBody};
 use hyper::body::Frame;
 use hyper_util::client::legacy::connect::HttpConnector;
 use hyper_util::client::legacy::Client;
 use hyper_util::rt::TokioExecutor;
-use support::*;
 
 const SEC: Duration = Duration::from_secs(1);
 const KEY: &str = "sk-dsv4-test-0123456789abcdef";

@@ -1,15 +1,13 @@
 //! The control plane end to end: `dsv4d` serving `io.github.dsv4.Supervisor1` on a private
 //! bus started by the test, driven by the real `dsv4ctl` (and, for signals, a zbus client).
 
-mod support;
-
 use std::path::PathBuf;
 use std::process::{Command, Output};
 use std::time::{Duration, Instant};
 
+use crate::support::*;
 use dsv4_client::Supervisor1Proxy;
 use futures_util::StreamExt;
-use support::*;
 
 const SEC: Duration = Duration::from_secs(1);
 const DSV4CTL: &str = env!("CARGO_BIN_EXE_dsv4ctl-under-test");

@@ -1,12 +1,10 @@
 //! End-to-end tests of `dsv4d` against the fake engine, over real loopback sockets, with the
 //! API socket handed over the way systemd socket activation does.
 
-mod support;
-
 use std::time::{Duration, Instant};
 
+use crate::support::*;
 use nix::sys::signal::Signal;
-use support::*;
 
 const SEC: Duration = Duration::from_secs(1);
 

@@ -2,14 +2,12 @@
 //! write-then-rename) and SIGHUP; a valid change applies without restarting the engine, an
 //! invalid one is rejected whole with an `Alert`, and the daemon keeps serving.
 
-mod support;
-
 use std::path::Path;
 use std::time::{Duration, Instant};
 
+use crate::support::*;
 use futures_util::StreamExt;
 use nix::sys::signal::Signal;
-use support::*;
 
 const SEC: Duration = Duration::from_secs(1);
 
