@@ -3,11 +3,13 @@
 
 use std::path::PathBuf;
 use std::process::{Command, Output};
+use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
 use crate::support::*;
 use dsv4_client::Supervisor1Proxy;
 use futures_util::StreamExt;
+use zbus::proxy::CacheProperties;
 
 const SEC: Duration = Duration::from_secs(1);
 const DSV4CTL: &str = env!("CARGO_BIN_EXE_dsv4ctl-under-test");
@@ -86,16 +88,36 @@ async fn start_switch_profile_and_stop_with_dsv4ctl() {
     let d = Daemon::start(&setup(&bus).knob("token_ms", "40"));
     wait_bus_name(&d, &bus).await;
 
-    // Every State change, as PropertiesChanged carries it.
     let conn = zbus::connection::Builder::address(bus.address.as_str())
         .unwrap()
         .build()
         .await
         .unwrap();
-    let proxy = Supervisor1Proxy::new(&conn).await.unwrap();
-    let mut changes = proxy.receive_state_changed().await;
-    let seen = std::sync::Arc::new(std::sync::Mutex::new(Vec::<String>::new()));
+    // Properties read from the daemon itself: a proxy's cache follows PropertiesChanged,
+    // which may come after `/status` has the change.
+    let proxy = Supervisor1Proxy::builder(&conn)
+        .cache_properties(CacheProperties::No)
+        .build()
+        .await
+        .unwrap();
+    // Every state change, as StateChanged carries it (signals queue; a property stream
+    // yields only the latest value)...
+    let mut signals = proxy.receive_lifecycle_changed().await.unwrap();
+    let seen = Arc::new(Mutex::new(Vec::<String>::new()));
     let sink = seen.clone();
+    tokio::spawn(async move {
+        while let Some(s) = signals.next().await {
+            if let Ok(args) = s.args() {
+                sink.lock().unwrap().push(args.state.to_string());
+            }
+        }
+    });
+    // ...and as PropertiesChanged carries it (a property stream yields the current value,
+    // then the latest one after each change: a state that lasts is seen).
+    let cached = Supervisor1Proxy::new(&conn).await.unwrap();
+    let mut changes = cached.receive_state_changed().await;
+    let announced = Arc::new(Mutex::new(Vec::<String>::new()));
+    let sink = announced.clone();
     tokio::spawn(async move {
         while let Some(c) = changes.next().await {
             if let Ok(v) = c.get().await {
@@ -152,15 +174,29 @@ async fn start_switch_profile_and_stop_with_dsv4ctl() {
     d.wait_state("stopped", 10 * SEC).await;
     assert_eq!(proxy.engine_pid().await.unwrap(), 0);
 
-    // The States went by in order, each announced.
-    tokio::time::sleep(Duration::from_millis(200)).await;
-    let seen = seen.lock().unwrap().clone();
+    // The states went by in order, each announced.
     let want = [
         "starting", "ready", "draining", "stopping", "starting", "ready", "stopping", "stopped",
     ];
+    let t = Instant::now();
+    let last = |v: &Arc<Mutex<Vec<String>>>| v.lock().unwrap().last().cloned();
+    while last(&seen).as_deref() != Some("stopped")
+        || last(&announced).as_deref() != Some("stopped")
+    {
+        if t.elapsed() > 5 * SEC {
+            break;
+        }
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+    let seen = seen.lock().unwrap().clone();
     let mut it = seen.iter();
     for w in want {
         assert!(it.any(|s| s == w), "missing {w} in order in {seen:?}");
+    }
+    let announced = announced.lock().unwrap().clone();
+    let mut it = announced.iter();
+    for w in ["stopped", "ready", "stopped"] {
+        assert!(it.any(|s| s == w), "missing {w} in order in {announced:?}");
     }
 }
 

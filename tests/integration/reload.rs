@@ -63,10 +63,15 @@ async fn an_invalid_edit_is_rejected_whole_with_an_alert() {
         .build()
         .await
         .unwrap();
-    // Wait for the daemon on the bus, then listen for its Alert signals.
+    // Wait for the daemon on the bus, then listen for its Alert signals. Properties are read
+    // from the daemon itself, not from a cache that follows PropertiesChanged.
     let t = Instant::now();
     let proxy = loop {
-        if let Ok(p) = dsv4_client::Supervisor1Proxy::new(&conn).await {
+        let p = dsv4_client::Supervisor1Proxy::builder(&conn)
+            .cache_properties(zbus::proxy::CacheProperties::No)
+            .build()
+            .await;
+        if let Ok(p) = p {
             if p.state().await.is_ok() {
                 break p;
             }
