@@ -32,7 +32,7 @@ impl Rig {
     /// Writes `setup`, lets `extra` add to the config folder, and starts the actor on
     /// `profile`.
     fn with(setup: &Setup, profile: &str, extra: impl FnOnce(&Path, &Path)) -> Rig {
-        let dir = TempDir::new("actor");
+        let dir = temp_dir("actor");
         let fake_log = dir.path().join("fake-engine.log");
         let path = setup.write(dir.path(), &fake_log);
         extra(dir.path(), &fake_log);

@@ -41,7 +41,7 @@ impl ApiDaemon {
     /// Starts `dsv4d` with `api_lines` (indented YAML) added to the `api:` block and, when
     /// given, a key file `api-keys` beside supervisor.yaml.
     fn start(api_lines: &str, keys: Option<KeyFile>) -> ApiDaemon {
-        let dir = TempDir::new("api");
+        let dir = temp_dir("api");
         let fake_log = dir.path().join("fake-engine.log");
         let config = Setup::default().write(dir.path(), &fake_log);
         if let Some(k) = keys {

@@ -14,12 +14,13 @@ use zbus::proxy::CacheProperties;
 const SEC: Duration = Duration::from_secs(1);
 const DSV4CTL: &str = env!("CARGO_BIN_EXE_dsv4ctl-under-test");
 
-/// Runs `dsv4ctl --bus session ARGS` on `bus`, optionally as another user via setpriv.
-fn ctl(bus: &str, args: &[&str], as_user: Option<&[&str]>) -> Output {
+/// Runs `dsv4ctl --bus session ARGS` on `bus`, optionally as another user: the copy of
+/// dsv4ctl that user may run, through setpriv with these arguments.
+fn ctl(bus: &str, args: &[&str], as_user: Option<(&CtlCopy, &[&str])>) -> Output {
     let mut cmd = match as_user {
-        Some(setpriv_args) => {
+        Some((copy, setpriv_args)) => {
             let mut c = Command::new("setpriv");
-            c.args(setpriv_args).arg(ctl_copy());
+            c.args(setpriv_args).arg(&copy.path);
             c
         }
         None => Command::new(DSV4CTL),
@@ -38,23 +39,24 @@ fn ctl(bus: &str, args: &[&str], as_user: Option<&[&str]>) -> Output {
     out
 }
 
-/// A copy of dsv4ctl that any user may run (the build folder may not be reachable).
-fn ctl_copy() -> PathBuf {
+/// A copy of dsv4ctl that any user may run (the build folder may not be reachable); removed
+/// on drop.
+struct CtlCopy {
+    path: PathBuf,
+    _dir: TempDir,
+}
+
+fn ctl_copy() -> CtlCopy {
     use std::os::unix::fs::PermissionsExt;
-    static COPY: std::sync::OnceLock<PathBuf> = std::sync::OnceLock::new();
-    COPY.get_or_init(|| {
-        let dir = std::env::temp_dir().join(format!("dsv4-ctl-{}", std::process::id()));
-        std::fs::create_dir_all(&dir).unwrap();
-        std::fs::set_permissions(&dir, std::fs::Permissions::from_mode(0o755)).unwrap();
-        let p = dir.join("dsv4ctl");
-        // Copied by a child process, not by this one: a process that other test threads fork
-        // from must not hold the copy open for writing, or exec of it fails with ETXTBSY.
-        let st = Command::new("cp").arg(DSV4CTL).arg(&p).status().unwrap();
-        assert!(st.success(), "cp {DSV4CTL}");
-        std::fs::set_permissions(&p, std::fs::Permissions::from_mode(0o755)).unwrap();
-        p
-    })
-    .clone()
+    let dir = temp_dir("ctl");
+    std::fs::set_permissions(dir.path(), std::fs::Permissions::from_mode(0o755)).unwrap();
+    let path = dir.path().join("dsv4ctl");
+    // Copied by a child process, not by this one: a process that other test threads fork
+    // from must not hold the copy open for writing, or exec of it fails with ETXTBSY.
+    let st = Command::new("cp").arg(DSV4CTL).arg(&path).status().unwrap();
+    assert!(st.success(), "cp {DSV4CTL}");
+    std::fs::set_permissions(&path, std::fs::Permissions::from_mode(0o755)).unwrap();
+    CtlCopy { path, _dir: dir }
 }
 
 fn text(b: &[u8]) -> String {
@@ -208,7 +210,11 @@ async fn callers_outside_the_control_group_can_read_but_not_change() {
     s.daemon_args = vec!["--control-group".into(), "users".into()];
     let d = Daemon::start(&s);
     wait_bus_name(&d, &bus).await;
-    let nobody: &[&str] = &["--reuid=nobody", "--regid=nogroup", "--clear-groups"];
+    let copy = ctl_copy();
+    let nobody = (
+        &copy,
+        &["--reuid=nobody", "--regid=nogroup", "--clear-groups"][..],
+    );
     for args in [
         &["start"][..],
         &["stop"],
@@ -230,7 +236,10 @@ async fn callers_outside_the_control_group_can_read_but_not_change() {
     assert!(d.log().contains("refused"), "{}", d.log());
 
     // A member of the group may.
-    let member: &[&str] = &["--reuid=nobody", "--regid=nogroup", "--groups=100"];
+    let member = (
+        &copy,
+        &["--reuid=nobody", "--regid=nogroup", "--groups=100"][..],
+    );
     let out = ctl(&bus.address, &["start", "--wait"], Some(member));
     assert_eq!(out.status.code(), Some(0), "{}", text(&out.stderr));
     assert_eq!(d.spawns(), 1);
@@ -336,7 +345,7 @@ async fn start_wait_fails_with_the_engine_error() {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn config_check_reports_every_problem_or_a_summary() {
-    let dir = TempDir::new("check");
+    let dir = temp_dir("check");
     let config = Setup::default().write(dir.path(), &dir.path().join("fake.log"));
     let check = |path: &std::path::Path| {
         Command::new(DSV4CTL)

@@ -396,7 +396,7 @@ fn spawn_plain(args: &[&str]) -> std::process::Child {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn without_socket_activation_it_binds_listen() {
     use std::io::BufRead;
-    let dir = TempDir::new("listen");
+    let dir = temp_dir("listen");
     let config = Setup::default().write(dir.path(), &dir.path().join("fake.log"));
     let mut child = spawn_plain(&[
         "--config",
@@ -438,7 +438,7 @@ async fn without_socket_activation_it_binds_listen() {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_bad_config_is_fatal_with_the_file_line_and_field() {
-    let dir = TempDir::new("badcfg");
+    let dir = temp_dir("badcfg");
     let config = Setup::default().write(dir.path(), &dir.path().join("fake.log"));
     let text = std::fs::read_to_string(&config).unwrap();
     std::fs::write(

@@ -37,7 +37,7 @@ async fn a_new_idle_timeout_applies_to_the_running_engine() {
     assert_eq!(status, 200);
     let s = d.status().await;
     let deadline_before = s["idle_deadline"].as_f64().unwrap();
-    let cfg = d.dir.path().join("supervisor.yaml");
+    let cfg = d.dir().join("supervisor.yaml");
     let text = std::fs::read_to_string(&cfg).unwrap();
     editor_save(&cfg, &text.replace("idle_timeout: 1h", "idle_timeout: 1s"));
     // Picked up once, and the engine, idle, stops within the new timeout.
@@ -90,7 +90,7 @@ async fn an_invalid_edit_is_rejected_whole_with_an_alert() {
         .await
         .unwrap();
 
-    let cfg = d.dir.path().join("supervisor.yaml");
+    let cfg = d.dir().join("supervisor.yaml");
     let text = std::fs::read_to_string(&cfg).unwrap();
     // Two mistakes: the whole change is refused, including the valid-looking part.
     let bad = text.replace(
@@ -128,7 +128,7 @@ async fn a_changed_active_profile_applies_at_the_next_start() {
     let (status, _, _) = body_json(d.post("/v1/chat/completions", chat(2, false)).await).await;
     assert_eq!(status, 200);
     assert_eq!(d.status().await["restart_pending"], false);
-    let p = d.dir.path().join("profiles/320k.yaml");
+    let p = d.dir().join("profiles/320k.yaml");
     let text = std::fs::read_to_string(&p).unwrap();
     editor_save(&p, &text.replace("context: 327680", "context: 200000"));
     let t = Instant::now();
@@ -154,7 +154,7 @@ async fn a_changed_active_profile_applies_at_the_next_start() {
 async fn sighup_reloads() {
     let d = Daemon::start(&Setup::default());
     d.wait_state("stopped", 5 * SEC).await;
-    let cfg = d.dir.path().join("supervisor.yaml");
+    let cfg = d.dir().join("supervisor.yaml");
     let text = std::fs::read_to_string(&cfg).unwrap();
     // Written in place while the daemon is told to reload: SIGHUP (the write may also be seen).
     std::fs::write(

@@ -9,7 +9,6 @@ use std::os::fd::AsRawFd;
 use std::os::unix::process::CommandExt;
 use std::path::{Path, PathBuf};
 use std::process::{Child, Command, ExitStatus, Stdio};
-use std::sync::atomic::{AtomicU32, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
@@ -19,37 +18,18 @@ use hyper::body::Incoming;
 use hyper_util::client::legacy::connect::HttpConnector;
 use hyper_util::client::legacy::Client;
 use hyper_util::rt::TokioExecutor;
+pub use tempfile::TempDir;
 
 pub mod real;
 pub const FAKE_ENGINE: &str = env!("CARGO_BIN_EXE_fake-engine");
 pub const DSV4D: &str = env!("CARGO_BIN_EXE_dsv4d-under-test");
 
-/// A fresh folder under the system temp dir, removed on drop.
-pub struct TempDir(pub PathBuf);
-
-impl TempDir {
-    pub fn new(tag: &str) -> TempDir {
-        static N: AtomicU32 = AtomicU32::new(0);
-        let p = std::env::temp_dir().join(format!(
-            "dsv4-test-{tag}-{}-{}",
-            std::process::id(),
-            N.fetch_add(1, Ordering::Relaxed)
-        ));
-        let _ = std::fs::remove_dir_all(&p);
-        std::fs::create_dir_all(&p).unwrap();
-        TempDir(p)
-    }
-    pub fn path(&self) -> &Path {
-        &self.0
-    }
-}
-
-impl Drop for TempDir {
-    fn drop(&mut self) {
-        if !self.0.as_os_str().is_empty() {
-            let _ = std::fs::remove_dir_all(&self.0);
-        }
-    }
+/// A fresh folder under the system temp dir, `dsv4-test-TAG-…`, removed on drop.
+pub fn temp_dir(tag: &str) -> TempDir {
+    tempfile::Builder::new()
+        .prefix(&format!("dsv4-test-{tag}-"))
+        .tempdir()
+        .expect("a temporary folder")
 }
 
 /// A private D-Bus bus daemon (session type, allow-all policy), reachable by every user so
@@ -63,7 +43,7 @@ pub struct PrivateBus {
 impl PrivateBus {
     pub fn start() -> PrivateBus {
         use std::os::unix::fs::PermissionsExt;
-        let dir = TempDir::new("bus");
+        let dir = temp_dir("bus");
         std::fs::set_permissions(dir.path(), std::fs::Permissions::from_mode(0o755)).unwrap();
         let socket = dir.path().join("bus");
         let conf = dir.path().join("bus.conf");
@@ -221,7 +201,8 @@ impl Setup {
 pub struct Daemon {
     pub child: Child,
     pub addr: SocketAddr,
-    pub dir: TempDir,
+    /// Its config and state; taken by `stop`.
+    dir: Option<TempDir>,
     pub fake_log: PathBuf,
     log: Arc<Mutex<String>>,
     client: Client<HttpConnector, Full<Bytes>>,
@@ -231,7 +212,7 @@ impl Daemon {
     /// Starts `dsv4d` socket-activated: the test binds the listener, as systemd would, and the
     /// daemon gets it as fd 3 named `api`.
     pub fn start(setup: &Setup) -> Daemon {
-        Daemon::start_in(setup, TempDir::new("daemon"))
+        Daemon::start_in(setup, temp_dir("daemon"))
     }
 
     /// Starts `dsv4d` with its config and state in `dir` (which may hold a previous run's).
@@ -294,11 +275,16 @@ impl Daemon {
         Daemon {
             child,
             addr,
-            dir,
+            dir: Some(dir),
             fake_log,
             log,
             client,
         }
+    }
+
+    /// The folder with its config and state.
+    pub fn dir(&self) -> &Path {
+        self.dir.as_ref().expect("the daemon's folder").path()
     }
 
     pub fn url(&self, path: &str) -> String {
@@ -393,7 +379,7 @@ impl Daemon {
         self.signal(nix::sys::signal::Signal::SIGTERM);
         let st = self.wait_exit(Duration::from_secs(15)).await;
         assert_eq!(st.code(), Some(0), "{}", self.log());
-        TempDir(std::mem::take(&mut self.dir.0))
+        self.dir.take().expect("the daemon's folder")
     }
 
     /// Waits for the daemon to exit, at most `within`.
