@@ -64,9 +64,7 @@ fn text(b: &[u8]) -> String {
 }
 
 fn setup(bus: &PrivateBus) -> Setup {
-    let mut s = Setup::default().knob("load_ms", "300");
-    s.session_bus = Some(bus.address.clone());
-    s
+    Setup::default().knob("load_ms", "300").session_bus(bus)
 }
 
 async fn wait_bus_name(d: &Daemon, bus: &PrivateBus) {
@@ -206,9 +204,7 @@ async fn start_switch_profile_and_stop_with_dsv4ctl() {
 async fn callers_outside_the_control_group_can_read_but_not_change() {
     let bus = PrivateBus::start();
     // `users` (gid 100) stands in for the dsv4 group.
-    let mut s = setup(&bus);
-    s.daemon_args = vec!["--control-group".into(), "users".into()];
-    let d = Daemon::start(&s);
+    let d = Daemon::start(&setup(&bus).args(&["--control-group", "users"]));
     wait_bus_name(&d, &bus).await;
     let copy = ctl_copy();
     let nobody = (
@@ -346,7 +342,8 @@ async fn start_wait_fails_with_the_engine_error() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn config_check_reports_every_problem_or_a_summary() {
     let dir = temp_dir("check");
-    let config = Setup::default().write(dir.path(), &dir.path().join("fake.log"));
+    let fake_log = dir.path().join("fake.log");
+    let config = Setup::default().write(dir.path(), &fake_log);
     let check = |path: &std::path::Path| {
         Command::new(DSV4CTL)
             .args(["config", "check"])
@@ -369,15 +366,10 @@ async fn config_check_reports_every_problem_or_a_summary() {
         text(&out.stdout)
     );
     // Two mistakes, both reported, with file:line:column and field.
-    let yaml = std::fs::read_to_string(&config).unwrap();
-    std::fs::write(
-        &config,
-        yaml.replace("profiles_dir:", "idle_timout: 5m\nprofiles_dir:"),
-    )
-    .unwrap();
-    let p = dir.path().join("profiles/64k.yaml");
-    let prof = std::fs::read_to_string(&p).unwrap();
-    std::fs::write(&p, prof.replace("context: 65536", "context: 100")).unwrap();
+    let config = Setup::default()
+        .top_level("idle_timout", "5m")
+        .profile_key("64k", "context", "100")
+        .write(dir.path(), &fake_log);
     let out = check(&config);
     let stdout = text(&out.stdout);
     assert_eq!(out.status.code(), Some(1), "{stdout}");
@@ -395,12 +387,7 @@ async fn config_check_reports_every_problem_or_a_summary() {
         text(&out.stderr)
     );
     // and dsv4d --check-config itself
-    let out = Command::new(DSV4D)
-        .arg("--check-config")
-        .arg("--config")
-        .arg(&config)
-        .output()
-        .unwrap();
+    let out = run_dsv4d(["--check-config", "--config", config.to_str().unwrap()]);
     assert_eq!(out.status.code(), Some(1));
     assert_eq!(text(&out.stdout), stdout);
 }
