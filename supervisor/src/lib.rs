@@ -2,6 +2,7 @@
 
 pub mod alert;
 pub mod auth;
+pub mod body;
 pub mod config;
 pub mod dbus;
 pub mod http_error;

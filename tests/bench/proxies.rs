@@ -19,7 +19,7 @@ use std::time::{Duration, Instant};
 use nix::sys::signal::{kill, Signal};
 use nix::unistd::Pid;
 
-use crate::support::{Daemon, Setup, TempDir};
+use crate::support::{temp_dir, Daemon, Setup, TempDir};
 use crate::{engine_addr, env_usize};
 
 const SCRIPT: &str = concat!(env!("CARGO_MANIFEST_DIR"), "/bench/chat.lua");
@@ -387,7 +387,7 @@ fn start_nginx(
     engine: SocketAddr,
     workers: &str,
 ) -> Result<(Started, SocketAddr), String> {
-    let dir = TempDir::new("nginx");
+    let dir = temp_dir("nginx");
     let d = dir.path().display().to_string();
     let addr = SocketAddr::from(([127, 0, 0, 1], free_port()));
     // One worker runs as a single process, like dsv4d's single-threaded runtime; more need the
@@ -427,7 +427,7 @@ fn start_proxyd(activate: &Path, engine: SocketAddr) -> Result<(Started, SocketA
         .arg(addr.to_string())
         .arg(PROXYD)
         .arg(engine.to_string());
-    let mut p = Started::spawn(cmd, TempDir::new("proxyd"))?;
+    let mut p = Started::spawn(cmd, temp_dir("proxyd"))?;
     wait_listening(addr, &mut p)?;
     Ok((p, addr))
 }

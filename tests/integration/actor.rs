@@ -1,19 +1,17 @@
 //! Tests of the lifecycle actor on its own (no HTTP front end): `dsv4::lifecycle::actor`
 //! driving the fake engine over real loopback sockets, through its `Handle`.
 
-mod support;
-
 use std::path::{Path, PathBuf};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
+use crate::support::*;
 use bytes::Bytes;
 use dsv4::config::Config;
 use dsv4::lifecycle::actor::{self, ControlError, EngineRef, Handle, Lease, Status};
 use dsv4::lifecycle::state::{Refusal, State};
 use http_body_util::{BodyExt, Full};
 use hyper::body::Incoming;
-use support::*;
 
 const SEC: Duration = Duration::from_secs(1);
 const MS: Duration = Duration::from_millis(1);
@@ -34,7 +32,7 @@ impl Rig {
     /// Writes `setup`, lets `extra` add to the config folder, and starts the actor on
     /// `profile`.
     fn with(setup: &Setup, profile: &str, extra: impl FnOnce(&Path, &Path)) -> Rig {
-        let dir = TempDir::new("actor");
+        let dir = temp_dir("actor");
         let fake_log = dir.path().join("fake-engine.log");
         let path = setup.write(dir.path(), &fake_log);
         extra(dir.path(), &fake_log);
@@ -74,8 +72,9 @@ impl Rig {
         }
     }
 
-    /// Waits until the published status satisfies `pred`; returns it. Polls: the status watch
-    /// wakes its receivers only when `state` changes, not when other fields do.
+    /// Waits until the published status satisfies `pred`; returns it. Polls rather than waits
+    /// on the status watch, so that no test here leans on the watch's wake-ups, which
+    /// `the_status_watch_wakes_on_every_change` checks on their own.
     async fn wait_status(
         &self,
         what: &str,
@@ -537,8 +536,27 @@ async fn shutdown_drains_no_longer_than_stop_timeout() {
 /// Regression: dropping every `Handle` is a shutdown. A closed command channel is ready at
 /// once, forever; the actor used to spin on it (a core at 100 %) and never reach its timers,
 /// so an engine that ignored SIGTERM was never killed and the actor never ended.
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn dropping_every_handle_stops_the_engine_within_stop_timeout() {
+///
+/// The test runs on a runtime of its own, whose threads have a name: the CPU it measures is
+/// theirs, not that of other tests running in the same process.
+#[test]
+fn dropping_every_handle_stops_the_engine_within_stop_timeout() {
+    let rt = tokio::runtime::Builder::new_multi_thread()
+        .worker_threads(2)
+        .thread_name(SPIN_TEST_THREADS)
+        .enable_all()
+        .build()
+        .unwrap();
+    rt.block_on(async {
+        rt.spawn(dropping_every_handle_stops_the_engine())
+            .await
+            .unwrap()
+    });
+}
+
+const SPIN_TEST_THREADS: &str = "dsv4-spin-test";
+
+async fn dropping_every_handle_stops_the_engine() {
     let setup = Setup::default()
         .engine("stop_timeout", "1s")
         .knob("ignore_sigterm", "1");
@@ -562,13 +580,14 @@ async fn dropping_every_handle_stops_the_engine_within_stop_timeout() {
         assert!(t.elapsed() < 2 * SEC, "no SIGTERM after the handles went");
         tokio::time::sleep(10 * MS).await;
     }
-    let cpu0 = process_cpu_time();
+    let cpu0 = threads_cpu_time(SPIN_TEST_THREADS);
     let wall0 = Instant::now();
     wait_gone(pid, 3 * SEC).await;
-    let (cpu, wall) = (process_cpu_time() - cpu0, wall0.elapsed());
+    let cpu = threads_cpu_time(SPIN_TEST_THREADS).saturating_sub(cpu0);
+    let wall = wall0.elapsed();
     assert!(
         cpu < wall / 2,
-        "the process burnt {cpu:?} of CPU in {wall:?} while the engine stopped"
+        "the runtime burnt {cpu:?} of CPU in {wall:?} while the engine stopped"
     );
     tokio::time::timeout(2 * SEC, task)
         .await
@@ -593,17 +612,25 @@ async fn the_status_watch_wakes_on_every_change() {
     assert_eq!(rx.borrow_and_update().profile, "64k");
 }
 
-/// User + system CPU time of this test process.
-fn process_cpu_time() -> Duration {
-    let stat = std::fs::read_to_string("/proc/self/stat").unwrap();
-    let fields: Vec<&str> = stat
-        .rsplit(')')
-        .next()
-        .unwrap()
-        .split_whitespace()
-        .collect();
-    // After the comm field: state is field 3, utime 14, stime 15 (1-based in proc(5)).
-    let ticks: u64 = fields[11].parse::<u64>().unwrap() + fields[12].parse::<u64>().unwrap();
+/// User + system CPU time of this process's threads named `name`.
+fn threads_cpu_time(name: &str) -> Duration {
+    let mut ticks = 0;
+    for task in std::fs::read_dir("/proc/self/task").unwrap() {
+        // A thread that ended meanwhile has no stat any more.
+        let Ok(stat) = std::fs::read_to_string(task.unwrap().path().join("stat")) else {
+            continue;
+        };
+        // `pid (comm) state ...`; comm may hold spaces and parentheses, the last `)` ends it.
+        let (Some(open), Some(close)) = (stat.find('('), stat.rfind(')')) else {
+            continue;
+        };
+        if &stat[open + 1..close] != name {
+            continue;
+        }
+        let fields: Vec<&str> = stat[close + 1..].split_whitespace().collect();
+        // After comm: state is field 3, utime 14, stime 15 (1-based in proc(5)).
+        ticks += fields[11].parse::<u64>().unwrap() + fields[12].parse::<u64>().unwrap();
+    }
     // SAFETY: sysconf has no preconditions.
     let hz = unsafe { libc::sysconf(libc::_SC_CLK_TCK) }.max(1) as u64;
     Duration::from_millis(ticks * 1000 / hz)

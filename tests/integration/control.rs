@@ -1,25 +1,26 @@
 //! The control plane end to end: `dsv4d` serving `io.github.dsv4.Supervisor1` on a private
 //! bus started by the test, driven by the real `dsv4ctl` (and, for signals, a zbus client).
 
-mod support;
-
 use std::path::PathBuf;
 use std::process::{Command, Output};
+use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
+use crate::support::*;
 use dsv4_client::{State, Supervisor1Proxy};
 use futures_util::StreamExt;
-use support::*;
+use zbus::proxy::CacheProperties;
 
 const SEC: Duration = Duration::from_secs(1);
 const DSV4CTL: &str = env!("CARGO_BIN_EXE_dsv4ctl-under-test");
 
-/// Runs `dsv4ctl --bus session ARGS` on `bus`, optionally as another user via setpriv.
-fn ctl(bus: &str, args: &[&str], as_user: Option<&[&str]>) -> Output {
+/// Runs `dsv4ctl --bus session ARGS` on `bus`, optionally as another user: the copy of
+/// dsv4ctl that user may run, through setpriv with these arguments.
+fn ctl(bus: &str, args: &[&str], as_user: Option<(&CtlCopy, &[&str])>) -> Output {
     let mut cmd = match as_user {
-        Some(setpriv_args) => {
+        Some((copy, setpriv_args)) => {
             let mut c = Command::new("setpriv");
-            c.args(setpriv_args).arg(ctl_copy());
+            c.args(setpriv_args).arg(&copy.path);
             c
         }
         None => Command::new(DSV4CTL),
@@ -38,23 +39,24 @@ fn ctl(bus: &str, args: &[&str], as_user: Option<&[&str]>) -> Output {
     out
 }
 
-/// A copy of dsv4ctl that any user may run (the build folder may not be reachable).
-fn ctl_copy() -> PathBuf {
+/// A copy of dsv4ctl that any user may run (the build folder may not be reachable); removed
+/// on drop.
+struct CtlCopy {
+    path: PathBuf,
+    _dir: TempDir,
+}
+
+fn ctl_copy() -> CtlCopy {
     use std::os::unix::fs::PermissionsExt;
-    static COPY: std::sync::OnceLock<PathBuf> = std::sync::OnceLock::new();
-    COPY.get_or_init(|| {
-        let dir = std::env::temp_dir().join(format!("dsv4-ctl-{}", std::process::id()));
-        std::fs::create_dir_all(&dir).unwrap();
-        std::fs::set_permissions(&dir, std::fs::Permissions::from_mode(0o755)).unwrap();
-        let p = dir.join("dsv4ctl");
-        // Copied by a child process, not by this one: a process that other test threads fork
-        // from must not hold the copy open for writing, or exec of it fails with ETXTBSY.
-        let st = Command::new("cp").arg(DSV4CTL).arg(&p).status().unwrap();
-        assert!(st.success(), "cp {DSV4CTL}");
-        std::fs::set_permissions(&p, std::fs::Permissions::from_mode(0o755)).unwrap();
-        p
-    })
-    .clone()
+    let dir = temp_dir("ctl");
+    std::fs::set_permissions(dir.path(), std::fs::Permissions::from_mode(0o755)).unwrap();
+    let path = dir.path().join("dsv4ctl");
+    // Copied by a child process, not by this one: a process that other test threads fork
+    // from must not hold the copy open for writing, or exec of it fails with ETXTBSY.
+    let st = Command::new("cp").arg(DSV4CTL).arg(&path).status().unwrap();
+    assert!(st.success(), "cp {DSV4CTL}");
+    std::fs::set_permissions(&path, std::fs::Permissions::from_mode(0o755)).unwrap();
+    CtlCopy { path, _dir: dir }
 }
 
 fn text(b: &[u8]) -> String {
@@ -62,9 +64,7 @@ fn text(b: &[u8]) -> String {
 }
 
 fn setup(bus: &PrivateBus) -> Setup {
-    let mut s = Setup::default().knob("load_ms", "300");
-    s.session_bus = Some(bus.address.clone());
-    s
+    Setup::default().knob("load_ms", "300").session_bus(bus)
 }
 
 /// A connection to `bus` and two typed proxies of the daemon on it: one that reads each
@@ -112,11 +112,36 @@ async fn start_switch_profile_and_stop_with_dsv4ctl() {
     let d = Daemon::start(&setup(&bus).knob("token_ms", "40"));
     wait_bus_name(&d, &bus).await;
 
-    // Every State change, as PropertiesChanged carries it.
-    let (_conn, proxy, cached) = client(&bus).await;
-    let mut changes = cached.receive_state_changed().await;
-    let seen = std::sync::Arc::new(std::sync::Mutex::new(Vec::<String>::new()));
+    let conn = zbus::connection::Builder::address(bus.address.as_str())
+        .unwrap()
+        .build()
+        .await
+        .unwrap();
+    // Properties read from the daemon itself: a proxy's cache follows PropertiesChanged,
+    // which may come after `/status` has the change.
+    let proxy = Supervisor1Proxy::builder(&conn)
+        .cache_properties(CacheProperties::No)
+        .build()
+        .await
+        .unwrap();
+    // Every state change, as StateChanged carries it (signals queue; a property stream
+    // yields only the latest value)...
+    let mut signals = proxy.receive_lifecycle_changed().await.unwrap();
+    let seen = Arc::new(Mutex::new(Vec::<String>::new()));
     let sink = seen.clone();
+    tokio::spawn(async move {
+        while let Some(s) = signals.next().await {
+            if let Ok(args) = s.args() {
+                sink.lock().unwrap().push(args.state.to_string());
+            }
+        }
+    });
+    // ...and as PropertiesChanged carries it (a property stream yields the current value,
+    // then the latest one after each change: a state that lasts is seen).
+    let cached = Supervisor1Proxy::new(&conn).await.unwrap();
+    let mut changes = cached.receive_state_changed().await;
+    let announced = Arc::new(Mutex::new(Vec::<String>::new()));
+    let sink = announced.clone();
     tokio::spawn(async move {
         while let Some(c) = changes.next().await {
             if let Ok(v) = c.get().await {
@@ -173,15 +198,29 @@ async fn start_switch_profile_and_stop_with_dsv4ctl() {
     d.wait_state("stopped", 10 * SEC).await;
     assert_eq!(proxy.engine_pid().await.unwrap(), 0);
 
-    // The States went by in order, each announced.
-    tokio::time::sleep(Duration::from_millis(200)).await;
-    let seen = seen.lock().unwrap().clone();
+    // The states went by in order, each announced.
     let want = [
         "starting", "ready", "draining", "stopping", "starting", "ready", "stopping", "stopped",
     ];
+    let t = Instant::now();
+    let last = |v: &Arc<Mutex<Vec<String>>>| v.lock().unwrap().last().cloned();
+    while last(&seen).as_deref() != Some("stopped")
+        || last(&announced).as_deref() != Some("stopped")
+    {
+        if t.elapsed() > 5 * SEC {
+            break;
+        }
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+    let seen = seen.lock().unwrap().clone();
     let mut it = seen.iter();
     for w in want {
         assert!(it.any(|s| s == w), "missing {w} in order in {seen:?}");
+    }
+    let announced = announced.lock().unwrap().clone();
+    let mut it = announced.iter();
+    for w in ["stopped", "ready", "stopped"] {
+        assert!(it.any(|s| s == w), "missing {w} in order in {announced:?}");
     }
 }
 
@@ -189,11 +228,13 @@ async fn start_switch_profile_and_stop_with_dsv4ctl() {
 async fn callers_outside_the_control_group_can_read_but_not_change() {
     let bus = PrivateBus::start();
     // `users` (gid 100) stands in for the dsv4 group.
-    let mut s = setup(&bus);
-    s.daemon_args = vec!["--control-group".into(), "users".into()];
-    let d = Daemon::start(&s);
+    let d = Daemon::start(&setup(&bus).args(&["--control-group", "users"]));
     wait_bus_name(&d, &bus).await;
-    let nobody: &[&str] = &["--reuid=nobody", "--regid=nogroup", "--clear-groups"];
+    let copy = ctl_copy();
+    let nobody = (
+        &copy,
+        &["--reuid=nobody", "--regid=nogroup", "--clear-groups"][..],
+    );
     for args in [
         &["start"][..],
         &["stop"],
@@ -215,7 +256,10 @@ async fn callers_outside_the_control_group_can_read_but_not_change() {
     assert!(d.log().contains("refused"), "{}", d.log());
 
     // A member of the group may.
-    let member: &[&str] = &["--reuid=nobody", "--regid=nogroup", "--groups=100"];
+    let member = (
+        &copy,
+        &["--reuid=nobody", "--regid=nogroup", "--groups=100"][..],
+    );
     let out = ctl(&bus.address, &["start", "--wait"], Some(member));
     assert_eq!(out.status.code(), Some(0), "{}", text(&out.stderr));
     assert_eq!(d.spawns(), 1);
@@ -449,8 +493,9 @@ async fn an_engine_that_dies_while_serving_raises_an_alert() {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn config_check_reports_every_problem_or_a_summary() {
-    let dir = TempDir::new("check");
-    let config = Setup::default().write(dir.path(), &dir.path().join("fake.log"));
+    let dir = temp_dir("check");
+    let fake_log = dir.path().join("fake.log");
+    let config = Setup::default().write(dir.path(), &fake_log);
     let check = |path: &std::path::Path| {
         Command::new(DSV4CTL)
             .args(["config", "check"])
@@ -473,15 +518,10 @@ async fn config_check_reports_every_problem_or_a_summary() {
         text(&out.stdout)
     );
     // Two mistakes, both reported, with file:line:column and field.
-    let yaml = std::fs::read_to_string(&config).unwrap();
-    std::fs::write(
-        &config,
-        yaml.replace("profiles_dir:", "idle_timout: 5m\nprofiles_dir:"),
-    )
-    .unwrap();
-    let p = dir.path().join("profiles/64k.yaml");
-    let prof = std::fs::read_to_string(&p).unwrap();
-    std::fs::write(&p, prof.replace("context: 65536", "context: 100")).unwrap();
+    let config = Setup::default()
+        .top_level("idle_timout", "5m")
+        .profile_key("64k", "context", "100")
+        .write(dir.path(), &fake_log);
     let out = check(&config);
     let stdout = text(&out.stdout);
     assert_eq!(out.status.code(), Some(1), "{stdout}");
@@ -499,12 +539,7 @@ async fn config_check_reports_every_problem_or_a_summary() {
         text(&out.stderr)
     );
     // and dsv4d --check-config itself
-    let out = Command::new(DSV4D)
-        .arg("--check-config")
-        .arg("--config")
-        .arg(&config)
-        .output()
-        .unwrap();
+    let out = run_dsv4d(["--check-config", "--config", config.to_str().unwrap()]);
     assert_eq!(out.status.code(), Some(1));
     assert_eq!(text(&out.stdout), stdout);
 }

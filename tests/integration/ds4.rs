@@ -2,12 +2,10 @@
 //! only once the model is loaded, `: prefill` comments while a long prompt is read, and a
 //! slow, KV-saving exit on SIGTERM.
 
-mod support;
-
 use std::time::{Duration, Instant};
 
+use crate::support::*;
 use nix::sys::signal::Signal;
-use support::*;
 
 const SEC: Duration = Duration::from_secs(1);
 

@@ -8,15 +8,13 @@
 //! none may get a 502 for a connection the engine closed between two exchanges. Where the
 //! engine really breaks an exchange, the client must be told so, with the engine's last words.
 
-mod support;
-
 use std::net::SocketAddr;
 use std::time::{Duration, Instant};
 
+use crate::support::*;
 use bytes::Bytes;
 use http_body_util::{BodyExt, Full};
 use hyper::client::conn::http1::SendRequest;
-use support::*;
 
 /// Longer than any answer here takes; a request past it is a hang.
 const HANG: Duration = Duration::from_secs(5);

@@ -1,12 +1,10 @@
 //! End-to-end tests of `dsv4d` against the fake engine, over real loopback sockets, with the
 //! API socket handed over the way systemd socket activation does.
 
-mod support;
-
 use std::time::{Duration, Instant};
 
+use crate::support::*;
 use nix::sys::signal::Signal;
-use support::*;
 
 const SEC: Duration = Duration::from_secs(1);
 
@@ -383,43 +381,16 @@ async fn a_fast_stream_arrives_whole_and_in_order() {
     assert_eq!(d.spawns(), 1);
 }
 
-/// Runs `dsv4d` directly (no socket activation) and returns it with its stderr.
-fn spawn_plain(args: &[&str]) -> std::process::Child {
-    std::process::Command::new(DSV4D)
-        .args(args)
-        .env("DSV4_LOG", "info")
-        .stdin(std::process::Stdio::null())
-        .stdout(std::process::Stdio::null())
-        .stderr(std::process::Stdio::piped())
-        .spawn()
-        .expect("spawn dsv4d")
-}
-
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn without_socket_activation_it_binds_listen() {
-    use std::io::BufRead;
-    let dir = TempDir::new("listen");
-    let config = Setup::default().write(dir.path(), &dir.path().join("fake.log"));
-    let mut child = spawn_plain(&[
-        "--config",
-        config.to_str().unwrap(),
-        "--bus",
-        "none",
-        "--listen",
-        "127.0.0.1:0",
-    ]);
-    let stderr = std::io::BufReader::new(child.stderr.take().unwrap());
-    let mut addr = None;
-    for line in stderr.lines().map_while(Result::ok) {
-        if let Some(a) = line.split("listening on http://").nth(1) {
-            addr = Some(a.trim().to_string());
-            break;
-        }
-    }
-    let addr = addr.expect("no 'listening on' line");
+    let setup = Setup::default()
+        .listen_flag()
+        .log_level("info")
+        .leave_log_once_listening();
+    let mut d = Daemon::start(&setup);
     // The reader of its log is gone now (stderr is a closed pipe): the daemon must not care.
     let (status, body) = {
-        let mut s = std::net::TcpStream::connect(&addr).unwrap();
+        let mut s = std::net::TcpStream::connect(d.addr).unwrap();
         use std::io::{Read, Write};
         s.write_all(b"GET /health HTTP/1.1\r\nhost: x\r\nconnection: close\r\n\r\n")
             .unwrap();
@@ -429,35 +400,25 @@ async fn without_socket_activation_it_binds_listen() {
     };
     assert_eq!(status, "HTTP/1.1 200 OK", "{body}");
     assert!(body.contains(r#""engine":"stopped""#), "{body}");
-    nix::sys::signal::kill(
-        nix::unistd::Pid::from_raw(child.id() as i32),
-        Signal::SIGTERM,
-    )
-    .unwrap();
-    let st = child.wait().unwrap();
+    d.signal(Signal::SIGTERM);
+    let st = d.wait_exit(10 * SEC).await;
     assert_eq!(st.code(), Some(0));
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_bad_config_is_fatal_with_the_file_line_and_field() {
-    let dir = TempDir::new("badcfg");
-    let config = Setup::default().write(dir.path(), &dir.path().join("fake.log"));
+    let dir = temp_dir("badcfg");
+    // `idle_timeout` belongs under `engine:`.
+    let config = Setup::default()
+        .top_level("idle_timeout", "5m")
+        .write(dir.path(), &dir.path().join("fake.log"));
     let text = std::fs::read_to_string(&config).unwrap();
-    std::fs::write(
-        &config,
-        text.replace("profiles_dir:", "idle_timeout: 5m\nprofiles_dir:"),
-    )
-    .unwrap();
-    let out = std::process::Command::new(DSV4D)
-        .args(["--config", config.to_str().unwrap(), "--bus", "none"])
-        .env("DSV4_LOG", "off")
-        .output()
-        .unwrap();
+    let out = run_dsv4d(["--config", config.to_str().unwrap(), "--bus", "none"]);
     assert_eq!(out.status.code(), Some(1));
     let err = String::from_utf8_lossy(&out.stderr);
     let line = text
         .lines()
-        .position(|l| l.starts_with("profiles_dir:"))
+        .position(|l| l.starts_with("idle_timeout:"))
         .unwrap()
         + 1;
     assert!(

@@ -5,13 +5,11 @@
 //! that `tests/engine/prepare` fills. These tests fail, with that hint, when neither has it:
 //! they never pass by skipping.
 
-mod support;
-
 use std::time::Duration;
 
+use crate::support::real::{engine, setup};
+use crate::support::*;
 use nix::sys::signal::Signal;
-use support::real::{engine, setup};
-use support::*;
 
 const SEC: Duration = Duration::from_secs(1);
 

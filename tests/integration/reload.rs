@@ -2,14 +2,12 @@
 //! write-then-rename) and SIGHUP; a valid change applies without restarting the engine, an
 //! invalid one is rejected whole with an `Alert`, and the daemon keeps serving.
 
-mod support;
-
 use std::path::Path;
 use std::time::{Duration, Instant};
 
+use crate::support::*;
 use futures_util::StreamExt;
 use nix::sys::signal::Signal;
-use support::*;
 
 const SEC: Duration = Duration::from_secs(1);
 
@@ -34,14 +32,17 @@ async fn wait_log(d: &Daemon, needle: &str, within: Duration) {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_new_idle_timeout_applies_to_the_running_engine() {
-    let d = Daemon::start(&Setup::default().engine("idle_timeout", "1h"));
+    let setup = Setup::default().engine("idle_timeout", "1h");
+    let d = Daemon::start(&setup);
     let (status, _, _) = body_json(d.post("/v1/chat/completions", chat(2, false)).await).await;
     assert_eq!(status, 200);
     let s = d.status().await;
     let deadline_before = s["idle_deadline"].as_f64().unwrap();
-    let cfg = d.dir.path().join("supervisor.yaml");
-    let text = std::fs::read_to_string(&cfg).unwrap();
-    editor_save(&cfg, &text.replace("idle_timeout: 1h", "idle_timeout: 1s"));
+    let new = setup.engine("idle_timeout", "1s");
+    editor_save(
+        &d.dir().join("supervisor.yaml"),
+        &d.config_text(&new, "supervisor.yaml"),
+    );
     // Picked up once, and the engine, idle, stops within the new timeout.
     d.wait_state("stopped", 5 * SEC).await;
     assert_eq!(
@@ -57,18 +58,24 @@ async fn a_new_idle_timeout_applies_to_the_running_engine() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn an_invalid_edit_is_rejected_whole_with_an_alert() {
     let bus = PrivateBus::start();
-    let mut setup = Setup::default().engine("idle_timeout", "1h");
-    setup.session_bus = Some(bus.address.clone());
+    let setup = Setup::default()
+        .engine("idle_timeout", "1h")
+        .session_bus(&bus);
     let d = Daemon::start(&setup);
     let conn = zbus::connection::Builder::address(bus.address.as_str())
         .unwrap()
         .build()
         .await
         .unwrap();
-    // Wait for the daemon on the bus, then listen for its Alert signals.
+    // Wait for the daemon on the bus, then listen for its Alert signals. Properties are read
+    // from the daemon itself, not from a cache that follows PropertiesChanged.
     let t = Instant::now();
     let proxy = loop {
-        if let Ok(p) = dsv4_client::Supervisor1Proxy::new(&conn).await {
+        let p = dsv4_client::Supervisor1Proxy::builder(&conn)
+            .cache_properties(zbus::proxy::CacheProperties::No)
+            .build()
+            .await;
+        if let Ok(p) = p {
             if p.state().await.is_ok() {
                 break p;
             }
@@ -78,14 +85,15 @@ async fn an_invalid_edit_is_rejected_whole_with_an_alert() {
     };
     let mut alerts = proxy.receive_alert().await.unwrap();
 
-    let cfg = d.dir.path().join("supervisor.yaml");
-    let text = std::fs::read_to_string(&cfg).unwrap();
     // Two mistakes: the whole change is refused, including the valid-looking part.
-    let bad = text.replace(
-        "idle_timeout: 1h",
-        "idle_timeout: banana\n  stop_timeout: 5s\n  max_wating: 3",
+    let bad = setup
+        .engine("idle_timeout", "banana")
+        .engine("stop_timeout", "5s")
+        .engine("max_wating", "3");
+    editor_save(
+        &d.dir().join("supervisor.yaml"),
+        &d.config_text(&bad, "supervisor.yaml"),
     );
-    editor_save(&cfg, &bad);
     let alert = tokio::time::timeout(5 * SEC, alerts.next())
         .await
         .expect("no Alert signal")
@@ -112,13 +120,14 @@ async fn an_invalid_edit_is_rejected_whole_with_an_alert() {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_changed_active_profile_applies_at_the_next_start() {
-    let d = Daemon::start(&Setup::default().engine("idle_timeout", "2s"));
+    let setup = Setup::default().engine("idle_timeout", "2s");
+    let d = Daemon::start(&setup);
     let (status, _, _) = body_json(d.post("/v1/chat/completions", chat(2, false)).await).await;
     assert_eq!(status, 200);
     assert_eq!(d.status().await["restart_pending"], false);
-    let p = d.dir.path().join("profiles/320k.yaml");
-    let text = std::fs::read_to_string(&p).unwrap();
-    editor_save(&p, &text.replace("context: 327680", "context: 200000"));
+    let new = setup.profile_key("320k", "context", "200000");
+    let file = "profiles/320k.yaml";
+    editor_save(&d.dir().join(file), &d.config_text(&new, file));
     let t = Instant::now();
     while d.status().await["restart_pending"] != true {
         assert!(t.elapsed() < 5 * SEC, "restart never pending\n{}", d.log());
@@ -140,14 +149,14 @@ async fn a_changed_active_profile_applies_at_the_next_start() {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn sighup_reloads() {
-    let d = Daemon::start(&Setup::default());
+    let setup = Setup::default();
+    let d = Daemon::start(&setup);
     d.wait_state("stopped", 5 * SEC).await;
-    let cfg = d.dir.path().join("supervisor.yaml");
-    let text = std::fs::read_to_string(&cfg).unwrap();
     // Written in place while the daemon is told to reload: SIGHUP (the write may also be seen).
+    let new = setup.top_level("exit_when_idle", "null");
     std::fs::write(
-        &cfg,
-        text.replace("state_dir:", "exit_when_idle: null\nstate_dir:"),
+        d.dir().join("supervisor.yaml"),
+        d.config_text(&new, "supervisor.yaml"),
     )
     .unwrap();
     d.signal(Signal::SIGHUP);

@@ -14,8 +14,6 @@
 //! Without them the tests fail with the command that installs them: they never pass by
 //! skipping.
 
-mod support;
-
 use std::fmt::Write as _;
 use std::net::SocketAddr;
 use std::path::{Path, PathBuf};
@@ -24,13 +22,13 @@ use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
 use std::sync::{Arc, OnceLock};
 use std::time::{Duration, Instant};
 
+use crate::support::real::{self, LlamaServer};
+use crate::support::*;
 use bytes::Bytes;
 use http_body_util::{BodyExt, Full};
 use hyper::client::conn::http1::{self, SendRequest};
 use hyper_util::rt::TokioIo;
 use serde_json::{json, Value};
-use support::real::{self, LlamaServer};
-use support::*;
 
 /// Bound on each request, from sending it to the last byte of its answer.
 const PER_REQUEST: Duration = Duration::from_secs(5);

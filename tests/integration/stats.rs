@@ -1,11 +1,9 @@
 //! Request statistics in `/status`, read from the engine's `timings` without touching the
 //! responses.
 
-mod support;
-
 use std::time::Duration;
 
-use support::*;
+use crate::support::*;
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn status_sums_requests_and_weights_rates_by_tokens() {

@@ -16,6 +16,7 @@ use std::task::{Context, Poll};
 use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
 
 use bytes::Bytes;
+use dsv4::body::{End, OnEnd};
 use http::header::{HeaderName, HeaderValue, CACHE_CONTROL, CONTENT_TYPE};
 use http::{Method, Request, Response, StatusCode};
 use http_body_util::{BodyExt, Limited};
@@ -173,17 +174,16 @@ impl Drop for Busy {
     }
 }
 
-/// Tracks one response from request to completion. `finish()` logs `done`;
-/// dropping it unfinished (the client went away and hyper dropped the body or
-/// the handler) logs `client-closed`, unless the engine broke the connection
-/// on purpose. Either way the connection's state hears of it.
+/// Tracks one response from request to its end. The response body reports
+/// how it ended (`settle`): whole, it logs `done`; cut short, or dropped with
+/// the handler before there was a body (the client went away), it logs
+/// `client-closed`, unless the engine broke the connection on purpose. Either
+/// way the connection's state hears of it.
 struct ResponseGuard {
     engine: Arc<Engine>,
     conn: Arc<ConnState>,
     path: String,
-    /// Chunked (no length known up front): what `close-after-stream` closes after.
-    streamed: bool,
-    finished: bool,
+    settled: bool,
 }
 
 impl ResponseGuard {
@@ -193,30 +193,38 @@ impl ResponseGuard {
             engine: engine.clone(),
             conn: conn.clone(),
             path: path.to_string(),
-            streamed: false,
-            finished: false,
+            settled: false,
         }
     }
 
-    fn finish(&mut self) {
-        if !self.finished {
-            self.finished = true;
-            self.engine.log.line(&format!("done {}", self.path));
-            self.conn.response_finished(self.streamed);
+    /// The response body ended as `end` says; `streamed`: it was chunked (no
+    /// length known up front), what `close-after-stream` closes after.
+    fn settle(mut self, end: End, streamed: bool) {
+        self.settled = true;
+        match end {
+            End::Completed => {
+                self.engine.log.line(&format!("done {}", self.path));
+                self.conn.response_finished(streamed);
+            }
+            End::Errored | End::Dropped => self.abandon(),
         }
+    }
+
+    fn abandon(&self) {
+        if !self.conn.closing() {
+            eprintln!("fake-engine: client closed {}", self.path);
+            self.engine
+                .log
+                .line(&format!("client-closed {}", self.path));
+        }
+        self.conn.response_abandoned();
     }
 }
 
 impl Drop for ResponseGuard {
     fn drop(&mut self) {
-        if !self.finished {
-            if !self.conn.closing() {
-                eprintln!("fake-engine: client closed {}", self.path);
-                self.engine
-                    .log
-                    .line(&format!("client-closed {}", self.path));
-            }
-            self.conn.response_abandoned();
+        if !self.settled {
+            self.abandon();
         }
     }
 }
@@ -241,48 +249,34 @@ enum Source {
 }
 
 /// The one response body type: each item from the source becomes its own
-/// frame (hyper writes and flushes frames individually), and reaching the end
-/// of the source completes the attached guard.
+/// frame (hyper writes and flushes frames individually). `handle` wraps it
+/// in an `OnEnd` that settles the response's guard.
 pub struct EngineBody {
     source: Source,
-    guard: Option<ResponseGuard>,
     cut: Option<Cut>,
     /// Length announced when a cut full body no longer has all of it.
     declared: Option<u64>,
 }
 
 impl EngineBody {
-    fn full(bytes: Bytes) -> EngineBody {
+    fn new(source: Source) -> EngineBody {
         EngineBody {
-            source: Source::Full(Some(bytes)),
-            guard: None,
+            source,
             cut: None,
             declared: None,
         }
+    }
+
+    fn full(bytes: Bytes) -> EngineBody {
+        EngineBody::new(Source::Full(Some(bytes)))
     }
 
     fn channel(rx: mpsc::Receiver<Bytes>) -> EngineBody {
-        EngineBody {
-            source: Source::Channel(rx),
-            guard: None,
-            cut: None,
-            declared: None,
-        }
+        EngineBody::new(Source::Channel(rx))
     }
 
     fn echo(body: Incoming) -> EngineBody {
-        EngineBody {
-            source: Source::Echo(body),
-            guard: None,
-            cut: None,
-            declared: None,
-        }
-    }
-
-    fn complete(&mut self) {
-        if let Some(g) = self.guard.as_mut() {
-            g.finish();
-        }
+        EngineBody::new(Source::Echo(body))
     }
 
     /// Arms `random:…@mid-response` on a body that is not empty.
@@ -327,13 +321,6 @@ impl Body for EngineBody {
             if frame.data_ref().is_some_and(event) {
                 cut.sent = true;
             }
-        }
-        match &polled {
-            Poll::Ready(None) => this.complete(),
-            // hyper stops polling once a body reports its end (a full body
-            // after its only frame, an echo whose request body is exhausted).
-            Poll::Ready(Some(Ok(_))) if this.is_end_stream() => this.complete(),
-            _ => {}
         }
         polled
     }
@@ -433,9 +420,14 @@ pub async fn serve(engine: Arc<Engine>, listener: TcpListener) {
 }
 
 /// Entry point for every request: logs it, routes it, and ties the response
-/// to a guard that logs `done` / `client-closed`. Random breaks inside the
-/// exchange (`--connections random:…`) happen here, never to `GET /health`.
-async fn handle(engine: Arc<Engine>, conn: Arc<ConnState>, req: Request<Incoming>) -> Resp {
+/// to a guard that logs `done` / `client-closed` when its body ends. Random
+/// breaks inside the exchange (`--connections random:…`) happen here, never
+/// to `GET /health`.
+async fn handle(
+    engine: Arc<Engine>,
+    conn: Arc<ConnState>,
+    req: Request<Incoming>,
+) -> Response<OnEnd<EngineBody, impl FnOnce(End) + Send>> {
     let path = req.uri().path().to_string();
     let method = req.method().clone();
     // Health checks are not logged: a supervisor polls them, and their lines would crowd
@@ -444,7 +436,7 @@ async fn handle(engine: Arc<Engine>, conn: Arc<ConnState>, req: Request<Incoming
         eprintln!("fake-engine: request {method} {path}");
     }
     engine.log.line(&format!("request {method} {path}"));
-    let mut guard = ResponseGuard::new(&engine, &conn, &path);
+    let guard = ResponseGuard::new(&engine, &conn, &path);
     let dice = !(method == Method::GET && path == "/health");
     if dice && conn.roll_after_read() {
         // The whole request is read, then the connection goes without a byte of answer.
@@ -460,15 +452,12 @@ async fn handle(engine: Arc<Engine>, conn: Arc<ConnState>, req: Request<Incoming
         );
     }
     let body = resp.body_mut();
-    guard.streamed = body.size_hint().exact().is_none();
-    body.guard = Some(guard);
-    if body.is_end_stream() {
-        // An empty body is never polled, so it is complete already.
-        body.complete();
-    } else if dice && conn.roll_mid_response() {
+    let streamed = body.size_hint().exact().is_none();
+    // An empty body is never polled: it completes when hyper drops it.
+    if !body.is_end_stream() && dice && conn.roll_mid_response() {
         body.cut(conn.clone());
     }
-    resp
+    resp.map(|body| OnEnd::new(body, move |end| guard.settle(end, streamed)))
 }
 
 async fn route(engine: &Arc<Engine>, req: Request<Incoming>, method: &Method, path: &str) -> Resp {

@@ -1,15 +1,16 @@
-//! Test harness: a real `dsv4d` process on a socket-activated loopback listener, driving the
-//! fake engine, with a small HTTP client.
+//! Test harness: the one way the tests start `dsv4d` (a real process, socket-activated or on
+//! `--listen`, configured by a `Setup`), driving the fake engine, with a small HTTP client.
 #![allow(dead_code)]
 
 use std::collections::BTreeMap;
+use std::ffi::OsStr;
 use std::io::{BufRead, BufReader};
 use std::net::{SocketAddr, TcpListener};
 use std::os::fd::AsRawFd;
+use std::os::unix::fs::PermissionsExt;
 use std::os::unix::process::CommandExt;
 use std::path::{Path, PathBuf};
-use std::process::{Child, Command, ExitStatus, Stdio};
-use std::sync::atomic::{AtomicU32, Ordering};
+use std::process::{Child, Command, ExitStatus, Output, Stdio};
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
@@ -19,37 +20,29 @@ use hyper::body::Incoming;
 use hyper_util::client::legacy::connect::HttpConnector;
 use hyper_util::client::legacy::Client;
 use hyper_util::rt::TokioExecutor;
+pub use tempfile::TempDir;
 
 pub mod real;
 pub const FAKE_ENGINE: &str = env!("CARGO_BIN_EXE_fake-engine");
 pub const DSV4D: &str = env!("CARGO_BIN_EXE_dsv4d-under-test");
 
-/// A fresh folder under the system temp dir, removed on drop.
-pub struct TempDir(pub PathBuf);
-
-impl TempDir {
-    pub fn new(tag: &str) -> TempDir {
-        static N: AtomicU32 = AtomicU32::new(0);
-        let p = std::env::temp_dir().join(format!(
-            "dsv4-test-{tag}-{}-{}",
-            std::process::id(),
-            N.fetch_add(1, Ordering::Relaxed)
-        ));
-        let _ = std::fs::remove_dir_all(&p);
-        std::fs::create_dir_all(&p).unwrap();
-        TempDir(p)
-    }
-    pub fn path(&self) -> &Path {
-        &self.0
-    }
+/// A fresh folder under the system temp dir, `dsv4-test-TAG-…`, removed on drop.
+pub fn temp_dir(tag: &str) -> TempDir {
+    tempfile::Builder::new()
+        .prefix(&format!("dsv4-test-{tag}-"))
+        .tempdir()
+        .expect("a temporary folder")
 }
 
-impl Drop for TempDir {
-    fn drop(&mut self) {
-        if !self.0.as_os_str().is_empty() {
-            let _ = std::fs::remove_dir_all(&self.0);
-        }
-    }
+/// Runs `dsv4d ARGS` to its end (a configuration check, a configuration it refuses), with
+/// its logging off, and returns what it printed and how it exited.
+pub fn run_dsv4d<S: AsRef<OsStr>>(args: impl IntoIterator<Item = S>) -> Output {
+    Command::new(DSV4D)
+        .args(args)
+        .env("DSV4_LOG", "off")
+        .stdin(Stdio::null())
+        .output()
+        .expect("run dsv4d")
 }
 
 /// A private D-Bus bus daemon (session type, allow-all policy), reachable by every user so
@@ -62,8 +55,7 @@ pub struct PrivateBus {
 
 impl PrivateBus {
     pub fn start() -> PrivateBus {
-        use std::os::unix::fs::PermissionsExt;
-        let dir = TempDir::new("bus");
+        let dir = temp_dir("bus");
         std::fs::set_permissions(dir.path(), std::fs::Permissions::from_mode(0o755)).unwrap();
         let socket = dir.path().join("bus");
         let conf = dir.path().join("bus.conf");
@@ -110,54 +102,111 @@ impl Drop for PrivateBus {
     }
 }
 
-/// What the daemon under test is configured with.
+/// How the daemon under test gets its API socket.
+#[derive(Clone, Copy, Debug, PartialEq)]
+pub enum Listen {
+    /// Socket activation: the test binds a loopback listener, as systemd would, and the
+    /// daemon gets it as fd 3 named `api`.
+    Activated,
+    /// `--listen 127.0.0.1:0`: the daemon binds it, and its log says where.
+    Flag,
+}
+
+/// The API key file `Setup::api_keys_file` writes beside supervisor.yaml.
+pub const API_KEYS_FILE: &str = "api-keys";
+
+/// What the daemon under test is configured with, and how it is started.
 #[derive(Clone)]
 pub struct Setup {
+    /// `api:` keys of supervisor.yaml, besides `listen`.
+    pub api: BTreeMap<&'static str, String>,
     /// `engine:` keys of supervisor.yaml.
     pub engine: BTreeMap<&'static str, String>,
+    /// More top-level keys of supervisor.yaml.
+    pub top_level: BTreeMap<&'static str, String>,
     /// FAKE_ENGINE_* knobs per profile (profile name -> knob -> value).
     pub profiles: BTreeMap<String, BTreeMap<&'static str, String>>,
+    /// Keys of a generated profile set to other values, or added (profile -> key -> value).
+    pub profile_keys: BTreeMap<String, BTreeMap<&'static str, String>>,
     pub default_profile: String,
     /// `engine:` of every profile (the fake engine plays either).
     pub engine_kind: &'static str,
     /// Profiles written as given (name -> YAML) instead of the fake-engine ones.
     pub custom_profiles: BTreeMap<String, String>,
+    /// The API key file (text, mode), written beside supervisor.yaml as `API_KEYS_FILE`.
+    pub api_keys: Option<(String, u32)>,
     /// Serve the control interface on this (private) session bus; `--bus none` without.
     pub session_bus: Option<String>,
+    pub listen: Listen,
     /// More `dsv4d` arguments.
     pub daemon_args: Vec<String>,
+    /// `DSV4_LOG` for the daemon: the test's own `DSV4_LOG`, else `debug`, unless set here.
+    pub log_level: Option<String>,
+    /// Stop reading the daemon's log once it says where it listens, closing the pipe.
+    pub leave_log_once_listening: bool,
 }
 
 impl Default for Setup {
     /// Two profiles, `320k` (the default) and `64k`, whose fake engine handles connections
-    /// as llama-server does: closed after every streamed answer and after 5 s idle.
+    /// as llama-server does: closed after every streamed answer and after 5 s idle. The daemon
+    /// is socket-activated and has no bus.
     fn default() -> Self {
         let llama = BTreeMap::from([("connections", "llama".to_string())]);
         let mut profiles = BTreeMap::new();
         profiles.insert("320k".to_string(), llama.clone());
         profiles.insert("64k".to_string(), llama);
         Setup {
+            api: BTreeMap::new(),
             engine: BTreeMap::new(),
+            top_level: BTreeMap::new(),
             profiles,
+            profile_keys: BTreeMap::new(),
             default_profile: "320k".into(),
             engine_kind: "llama-server",
             custom_profiles: BTreeMap::new(),
+            api_keys: None,
             session_bus: None,
+            listen: Listen::Activated,
             daemon_args: Vec::new(),
+            log_level: None,
+            leave_log_once_listening: false,
         }
     }
 }
 
 impl Setup {
+    /// Sets an `api:` key of supervisor.yaml.
+    pub fn api(mut self, key: &'static str, value: &str) -> Self {
+        self.api.insert(key, value.to_string());
+        self
+    }
+
+    /// Sets an `engine:` key of supervisor.yaml.
     pub fn engine(mut self, key: &'static str, value: &str) -> Self {
         self.engine.insert(key, value.to_string());
         self
     }
+
+    /// Sets a top-level key of supervisor.yaml (one it has not otherwise).
+    pub fn top_level(mut self, key: &'static str, value: &str) -> Self {
+        self.top_level.insert(key, value.to_string());
+        self
+    }
+
     /// Sets a fake-engine knob (`load_ms` -> FAKE_ENGINE_LOAD_MS) on every profile.
     pub fn knob(mut self, knob: &'static str, value: &str) -> Self {
         for p in self.profiles.values_mut() {
             p.insert(knob, value.to_string());
         }
+        self
+    }
+
+    /// Sets `key` of the generated profile `profile` (`context`, ...).
+    pub fn profile_key(mut self, profile: &str, key: &'static str, value: &str) -> Self {
+        self.profile_keys
+            .entry(profile.to_string())
+            .or_default()
+            .insert(key, value.to_string());
         self
     }
 
@@ -167,71 +216,150 @@ impl Setup {
         self.knob("mode", "ds4").knob("connections", "keep")
     }
 
-    /// Writes supervisor.yaml and the profiles into `dir`; returns the config path.
+    /// API keys required: `text` in the key file, with file mode `mode`.
+    pub fn api_keys_file(mut self, text: &str, mode: u32) -> Self {
+        self.api_keys = Some((text.to_string(), mode));
+        self.api("api_keys_file", API_KEYS_FILE)
+    }
+
+    /// The control interface on `bus`.
+    pub fn session_bus(mut self, bus: &PrivateBus) -> Self {
+        self.session_bus = Some(bus.address.clone());
+        self
+    }
+
+    /// `dsv4d --listen 127.0.0.1:0` instead of socket activation.
+    pub fn listen_flag(mut self) -> Self {
+        self.listen = Listen::Flag;
+        self
+    }
+
+    /// More `dsv4d` arguments.
+    pub fn args(mut self, args: &[&str]) -> Self {
+        self.daemon_args.extend(args.iter().map(|a| a.to_string()));
+        self
+    }
+
+    /// The daemon's `DSV4_LOG`.
+    pub fn log_level(mut self, level: &str) -> Self {
+        self.log_level = Some(level.to_string());
+        self
+    }
+
+    /// Stop reading the daemon's log once it says where it listens (its stderr is then a
+    /// closed pipe).
+    pub fn leave_log_once_listening(mut self) -> Self {
+        self.leave_log_once_listening = true;
+        self
+    }
+
+    /// The text of supervisor.yaml, for a config folder `dir`.
+    pub fn supervisor_yaml(&self, dir: &Path) -> String {
+        let block = |name: &str, keys: &BTreeMap<&str, String>| -> String {
+            if keys.is_empty() {
+                return String::new();
+            }
+            let mut b = format!("{name}:\n");
+            for (k, v) in keys {
+                b.push_str(&format!("  {k}: {v}\n"));
+            }
+            b
+        };
+        let mut yaml = "api:\n  listen: 127.0.0.1:0\n".to_string();
+        for (k, v) in &self.api {
+            yaml.push_str(&format!("  {k}: {v}\n"));
+        }
+        yaml.push_str(&block("engine", &self.engine));
+        for (k, v) in &self.top_level {
+            yaml.push_str(&format!("{k}: {v}\n"));
+        }
+        yaml.push_str(&format!(
+            "profiles_dir: profiles\ndefault_profile: {}\nstate_dir: {}\n",
+            self.default_profile,
+            dir.join("state").display()
+        ));
+        yaml
+    }
+
+    /// The text of the profile `name`: as given in `custom_profiles`, else a fake engine's
+    /// that logs to `fake_log`.
+    pub fn profile_yaml(&self, name: &str, fake_log: &Path) -> String {
+        if let Some(yaml) = self.custom_profiles.get(name) {
+            return yaml.clone();
+        }
+        let context = if name == "64k" { "65536" } else { "327680" };
+        let mut keys: Vec<(&str, String)> = vec![
+            ("description", format!("test profile {name}")),
+            ("engine", self.engine_kind.to_string()),
+            ("command", FAKE_ENGINE.to_string()),
+            ("model", format!("models/{name}.gguf")),
+            ("context", context.to_string()),
+            ("parallel", "1".to_string()),
+            ("kv_cache", "q8_0".to_string()),
+            ("flash_attn", "on".to_string()),
+            ("gpu_layers", "all".to_string()),
+        ];
+        for (key, value) in self.profile_keys.get(name).into_iter().flatten() {
+            match keys.iter_mut().find(|(k, _)| k == key) {
+                Some(kv) => kv.1 = value.clone(),
+                None => keys.push((key, value.clone())),
+            }
+        }
+        let mut yaml: String = keys.iter().map(|(k, v)| format!("{k}: {v}\n")).collect();
+        yaml.push_str(&format!(
+            "env:\n  FAKE_ENGINE_LOG_FILE: \"{}\"\n",
+            fake_log.display()
+        ));
+        for (k, v) in self.profiles.get(name).into_iter().flatten() {
+            yaml.push_str(&format!("  FAKE_ENGINE_{}: \"{v}\"\n", k.to_uppercase()));
+        }
+        yaml
+    }
+
+    /// Writes supervisor.yaml, the profiles and the key file into `dir`; returns the config
+    /// path.
     pub fn write(&self, dir: &Path, fake_log: &Path) -> PathBuf {
         let profiles = dir.join("profiles");
         std::fs::create_dir_all(&profiles).unwrap();
-        let mut engine = String::new();
-        for (k, v) in &self.engine {
-            engine.push_str(&format!("  {k}: {v}\n"));
-        }
-        let yaml = format!(
-            "api:\n  listen: 127.0.0.1:0\nengine:\n{engine}profiles_dir: profiles\ndefault_profile: {}\nstate_dir: {}\n",
-            self.default_profile,
-            dir.join("state").display()
-        );
-        let engine_block = if engine.is_empty() {
-            yaml.replace("engine:\n", "")
-        } else {
-            yaml
-        };
-        std::fs::write(dir.join("supervisor.yaml"), engine_block).unwrap();
-        for (name, yaml) in &self.custom_profiles {
-            std::fs::write(profiles.join(format!("{name}.yaml")), yaml).unwrap();
-        }
+        std::fs::write(dir.join("supervisor.yaml"), self.supervisor_yaml(dir)).unwrap();
         // The fake engine reads no model, but the config loader checks that the file is there.
         std::fs::create_dir_all(profiles.join("models")).unwrap();
         for name in self.profiles.keys() {
             std::fs::write(profiles.join(format!("models/{name}.gguf")), b"GGUF").unwrap();
         }
-        let generated = if self.custom_profiles.is_empty() {
-            &self.profiles
+        let names: Vec<&String> = if self.custom_profiles.is_empty() {
+            self.profiles.keys().collect()
         } else {
-            &BTreeMap::new()
+            self.custom_profiles.keys().collect()
         };
-        for (name, knobs) in generated {
-            let context = if name == "64k" { 65536 } else { 327680 };
-            let mut env = format!("  FAKE_ENGINE_LOG_FILE: \"{}\"\n", fake_log.display());
-            for (k, v) in knobs {
-                env.push_str(&format!("  FAKE_ENGINE_{}: \"{v}\"\n", k.to_uppercase()));
-            }
-            let p = format!(
-                "description: test profile {name}\nengine: {}\ncommand: {FAKE_ENGINE}\n\
-                 model: models/{name}.gguf\ncontext: {context}\nparallel: 1\nkv_cache: q8_0\n\
-                 flash_attn: on\ngpu_layers: all\nenv:\n{env}",
-                self.engine_kind
-            );
-            std::fs::write(profiles.join(format!("{name}.yaml")), p).unwrap();
+        for name in names {
+            let path = profiles.join(format!("{name}.yaml"));
+            std::fs::write(path, self.profile_yaml(name, fake_log)).unwrap();
+        }
+        if let Some((text, mode)) = &self.api_keys {
+            let path = dir.join(API_KEYS_FILE);
+            std::fs::write(&path, text).unwrap();
+            std::fs::set_permissions(&path, std::fs::Permissions::from_mode(*mode)).unwrap();
         }
         dir.join("supervisor.yaml")
     }
 }
 
-/// A running `dsv4d`.
+/// A running `dsv4d`, killed on drop (its engine goes with it).
 pub struct Daemon {
     pub child: Child,
     pub addr: SocketAddr,
-    pub dir: TempDir,
+    /// Its config and state; taken by `stop`.
+    dir: Option<TempDir>,
     pub fake_log: PathBuf,
     log: Arc<Mutex<String>>,
     client: Client<HttpConnector, Full<Bytes>>,
 }
 
 impl Daemon {
-    /// Starts `dsv4d` socket-activated: the test binds the listener, as systemd would, and the
-    /// daemon gets it as fd 3 named `api`.
+    /// Starts `dsv4d` as `setup` says, with its config and state in a fresh folder.
     pub fn start(setup: &Setup) -> Daemon {
-        Daemon::start_in(setup, TempDir::new("daemon"))
+        Daemon::start_in(setup, temp_dir("daemon"))
     }
 
     /// Starts `dsv4d` with its config and state in `dir` (which may hold a previous run's).
@@ -241,63 +369,115 @@ impl Daemon {
         let _ = std::fs::create_dir_all(dir.path().join("logs"));
         let fake_log = dir.path().join("logs/fake-engine.log");
         let config = setup.write(dir.path(), &fake_log);
-        let listener = TcpListener::bind("127.0.0.1:0").unwrap();
-        let addr = listener.local_addr().unwrap();
-        let mut cmd = Command::new("/bin/sh");
-        // `exec` keeps the shell's pid, so LISTEN_PID=$$ names the daemon itself.
-        cmd.arg("-c")
-            .arg("LISTEN_PID=$$ LISTEN_FDS=1 LISTEN_FDNAMES=api exec \"$0\" \"$@\"")
-            .arg(DSV4D)
-            .args(["--config", config.to_str().unwrap()])
+        let mut listener = None;
+        let mut cmd = match setup.listen {
+            Listen::Activated => {
+                let l = TcpListener::bind("127.0.0.1:0").unwrap();
+                let fd = l.as_raw_fd();
+                listener = Some(l);
+                let mut cmd = Command::new("/bin/sh");
+                // `exec` keeps the shell's pid, so LISTEN_PID=$$ names the daemon itself.
+                cmd.arg("-c")
+                    .arg("LISTEN_PID=$$ LISTEN_FDS=1 LISTEN_FDNAMES=api exec \"$0\" \"$@\"")
+                    .arg(DSV4D);
+                // SAFETY: dup2 and fcntl are async-signal-safe; they run in the forked child
+                // before exec and put the listener on fd 3 without FD_CLOEXEC, as systemd
+                // hands it over.
+                unsafe {
+                    cmd.pre_exec(move || {
+                        if libc::dup2(fd, 3) < 0 {
+                            return Err(std::io::Error::last_os_error());
+                        }
+                        if fd == 3 {
+                            libc::fcntl(3, libc::F_SETFD, 0);
+                        }
+                        Ok(())
+                    });
+                }
+                cmd
+            }
+            Listen::Flag => {
+                let mut cmd = Command::new(DSV4D);
+                cmd.args(["--listen", "127.0.0.1:0"]);
+                cmd
+            }
+        };
+        let log_level = setup
+            .log_level
+            .clone()
+            .unwrap_or_else(|| std::env::var("DSV4_LOG").unwrap_or_else(|_| "debug".into()));
+        cmd.args(["--config", config.to_str().unwrap()])
             .args(match &setup.session_bus {
                 Some(_) => ["--bus", "session"],
                 None => ["--bus", "none"],
             })
             .args(&setup.daemon_args)
-            .env(
-                "DSV4_LOG",
-                std::env::var("DSV4_LOG").unwrap_or_else(|_| "debug".into()),
-            )
+            .env("DSV4_LOG", log_level)
             .stdin(Stdio::null())
             .stdout(Stdio::null())
             .stderr(Stdio::piped());
-        let fd = listener.as_raw_fd();
-        // SAFETY: dup2 is async-signal-safe; it runs in the forked child before exec and puts
-        // the listener on fd 3 without FD_CLOEXEC, as systemd hands it over.
-        unsafe {
-            cmd.pre_exec(move || {
-                if libc::dup2(fd, 3) < 0 {
-                    return Err(std::io::Error::last_os_error());
-                }
-                if fd == 3 {
-                    libc::fcntl(3, libc::F_SETFD, 0);
-                }
-                Ok(())
-            });
-        }
         if let Some(addr) = &setup.session_bus {
             cmd.env("DBUS_SESSION_BUS_ADDRESS", addr);
         }
         let mut child = cmd.spawn().expect("spawn dsv4d");
-        drop(listener);
+        let bound = listener.map(|l| l.local_addr().unwrap());
+
+        // Its log, line by line; the address it says it listens on, the first time.
         let log = Arc::new(Mutex::new(String::new()));
+        let (addr_tx, addr_rx) = std::sync::mpsc::channel();
         let stderr = child.stderr.take().unwrap();
         let sink = log.clone();
+        let leave = setup.leave_log_once_listening;
         std::thread::spawn(move || {
-            for line in BufReader::new(stderr).lines().map_while(Result::ok) {
-                let mut l = sink.lock().unwrap();
-                l.push_str(&line);
-                l.push('\n');
+            let mut lines = BufReader::new(stderr).lines();
+            while let Some(Ok(line)) = lines.next() {
+                sink.lock().unwrap().push_str(&format!("{line}\n"));
+                let listening = line.split("listening on http://").nth(1);
+                if let Some(addr) = listening.and_then(|a| a.trim().parse::<SocketAddr>().ok()) {
+                    if leave {
+                        // Closed before the test hears where to connect.
+                        drop(lines);
+                        let _ = addr_tx.send(addr);
+                        return;
+                    }
+                    let _ = addr_tx.send(addr);
+                }
             }
         });
-        let client = Client::builder(TokioExecutor::new()).build_http();
-        Daemon {
+        let mut d = Daemon {
             child,
-            addr,
-            dir,
+            addr: SocketAddr::from(([127, 0, 0, 1], 0)),
+            dir: Some(dir),
             fake_log,
             log,
-            client,
+            client: Client::builder(TokioExecutor::new()).build_http(),
+        };
+        d.addr = match bound {
+            Some(addr) => addr,
+            None => addr_rx
+                .recv_timeout(Duration::from_secs(10))
+                .unwrap_or_else(|_| panic!("dsv4d did not listen:\n{}", d.log())),
+        };
+        d
+    }
+
+    /// The folder with its config and state.
+    pub fn dir(&self) -> &Path {
+        self.dir.as_ref().expect("the daemon's folder").path()
+    }
+
+    /// What `setup` writes to `file` (`supervisor.yaml`, `profiles/NAME.yaml`) in this
+    /// daemon's folder: for tests that change the configuration under a running daemon.
+    pub fn config_text(&self, setup: &Setup, file: &str) -> String {
+        match file
+            .strip_prefix("profiles/")
+            .and_then(|f| f.strip_suffix(".yaml"))
+        {
+            Some(name) => setup.profile_yaml(name, &self.fake_log),
+            None => {
+                assert_eq!(file, "supervisor.yaml");
+                setup.supervisor_yaml(self.dir())
+            }
         }
     }
 
@@ -354,6 +534,34 @@ impl Daemon {
         self.client.request(req).await.expect("POST")
     }
 
+    /// Sends `method path` with `headers` (and a JSON body when given); returns status,
+    /// headers and the body as JSON (or as a JSON string when it is not JSON).
+    pub async fn send(
+        &self,
+        method: &str,
+        path: &str,
+        headers: &[(&str, &str)],
+        body: Option<serde_json::Value>,
+    ) -> (u16, hyper::HeaderMap, serde_json::Value) {
+        let mut req = hyper::Request::builder().method(method).uri(self.url(path));
+        for (k, v) in headers {
+            req = req.header(*k, *v);
+        }
+        let body = match body {
+            Some(v) => {
+                req = req.header("content-type", "application/json");
+                Full::new(Bytes::from(v.to_string()))
+            }
+            None => Full::default(),
+        };
+        let resp = self
+            .client
+            .request(req.body(body).unwrap())
+            .await
+            .expect("request");
+        body_json(resp).await
+    }
+
     /// Waits until `/status` says `state`.
     pub async fn wait_state(&self, state: &str, within: Duration) {
         let t = Instant::now();
@@ -393,7 +601,7 @@ impl Daemon {
         self.signal(nix::sys::signal::Signal::SIGTERM);
         let st = self.wait_exit(Duration::from_secs(15)).await;
         assert_eq!(st.code(), Some(0), "{}", self.log());
-        TempDir(std::mem::take(&mut self.dir.0))
+        self.dir.take().expect("the daemon's folder")
     }
 
     /// Waits for the daemon to exit, at most `within`.

@@ -9,7 +9,7 @@ use std::path::PathBuf;
 use std::process::{Child, Command, Stdio};
 use std::time::{Duration, Instant};
 
-use super::{Setup, TempDir};
+use super::{temp_dir, Setup, TempDir};
 
 /// `${DSV4_CACHE:-${XDG_CACHE_HOME:-$HOME/.cache}/dsv4}/SUB`, as the prepare scripts have it.
 pub fn cache_dir_of(sub: &str) -> PathBuf {
@@ -97,7 +97,7 @@ impl LlamaServer {
     /// `start()`, with more llama-server arguments.
     pub fn start_with_args(extra_args: &[&str]) -> LlamaServer {
         let (server, model) = engine();
-        let dir = TempDir::new("llama-server");
+        let dir = temp_dir("llama-server");
         let log = dir.path().join("llama-server.log");
         let out = std::fs::File::create(&log).unwrap();
         let child = Command::new(&server)

@@ -1,0 +1,18 @@
+//! The integration tests, built as one binary: a module per topic, and `support`, the harness
+//! they share (the proxy benchmark builds it too), compiled once.
+//!
+//! `cargo test -p dsv4-tests --test integration` runs them all; a module name as the filter
+//! runs one topic (`cargo test -p dsv4-tests --test integration soak`).
+
+mod support;
+
+mod actor;
+mod api_access;
+mod control;
+mod ds4;
+mod engine_connections;
+mod lifecycle;
+mod real_engine;
+mod reload;
+mod soak;
+mod stats;
