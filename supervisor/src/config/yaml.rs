@@ -196,8 +196,11 @@ impl Doc {
         Problem::new(&self.file, field, message).at(spot)
     }
 
-    pub fn written(&self, path: &str) -> bool {
-        self.spans.entries.contains_key(path)
+    /// The first of `paths` that is written, else the first: where a rule between keys is
+    /// reported.
+    pub fn first_written<'a>(&self, paths: &[&'a str]) -> &'a str {
+        let written = paths.iter().find(|p| self.spans.entries.contains_key(**p));
+        written.unwrap_or(&paths[0])
     }
 
     /// Whether the entry at `path` was set aside after a problem (or may have been meant by
