@@ -53,7 +53,7 @@ fn regular(
     shown: &Shown,
     path: &Path,
     what: &str,
-    example: Option<String>,
+    example: Option<&str>,
 ) -> Result<Metadata, String> {
     let text = shown.text(path);
     match fs::metadata(path) {
@@ -71,9 +71,7 @@ fn regular(
 /// A regular file (following symlinks) must be at `path`; `example` says what to do when it
 /// is missing under the shipped example folder.
 fn check_file(shown: &Shown, path: &Path, example: &str) -> Option<String> {
-    let example = path
-        .starts_with(EXAMPLE_MODEL_DIR)
-        .then(|| example.to_string());
+    let example = path.starts_with(EXAMPLE_MODEL_DIR).then_some(example);
     regular(shown, path, "file", example).err()
 }
 
@@ -85,11 +83,8 @@ pub(crate) fn check_model(shown: &Shown, path: &Path) -> Option<String> {
 
 /// `mmproj`: a file.
 pub(crate) fn check_mmproj(shown: &Shown, path: &Path) -> Option<String> {
-    check_file(
-        shown,
-        path,
-        "edit it to point at your vision projector, or remove mmproj",
-    )
+    let example = "edit it to point at your vision projector, or remove mmproj";
+    check_file(shown, path, example)
 }
 
 /// A model split into shards (`name-00001-of-00004.gguf`) must be named by its first shard,
@@ -172,9 +167,11 @@ pub(crate) fn check_command(
     }
     let shipped = EXAMPLE_COMMANDS.iter().any(|c| resolved == Path::new(c));
     let name = resolved.file_name().unwrap_or_default().to_string_lossy();
-    let example = shipped.then(|| format!("edit it to point at your {name}"));
-    let text = shown.text(resolved);
-    match regular(shown, resolved, "program", example) {
+    let (example, text) = (
+        format!("edit it to point at your {name}"),
+        shown.text(resolved),
+    );
+    match regular(shown, resolved, "program", shipped.then_some(&example)) {
         Ok(m) if !executable(&m) => Some(format!("{text} is not executable (chmod +x it)")),
         Ok(_) => None,
         Err(message) => Some(message),
@@ -213,9 +210,8 @@ pub(crate) fn check_secret_file(shown: &Shown, path: &Path) -> Option<String> {
         Err(message) => return Some(message),
     };
     let text = shown.text(path);
-    (mode & 0o077 != 0).then(|| {
-        format!("{text} may be read or written by group or others (mode {mode:04o}); it holds secrets: chmod 600 it")
-    })
+    let why = format!("may be read or written by group or others (mode {mode:04o})");
+    (mode & 0o077 != 0).then(|| format!("{text} {why}; it holds secrets: chmod 600 it"))
 }
 
 #[cfg(test)]

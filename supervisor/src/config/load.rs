@@ -43,8 +43,9 @@ struct Check<'a> {
 
 pub(super) fn load(path: &Path, check_files: bool) -> Result<Config, ConfigError> {
     let file = std::path::absolute(path).unwrap_or_else(|_| path.to_path_buf());
-    let base = file.parent().map(Path::to_path_buf).unwrap_or_default();
-    let shown = Shown(base.clone());
+    // The folder of supervisor.yaml: its relative paths and the paths in messages start there.
+    let dir = file.parent().map(Path::to_path_buf).unwrap_or_default();
+    let shown = Shown(dir.clone());
     let mut problems = Vec::new();
     let text = fs::read_to_string(&file);
     if let Err(e) = &text {
@@ -52,13 +53,10 @@ pub(super) fn load(path: &Path, check_files: bool) -> Result<Config, ConfigError
         problems.push(Problem::new(&shown.path(&file), "", message));
     }
     let text = text.ok();
+    let (shown_file, source) = (shown.path(&file), text.as_deref().unwrap_or(""));
     // A null `exit_when_idle` means never, not the default.
-    let (doc, raw) = Doc::read::<Supervisor>(
-        shown.path(&file),
-        text.as_deref().unwrap_or(""),
-        |path| path == "exit_when_idle",
-        &mut problems,
-    );
+    let never = |path: &str| path == "exit_when_idle";
+    let (doc, raw) = Doc::read::<Supervisor>(shown_file, source, never, &mut problems);
     // When supervisor.yaml cannot be read, the profiles are still checked, in the default
     // folder; since that may not be the folder meant, it is not reported as missing or empty.
     let parsed = text.is_some() && raw.is_some();
@@ -69,14 +67,14 @@ pub(super) fn load(path: &Path, check_files: bool) -> Result<Config, ConfigError
         doc: &doc,
         problems: &mut problems,
     };
-    let dir_known = check.supervisor(&mut supervisor, &base) && parsed;
+    let dir_known = check.supervisor(&mut supervisor, &dir) && parsed;
     let (files, profiles) = check.profiles(&supervisor.profiles_dir, dir_known);
     let default = &supervisor.default_profile;
     let checked = parsed && !doc.dropped("default_profile") && !default.is_empty();
     if checked && !files.is_empty() && !files.contains_key(default) {
         let names: Vec<&str> = files.keys().map(String::as_str).collect();
-        let (dir, names) = (shown.text(&supervisor.profiles_dir), names.join(", "));
-        let message = format!("no profile named {default:?} in {dir}; available: {names}");
+        let (folder, names) = (shown.text(&supervisor.profiles_dir), names.join(", "));
+        let message = format!("no profile named {default:?} in {folder}; available: {names}");
         check.to("default_profile", message);
     }
 
@@ -93,10 +91,7 @@ pub(super) fn load(path: &Path, check_files: bool) -> Result<Config, ConfigError
     for file in problems.chunk_by_mut(|a, b| a.file == b.file) {
         file.sort_by_key(|p| (p.line.unwrap_or(0), p.column.unwrap_or(0)));
     }
-    Err(ConfigError {
-        dir: base,
-        problems,
-    })
+    Err(ConfigError { dir, problems })
 }
 
 impl Check<'_> {
