@@ -8,20 +8,12 @@ use std::path::{Path, PathBuf};
 ///
 /// Displays as one problem per line (no trailing newline).
 #[derive(Debug, Clone, PartialEq, thiserror::Error)]
-#[error("{}", render(.problems))]
+#[error("{}", .problems.iter().map(Problem::to_string).collect::<Vec<_>>().join("\n"))]
 pub struct ConfigError {
     /// The folder of `supervisor.yaml`, which relative [`Problem::file`] paths (and relative
     /// paths in messages) are relative to.
     pub dir: PathBuf,
     pub problems: Vec<Problem>,
-}
-
-fn render(problems: &[Problem]) -> String {
-    problems
-        .iter()
-        .map(Problem::to_string)
-        .collect::<Vec<_>>()
-        .join("\n")
 }
 
 /// One thing wrong with one file.
@@ -57,8 +49,7 @@ impl Problem {
     /// The same problem at `(line, column)`.
     pub fn at(mut self, position: Option<(usize, usize)>) -> Problem {
         if let Some((line, column)) = position {
-            self.line = Some(line);
-            self.column = Some(column);
+            (self.line, self.column) = (Some(line), Some(column));
         }
         self
     }
@@ -67,17 +58,17 @@ impl Problem {
 impl fmt::Display for Problem {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         write!(f, "{}", self.file.display())?;
-        if let Some(line) = self.line {
-            write!(f, ":{line}")?;
-            if let Some(column) = self.column {
-                write!(f, ":{column}")?;
-            }
+        // The column only after a line.
+        for n in [self.line, self.line.and(self.column)]
+            .into_iter()
+            .flatten()
+        {
+            write!(f, ":{n}")?;
         }
-        f.write_str(": ")?;
-        if !self.field.is_empty() {
-            write!(f, "{}: ", self.field)?;
+        match self.field.as_str() {
+            "" => write!(f, ": {}", self.message),
+            field => write!(f, ": {field}: {}", self.message),
         }
-        f.write_str(&self.message)
     }
 }
 

@@ -5,7 +5,9 @@
 //! attaches the file, the position and the key. Paths in messages are shown by [`Shown`]:
 //! relative to the folder of `supervisor.yaml` when inside it, else as they are (absolute).
 
-use std::fs;
+use std::env;
+use std::ffi::OsString;
+use std::fs::{self, Metadata};
 use std::io;
 use std::os::unix::fs::PermissionsExt;
 use std::path::{Component, Path, PathBuf};
@@ -20,24 +22,16 @@ pub(crate) const EXAMPLE_COMMANDS: &[&str] =
 
 const EXAMPLE: &str = "this is the example path shipped in the profile";
 
-/// Shows paths in messages relative to `base` (the folder of `supervisor.yaml`) when they are
-/// inside it.
+/// Shows paths in messages relative to its path (the folder of `supervisor.yaml`) when they
+/// are inside it.
 #[derive(Debug, Clone)]
-pub(crate) struct Shown {
-    base: PathBuf,
-}
+pub(crate) struct Shown(pub PathBuf);
 
 impl Shown {
-    pub fn new(base: &Path) -> Shown {
-        Shown {
-            base: base.to_path_buf(),
-        }
-    }
-
     /// `base/profiles/./a.yaml` -> `profiles/a.yaml`; `base` itself -> `.`; a path outside
     /// `base` (or leaving it through `..`) is kept as it is.
     pub fn path(&self, path: &Path) -> PathBuf {
-        match path.strip_prefix(&self.base) {
+        match path.strip_prefix(&self.0) {
             Ok(rest) if rest.as_os_str().is_empty() => PathBuf::from("."),
             Ok(rest) if rest.components().all(|c| matches!(c, Component::Normal(_))) => {
                 rest.components().collect()
@@ -52,35 +46,58 @@ impl Shown {
     }
 }
 
-/// A regular file (following symlinks) must be at `path`. `example` says what to do when it
-/// is missing under the shipped example folder.
-pub(crate) fn check_file(shown: &Shown, path: &Path, example: Option<&str>) -> Option<String> {
+/// A regular file (following symlinks) must be at `path`, else the problem; `what` it is for
+/// (`file`, `program`), and `example`, what to do when it is missing and is the shipped
+/// example.
+fn regular(
+    shown: &Shown,
+    path: &Path,
+    what: &str,
+    example: Option<&str>,
+) -> Result<Metadata, String> {
     let text = shown.text(path);
     match fs::metadata(path) {
-        Err(e) if e.kind() == io::ErrorKind::NotFound => Some(
-            match example.filter(|_| path.starts_with(EXAMPLE_MODEL_DIR)) {
-                Some(note) => format!("{text} does not exist ({EXAMPLE}: {note})"),
-                None => format!("{text} does not exist"),
-            },
-        ),
-        Err(e) => Some(format!("cannot access {text}: {e}")),
-        Ok(m) if m.is_dir() => Some(format!("{text} is a folder, not a file")),
-        Ok(m) if !m.is_file() => Some(format!("{text} is not a regular file")),
-        Ok(_) => None,
+        Err(e) if e.kind() == io::ErrorKind::NotFound => Err(match example {
+            Some(note) => format!("{text} does not exist ({EXAMPLE}: {note})"),
+            None => format!("{text} does not exist"),
+        }),
+        Err(e) => Err(format!("cannot access {text}: {e}")),
+        Ok(m) if m.is_dir() => Err(format!("{text} is a folder, not a {what}")),
+        Ok(m) if !m.is_file() => Err(format!("{text} is not a regular file")),
+        Ok(m) => Ok(m),
     }
+}
+
+/// A regular file (following symlinks) must be at `path`; `example` says what to do when it
+/// is missing under the shipped example folder.
+fn check_file(shown: &Shown, path: &Path, example: &str) -> Option<String> {
+    let example = path.starts_with(EXAMPLE_MODEL_DIR).then_some(example);
+    regular(shown, path, "file", example).err()
+}
+
+/// `model`: a file, named by its first shard when it is split into shards.
+pub(crate) fn check_model(shown: &Shown, path: &Path) -> Option<String> {
+    let example = "edit it to point at your model";
+    check_file(shown, path, example).or_else(|| check_shards(shown, path))
+}
+
+/// `mmproj`: a file.
+pub(crate) fn check_mmproj(shown: &Shown, path: &Path) -> Option<String> {
+    let example = "edit it to point at your vision projector, or remove mmproj";
+    check_file(shown, path, example)
 }
 
 /// A model split into shards (`name-00001-of-00004.gguf`) must be named by its first shard,
 /// and the other shards must sit next to it (llama.cpp loads them from there).
-pub(crate) fn check_shards(shown: &Shown, model: &Path) -> Option<String> {
+fn check_shards(shown: &Shown, model: &Path) -> Option<String> {
     let name = model.file_name()?.to_str()?;
     let (prefix, index, count) = split_shard_name(name)?;
     let shard = |i: u32| format!("{prefix}-{i:05}-of-{count:05}.gguf");
+    let model_text = shown.text(model);
     if index != 1 {
+        let first = shard(1);
         return Some(format!(
-            "{} is shard {index} of {count}; name the first one, {}",
-            shown.text(model),
-            shard(1)
+            "{model_text} is shard {index} of {count}; name the first one, {first}"
         ));
     }
     let folder = model.parent()?;
@@ -88,16 +105,11 @@ pub(crate) fn check_shards(shown: &Shown, model: &Path) -> Option<String> {
         .map(shard)
         .filter(|name| !folder.join(name).is_file())
         .collect();
-    match missing.len() {
-        0 => None,
-        n => Some(format!(
-            "{} is shard 1 of {count}, but {} {} missing next to it: {}",
-            shown.text(model),
-            n,
-            if n == 1 { "shard is" } else { "shards are" },
-            list(&missing, 4)
-        )),
-    }
+    let (n, missing) = (missing.len(), list(&missing, 4));
+    let are = if n == 1 { "shard is" } else { "shards are" };
+    (n > 0).then(|| {
+        format!("{model_text} is shard 1 of {count}, but {n} {are} missing next to it: {missing}")
+    })
 }
 
 /// `prefix-NNNNN-of-MMMMM.gguf` -> (prefix, N, M).
@@ -114,14 +126,10 @@ fn split_shard_name(name: &str) -> Option<(&str, u32, u32)> {
 
 /// At most `max` items, then `and N more`.
 fn list(items: &[String], max: usize) -> String {
-    if items.len() <= max {
-        return items.join(", ");
+    match items.len().checked_sub(max) {
+        Some(more) if more > 0 => format!("{}, and {more} more", items[..max].join(", ")),
+        _ => items.join(", "),
     }
-    format!(
-        "{}, and {} more",
-        items[..max].join(", "),
-        items.len() - max
-    )
 }
 
 /// The engine program: a path (`written` contains a `/`, resolved to `resolved`) must be an
@@ -135,99 +143,75 @@ pub(crate) fn check_command(
     dir: &Path,
     env_path: Option<&str>,
 ) -> Option<String> {
+    let executable = |m: &Metadata| m.permissions().mode() & 0o111 != 0;
     if !written.contains('/') {
         let (search, from) = match env_path {
-            Some(p) => (Some(p.to_string()), ", from env.PATH"),
-            None => (
-                std::env::var_os("PATH").map(|p| p.to_string_lossy().into_owned()),
-                "",
-            ),
+            Some(p) => (OsString::from(p), ", from env.PATH"),
+            None => (env::var_os("PATH").unwrap_or_default(), ""),
         };
-        let Some(search) = search.filter(|s| !s.is_empty()) else {
+        let search = search.to_string_lossy();
+        if search.is_empty() {
             return Some(format!(
                 "{written} is not a path and PATH is empty or not set: write the full path"
             ));
-        };
-        let found = search
-            .split(':')
-            .filter(|dir| !dir.is_empty())
-            .any(|dir| is_executable_file(&Path::new(dir).join(written)));
-        if found {
-            return None;
         }
+        let found = search.split(':').filter(|dir| !dir.is_empty()).any(|dir| {
+            fs::metadata(Path::new(dir).join(written)).is_ok_and(|m| m.is_file() && executable(&m))
+        });
         let mut message = format!("{written} not found in PATH ({search}{from})");
         let local = dir.join(written);
         if local.exists() {
-            message.push_str(&format!("; for {}, write ./{written}", shown.text(&local)));
+            message += &format!("; for {}, write ./{written}", shown.text(&local));
         }
-        return Some(message);
+        return (!found).then_some(message);
     }
-    let text = shown.text(resolved);
-    match fs::metadata(resolved) {
-        Err(e) if e.kind() == io::ErrorKind::NotFound => {
-            let shipped = EXAMPLE_COMMANDS.iter().any(|c| resolved == Path::new(c));
-            Some(match resolved.file_name() {
-                Some(name) if shipped => format!(
-                    "{text} does not exist ({EXAMPLE}: edit it to point at your {})",
-                    name.to_string_lossy()
-                ),
-                _ => format!("{text} does not exist"),
-            })
-        }
-        Err(e) => Some(format!("cannot access {text}: {e}")),
-        Ok(m) if m.is_dir() => Some(format!("{text} is a folder, not a program")),
-        Ok(m) if !m.is_file() => Some(format!("{text} is not a regular file")),
-        Ok(m) if m.permissions().mode() & 0o111 == 0 => {
-            Some(format!("{text} is not executable (chmod +x it)"))
-        }
+    let shipped = EXAMPLE_COMMANDS.iter().any(|c| resolved == Path::new(c));
+    let name = resolved.file_name().unwrap_or_default().to_string_lossy();
+    let (example, text) = (
+        format!("edit it to point at your {name}"),
+        shown.text(resolved),
+    );
+    match regular(shown, resolved, "program", shipped.then_some(&example)) {
+        Ok(m) if !executable(&m) => Some(format!("{text} is not executable (chmod +x it)")),
         Ok(_) => None,
+        Err(message) => Some(message),
     }
-}
-
-fn is_executable_file(path: &Path) -> bool {
-    fs::metadata(path).is_ok_and(|m| m.is_file() && m.permissions().mode() & 0o111 != 0)
 }
 
 /// A folder the engine creates (`kv_disk_dir`): if it exists it must be a folder, else its
 /// parent must.
 pub(crate) fn check_creatable_dir(shown: &Shown, dir: &Path) -> Option<String> {
-    match fs::metadata(dir) {
+    let (parent, text) = match fs::metadata(dir) {
         Ok(m) if m.is_dir() => return None,
         Ok(_) => return Some(format!("{} exists and is not a folder", shown.text(dir))),
         Err(e) if e.kind() != io::ErrorKind::NotFound => {
             return Some(format!("cannot access {}: {e}", shown.text(dir)))
         }
-        Err(_) => {}
-    }
-    let parent = dir.parent().filter(|p| !p.as_os_str().is_empty())?;
+        Err(_) => {
+            let parent = dir.parent().filter(|p| !p.as_os_str().is_empty())?;
+            (parent, shown.text(parent))
+        }
+    };
     match fs::metadata(parent) {
         Ok(m) if m.is_dir() => None,
-        Ok(_) => Some(format!(
-            "parent folder {} is not a folder",
-            shown.text(parent)
-        )),
-        Err(e) if e.kind() == io::ErrorKind::NotFound => Some(format!(
-            "parent folder {} does not exist",
-            shown.text(parent)
-        )),
-        Err(e) => Some(format!("cannot access {}: {e}", shown.text(parent))),
+        Ok(_) => Some(format!("parent folder {text} is not a folder")),
+        Err(e) if e.kind() == io::ErrorKind::NotFound => {
+            Some(format!("parent folder {text} does not exist"))
+        }
+        Err(e) => Some(format!("cannot access {text}: {e}")),
     }
 }
 
 /// The API keys file: a regular file that only its owner may read or write, since it holds
 /// secrets (the same rule as `auth::ApiKeys::load`, which reads it).
 pub(crate) fn check_secret_file(shown: &Shown, path: &Path) -> Option<String> {
-    if let Some(problem) = check_file(shown, path, None) {
-        return Some(problem);
-    }
-    let mode = fs::metadata(path).ok()?.permissions().mode() & 0o7777;
-    (mode & 0o077 != 0).then(|| {
-        format!(
-            "{} may be read or written by group or others (mode {mode:04o}); it holds \
-             secrets: chmod 600 it",
-            shown.text(path)
-        )
-    })
+    let mode = match regular(shown, path, "file", None) {
+        Ok(m) => m.permissions().mode() & 0o7777,
+        Err(message) => return Some(message),
+    };
+    let text = shown.text(path);
+    let why = format!("may be read or written by group or others (mode {mode:04o})");
+    (mode & 0o077 != 0).then(|| format!("{text} {why}; it holds secrets: chmod 600 it"))
 }
 
 #[cfg(test)]
@@ -236,7 +220,7 @@ mod tests {
 
     #[test]
     fn shown_paths() {
-        let shown = Shown::new(Path::new("/etc/dsv4"));
+        let shown = Shown(PathBuf::from("/etc/dsv4"));
         let text = |p: &str| shown.text(Path::new(p));
         assert_eq!(text("/etc/dsv4/profiles/a.yaml"), "profiles/a.yaml");
         assert_eq!(text("/etc/dsv4/profiles/./bin/x"), "profiles/bin/x");

@@ -16,7 +16,7 @@ use dsv4_engine::{EngineKind, EngineParams};
 
 use super::error::Problem;
 use super::files::{self, Shown};
-use super::raw::{Engine, Flash, Layers, RawProfile, Size};
+use super::raw::RawProfile;
 use super::rules;
 use super::yaml::Doc;
 use super::{format_duration, format_temperature, Config, ConfigError, Profile, Supervisor};
@@ -29,53 +29,53 @@ const MAX_WAITING: usize = 100_000;
 const MIN_STOP_TIMEOUT: Duration = Duration::from_secs(1);
 /// Plausible limits for `thermal.warn` and `thermal.critical`, in degrees Celsius.
 const TEMPERATURE_RANGE: (f64, f64) = (1.0, 150.0);
+const EMPTY: &str = "must not be empty";
+const POSITIVE: &str = "must be greater than 0";
 
-/// What every check needs to know.
-struct Ctx {
-    shown: Shown,
+/// Where the problems found in one file go, and what every check needs to know.
+struct Check<'a> {
+    shown: &'a Shown,
     /// Whether the files and programs the configuration names must exist.
     check_files: bool,
+    doc: &'a Doc,
+    problems: &'a mut Vec<Problem>,
 }
 
 pub(super) fn load(path: &Path, check_files: bool) -> Result<Config, ConfigError> {
     let file = std::path::absolute(path).unwrap_or_else(|_| path.to_path_buf());
-    let base = file.parent().map(Path::to_path_buf).unwrap_or_default();
-    let shown = Shown::new(&base);
-    let ctx = Ctx { shown, check_files };
+    // The folder of supervisor.yaml: its relative paths and the paths in messages start there.
+    let dir = file.parent().map(Path::to_path_buf).unwrap_or_default();
+    let shown = Shown(dir.clone());
     let mut problems = Vec::new();
-    let text = fs::read_to_string(&file)
-        .map_err(|e| {
-            let message = format!("cannot read {}: {e}", file.display());
-            problems.push(Problem::new(&ctx.shown.path(&file), "", message));
-        })
-        .ok();
+    let text = fs::read_to_string(&file);
+    if let Err(e) = &text {
+        let message = format!("cannot read {}: {e}", file.display());
+        problems.push(Problem::new(&shown.path(&file), "", message));
+    }
+    let text = text.ok();
+    let (shown_file, source) = (shown.path(&file), text.as_deref().unwrap_or(""));
     // A null `exit_when_idle` means never, not the default.
-    let (doc, raw) = Doc::read::<Supervisor>(
-        ctx.shown.path(&file),
-        text.as_deref().unwrap_or(""),
-        |path| path == "exit_when_idle",
-        &mut problems,
-    );
+    let never = |path: &str| path == "exit_when_idle";
+    let (doc, raw) = Doc::read::<Supervisor>(shown_file, source, never, &mut problems);
     // When supervisor.yaml cannot be read, the profiles are still checked, in the default
     // folder; since that may not be the folder meant, it is not reported as missing or empty.
     let parsed = text.is_some() && raw.is_some();
     let mut supervisor = raw.unwrap_or_default();
-    let dir_known = check_supervisor(&mut supervisor, &base, &doc, &ctx, &mut problems) && parsed;
-
-    let dir = &supervisor.profiles_dir;
-    let (files, profiles) = load_profiles(dir, &doc, &ctx, dir_known, &mut problems);
+    let mut check = Check {
+        shown: &shown,
+        check_files,
+        doc: &doc,
+        problems: &mut problems,
+    };
+    let dir_known = check.supervisor(&mut supervisor, &dir) && parsed;
+    let (files, profiles) = check.profiles(&supervisor.profiles_dir, dir_known);
     let default = &supervisor.default_profile;
     let checked = parsed && !doc.dropped("default_profile") && !default.is_empty();
     if checked && !files.is_empty() && !files.contains_key(default) {
         let names: Vec<&str> = files.keys().map(String::as_str).collect();
-        problems.push(doc.problem(
-            "default_profile",
-            format!(
-                "no profile named {default:?} in {}; available: {}",
-                ctx.shown.text(&supervisor.profiles_dir),
-                names.join(", ")
-            ),
-        ));
+        let (folder, names) = (shown.text(&supervisor.profiles_dir), names.join(", "));
+        let message = format!("no profile named {default:?} in {folder}; available: {names}");
+        check.to("default_profile", message);
     }
 
     if problems.is_empty() {
@@ -85,428 +85,363 @@ pub(super) fn load(path: &Path, check_files: bool) -> Result<Config, ConfigError
             profiles,
         });
     }
-    // By file (supervisor.yaml first, then in the order the files were checked), then by
-    // position, the problems without one first. The sort is stable.
-    let mut files = vec![doc.file.clone()];
-    for p in &problems {
-        if !files.contains(&p.file) {
-            files.push(p.file.clone());
-        }
+    // supervisor.yaml first, then the other files in the order they were checked (each file's
+    // problems are found together), each by position, the problems without one first.
+    problems.sort_by_key(|p| p.file != doc.file);
+    for file in problems.chunk_by_mut(|a, b| a.file == b.file) {
+        file.sort_by_key(|p| (p.line.unwrap_or(0), p.column.unwrap_or(0)));
     }
-    problems.sort_by_key(|p| {
-        let rank = files.iter().position(|f| *f == p.file);
-        (rank, p.line.unwrap_or(0), p.column.unwrap_or(0))
-    });
-    Err(ConfigError {
-        dir: base,
-        problems,
-    })
+    Err(ConfigError { dir, problems })
 }
 
-/// Checks the settings and resolves their paths against `base`. False when `profiles_dir`
-/// is unusable.
-fn check_supervisor(
-    s: &mut Supervisor,
-    base: &Path,
-    doc: &Doc,
-    ctx: &Ctx,
-    problems: &mut Vec<Problem>,
-) -> bool {
-    let mut report = |path: &str, message: String| problems.push(doc.problem(path, message));
-    if s.api.listen.parse::<SocketAddr>().is_err() {
+impl Check<'_> {
+    /// A problem about the value at `path`.
+    fn to(&mut self, path: &str, message: impl Into<String>) {
+        self.problems.push(self.doc.problem(path, message));
+    }
+
+    /// A problem about the value at `path`, if there is one.
+    fn add(&mut self, path: &str, message: Option<String>) {
+        if let Some(message) = message {
+            self.to(path, message);
+        }
+    }
+
+    /// A problem about the value at `path` when `bad`.
+    fn when(&mut self, bad: bool, path: &str, message: impl Into<String>) {
+        if bad {
+            self.to(path, message);
+        }
+    }
+
+    /// A problem about a rule between the values at `paths` when `bad`, at the first of them
+    /// that is written.
+    fn rule(&mut self, bad: bool, paths: &[&str], message: String) {
+        self.when(bad, self.doc.first_written(paths), message);
+    }
+
+    /// Whether any of `paths` was set aside (so a rule about it would only repeat that).
+    fn dropped(&self, paths: &[&str]) -> bool {
+        paths.iter().any(|p| self.doc.dropped(p))
+    }
+
+    /// A problem about the whole file at `path`.
+    fn whole(&mut self, path: &Path, message: impl Into<String>) {
+        let file = self.shown.path(path);
+        self.problems.push(Problem::new(&file, "", message));
+    }
+
+    /// What is wrong with `value`, text that ends up in argv or a path, or else with what it
+    /// names on disk, by `check` (when files are checked).
+    fn on_disk(&self, value: &str, check: impl FnOnce(&Shown) -> Option<String>) -> Option<String> {
+        text_problem(value).or_else(|| self.check_files.then(|| check(self.shown)).flatten())
+    }
+
+    /// Checks the settings and resolves their paths against `base`. False when
+    /// `profiles_dir` is unusable.
+    fn supervisor(&mut self, s: &mut Supervisor, base: &Path) -> bool {
         let listen = &s.api.listen;
-        report(
-            "api.listen",
-            format!(
-                "invalid address {listen:?}: expected IP:port, e.g. 127.0.0.1:8080 or [::1]:8080"
-            ),
+        let message = format!(
+            "invalid address {listen:?}: expected IP:port, e.g. 127.0.0.1:8080 or [::1]:8080"
         );
-    }
-    if let Some(keys) = &mut s.api.api_keys_file {
-        let written = keys.to_string_lossy().into_owned();
-        *keys = base.join(keys.as_path());
-        if written.is_empty() {
-            let message = "must not be empty (use null for no API keys)";
-            report("api.api_keys_file", message.to_string());
-        } else if let Some(message) = text_problem(&written) {
-            report("api.api_keys_file", message.to_string());
-        } else if let Some(message) = ctx
-            .check_files
-            .then(|| files::check_secret_file(&ctx.shown, keys))
-            .flatten()
-        {
-            report("api.api_keys_file", message);
+        self.when(listen.parse::<SocketAddr>().is_err(), "api.listen", message);
+        if let Some(keys) = &mut s.api.api_keys_file {
+            let written = keys.to_string_lossy().into_owned();
+            *keys = base.join(&*keys);
+            let message = match written.is_empty() {
+                true => Some("must not be empty (use null for no API keys)".to_string()),
+                false => self.on_disk(&written, |shown| files::check_secret_file(shown, keys)),
+            };
+            self.add("api.api_keys_file", message);
         }
-    }
-    if s.api.max_body == 0 {
-        report("api.max_body", "must be greater than 0".to_string());
-    }
-    for (path, d) in [
-        ("engine.start_timeout", s.engine.start_timeout),
-        ("engine.idle_timeout", s.engine.idle_timeout),
-        ("monitor.interval", s.monitor.interval),
-        ("monitor.idle_interval", s.monitor.idle_interval),
-    ] {
-        if d.is_zero() {
-            report(path, "must be greater than 0".to_string());
+        for (path, zero) in [
+            ("api.max_body", s.api.max_body == 0),
+            ("engine.start_timeout", s.engine.start_timeout.is_zero()),
+            ("engine.idle_timeout", s.engine.idle_timeout.is_zero()),
+            ("monitor.interval", s.monitor.interval.is_zero()),
+            ("monitor.idle_interval", s.monitor.idle_interval.is_zero()),
+        ] {
+            self.when(zero, path, POSITIVE);
         }
-    }
-    // The engine needs time to drain and exit; ds4-server also writes its KV cache.
-    if s.engine.stop_timeout < MIN_STOP_TIMEOUT {
+        // The engine needs time to drain and exit; ds4-server also writes its KV cache.
+        let short = s.engine.stop_timeout < MIN_STOP_TIMEOUT;
         let message = format!("must be at least {}", format_duration(MIN_STOP_TIMEOUT));
-        report("engine.stop_timeout", message);
-    }
-    if !(1..=MAX_WAITING).contains(&s.engine.max_waiting) {
+        self.when(short, "engine.stop_timeout", message);
+        let waiting = !(1..=MAX_WAITING).contains(&s.engine.max_waiting);
         let message = format!("must be between 1 and {MAX_WAITING}");
-        report("engine.max_waiting", message);
-    }
-    let mut dir_known = !doc.dropped("profiles_dir");
-    if let Some(message) = text_problem(&s.profiles_dir.to_string_lossy()) {
-        report("profiles_dir", message.to_string());
-        dir_known = false;
-    }
-    s.profiles_dir = base.join(&s.profiles_dir);
-    if s.default_profile.is_empty() {
-        report("default_profile", "must not be empty".to_string());
-    }
-    if let Some(message) = text_problem(&s.state_dir.to_string_lossy()) {
-        report("state_dir", message.to_string());
-    }
-    s.state_dir = base.join(&s.state_dir);
-    if s.exit_when_idle.is_some_and(|d| d.is_zero()) {
+        self.when(waiting, "engine.max_waiting", message);
+        let dir_problem = text_problem(&s.profiles_dir.to_string_lossy());
+        let dir_known = dir_problem.is_none() && !self.doc.dropped("profiles_dir");
+        self.add("profiles_dir", dir_problem);
+        s.profiles_dir = base.join(&s.profiles_dir);
+        self.when(s.default_profile.is_empty(), "default_profile", EMPTY);
+        self.add("state_dir", text_problem(&s.state_dir.to_string_lossy()));
+        s.state_dir = base.join(&s.state_dir);
+        let never = s.exit_when_idle.is_some_and(|d| d.is_zero());
         let message = "must be greater than 0 (null = never exit)";
-        report("exit_when_idle", message.to_string());
-    }
+        self.when(never, "exit_when_idle", message);
 
-    let (interval, idle) = (s.monitor.interval, s.monitor.idle_interval);
-    let monitor_read = !doc.dropped("monitor.interval") && !doc.dropped("monitor.idle_interval");
-    if monitor_read && interval > idle && !idle.is_zero() {
-        let path = if doc.written("monitor.interval") {
-            "monitor.interval"
-        } else {
-            "monitor.idle_interval"
-        };
-        report(
-            path,
-            format!(
-                "monitor.interval ({}) must not be longer than monitor.idle_interval ({})",
-                format_duration(interval),
-                format_duration(idle)
-            ),
+        let monitor = ["monitor.interval", "monitor.idle_interval"];
+        let (interval, idle) = (s.monitor.interval, s.monitor.idle_interval);
+        let (shown, shown_idle) = (format_duration(interval), format_duration(idle));
+        let message = format!(
+            "monitor.interval ({shown}) must not be longer than monitor.idle_interval ({shown_idle})"
         );
-    }
+        let longer = interval > idle && !idle.is_zero();
+        self.rule(longer && !self.dropped(&monitor), &monitor, message);
 
-    let t = &s.thermal;
-    let (low, high) = TEMPERATURE_RANGE;
-    let mut in_range = ["warn", "critical", "hysteresis"]
-        .iter()
-        .all(|key| !doc.dropped(&format!("thermal.{key}")));
-    for (path, c) in [("thermal.warn", t.warn), ("thermal.critical", t.critical)] {
-        if !(low..=high).contains(&c) {
-            in_range = false;
-            let (low, high) = (format_temperature(low), format_temperature(high));
-            report(path, format!("must be between {low} and {high}"));
+        let (t, c) = (&s.thermal, format_temperature);
+        let (low, high) = TEMPERATURE_RANGE;
+        let range = format!("must be between {} and {}", c(low), c(high));
+        let mut in_range = true;
+        for (path, value) in [("thermal.warn", t.warn), ("thermal.critical", t.critical)] {
+            let bad = !(low..=high).contains(&value);
+            in_range &= !bad;
+            self.when(bad, path, &range);
         }
-    }
-    // Where a rule between two keys is reported: at the first of them that is written.
-    let first_written = |paths: &[&'static str]| {
-        let written = paths.iter().find(|p| doc.written(p));
-        *written.unwrap_or(&paths[0])
-    };
-    if in_range && t.warn >= t.critical {
-        report(
-            first_written(&["thermal.warn", "thermal.critical"]),
-            format!(
-                "thermal.warn ({}) must be below thermal.critical ({})",
-                format_temperature(t.warn),
-                format_temperature(t.critical)
-            ),
-        );
-    }
-    if t.hysteresis < 0.0 {
-        report("thermal.hysteresis", "must not be negative".to_string());
-    } else if in_range && t.warn < t.critical && t.hysteresis >= t.critical - t.warn {
-        // Otherwise the critical alarm could only clear below the warning threshold.
-        report(
-            first_written(&["thermal.hysteresis", "thermal.critical", "thermal.warn"]),
-            format!(
-                "thermal.hysteresis ({}) must be smaller than the gap between thermal.warn and \
-                 thermal.critical ({})",
-                format_temperature(t.hysteresis),
-                format_temperature(t.critical - t.warn)
-            ),
-        );
-    }
-    dir_known
-}
-
-/// Every profile file in `dir` by name (those with problems too), and the profiles without
-/// problems.
-type Profiles = (BTreeMap<String, PathBuf>, BTreeMap<String, Profile>);
-
-fn load_profiles(
-    dir: &Path,
-    doc: &Doc,
-    ctx: &Ctx,
-    dir_known: bool,
-    problems: &mut Vec<Problem>,
-) -> Profiles {
-    let (mut found, mut profiles) = Profiles::default();
-    let entries = match fs::read_dir(dir) {
-        Ok(entries) => entries,
-        Err(e) if dir_known => {
-            let message = format!("cannot read profiles folder {}: {e}", ctx.shown.text(dir));
-            problems.push(doc.problem("profiles_dir", message));
-            return (found, profiles);
-        }
-        Err(_) => return (found, profiles),
-    };
-
-    let mut files: Vec<(String, PathBuf)> = Vec::new();
-    for entry in entries {
-        let path = match entry {
-            Ok(entry) => entry.path(),
-            Err(e) => {
-                let message = format!("cannot list profiles folder: {e}");
-                problems.push(Problem::new(&ctx.shown.path(dir), "", message));
-                continue;
-            }
-        };
-        let name = path.file_name().unwrap_or_default().to_string_lossy();
-        let stem = name.strip_suffix(".yaml").or(name.strip_suffix(".yml"));
-        let Some(stem) = stem.filter(|_| !name.starts_with('.')).map(str::to_string) else {
-            continue;
-        };
-        let problem = match fs::metadata(&path) {
-            _ if path.file_name().and_then(|n| n.to_str()).is_none() => {
-                "profile file name is not valid UTF-8".to_string()
-            }
-            Ok(meta) if meta.is_file() => {
-                files.push((stem, path));
-                continue;
-            }
-            Ok(_) => continue,
-            Err(e) => format!("cannot read: {e}"),
-        };
-        problems.push(Problem::new(&ctx.shown.path(&path), "", problem));
-    }
-    files.sort();
-
-    if files.is_empty() && dir_known {
-        problems.push(doc.problem(
-            "profiles_dir",
-            format!(
-                "no profiles (*.yaml or *.yml files) in {}",
-                ctx.shown.text(dir)
-            ),
-        ));
-    }
-
-    for (name, path) in files {
-        let shown = ctx.shown.path(&path);
-        if let Some(first) = found.get(&name) {
+        let keys = ["thermal.warn", "thermal.critical", "thermal.hysteresis"];
+        let in_range = in_range && !self.dropped(&keys);
+        let (warn, critical) = (c(t.warn), c(t.critical));
+        let message = format!("thermal.warn ({warn}) must be below thermal.critical ({critical})");
+        self.rule(in_range && t.warn >= t.critical, &keys[..2], message);
+        let gap = t.critical - t.warn;
+        if t.hysteresis < 0.0 {
+            self.to("thermal.hysteresis", "must not be negative");
+        } else if in_range && t.warn < t.critical && t.hysteresis >= gap {
+            // Otherwise the critical alarm could only clear below the warning threshold.
+            let (hysteresis, gap) = (c(t.hysteresis), c(gap));
             let message = format!(
-                "profile {name:?} is already defined by {}; remove or rename one of them",
-                ctx.shown.text(first)
+                "thermal.hysteresis ({hysteresis}) must be smaller than the gap between \
+                 thermal.warn and thermal.critical ({gap})"
             );
-            problems.push(Problem::new(&shown, "", message));
-            continue;
+            let keys = ["thermal.hysteresis", "thermal.critical", "thermal.warn"];
+            self.rule(true, &keys, message);
         }
-        found.insert(name.clone(), path.clone());
+        dir_known
+    }
+
+    /// Every profile file in `dir` by name (those with problems too), and the profiles
+    /// without problems.
+    fn profiles(&mut self, dir: &Path, dir_known: bool) -> Profiles {
+        let (mut found, mut profiles) = Profiles::default();
+        let entries = match fs::read_dir(dir) {
+            Ok(entries) => entries,
+            Err(e) => {
+                let message = format!("cannot read profiles folder {}: {e}", self.shown.text(dir));
+                self.when(dir_known, "profiles_dir", message);
+                return (found, profiles);
+            }
+        };
+        let mut files = Vec::new();
+        for entry in entries {
+            let path = match entry {
+                Ok(entry) => entry.path(),
+                Err(e) => {
+                    self.whole(dir, format!("cannot list profiles folder: {e}"));
+                    continue;
+                }
+            };
+            let name = path.file_name().unwrap_or_default();
+            let text = name.to_string_lossy();
+            let stem = text.strip_suffix(".yaml").or(text.strip_suffix(".yml"));
+            let Some(stem) = stem.filter(|_| !text.starts_with('.')) else {
+                continue;
+            };
+            match fs::metadata(&path) {
+                _ if name.to_str().is_none() => {
+                    self.whole(&path, "profile file name is not valid UTF-8")
+                }
+                Ok(meta) if meta.is_file() => files.push((stem.to_string(), path.clone())),
+                Ok(_) => {}
+                Err(e) => self.whole(&path, format!("cannot read: {e}")),
+            }
+        }
+        files.sort();
+        let message = format!(
+            "no profiles (*.yaml or *.yml files) in {}",
+            self.shown.text(dir)
+        );
+        self.when(files.is_empty() && dir_known, "profiles_dir", message);
+
         // Profile names appear in the API, the CLI and the state file: keep them plain.
         let plain = |c: char| c.is_ascii_alphanumeric() || matches!(c, '.' | '_' | '-');
-        if name.is_empty() || name.starts_with('-') || !name.chars().all(plain) {
-            let message = format!(
-                "invalid profile name {name:?}: use letters, digits, '.', '_' and '-' (not first)"
-            );
-            problems.push(Problem::new(&shown, "", message));
-            continue;
-        }
-        let text = match fs::read_to_string(&path) {
-            Ok(text) => text,
-            Err(e) => {
-                problems.push(Problem::new(&shown, "", format!("cannot read: {e}")));
-                continue;
+        for (name, path) in files {
+            let text = if let Some(first) = found.get(&name) {
+                let first = self.shown.text(first);
+                Err(format!(
+                    "profile {name:?} is already defined by {first}; remove or rename one of them"
+                ))
+            } else if name.is_empty() || name.starts_with('-') || !name.chars().all(plain) {
+                Err(format!(
+                    "invalid profile name {name:?}: use letters, digits, '.', '_' and '-' (not first)"
+                ))
+            } else {
+                fs::read_to_string(&path).map_err(|e| format!("cannot read: {e}"))
+            };
+            found.entry(name.clone()).or_insert(path.clone());
+            let text = match text {
+                Ok(text) => text,
+                Err(message) => {
+                    self.whole(&path, message);
+                    continue;
+                }
+            };
+            let before = self.problems.len();
+            let shown = self.shown.path(&path);
+            let (doc, raw) = Doc::read::<RawProfile>(shown, &text, |_| true, self.problems);
+            let Some(raw) = raw else { continue };
+            let problems = &mut *self.problems;
+            let profile = Check {
+                doc: &doc,
+                problems,
+                ..*self
             }
+            .profile(&name, &path, dir, raw);
+            if self.problems.len() == before {
+                profiles.insert(name, profile);
+            }
+        }
+        (found, profiles)
+    }
+
+    /// The profile, and the problems with it (when there are any, the profile is not used).
+    fn profile(&mut self, name: &str, file: &Path, dir: &Path, raw: RawProfile) -> Profile {
+        let (doc, engine) = (self.doc, raw.engine);
+        let required = format!("required: one of {}", EngineKind::NAMES.join(", "));
+        let missing = engine.is_none() && !doc.dropped("engine");
+        self.when(missing, "engine", required);
+
+        let command = raw.command.as_deref().unwrap_or_default();
+        // A bare program name is looked up in PATH at spawn, with the profile's env.PATH when
+        // it sets one.
+        let resolved = match command.contains('/') {
+            true => dir.join(command),
+            false => PathBuf::from(command),
         };
-        let before = problems.len();
-        let (doc, raw) = Doc::read::<RawProfile>(shown, &text, |_| true, problems);
-        let Some(raw) = raw else {
-            continue;
-        };
-        let profile = profile_from_raw(&name, &path, dir, raw, &doc, ctx, problems);
-        if problems.len() == before {
-            profiles.insert(name, profile);
+        let missing = raw.command.is_none() && !doc.dropped("command");
+        self.when(missing, "command", "required: the engine executable");
+        if raw.command.is_some() {
+            let env_path = raw.env.as_ref().and_then(|env| env.get("PATH"));
+            let message = self.on_disk(command, |shown| {
+                let env_path = env_path.map(String::as_str);
+                files::check_command(shown, command, &resolved, dir, env_path)
+            });
+            self.add("command", message);
+        }
+
+        let llama = engine == Some(EngineKind::LlamaServer);
+        let required = llama && raw.model.is_none() && !doc.dropped("model");
+        self.when(required, "model", "required for engine llama-server");
+        // The engines ignore some keys (ds4 mmproj, llama-server kv_disk_dir): their files
+        // need not exist.
+        let ds4 = engine == Some(EngineKind::Ds4);
+        let model = self.path("model", raw.model, dir, Some(files::check_model));
+        let mmproj = (!ds4).then_some(files::check_mmproj as DiskCheck);
+        let mmproj = self.path("mmproj", raw.mmproj, dir, mmproj);
+        let kv_disk_dir = (!llama).then_some(files::check_creatable_dir as DiskCheck);
+        let kv_disk_dir = self.path("kv_disk_dir", raw.kv_disk_dir, dir, kv_disk_dir);
+
+        let kv = raw.kv_cache.as_deref();
+        let message = kv.and_then(|kv| text_problem(kv).or_else(|| rules::check_kv_cache(kv)));
+        self.add("kv_cache", message);
+        let context = raw.context.unwrap_or(MIN_CONTEXT);
+        let message = format!("must be at least {MIN_CONTEXT}");
+        self.when(context < MIN_CONTEXT, "context", message);
+        let message = format!("must be at most {MAX_CONTEXT}");
+        self.when(context > MAX_CONTEXT, "context", message);
+        let parallel = raw.parallel.unwrap_or(1);
+        let message = format!("must be between 1 and {MAX_PARALLEL}");
+        self.when(!(1..=MAX_PARALLEL).contains(&parallel), "parallel", message);
+        let (batch, ubatch, chunk) = (raw.batch, raw.ubatch, raw.prefill_chunk);
+        for (key, value) in [
+            ("batch", batch),
+            ("ubatch", ubatch),
+            ("prefill_chunk", chunk),
+        ] {
+            self.when(value == Some(0), key, "must be at least 1");
+        }
+        if let (Some(batch), Some(ubatch)) = (batch, ubatch) {
+            let message = format!("ubatch ({ubatch}) must not be larger than batch ({batch})");
+            self.when(batch > 0 && ubatch > batch, "ubatch", message);
+        }
+        let kv_disk_space_mb = raw.kv_disk_space.map(|bytes| bytes / MIB);
+        let message = "must be at least 1MiB";
+        self.when(kv_disk_space_mb == Some(0), "kv_disk_space", message);
+        let planned_memory = raw.planned_memory;
+        self.when(planned_memory == Some(0), "planned_memory", POSITIVE);
+
+        let extra_args = raw.extra_args.unwrap_or_default();
+        for (i, arg) in extra_args.iter().enumerate() {
+            if let Some(message) = rules::check_extra_arg(arg) {
+                let item = format!("extra_args[{i}]");
+                self.problems
+                    .push(doc.at("extra_args", &item, false, message));
+            }
+        }
+        let env = raw.env.unwrap_or_default();
+        for (key, value) in &env {
+            let path = format!("env.{key}");
+            if let Some(message) = rules::check_env_name(key) {
+                self.problems.push(doc.at("env", &path, true, message));
+            } else {
+                self.when(value.contains('\0'), &path, "contains a NUL byte");
+            }
+        }
+
+        Profile {
+            name: name.to_string(),
+            file: file.to_path_buf(),
+            description: raw.description,
+            engine: engine.unwrap_or(EngineKind::LlamaServer),
+            command: resolved,
+            params: EngineParams {
+                model,
+                mmproj,
+                context: raw.context,
+                parallel: raw.parallel,
+                batch,
+                ubatch,
+                kv_cache: raw.kv_cache,
+                flash_attn: raw.flash_attn,
+                gpu_layers: raw.gpu_layers,
+                prefill_chunk: chunk,
+                kv_disk_dir,
+                kv_disk_space_mb,
+                extra_args,
+            },
+            planned_memory,
+            env,
         }
     }
-    (found, profiles)
-}
 
-/// The profile, and the problems with it (when there are any, the profile is not used).
-fn profile_from_raw(
-    name: &str,
-    file: &Path,
-    dir: &Path,
-    raw: RawProfile,
-    doc: &Doc,
-    ctx: &Ctx,
-    problems: &mut Vec<Problem>,
-) -> Profile {
-    let mut report = |path: &str, message: String| problems.push(doc.problem(path, message));
-    let engine = raw.engine.map(|Engine(kind)| kind);
-    if engine.is_none() && !doc.dropped("engine") {
-        report(
-            "engine",
-            format!("required: one of {}", EngineKind::NAMES.join(", ")),
-        );
-    }
-
-    let command = raw.command.as_deref().unwrap_or_default();
-    // A bare program name is looked up in PATH at spawn, with the profile's env.PATH when it
-    // sets one.
-    let resolved = if command.contains('/') {
-        dir.join(command)
-    } else {
-        PathBuf::from(command)
-    };
-    if raw.command.is_none() {
-        if !doc.dropped("command") {
-            report("command", "required: the engine executable".to_string());
-        }
-    } else if let Some(message) = text_problem(command).map(str::to_string).or_else(|| {
-        let env_path = raw.env.as_ref().and_then(|env| env.get("PATH"));
-        let env_path = env_path.map(String::as_str);
-        ctx.check_files
-            .then(|| files::check_command(&ctx.shown, command, &resolved, dir, env_path))
-            .flatten()
-    }) {
-        report("command", message);
-    }
-
-    if engine == Some(EngineKind::LlamaServer) && raw.model.is_none() && !doc.dropped("model") {
-        report("model", "required for engine llama-server".to_string());
-    }
-    // A path the engine reads, resolved against the profiles folder; `check` says what must
-    // hold on disk, when the engine uses the key (ds4 ignores mmproj, llama-server
-    // kv_disk_dir, so their files need not exist).
-    type Check = fn(&Shown, &Path) -> Option<String>;
-    let mut path_field = |key: &str, value: Option<String>, check: Option<Check>| {
+    /// A path the engine reads (`value` at `key`), resolved against the profiles folder;
+    /// `check` says what must hold on disk, when the engine uses the key.
+    fn path(
+        &mut self,
+        key: &str,
+        value: Option<String>,
+        dir: &Path,
+        check: Option<DiskCheck>,
+    ) -> Option<PathBuf> {
         let value = value?;
         let path = dir.join(&value);
-        let message = text_problem(&value).map(str::to_string).or_else(|| {
-            let check = check.filter(|_| ctx.check_files)?;
-            check(&ctx.shown, &path)
-        });
-        if let Some(message) = message {
-            report(key, message);
-        }
+        let message = self.on_disk(&value, |shown| check.and_then(|check| check(shown, &path)));
+        self.add(key, message);
         Some(path)
-    };
-    let model: Check = |s, p| {
-        let example = "edit it to point at your model";
-        files::check_file(s, p, Some(example)).or_else(|| files::check_shards(s, p))
-    };
-    let model = path_field("model", raw.model, Some(model));
-    let mmproj: Check = |s, p| {
-        let example = "edit it to point at your vision projector, or remove mmproj";
-        files::check_file(s, p, Some(example))
-    };
-    let mmproj = (engine != Some(EngineKind::Ds4)).then_some(mmproj);
-    let mmproj = path_field("mmproj", raw.mmproj, mmproj);
-    let folder: Check = files::check_creatable_dir;
-    let folder = (engine != Some(EngineKind::LlamaServer)).then_some(folder);
-    let kv_disk_dir = path_field("kv_disk_dir", raw.kv_disk_dir, folder);
-
-    if let Some(kv) = &raw.kv_cache {
-        let message = text_problem(kv).map(str::to_string);
-        if let Some(message) = message.or_else(|| rules::check_kv_cache(kv)) {
-            report("kv_cache", message);
-        }
-    }
-    match raw.context {
-        Some(c) if c < MIN_CONTEXT => report("context", format!("must be at least {MIN_CONTEXT}")),
-        Some(c) if c > MAX_CONTEXT => report("context", format!("must be at most {MAX_CONTEXT}")),
-        _ => {}
-    }
-    if raw
-        .parallel
-        .is_some_and(|p| !(1..=MAX_PARALLEL).contains(&p))
-    {
-        report("parallel", format!("must be between 1 and {MAX_PARALLEL}"));
-    }
-    for (key, value) in [
-        ("batch", raw.batch),
-        ("ubatch", raw.ubatch),
-        ("prefill_chunk", raw.prefill_chunk),
-    ] {
-        if value == Some(0) {
-            report(key, "must be at least 1".to_string());
-        }
-    }
-    if let (Some(batch), Some(ubatch)) = (raw.batch, raw.ubatch) {
-        if batch > 0 && ubatch > batch {
-            let message = format!("ubatch ({ubatch}) must not be larger than batch ({batch})");
-            report("ubatch", message);
-        }
-    }
-    let kv_disk_space_mb = raw.kv_disk_space.map(|Size(bytes)| bytes / MIB);
-    if kv_disk_space_mb == Some(0) {
-        report("kv_disk_space", "must be at least 1MiB".to_string());
-    }
-    let planned_memory = raw.planned_memory.map(|Size(bytes)| bytes);
-    if planned_memory == Some(0) {
-        report("planned_memory", "must be greater than 0".to_string());
-    }
-
-    let extra_args = raw.extra_args.unwrap_or_default();
-    for (i, arg) in extra_args.iter().enumerate() {
-        if let Some(message) = rules::check_extra_arg(arg) {
-            problems.push(doc.at("extra_args", &format!("extra_args[{i}]"), false, message));
-        }
-    }
-    let env = raw.env.unwrap_or_default();
-    for (key, value) in &env {
-        let path = format!("env.{key}");
-        if let Some(message) = rules::check_env_name(key) {
-            problems.push(doc.at("env", &path, true, message));
-        } else if value.contains('\0') {
-            problems.push(doc.problem(&path, "contains a NUL byte"));
-        }
-    }
-
-    Profile {
-        name: name.to_string(),
-        file: file.to_path_buf(),
-        description: raw.description,
-        engine: engine.unwrap_or(EngineKind::LlamaServer),
-        command: resolved,
-        params: EngineParams {
-            model,
-            mmproj,
-            context: raw.context,
-            parallel: raw.parallel,
-            batch: raw.batch,
-            ubatch: raw.ubatch,
-            kv_cache: raw.kv_cache,
-            flash_attn: raw.flash_attn.map(|Flash(f)| f),
-            gpu_layers: raw.gpu_layers.map(|Layers(l)| l),
-            prefill_chunk: raw.prefill_chunk,
-            kv_disk_dir,
-            kv_disk_space_mb,
-            extra_args,
-        },
-        planned_memory,
-        env,
     }
 }
 
+/// What must hold on disk for a path.
+type DiskCheck = fn(&Shown, &Path) -> Option<String>;
+
+/// Every profile file by name (those with problems too), and the profiles without problems.
+type Profiles = (BTreeMap<String, PathBuf>, BTreeMap<String, Profile>);
+
 /// Text that ends up in argv or a path must be non-empty and free of NUL bytes.
-fn text_problem(value: &str) -> Option<&'static str> {
-    if value.is_empty() {
-        Some("must not be empty")
-    } else if value.contains('\0') {
-        Some("contains a NUL byte")
-    } else {
-        None
+fn text_problem(value: &str) -> Option<String> {
+    match value {
+        "" => Some("must not be empty".to_string()),
+        _ if value.contains('\0') => Some("contains a NUL byte".to_string()),
+        _ => None,
     }
 }

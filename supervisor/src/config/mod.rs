@@ -43,6 +43,7 @@ use std::time::Duration;
 
 use dsv4_engine::{EngineKind, EngineParams};
 use serde::Deserialize;
+use smart_default::SmartDefault;
 
 pub use dsv4_client::duration::{format as format_duration, parse as parse_duration};
 pub use error::{ConfigError, Problem};
@@ -76,29 +77,24 @@ impl Config {
     ///   64k: llama-server, context 65536, planned memory 86GiB (64K validation profile)
     /// ```
     pub fn summary(&self) -> String {
-        let name = self.file.file_name().map_or_else(
-            || self.file.display().to_string(),
-            |n| n.to_string_lossy().into(),
-        );
-        let dir = self.file.parent().unwrap_or(Path::new(""));
-        let count = self.profiles.len();
-        let mut out = format!(
-            "{name} OK: {count} profile{} in {}, default {}",
-            if count == 1 { "" } else { "s" },
-            files::Shown::new(dir).text(&self.supervisor.profiles_dir),
-            self.supervisor.default_profile
-        );
+        let name = self.file.file_name().unwrap_or(self.file.as_os_str());
+        let shown = files::Shown(self.file.parent().unwrap_or(Path::new("")).into());
+        let (count, s) = (self.profiles.len(), &self.supervisor);
+        let (name, dir) = (name.to_string_lossy(), shown.text(&s.profiles_dir));
+        let plural = if count == 1 { "" } else { "s" };
+        let default = &s.default_profile;
+        let mut out = format!("{name} OK: {count} profile{plural} in {dir}, default {default}");
         for (name, p) in &self.profiles {
-            out.push_str(&format!("\n  {name}: {}", p.engine));
+            out += &format!("\n  {name}: {}", p.engine);
             match p.context() {
-                Some(context) => out.push_str(&format!(", context {context}")),
-                None => out.push_str(", the engine's default context"),
+                Some(context) => out += &format!(", context {context}"),
+                None => out += ", the engine's default context",
             }
             if let Some(bytes) = p.planned_memory {
-                out.push_str(&format!(", planned memory {}", format_size(bytes)));
+                out += &format!(", planned memory {}", format_size(bytes));
             }
             if let Some(description) = p.description.as_deref().filter(|d| !d.is_empty()) {
-                out.push_str(&format!(" ({description})"));
+                out += &format!(" ({description})");
             }
         }
         out
@@ -124,21 +120,25 @@ impl Config {
 // not written (see `yaml::Doc::read`), so `api:` alone means every `api` default.
 
 /// `supervisor.yaml`.
-#[derive(Debug, Clone, PartialEq, Deserialize)]
+#[derive(Debug, Clone, PartialEq, Deserialize, SmartDefault)]
 #[serde(default, deny_unknown_fields)]
 #[serde(expecting = "a mapping of supervisor settings")]
 pub struct Supervisor {
     pub api: Api,
     pub engine: EngineLimits,
     /// Resolved against the folder of `supervisor.yaml` when relative.
+    #[default = "profiles"]
     pub profiles_dir: PathBuf,
     /// Used until a profile is chosen; the choice then persists in `state_dir`.
+    #[default = "320k"]
     pub default_profile: String,
     /// Resolved against the folder of `supervisor.yaml` when relative.
+    #[default = "/var/lib/dsv4"]
     pub state_dir: PathBuf,
     /// The daemon exits once the engine has been stopped this long; `None` (written `null`) =
     /// never.
     #[serde(deserialize_with = "raw::duration_or_never")]
+    #[default(Some(Duration::from_secs(30 * 60)))]
     pub exit_when_idle: Option<Duration>,
     pub power: Power,
     pub monitor: Monitor,
@@ -147,81 +147,53 @@ pub struct Supervisor {
 }
 
 impl Supervisor {
-    /// The documented defaults, with `profiles_dir` = `base_dir/profiles`.
+    /// The documented defaults, with `profiles_dir` = `base_dir/profiles` (the [`Default`] has
+    /// it relative, `profiles`).
     pub fn defaults(base_dir: &Path) -> Supervisor {
+        let profiles_dir = base_dir.join("profiles");
         Supervisor {
-            api: Api::default(),
-            engine: EngineLimits::default(),
-            profiles_dir: base_dir.join("profiles"),
-            default_profile: "320k".to_string(),
-            state_dir: PathBuf::from("/var/lib/dsv4"),
-            exit_when_idle: Some(Duration::from_secs(30 * 60)),
-            power: Power::default(),
-            monitor: Monitor::default(),
-            thermal: Thermal::default(),
-            memory: Memory::default(),
+            profiles_dir,
+            ..Supervisor::default()
         }
     }
 }
 
-impl Default for Supervisor {
-    /// [`Supervisor::defaults`] with `profiles_dir` relative (`profiles`).
-    fn default() -> Self {
-        Supervisor::defaults(Path::new(""))
-    }
-}
-
 /// `api:`.
-#[derive(Debug, Clone, PartialEq, Deserialize)]
+#[derive(Debug, Clone, PartialEq, Deserialize, SmartDefault)]
 #[serde(default, deny_unknown_fields)]
 #[serde(expecting = "a mapping of `api` settings")]
 pub struct Api {
     /// `IP:port` (checked to parse as a `SocketAddr`); used only when not socket-activated.
+    #[default = "127.0.0.1:8080"]
     pub listen: String,
     /// One key per line; `None` = no authentication. Resolved against the config folder.
     pub api_keys_file: Option<PathBuf>,
     /// Largest accepted request body, in bytes.
     #[serde(deserialize_with = "raw::size")]
+    #[default(64 << 20)]
     pub max_body: u64,
 }
 
-impl Default for Api {
-    fn default() -> Self {
-        Api {
-            listen: "127.0.0.1:8080".to_string(),
-            api_keys_file: None,
-            max_body: 64 << 20,
-        }
-    }
-}
-
 /// `engine:`, the lifecycle limits.
-#[derive(Debug, Clone, PartialEq, Deserialize)]
+#[derive(Debug, Clone, PartialEq, Deserialize, SmartDefault)]
 #[serde(default, deny_unknown_fields)]
 #[serde(expecting = "a mapping of `engine` settings")]
 pub struct EngineLimits {
     /// Engine spawn to ready.
     #[serde(deserialize_with = "raw::duration")]
+    #[default(Duration::from_secs(10 * 60))]
     pub start_timeout: Duration,
     /// No request in flight for this long: stop the engine.
     #[serde(deserialize_with = "raw::duration")]
+    #[default(Duration::from_secs(15 * 60))]
     pub idle_timeout: Duration,
     /// SIGTERM to SIGKILL grace.
     #[serde(deserialize_with = "raw::duration")]
+    #[default(Duration::from_secs(120))]
     pub stop_timeout: Duration,
     /// Requests held while the engine starts; beyond that, 503 with Retry-After.
+    #[default = 256]
     pub max_waiting: usize,
-}
-
-impl Default for EngineLimits {
-    fn default() -> Self {
-        EngineLimits {
-            start_timeout: Duration::from_secs(10 * 60),
-            idle_timeout: Duration::from_secs(15 * 60),
-            stop_timeout: Duration::from_secs(120),
-            max_waiting: 256,
-        }
-    }
 }
 
 /// `power:`.
@@ -235,67 +207,47 @@ pub struct Power {
 }
 
 /// `monitor:`, how often to sample temperatures and memory.
-#[derive(Debug, Clone, PartialEq, Deserialize)]
+#[derive(Debug, Clone, PartialEq, Deserialize, SmartDefault)]
 #[serde(default, deny_unknown_fields)]
 #[serde(expecting = "a mapping of `monitor` settings")]
 pub struct Monitor {
     /// While the engine runs.
     #[serde(deserialize_with = "raw::duration")]
+    #[default(Duration::from_secs(1))]
     pub interval: Duration,
     /// While it does not.
     #[serde(deserialize_with = "raw::duration")]
+    #[default(Duration::from_secs(10))]
     pub idle_interval: Duration,
 }
 
-impl Default for Monitor {
-    fn default() -> Self {
-        Monitor {
-            interval: Duration::from_secs(1),
-            idle_interval: Duration::from_secs(10),
-        }
-    }
-}
-
 /// `thermal:`, in degrees Celsius.
-#[derive(Debug, Clone, PartialEq, Deserialize)]
+#[derive(Debug, Clone, PartialEq, Deserialize, SmartDefault)]
 #[serde(default, deny_unknown_fields)]
 #[serde(expecting = "a mapping of `thermal` settings")]
 pub struct Thermal {
     #[serde(deserialize_with = "raw::celsius")]
+    #[default = 85.0]
     pub warn: f64,
     #[serde(deserialize_with = "raw::celsius")]
+    #[default = 95.0]
     pub critical: f64,
     /// How far below a threshold the temperature must fall before its alarm clears.
     #[serde(deserialize_with = "raw::celsius")]
+    #[default = 5.0]
     pub hysteresis: f64,
     pub on_critical: OnCritical,
 }
 
-impl Default for Thermal {
-    fn default() -> Self {
-        Thermal {
-            warn: 85.0,
-            critical: 95.0,
-            hysteresis: 5.0,
-            on_critical: OnCritical::Notify,
-        }
-    }
-}
-
 /// `memory:`.
-#[derive(Debug, Clone, PartialEq, Deserialize)]
+#[derive(Debug, Clone, PartialEq, Deserialize, SmartDefault)]
 #[serde(default, deny_unknown_fields)]
 #[serde(expecting = "a mapping of `memory` settings")]
 pub struct Memory {
     /// Refuse an engine start that would leave less than this many bytes available.
     #[serde(deserialize_with = "raw::size")]
+    #[default(8 << 30)]
     pub reserve: u64,
-}
-
-impl Default for Memory {
-    fn default() -> Self {
-        Memory { reserve: 8 << 30 }
-    }
 }
 
 /// `power.cpu`: the CPU power profile while the engine runs.

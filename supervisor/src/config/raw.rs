@@ -1,7 +1,6 @@
-//! The values as written: a profile as serde reads it, and the scalars that are read as text
-//! and parsed (sizes and the engine's settings, each a newtype that serde builds through
-//! `TryFrom<String>`; durations, sizes and temperatures in the settings types), so that the
-//! parser's message is the error.
+//! A profile as serde reads it, and the `deserialize_with` functions for the scalars that
+//! are read as text and parsed (durations, sizes, temperatures, and the engine's settings), so
+//! that the parser's message is the error.
 //!
 //! Range checks and cross-field checks happen afterwards, in `load.rs`.
 
@@ -18,11 +17,13 @@ use super::units::{parse_size, parse_temperature};
 /// `profiles/<name>.yaml`. `engine` and `command` are required, but optional here so that a
 /// profile missing both reports both.
 #[derive(Debug, Default, Deserialize)]
-#[serde(deny_unknown_fields)]
+#[serde(default, deny_unknown_fields)]
 #[serde(expecting = "a mapping of profile settings")]
 pub(crate) struct RawProfile {
     pub description: Option<String>,
-    pub engine: Option<Engine>,
+    /// `llama-server` or `ds4`.
+    #[serde(deserialize_with = "engine")]
+    pub engine: Option<EngineKind>,
     pub command: Option<String>,
     pub model: Option<String>,
     pub mmproj: Option<String>,
@@ -31,107 +32,86 @@ pub(crate) struct RawProfile {
     pub batch: Option<u32>,
     pub ubatch: Option<u32>,
     pub kv_cache: Option<String>,
-    pub flash_attn: Option<Flash>,
-    pub gpu_layers: Option<Layers>,
+    /// `on`, `off`, `auto`, or a boolean (`true` = on, `false` = off).
+    #[serde(deserialize_with = "flash_attn")]
+    pub flash_attn: Option<FlashAttn>,
+    /// `all` or a number of layers.
+    #[serde(deserialize_with = "gpu_layers")]
+    pub gpu_layers: Option<GpuLayers>,
     pub prefill_chunk: Option<u32>,
     pub kv_disk_dir: Option<String>,
-    pub kv_disk_space: Option<Size>,
-    pub planned_memory: Option<Size>,
+    #[serde(deserialize_with = "size_or_none")]
+    pub kv_disk_space: Option<u64>,
+    #[serde(deserialize_with = "size_or_none")]
+    pub planned_memory: Option<u64>,
     pub extra_args: Option<Vec<String>>,
     pub env: Option<BTreeMap<String, String>>,
 }
 
-/// A byte size such as `64MiB` or `87.82GiB`.
-#[derive(Debug, Clone, Copy, PartialEq, Deserialize)]
-#[serde(try_from = "String")]
-pub(crate) struct Size(pub u64);
-
-impl TryFrom<String> for Size {
-    type Error = String;
-    fn try_from(text: String) -> Result<Self, String> {
-        parse_size(&text).map(Size)
-    }
-}
-
-/// `llama-server` or `ds4`.
-#[derive(Debug, Clone, Copy, PartialEq, Deserialize)]
-#[serde(try_from = "String")]
-pub(crate) struct Engine(pub EngineKind);
-
-impl TryFrom<String> for Engine {
-    type Error = String;
-    fn try_from(text: String) -> Result<Self, String> {
-        text.parse().map(Engine)
-    }
-}
-
-/// `on`, `off`, `auto`, or a boolean (`true` = on, `false` = off).
-#[derive(Debug, Clone, Copy, PartialEq, Deserialize)]
-#[serde(try_from = "String")]
-pub(crate) struct Flash(pub FlashAttn);
-
-impl TryFrom<String> for Flash {
-    type Error = String;
-    fn try_from(text: String) -> Result<Self, String> {
-        match text.as_str() {
-            "on" | "true" => Ok(Flash(FlashAttn::On)),
-            "off" | "false" => Ok(Flash(FlashAttn::Off)),
-            "auto" => Ok(Flash(FlashAttn::Auto)),
-            _ => Err(format!(
-                "invalid flash_attn {text:?}: expected on, off or auto"
-            )),
-        }
-    }
-}
-
-/// `all` or a number of layers.
-#[derive(Debug, Clone, Copy, PartialEq, Deserialize)]
-#[serde(try_from = "String")]
-pub(crate) struct Layers(pub GpuLayers);
-
-impl TryFrom<String> for Layers {
-    type Error = String;
-    fn try_from(text: String) -> Result<Self, String> {
-        match text.parse::<u32>() {
-            _ if text == "all" => Ok(Layers(GpuLayers::All)),
-            Ok(n) if !text.starts_with('+') => Ok(Layers(GpuLayers::Count(n))),
-            _ => Err(format!(
-                "invalid gpu_layers {text:?}: expected \"all\" or a number of layers (0 or more)"
-            )),
-        }
-    }
-}
-
-// The fields of the public settings types hold the parsed values themselves.
-
 /// Reads a scalar as text and parses it; the parser's message is the error.
 fn parsed<'de, D: Deserializer<'de>, T, E: Display>(
     d: D,
-    parse: fn(&str) -> Result<T, E>,
+    parse: impl FnOnce(&str) -> Result<T, E>,
 ) -> Result<T, D::Error> {
     parse(&String::deserialize(d)?).map_err(de::Error::custom)
 }
 
-pub(crate) fn duration<'de, D: Deserializer<'de>>(d: D) -> Result<Duration, D::Error> {
+/// [`parsed`], with `null` as `None`.
+fn optional<'de, D: Deserializer<'de>, T, E: Display>(
+    d: D,
+    parse: impl FnOnce(&str) -> Result<T, E>,
+) -> Result<Option<T>, D::Error> {
+    let text = Option::<String>::deserialize(d)?;
+    text.map(|text| parse(&text).map_err(de::Error::custom))
+        .transpose()
+}
+
+type Read<'de, D, T> = Result<T, <D as Deserializer<'de>>::Error>;
+
+pub(crate) fn duration<'de, D: Deserializer<'de>>(d: D) -> Read<'de, D, Duration> {
     parsed(d, duration::parse)
 }
 
 /// `null` is `None` (never).
-pub(crate) fn duration_or_never<'de, D>(d: D) -> Result<Option<Duration>, D::Error>
-where
-    D: Deserializer<'de>,
-{
-    Option::<String>::deserialize(d)?
-        .map(|text| duration::parse(&text).map_err(de::Error::custom))
-        .transpose()
+pub(crate) fn duration_or_never<'de, D: Deserializer<'de>>(d: D) -> Read<'de, D, Option<Duration>> {
+    optional(d, duration::parse)
 }
 
-pub(crate) fn size<'de, D: Deserializer<'de>>(d: D) -> Result<u64, D::Error> {
+pub(crate) fn size<'de, D: Deserializer<'de>>(d: D) -> Read<'de, D, u64> {
     parsed(d, parse_size)
 }
 
-pub(crate) fn celsius<'de, D: Deserializer<'de>>(d: D) -> Result<f64, D::Error> {
+fn size_or_none<'de, D: Deserializer<'de>>(d: D) -> Read<'de, D, Option<u64>> {
+    optional(d, parse_size)
+}
+
+pub(crate) fn celsius<'de, D: Deserializer<'de>>(d: D) -> Read<'de, D, f64> {
     parsed(d, parse_temperature)
+}
+
+fn engine<'de, D: Deserializer<'de>>(d: D) -> Read<'de, D, Option<EngineKind>> {
+    optional(d, str::parse)
+}
+
+fn flash_attn<'de, D: Deserializer<'de>>(d: D) -> Read<'de, D, Option<FlashAttn>> {
+    optional(d, |text| match text {
+        "on" | "true" => Ok(FlashAttn::On),
+        "off" | "false" => Ok(FlashAttn::Off),
+        "auto" => Ok(FlashAttn::Auto),
+        _ => Err(format!(
+            "invalid flash_attn {text:?}: expected on, off or auto"
+        )),
+    })
+}
+
+fn gpu_layers<'de, D: Deserializer<'de>>(d: D) -> Read<'de, D, Option<GpuLayers>> {
+    optional(d, |text| match text.parse::<u32>() {
+        _ if text == "all" => Ok(GpuLayers::All),
+        Ok(n) if !text.starts_with('+') => Ok(GpuLayers::Count(n)),
+        _ => Err(format!(
+            "invalid gpu_layers {text:?}: expected \"all\" or a number of layers (0 or more)"
+        )),
+    })
 }
 
 #[cfg(test)]
@@ -153,7 +133,7 @@ mod tests {
             ("\"on\"", FlashAttn::On),
         ] {
             let p = profile(&format!("flash_attn: {text}")).unwrap();
-            assert_eq!(p.flash_attn, Some(Flash(want)), "{text}");
+            assert_eq!(p.flash_attn, Some(want), "{text}");
         }
         assert!(profile("flash_attn: yes")
             .unwrap_err()
@@ -166,15 +146,15 @@ mod tests {
     fn gpu_layers_spellings() {
         assert_eq!(
             profile("gpu_layers: all").unwrap().gpu_layers,
-            Some(Layers(GpuLayers::All))
+            Some(GpuLayers::All)
         );
         assert_eq!(
             profile("gpu_layers: 99").unwrap().gpu_layers,
-            Some(Layers(GpuLayers::Count(99)))
+            Some(GpuLayers::Count(99))
         );
         assert_eq!(
             profile("gpu_layers: '12'").unwrap().gpu_layers,
-            Some(Layers(GpuLayers::Count(12)))
+            Some(GpuLayers::Count(12))
         );
         for bad in ["-1", "+1", "some", "1.5", "99999999999", ""] {
             assert!(profile(&format!("gpu_layers: '{bad}'")).is_err(), "{bad}");

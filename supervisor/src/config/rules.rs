@@ -7,14 +7,10 @@
 /// Both engines take the last occurrence of a flag and `extra_args` come before `--host` and
 /// `--port`, so those would be ignored anyway; the model and context would silently override
 /// the profile's (whose context dsv4d reports and checks).
-const OWNED_FLAGS: &[(&str, Option<&str>)] = &[
-    ("--host", None),
-    ("--port", None),
-    ("-m", Some("model")),
-    ("--model", Some("model")),
-    ("-c", Some("context")),
-    ("--ctx-size", Some("context")),
-    ("--ctx", Some("context")),
+const OWNED_FLAGS: &[(&[&str], Option<&str>)] = &[
+    (&["--host", "--port"], None),
+    (&["-m", "--model"], Some("model")),
+    (&["-c", "--ctx-size", "--ctx"], Some("context")),
 ];
 
 /// The problem with one `extra_args` item, if any. `--flag=value` counts as `--flag`.
@@ -26,7 +22,9 @@ pub(crate) fn check_extra_arg(arg: &str) -> Option<String> {
         Some((flag, _)) if flag.starts_with("--") => flag,
         _ => arg,
     };
-    let (_, key) = OWNED_FLAGS.iter().find(|(f, _)| *f == flag)?;
+    let (_, key) = OWNED_FLAGS
+        .iter()
+        .find(|(flags, _)| flags.contains(&flag))?;
     Some(match key {
         None => format!("{flag} is set by dsv4d; remove it"),
         Some(key) => format!("{flag} duplicates {key}; set {key} instead"),
@@ -36,30 +34,24 @@ pub(crate) fn check_extra_arg(arg: &str) -> Option<String> {
 /// Environment variable names: a letter or `_`, then letters, digits and `_` (POSIX).
 pub(crate) fn check_env_name(name: &str) -> Option<String> {
     let mut chars = name.chars();
-    let valid = chars
+    let first = chars
         .next()
-        .is_some_and(|c| c.is_ascii_alphabetic() || c == '_')
-        && chars.all(|c| c.is_ascii_alphanumeric() || c == '_');
-    (!valid).then(|| {
-        format!(
-            "invalid variable name {name:?}: use letters, digits and '_', not starting with a digit"
-        )
-    })
+        .is_some_and(|c| c.is_ascii_alphabetic() || c == '_');
+    let why = "use letters, digits and '_', not starting with a digit";
+    let valid = first && chars.all(|c| c.is_ascii_alphanumeric() || c == '_');
+    (!valid).then(|| format!("invalid variable name {name:?}: {why}"))
 }
 
 /// The cache types llama-server accepts for `-ctk`/`-ctv` (llama.cpp `common/arg.cpp`,
 /// `kv_cache_types`).
-pub(crate) const KV_CACHE_TYPES: &[&str] = &[
+const KV_CACHE_TYPES: &[&str] = &[
     "f32", "f16", "bf16", "q8_0", "q4_0", "q4_1", "iq4_nl", "q5_0", "q5_1",
 ];
 
 pub(crate) fn check_kv_cache(kv: &str) -> Option<String> {
-    (!KV_CACHE_TYPES.contains(&kv)).then(|| {
-        format!(
-            "unknown cache type {kv:?}: expected one of {}",
-            KV_CACHE_TYPES.join(", ")
-        )
-    })
+    let types = KV_CACHE_TYPES.join(", ");
+    let known = KV_CACHE_TYPES.contains(&kv);
+    (!known).then(|| format!("unknown cache type {kv:?}: expected one of {types}"))
 }
 
 #[cfg(test)]

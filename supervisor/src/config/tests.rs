@@ -814,7 +814,7 @@ fn shipped_policies_document_every_key() {
             .collect();
         assert!(uncommented.contains("engine: ds4"), "{name}: {uncommented}");
         let raw: super::raw::RawProfile = serde_yaml_ng::from_str(&uncommented).unwrap();
-        assert_eq!(raw.engine.map(|e| e.0), Some(EngineKind::Ds4));
+        assert_eq!(raw.engine, Some(EngineKind::Ds4));
     }
 }
 

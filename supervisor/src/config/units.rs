@@ -21,19 +21,14 @@ const SIZE_UNITS: [(&str, u64); 10] = [
 
 const SIZE_HINT: &str = "B, KiB, MiB, GiB, TiB, KB, MB, GB, TB";
 
-/// Splits `s` into a leading unsigned decimal number (`digits[.digits]`, possibly empty or
-/// malformed) and the rest; the flag says whether the number is well formed.
-fn split_number(s: &str) -> (&str, &str, bool) {
-    let end = s
-        .find(|c: char| !c.is_ascii_digit() && c != '.')
-        .unwrap_or(s.len());
-    let (number, rest) = s.split_at(end);
-    let mut parts = number.split('.');
-    let digits = |p: Option<&str>| p.is_some_and(|p| !p.is_empty());
-    let well_formed = digits(parts.next())
-        && (!number.contains('.') || digits(parts.next()))
-        && parts.next().is_none();
-    (number, rest, well_formed)
+/// Splits `s` into a leading unsigned decimal number (`digits[.digits]`) and the rest; `None`
+/// when it does not start with one.
+fn split_number(s: &str) -> Option<(&str, &str)> {
+    let end = s.find(|c: char| !c.is_ascii_digit() && c != '.');
+    let (number, rest) = s.split_at(end.unwrap_or(s.len()));
+    let (whole, fraction) = number.split_once('.').unwrap_or((number, "0"));
+    let digits = |p: &str| !p.is_empty() && !p.contains('.');
+    (digits(whole) && digits(fraction)).then_some((number, rest))
 }
 
 /// Parses a byte size such as `87.82GiB`, `64MiB`, `8 GiB`, `20GB` or `1048576` (bytes).
@@ -42,21 +37,16 @@ fn split_number(s: &str) -> (&str, &str, bool) {
 /// `TB`. Decimals are allowed with a unit and round to the nearest byte.
 pub fn parse_size(s: &str) -> Result<u64, String> {
     let bad = |why: &str| format!("invalid size {s:?}: {why}");
-    let text = s.trim();
-    if text.is_empty() {
-        return Err(bad("empty value; write e.g. 8GiB or 512MiB"));
-    }
-    if text.starts_with('-') {
-        return Err(bad("must not be negative"));
-    }
-    let (number, unit, well_formed) = split_number(text);
-    if !well_formed {
-        return Err(bad("expected a number followed by a unit, e.g. 8GiB"));
-    }
-    let unit = unit.trim_start();
+    let (number, unit) = match s.trim() {
+        "" => return Err(bad("empty value; write e.g. 8GiB or 512MiB")),
+        text if text.starts_with('-') => return Err(bad("must not be negative")),
+        text => split_number(text)
+            .ok_or_else(|| bad("expected a number followed by a unit, e.g. 8GiB"))?,
+    };
+    let (unit, fraction) = (unit.trim_start(), number.contains('.'));
     let length = match SIZE_UNITS.iter().find(|(name, _)| *name == unit) {
         Some((_, length)) => *length,
-        None if unit.is_empty() && number.contains('.') => {
+        None if unit.is_empty() && fraction => {
             return Err(bad(&format!(
                 "a fractional size needs a unit ({SIZE_HINT})"
             )))
@@ -64,16 +54,15 @@ pub fn parse_size(s: &str) -> Result<u64, String> {
         None if unit.is_empty() => 1,
         None => return Err(bad(&format!("unknown unit {unit:?} (use {SIZE_HINT})"))),
     };
-    let bytes = if number.contains('.') {
-        // Within a part in 2^52 of the exact value, which is far below a byte for any size
-        // that fits in memory.
-        let bytes = (number.parse::<f64>().unwrap_or(f64::INFINITY) * length as f64).round();
-        (bytes < u64::MAX as f64).then_some(bytes as u64)
-    } else {
-        number
-            .parse::<u64>()
-            .ok()
-            .and_then(|n| n.checked_mul(length))
+    // A fraction is within a part in 2^52 of the exact value, which is far below a byte for
+    // any size that fits in memory.
+    let bytes = match number.parse::<u64>() {
+        Ok(n) => n.checked_mul(length),
+        Err(_) if fraction => {
+            let bytes = (number.parse::<f64>().unwrap_or(f64::INFINITY) * length as f64).round();
+            (bytes < u64::MAX as f64).then_some(bytes as u64)
+        }
+        Err(_) => None,
     };
     bytes.ok_or_else(|| bad("too large"))
 }
@@ -91,26 +80,22 @@ pub fn format_size(bytes: u64) -> String {
 
 /// Parses a temperature in degrees Celsius: `85C`, `85.5C`, `85°C`, `85 °C`, `-5C`.
 pub fn parse_temperature(s: &str) -> Result<f64, String> {
-    let bad = |why: &str| format!("invalid temperature {s:?}: {why}");
+    let bad = |why: &str| Err(format!("invalid temperature {s:?}: {why}"));
     let text = s.trim();
-    if text.is_empty() {
-        return Err(bad("empty value; write e.g. 85C"));
-    }
     let is_number = |t: &str| {
-        let (_, rest, well_formed) = split_number(t.strip_prefix('-').unwrap_or(t));
-        well_formed && rest.is_empty()
+        split_number(t.strip_prefix('-').unwrap_or(t)).is_some_and(|(_, rest)| rest.is_empty())
     };
     let number = ["°C", "℃", "C"]
         .iter()
-        .find_map(|unit| text.strip_suffix(unit))
-        .map(str::trim_end);
-    match number {
+        .find_map(|unit| text.strip_suffix(unit));
+    match number.map(str::trim_end) {
+        _ if text.is_empty() => bad("empty value; write e.g. 85C"),
         Some(number) if is_number(number) => match number.parse::<f64>() {
             Ok(value) if value.is_finite() => Ok(value),
-            _ => Err(bad("too large")),
+            _ => bad("too large"),
         },
-        None if is_number(text) => Err(bad("add the unit C (e.g. 85C)")),
-        _ => Err(bad("expected degrees Celsius, e.g. 85C")),
+        None if is_number(text) => bad("add the unit C (e.g. 85C)"),
+        _ => bad("expected degrees Celsius, e.g. 85C"),
     }
 }
 

@@ -35,32 +35,85 @@ struct Entry {
     null: bool,
 }
 
-/// Every entry of a document by path: `engine.idle_timeout`, `extra_args[2]` (the way
-/// serde_path_to_error writes paths).
-#[derive(Debug, Default)]
-struct Spans {
-    entries: HashMap<String, Entry>,
-    aliases: bool,
-}
-
 type Events<'a> = Peekable<Parser<'a, StrInput<'a>>>;
 
-impl Spans {
-    /// The entries of the first document of `text`, as far as it is YAML.
-    fn of(text: &str) -> Spans {
-        let mut spans = Spans::default();
+/// A file that was read: problems found afterwards get their key's position from it.
+#[derive(Debug, Default)]
+pub(crate) struct Doc {
+    /// As shown in messages.
+    pub file: PathBuf,
+    /// Every entry by path: `engine.idle_timeout`, `extra_args[2]` (the way
+    /// serde_path_to_error writes paths).
+    entries: HashMap<String, Entry>,
+    aliases: bool,
+    /// Entries set aside because of a problem, and the keys an unknown key may have meant:
+    /// checks that would only repeat that problem skip them.
+    dropped: HashSet<String>,
+}
+
+impl Doc {
+    /// Reads `text` (the file `file` as messages show it) as a `T`; an empty document is
+    /// `T::default()`. `None` when nothing could be read, after reporting why.
+    ///
+    /// A key set to null counts as not written (so its default applies), unless
+    /// `null_is_value` says otherwise for its path.
+    pub fn read<T: DeserializeOwned + Default>(
+        file: PathBuf,
+        text: &str,
+        null_is_value: fn(&str) -> bool,
+        problems: &mut Vec<Problem>,
+    ) -> (Doc, Option<T>) {
+        let mut doc = Doc {
+            file,
+            ..Doc::default()
+        };
+        // The entries of the first document, as far as it is YAML.
         let mut events = Parser::new_from_str(text).peekable();
         while let Some(Ok((event, _))) = events.next() {
             if !matches!(event, Event::StreamStart | Event::DocumentStart(_)) {
-                spans.node(&mut events, &event, "", 0);
+                doc.node(&mut events, &event, "", 0);
                 break;
             }
         }
-        spans
+        if let Err(error) = serde_yaml_ng::from_str::<serde::de::IgnoredAny>(text) {
+            let location = error.location().map(|l| (l.line(), l.column()));
+            problems.push(Problem::new(&doc.file, "", message(&error)).at(location));
+            return (doc, None);
+        }
+        let mut text: Vec<char> = text.chars().collect();
+        for (path, entry) in &doc.entries {
+            if entry.null && !null_is_value(path) {
+                blank(&mut text, &entry.range);
+            }
+        }
+        let before = problems.len();
+        loop {
+            let source: String = text.iter().collect();
+            let de = serde_yaml_ng::Deserializer::from_str(&source);
+            let error = match serde_path_to_error::deserialize::<_, Option<T>>(de) {
+                Ok(value) => return (doc, Some(value.unwrap_or_default())),
+                Err(error) => error,
+            };
+            let (problem, culprit) = doc.serde_problem(&error);
+            let entry = match doc.entries.get(&culprit) {
+                Some(entry) if !doc.aliases && doc.dropped.insert(culprit) => entry,
+                // Only the first error is certain to be the file's own: a later one that
+                // cannot be set aside may come from the blanking.
+                _ => {
+                    if problems.len() == before {
+                        problems.push(problem);
+                    }
+                    return (doc, None);
+                }
+            };
+            blank(&mut text, &entry.range);
+            problems.push(problem);
+        }
     }
 
     /// Records the entries inside the node that opened with `event`. `None` when the events
-    /// end early (a YAML error) or nest too deep: what was recorded so far stands.
+    /// end early (a YAML error) or nest deeper than [`MAX_DEPTH`]: what was recorded so far
+    /// stands.
     fn node(&mut self, events: &mut Events, event: &Event, path: &str, depth: usize) -> Option<()> {
         let mapping = match event {
             _ if depth > MAX_DEPTH => return None,
@@ -111,72 +164,6 @@ impl Spans {
         }
         Some(())
     }
-}
-
-/// A file that was read: problems found afterwards get their key's position from it.
-#[derive(Debug)]
-pub(crate) struct Doc {
-    /// As shown in messages.
-    pub file: PathBuf,
-    spans: Spans,
-    /// Entries set aside because of a problem, and the keys an unknown key may have meant:
-    /// checks that would only repeat that problem skip them.
-    dropped: HashSet<String>,
-}
-
-impl Doc {
-    /// Reads `text` (the file `file` as messages show it) as a `T`; an empty document is
-    /// `T::default()`. `None` when nothing could be read, after reporting why.
-    ///
-    /// A key set to null counts as not written (so its default applies), unless
-    /// `null_is_value` says otherwise for its path.
-    pub fn read<T: DeserializeOwned + Default>(
-        file: PathBuf,
-        text: &str,
-        null_is_value: fn(&str) -> bool,
-        problems: &mut Vec<Problem>,
-    ) -> (Doc, Option<T>) {
-        let mut doc = Doc {
-            file,
-            spans: Spans::of(text),
-            dropped: HashSet::new(),
-        };
-        if let Err(error) = serde_yaml_ng::from_str::<serde::de::IgnoredAny>(text) {
-            let location = error.location();
-            let problem = Problem::new(&doc.file, "", message(&error));
-            problems.push(problem.at(location.map(|l| (l.line(), l.column()))));
-            return (doc, None);
-        }
-        let mut text: Vec<char> = text.chars().collect();
-        for (path, entry) in &doc.spans.entries {
-            if entry.null && !null_is_value(path) {
-                blank(&mut text, &entry.range);
-            }
-        }
-        let before = problems.len();
-        loop {
-            let source: String = text.iter().collect();
-            let de = serde_yaml_ng::Deserializer::from_str(&source);
-            let error = match serde_path_to_error::deserialize::<_, Option<T>>(de) {
-                Ok(value) => return (doc, Some(value.unwrap_or_default())),
-                Err(error) => error,
-            };
-            let (problem, culprit) = doc.serde_problem(&error);
-            let entry = match doc.spans.entries.get(&culprit) {
-                Some(entry) if !doc.spans.aliases && doc.dropped.insert(culprit) => entry,
-                // Only the first error is certain to be the file's own: a later one that
-                // cannot be set aside may come from the blanking.
-                _ => {
-                    if problems.len() == before {
-                        problems.push(problem);
-                    }
-                    return (doc, None);
-                }
-            };
-            blank(&mut text, &entry.range);
-            problems.push(problem);
-        }
-    }
 
     /// A problem about the value at `path` (dotted, as `engine.idle_timeout`): at the value
     /// when it starts on the key's line, else at the key; without a position when the key is
@@ -188,16 +175,23 @@ impl Doc {
     /// A problem reported under `field` about the entry at `path` (an item `extra_args[2]`
     /// under `extra_args`), or about its key's name (`on_key`).
     pub fn at(&self, field: &str, path: &str, on_key: bool, message: impl Into<String>) -> Problem {
-        let entry = self.spans.entries.get(path);
-        let spot = entry.map(|e| {
-            let on_key = on_key || e.value.line() != e.key.line();
-            position(if on_key { e.key } else { e.value })
+        let spot = self.entries.get(path).map(|e| {
+            let m = if on_key || e.value.line() != e.key.line() {
+                e.key
+            } else {
+                e.value
+            };
+            // 1-based, the column in characters, as serde_yaml_ng counts.
+            (m.line(), m.col() + 1)
         });
         Problem::new(&self.file, field, message).at(spot)
     }
 
-    pub fn written(&self, path: &str) -> bool {
-        self.spans.entries.contains_key(path)
+    /// The first of `paths` that is written, else the first: where a rule between keys is
+    /// reported.
+    pub fn first_written<'a>(&self, paths: &[&'a str]) -> &'a str {
+        let written = paths.iter().find(|p| self.entries.contains_key(**p));
+        written.unwrap_or(&paths[0])
     }
 
     /// Whether the entry at `path` was set aside after a problem (or may have been meant by
@@ -228,7 +222,11 @@ impl Doc {
         let unknown = message.strip_prefix("unknown field `");
         if let Some((key, expected)) = unknown.and_then(|rest| rest.split_once('`')) {
             let mut message = format!("unknown key `{key}`{expected}");
-            if let Some(meant) = closest(key, expected.split('`').skip(1).step_by(2)) {
+            // The nearest known key by edit distance, when it is near enough to be a typo.
+            let limit = (key.chars().count() / 3).max(1);
+            let known = expected.split('`').skip(1).step_by(2);
+            let near = known.map(|c| (strsim::osa_distance(key, c), c));
+            if let Some((_, meant)) = near.filter(|(d, _)| *d <= limit).min_by_key(|(d, _)| *d) {
                 message.push_str(&format!("; did you mean `{meant}`?"));
                 let parent = path.strip_suffix(key).unwrap_or_default();
                 self.dropped.insert(format!("{parent}{meant}"));
@@ -258,21 +256,6 @@ fn message(error: &serde_yaml_ng::Error) -> String {
         }
     }
     message
-}
-
-/// The candidate nearest to `word` by edit distance, when it is near enough to be a typo.
-fn closest<'a>(word: &str, candidates: impl Iterator<Item = &'a str>) -> Option<&'a str> {
-    let limit = (word.chars().count() / 3).max(1);
-    candidates
-        .map(|c| (strsim::osa_distance(word, c), c))
-        .filter(|(d, _)| *d <= limit)
-        .min_by_key(|(d, _)| *d)
-        .map(|(_, c)| c)
-}
-
-/// 1-based (line, column), the column in characters, as serde_yaml_ng counts.
-fn position(m: Marker) -> (usize, usize) {
-    (m.line(), m.col() + 1)
 }
 
 /// Replaces the characters in `range` with spaces, keeping line breaks.
