@@ -25,15 +25,28 @@ pub enum End {
     Dropped,
 }
 
+/// What runs once when a body ends: any `FnOnce(End)` closure, or a type of one's own when it
+/// must be named (a closure's type cannot be, short of boxing it) or must look at the body
+/// one last time (what it counted, what it kept).
+pub trait Settle<B> {
+    fn settle(self, how: End, body: &mut B);
+}
+
+impl<B, F: FnOnce(End)> Settle<B> for F {
+    fn settle(self, how: End, _: &mut B) {
+        self(how)
+    }
+}
+
 /// `inner`, calling `on_end` once when it ends (see the module docs).
 ///
 /// The inner body must be `Unpin`; pin one that is not with `Box::pin`.
-pub struct OnEnd<B: Body, F: FnOnce(End)> {
+pub struct OnEnd<B: Body, F: Settle<B>> {
     inner: B,
     on_end: Option<F>,
 }
 
-impl<B: Body + Unpin, F: FnOnce(End)> OnEnd<B, F> {
+impl<B: Body + Unpin, F: Settle<B>> OnEnd<B, F> {
     pub fn new(inner: B, on_end: F) -> Self {
         OnEnd {
             inner,
@@ -54,15 +67,15 @@ impl<B: Body + Unpin, F: FnOnce(End)> OnEnd<B, F> {
 
     fn end(&mut self, how: End) {
         if let Some(f) = self.on_end.take() {
-            f(how);
+            f.settle(how, &mut self.inner);
         }
     }
 }
 
 // The callback is never pinned: only the inner body is polled in place.
-impl<B: Body + Unpin, F: FnOnce(End)> Unpin for OnEnd<B, F> {}
+impl<B: Body + Unpin, F: Settle<B>> Unpin for OnEnd<B, F> {}
 
-impl<B: Body + Unpin, F: FnOnce(End)> Body for OnEnd<B, F> {
+impl<B: Body + Unpin, F: Settle<B>> Body for OnEnd<B, F> {
     type Data = B::Data;
     type Error = B::Error;
 
@@ -90,15 +103,16 @@ impl<B: Body + Unpin, F: FnOnce(End)> Body for OnEnd<B, F> {
     }
 }
 
-impl<B: Body, F: FnOnce(End)> Drop for OnEnd<B, F> {
+impl<B: Body, F: Settle<B>> Drop for OnEnd<B, F> {
     fn drop(&mut self) {
         if let Some(f) = self.on_end.take() {
             // A body that has nothing left was complete even if nobody polled it to the end.
-            f(if self.inner.is_end_stream() {
+            let how = if self.inner.is_end_stream() {
                 End::Completed
             } else {
                 End::Dropped
-            });
+            };
+            f.settle(how, &mut self.inner);
         }
     }
 }

@@ -18,6 +18,7 @@ use std::time::Duration;
 
 use bytes::Bytes;
 use dsv4_client::Status;
+use dsv4_engine::OutputTail;
 use http::header::{self, HeaderMap, HeaderName, HeaderValue};
 use http::{Method, Request, Response, StatusCode, Uri};
 use http_body::{Body, Frame, SizeHint};
@@ -30,6 +31,7 @@ use tokio::sync::watch;
 use tokio::time::Instant;
 
 use crate::auth::{ApiKeys, AuthResult, KeyCache, X_API_KEY};
+use crate::body::{End, OnEnd, Settle};
 use crate::config::Config;
 use crate::http_error::{with_tail, ApiError};
 use crate::lifecycle::{Handle, Lease, ERROR_TAIL_LINES};
@@ -51,22 +53,40 @@ pub struct Ctx {
 #[allow(clippy::large_enum_variant)]
 pub enum ProxyBody {
     Full(Option<Bytes>),
-    Upstream {
-        inner: UpstreamBody,
-        lease: Option<Lease>,
-        /// Reads the engine's `timings` off the response's end, for the statistics.
-        tap: Option<Box<Tapped>>,
-        /// An event stream: a break is told to the client as an error event first.
-        sse: bool,
-        /// The break, held back while its error event goes out.
-        broken: Option<Broken>,
-    },
+    Upstream(OnEnd<EngineStream, Release>),
+}
+
+/// The engine's body on its way to the client: its bytes shown to the statistics tap, and a
+/// break in an event stream told as an error event first.
+pub struct EngineStream {
+    inner: UpstreamBody,
+    /// Reads the engine's `timings` off the response's end, for the statistics.
+    tap: Option<Box<Tapped>>,
+    /// An event stream: the engine's output, to quote in the error event of a break.
+    sse: Option<OutputTail>,
+    /// The break, held back while its error event goes out.
+    broken: Option<Broken>,
 }
 
 /// A stream the engine broke off, between its error event and the failure after it.
 pub enum Broken {
     Unflushed(hyper::Error),
     Flushed(hyper::Error),
+}
+
+/// The request's hold on the engine, let go when its body ends however it ends (the last byte,
+/// a break, a client that left); the figures of a complete answer go to the statistics.
+pub struct Release {
+    lease: Lease,
+}
+
+impl Settle<EngineStream> for Release {
+    fn settle(self, how: End, body: &mut EngineStream) {
+        drop(self.lease);
+        if let (End::Completed, Some(t)) = (how, body.tap.take()) {
+            t.finish();
+        }
+    }
 }
 
 impl From<Bytes> for ProxyBody {
@@ -85,74 +105,14 @@ impl Body for ProxyBody {
     ) -> Poll<Option<Result<Frame<Bytes>, hyper::Error>>> {
         match &mut *self {
             ProxyBody::Full(b) => Poll::Ready(b.take().map(|b| Ok(Frame::data(b)))),
-            ProxyBody::Upstream {
-                inner,
-                lease,
-                tap,
-                sse,
-                broken,
-            } => {
-                match broken.take() {
-                    // hyper drops what it has not yet written when a body fails, so the
-                    // error event is let out (one turn, in which hyper flushes) before the
-                    // failure that breaks the connection.
-                    Some(Broken::Unflushed(e)) => {
-                        *broken = Some(Broken::Flushed(e));
-                        cx.waker().wake_by_ref();
-                        return Poll::Pending;
-                    }
-                    Some(Broken::Flushed(e)) => return Poll::Ready(Some(Err(e))),
-                    None => {}
-                }
-                let polled = Pin::new(&mut *inner).poll_frame(cx);
-                match &polled {
-                    Poll::Ready(Some(Ok(frame))) => {
-                        if let (Some(t), Some(d)) = (tap.as_mut(), frame.data_ref()) {
-                            t.tap.push(d);
-                        }
-                        // hyper stops polling a body that says it has ended (a known length
-                        // is reached), so the end may show here rather than as `None`.
-                        if inner.is_end_stream() {
-                            drop(lease.take());
-                            if let Some(t) = tap.take() {
-                                t.finish();
-                            }
-                        }
-                    }
-                    // The last byte (or a broken stream) ends the request's hold on the engine.
-                    Poll::Ready(None) => {
-                        drop(lease.take());
-                        if let Some(t) = tap.take() {
-                            t.finish();
-                        }
-                    }
-                    Poll::Ready(Some(Err(e))) => {
-                        tap.take();
-                        let lease = lease.take();
-                        if *sse {
-                            // Clients show an error event's message; a stream that merely
-                            // stops looks like a complete, cut-off answer. The connection
-                            // still breaks after it, so nothing mistakes it for an end.
-                            let tail = lease.map(|l| l.engine.output.last(ERROR_TAIL_LINES));
-                            let event = error_event(e, &tail.unwrap_or_default());
-                            if let Poll::Ready(Some(Err(e))) = polled {
-                                *broken = Some(Broken::Unflushed(e));
-                            }
-                            return Poll::Ready(Some(Ok(Frame::data(event))));
-                        }
-                    }
-                    Poll::Pending => {}
-                }
-                polled
-            }
+            ProxyBody::Upstream(body) => Pin::new(body).poll_frame(cx),
         }
     }
 
     fn is_end_stream(&self) -> bool {
         match self {
             ProxyBody::Full(b) => b.is_none(),
-            // A break held back behind its error event is still to come.
-            ProxyBody::Upstream { inner, broken, .. } => broken.is_none() && inner.is_end_stream(),
+            ProxyBody::Upstream(body) => body.is_end_stream(),
         }
     }
 
@@ -160,8 +120,64 @@ impl Body for ProxyBody {
         match self {
             ProxyBody::Full(Some(b)) => SizeHint::with_exact(b.len() as u64),
             ProxyBody::Full(None) => SizeHint::with_exact(0),
-            ProxyBody::Upstream { inner, .. } => inner.size_hint(),
+            ProxyBody::Upstream(body) => body.size_hint(),
         }
+    }
+}
+
+impl Body for EngineStream {
+    type Data = Bytes;
+    type Error = hyper::Error;
+
+    fn poll_frame(
+        mut self: Pin<&mut Self>,
+        cx: &mut Context<'_>,
+    ) -> Poll<Option<Result<Frame<Bytes>, hyper::Error>>> {
+        let this = &mut *self;
+        match this.broken.take() {
+            // hyper drops what it has not yet written when a body fails, so the error event
+            // is let out (one turn, in which hyper flushes) before the failure that breaks the
+            // connection.
+            Some(Broken::Unflushed(e)) => {
+                this.broken = Some(Broken::Flushed(e));
+                cx.waker().wake_by_ref();
+                return Poll::Pending;
+            }
+            Some(Broken::Flushed(e)) => return Poll::Ready(Some(Err(e))),
+            None => {}
+        }
+        let polled = Pin::new(&mut this.inner).poll_frame(cx);
+        match &polled {
+            Poll::Ready(Some(Ok(frame))) => {
+                if let (Some(t), Some(d)) = (this.tap.as_mut(), frame.data_ref()) {
+                    t.tap.push(d);
+                }
+            }
+            Poll::Ready(Some(Err(e))) => {
+                this.tap = None;
+                if let Some(output) = &this.sse {
+                    // Clients show an error event's message; a stream that merely stops looks
+                    // like a complete, cut-off answer. The connection still breaks after it,
+                    // so nothing mistakes it for an end.
+                    let event = error_event(e, &output.last(ERROR_TAIL_LINES));
+                    if let Poll::Ready(Some(Err(e))) = polled {
+                        this.broken = Some(Broken::Unflushed(e));
+                    }
+                    return Poll::Ready(Some(Ok(Frame::data(event))));
+                }
+            }
+            Poll::Ready(None) | Poll::Pending => {}
+        }
+        polled
+    }
+
+    fn is_end_stream(&self) -> bool {
+        // A break held back behind its error event is still to come.
+        self.broken.is_none() && self.inner.is_end_stream()
+    }
+
+    fn size_hint(&self) -> SizeHint {
+        self.inner.size_hint()
     }
 }
 
@@ -433,15 +449,15 @@ async fn proxy(ctx: &Ctx, config: &Config, req: Request<Incoming>) -> Response<P
                 }
                 _ => None,
             };
+            let stream = EngineStream {
+                inner,
+                tap,
+                sse: sse.then(|| engine.output.clone()),
+                broken: None,
+            };
             Response::from_parts(
                 parts,
-                ProxyBody::Upstream {
-                    inner,
-                    lease: Some(lease),
-                    tap,
-                    sse,
-                    broken: None,
-                },
+                ProxyBody::Upstream(OnEnd::new(stream, Release { lease })),
             )
         }
         Err(e) => {
