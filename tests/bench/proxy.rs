@@ -19,6 +19,7 @@ mod support;
 
 mod proxies;
 
+use dsv4_client::State;
 use std::net::SocketAddr;
 use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
 
@@ -135,7 +136,7 @@ async fn classic() {
     let mut via = support::one_connection(d.addr).await;
     once(&mut via, d.addr, chat(1, false)).await;
     let status = d.status().await;
-    assert_eq!(status["state"], "ready", "{status}");
+    assert_eq!(status["state"], State::Ready.as_str(), "{status}");
     let engine = engine_addr(&d);
     let mut direct = support::one_connection(engine).await;
     for _ in 0..200 {

@@ -8,6 +8,7 @@ use std::time::Duration;
 
 use crate::support::*;
 use bytes::Bytes;
+use dsv4_client::State;
 use http_body_util::{BodyExt, StreamBody};
 use hyper::body::Frame;
 
@@ -100,7 +101,7 @@ async fn requests_without_the_right_key_get_401_and_never_start_the_engine() {
     // /health stays open.
     let (status, _, v) = d.send("GET", "/health", &[], None).await;
     assert_eq!(status, 200, "{v}");
-    assert_eq!(v["engine"], "stopped");
+    assert_eq!(v["engine"], State::Stopped.as_str());
     let (status, _, _) = d.send("HEAD", "/health", &[], None).await;
     assert_eq!(status, 200);
 
@@ -128,7 +129,7 @@ async fn the_right_key_in_either_header_is_let_through() {
         .send("GET", "/status", &[("authorization", &bearer)], None)
         .await;
     assert_eq!(status, 200, "{v}");
-    assert_eq!(v["state"], "ready");
+    assert_eq!(v["state"], State::Ready.as_str());
     let (status, _, v) = d
         .send("GET", "/v1/models", &[("x-api-key", SECOND_KEY)], None)
         .await;

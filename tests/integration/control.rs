@@ -164,7 +164,7 @@ async fn start_switch_profile_and_stop_with_dsv4ctl() {
         text(&out.stdout),
         text(&out.stderr)
     );
-    assert_eq!(proxy.state().await.unwrap(), "ready");
+    assert_eq!(proxy.state().await.unwrap(), State::Ready.as_str());
     let first_pid = proxy.engine_pid().await.unwrap();
     assert!(first_pid > 0);
     assert!(d.fake_log().contains("-c 327680"));
@@ -176,12 +176,13 @@ async fn start_switch_profile_and_stop_with_dsv4ctl() {
     let out = ctl(&bus.address, &["profile", "64k"], None);
     assert_eq!(out.status.code(), Some(0), "{}", text(&out.stderr));
     assert_eq!(proxy.profile().await.unwrap(), "64k");
-    assert_eq!(proxy.state().await.unwrap(), "draining");
+    assert_eq!(proxy.state().await.unwrap(), State::Draining.as_str());
     let (rest, done, _) = stream.collect_chat().await;
     assert_eq!(rest.len(), 29);
     assert!(done);
     let t = Instant::now();
-    while proxy.state().await.unwrap() != "ready" || proxy.engine_pid().await.unwrap() == first_pid
+    while proxy.state().await.unwrap() != State::Ready.as_str()
+        || proxy.engine_pid().await.unwrap() == first_pid
     {
         assert!(t.elapsed() < 10 * SEC, "no restart with the new profile");
         tokio::time::sleep(Duration::from_millis(20)).await;
@@ -195,17 +196,19 @@ async fn start_switch_profile_and_stop_with_dsv4ctl() {
 
     let out = ctl(&bus.address, &["stop"], None);
     assert_eq!(out.status.code(), Some(0), "{}", text(&out.stderr));
-    d.wait_state("stopped", 10 * SEC).await;
+    d.wait_state(State::Stopped, 10 * SEC).await;
     assert_eq!(proxy.engine_pid().await.unwrap(), 0);
 
     // The states went by in order, each announced.
+    use State::*;
     let want = [
-        "starting", "ready", "draining", "stopping", "starting", "ready", "stopping", "stopped",
-    ];
+        Starting, Ready, Draining, Stopping, Starting, Ready, Stopping, Stopped,
+    ]
+    .map(State::as_str);
     let t = Instant::now();
     let last = |v: &Arc<Mutex<Vec<String>>>| v.lock().unwrap().last().cloned();
-    while last(&seen).as_deref() != Some("stopped")
-        || last(&announced).as_deref() != Some("stopped")
+    while last(&seen).as_deref() != Some(Stopped.as_str())
+        || last(&announced).as_deref() != Some(Stopped.as_str())
     {
         if t.elapsed() > 5 * SEC {
             break;
@@ -219,7 +222,7 @@ async fn start_switch_profile_and_stop_with_dsv4ctl() {
     }
     let announced = announced.lock().unwrap().clone();
     let mut it = announced.iter();
-    for w in ["stopped", "ready", "stopped"] {
+    for w in [Stopped, Ready, Stopped].map(State::as_str) {
         assert!(it.any(|s| s == w), "missing {w} in order in {announced:?}");
     }
 }
@@ -368,7 +371,7 @@ async fn start_wait_fails_with_the_engine_error() {
     let out = ctl(&bus.address, &["status"], None);
     assert_eq!(out.status.code(), Some(0));
     assert!(
-        text(&out.stdout).contains("backoff"),
+        text(&out.stdout).contains(State::Backoff.as_str()),
         "{}",
         text(&out.stdout)
     );
@@ -385,7 +388,7 @@ async fn start_wait_shows_the_states_the_daemon_announces() {
     let stdout = text(&out.stdout);
     assert_eq!(out.status.code(), Some(0), "{stdout}{}", text(&out.stderr));
     let lines: Vec<&str> = stdout.lines().collect();
-    assert_eq!(lines.first(), Some(&"starting"), "{stdout}");
+    assert_eq!(lines.first(), Some(&State::Starting.as_str()), "{stdout}");
     assert!(
         lines.last().is_some_and(|l| l.starts_with("ready after ")),
         "{stdout}"
@@ -469,7 +472,7 @@ async fn an_engine_that_dies_while_serving_raises_an_alert() {
     assert_eq!(out.status.code(), Some(0), "{}", text(&out.stderr));
     let out = ctl(&bus.address, &["stop"], None);
     assert_eq!(out.status.code(), Some(0), "{}", text(&out.stderr));
-    d.wait_state("stopped", 10 * SEC).await;
+    d.wait_state(State::Stopped, 10 * SEC).await;
     // A request that makes it die mid-answer does.
     let resp = d.post("/v1/chat/completions", chat(10, false)).await;
     assert_eq!(resp.status(), 502);

@@ -13,6 +13,7 @@ use std::time::{Duration, Instant};
 
 use crate::support::*;
 use bytes::Bytes;
+use dsv4_client::State;
 use http_body_util::{BodyExt, Full};
 use hyper::client::conn::http1::SendRequest;
 
@@ -263,7 +264,7 @@ async fn an_engine_that_drops_a_request_it_read_gives_an_honest_502() {
         assert!(msg.contains("fake-engine: loading model"), "{msg}");
     }
     // The engine is still up and serving: the exchange broke, not the engine.
-    assert_eq!(d.status().await["state"], "ready");
+    assert_eq!(d.status().await["state"], State::Ready.as_str());
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

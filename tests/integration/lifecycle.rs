@@ -4,6 +4,7 @@
 use std::time::{Duration, Instant};
 
 use crate::support::*;
+use dsv4_client::State;
 use nix::sys::signal::Signal;
 
 const SEC: Duration = Duration::from_secs(1);
@@ -45,7 +46,7 @@ async fn twenty_concurrent_streams_during_a_cold_start_spawn_one_engine() {
         d.fake_log()
     );
     let s = d.status().await;
-    assert_eq!(s["state"], "ready");
+    assert_eq!(s["state"], State::Ready.as_str());
     assert_eq!(s["in_flight"], 0);
 }
 
@@ -80,7 +81,7 @@ async fn a_stream_that_pauses_past_idle_timeout_completes_and_is_not_buffered() 
         d.fake_log()
     );
     // Idle time counts from the end of the stream: it stops about a second later.
-    d.wait_state("stopped", 5 * SEC).await;
+    d.wait_state(State::Stopped, 5 * SEC).await;
     assert!(d.fake_log().contains("sigterm"));
 }
 
@@ -103,7 +104,7 @@ async fn idle_engine_stops_and_the_next_request_starts_it_again() {
     assert_eq!(models["data"][0]["context"], 327680);
     assert_eq!(models["data"][0]["active"], true);
     let (_, health) = d.get("/health").await;
-    assert_eq!(health["engine"], "stopped");
+    assert_eq!(health["engine"], State::Stopped.as_str());
     assert_eq!(d.spawns(), 0);
 
     let (status, _, v) = body_json(d.post("/v1/chat/completions", chat(3, false)).await).await;
@@ -111,11 +112,11 @@ async fn idle_engine_stops_and_the_next_request_starts_it_again() {
     assert_eq!(v["choices"][0]["message"]["content"], "abc");
     assert_eq!(d.spawns(), 1);
     let s = d.status().await;
-    assert_eq!(s["state"], "ready");
+    assert_eq!(s["state"], State::Ready.as_str());
     assert!(s["engine_pid"].as_i64().is_some());
     assert!(s["idle_deadline"].as_f64().is_some());
 
-    d.wait_state("stopped", 5 * SEC).await;
+    d.wait_state(State::Stopped, 5 * SEC).await;
     assert!(d.fake_log().contains("sigterm"));
     let (status, _, v) = body_json(d.post("/v1/chat/completions", chat(2, false)).await).await;
     assert_eq!(status, 200, "{v}");
@@ -142,7 +143,7 @@ async fn an_engine_that_exits_at_start_gives_its_stderr_and_the_daemon_stays_up(
     );
     let (status, health) = d.get("/health").await;
     assert_eq!(status, 200);
-    assert_eq!(health["engine"], "backoff");
+    assert_eq!(health["engine"], State::Backoff.as_str());
     let s = d.status().await;
     assert!(
         s["last_error"].as_str().unwrap().contains("exit code 7"),
@@ -156,7 +157,7 @@ async fn an_engine_that_exits_at_start_gives_its_stderr_and_the_daemon_stays_up(
     assert!(headers.contains_key("retry-after"));
     assert_eq!(d.spawns(), 1);
     // After it, a later request tries again.
-    d.wait_state("stopped", 3 * SEC).await;
+    d.wait_state(State::Stopped, 3 * SEC).await;
     let (status, _, _) = body_json(d.post("/v1/chat/completions", chat(3, false)).await).await;
     assert_eq!(status, 503);
     assert_eq!(d.spawns(), 2);
@@ -181,7 +182,7 @@ async fn an_engine_that_never_gets_ready_times_out_with_504_and_is_stopped() {
         "no output tail: {msg}"
     );
     d.wait_fake_log("sigterm", 3 * SEC).await;
-    d.wait_state("backoff", 3 * SEC).await;
+    d.wait_state(State::Backoff, 3 * SEC).await;
     let (status, _) = d.get("/health").await;
     assert_eq!(status, 200);
 }
@@ -218,7 +219,7 @@ async fn an_engine_that_dies_mid_request_gives_502_with_its_output() {
         "{msg}"
     );
     assert!(msg.contains("dying on purpose"), "{msg}");
-    d.wait_state("stopped", 3 * SEC).await;
+    d.wait_state(State::Stopped, 3 * SEC).await;
     let s = d.status().await;
     assert!(
         s["last_error"]
@@ -277,7 +278,7 @@ async fn sigterm_lets_the_stream_finish_then_exits_zero_with_no_engine_left() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn sigterm_while_stopped_exits_zero_at_once() {
     let mut d = Daemon::start(&Setup::default());
-    d.wait_state("stopped", 5 * SEC).await;
+    d.wait_state(State::Stopped, 5 * SEC).await;
     d.signal(Signal::SIGTERM);
     let st = d.wait_exit(5 * SEC).await;
     assert_eq!(st.code(), Some(0));
@@ -399,7 +400,10 @@ async fn without_socket_activation_it_binds_listen() {
         (out.lines().next().unwrap_or_default().to_string(), out)
     };
     assert_eq!(status, "HTTP/1.1 200 OK", "{body}");
-    assert!(body.contains(r#""engine":"stopped""#), "{body}");
+    assert!(
+        body.contains(&format!(r#""engine":"{}""#, State::Stopped)),
+        "{body}"
+    );
     d.signal(Signal::SIGTERM);
     let st = d.wait_exit(10 * SEC).await;
     assert_eq!(st.code(), Some(0));

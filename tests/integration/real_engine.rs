@@ -9,6 +9,7 @@ use std::time::Duration;
 
 use crate::support::real::{engine, setup};
 use crate::support::*;
+use dsv4_client::State;
 use nix::sys::signal::Signal;
 
 const SEC: Duration = Duration::from_secs(1);
@@ -16,7 +17,7 @@ const SEC: Duration = Duration::from_secs(1);
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_streamed_chat_starts_the_real_engine_on_demand() {
     let d = Daemon::start(&setup());
-    assert_eq!(d.status().await["state"], "stopped");
+    assert_eq!(d.status().await["state"], State::Stopped.as_str());
     let resp = d.post("/v1/chat/completions", chat(8, true)).await;
     assert_eq!(resp.status(), 200);
     assert_eq!(resp.headers()["content-type"], "text/event-stream");
@@ -24,7 +25,7 @@ async fn a_streamed_chat_starts_the_real_engine_on_demand() {
     assert_eq!(content, "abcdefgh");
     assert!(done);
     let s = d.status().await;
-    assert_eq!(s["state"], "ready");
+    assert_eq!(s["state"], State::Ready.as_str());
     assert_eq!(s["generation"], 1);
     assert!(alive(s["engine_pid"].as_i64().unwrap()));
 }
@@ -73,7 +74,7 @@ async fn the_idle_real_engine_stops_and_starts_again() {
     assert_eq!(status, 200, "{v}");
     assert_eq!(v["choices"][0]["message"]["content"], "abc");
     let pid = d.status().await["engine_pid"].as_i64().unwrap();
-    d.wait_state("stopped", 10 * SEC).await;
+    d.wait_state(State::Stopped, 10 * SEC).await;
     assert!(!alive(pid), "idle engine {pid} still running");
     let (status, _, v) = body_json(d.post("/v1/chat/completions", chat(2, false)).await).await;
     assert_eq!(status, 200, "{v}");

@@ -6,6 +6,7 @@ use std::path::Path;
 use std::time::{Duration, Instant};
 
 use crate::support::*;
+use dsv4_client::State;
 use futures_util::StreamExt;
 use nix::sys::signal::Signal;
 
@@ -44,7 +45,7 @@ async fn a_new_idle_timeout_applies_to_the_running_engine() {
         &d.config_text(&new, "supervisor.yaml"),
     );
     // Picked up once, and the engine, idle, stops within the new timeout.
-    d.wait_state("stopped", 5 * SEC).await;
+    d.wait_state(State::Stopped, 5 * SEC).await;
     assert_eq!(
         d.log().matches("configuration reloaded").count(),
         1,
@@ -115,7 +116,7 @@ async fn an_invalid_edit_is_rejected_whole_with_an_alert() {
         s["idle_deadline"].as_f64().unwrap() - s["ready_since"].as_f64().unwrap() > 3000.0,
         "{s}"
     );
-    assert_eq!(proxy.state().await.unwrap(), "ready");
+    assert_eq!(proxy.state().await.unwrap(), State::Ready.as_str());
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -135,9 +136,9 @@ async fn a_changed_active_profile_applies_at_the_next_start() {
     }
     // The running engine is left alone...
     assert_eq!(d.spawns(), 1);
-    assert_eq!(d.status().await["state"], "ready");
+    assert_eq!(d.status().await["state"], State::Ready.as_str());
     // ...and once it has stopped (idle), the next one gets the new context.
-    d.wait_state("stopped", 5 * SEC).await;
+    d.wait_state(State::Stopped, 5 * SEC).await;
     let (status, _, _) = body_json(d.post("/v1/chat/completions", chat(2, false)).await).await;
     assert_eq!(status, 200);
     let starts = d.starts();
@@ -151,7 +152,7 @@ async fn a_changed_active_profile_applies_at_the_next_start() {
 async fn sighup_reloads() {
     let setup = Setup::default();
     let d = Daemon::start(&setup);
-    d.wait_state("stopped", 5 * SEC).await;
+    d.wait_state(State::Stopped, 5 * SEC).await;
     // Written in place while the daemon is told to reload: SIGHUP (the write may also be seen).
     let new = setup.top_level("exit_when_idle", "null");
     std::fs::write(

@@ -455,3 +455,59 @@ mod tests {
         assert_eq!(Bus::Session.to_string(), "session");
     }
 }
+
+/// The state names are spelled in [`State`] only: everything else in the workspace (the
+/// daemon, the CLI, the engine adapters, the tests and the bench) goes through the enum, so
+/// a renamed or added state cannot leave a stale string behind.
+#[cfg(test)]
+mod one_spelling {
+    use super::State;
+    use std::path::{Path, PathBuf};
+
+    fn rust_files(dir: &Path, out: &mut Vec<PathBuf>) {
+        let Ok(entries) = std::fs::read_dir(dir) else {
+            return;
+        };
+        for e in entries.flatten() {
+            let p = e.path();
+            if p.is_dir() {
+                if p.file_name().is_some_and(|n| n == "target") {
+                    continue;
+                }
+                rust_files(&p, out);
+            } else if p.extension().is_some_and(|x| x == "rs") {
+                out.push(p);
+            }
+        }
+    }
+
+    #[test]
+    fn no_state_name_is_a_string_literal_outside_state() {
+        let root = Path::new(env!("CARGO_MANIFEST_DIR")).join("../..");
+        let own = Path::new(env!("CARGO_MANIFEST_DIR")).join("src/lib.rs");
+        let mut files = Vec::new();
+        for dir in ["supervisor", "engine", "tests"] {
+            rust_files(&root.join(dir), &mut files);
+        }
+        assert!(files.len() > 20, "found only {} files", files.len());
+        let mut found = Vec::new();
+        for f in files {
+            if f.canonicalize().ok() == own.canonicalize().ok() {
+                continue;
+            }
+            let text = std::fs::read_to_string(&f).unwrap_or_default();
+            for (n, line) in text.lines().enumerate() {
+                for s in State::ALL {
+                    if line.contains(&format!("\"{}\"", s.as_str())) {
+                        found.push(format!("{}:{}: {}", f.display(), n + 1, line.trim()));
+                    }
+                }
+            }
+        }
+        assert!(
+            found.is_empty(),
+            "engine state names spelled as strings (use dsv4_client::State):\n{}",
+            found.join("\n")
+        );
+    }
+}

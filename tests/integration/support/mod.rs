@@ -2,6 +2,7 @@
 //! `--listen`, configured by a `Setup`), driving the fake engine, with a small HTTP client.
 #![allow(dead_code)]
 
+use dsv4_client::State;
 use std::collections::BTreeMap;
 use std::ffi::OsStr;
 use std::io::{BufRead, BufReader};
@@ -563,11 +564,11 @@ impl Daemon {
     }
 
     /// Waits until `/status` says `state`.
-    pub async fn wait_state(&self, state: &str, within: Duration) {
+    pub async fn wait_state(&self, state: State, within: Duration) {
         let t = Instant::now();
         loop {
             let s = self.status().await;
-            if s["state"] == state {
+            if s["state"] == state.as_str() {
                 return;
             }
             assert!(
