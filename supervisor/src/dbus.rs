@@ -107,7 +107,7 @@ impl From<ControlError> for Fault {
                 name: ERROR_UNKNOWN_PROFILE,
                 message: e.to_string(),
             },
-            ControlError::Gone => Fault::failed(e.to_string()),
+            ControlError::Gone | ControlError::NotSaved { .. } => Fault::failed(e.to_string()),
         }
     }
 }

@@ -330,6 +330,25 @@ async fn the_chosen_profile_survives_a_daemon_restart() {
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_profile_choice_that_cannot_be_saved_fails_and_changes_nothing() {
+    let bus = PrivateBus::start();
+    let d = Daemon::start(&setup(&bus));
+    wait_bus_name(&d, &bus).await;
+    // state_dir becomes a file: nothing can be saved in it (even by root).
+    let state = d.dir().join("state");
+    let _ = std::fs::remove_dir_all(&state);
+    std::fs::write(&state, "not a folder").unwrap();
+    let out = ctl(&bus.address, &["profile", "64k"], None);
+    let err = text(&out.stderr);
+    assert_eq!(out.status.code(), Some(1), "{err}");
+    assert!(err.contains("cannot remember profile 64k in"), "{err}");
+    assert!(err.contains("nothing changed"), "{err}");
+    let out = ctl(&bus.address, &["--json", "profile"], None);
+    let v: serde_json::Value = serde_json::from_slice(&out.stdout).unwrap();
+    assert_eq!(v["profile"], "320k");
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn logs_show_the_engine_output() {
     let bus = PrivateBus::start();
     let d = Daemon::start(&setup(&bus));

@@ -97,7 +97,8 @@ enum Command {
     /// running engine's if that is another one. With NAME, makes it the active profile (it
     /// is kept across restarts of the daemon): a running engine is restarted with it once
     /// its in-flight requests have finished, and requests that arrive meanwhile wait for
-    /// the new engine.
+    /// the new engine. When the daemon cannot save the choice (its state_dir is not
+    /// writable), nothing changes and dsv4ctl exits 1 with the reason.
     Profile {
         /// The profile to switch to (see `dsv4ctl profiles`)
         name: Option<String>,

@@ -79,6 +79,12 @@ pub type Refused = Refusal;
 pub enum ControlError {
     #[error("unknown profile `{name}`; profiles: {}", known.join(", "))]
     UnknownProfile { name: String, known: Vec<String> },
+    #[error("cannot remember profile {name} in {dir}: {why}; nothing changed (state_dir must be writable by dsv4d)")]
+    NotSaved {
+        name: String,
+        dir: String,
+        why: String,
+    },
     #[error("the supervisor is shutting down")]
     Gone,
 }
@@ -426,15 +432,19 @@ impl Actor {
                     ));
                     return None;
                 }
-                tracing::info!("profile set to {name}");
                 let state_dir = &self.config.supervisor.state_dir;
                 if let Err(e) = crate::state_file::save_profile(state_dir, &name) {
-                    // The switch still happens; only remembering it failed.
-                    tracing::warn!(
-                        "cannot remember profile {name} in {}: {e}",
-                        state_dir.display()
-                    );
+                    // A switch that a restart would quietly undo is refused whole.
+                    let err = ControlError::NotSaved {
+                        name,
+                        dir: state_dir.display().to_string(),
+                        why: e.to_string(),
+                    };
+                    tracing::warn!("{err}");
+                    self.outbox.push(Reply::Control(reply, Err(err)));
+                    return None;
                 }
+                tracing::info!("profile set to {name}");
                 self.outbox.push(Reply::Control(reply, Ok(())));
                 Some(Event::SetProfile { profile: name })
             }
