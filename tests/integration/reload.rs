@@ -165,3 +165,22 @@ async fn sighup_reloads() {
     let (status, _) = d.get("/health").await;
     assert_eq!(status, 200);
 }
+
+/// At `DSV4_LOG=trace`, writes to files in the watched folders that are not configuration (a
+/// log file kept there) must not be logged one by one: each such line was itself a write,
+/// and the daemon logged its own log in a loop.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn writes_to_other_files_in_the_config_folder_are_not_traced() {
+    let d = Daemon::start(&Setup::default().log_level("trace"));
+    let other = d.dir().join("dsv4d.log");
+    for n in 0..200 {
+        std::fs::write(&other, format!("line {n}\n")).unwrap();
+    }
+    // A configuration change still gets through (and is logged) after them.
+    tokio::time::sleep(Duration::from_millis(300)).await;
+    d.signal(Signal::SIGHUP);
+    wait_log(&d, "SIGHUP", 5 * SEC).await;
+    let log = d.log();
+    let traced = log.lines().filter(|l| l.contains("dsv4d.log")).count();
+    assert_eq!(traced, 0, "{traced} lines about the other file:\n{log}");
+}
