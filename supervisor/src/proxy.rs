@@ -1,10 +1,10 @@
 //! The HTTP front: the supervisor's own endpoints and the streaming proxy to the engine.
 //!
-//! Owns: client connections, routing, API key checks (see [`crate::auth`]), the request body
-//! limit, hop-by-hop header handling, and the lease that each proxied request holds until its
-//! response body ends or is dropped. Must not: buffer bodies, time out a response that has
-//! not started (a 256K-token prefill takes two hours), or touch the engine process (it asks
-//! the lifecycle actor for a lease).
+//! Owns: client connections, routing, who may call (browsers: [`crate::front`], API keys:
+//! [`crate::auth`]), the request body limit, hop-by-hop header handling, and the lease that
+//! each proxied request holds until its response body ends or is dropped. Must not: buffer
+//! bodies, time out a response that has not started (a 256K-token prefill takes two hours),
+//! or touch the engine process (it asks the lifecycle actor for a lease).
 //!
 //! Bodies stream frame by frame both ways. A client that goes away drops the response body,
 //! which drops the upstream response and closes its connection, so the engine stops work.
@@ -33,6 +33,7 @@ use tokio::time::Instant;
 use crate::auth::{ApiKeys, AuthResult, KeyCache, X_API_KEY};
 use crate::body::{End, OnEnd, Settle};
 use crate::config::Config;
+use crate::front;
 use crate::http_error::{with_tail, ApiError};
 use crate::lifecycle::{Handle, Lease, ERROR_TAIL_LINES};
 use crate::stats::{Stats, Tap};
@@ -242,18 +243,34 @@ pub async fn serve(
     graceful.shutdown()
 }
 
-async fn handle(ctx: &Ctx, mut req: Request<Incoming>) -> Response<ProxyBody> {
+async fn handle(ctx: &Ctx, req: Request<Incoming>) -> Response<ProxyBody> {
+    let config = ctx.config.borrow().clone();
+    // Browsers first, on every path: a request for a host that is not ours (DNS rebinding)
+    // or from a web page not listed gets no further, and a preflight is answered here.
+    let caller = match front::admit(&config.supervisor.api, &req) {
+        Ok(caller) => caller,
+        Err(refused) => return refused.into_response(),
+    };
+    if front::is_preflight(&req) {
+        return front::preflight(&caller, req.headers());
+    }
+    let mut response = route(ctx, &config, req).await;
+    front::finish(&caller, response.headers_mut());
+    response
+}
+
+async fn route(ctx: &Ctx, config: &Arc<Config>, mut req: Request<Incoming>) -> Response<ProxyBody> {
     let own = matches!(*req.method(), Method::GET | Method::HEAD);
     if own && req.uri().path() == "/health" {
-        // Open always: it is what a load balancer or a watchdog polls.
+        // Open to every caller the front admits: it is what a load balancer or a watchdog
+        // polls.
         let s = ctx.lifecycle.status();
         return json_response(
             StatusCode::OK,
             json!({ "status": "ok", "engine": s.state, "profile": s.profile }),
         );
     }
-    let config = ctx.config.borrow().clone();
-    if let Err(refused) = check_key(ctx.api_keys.get(&config), req.headers_mut()) {
+    if let Err(refused) = check_key(ctx.api_keys.get(config), req.headers_mut()) {
         let unauthorized = refused.status == StatusCode::UNAUTHORIZED;
         let mut r: Response<ProxyBody> = refused.into_response();
         if unauthorized {
@@ -285,7 +302,7 @@ async fn handle(ctx: &Ctx, mut req: Request<Incoming>) -> Response<ProxyBody> {
             );
             r
         }
-        _ => proxy(ctx, &config, req).await,
+        _ => proxy(ctx, config, req).await,
     }
 }
 

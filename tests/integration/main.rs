@@ -9,6 +9,7 @@ mod support;
 mod actor;
 mod api_access;
 mod control;
+mod cors;
 mod ds4;
 mod engine_connections;
 mod lifecycle;

@@ -154,6 +154,17 @@ impl Check<'_> {
             };
             self.add("api.api_keys_file", message);
         }
+        let api = &mut s.api;
+        self.canonical(
+            "api.cors_origins",
+            &mut api.cors_origins,
+            crate::front::origin_entry,
+        );
+        self.canonical(
+            "api.allowed_hosts",
+            &mut api.allowed_hosts,
+            crate::front::host_entry,
+        );
         for (path, zero) in [
             ("api.max_body", s.api.max_body == 0),
             ("engine.start_timeout", s.engine.start_timeout.is_zero()),
@@ -218,6 +229,25 @@ impl Check<'_> {
             self.rule(true, &keys, message);
         }
         dir_known
+    }
+
+    /// Checks each item of the list at `key` with `canonical`, which reports it or gives its
+    /// canonical form to keep.
+    fn canonical(
+        &mut self,
+        key: &str,
+        items: &mut [String],
+        canonical: fn(&str) -> Result<String, String>,
+    ) {
+        for (i, item) in items.iter_mut().enumerate() {
+            match canonical(item) {
+                Ok(text) => *item = text,
+                Err(message) => {
+                    let path = format!("{key}[{i}]");
+                    self.problems.push(self.doc.at(key, &path, false, message));
+                }
+            }
+        }
     }
 
     /// Every profile file in `dir` by name (those with problems too), and the profiles

@@ -172,6 +172,13 @@ pub struct Api {
     #[serde(deserialize_with = "raw::size")]
     #[default(64 << 20)]
     pub max_body: u64,
+    /// Web pages whose scripts may use the API from a browser: origins
+    /// (`scheme://host[:port]`), or `*` for any. The loader writes each in its canonical form
+    /// (lowercase, without the scheme's default port); see [`crate::front`].
+    pub cors_origins: Vec<String>,
+    /// Names (`host` or `host:port`) that requests may give in `Host` besides the loopback
+    /// ones, which are always allowed. Canonical, as `cors_origins`.
+    pub allowed_hosts: Vec<String>,
 }
 
 /// `engine:`, the lifecycle limits.

@@ -95,6 +95,8 @@ api:
   listen: "[::1]:9090"
   api_keys_file: keys.txt
   max_body: 1MiB
+  cors_origins: [HTTPS://Chat.Example.com:443, "http://localhost:3000"]
+  allowed_hosts: [DSV4.lan, "[0::1]:9090"]
 engine:
   start_timeout: 5m
   idle_timeout: 1h30m
@@ -155,6 +157,11 @@ planned_memory: 10GiB
                 listen: "[::1]:9090".into(),
                 api_keys_file: Some(base.join("keys.txt")),
                 max_body: 1 << 20,
+                cors_origins: vec![
+                    "https://chat.example.com".into(),
+                    "http://localhost:3000".into(),
+                ],
+                allowed_hosts: vec!["dsv4.lan".into(), "[::1]:9090".into()],
             },
             engine: EngineLimits {
                 start_timeout: Duration::from_secs(300),

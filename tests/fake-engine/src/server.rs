@@ -17,7 +17,10 @@ use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
 
 use bytes::Bytes;
 use dsv4::body::{End, OnEnd};
-use http::header::{HeaderName, HeaderValue, CACHE_CONTROL, CONTENT_TYPE};
+use http::header::{
+    HeaderName, HeaderValue, ACCESS_CONTROL_ALLOW_CREDENTIALS, ACCESS_CONTROL_ALLOW_HEADERS,
+    ACCESS_CONTROL_ALLOW_METHODS, ACCESS_CONTROL_ALLOW_ORIGIN, CACHE_CONTROL, CONTENT_TYPE, ORIGIN,
+};
 use http::{Method, Request, Response, StatusCode};
 use http_body_util::{BodyExt, Limited};
 use hyper::body::{Body, Frame, Incoming, SizeHint};
@@ -444,7 +447,16 @@ async fn handle(
         conn.break_now(Reason::AfterRead);
         return std::future::pending().await;
     }
+    let origin = req.headers().get(ORIGIN).cloned();
     let mut resp = route(&engine, req, &method, &path).await;
+    if engine.cfg.mode == Mode::Llama {
+        // As llama-server does: every answer allows the origin that asked, and an empty one
+        // when none did.
+        resp.headers_mut().insert(
+            ACCESS_CONTROL_ALLOW_ORIGIN,
+            origin.unwrap_or(HeaderValue::from_static("")),
+        );
+    }
     if conn.keep_alive_header() {
         resp.headers_mut().insert(
             HeaderName::from_static("keep-alive"),
@@ -471,6 +483,23 @@ async fn route(engine: &Arc<Engine>, req: Request<Incoming>, method: &Method, pa
             }
         }
         (&Method::POST, "/echo") => echo(req),
+        // llama-server answers every OPTIONS as a CORS preflight, loaded or not, allowing
+        // the origin (added by `handle`) with credentials.
+        (&Method::OPTIONS, _) if llama => {
+            let mut r = Response::new(EngineBody::full(Bytes::new()));
+            let h = r.headers_mut();
+            h.insert(
+                ACCESS_CONTROL_ALLOW_CREDENTIALS,
+                HeaderValue::from_static("true"),
+            );
+            h.insert(
+                ACCESS_CONTROL_ALLOW_METHODS,
+                HeaderValue::from_static("GET, POST, DELETE, OPTIONS"),
+            );
+            h.insert(ACCESS_CONTROL_ALLOW_HEADERS, HeaderValue::from_static("*"));
+            h.insert(CONTENT_TYPE, HeaderValue::from_static("text/html"));
+            r
+        }
         _ if !engine.is_ready() => loading(),
         (&Method::GET, "/v1/models" | "/models") => {
             json_response(StatusCode::OK, &gen::models_list(&engine.cfg.model_name))
