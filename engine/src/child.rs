@@ -29,6 +29,8 @@ const LOG_BATCH: std::time::Duration = std::time::Duration::from_millis(20);
 const LOG_BATCH_LINES: usize = 256;
 /// Room for output that arrives while a batch is written (a pipe holds 64 KiB).
 const READ_BUFFER: usize = 64 * 1024;
+/// The longest the exit waits for the output readers to reach the end of the pipes.
+const PUMP_DRAIN: std::time::Duration = std::time::Duration::from_millis(500);
 
 /// What to run.
 #[derive(Debug, Clone)]
@@ -233,22 +235,30 @@ impl EngineChild {
         let mut child = cmd.spawn().map_err(|e| SpawnError::new(&spec.program, e))?;
         let pid = child.id().unwrap_or(0);
         let output = OutputTail::new(spec.tail_lines);
+        // Each reader holds a sender and drops it when its pipe ends.
+        let mut pumps_done = Vec::new();
         if let Some(out) = child.stdout.take() {
+            let (done, rx) = tokio::sync::oneshot::channel::<()>();
+            pumps_done.push(rx);
             spawn_pump(
                 out.into_owned_fd(),
                 output.clone(),
                 spec.also.clone(),
                 pid,
                 "stdout",
+                done,
             );
         }
         if let Some(err) = child.stderr.take() {
+            let (done, rx) = tokio::sync::oneshot::channel::<()>();
+            pumps_done.push(rx);
             spawn_pump(
                 err.into_owned_fd(),
                 output.clone(),
                 spec.also.clone(),
                 pid,
                 "stderr",
+                done,
             );
         }
         let (tx, rx) = watch::channel(None);
@@ -265,6 +275,15 @@ impl EngineChild {
             };
             // Anything the engine left in its group goes with it.
             let _ = killpg(Pid::from_raw(pid as i32), Signal::SIGKILL);
+            // The exit is told once the engine's last words are in the tail (its error
+            // messages quote them), which the readers see a moment after the exit itself;
+            // bounded, in case something outside the group still holds a pipe.
+            let drained = async {
+                for done in pumps_done {
+                    let _ = done.await;
+                }
+            };
+            let _ = tokio::time::timeout(PUMP_DRAIN, drained).await;
             let _ = tx.send(Some(report));
         });
         Ok(EngineChild {
@@ -337,6 +356,7 @@ fn spawn_pump(
     also: Option<OutputTail>,
     pid: u32,
     which: &'static str,
+    done: tokio::sync::oneshot::Sender<()>,
 ) {
     use nix::fcntl::{fcntl, FcntlArg, OFlag};
     let fd = match fd {
@@ -354,7 +374,10 @@ fn spawn_pump(
     let file = std::fs::File::from(fd);
     let spawned = std::thread::Builder::new()
         .name(format!("engine-{which}"))
-        .spawn(move || pump(file, tail, also, pid, which));
+        .spawn(move || {
+            pump(file, tail, also, pid, which);
+            drop(done);
+        });
     if let Err(e) = spawned {
         tracing::warn!(pid, "cannot start the reader of the engine's {which}: {e}");
     }
@@ -506,6 +529,29 @@ mod tests {
             (2, vec!["two".to_string()])
         );
         assert_eq!(t0.elapsed(), Duration::from_secs(1));
+    }
+
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn the_exit_is_told_after_the_last_words() {
+        // The engine exits at once; something it started outside its group still holds its
+        // stderr and writes a moment later. The exit waits for the pipe to end...
+        let child = EngineChild::spawn(&sh(
+            // (It leaves the group before the engine exits, or the group's kill takes it.)
+            "setsid sh -c 'sleep 0.3; echo late words >&2' & sleep 0.1; echo first >&2; exit 3",
+        ))
+        .expect("spawn");
+        let report = child.wait().await;
+        assert_eq!(report.code, Some(3));
+        assert_eq!(child.output().last(1), vec!["late words".to_string()]);
+        // ...but not for ever: a pipe held much longer does not hold the exit back.
+        let t0 = std::time::Instant::now();
+        let child = EngineChild::spawn(&sh(
+            "setsid sh -c 'sleep 3; echo too late >&2' & sleep 0.1; exit 4",
+        ))
+        .expect("spawn");
+        let report = child.wait().await;
+        assert_eq!(report.code, Some(4));
+        assert!(t0.elapsed() < Duration::from_secs(2), "{:?}", t0.elapsed());
     }
 
     #[tokio::test]

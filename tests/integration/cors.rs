@@ -14,6 +14,7 @@ use std::time::{Duration, Instant};
 use crate::support::real::LlamaServer;
 use crate::support::*;
 use bytes::Bytes;
+use dsv4_client::State;
 use http_body_util::Full;
 
 const SEC: Duration = Duration::from_secs(1);
@@ -88,7 +89,7 @@ async fn assert_no_engine(d: &Daemon) {
     // With the key, for the daemon that requires one; the others ignore it.
     let key = format!("Bearer {KEY}");
     let (_, _, status) = send(d.addr, "GET", "/status", &[("authorization", &key)], "").await;
-    assert_eq!(status["state"], "stopped", "{}", d.log());
+    assert_eq!(status["state"], State::Stopped.as_str(), "{}", d.log());
     assert_eq!(d.spawns(), 0, "{}", d.fake_log());
     assert!(!d.fake_log().contains("request "), "{}", d.fake_log());
 }
@@ -499,7 +500,7 @@ async fn the_real_engines_cors_headers_give_way_to_dsv4ds() {
     )
     .await;
     assert_refused("an unlisted preflight", &got, 403, "origin_not_allowed");
-    assert_eq!(d.status().await["state"], "stopped");
+    assert_eq!(d.status().await["state"], State::Stopped.as_str());
     let (status, h, _) = send(
         d.addr,
         "OPTIONS",
@@ -510,7 +511,7 @@ async fn the_real_engines_cors_headers_give_way_to_dsv4ds() {
     .await;
     assert_eq!(status, 204);
     assert_eq!(h["access-control-allow-origin"], APP);
-    assert_eq!(d.status().await["state"], "stopped");
+    assert_eq!(d.status().await["state"], State::Stopped.as_str());
 
     // Requests one after another from the listed page: the engine's answers carry only
     // dsv4d's header.
