@@ -118,7 +118,11 @@ async fn the_shipped_profile_settings_start_the_real_engine() {
     assert!(done);
     let log = d.log();
     assert!(
-        log.contains("-c 2048 -np 1 -ctk q8_0 -ctv q8_0 -fa on -ngl all -b 2048 -ub 512 --metrics --no-webui --host 127.0.0.1 --port"),
+        log.contains("-c 2048 -np 1 -ctk q8_0 -ctv q8_0 -fa on -ngl all -b 2048 -ub 512 --metrics --no-webui --api-key-file "),
+        "{log}"
+    );
+    assert!(
+        log.contains("/state/engine-keys/engine-1.key --host 127.0.0.1 --port"),
         "{log}"
     );
 }
