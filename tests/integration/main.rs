@@ -11,6 +11,7 @@ mod api_access;
 mod control;
 mod ds4;
 mod engine_connections;
+mod engine_key;
 mod lifecycle;
 mod real_engine;
 mod reload;
