@@ -3,10 +3,15 @@
 //! llama-server answers `GET /health` with 503 while loading and 200 when ready.
 //! ds4-server loads its model before it opens its port and has no `/health`: a connect that
 //! succeeds followed by `GET /v1/models` 200 means ready.
+//!
+//! The engine's port is open to every local user, so an engine that can require a key gets
+//! one: llama-server reads its keys from the file `--api-key-file` names (a key on the command
+//! line would show in `/proc/PID/cmdline`, which everyone can read) and then answers 401 to
+//! any request without one, except `GET /health`. ds4-server has no such option.
 
 use std::ffi::OsString;
 use std::fmt;
-use std::path::PathBuf;
+use std::path::{Path, PathBuf};
 use std::str::FromStr;
 
 /// Which engine a profile runs.
@@ -44,12 +49,40 @@ impl EngineKind {
         }
     }
 
-    /// The full argv (without argv[0]) for this engine, listening on `host:port`.
+    /// The flag that makes the engine require a key, read from the file it names, on every
+    /// request but its health check; `None` when the engine has no such option.
+    pub fn key_file_flag(self) -> Option<&'static str> {
+        match self {
+            EngineKind::LlamaServer => Some("--api-key-file"),
+            // Its options (`ds4-server --help`: host, port, CORS, queue, trace, ...) include
+            // no key or authentication of any kind.
+            EngineKind::Ds4 => None,
+        }
+    }
+
+    /// What keeps other local users off the engine's port, in words for the status.
+    pub fn key_protection(self) -> &'static str {
+        match self.key_file_flag() {
+            Some(_) => "per-generation secret",
+            None => "none (ds4-server has no key option)",
+        }
+    }
+
+    /// The full argv (without argv[0]) for this engine, listening on `host:port`, and
+    /// requiring the key in `key_file` when the engine can (see [`key_file_flag`]).
     ///
-    /// Order: the profile's typed settings, then `extra_args` verbatim, then host and port
-    /// last so that nothing in `extra_args` can move the engine off the port the supervisor
-    /// picked (both engines take the last occurrence of a flag).
-    pub fn argv(self, p: &EngineParams, host: &str, port: u16) -> Vec<OsString> {
+    /// Order: the profile's typed settings, then `extra_args` verbatim, then the key file,
+    /// host and port last so that nothing in `extra_args` can move the engine off the port
+    /// the supervisor picked (both engines take the last occurrence of a flag).
+    ///
+    /// [`key_file_flag`]: Self::key_file_flag
+    pub fn argv(
+        self,
+        p: &EngineParams,
+        host: &str,
+        port: u16,
+        key_file: Option<&Path>,
+    ) -> Vec<OsString> {
         let mut a: Vec<OsString> = Vec::new();
         let mut push = |s: &str| a.push(OsString::from(s));
         match self {
@@ -119,6 +152,10 @@ impl EngineKind {
             }
         }
         a.extend(p.extra_args.iter().map(OsString::from));
+        if let (Some(flag), Some(file)) = (self.key_file_flag(), key_file) {
+            a.push(flag.into());
+            a.push(file.into());
+        }
         a.push("--host".into());
         a.push(host.into());
         a.push("--port".into());
@@ -237,9 +274,11 @@ mod tests {
             extra_args: vec!["--metrics".into(), "--no-webui".into()],
             ..Default::default()
         };
-        let got = strs(EngineKind::LlamaServer.argv(&p, "127.0.0.1", 40001));
+        let key = Path::new("/run/dsv4/engine-keys/engine-1.key");
+        let got = strs(EngineKind::LlamaServer.argv(&p, "127.0.0.1", 40001, Some(key)));
         let want = "-m /m/a.gguf -c 327680 -np 1 -ctk q8_0 -ctv q8_0 -fa on -ngl all -b 2048 \
-                    -ub 512 --mmproj /m/mm.gguf --metrics --no-webui --host 127.0.0.1 --port 40001";
+                    -ub 512 --mmproj /m/mm.gguf --metrics --no-webui \
+                    --api-key-file /run/dsv4/engine-keys/engine-1.key --host 127.0.0.1 --port 40001";
         assert_eq!(got.join(" "), want);
     }
 
@@ -249,7 +288,7 @@ mod tests {
             model: Some("m.gguf".into()),
             ..Default::default()
         };
-        let got = strs(EngineKind::LlamaServer.argv(&p, "127.0.0.1", 9));
+        let got = strs(EngineKind::LlamaServer.argv(&p, "127.0.0.1", 9, None));
         assert_eq!(got.join(" "), "-m m.gguf --host 127.0.0.1 --port 9");
     }
 
@@ -263,11 +302,30 @@ mod tests {
             extra_args: vec!["--power".into(), "100".into()],
             ..Default::default()
         };
-        let got = strs(EngineKind::Ds4.argv(&p, "127.0.0.1", 8123));
+        // ds4-server takes no key: the file is left out.
+        let key = Path::new("/run/dsv4/engine-keys/engine-1.key");
+        let got = strs(EngineKind::Ds4.argv(&p, "127.0.0.1", 8123, Some(key)));
         assert_eq!(
             got.join(" "),
             "--ctx 327680 --prefill-chunk 4096 --kv-disk-dir /var/cache/ds4 \
              --kv-disk-space-mb 20480 --power 100 --host 127.0.0.1 --port 8123"
+        );
+    }
+
+    #[test]
+    fn which_engines_take_a_key() {
+        assert_eq!(
+            EngineKind::LlamaServer.key_file_flag(),
+            Some("--api-key-file")
+        );
+        assert_eq!(EngineKind::Ds4.key_file_flag(), None);
+        assert_eq!(
+            EngineKind::LlamaServer.key_protection(),
+            "per-generation secret"
+        );
+        assert_eq!(
+            EngineKind::Ds4.key_protection(),
+            "none (ds4-server has no key option)"
         );
     }
 

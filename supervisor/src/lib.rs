@@ -5,6 +5,7 @@ pub mod auth;
 pub mod body;
 pub mod config;
 pub mod dbus;
+pub mod engine_key;
 pub mod front;
 pub mod http_error;
 pub mod lifecycle;

@@ -307,9 +307,9 @@ async fn route(ctx: &Ctx, config: &Arc<Config>, mut req: Request<Incoming>) -> R
 }
 
 /// Checks the request's API key against `keys` (`None`: the configuration asks for none);
-/// on success removes it from the headers, so that it does not travel on to the engine
-/// (llama-server has an `--api-key` of its own, which dsv4d does not use). Fails closed: keys
-/// that cannot be read refuse every request. A 401 needs `WWW-Authenticate: Bearer` added.
+/// on success removes it from the headers. (No client credential reaches the engine either
+/// way: the upstream puts the engine's own key in their place.) Fails closed: keys that
+/// cannot be read refuse every request. A 401 needs `WWW-Authenticate: Bearer` added.
 fn check_key(
     keys: Option<Result<Arc<ApiKeys>, String>>,
     headers: &mut HeaderMap,

@@ -1,10 +1,11 @@
 //! The connections to one engine generation: a small keep-alive pool of HTTP/1.1 connections
 //! whose driving happens inside the request's own task.
 //!
-//! Owns: the TCP connections to the engine, the request body on its way there, and the
-//! response body that reads from them. Must not: time out anything (a prefill may keep a
-//! response silent for hours), or outlive the engine generation it belongs to (the pool goes
-//! with the last lease).
+//! Owns: the TCP connections to the engine, the credential every request to it carries (the
+//! engine generation's key, in place of whatever the client sent), the request body on its
+//! way there, and the response body that reads from them. Must not: time out anything (a
+//! prefill may keep a response silent for hours), or outlive the engine generation it belongs
+//! to (the pool goes with the last lease).
 //!
 //! Engines close connections whenever they like: llama-server right after the last chunk of
 //! every streamed answer and after 5 s of keep-alive, any server after `max` requests or
@@ -173,11 +174,14 @@ impl UpstreamError {
     }
 }
 
-/// The engine's address and its idle connections.
+/// The engine's address, its key and its idle connections.
 pub struct Upstream {
     addr: SocketAddr,
     /// `Host` for requests to it, made once.
     host: http::HeaderValue,
+    /// `Authorization` for requests to it: the engine generation's key; `None` for an engine
+    /// that takes no key.
+    key: Option<http::HeaderValue>,
     idle: Mutex<VecDeque<Conn>>,
 }
 
@@ -190,13 +194,15 @@ impl std::fmt::Debug for Upstream {
 }
 
 impl Upstream {
-    pub fn new(addr: SocketAddr) -> Arc<Upstream> {
+    /// The engine at `addr`, which requires `key` (`Authorization: Bearer ...`) if given.
+    pub fn new(addr: SocketAddr, key: Option<http::HeaderValue>) -> Arc<Upstream> {
         // Digits, dots and a colon: always a valid value.
         let host = http::HeaderValue::from_str(&addr.to_string())
             .unwrap_or_else(|_| http::HeaderValue::from_static("localhost"));
         Arc::new(Upstream {
             addr,
             host,
+            key,
             idle: Mutex::new(VecDeque::new()),
         })
     }
@@ -208,6 +214,21 @@ impl Upstream {
     /// The `Host` header for requests to the engine.
     pub fn host(&self) -> &http::HeaderValue {
         &self.host
+    }
+
+    /// The `Authorization` header the engine requires, if it takes a key.
+    pub fn key(&self) -> Option<&http::HeaderValue> {
+        self.key.as_ref()
+    }
+
+    /// Puts the engine's own credential in place of any the client sent: a client's key is
+    /// dsv4d's business and never reaches the engine, whether dsv4d checks keys or not.
+    fn authorize(&self, headers: &mut HeaderMap) {
+        headers.remove(http::header::AUTHORIZATION);
+        headers.remove(crate::auth::X_API_KEY);
+        if let Some(key) = &self.key {
+            headers.insert(http::header::AUTHORIZATION, key.clone());
+        }
     }
 
     /// The most recently used idle connection that is still open, if any.
@@ -269,10 +290,11 @@ impl Upstream {
     /// the connection (which goes back to the pool once the body has ended).
     pub async fn request(
         self: &Arc<Self>,
-        parts: http::request::Parts,
+        mut parts: http::request::Parts,
         body: ClientBody,
     ) -> Result<Response<UpstreamBody>, UpstreamError> {
         let addr = self.addr;
+        self.authorize(&mut parts.headers);
         let held = match body.size_hint().exact() {
             Some(0) => Bytes::new(),
             Some(n) if n <= REPLAY_MAX => collect(body).await?,
@@ -578,5 +600,44 @@ impl Body for UpstreamBody {
 
     fn size_hint(&self) -> SizeHint {
         self.body.size_hint()
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use http::header::{HeaderValue, AUTHORIZATION, CONTENT_TYPE};
+
+    fn client_headers() -> HeaderMap {
+        let mut h = HeaderMap::new();
+        h.append(AUTHORIZATION, HeaderValue::from_static("Bearer sk-client"));
+        h.append(
+            AUTHORIZATION,
+            HeaderValue::from_static("Basic c2stY2xpZW50"),
+        );
+        h.append("x-api-key", HeaderValue::from_static("sk-client"));
+        h.insert(CONTENT_TYPE, HeaderValue::from_static("application/json"));
+        h
+    }
+
+    #[test]
+    fn the_engine_gets_its_own_key_and_never_the_clients() {
+        let key = HeaderValue::from_static("Bearer engine-secret");
+        let up = Upstream::new(([127, 0, 0, 1], 9).into(), Some(key.clone()));
+        let mut h = client_headers();
+        up.authorize(&mut h);
+        assert_eq!(h.get_all(AUTHORIZATION).iter().collect::<Vec<_>>(), [&key]);
+        assert!(h.get("x-api-key").is_none());
+        assert_eq!(h[CONTENT_TYPE], "application/json");
+        assert_eq!(up.key(), Some(&key));
+    }
+
+    #[test]
+    fn an_engine_without_a_key_gets_no_credential_at_all() {
+        let up = Upstream::new(([127, 0, 0, 1], 9).into(), None);
+        let mut h = client_headers();
+        up.authorize(&mut h);
+        let left: Vec<_> = h.keys().map(|k| k.as_str()).collect();
+        assert_eq!(left, ["content-type"]);
     }
 }

@@ -19,8 +19,8 @@ use std::time::{Duration, Instant};
 use nix::sys::signal::{kill, Signal};
 use nix::unistd::Pid;
 
-use crate::support::{temp_dir, Daemon, Setup, TempDir};
-use crate::{engine_addr, env_usize};
+use crate::env_usize;
+use crate::support::{temp_dir, Daemon, EngineSeen, Setup, TempDir};
 
 const SCRIPT: &str = concat!(env!("CARGO_MANIFEST_DIR"), "/bench/chat.lua");
 const PROXYD: &str = "/lib/systemd/systemd-socket-proxyd";
@@ -308,12 +308,15 @@ fn parse_wrk(out: &str) -> Option<Run> {
     (rps && requests && r.requests > 0.0 && seen.iter().all(|s| *s)).then_some(r)
 }
 
-/// One wrk run; Err carries wrk's raw output.
-fn wrk(bin: &Path, addr: SocketAddr, conns: usize, secs: usize) -> Result<Run, String> {
+/// One wrk run, every request with `Authorization: auth` (the engine's key: the engine
+/// requires it, and dsv4d sends the same in place of the client's); Err carries wrk's raw
+/// output.
+fn wrk(bin: &Path, addr: SocketAddr, auth: &str, conns: usize, secs: usize) -> Result<Run, String> {
     let out = Command::new(bin)
         .args(["-t", "1", "-c", &conns.to_string()])
         .args(["-d", &format!("{secs}s"), "--latency", "-s", SCRIPT])
         .arg(format!("http://{addr}/v1/chat/completions"))
+        .env("DSV4_BENCH_AUTHORIZATION", auth)
         .stdin(Stdio::null())
         .output()
         .map_err(|e| format!("running {}: {e}", bin.display()))?;
@@ -328,8 +331,10 @@ fn wrk(bin: &Path, addr: SocketAddr, conns: usize, secs: usize) -> Result<Run, S
     }
 }
 
-/// One POST with `Connection: close`; Ok once the response head says 200.
-fn check(addr: SocketAddr, within: Duration) -> Result<(), String> {
+/// One POST with `Connection: close` (and `Authorization: auth` when given); Ok once the
+/// response head says 200.
+fn check(addr: SocketAddr, auth: Option<&str>, within: Duration) -> Result<(), String> {
+    let auth = auth.map_or_else(String::new, |a| format!("Authorization: {a}\r\n"));
     let mut s =
         TcpStream::connect_timeout(&addr, Duration::from_secs(2)).map_err(|e| e.to_string())?;
     s.set_read_timeout(Some(within))
@@ -337,7 +342,7 @@ fn check(addr: SocketAddr, within: Duration) -> Result<(), String> {
     write!(
         s,
         "POST /v1/chat/completions HTTP/1.1\r\nHost: {addr}\r\nContent-Type: application/json\r\n\
-         Content-Length: {}\r\nConnection: close\r\n\r\n{BODY}",
+         {auth}Content-Length: {}\r\nConnection: close\r\n\r\n{BODY}",
         BODY.len()
     )
     .map_err(|e| e.to_string())?;
@@ -501,12 +506,13 @@ pub async fn run() {
     );
     let d = Daemon::start(&setup);
     // The first request starts the engine through the daemon.
-    if let Err(e) = check(d.addr, Duration::from_secs(60)) {
+    if let Err(e) = check(d.addr, None, Duration::from_secs(60)) {
         println!("  SKIPPED: dsv4d did not answer: {e}\n{}", d.log());
         return;
     }
     let status = d.status().await;
-    let engine = engine_addr(&d);
+    let seen = EngineSeen::of(&d).await;
+    let (engine, auth) = (seen.addr, seen.bearer());
     let Some(engine_pid) = status["engine_pid"].as_u64().map(|p| p as u32) else {
         println!("  SKIPPED: no engine_pid in /status: {status}");
         return;
@@ -565,15 +571,17 @@ pub async fn run() {
     }
 
     // Every path must answer 200 before it is measured; then a short warm-up at c=64.
-    routes.retain(|r| match check(r.addr, Duration::from_secs(10)) {
-        Ok(()) => true,
-        Err(e) => {
-            skipped.push(format!("{}: no 200 through it: {e}", r.name));
-            false
-        }
-    });
+    routes.retain(
+        |r| match check(r.addr, Some(&auth), Duration::from_secs(10)) {
+            Ok(()) => true,
+            Err(e) => {
+                skipped.push(format!("{}: no 200 through it: {e}", r.name));
+                false
+            }
+        },
+    );
     for r in &routes {
-        if let Err(e) = wrk(&wrk_bin, r.addr, 64, 1) {
+        if let Err(e) = wrk(&wrk_bin, r.addr, &auth, 64, 1) {
             println!("  warm-up {}: {e}", r.name);
         }
     }
@@ -585,7 +593,7 @@ pub async fn run() {
             for (i, r) in routes.iter().enumerate() {
                 let own = r.own.pids();
                 let (o0, e0) = (cpu(&own), cpu(&[engine_pid]));
-                let res = wrk(&wrk_bin, r.addr, c, secs);
+                let res = wrk(&wrk_bin, r.addr, &auth, c, secs);
                 let (o1, e1) = (cpu(&own), cpu(&[engine_pid]));
                 match res {
                     Ok(mut run) => {

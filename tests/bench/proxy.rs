@@ -46,12 +46,21 @@ fn chat(max_tokens: usize, stream: bool) -> Bytes {
     )
 }
 
-fn request(addr: SocketAddr, body: Bytes) -> hyper::Request<Full<Bytes>> {
-    hyper::Request::post("/v1/chat/completions")
+/// The chat request, with `authorization` when given: the engine's key, which the engine
+/// requires and dsv4d puts in place of whatever a client sends, so both paths carry the same
+/// header.
+fn request(
+    addr: SocketAddr,
+    authorization: Option<&str>,
+    body: Bytes,
+) -> hyper::Request<Full<Bytes>> {
+    let mut r = hyper::Request::post("/v1/chat/completions")
         .header("host", addr.to_string())
-        .header("content-type", "application/json")
-        .body(Full::new(body))
-        .unwrap()
+        .header("content-type", "application/json");
+    if let Some(a) = authorization {
+        r = r.header("authorization", a);
+    }
+    r.body(Full::new(body)).unwrap()
 }
 
 /// One request on a kept-alive connection; returns the latency and the number of SSE events
@@ -62,6 +71,7 @@ fn request(addr: SocketAddr, body: Bytes) -> hyper::Request<Full<Bytes>> {
 async fn once(
     s: &mut SendRequest<Full<Bytes>>,
     addr: SocketAddr,
+    authorization: &str,
     body: Bytes,
 ) -> (Duration, usize) {
     let (t, resp) = loop {
@@ -70,7 +80,10 @@ async fn once(
             continue;
         }
         let t = Instant::now();
-        match s.send_request(request(addr, body.clone())).await {
+        match s
+            .send_request(request(addr, Some(authorization), body.clone()))
+            .await
+        {
             Ok(resp) => break (t, resp),
             Err(e) if e.is_canceled() || e.is_closed() || e.is_incomplete_message() => {
                 *s = support::one_connection(addr).await;
@@ -134,21 +147,24 @@ async fn classic() {
     let d = Daemon::start(&Setup::default().engine("idle_timeout", "1h"));
     // Warm up: start the engine through the daemon, then find its port for the direct path.
     let mut via = support::one_connection(d.addr).await;
-    once(&mut via, d.addr, chat(1, false)).await;
+    // Through dsv4d any credential will do: it sends the engine's key in its place.
+    once(&mut via, d.addr, "Bearer -", chat(1, false)).await;
     let status = d.status().await;
     assert_eq!(status["state"], State::Ready.as_str(), "{status}");
-    let engine = engine_addr(&d);
+    let seen = support::EngineSeen::of(&d).await;
+    let (engine, auth) = (seen.addr, seen.bearer());
+    let auth = auth.as_str();
     let mut direct = support::one_connection(engine).await;
     for _ in 0..200 {
-        once(&mut direct, engine, chat(1, false)).await;
-        once(&mut via, d.addr, chat(1, false)).await;
+        once(&mut direct, engine, auth, chat(1, false)).await;
+        once(&mut via, d.addr, auth, chat(1, false)).await;
     }
 
     // 1. Non-streaming latency, interleaved.
     let (mut ld, mut lv) = (Vec::with_capacity(requests), Vec::with_capacity(requests));
     for _ in 0..requests {
-        ld.push(once(&mut direct, engine, chat(1, false)).await.0);
-        lv.push(once(&mut via, d.addr, chat(1, false)).await.0);
+        ld.push(once(&mut direct, engine, auth, chat(1, false)).await.0);
+        lv.push(once(&mut via, d.addr, auth, chat(1, false)).await.0);
     }
     ld.sort();
     lv.sort();
@@ -176,10 +192,10 @@ async fn classic() {
     let (mut ed, mut ev) = (0.0f64, 0.0f64);
     let (mut td, mut tv) = (Duration::ZERO, Duration::ZERO);
     for _ in 0..rounds {
-        let (t, f) = once(&mut direct, engine, chat(tokens, true)).await;
+        let (t, f) = once(&mut direct, engine, auth, chat(tokens, true)).await;
         td += t;
         ed += f as f64;
-        let (t, f) = once(&mut via, d.addr, chat(tokens, true)).await;
+        let (t, f) = once(&mut via, d.addr, auth, chat(tokens, true)).await;
         tv += t;
         ev += f as f64;
     }
@@ -209,7 +225,7 @@ async fn classic() {
             let d = Daemon::start(&setup);
             let mut s = support::one_connection(d.addr).await;
             let resp = s
-                .send_request(request(d.addr, chat(1, true)))
+                .send_request(request(d.addr, None, chat(1, true)))
                 .await
                 .unwrap();
             let mut body = resp.into_body();
@@ -237,20 +253,4 @@ async fn classic() {
             us(*lags.last().unwrap()) / 1000.0
         );
     }
-}
-
-/// The engine's loopback address, from its argv in the fake engine's log.
-fn engine_addr(d: &Daemon) -> SocketAddr {
-    let log = d.fake_log();
-    let start = log
-        .lines()
-        .find(|l| l.starts_with("start pid="))
-        .expect("engine start line");
-    let port = start
-        .split_whitespace()
-        .skip_while(|w| *w != "--port")
-        .nth(1)
-        .and_then(|p| p.parse::<u16>().ok())
-        .expect("--port in the engine argv");
-    SocketAddr::from(([127, 0, 0, 1], port))
 }

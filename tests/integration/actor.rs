@@ -120,11 +120,16 @@ async fn post_chat(engine: &EngineRef, max_tokens: u32, stream: bool) -> hyper::
             .await
             .expect("handshake with the engine");
     tokio::spawn(conn);
-    let req = hyper::Request::post("/v1/chat/completions")
+    let mut req = hyper::Request::post("/v1/chat/completions")
         .header(hyper::header::HOST, engine.upstream.to_string())
         .header(hyper::header::CONTENT_TYPE, "application/json")
         .body(Full::new(Bytes::from(chat(max_tokens, stream).to_string())))
         .unwrap();
+    // The engine takes only its generation's key, as it would from dsv4d.
+    if let Some(key) = engine.connections.key() {
+        req.headers_mut()
+            .insert(hyper::header::AUTHORIZATION, key.clone());
+    }
     let resp = sender.send_request(req).await.expect("engine response");
     assert_eq!(resp.status(), 200);
     resp

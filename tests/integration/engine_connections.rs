@@ -160,6 +160,23 @@ async fn back_to_back(d: &Daemon, n: usize, gap: impl Fn(usize) -> Duration) {
         failures.join("\n"),
         d.log()
     );
+    // The engine refuses any other credential than its generation's secret: every request
+    // carried it, those sent again on a fresh connection too.
+    let want = format!(
+        " authorization={:?} x-api-key=-",
+        EngineSeen::of(d).await.bearer()
+    );
+    let log = d.fake_log();
+    let without: Vec<&str> = log
+        .lines()
+        .filter(|l| l.starts_with("request ") && !l.starts_with("request GET /health "))
+        .filter(|l| !l.ends_with(&want))
+        .collect();
+    assert!(
+        without.is_empty(),
+        "without the secret:\n{}",
+        without.join("\n")
+    );
 }
 
 /// How often the fake engine closed a connection for `reason`.

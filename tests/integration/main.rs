@@ -12,6 +12,7 @@ mod control;
 mod cors;
 mod ds4;
 mod engine_connections;
+mod engine_key;
 mod lifecycle;
 mod real_engine;
 mod reload;

@@ -7,6 +7,9 @@
 
 use std::time::Duration;
 
+use crate::engine_key::{
+    assert_invalid_api_key, assert_kept_private, assert_only_the_secret_opens,
+};
 use crate::support::real::{engine, setup};
 use crate::support::*;
 use dsv4_client::State;
@@ -119,7 +122,78 @@ async fn the_shipped_profile_settings_start_the_real_engine() {
     assert!(done);
     let log = d.log();
     assert!(
-        log.contains("-c 2048 -np 1 -ctk q8_0 -ctv q8_0 -fa on -ngl all -b 2048 -ub 512 --metrics --no-webui --host 127.0.0.1 --port"),
+        log.contains("-c 2048 -np 1 -ctk q8_0 -ctv q8_0 -fa on -ngl all -b 2048 -ub 512 --metrics --no-webui --api-key-file "),
         "{log}"
     );
+    assert!(
+        log.contains("/state/engine-keys/engine-1.key --host 127.0.0.1 --port"),
+        "{log}"
+    );
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_real_engine_answers_401_to_anyone_without_its_generation_secret() {
+    let d = Daemon::start(&setup().engine("idle_timeout", "1h"));
+    // A client's own credentials stop at dsv4d: llama-server would refuse them.
+    let (status, _, v) = d
+        .send(
+            "POST",
+            "/v1/chat/completions",
+            &[
+                ("authorization", "Bearer sk-client"),
+                ("x-api-key", "sk-client"),
+            ],
+            Some(chat(3, false)),
+        )
+        .await;
+    assert_eq!(status, 200, "{v}");
+    assert_eq!(v["choices"][0]["message"]["content"], "abc");
+    assert_eq!(d.status().await["engine_key"], "per-generation secret");
+    let e = EngineSeen::of(&d).await;
+    assert!(e.secret.is_some(), "no --api-key-file in {:?}", e.argv);
+    assert_only_the_secret_opens(&e).await;
+    assert_kept_private(&e, &d.log());
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn each_real_engine_start_gets_a_new_secret_and_the_old_file_goes() {
+    let d = Daemon::start(&setup());
+    let (status, _, _) = body_json(d.post("/v1/chat/completions", chat(1, false)).await).await;
+    assert_eq!(status, 200);
+    let first = EngineSeen::of(&d).await;
+    let old_file = first.key_file.clone().expect("a key file");
+    d.wait_state(State::Stopped, 10 * SEC).await;
+    assert!(
+        !old_file.exists(),
+        "{} outlived its engine",
+        old_file.display()
+    );
+
+    let (status, _, v) = body_json(d.post("/v1/chat/completions", chat(2, false)).await).await;
+    assert_eq!(status, 200, "{v}");
+    assert_eq!(v["choices"][0]["message"]["content"], "ab");
+    let second = EngineSeen::of(&d).await;
+    assert_eq!(d.status().await["generation"], 2);
+    assert_ne!(second.secret, first.secret);
+    assert!(second.key_file.as_ref().is_some_and(|f| f.exists()));
+    // Straight away, before the idle engine stops (1 s): the old secret opens nothing.
+    let got = second
+        .send(
+            "POST",
+            "/v1/chat/completions",
+            &[("authorization", &first.bearer())],
+            Some(chat(1, false)),
+        )
+        .await;
+    assert_invalid_api_key("the first engine's secret", &got);
+    let bearer = second.bearer();
+    let (status, _, v) = second
+        .send(
+            "POST",
+            "/v1/chat/completions",
+            &[("authorization", &bearer)],
+            Some(chat(1, false)),
+        )
+        .await;
+    assert_eq!(status, 200, "{v}");
 }

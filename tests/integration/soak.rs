@@ -720,6 +720,17 @@ async fn every_request_kind_over_every_connection_pattern_and_real_clients_throu
     let before = d.status().await;
     let pid = before["engine_pid"].as_i64().expect("engine_pid");
     let port = engine_port(pid);
+    // The engine takes its generation's secret and nothing else, so every request below
+    // passes through dsv4d's credential handling, and the openai package's own key
+    // (`sk-unused`) must not reach it.
+    let seen = EngineSeen::of_pid(pid);
+    assert!(
+        seen.secret.is_some(),
+        "no --api-key-file in {:?}",
+        seen.argv
+    );
+    let direct = seen.send("GET", "/v1/models", &[], None).await;
+    assert_eq!(direct.0, 401, "straight to the engine: {}", direct.2);
     let sampler = Sampler::start(port);
 
     let soak = Arc::new(Soak {

@@ -287,6 +287,12 @@ pub struct EngineStatus {
     /// The running engine's profile changed in the configuration; it applies at the next start.
     #[serde(default)]
     pub restart_pending: bool,
+    /// What keeps other local users off the engine's loopback port: `per-generation secret`
+    /// (a fresh key for each engine start, which only dsv4d sends), or `none (...)` with the
+    /// reason, for an engine that takes no key. About the running engine, else the one the
+    /// next start would run; `None` when neither is known (or from an older daemon).
+    #[serde(default)]
+    pub engine_key: Option<String>,
 }
 
 impl EngineStatus {
@@ -305,6 +311,7 @@ impl EngineStatus {
             failures: 0,
             last_error: None,
             restart_pending: false,
+            engine_key: None,
         }
     }
 }
@@ -442,6 +449,21 @@ mod tests {
         assert!(v.get("engine").is_none());
         let back: Status = serde_json::from_value(v).unwrap();
         assert_eq!(back, s);
+    }
+
+    #[test]
+    fn a_status_from_an_older_daemon_still_parses() {
+        let mut v = serde_json::to_value(Status {
+            engine: EngineStatus::stopped("320k"),
+            requests: Requests::default(),
+        })
+        .unwrap();
+        let top = v.as_object_mut().unwrap();
+        top.remove("engine_key");
+        top.remove("restart_pending");
+        let back: Status = serde_json::from_value(v).unwrap();
+        assert_eq!(back.engine.engine_key, None);
+        assert!(!back.engine.restart_pending);
     }
 
     #[test]

@@ -12,6 +12,7 @@ use clap::Parser;
 use dsv4::alert::Alerts;
 use dsv4::config::Config;
 use dsv4::dbus;
+use dsv4::engine_key::KeyFolder;
 use dsv4::lifecycle::Services;
 use dsv4::listener::{self, Origin};
 use dsv4::proxy::{self, Ctx};
@@ -189,11 +190,21 @@ async fn run(args: Args, activated: Vec<(std::os::fd::OwnedFd, String)>) -> Resu
         Origin::Bound { addr } => tracing::info!("listening on http://{addr}"),
     }
 
+    // Checked now, so that a folder others may enter stops the daemon with the reason
+    // rather than every engine start.
+    let key_folder = KeyFolder::for_daemon(&config.supervisor.state_dir);
+    key_folder.prepare()?;
+    tracing::info!(
+        "engine keys go to {} (a fresh one for each engine start)",
+        key_folder.path().display()
+    );
+
     let profile = active_profile(&config);
     let alerts = Alerts::default();
     let services = Services {
         alerts: alerts.clone(),
         sysroot,
+        key_folder: Some(key_folder),
     };
     let (lifecycle, actor) =
         dsv4::lifecycle::actor::spawn(config.clone(), profile.clone(), services);

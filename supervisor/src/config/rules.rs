@@ -6,9 +6,12 @@
 ///
 /// Both engines take the last occurrence of a flag and `extra_args` come before `--host` and
 /// `--port`, so those would be ignored anyway; the model and context would silently override
-/// the profile's (whose context dsv4d reports and checks).
+/// the profile's (whose context dsv4d reports and checks). llama-server adds up every key it
+/// is given: one more would open the engine's port to whoever knows it, and `--api-key`
+/// shows the key to every local user in the engine's command line.
 const OWNED_FLAGS: &[(&[&str], Option<&str>)] = &[
     (&["--host", "--port"], None),
+    (&["--api-key", "--api-key-file"], None),
     (&["-m", "--model"], Some("model")),
     (&["-c", "--ctx-size", "--ctx"], Some("context")),
 ];
@@ -75,6 +78,14 @@ mod tests {
         assert_eq!(
             check_extra_arg("--model=x.gguf").as_deref(),
             Some("--model duplicates model; set model instead")
+        );
+        assert_eq!(
+            check_extra_arg("--api-key=sk-1").as_deref(),
+            Some("--api-key is set by dsv4d; remove it")
+        );
+        assert_eq!(
+            check_extra_arg("--api-key-file").as_deref(),
+            Some("--api-key-file is set by dsv4d; remove it")
         );
         for fine in [
             "--metrics",

@@ -1,9 +1,10 @@
 //! The lifecycle actor: the one owner of the engine child and of the lifecycle state.
 //!
-//! Owns: the [`Machine`], the engine process of the current generation, its readiness probe,
-//! and the oneshot replies of waiting requests. Everything else talks to it through a
-//! [`Handle`] (commands on a bounded channel, lease releases and engine events on an
-//! unbounded one, since a `Drop` cannot wait) and reads its state from a `watch`.
+//! Owns: the [`Machine`], the engine process of the current generation, its key (see
+//! [`crate::engine_key`]), its readiness probe, and the oneshot replies of waiting requests.
+//! Everything else talks to it through a [`Handle`] (commands on a bounded channel, lease
+//! releases and engine events on an unbounded one, since a `Drop` cannot wait) and reads its
+//! state from a `watch`.
 //! Must not: decide anything itself; the rules are in `state.rs`.
 
 use std::collections::{HashMap, VecDeque};
@@ -22,6 +23,7 @@ use tokio::time::Instant;
 use super::state::{EngineFailure, Event, Gen, Limits, Machine, Phase, Refusal, Sig, WaiterId};
 use crate::alert::Alerts;
 use crate::config::{Config, EngineLimits};
+use crate::engine_key::{EngineKey, KeyFolder};
 use crate::sysroot::SysRoot;
 use crate::upstream::Upstream;
 
@@ -259,6 +261,9 @@ struct Engine {
     shared: Arc<EngineRef>,
     probe: tokio::task::JoinHandle<()>,
     ready_at: Option<SystemTime>,
+    /// Its key, when the engine takes one: the file goes when this engine is dropped, that
+    /// is once it has exited (or with the actor, which kills it).
+    _key: Option<EngineKey>,
 }
 
 impl Drop for Engine {
@@ -275,6 +280,8 @@ pub struct Services {
     pub alerts: Alerts,
     /// Where the host's memory figures are read before each start.
     pub sysroot: SysRoot,
+    /// Where each engine's key is written; `None`: `engine-keys` below `state_dir`.
+    pub key_folder: Option<KeyFolder>,
 }
 
 pub fn spawn(
@@ -282,13 +289,18 @@ pub fn spawn(
     profile: String,
     services: Services,
 ) -> (Handle, tokio::task::JoinHandle<()>) {
-    let Services { alerts, sysroot } = services;
+    let Services {
+        alerts,
+        sysroot,
+        key_folder,
+    } = services;
+    let key_folder = key_folder.unwrap_or_else(|| KeyFolder::below(&config.supervisor.state_dir));
     let (cmd_tx, cmd_rx) = mpsc::channel(1024);
     let (int_tx, int_rx) = mpsc::unbounded_channel();
     let machine = Machine::new(profile, limits(&config.supervisor.engine), Instant::now());
     let (status_tx, status_rx) = watch::channel(Status::stopped(machine.profile()));
     let log = OutputTail::new(LOG_LINES);
-    let actor = Actor {
+    let mut actor = Actor {
         log: log.clone(),
         config,
         machine,
@@ -299,9 +311,12 @@ pub fn spawn(
         shutdown_done: Vec::new(),
         alerts,
         sysroot,
+        key_folder,
         outbox: Vec::new(),
         exited: false,
     };
+    // What a stopped engine's status can say from the configuration (its key, say).
+    actor.publish();
     let task = tokio::spawn(actor.run(cmd_rx, int_rx));
     let handle = Handle {
         commands: cmd_tx,
@@ -334,6 +349,7 @@ struct Actor {
     shutdown_done: Vec<oneshot::Sender<()>>,
     alerts: Alerts,
     sysroot: SysRoot,
+    key_folder: KeyFolder,
     /// Answers held back until the status they imply is published, so a caller that reads
     /// the status right after its answer sees its own change.
     outbox: Vec<Reply>,
@@ -624,7 +640,19 @@ impl Actor {
                 ))
             }
         };
-        let args = profile.engine.argv(&profile.params, "127.0.0.1", port);
+        // A fresh secret for each engine that can require one: a key that outlived its engine
+        // (read from a file of the old generation, say) opens nothing.
+        let key = match profile.engine.key_file_flag() {
+            Some(_) => match self.key_folder.issue(gen) {
+                Ok(key) => Some(key),
+                Err(e) => return fail(e.to_string()),
+            },
+            None => None,
+        };
+        let key_file = key.as_ref().map(EngineKey::path);
+        let args = profile
+            .engine
+            .argv(&profile.params, "127.0.0.1", port, key_file);
         let spec = SpawnSpec {
             program: profile.command.clone(),
             args,
@@ -662,7 +690,7 @@ impl Actor {
             profile: profile_name.to_string(),
             pid: child.pid(),
             upstream,
-            connections: Upstream::new(upstream),
+            connections: Upstream::new(upstream, key.as_ref().map(|k| k.authorization().clone())),
             output: child.output().clone(),
             exit: child.exit_watch(),
         });
@@ -691,6 +719,7 @@ impl Actor {
             shared,
             probe,
             ready_at: None,
+            _key: key,
         });
         None
     }
@@ -725,6 +754,12 @@ impl Actor {
                 .engine
                 .as_ref()
                 .is_some_and(|e| self.config.profile(&e.shared.profile) != Some(&e.spawned)),
+            // The running engine's, else the one the next start would run.
+            engine_key: match &self.engine {
+                Some(e) => Some(e.spawned.engine),
+                None => self.config.profile(m.profile()).map(|p| p.engine),
+            }
+            .map(|kind| kind.key_protection().to_string()),
         };
         let state = status.state;
         let mut state_changed = false;

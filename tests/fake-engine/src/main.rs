@@ -4,9 +4,9 @@
 //!
 //! This file owns the command line (llama-server's flags plus failure-mode
 //! knobs, each knob also readable from `FAKE_ENGINE_<NAME>`), startup (fake
-//! model loading, binding, failing on purpose) and signal handling. The HTTP
-//! side lives in `server.rs`, the deterministic content in `gen.rs`, when
-//! connections close (`--connections`) in `conn.rs`.
+//! model loading, reading the API keys, binding, failing on purpose) and signal
+//! handling. The HTTP side lives in `server.rs`, the deterministic content in
+//! `gen.rs`, when connections close (`--connections`) in `conn.rs`.
 
 #![forbid(unsafe_code)]
 
@@ -135,6 +135,12 @@ struct Args {
     /// Model name reported by /v1/models.
     #[arg(short = 'a', long = "alias")]
     alias: Option<String>,
+    /// API keys, comma-separated: every request but /health then needs one.
+    #[arg(long = "api-key")]
+    api_key: Vec<String>,
+    /// A file of API keys, one per line; lines starting with '#' are comments.
+    #[arg(long = "api-key-file")]
+    api_key_file: Vec<PathBuf>,
     /// ds4: prefill chunk size (accepted, ignored).
     #[arg(long = "prefill-chunk")]
     prefill_chunk: Option<u64>,
@@ -217,6 +223,8 @@ pub struct Config {
     pub log_file: Option<PathBuf>,
     pub connections: Connections,
     pub seed: u64,
+    /// From `--api-key` and `--api-key-file`; empty: no key needed.
+    pub api_keys: Vec<String>,
 }
 
 /// Multi-character single-dash flags of llama-server that clap cannot express
@@ -304,6 +312,28 @@ fn model_name(alias: Option<&str>, model: Option<&Path>) -> String {
         .unwrap_or_else(|| "fake-model".to_string())
 }
 
+/// The keys as llama-server collects them: every `--api-key` list split at commas, and every
+/// line of every `--api-key-file` taken whole (no trimming) unless empty or starting with `#`.
+fn api_keys(args: &Args) -> Result<Vec<String>, String> {
+    let mut keys: Vec<String> = args
+        .api_key
+        .iter()
+        .flat_map(|list| list.split(','))
+        .filter(|k| !k.is_empty())
+        .map(String::from)
+        .collect();
+    for file in &args.api_key_file {
+        let text = std::fs::read_to_string(file)
+            .map_err(|_| format!("failed to open file '{}'", file.display()))?;
+        keys.extend(
+            text.split('\n')
+                .filter(|l| !l.is_empty() && !l.starts_with('#'))
+                .map(String::from),
+        );
+    }
+    Ok(keys)
+}
+
 fn build_config(args: &Args) -> Result<Config, String> {
     let ignore_sigterm =
         args.ignore_sigterm || env_knob::<Truthy>("IGNORE_SIGTERM")?.is_some_and(|t| t.0);
@@ -328,6 +358,7 @@ fn build_config(args: &Args) -> Result<Config, String> {
         log_file: knob(args.log_file.clone(), "LOG_FILE")?,
         connections: knob(args.connections.clone(), "CONNECTIONS")?.unwrap_or_default(),
         seed: knob(args.seed, "SEED")?.unwrap_or(1),
+        api_keys: api_keys(args)?,
     })
 }
 
@@ -529,6 +560,26 @@ mod tests {
         assert_eq!(args.ctx_size, Some(100));
         assert_eq!(args.mode, Some(Mode::Ds4));
         assert_eq!(args.fail_start, Some(FailStart::Exit(7)));
+    }
+
+    #[test]
+    fn api_keys_come_from_lists_and_files() {
+        let dir = std::env::temp_dir().join(format!("fake-engine-keys-{}", std::process::id()));
+        std::fs::create_dir_all(&dir).unwrap();
+        let file = dir.join("keys");
+        std::fs::write(&file, "# comment\nk-file\n\n k-spaced\nk-cr\r\n").unwrap();
+        let a = argv(&format!(
+            "fe --api-key a,b --api-key-file {} --api-key c",
+            file.display()
+        ));
+        let args = Args::try_parse_from(a).unwrap();
+        assert_eq!(
+            api_keys(&args).unwrap(),
+            ["a", "b", "c", "k-file", " k-spaced", "k-cr\r"]
+        );
+        std::fs::remove_dir_all(&dir).unwrap();
+        let err = api_keys(&args).unwrap_err();
+        assert!(err.starts_with("failed to open file '"), "{err}");
     }
 
     #[test]

@@ -1,9 +1,10 @@
-//! HTTP side of the fake engine: the accept loop, request routing, the
-//! handlers for each endpoint, token pacing (token delay, pause, prefill,
-//! die-after-tokens), the streaming response body and the event log that
-//! integration tests read. When connections close is `conn.rs`'s business;
-//! the handlers here report each request and response to it, and carry out
-//! the random breaks that fall inside an exchange (after-read, mid-response).
+//! HTTP side of the fake engine: the accept loop, the API key check, request
+//! routing, the handlers for each endpoint, token pacing (token delay, pause,
+//! prefill, die-after-tokens), the streaming response body and the event log
+//! that integration tests read (each request with the credentials it carried).
+//! When connections close is `conn.rs`'s business; the handlers here report
+//! each request and response to it, and carry out the random breaks that fall
+//! inside an exchange (after-read, mid-response).
 
 use std::convert::Infallible;
 use std::fs::{File, OpenOptions};
@@ -18,8 +19,9 @@ use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
 use bytes::Bytes;
 use dsv4::body::{End, OnEnd};
 use http::header::{
-    HeaderName, HeaderValue, ACCESS_CONTROL_ALLOW_CREDENTIALS, ACCESS_CONTROL_ALLOW_HEADERS,
-    ACCESS_CONTROL_ALLOW_METHODS, ACCESS_CONTROL_ALLOW_ORIGIN, CACHE_CONTROL, CONTENT_TYPE, ORIGIN,
+    HeaderMap, HeaderName, HeaderValue, ACCESS_CONTROL_ALLOW_CREDENTIALS,
+    ACCESS_CONTROL_ALLOW_HEADERS, ACCESS_CONTROL_ALLOW_METHODS, ACCESS_CONTROL_ALLOW_ORIGIN,
+    AUTHORIZATION, CACHE_CONTROL, CONNECTION, CONTENT_TYPE, ORIGIN,
 };
 use http::{Method, Request, Response, StatusCode};
 use http_body_util::{BodyExt, Limited};
@@ -422,10 +424,62 @@ pub async fn serve(engine: Arc<Engine>, listener: TcpListener) {
     }
 }
 
-/// Entry point for every request: logs it, routes it, and ties the response
-/// to a guard that logs `done` / `client-closed` when its body ends. Random
-/// breaks inside the exchange (`--connections random:…`) happen here, never
-/// to `GET /health`.
+/// A header's value for the event log: quoted, or `-` when absent.
+fn shown(headers: &HeaderMap, name: &str) -> String {
+    let values: Vec<String> = headers
+        .get_all(name)
+        .iter()
+        .map(|v| format!("{:?}", String::from_utf8_lossy(v.as_bytes())))
+        .collect();
+    if values.is_empty() {
+        "-".to_string()
+    } else {
+        values.join(",")
+    }
+}
+
+/// Paths llama-server serves without a key: its health check and the web UI's page
+/// (`tools/server/server-http.cpp`, `get_public_endpoints`).
+const PUBLIC_PATHS: [&str; 3] = ["/health", "/v1/health", "/"];
+
+/// llama-server's key check (`--api-key`, `--api-key-file`): the key comes from
+/// `Authorization`, with or without a `Bearer ` prefix (exactly so spelled), or from
+/// `x-api-key` when there is no `Authorization`; CORS preflights and the public paths need
+/// none, and while the model loads every request is told that first. A refusal is a 401
+/// that closes the connection, as llama-server's does (it never reads the body).
+fn refuse_key(engine: &Engine, method: &Method, path: &str, headers: &HeaderMap) -> Option<Resp> {
+    let keys = &engine.cfg.api_keys;
+    if keys.is_empty() || method == Method::OPTIONS || PUBLIC_PATHS.contains(&path) {
+        return None;
+    }
+    if !engine.is_ready() && path != "/echo" {
+        return None;
+    }
+    let presented = headers
+        .get(AUTHORIZATION)
+        .filter(|v| !v.is_empty())
+        .or_else(|| headers.get("x-api-key"))
+        .map(HeaderValue::as_bytes)
+        .unwrap_or_default();
+    let key = presented.strip_prefix(b"Bearer ").unwrap_or(presented);
+    if keys.iter().any(|k| k.as_bytes() == key) {
+        return None;
+    }
+    eprintln!("srv    operator(): unauthorized: Invalid API Key");
+    let mut r = error_response(
+        StatusCode::UNAUTHORIZED,
+        "Invalid API Key",
+        "authentication_error",
+    );
+    r.headers_mut()
+        .insert(CONNECTION, HeaderValue::from_static("close"));
+    Some(r)
+}
+
+/// Entry point for every request: logs it (with the credentials it carried),
+/// checks its key, routes it, and ties the response to a guard that logs
+/// `done` / `client-closed` when its body ends. Random breaks inside the
+/// exchange (`--connections random:…`) happen here, never to `GET /health`.
 async fn handle(
     engine: Arc<Engine>,
     conn: Arc<ConnState>,
@@ -438,7 +492,11 @@ async fn handle(
     if path != "/health" {
         eprintln!("fake-engine: request {method} {path}");
     }
-    engine.log.line(&format!("request {method} {path}"));
+    engine.log.line(&format!(
+        "request {method} {path} authorization={} x-api-key={}",
+        shown(req.headers(), AUTHORIZATION.as_str()),
+        shown(req.headers(), "x-api-key")
+    ));
     let guard = ResponseGuard::new(&engine, &conn, &path);
     let dice = !(method == Method::GET && path == "/health");
     if dice && conn.roll_after_read() {
@@ -448,7 +506,12 @@ async fn handle(
         return std::future::pending().await;
     }
     let origin = req.headers().get(ORIGIN).cloned();
-    let mut resp = route(&engine, req, &method, &path).await;
+    let refused = refuse_key(&engine, &method, &path, req.headers());
+    let answered = refused.is_none();
+    let mut resp = match refused {
+        Some(r) => r,
+        None => route(&engine, req, &method, &path).await,
+    };
     if engine.cfg.mode == Mode::Llama {
         // As llama-server does: every answer allows the origin that asked, and an empty one
         // when none did.
@@ -457,7 +520,7 @@ async fn handle(
             origin.unwrap_or(HeaderValue::from_static("")),
         );
     }
-    if conn.keep_alive_header() {
+    if answered && conn.keep_alive_header() {
         resp.headers_mut().insert(
             HeaderName::from_static("keep-alive"),
             HeaderValue::from_static(conn::KEEP_ALIVE_VALUE),
@@ -466,7 +529,7 @@ async fn handle(
     let body = resp.body_mut();
     let streamed = body.size_hint().exact().is_none();
     // An empty body is never polled: it completes when hyper drops it.
-    if !body.is_end_stream() && dice && conn.roll_mid_response() {
+    if answered && !body.is_end_stream() && dice && conn.roll_mid_response() {
         body.cut(conn.clone());
     }
     resp.map(|body| OnEnd::new(body, move |end| guard.settle(end, streamed)))
@@ -475,7 +538,7 @@ async fn handle(
 async fn route(engine: &Arc<Engine>, req: Request<Incoming>, method: &Method, path: &str) -> Resp {
     let llama = engine.cfg.mode == Mode::Llama;
     match (method, path) {
-        (&Method::GET, "/health") if llama => {
+        (&Method::GET, "/health" | "/v1/health") if llama => {
             if engine.is_ready() {
                 json_response(StatusCode::OK, &json!({"status": "ok"}))
             } else {

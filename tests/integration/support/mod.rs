@@ -141,6 +141,8 @@ pub struct Setup {
     pub listen: Listen,
     /// More `dsv4d` arguments.
     pub daemon_args: Vec<String>,
+    /// More environment variables for `dsv4d`.
+    pub daemon_env: Vec<(String, String)>,
     /// `DSV4_LOG` for the daemon: the test's own `DSV4_LOG`, else `debug`, unless set here.
     pub log_level: Option<String>,
     /// Stop reading the daemon's log once it says where it listens, closing the pipe.
@@ -169,6 +171,7 @@ impl Default for Setup {
             session_bus: None,
             listen: Listen::Activated,
             daemon_args: Vec::new(),
+            daemon_env: Vec::new(),
             log_level: None,
             leave_log_once_listening: false,
         }
@@ -238,6 +241,12 @@ impl Setup {
     /// More `dsv4d` arguments.
     pub fn args(mut self, args: &[&str]) -> Self {
         self.daemon_args.extend(args.iter().map(|a| a.to_string()));
+        self
+    }
+
+    /// An environment variable for `dsv4d` (`RUNTIME_DIRECTORY`, as systemd sets it).
+    pub fn daemon_env(mut self, name: &str, value: &str) -> Self {
+        self.daemon_env.push((name.to_string(), value.to_string()));
         self
     }
 
@@ -413,6 +422,7 @@ impl Daemon {
                 None => ["--bus", "none"],
             })
             .args(&setup.daemon_args)
+            .envs(setup.daemon_env.iter().map(|(k, v)| (k, v)))
             .env("DSV4_LOG", log_level)
             .stdin(Stdio::null())
             .stdout(Stdio::null())
@@ -718,6 +728,108 @@ pub async fn body_json(
     let v = serde_json::from_slice(&body)
         .unwrap_or_else(|_| serde_json::Value::String(String::from_utf8_lossy(&body).into()));
     (status, headers, v)
+}
+
+/// A process's argv, from `/proc/PID/cmdline` (which every local user can read).
+pub fn argv_of(pid: i64) -> Vec<String> {
+    let cmdline = std::fs::read(format!("/proc/{pid}/cmdline")).unwrap_or_default();
+    cmdline
+        .split(|b| *b == 0)
+        .filter(|a| !a.is_empty())
+        .map(|a| String::from_utf8_lossy(a).into_owned())
+        .collect()
+}
+
+/// The value after the last `flag` in `argv` (engines take the last one).
+pub fn flag_value<'a>(argv: &'a [String], flag: &str) -> Option<&'a str> {
+    let i = argv.iter().rposition(|a| a == flag)?;
+    argv.get(i + 1).map(String::as_str)
+}
+
+/// The running engine as another local user could find it (`/status` for its pid, then its
+/// argv), with the secret dsv4d gave it read from its key file.
+#[derive(Debug, Clone)]
+pub struct EngineSeen {
+    pub pid: i64,
+    pub argv: Vec<String>,
+    pub addr: SocketAddr,
+    /// `--api-key-file`, when the engine was given one.
+    pub key_file: Option<PathBuf>,
+    /// The file's one line.
+    pub secret: Option<String>,
+}
+
+impl EngineSeen {
+    /// The engine of `d` (whose `/status` needs no key).
+    pub async fn of(d: &Daemon) -> EngineSeen {
+        let status = d.status().await;
+        let pid = status["engine_pid"]
+            .as_i64()
+            .unwrap_or_else(|| panic!("no engine runs: {status}"));
+        EngineSeen::of_pid(pid)
+    }
+
+    /// The engine process `pid`.
+    pub fn of_pid(pid: i64) -> EngineSeen {
+        let argv = argv_of(pid);
+        let port: u16 = flag_value(&argv, "--port")
+            .and_then(|p| p.parse().ok())
+            .unwrap_or_else(|| panic!("no --port N in engine {pid}'s argv: {argv:?}"));
+        let key_file = flag_value(&argv, "--api-key-file").map(PathBuf::from);
+        let secret = key_file.as_ref().map(|f| {
+            let text = std::fs::read_to_string(f)
+                .unwrap_or_else(|e| panic!("the engine's key file {}: {e}", f.display()));
+            text.strip_suffix('\n')
+                .unwrap_or_else(|| panic!("{text:?} is not one line"))
+                .to_string()
+        });
+        EngineSeen {
+            pid,
+            argv,
+            addr: SocketAddr::from(([127, 0, 0, 1], port)),
+            key_file,
+            secret,
+        }
+    }
+
+    /// `Authorization: Bearer <secret>`.
+    pub fn bearer(&self) -> String {
+        format!(
+            "Bearer {}",
+            self.secret.as_deref().expect("the engine's secret")
+        )
+    }
+
+    /// `method path` straight to the engine's port, on a connection of its own, with
+    /// `headers` (and a JSON body when given).
+    pub async fn send(
+        &self,
+        method: &str,
+        path: &str,
+        headers: &[(&str, &str)],
+        body: Option<serde_json::Value>,
+    ) -> (u16, hyper::HeaderMap, serde_json::Value) {
+        let mut conn = one_connection(self.addr).await;
+        let mut req = hyper::Request::builder()
+            .method(method)
+            .uri(path)
+            .header("host", self.addr.to_string());
+        for (k, v) in headers {
+            req = req.header(*k, *v);
+        }
+        let body = match body {
+            Some(v) => {
+                req = req.header("content-type", "application/json");
+                Full::new(Bytes::from(v.to_string()))
+            }
+            None => Full::default(),
+        };
+        let resp = conn
+            .send_request(req.body(body).unwrap())
+            .await
+            .expect("a response from the engine");
+        body_json(resp).await
+    }
 }
 
 /// Whether a process exists and is not a zombie.

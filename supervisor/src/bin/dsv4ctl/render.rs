@@ -81,6 +81,9 @@ pub fn status_table(doc: &Status, now: f64) -> String {
             .filter(|t| *t > 0.0)
             .map_or_else(dash, |t| duration(now - t)),
     ));
+    if let Some(key) = &s.engine_key {
+        rows.push(("engine key", key.clone()));
+    }
     rows.push(("in flight", s.in_flight.to_string()));
     rows.push(("waiting", s.waiting.to_string()));
     rows.push((
@@ -281,6 +284,7 @@ mod tests {
                 failures: 0,
                 last_error: None,
                 restart_pending: false,
+                engine_key: Some("per-generation secret".into()),
             },
             requests: Requests {
                 all: Totals {
@@ -322,6 +326,7 @@ state       ready
 profile     320k
 engine pid  4242
 uptime      3m12s
+engine key  per-generation secret
 in flight   1
 waiting     0
 idle stop   stops in 14m50s
@@ -346,6 +351,7 @@ prefill     122.7 tok/s (prompts >= 1K tokens: 3 requests); 98.20 tok/s over all
         s.engine.waiting = 2;
         s.engine.failures = 2;
         s.engine.last_error = Some("the engine exited with status 1 before it was ready".into());
+        s.engine.engine_key = Some("none (ds4-server has no key option)".into());
         s.requests = Requests::default();
         let table = status_table(&s, 1_000_000.0);
         assert_eq!(
@@ -355,6 +361,7 @@ state       backoff (2 failed starts in a row)
 profile     64k
 engine pid  -
 uptime      -
+engine key  none (ds4-server has no key option)
 in flight   0
 waiting     2
 idle stop   -
