@@ -323,10 +323,12 @@ fn check_key(
                 "unavailable_error",
                 "api_keys_unavailable",
                 format!(
-                    "the API keys cannot be loaded, so every request is refused until that \
-                     is fixed and the configuration reloaded (or dsv4d restarted): {why}"
+                    "the API keys cannot be loaded, so every request is refused until the \
+                     key file is fixed and dsv4d reloaded (SIGHUP, systemctl reload) or \
+                     restarted: {why}"
                 ),
-            ))
+            )
+            .retry_after(Duration::from_secs(30)))
         }
     };
     let message = match keys.allows(headers) {
@@ -695,6 +697,7 @@ mod tests {
         assert_eq!(e.status, StatusCode::SERVICE_UNAVAILABLE);
         assert_eq!(e.code, "api_keys_unavailable");
         assert!(e.message.ends_with(why), "{}", e.message);
+        assert!(e.retry_after.is_some());
     }
 
     #[tokio::test]
