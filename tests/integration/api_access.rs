@@ -386,3 +386,53 @@ async fn a_key_file_made_unusable_then_a_reload_revokes_every_key_with_an_alert(
     assert_eq!(d.spawns(), 0);
     assert!(!d.log().contains(KEY), "{}", d.log());
 }
+
+/// Sends `head` (a request without a body) on a fresh connection; the response's status
+/// line and headers, as text.
+async fn raw_request(addr: SocketAddr, head: &str) -> String {
+    use tokio::io::{AsyncReadExt, AsyncWriteExt};
+    let mut stream = tokio::net::TcpStream::connect(addr).await.unwrap();
+    stream.write_all(head.as_bytes()).await.unwrap();
+    let mut got = Vec::new();
+    let mut buf = [0u8; 4096];
+    while !got.windows(4).any(|w| w == b"\r\n\r\n") {
+        let n = tokio::time::timeout(5 * SEC, stream.read(&mut buf))
+            .await
+            .expect("an answer")
+            .unwrap();
+        if n == 0 {
+            break;
+        }
+        got.extend_from_slice(&buf[..n]);
+    }
+    String::from_utf8_lossy(&got).into_owned()
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn connect_and_trace_get_405_and_never_start_the_engine() {
+    let d = api_daemon(Setup::default());
+    let host = d.addr.to_string();
+    for head in [
+        format!("CONNECT {host} HTTP/1.1\r\nHost: {host}\r\n\r\n"),
+        format!("TRACE /v1/models HTTP/1.1\r\nHost: {host}\r\n\r\n"),
+    ] {
+        let got = raw_request(d.addr, &head).await;
+        assert!(got.starts_with("HTTP/1.1 405 "), "{head}: {got}");
+        let allow = got
+            .lines()
+            .find_map(|l| l.strip_prefix("allow: "))
+            .unwrap_or_else(|| panic!("no Allow: {got}"));
+        assert!(
+            allow.contains("POST") && !allow.contains("CONNECT"),
+            "{got}"
+        );
+    }
+    // The OpenAI error shape, for a method a client library could send.
+    let (status, _, v) = d.send("TRACE", "/v1/chat/completions", &[], None).await;
+    assert_eq!(status, 405, "{v}");
+    assert_eq!(v["error"]["code"], "method_not_allowed", "{v}");
+    assert_eq!(v["error"]["type"], "invalid_request_error", "{v}");
+    assert_eq!(d.status().await["state"], State::Stopped.as_str());
+    assert_eq!(d.spawns(), 0);
+    assert!(!d.fake_log().contains("start pid="), "{}", d.fake_log());
+}
