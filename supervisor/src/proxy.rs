@@ -243,6 +243,18 @@ pub async fn serve(
     graceful.shutdown()
 }
 
+/// The methods served (by dsv4d or the engine); any other gets 405.
+const ALLOWED_METHODS: [Method; 7] = [
+    Method::GET,
+    Method::HEAD,
+    Method::POST,
+    Method::PUT,
+    Method::PATCH,
+    Method::DELETE,
+    Method::OPTIONS,
+];
+const ALLOW: &str = "GET, HEAD, POST, PUT, PATCH, DELETE, OPTIONS";
+
 async fn handle(ctx: &Ctx, req: Request<Incoming>) -> Response<ProxyBody> {
     let config = ctx.config.borrow().clone();
     // Browsers first, on every path: a request for a host that is not ours (DNS rebinding)
@@ -260,6 +272,20 @@ async fn handle(ctx: &Ctx, req: Request<Incoming>) -> Response<ProxyBody> {
 }
 
 async fn route(ctx: &Ctx, config: &Arc<Config>, mut req: Request<Incoming>) -> Response<ProxyBody> {
+    if !ALLOWED_METHODS.contains(req.method()) {
+        // CONNECT, TRACE and the like: nothing here or in the engine serves them, so they
+        // are answered here and never start the engine.
+        let mut r: Response<ProxyBody> = ApiError::new(
+            StatusCode::METHOD_NOT_ALLOWED,
+            "invalid_request_error",
+            "method_not_allowed",
+            format!("method {} is not supported; use {ALLOW}", req.method()),
+        )
+        .into_response();
+        r.headers_mut()
+            .insert(header::ALLOW, HeaderValue::from_static(ALLOW));
+        return r;
+    }
     let own = matches!(*req.method(), Method::GET | Method::HEAD);
     if own && req.uri().path() == "/health" {
         // Open to every caller the front admits: it is what a load balancer or a watchdog
@@ -323,10 +349,12 @@ fn check_key(
                 "unavailable_error",
                 "api_keys_unavailable",
                 format!(
-                    "the API keys cannot be loaded, so every request is refused until that \
-                     is fixed and the configuration reloaded (or dsv4d restarted): {why}"
+                    "the API keys cannot be loaded, so every request is refused until the \
+                     key file is fixed and dsv4d reloaded (SIGHUP, systemctl reload) or \
+                     restarted: {why}"
                 ),
-            ))
+            )
+            .retry_after(Duration::from_secs(30)))
         }
     };
     let message = match keys.allows(headers) {
@@ -695,6 +723,7 @@ mod tests {
         assert_eq!(e.status, StatusCode::SERVICE_UNAVAILABLE);
         assert_eq!(e.code, "api_keys_unavailable");
         assert!(e.message.ends_with(why), "{}", e.message);
+        assert!(e.retry_after.is_some());
     }
 
     #[tokio::test]

@@ -6,7 +6,10 @@
 //! limits apply at once, a changed profile at the engine's next start) and published on the
 //! config watch (the proxy reads limits and keys from it per request). An invalid one is
 //! rejected whole: the last good configuration stays, the problems are logged with the
-//! loader's precise messages, and an `Alert` goes out.
+//! loader's precise messages, and an `Alert` goes out. The API key file is the exception:
+//! every reload reads it again, whatever the YAML, and one that cannot be used (missing,
+//! unreadable, open to group or others, empty) refuses every keyed request with 503, with an
+//! `Alert`, until a reload finds it good: the last good keys never outlive a revocation.
 //!
 //! Folders are watched, not files: editors save by writing a new file and renaming it over
 //! the old one, which a watch on the file itself would lose. Events are debounced, so a
@@ -22,6 +25,7 @@ use tokio::signal::unix::{signal, SignalKind};
 use tokio::sync::{mpsc, watch};
 
 use crate::alert::Alerts;
+use crate::auth::ApiKeys;
 use crate::config::Config;
 use crate::lifecycle::Handle;
 
@@ -112,27 +116,41 @@ impl Reloader {
     async fn reload(&self, why: &str) {
         let old = self.config.borrow().clone();
         let path = self.path.clone();
-        let loaded = tokio::task::spawn_blocking(move || Config::load(&path)).await;
-        let new = match loaded {
-            Ok(Ok(new)) => new,
+        let loaded = tokio::task::spawn_blocking(move || Config::load_for_reload(&path)).await;
+        let in_force = match loaded {
+            Ok(Ok(new)) => self.apply(why, &old, new).await,
             Ok(Err(problems)) => {
                 tracing::error!("{why}: the new configuration is rejected, the last good one stays:\n{problems}");
                 self.alerts.raise(
                     AlertKind::Config,
                     format!("configuration change rejected; the last good configuration stays:\n{problems}"),
                 );
-                return;
+                // Not its keys: they are read again, as after any reload, so that a key
+                // file made unusable refuses requests instead of the old keys staying good.
+                old.supervisor.api.api_keys_file.is_some().then(|| {
+                    let again = Arc::new((*old).clone());
+                    self.config.send_replace(again.clone());
+                    again
+                })
             }
             Err(e) => {
                 tracing::error!("{why}: loading the configuration failed: {e}");
-                return;
+                None
             }
         };
-        // SIGHUP always republishes, so that what is read per use from files the YAML only
-        // names (the API key file) is read again.
-        if new == *old && why != "SIGHUP" {
+        if let Some(config) = in_force {
+            self.check_keys(why, &config).await;
+        }
+    }
+
+    /// Hands a loaded configuration on; returns it when it is now in force.
+    async fn apply(&self, why: &str, old: &Config, new: Config) -> Option<Arc<Config>> {
+        // SIGHUP always republishes, and so does any reload when API keys are configured,
+        // so that the key file, which the YAML only names, is read again.
+        let keyed = new.supervisor.api.api_keys_file.is_some();
+        if new == *old && why != "SIGHUP" && !keyed {
             tracing::debug!("{why}: the configuration is unchanged");
-            return;
+            return None;
         }
         for (what, changed) in [
             (
@@ -150,8 +168,32 @@ impl Reloader {
         }
         let new = Arc::new(new);
         self.lifecycle.reload(new.clone()).await;
-        self.config.send_replace(new);
+        self.config.send_replace(new.clone());
         tracing::info!("{why}: configuration reloaded");
+        Some(new)
+    }
+
+    /// Reads the key file `config` names: one that cannot be used (missing, unreadable, open
+    /// to group or others, without a key) refuses every keyed request with 503 from now on
+    /// (the proxy reads the same file for the configuration just published), which is
+    /// alerted.
+    async fn check_keys(&self, why: &str, config: &Config) {
+        let Some(path) = config.supervisor.api.api_keys_file.clone() else {
+            return;
+        };
+        let read = tokio::task::spawn_blocking(move || ApiKeys::load(&path).map(|_| ())).await;
+        if let Ok(Err(e)) = read {
+            tracing::error!(
+                "{why}: {e}; every request but GET /health now gets 503 api_keys_unavailable"
+            );
+            self.alerts.raise(
+                AlertKind::Config,
+                format!(
+                    "API keys unavailable, every request but GET /health is refused until \
+                     the key file is fixed and dsv4d reloaded: {e}"
+                ),
+            );
+        }
     }
 }
 

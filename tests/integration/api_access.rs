@@ -9,6 +9,7 @@ use std::time::Duration;
 use crate::support::*;
 use bytes::Bytes;
 use dsv4_client::State;
+use futures_util::StreamExt;
 use http_body_util::{BodyExt, StreamBody};
 use hyper::body::Frame;
 
@@ -308,4 +309,130 @@ async fn keys_come_before_the_body_limit() {
         .await;
     assert_eq!(status, 413, "{v}");
     assert_eq!(d.spawns(), 0);
+}
+
+/// Asks `/v1/models` with the right key until the answer has `status` (a reload is picked up
+/// in the background); the last answer.
+async fn models_until(d: &Daemon, status: u16) -> (u16, hyper::HeaderMap, serde_json::Value) {
+    let t = std::time::Instant::now();
+    loop {
+        let got = d
+            .send("GET", "/v1/models", &[("x-api-key", KEY)], None)
+            .await;
+        if got.0 == status || t.elapsed() > 5 * SEC {
+            return got;
+        }
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_key_file_made_unusable_then_a_reload_revokes_every_key_with_an_alert() {
+    let bus = PrivateBus::start();
+    let d = api_daemon(
+        Setup::default()
+            .api_keys_file(&format!("{KEY}\n"), 0o600)
+            .session_bus(&bus),
+    );
+    let mut alerts = alert_stream(&bus, &d).await;
+    let file = key_file(&d);
+    let shown = file.display().to_string();
+    let (status, _, v) = models_until(&d, 200).await;
+    assert_eq!(status, 200, "{v}");
+
+    let private = |mode| std::fs::set_permissions(&file, std::fs::Permissions::from_mode(mode));
+    let write_keys = |text: &str| {
+        std::fs::write(&file, text).unwrap();
+        private(0o600).unwrap();
+    };
+    for what in ["mode 644", "deleted", "no key left"] {
+        let why = match what {
+            "mode 644" => {
+                private(0o644).unwrap();
+                format!("chmod 600 {shown}")
+            }
+            "deleted" => {
+                std::fs::remove_file(&file).unwrap();
+                format!("cannot open the API key file {shown}")
+            }
+            _ => {
+                write_keys("# revoked\n");
+                "holds no key".to_string()
+            }
+        };
+        d.signal(nix::sys::signal::Signal::SIGHUP);
+        // The key that worked a moment ago is refused, and not with the old keys' 200.
+        let (status, headers, v) = models_until(&d, 503).await;
+        assert_eq!(status, 503, "{what}: {v}");
+        assert_eq!(v["error"]["code"], "api_keys_unavailable", "{what}: {v}");
+        assert_eq!(v["error"]["type"], "unavailable_error", "{what}: {v}");
+        let message = v["error"]["message"].as_str().unwrap();
+        assert!(message.contains(&why), "{what}: {message}");
+        assert!(message.contains(&shown), "{what}: {message}");
+        assert!(headers.contains_key("retry-after"), "{what}: {headers:?}");
+        let alert = tokio::time::timeout(5 * SEC, alerts.next())
+            .await
+            .unwrap_or_else(|_| panic!("{what}: no Alert\n{}", d.log()))
+            .unwrap();
+        let args = alert.args().unwrap();
+        assert_eq!(args.kind, dsv4_client::AlertKind::Config, "{what}");
+        assert!(args.message.contains(&why), "{what}: {}", args.message);
+        // A good file back and a reload: the key works again.
+        write_keys(&format!("{KEY}\n"));
+        d.signal(nix::sys::signal::Signal::SIGHUP);
+        let (status, _, v) = models_until(&d, 200).await;
+        assert_eq!(status, 200, "{what}, fixed: {v}");
+    }
+    assert_eq!(d.spawns(), 0);
+    assert!(!d.log().contains(KEY), "{}", d.log());
+}
+
+/// Sends `head` (a request without a body) on a fresh connection; the response's status
+/// line and headers, as text.
+async fn raw_request(addr: SocketAddr, head: &str) -> String {
+    use tokio::io::{AsyncReadExt, AsyncWriteExt};
+    let mut stream = tokio::net::TcpStream::connect(addr).await.unwrap();
+    stream.write_all(head.as_bytes()).await.unwrap();
+    let mut got = Vec::new();
+    let mut buf = [0u8; 4096];
+    while !got.windows(4).any(|w| w == b"\r\n\r\n") {
+        let n = tokio::time::timeout(5 * SEC, stream.read(&mut buf))
+            .await
+            .expect("an answer")
+            .unwrap();
+        if n == 0 {
+            break;
+        }
+        got.extend_from_slice(&buf[..n]);
+    }
+    String::from_utf8_lossy(&got).into_owned()
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn connect_and_trace_get_405_and_never_start_the_engine() {
+    let d = api_daemon(Setup::default());
+    let host = d.addr.to_string();
+    for head in [
+        format!("CONNECT {host} HTTP/1.1\r\nHost: {host}\r\n\r\n"),
+        format!("TRACE /v1/models HTTP/1.1\r\nHost: {host}\r\n\r\n"),
+    ] {
+        let got = raw_request(d.addr, &head).await;
+        assert!(got.starts_with("HTTP/1.1 405 "), "{head}: {got}");
+        let allow = got
+            .lines()
+            .find_map(|l| l.strip_prefix("allow: "))
+            .unwrap_or_else(|| panic!("no Allow: {got}"));
+        assert!(
+            allow.contains("POST") && !allow.contains("CONNECT"),
+            "{got}"
+        );
+    }
+    // The OpenAI error shape, for a method a client library could send.
+    let (status, _, v) = d.send("TRACE", "/v1/chat/completions", &[], None).await;
+    assert_eq!(status, 405, "{v}");
+    assert_eq!(v["error"]["code"], "method_not_allowed", "{v}");
+    assert_eq!(v["error"]["type"], "invalid_request_error", "{v}");
+    assert_eq!(d.status().await["state"], State::Stopped.as_str());
+    assert_eq!(d.spawns(), 0);
+    assert!(!d.fake_log().contains("start pid="), "{}", d.fake_log());
 }

@@ -184,3 +184,42 @@ async fn writes_to_other_files_in_the_config_folder_are_not_traced() {
     let traced = log.lines().filter(|l| l.contains("dsv4d.log")).count();
     assert_eq!(traced, 0, "{traced} lines about the other file:\n{log}");
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn deleting_the_active_profile_falls_back_to_the_default_with_an_alert() {
+    let bus = PrivateBus::start();
+    let setup = Setup::default().session_bus(&bus);
+    // 64k, not the default 320k, was chosen earlier and is remembered.
+    let dir = temp_dir("daemon");
+    std::fs::create_dir_all(dir.path().join("state")).unwrap();
+    std::fs::write(dir.path().join("state/profile"), "64k\n").unwrap();
+    let d = Daemon::start_in(&setup, dir);
+    let mut alerts = alert_stream(&bus, &d).await;
+    assert_eq!(d.status().await["profile"], "64k");
+
+    std::fs::remove_file(d.dir().join("profiles/64k.yaml")).unwrap();
+    let alert = tokio::time::timeout(5 * SEC, alerts.next())
+        .await
+        .unwrap_or_else(|_| panic!("no Alert\n{}", d.log()))
+        .unwrap();
+    let args = alert.args().unwrap();
+    assert_eq!(args.kind, dsv4_client::AlertKind::Config);
+    assert!(
+        args.message.contains("64k") && args.message.contains("320k"),
+        "{}",
+        args.message
+    );
+    let s = d.status().await;
+    assert_eq!(s["profile"], "320k", "{s}");
+    assert_eq!(s["state"], State::Stopped.as_str(), "{s}");
+    // Remembered, as a switch is: a restart keeps it.
+    let remembered = std::fs::read_to_string(d.dir().join("state/profile")).unwrap();
+    assert_eq!(remembered.trim(), "320k");
+    // The next request starts the default profile's engine.
+    let (status, _, v) = body_json(d.post("/v1/chat/completions", chat(2, false)).await).await;
+    assert_eq!(status, 200, "{v}\n{}", d.log());
+    let starts = d.starts();
+    assert_eq!(starts.len(), 1, "{starts:?}");
+    assert!(starts[0].contains(" -c 327680 "), "{}", starts[0]);
+    assert_eq!(d.status().await["engine_profile"], "320k");
+}

@@ -37,11 +37,17 @@ struct Check<'a> {
     shown: &'a Shown,
     /// Whether the files and programs the configuration names must exist.
     check_files: bool,
+    /// Whether `api.api_keys_file` is checked on disk too (a reload leaves it to the keys).
+    check_key_file: bool,
     doc: &'a Doc,
     problems: &'a mut Vec<Problem>,
 }
 
-pub(super) fn load(path: &Path, check_files: bool) -> Result<Config, ConfigError> {
+pub(super) fn load(
+    path: &Path,
+    check_files: bool,
+    check_key_file: bool,
+) -> Result<Config, ConfigError> {
     let file = std::path::absolute(path).unwrap_or_else(|_| path.to_path_buf());
     // The folder of supervisor.yaml: its relative paths and the paths in messages start there.
     let dir = file.parent().map(Path::to_path_buf).unwrap_or_default();
@@ -64,6 +70,7 @@ pub(super) fn load(path: &Path, check_files: bool) -> Result<Config, ConfigError
     let mut check = Check {
         shown: &shown,
         check_files,
+        check_key_file: check_files && check_key_file,
         doc: &doc,
         problems: &mut problems,
     };
@@ -150,7 +157,10 @@ impl Check<'_> {
             *keys = base.join(&*keys);
             let message = match written.is_empty() {
                 true => Some("must not be empty (use null for no API keys)".to_string()),
-                false => self.on_disk(&written, |shown| files::check_secret_file(shown, keys)),
+                false if self.check_key_file => {
+                    self.on_disk(&written, |shown| files::check_secret_file(shown, keys))
+                }
+                false => text_problem(&written),
             };
             self.add("api.api_keys_file", message);
         }

@@ -65,7 +65,14 @@ impl Config {
     /// the problems in what was read. A file that is not YAML stops at its first error, but
     /// the other files are still read and checked.
     pub fn load(path: &Path) -> Result<Config, ConfigError> {
-        load::load(path, true)
+        load::load(path, true, true)
+    }
+
+    /// As [`load`](Self::load), for a reload: everything is checked but the API key file,
+    /// which the reloader reads itself. A key file that cannot be used does not keep the
+    /// last good configuration (with its keys) in force; it refuses every keyed request.
+    pub fn load_for_reload(path: &Path) -> Result<Config, ConfigError> {
+        load::load(path, true, false)
     }
 
     /// A short report for `dsv4d --check-config`: a first line naming the file, the number of

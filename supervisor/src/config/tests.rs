@@ -77,7 +77,7 @@ fn errors(result: Result<Config, ConfigError>) -> Vec<String> {
 
 /// Loads without checking that files exist.
 fn load_text_only(path: &Path) -> Result<Config, ConfigError> {
-    load::load(path, false)
+    load::load(path, false, false)
 }
 
 #[test]
@@ -695,6 +695,10 @@ fn api_keys_must_be_private() {
         errors(Config::load(&file)),
         ["supervisor.yaml:1:23: api.api_keys_file: keys is a folder, not a file"]
     );
+    // A reload leaves the file to the keys, which fail closed on their own.
+    assert!(Config::load_for_reload(&file).is_ok());
+    fs::remove_dir(dir.path().join("keys")).unwrap();
+    assert!(Config::load_for_reload(&file).is_ok());
 }
 
 #[test]

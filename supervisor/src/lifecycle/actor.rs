@@ -471,11 +471,42 @@ impl Actor {
             Command::Reload { config } => {
                 self.machine.set_limits(limits(&config.supervisor.engine));
                 self.config = config;
+                if let Some(event) = self.fall_back_if_gone() {
+                    return Some(event);
+                }
                 // No event: nothing changes state, but the status (restart pending) may.
                 self.publish();
                 None
             }
         }
+    }
+
+    /// When the active profile is no longer configured (its file was deleted or renamed),
+    /// `default_profile` becomes the active one, as at start-up, remembered in `state_dir`
+    /// as `SetProfile` does, with an alert: else every later start would fail until someone
+    /// picked a profile. A running engine of the old profile is drained and replaced, as
+    /// after `SetProfile`.
+    fn fall_back_if_gone(&mut self) -> Option<Event> {
+        let gone = self.machine.profile();
+        if self.config.profile(gone).is_some() {
+            return None;
+        }
+        let default = self.config.supervisor.default_profile.clone();
+        let state_dir = &self.config.supervisor.state_dir;
+        let message = format!(
+            "the active profile {gone} is not configured any more; \
+             using default_profile {default}"
+        );
+        tracing::warn!("{message}");
+        if let Err(e) = crate::state_file::save_profile(state_dir, &default) {
+            // A restart also falls back, since the remembered profile is not configured.
+            tracing::warn!(
+                "cannot remember profile {default} in {}: {e}",
+                state_dir.display()
+            );
+        }
+        self.alerts.raise(AlertKind::Config, message);
+        Some(Event::SetProfile { profile: default })
     }
 
     fn internal_event(&mut self, i: Internal) -> Option<Event> {

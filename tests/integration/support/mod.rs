@@ -842,3 +842,30 @@ pub fn alive(pid: i64) -> bool {
         Err(_) => false,
     }
 }
+
+/// The `Alert` signals of the daemon `d` serves on `bus`, from once it is there.
+pub async fn alert_stream(bus: &PrivateBus, d: &Daemon) -> dsv4_client::AlertStream {
+    let conn = zbus::connection::Builder::address(bus.address.as_str())
+        .unwrap()
+        .build()
+        .await
+        .unwrap();
+    let t = Instant::now();
+    loop {
+        let p = dsv4_client::Supervisor1Proxy::builder(&conn)
+            .cache_properties(zbus::proxy::CacheProperties::No)
+            .build()
+            .await;
+        if let Ok(p) = p {
+            if p.state().await.is_ok() {
+                return p.receive_alert().await.unwrap();
+            }
+        }
+        assert!(
+            t.elapsed() < Duration::from_secs(10),
+            "no daemon on the bus\n{}",
+            d.log()
+        );
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+}
