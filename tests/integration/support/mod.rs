@@ -145,6 +145,8 @@ pub struct Setup {
     pub log_level: Option<String>,
     /// Stop reading the daemon's log once it says where it listens, closing the pipe.
     pub leave_log_once_listening: bool,
+    /// The daemon's open-file limits (soft, hard), set before it runs, as `ulimit -n` would.
+    pub nofile: Option<(u64, u64)>,
 }
 
 impl Default for Setup {
@@ -171,6 +173,7 @@ impl Default for Setup {
             daemon_args: Vec::new(),
             log_level: None,
             leave_log_once_listening: false,
+            nofile: None,
         }
     }
 }
@@ -238,6 +241,12 @@ impl Setup {
     /// More `dsv4d` arguments.
     pub fn args(mut self, args: &[&str]) -> Self {
         self.daemon_args.extend(args.iter().map(|a| a.to_string()));
+        self
+    }
+
+    /// Starts the daemon with these open-file limits (soft, hard).
+    pub fn nofile(mut self, soft: u64, hard: u64) -> Self {
+        self.nofile = Some((soft, hard));
         self
     }
 
@@ -419,6 +428,22 @@ impl Daemon {
             .stderr(Stdio::piped());
         if let Some(addr) = &setup.session_bus {
             cmd.env("DBUS_SESSION_BUS_ADDRESS", addr);
+        }
+        if let Some((soft, hard)) = setup.nofile {
+            let limit = libc::rlimit {
+                rlim_cur: soft,
+                rlim_max: hard,
+            };
+            // SAFETY: setrlimit is async-signal-safe; it runs in the forked child before exec,
+            // and the limits are kept across exec.
+            unsafe {
+                cmd.pre_exec(move || {
+                    if libc::setrlimit(libc::RLIMIT_NOFILE, &limit) < 0 {
+                        return Err(std::io::Error::last_os_error());
+                    }
+                    Ok(())
+                });
+            }
         }
         let mut child = cmd.spawn().expect("spawn dsv4d");
         let bound = listener.map(|l| l.local_addr().unwrap());
