@@ -4,6 +4,7 @@ pub mod alert;
 pub mod auth;
 pub mod body;
 pub mod config;
+pub mod connections;
 pub mod dbus;
 pub mod engine_key;
 pub mod front;

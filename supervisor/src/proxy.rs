@@ -33,6 +33,7 @@ use tokio::time::Instant;
 use crate::auth::{ApiKeys, AuthResult, KeyCache, X_API_KEY};
 use crate::body::{End, OnEnd, Settle};
 use crate::config::Config;
+use crate::connections::{self, Connections};
 use crate::front;
 use crate::http_error::{with_tail, ApiError};
 use crate::lifecycle::{Handle, Lease, ERROR_TAIL_LINES};
@@ -210,7 +211,14 @@ pub async fn serve(
 ) -> impl Future<Output = ()> {
     let graceful = hyper_util::server::graceful::GracefulShutdown::new();
     let mut http = hyper::server::conn::http1::Builder::new();
-    http.timer(TokioTimer::new()).keep_alive(true);
+    // A connection that has not sent a complete request head within 30 s, whether
+    // new or kept alive between requests, is closed: idle and slow clients free their slot.
+    http.timer(TokioTimer::new())
+        .keep_alive(true)
+        .header_read_timeout(connections::HEADER_TIMEOUT);
+    let connections = Connections::default();
+    // The open-file limit was raised (or not) before the runtime started.
+    let fd_cap = connections::fd_cap();
     tokio::pin!(shutdown);
     loop {
         let (stream, peer) = tokio::select! {
@@ -225,6 +233,13 @@ pub async fn serve(
                 }
             },
         };
+        let max_connections = ctx.config.borrow().supervisor.api.max_connections;
+        let cap = max_connections.min(fd_cap);
+        let Some(slot) = connections.admit(cap) else {
+            tracing::debug!(%peer, "refused: {cap} client connections open");
+            connections.refuse(stream, max_connections, cap);
+            continue;
+        };
         let _ = stream.set_nodelay(true);
         let ctx = ctx.clone();
         let service = hyper::service::service_fn(move |req| {
@@ -237,6 +252,7 @@ pub async fn serve(
             if let Err(e) = conn.await {
                 tracing::debug!(%peer, "connection ended: {e}");
             }
+            drop(slot);
         });
     }
     drop(listener);

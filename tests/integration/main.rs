@@ -8,6 +8,7 @@ mod support;
 
 mod actor;
 mod api_access;
+mod connections;
 mod control;
 mod cors;
 mod ds4;

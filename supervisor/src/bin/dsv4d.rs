@@ -72,6 +72,8 @@ fn main() -> std::process::ExitCode {
     // this is the only call.
     let activated = unsafe { listener::take_activation_fds() };
     let _log = init_logging();
+    // Each client connection is a file: the common default soft limit (1,024) is too low.
+    dsv4::connections::raise_nofile_limit();
     let activated = match activated {
         Ok(fds) => fds,
         Err(e) => return fail(e),

@@ -177,6 +177,7 @@ impl Check<'_> {
         );
         for (path, zero) in [
             ("api.max_body", s.api.max_body == 0),
+            ("api.max_connections", s.api.max_connections == 0),
             ("engine.start_timeout", s.engine.start_timeout.is_zero()),
             ("engine.idle_timeout", s.engine.idle_timeout.is_zero()),
             ("monitor.interval", s.monitor.interval.is_zero()),

@@ -186,6 +186,10 @@ pub struct Api {
     /// Names (`host` or `host:port`) that requests may give in `Host` besides the loopback
     /// ones, which are always allowed. Canonical, as `cors_origins`.
     pub allowed_hosts: Vec<String>,
+    /// Client connections open at once; one more is answered 503 and closed. The daemon caps
+    /// it lower when its open-file limit would not cover it (see [`crate::connections`]).
+    #[default = 4096]
+    pub max_connections: usize,
 }
 
 /// `engine:`, the lifecycle limits.

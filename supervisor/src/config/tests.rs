@@ -97,6 +97,7 @@ api:
   max_body: 1MiB
   cors_origins: [HTTPS://Chat.Example.com:443, "http://localhost:3000"]
   allowed_hosts: [DSV4.lan, "[0::1]:9090"]
+  max_connections: 100
 engine:
   start_timeout: 5m
   idle_timeout: 1h30m
@@ -162,6 +163,7 @@ planned_memory: 10GiB
                     "http://localhost:3000".into(),
                 ],
                 allowed_hosts: vec!["dsv4.lan".into(), "[::1]:9090".into()],
+                max_connections: 100,
             },
             engine: EngineLimits {
                 start_timeout: Duration::from_secs(300),
@@ -296,6 +298,7 @@ fn an_empty_file_means_every_default() {
     assert_eq!(d.profiles_dir, Path::new("profiles"));
     assert_eq!(d.api.listen, "127.0.0.1:8080");
     assert_eq!(d.api.max_body, 64 << 20);
+    assert_eq!(d.api.max_connections, 4096);
     assert_eq!(d.engine.idle_timeout, Duration::from_secs(900));
     assert_eq!(d.exit_when_idle, Some(Duration::from_secs(1800)));
     assert_eq!(d.memory.reserve, 8 << 30);

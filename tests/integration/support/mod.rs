@@ -147,6 +147,8 @@ pub struct Setup {
     pub log_level: Option<String>,
     /// Stop reading the daemon's log once it says where it listens, closing the pipe.
     pub leave_log_once_listening: bool,
+    /// The daemon's open-file limits (soft, hard), set before it runs, as `ulimit -n` would.
+    pub nofile: Option<(u64, u64)>,
 }
 
 impl Default for Setup {
@@ -174,6 +176,7 @@ impl Default for Setup {
             daemon_env: Vec::new(),
             log_level: None,
             leave_log_once_listening: false,
+            nofile: None,
         }
     }
 }
@@ -247,6 +250,12 @@ impl Setup {
     /// An environment variable for `dsv4d` (`RUNTIME_DIRECTORY`, as systemd sets it).
     pub fn daemon_env(mut self, name: &str, value: &str) -> Self {
         self.daemon_env.push((name.to_string(), value.to_string()));
+        self
+    }
+
+    /// Starts the daemon with these open-file limits (soft, hard).
+    pub fn nofile(mut self, soft: u64, hard: u64) -> Self {
+        self.nofile = Some((soft, hard));
         self
     }
 
@@ -429,6 +438,22 @@ impl Daemon {
             .stderr(Stdio::piped());
         if let Some(addr) = &setup.session_bus {
             cmd.env("DBUS_SESSION_BUS_ADDRESS", addr);
+        }
+        if let Some((soft, hard)) = setup.nofile {
+            let limit = libc::rlimit {
+                rlim_cur: soft,
+                rlim_max: hard,
+            };
+            // SAFETY: setrlimit is async-signal-safe; it runs in the forked child before exec,
+            // and the limits are kept across exec.
+            unsafe {
+                cmd.pre_exec(move || {
+                    if libc::setrlimit(libc::RLIMIT_NOFILE, &limit) < 0 {
+                        return Err(std::io::Error::last_os_error());
+                    }
+                    Ok(())
+                });
+            }
         }
         let mut child = cmd.spawn().expect("spawn dsv4d");
         let bound = listener.map(|l| l.local_addr().unwrap());
