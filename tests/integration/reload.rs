@@ -63,27 +63,9 @@ async fn an_invalid_edit_is_rejected_whole_with_an_alert() {
         .engine("idle_timeout", "1h")
         .session_bus(&bus);
     let d = Daemon::start(&setup);
-    let conn = zbus::connection::Builder::address(bus.address.as_str())
-        .unwrap()
-        .build()
-        .await
-        .unwrap();
-    // Wait for the daemon on the bus, then listen for its Alert signals. Properties are read
-    // from the daemon itself, not from a cache that follows PropertiesChanged.
-    let t = Instant::now();
-    let proxy = loop {
-        let p = dsv4_client::Supervisor1Proxy::builder(&conn)
-            .cache_properties(zbus::proxy::CacheProperties::No)
-            .build()
-            .await;
-        if let Ok(p) = p {
-            if p.state().await.is_ok() {
-                break p;
-            }
-        }
-        assert!(t.elapsed() < 10 * SEC, "no daemon on the bus\n{}", d.log());
-        tokio::time::sleep(Duration::from_millis(50)).await;
-    };
+    // Properties are read from the daemon itself, not from a cache that follows
+    // PropertiesChanged.
+    let proxy = live_proxy(&bus, &d).await;
     let mut alerts = proxy.receive_alert().await.unwrap();
 
     // Two mistakes: the whole change is refused, including the valid-looking part.

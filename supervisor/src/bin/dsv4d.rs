@@ -122,10 +122,10 @@ fn init_logging() -> tracing_appender::non_blocking::WorkerGuard {
     use std::io::IsTerminal;
     use tracing_subscriber::EnvFilter;
     let spec = std::env::var("DSV4_LOG").unwrap_or_default();
-    let mut filter = EnvFilter::try_new(&spec).unwrap_or_else(|_| EnvFilter::new("info"));
-    if spec.trim().is_empty() {
-        filter = EnvFilter::new("info");
-    }
+    let mut filter = match spec.trim() {
+        "" => EnvFilter::new("info"),
+        given => EnvFilter::try_new(given).unwrap_or_else(|_| EnvFilter::new("info")),
+    };
     // The file watcher traces every event in the watched folders, the writes of a log file
     // kept there among them: at `trace` each line it logged made another event, a loop that
     // took half a core. It stays at info unless DSV4_LOG names it.

@@ -579,20 +579,10 @@ impl Daemon {
         headers: &[(&str, &str)],
         body: Option<serde_json::Value>,
     ) -> (u16, hyper::HeaderMap, serde_json::Value) {
-        let mut req = hyper::Request::builder().method(method).uri(self.url(path));
-        for (k, v) in headers {
-            req = req.header(*k, *v);
-        }
-        let body = match body {
-            Some(v) => {
-                req = req.header("content-type", "application/json");
-                Full::new(Bytes::from(v.to_string()))
-            }
-            None => Full::default(),
-        };
+        let req = hyper::Request::builder().method(method).uri(self.url(path));
         let resp = self
             .client
-            .request(req.body(body).unwrap())
+            .request(with_json(req, headers, body))
             .await
             .expect("request");
         body_json(resp).await
@@ -835,26 +825,35 @@ impl EngineSeen {
         body: Option<serde_json::Value>,
     ) -> (u16, hyper::HeaderMap, serde_json::Value) {
         let mut conn = one_connection(self.addr).await;
-        let mut req = hyper::Request::builder()
+        let req = hyper::Request::builder()
             .method(method)
             .uri(path)
             .header("host", self.addr.to_string());
-        for (k, v) in headers {
-            req = req.header(*k, *v);
-        }
-        let body = match body {
-            Some(v) => {
-                req = req.header("content-type", "application/json");
-                Full::new(Bytes::from(v.to_string()))
-            }
-            None => Full::default(),
-        };
         let resp = conn
-            .send_request(req.body(body).unwrap())
+            .send_request(with_json(req, headers, body))
             .await
             .expect("a response from the engine");
         body_json(resp).await
     }
+}
+
+/// `req` with `headers`, and `body` as JSON when given.
+fn with_json(
+    mut req: hyper::http::request::Builder,
+    headers: &[(&str, &str)],
+    body: Option<serde_json::Value>,
+) -> hyper::Request<Full<Bytes>> {
+    for (k, v) in headers {
+        req = req.header(*k, *v);
+    }
+    let body = match body {
+        Some(v) => {
+            req = req.header("content-type", "application/json");
+            Full::new(Bytes::from(v.to_string()))
+        }
+        None => Full::default(),
+    };
+    req.body(body).unwrap()
 }
 
 /// Whether a process exists and is not a zombie.
@@ -868,8 +867,9 @@ pub fn alive(pid: i64) -> bool {
     }
 }
 
-/// The `Alert` signals of the daemon `d` serves on `bus`, from once it is there.
-pub async fn alert_stream(bus: &PrivateBus, d: &Daemon) -> dsv4_client::AlertStream {
+/// A proxy of the daemon `d` serves on `bus`, once it is there, that reads properties from
+/// the daemon itself (not from a cache that follows PropertiesChanged).
+pub async fn live_proxy(bus: &PrivateBus, d: &Daemon) -> dsv4_client::Supervisor1Proxy<'static> {
     let conn = zbus::connection::Builder::address(bus.address.as_str())
         .unwrap()
         .build()
@@ -883,7 +883,7 @@ pub async fn alert_stream(bus: &PrivateBus, d: &Daemon) -> dsv4_client::AlertStr
             .await;
         if let Ok(p) = p {
             if p.state().await.is_ok() {
-                return p.receive_alert().await.unwrap();
+                return p;
             }
         }
         assert!(
@@ -893,4 +893,9 @@ pub async fn alert_stream(bus: &PrivateBus, d: &Daemon) -> dsv4_client::AlertStr
         );
         tokio::time::sleep(Duration::from_millis(50)).await;
     }
+}
+
+/// The `Alert` signals of the daemon `d` serves on `bus`, from once it is there.
+pub async fn alert_stream(bus: &PrivateBus, d: &Daemon) -> dsv4_client::AlertStream {
+    live_proxy(bus, d).await.receive_alert().await.unwrap()
 }
