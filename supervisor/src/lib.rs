@@ -9,6 +9,7 @@ pub mod dbus;
 pub mod engine_key;
 pub mod front;
 pub mod http_error;
+pub mod intake;
 pub mod lifecycle;
 pub mod listener;
 pub mod metrics;

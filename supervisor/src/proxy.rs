@@ -1,13 +1,18 @@
 //! The HTTP front: the supervisor's own endpoints and the streaming proxy to the engine.
 //!
 //! Owns: client connections, routing, who may call (browsers: [`crate::front`], API keys:
-//! [`crate::auth`]), the request body limit, hop-by-hop header handling, and the lease that
-//! each proxied request holds until its response body ends or is dropped. Must not: buffer
-//! bodies, time out a response that has not started (a 256K-token prefill takes two hours),
-//! or touch the engine process (it asks the lifecycle actor for a lease).
+//! [`crate::auth`]), hop-by-hop header handling, and the lease that each proxied request
+//! holds until its response body ends or is dropped. Must not: buffer responses, time out a
+//! response that has not started (a 256K-token prefill takes two hours), or touch the engine
+//! process (it asks the lifecycle actor for a lease).
 //!
-//! Bodies stream frame by frame both ways. A client that goes away drops the response body,
-//! which drops the upstream response and closes its connection, so the engine stops work.
+//! A request's body is read whole first ([`crate::intake`]), and only then does the request
+//! take a lease and go to the engine. Responses stream frame by frame. A client that goes
+//! away is noticed whenever it does: hyper sees the connection close once the request's
+//! body has been read (while the request waits for a lease, or for the engine's first byte
+//! through a prefill of hours), and drops the request's future, its lease and its upstream
+//! request, whose connection closes, so the engine stops work; later, it drops the
+//! response body, to the same effect.
 
 use std::convert::Infallible;
 use std::future::Future;
@@ -22,7 +27,6 @@ use dsv4_engine::OutputTail;
 use http::header::{self, HeaderMap, HeaderName, HeaderValue};
 use http::{Method, Request, Response, StatusCode, Uri};
 use http_body::{Body, Frame, SizeHint};
-use http_body_util::Limited;
 use hyper::body::Incoming;
 use hyper_util::rt::{TokioIo, TokioTimer};
 use serde_json::json;
@@ -36,6 +40,7 @@ use crate::config::Config;
 use crate::connections::{self, Connections};
 use crate::front;
 use crate::http_error::{with_tail, ApiError};
+use crate::intake::{self, IntakeError};
 use crate::lifecycle::{Handle, Lease, ERROR_TAIL_LINES};
 use crate::stats::{Stats, Tap};
 use crate::upstream::{UpstreamBody, UpstreamError};
@@ -48,6 +53,8 @@ pub struct Ctx {
     pub stats: Stats,
     /// The API keys of the configuration in force (`api.api_keys_file`), read on first use.
     pub api_keys: KeyCache,
+    /// The request bodies held at once (`api.max_buffered`).
+    pub bodies: Arc<intake::Budget>,
 }
 
 /// The response body: a small body of our own, or the engine's, streamed with its lease.
@@ -432,33 +439,24 @@ fn models(ctx: &Ctx) -> serde_json::Value {
 }
 
 async fn proxy(ctx: &Ctx, config: &Config, req: Request<Incoming>) -> Response<ProxyBody> {
-    let max_body = config.supervisor.api.max_body;
-    if let Some(len) = content_length(req.headers()) {
-        if len > max_body {
-            return ApiError::new(
-                StatusCode::PAYLOAD_TOO_LARGE,
-                "invalid_request_error",
-                "body_too_large",
-                format!(
-                    "request body of {len} bytes is larger than api.max_body ({max_body} bytes)"
-                ),
-            )
-            .into_response();
-        }
-    }
+    let api = &config.supervisor.api;
+    let limits = intake::Limits {
+        max_body: api.max_body,
+        timeout: api.body_timeout,
+        max_buffered: api.max_buffered,
+    };
     let started = Instant::now();
+    let (mut parts, body) = req.into_parts();
+    // The whole body first: a client that is slow to send it holds no lease and no engine
+    // connection meanwhile, and never starts the engine.
+    let held = match intake::read(body, content_length(&parts.headers), limits, &ctx.bodies).await {
+        Ok(held) => held,
+        Err(e) => return intake_refusal(&e),
+    };
     let lease = match ctx.lifecycle.acquire().await {
         Ok(lease) => lease,
         Err(refusal) => return ApiError::from(refusal).into_response(),
     };
-    let (mut parts, body) = req.into_parts();
-    // A body without a Content-Length (chunked) is counted as it streams through: past
-    // `max_body` it ends in an error, which aborts the exchange with the engine and, when the
-    // engine has not answered yet, becomes a 413 below. The engine has seen the head and up
-    // to `max_body` bytes of the body by then, and then its connection breaks off mid-body (a
-    // response it had already begun breaks off for the client instead). A body with a
-    // Content-Length over the limit was refused above without reaching the engine.
-    let body = Limited::new(body, usize::try_from(max_body).unwrap_or(usize::MAX));
     let tap_path = (parts.method == Method::POST).then(|| parts.uri.path().to_string());
     // Origin form (`/path?query`), as an HTTP/1.1 client sends to a server it talks to
     // directly.
@@ -483,11 +481,16 @@ async fn proxy(ctx: &Ctx, config: &Config, req: Request<Incoming>) -> Response<P
     }
     parts.version = http::Version::HTTP_11;
     strip_hop_by_hop(&mut parts.headers);
+    // The body is here already: nothing for the engine to agree to first.
+    parts.headers.remove(header::EXPECT);
     parts
         .headers
         .insert(header::HOST, lease.engine.connections.host().clone());
     let engine = lease.engine.clone();
-    match engine.connections.request(parts, body).await {
+    let answer = engine.connections.request(parts, held.bytes).await;
+    // Sent: the bytes have left (the upstream kept them only for a second try).
+    drop(held.charge);
+    match answer {
         Ok(resp) => {
             let (mut parts, inner) = resp.into_parts();
             strip_hop_by_hop(&mut parts.headers);
@@ -523,18 +526,42 @@ async fn proxy(ctx: &Ctx, config: &Config, req: Request<Incoming>) -> Response<P
         }
         Err(e) => {
             drop(lease);
-            if e.over_limit() {
-                return ApiError::new(
-                    StatusCode::PAYLOAD_TOO_LARGE,
-                    "invalid_request_error",
-                    "body_too_large",
-                    format!("request body larger than api.max_body ({max_body} bytes)"),
-                )
-                .into_response();
-            }
             engine_error(&engine, &e).await.into_response()
         }
     }
+}
+
+/// The answer to a request whose body was not read whole.
+fn intake_refusal(e: &IntakeError) -> Response<ProxyBody> {
+    let (status, kind, code) = match e {
+        IntakeError::TooLarge { .. } => (
+            StatusCode::PAYLOAD_TOO_LARGE,
+            "invalid_request_error",
+            "body_too_large",
+        ),
+        IntakeError::TimedOut { .. } => (
+            StatusCode::REQUEST_TIMEOUT,
+            "invalid_request_error",
+            "body_timeout",
+        ),
+        IntakeError::OverBudget { .. } => (
+            StatusCode::SERVICE_UNAVAILABLE,
+            "unavailable_error",
+            "bodies_over_budget",
+        ),
+        IntakeError::Client(_) => (StatusCode::BAD_REQUEST, "invalid_request_error", "bad_body"),
+    };
+    tracing::debug!("refused a request: {e}");
+    let mut error = ApiError::new(status, kind, code, e.to_string());
+    if status == StatusCode::SERVICE_UNAVAILABLE {
+        error = error.retry_after(Duration::from_secs(1));
+    }
+    let mut r: Response<ProxyBody> = error.into_response();
+    // What is left of the body is unread (or unreadable), so the connection cannot carry
+    // another request (RFC 9110 15.5.9 asks the same of a 408).
+    r.headers_mut()
+        .insert(header::CONNECTION, HeaderValue::from_static("close"));
+    r
 }
 
 /// A 502 that says why the engine did not answer: its exit, with its last output, when it died.
@@ -631,7 +658,6 @@ fn strip_hop_by_hop(h: &mut HeaderMap) {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use http_body_util::{BodyExt, Full};
 
     #[test]
     fn hop_by_hop_headers_go_and_end_to_end_ones_stay() {
@@ -740,15 +766,6 @@ mod tests {
         assert_eq!(e.code, "api_keys_unavailable");
         assert!(e.message.ends_with(why), "{}", e.message);
         assert!(e.retry_after.is_some());
-    }
-
-    #[tokio::test]
-    async fn the_body_limit_is_told_apart_from_other_failures() {
-        // The error the limiting body gives, as reading the client's body reports it.
-        let limited = http_body_util::Limited::new(Full::new(Bytes::from_static(b"12345")), 4);
-        let err = limited.collect().await.unwrap_err();
-        assert!(UpstreamError::Body(err).over_limit());
-        assert!(!UpstreamError::Body("connection reset".into()).over_limit());
     }
 
     #[test]

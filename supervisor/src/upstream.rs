@@ -14,11 +14,10 @@
 //! 1. A connection is driven before it is reused and as it goes back to the pool, so a close
 //!    that has already arrived is seen, and one idle past [`IDLE_EXPIRY`] is not reused at all
 //!    (well inside llama-server's 5 s, so its keep-alive timeout never races a request).
-//! 2. A request whose body is small enough to keep ([`REPLAY_MAX`], which covers chat
-//!    requests; the bytes are shared, not copied) may go on a pooled connection; if that
-//!    connection breaks before any byte of an answer, the request goes again, once, on a
-//!    fresh connection. A connection the engine had already closed has not seen the request,
-//!    so nothing is done twice. A larger or unsized body always gets a fresh connection.
+//! 2. A request goes on a pooled connection when there is one; if that connection breaks
+//!    before any byte of an answer, the request goes again, once, on a fresh connection (its
+//!    body was read whole beforehand, and the bytes are shared, not copied). A connection the
+//!    engine had already closed has not seen the request, so nothing is done twice.
 //! 3. A connection's driver is dropped the moment it ends, so a request that was waiting on
 //!    it learns at once (hyper resolves the send with the connection's error), instead of
 //!    waiting forever on a connection that no longer exists.
@@ -44,7 +43,7 @@ use std::time::Duration;
 use bytes::{Bytes, BytesMut};
 use http::{HeaderMap, Request, Response};
 use http_body::{Body, Frame, SizeHint};
-use http_body_util::{BodyExt, LengthLimitError, Limited};
+use http_body_util::Full;
 use hyper::body::Incoming;
 use hyper::client::conn::http1::{Connection, SendRequest};
 use hyper_util::rt::TokioIo;
@@ -60,51 +59,11 @@ const MAX_IDLE: usize = 128;
 /// connections on their own (llama-server after 5 s), and a request sent just as they do
 /// would be lost to the race.
 pub const IDLE_EXPIRY: Duration = Duration::from_secs(2);
-/// Request bodies up to this size are kept until the answer begins, so that a request on a
-/// pooled connection that turns out dead can go again on a fresh one.
-pub const REPLAY_MAX: u64 = 1024 * 1024;
 /// Largest frame made by joining events that are already there.
 const MAX_JOINED: usize = 64 * 1024;
 
-/// The client's request body on its way to the engine, cut off past `api.max_body` (the
-/// proxy sets the limit and turns the cut into a 413).
-pub type ClientBody = Limited<Incoming>;
-
-/// What goes to the engine: the client's body as it streams, or a small one held whole.
-pub enum RequestBody {
-    Streaming(ClientBody),
-    Held(Option<Bytes>),
-}
-
-impl Body for RequestBody {
-    type Data = Bytes;
-    type Error = Box<dyn std::error::Error + Send + Sync>;
-
-    fn poll_frame(
-        self: Pin<&mut Self>,
-        cx: &mut Context<'_>,
-    ) -> Poll<Option<Result<Frame<Bytes>, Self::Error>>> {
-        match self.get_mut() {
-            RequestBody::Streaming(b) => Pin::new(b).poll_frame(cx),
-            RequestBody::Held(b) => Poll::Ready(b.take().map(|b| Ok(Frame::data(b)))),
-        }
-    }
-
-    fn is_end_stream(&self) -> bool {
-        match self {
-            RequestBody::Streaming(b) => b.is_end_stream(),
-            RequestBody::Held(b) => b.is_none(),
-        }
-    }
-
-    fn size_hint(&self) -> SizeHint {
-        match self {
-            RequestBody::Streaming(b) => b.size_hint(),
-            RequestBody::Held(Some(b)) => SizeHint::with_exact(b.len() as u64),
-            RequestBody::Held(None) => SizeHint::with_exact(0),
-        }
-    }
-}
+/// What goes to the engine: the client's body, read whole beforehand ([`crate::intake`]).
+pub type RequestBody = Full<Bytes>;
 
 type Driver = Connection<TokioIo<tokio::net::TcpStream>, RequestBody>;
 
@@ -155,23 +114,6 @@ pub enum UpstreamError {
         addr: SocketAddr,
         source: hyper::Error,
     },
-    /// Reading the client's body failed (too large, or the client went away).
-    #[error("reading the request body")]
-    Body(#[source] Box<dyn std::error::Error + Send + Sync>),
-}
-
-impl UpstreamError {
-    /// Whether the client's body went past `api.max_body`.
-    pub fn over_limit(&self) -> bool {
-        let mut cause: Option<&(dyn std::error::Error + 'static)> = Some(self);
-        while let Some(e) = cause {
-            if e.is::<LengthLimitError>() {
-                return true;
-            }
-            cause = e.source();
-        }
-        false
-    }
 }
 
 /// The engine's address, its key and its idle connections.
@@ -286,27 +228,18 @@ impl Upstream {
         })
     }
 
-    /// Sends the request to the engine and returns its response, whose body streams from
-    /// the connection (which goes back to the pool once the body has ended).
+    /// Sends the request, with its body read whole, to the engine and returns its response,
+    /// whose body streams from the connection (which goes back to the pool once the body has
+    /// ended).
     pub async fn request(
         self: &Arc<Self>,
         mut parts: http::request::Parts,
-        body: ClientBody,
+        body: Bytes,
     ) -> Result<Response<UpstreamBody>, UpstreamError> {
         let addr = self.addr;
         self.authorize(&mut parts.headers);
-        let held = match body.size_hint().exact() {
-            Some(0) => Bytes::new(),
-            Some(n) if n <= REPLAY_MAX => collect(body).await?,
-            _ => {
-                // Too large to keep for a second try: only a fresh connection will do.
-                let conn = self.connect().await?;
-                let req = Request::from_parts(parts, RequestBody::Streaming(body));
-                return self.send(conn, req).await.answer(addr);
-            }
-        };
         let request = |parts: &http::request::Parts| {
-            let mut r = Request::new(RequestBody::Held(Some(held.clone())));
+            let mut r = Request::new(Full::new(body.clone()));
             *r.method_mut() = parts.method.clone();
             *r.uri_mut() = parts.uri.clone();
             *r.version_mut() = parts.version;
@@ -428,19 +361,6 @@ impl Sent {
             Sent::Lost(source) => Err(lost(addr, source)),
         }
     }
-}
-
-/// Reads a body of known, small size whole. A body that came in one frame is shared, not
-/// copied.
-async fn collect(body: ClientBody) -> Result<Bytes, UpstreamError> {
-    let mut body = std::pin::pin!(body);
-    let mut whole = Joined::default();
-    while let Some(frame) = body.frame().await {
-        if let Ok(data) = frame.map_err(UpstreamError::Body)?.into_data() {
-            whole.push(data);
-        }
-    }
-    Ok(whole.take().unwrap_or_default())
 }
 
 /// The engine's response body. Reading it drives its connection; events already received

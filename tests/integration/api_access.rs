@@ -258,7 +258,7 @@ async fn a_chunked_body_over_max_body_gets_413() {
     assert_eq!(v["error"]["code"], "body_too_large");
     assert_eq!(
         v["error"]["message"],
-        "request body larger than api.max_body (1024 bytes)"
+        "the request body is larger than api.max_body (1024 bytes)"
     );
     drop(tx);
     // The daemon goes on serving.
@@ -267,7 +267,7 @@ async fn a_chunked_body_over_max_body_gets_413() {
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn a_chunked_body_within_max_body_streams_through() {
+async fn a_chunked_body_within_max_body_goes_through() {
     let d = api_daemon(Setup::default().api("max_body", "1KiB"));
     let (resp, tx) = chunked_post(d.addr, "/echo").await;
     for _ in 0..4 {

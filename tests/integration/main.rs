@@ -8,6 +8,7 @@ mod support;
 
 mod actor;
 mod api_access;
+mod bodies;
 mod connections;
 mod control;
 mod cors;

@@ -243,6 +243,7 @@ async fn run(args: Args, activated: Vec<(std::os::fd::OwnedFd, String)>) -> Resu
         config: config_rx,
         stats,
         api_keys: Default::default(),
+        bodies: Default::default(),
     });
 
     let mut term = signal(SignalKind::terminate()).context("installing the SIGTERM handler")?;

@@ -177,6 +177,7 @@ impl Check<'_> {
         );
         for (path, zero) in [
             ("api.max_body", s.api.max_body == 0),
+            ("api.body_timeout", s.api.body_timeout.is_zero()),
             ("api.max_connections", s.api.max_connections == 0),
             ("engine.start_timeout", s.engine.start_timeout.is_zero()),
             ("engine.idle_timeout", s.engine.idle_timeout.is_zero()),
@@ -185,6 +186,13 @@ impl Check<'_> {
         ] {
             self.when(zero, path, POSITIVE);
         }
+        // A body as large as api.max_body must fit, or such a request could never be served.
+        let small = s.api.max_buffered < s.api.max_body;
+        let message = format!(
+            "must be at least api.max_body ({})",
+            crate::config::units::format_size(s.api.max_body)
+        );
+        self.when(small, "api.max_buffered", message);
         // The engine needs time to drain and exit; ds4-server also writes its KV cache.
         let short = s.engine.stop_timeout < MIN_STOP_TIMEOUT;
         let message = format!("must be at least {}", format_duration(MIN_STOP_TIMEOUT));

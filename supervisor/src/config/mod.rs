@@ -179,6 +179,17 @@ pub struct Api {
     #[serde(deserialize_with = "raw::size")]
     #[default(64 << 20)]
     pub max_body: u64,
+    /// How long a request's body may take to arrive in full, from the end of its head. dsv4d
+    /// reads every body whole before the request takes a lease or reaches the engine (see
+    /// [`crate::intake`]); a client slower than this gets 408.
+    #[serde(deserialize_with = "raw::duration")]
+    #[default(Duration::from_secs(30))]
+    pub body_timeout: Duration,
+    /// Request bodies held in memory at once (being read, or read and waiting for the engine);
+    /// a body that would go past it gets 503 with Retry-After.
+    #[serde(deserialize_with = "raw::size")]
+    #[default(1 << 30)]
+    pub max_buffered: u64,
     /// Web pages whose scripts may use the API from a browser: origins
     /// (`scheme://host[:port]`), or `*` for any. The loader writes each in its canonical form
     /// (lowercase, without the scheme's default port); see [`crate::front`].

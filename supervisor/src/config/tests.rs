@@ -95,6 +95,8 @@ api:
   listen: "[::1]:9090"
   api_keys_file: keys.txt
   max_body: 1MiB
+  body_timeout: 5s
+  max_buffered: 16MiB
   cors_origins: [HTTPS://Chat.Example.com:443, "http://localhost:3000"]
   allowed_hosts: [DSV4.lan, "[0::1]:9090"]
   max_connections: 100
@@ -158,6 +160,8 @@ planned_memory: 10GiB
                 listen: "[::1]:9090".into(),
                 api_keys_file: Some(base.join("keys.txt")),
                 max_body: 1 << 20,
+                body_timeout: Duration::from_secs(5),
+                max_buffered: 16 << 20,
                 cors_origins: vec![
                     "https://chat.example.com".into(),
                     "http://localhost:3000".into(),
@@ -298,6 +302,8 @@ fn an_empty_file_means_every_default() {
     assert_eq!(d.profiles_dir, Path::new("profiles"));
     assert_eq!(d.api.listen, "127.0.0.1:8080");
     assert_eq!(d.api.max_body, 64 << 20);
+    assert_eq!(d.api.body_timeout, Duration::from_secs(30));
+    assert_eq!(d.api.max_buffered, 1 << 30);
     assert_eq!(d.api.max_connections, 4096);
     assert_eq!(d.engine.idle_timeout, Duration::from_secs(900));
     assert_eq!(d.exit_when_idle, Some(Duration::from_secs(1800)));
@@ -506,8 +512,8 @@ fn semantic_problems_are_all_reported_in_file_order() {
     let dir = TempDir::new("semantic");
     let file = dir.write(
         "supervisor.yaml",
-        "api:\n  listen: localhost:8080\n  max_body: 0\nengine:\n  start_timeout: 0s\n  \
-         stop_timeout: 0ms\n  max_waiting: 0\nexit_when_idle: 0s\n\
+        "api:\n  listen: localhost:8080\n  max_body: 0\n  body_timeout: 0s\nengine:\n  \
+         start_timeout: 0s\n  stop_timeout: 0ms\n  max_waiting: 0\nexit_when_idle: 0s\n\
          monitor: { interval: 0s }\nthermal: { warn: 95C, critical: 90C, hysteresis: -1C }\n",
     );
     dir.write(
@@ -522,14 +528,15 @@ fn semantic_problems_are_all_reported_in_file_order() {
             "supervisor.yaml:2:11: api.listen: invalid address \"localhost:8080\": expected \
              IP:port, e.g. 127.0.0.1:8080 or [::1]:8080",
             "supervisor.yaml:3:13: api.max_body: must be greater than 0",
-            "supervisor.yaml:5:18: engine.start_timeout: must be greater than 0",
-            "supervisor.yaml:6:17: engine.stop_timeout: must be at least 1s",
-            "supervisor.yaml:7:16: engine.max_waiting: must be between 1 and 100000",
-            "supervisor.yaml:8:17: exit_when_idle: must be greater than 0 (null = never exit)",
-            "supervisor.yaml:9:22: monitor.interval: must be greater than 0",
-            "supervisor.yaml:10:18: thermal.warn: thermal.warn (95C) must be below \
+            "supervisor.yaml:4:17: api.body_timeout: must be greater than 0",
+            "supervisor.yaml:6:18: engine.start_timeout: must be greater than 0",
+            "supervisor.yaml:7:17: engine.stop_timeout: must be at least 1s",
+            "supervisor.yaml:8:16: engine.max_waiting: must be between 1 and 100000",
+            "supervisor.yaml:9:17: exit_when_idle: must be greater than 0 (null = never exit)",
+            "supervisor.yaml:10:22: monitor.interval: must be greater than 0",
+            "supervisor.yaml:11:18: thermal.warn: thermal.warn (95C) must be below \
              thermal.critical (90C)",
-            "supervisor.yaml:10:50: thermal.hysteresis: must not be negative",
+            "supervisor.yaml:11:50: thermal.hysteresis: must not be negative",
             "profiles/320k.yaml: model: required for engine llama-server",
             "profiles/320k.yaml:2:10: command: must not be empty",
             "profiles/320k.yaml:3:10: context: must be at least 512",
@@ -542,6 +549,29 @@ fn semantic_problems_are_all_reported_in_file_order() {
             "profiles/empty.yaml: engine: required: one of llama-server, ds4",
             "profiles/empty.yaml: command: required: the engine executable",
         ]
+    );
+}
+
+#[test]
+fn the_body_budget_must_hold_one_largest_body() {
+    let dir = TempDir::new("budget");
+    let file = dir.write(
+        "supervisor.yaml",
+        "api:\n  max_body: 8MiB\n  max_buffered: 4MiB\n",
+    );
+    dir.write("profiles/320k.yaml", MINIMAL_PROFILE);
+    dir.engine_files("profiles");
+    assert_eq!(
+        errors(Config::load(&file)),
+        ["supervisor.yaml:3:17: api.max_buffered: must be at least api.max_body (8MiB)"]
+    );
+    dir.write(
+        "supervisor.yaml",
+        "api:\n  max_body: 8MiB\n  max_buffered: 8MiB\n",
+    );
+    assert_eq!(
+        Config::load(&file).unwrap().supervisor.api.max_buffered,
+        8 << 20
     );
 }
 

@@ -21,7 +21,7 @@ use dsv4::body::{End, OnEnd};
 use http::header::{
     HeaderMap, HeaderName, HeaderValue, ACCESS_CONTROL_ALLOW_CREDENTIALS,
     ACCESS_CONTROL_ALLOW_HEADERS, ACCESS_CONTROL_ALLOW_METHODS, ACCESS_CONTROL_ALLOW_ORIGIN,
-    AUTHORIZATION, CACHE_CONTROL, CONNECTION, CONTENT_TYPE, ORIGIN,
+    AUTHORIZATION, CACHE_CONTROL, CONNECTION, CONTENT_TYPE, EXPECT, ORIGIN,
 };
 use http::{Method, Request, Response, StatusCode};
 use http_body_util::{BodyExt, Limited};
@@ -492,8 +492,13 @@ async fn handle(
     if path != "/health" {
         eprintln!("fake-engine: request {method} {path}");
     }
+    // `Expect` only when sent, so that most lines end with the credentials.
+    let expect = match req.headers().contains_key(EXPECT) {
+        true => format!(" expect={}", shown(req.headers(), EXPECT.as_str())),
+        false => String::new(),
+    };
     engine.log.line(&format!(
-        "request {method} {path} authorization={} x-api-key={}",
+        "request {method} {path} authorization={} x-api-key={}{expect}",
         shown(req.headers(), AUTHORIZATION.as_str()),
         shown(req.headers(), "x-api-key")
     ));
