@@ -183,10 +183,13 @@ fn folder_problem(path: &Path, is_dir: bool, owner: u32, mode: u32, euid: u32) -
 /// `SECRET_BYTES` from the kernel's generator, in hex: printable, one line, and a valid
 /// header value.
 fn random_secret() -> Result<String, KeyError> {
-    let mut bytes = [0u8; SECRET_BYTES];
-    std::fs::File::open("/dev/urandom")
-        .and_then(|mut f| f.read_exact(&mut bytes))
-        .map_err(KeyError::Random)?;
+    random_hex(SECRET_BYTES).map_err(KeyError::Random)
+}
+
+/// `n` bytes from the kernel's random source, in hex.
+pub(crate) fn random_hex(n: usize) -> io::Result<String> {
+    let mut bytes = vec![0u8; n];
+    std::fs::File::open("/dev/urandom").and_then(|mut f| f.read_exact(&mut bytes))?;
     Ok(bytes.iter().map(|b| format!("{b:02x}")).collect())
 }
 

@@ -10,6 +10,7 @@ pub mod engine_key;
 pub mod front;
 pub mod http_error;
 pub mod intake;
+pub mod leftover;
 pub mod lifecycle;
 pub mod listener;
 pub mod metrics;

@@ -1,7 +1,9 @@
-//! What dsv4d remembers across restarts, in `state_dir`: the active profile.
+//! What dsv4d remembers across restarts, in `state_dir`: the active profile, and how a file
+//! there is written.
 //!
-//! Owns: the file `state_dir/profile` (one line, the profile name). Must not: decide which
-//! profile is valid (the caller checks the name against the configuration).
+//! Owns: the file `state_dir/profile` (one line, the profile name), and [`write_atomic`].
+//! Must not: decide which profile is valid (the caller checks the name against the
+//! configuration).
 
 use std::io;
 use std::path::{Path, PathBuf};
@@ -17,13 +19,20 @@ pub fn load_profile(state_dir: &Path) -> Option<String> {
     (!name.is_empty()).then(|| name.to_string())
 }
 
-/// Remembers `name`, atomically (a crash leaves the old file or the new one, never half).
+/// Remembers `name`.
 pub fn save_profile(state_dir: &Path, name: &str) -> io::Result<()> {
-    std::fs::create_dir_all(state_dir)?;
-    let file = profile_file(state_dir);
-    let tmp = state_dir.join(".profile.tmp");
-    std::fs::write(&tmp, format!("{name}\n"))?;
-    std::fs::rename(&tmp, &file)
+    write_atomic(&profile_file(state_dir), format!("{name}\n").as_bytes())
+}
+
+/// Writes `path` atomically (a crash leaves the old file or the new one, never half),
+/// creating its folder when missing.
+pub fn write_atomic(path: &Path, bytes: &[u8]) -> io::Result<()> {
+    let dir = path.parent().unwrap_or(Path::new("."));
+    std::fs::create_dir_all(dir)?;
+    let name = path.file_name().map(|n| n.to_string_lossy().into_owned());
+    let tmp = dir.join(format!(".{}.tmp", name.unwrap_or_default()));
+    std::fs::write(&tmp, bytes)?;
+    std::fs::rename(&tmp, path)
 }
 
 #[cfg(test)]

@@ -1,6 +1,7 @@
 //! End-to-end tests of `dsv4d` against the fake engine, over real loopback sockets, with the
 //! API socket handed over the way systemd socket activation does.
 
+use std::os::unix::fs::PermissionsExt;
 use std::time::{Duration, Instant};
 
 use crate::support::*;
@@ -300,6 +301,71 @@ async fn a_sigkilled_daemon_leaves_no_engine_behind() {
         );
         tokio::time::sleep(Duration::from_millis(20)).await;
     }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_engine_a_killed_daemon_left_running_is_ended_at_the_next_start() {
+    // A `command` that is a wrapper script without `exec`: the death signal reaches the
+    // script, which is the daemon's child, and not the engine it runs.
+    let dir = temp_dir("leftover");
+    let wrapper = dir.path().join("engine-wrapper");
+    std::fs::write(&wrapper, format!("#!/bin/sh\n{FAKE_ENGINE} \"$@\"\n")).unwrap();
+    std::fs::set_permissions(&wrapper, std::fs::Permissions::from_mode(0o755)).unwrap();
+    let command = wrapper.display().to_string();
+    let setup = Setup::default()
+        .profile_key("320k", "command", &command)
+        .profile_key("64k", "command", &command);
+    let d = Daemon::start_in(&setup, dir);
+    let (status, _, _) = body_json(d.post("/v1/chat/completions", chat(2, false)).await).await;
+    assert_eq!(status, 200);
+    let script = d.status().await["engine_pid"].as_i64().unwrap();
+    let engine: i64 = d.starts()[0]
+        .strip_prefix("start pid=")
+        .and_then(|r| r.split_whitespace().next())
+        .and_then(|p| p.parse().ok())
+        .unwrap();
+    assert_ne!(script, engine, "the engine is the script's child");
+    let record = std::fs::read_to_string(d.dir().join("state/engine-group")).unwrap();
+    assert!(record.contains(&format!("pgid={script}\n")), "{record}");
+
+    let dir = d.kill_and_keep_dir().await;
+    let t = Instant::now();
+    while alive(script) {
+        assert!(t.elapsed() < 3 * SEC, "the script survived");
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+    // What the fix is for: the engine itself is still there, with nobody to stop it.
+    tokio::time::sleep(Duration::from_millis(200)).await;
+    assert!(
+        alive(engine),
+        "the engine went with its script; nothing left to test"
+    );
+
+    let d = Daemon::start_in(&setup, dir);
+    let t = Instant::now();
+    while alive(engine) {
+        assert!(
+            t.elapsed() < 3 * SEC,
+            "the leftover engine {engine} was not ended:\n{}",
+            d.log()
+        );
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+    assert!(
+        d.log()
+            .contains("ending an engine process a previous dsv4d left running"),
+        "{}",
+        d.log()
+    );
+    // The new daemon serves with an engine of its own, and its record replaced the old one.
+    let (status, _, _) = body_json(d.post("/v1/chat/completions", chat(2, false)).await).await;
+    assert_eq!(status, 200);
+    let new_script = d.status().await["engine_pid"].as_i64().unwrap();
+    let record = std::fs::read_to_string(d.dir().join("state/engine-group")).unwrap();
+    assert!(record.contains(&format!("pgid={new_script}\n")), "{record}");
+    // A clean stop removes the record.
+    let dir = d.stop().await;
+    assert!(!dir.path().join("state/engine-group").exists());
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

@@ -23,6 +23,10 @@ use dsv4::sysroot::SysRoot;
 use dsv4_client::Bus;
 use tokio::signal::unix::{signal, SignalKind};
 
+/// How long an engine a previous dsv4d left running gets between SIGTERM and SIGKILL. Short:
+/// clients may be waiting for this daemon, and the engine had no one to serve.
+const LEFTOVER_GRACE: std::time::Duration = std::time::Duration::from_secs(5);
+
 /// `--bus`: a bus, or `none` for no control interface.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 struct BusChoice(Option<Bus>);
@@ -200,6 +204,23 @@ async fn run(args: Args, activated: Vec<(std::os::fd::OwnedFd, String)>) -> Resu
         "engine keys go to {} (a fresh one for each engine start)",
         key_folder.path().display()
     );
+
+    // Before any engine of ours exists: what a killed dsv4d left running goes first, so
+    // that its memory is free for ours.
+    let reaped = dsv4::leftover::reap(
+        &config.supervisor.state_dir,
+        std::path::Path::new("/proc"),
+        LEFTOVER_GRACE,
+    )
+    .await;
+    if !reaped.ended.is_empty() {
+        tracing::warn!(
+            "ended {} engine process(es) that a previous dsv4d left running ({} needed \
+             SIGKILL)",
+            reaped.ended.len(),
+            reaped.killed
+        );
+    }
 
     let profile = active_profile(&config);
     let alerts = Alerts::default();

@@ -24,6 +24,7 @@ use super::state::{EngineFailure, Event, Gen, Limits, Machine, Phase, Refusal, S
 use crate::alert::Alerts;
 use crate::config::{Config, EngineLimits};
 use crate::engine_key::{EngineKey, KeyFolder};
+use crate::leftover;
 use crate::sysroot::SysRoot;
 use crate::upstream::Upstream;
 
@@ -264,6 +265,8 @@ struct Engine {
     /// Its key, when the engine takes one: the file goes when this engine is dropped, that
     /// is once it has exited (or with the actor, which kills it).
     _key: Option<EngineKey>,
+    /// The record of its process group in `state_dir`, gone with it likewise.
+    _group: Option<leftover::Guard>,
 }
 
 impl Drop for Engine {
@@ -272,7 +275,6 @@ impl Drop for Engine {
     }
 }
 
-/// Starts the actor on the current tokio runtime.
 /// What the actor uses from the rest of the daemon.
 #[derive(Debug, Clone, Default)]
 pub struct Services {
@@ -284,6 +286,7 @@ pub struct Services {
     pub key_folder: Option<KeyFolder>,
 }
 
+/// Starts the actor on the current tokio runtime.
 pub fn spawn(
     config: Arc<Config>,
     profile: String,
@@ -684,14 +687,22 @@ impl Actor {
         let args = profile
             .engine
             .argv(&profile.params, "127.0.0.1", port, key_file);
+        // Every process of this engine carries the mark, whatever it starts: a next dsv4d
+        // ends what is left of it only by the mark (see `crate::leftover`).
+        let tag = match leftover::new_tag() {
+            Ok(tag) => tag,
+            Err(e) => return fail(format!("cannot make the engine's process mark: {e}")),
+        };
+        let mut env: Vec<(std::ffi::OsString, std::ffi::OsString)> = profile
+            .env
+            .iter()
+            .map(|(k, v)| (k.into(), v.into()))
+            .collect();
+        env.push((leftover::TAG_VAR.into(), tag.clone().into()));
         let spec = SpawnSpec {
             program: profile.command.clone(),
             args,
-            env: profile
-                .env
-                .iter()
-                .map(|(k, v)| (k.into(), v.into()))
-                .collect(),
+            env,
             tail_lines: TAIL_LINES,
             also: Some(self.log.clone()),
         };
@@ -712,6 +723,19 @@ impl Actor {
         let child = match EngineChild::spawn(&spec) {
             Ok(c) => c,
             Err(e) => return fail(e.to_string()),
+        };
+        let state_dir = &self.config.supervisor.state_dir;
+        let group = match leftover::Guard::write(state_dir, child.pid(), &tag) {
+            Ok(g) => Some(g),
+            Err(e) => {
+                // The engine runs all the same; only a crash of dsv4d could leave it behind.
+                tracing::warn!(
+                    "cannot write {}: {e}; an engine left running by a killed dsv4d would not \
+                     be ended at its next start",
+                    leftover::record_path(state_dir).display()
+                );
+                None
+            }
         };
         self.machine
             .set_interrupt_grace(profile.engine.interrupt_grace());
@@ -751,6 +775,7 @@ impl Actor {
             probe,
             ready_at: None,
             _key: key,
+            _group: group,
         });
         None
     }

@@ -264,7 +264,7 @@ impl ConnState {
     fn close(&self, inner: &mut Inner, reason: Reason) {
         if inner.closing.is_none() {
             inner.closing = Some(reason);
-            eprintln!("fake-engine: closing connection: {}", reason.as_str());
+            say!("fake-engine: closing connection: {}", reason.as_str());
             self.engine
                 .log
                 .line(&format!("close reason={}", reason.as_str()));
@@ -506,7 +506,7 @@ where
             res = conn.as_mut() => {
                 if let Err(e) = res {
                     if !e.is_incomplete_message() && !e.is_canceled() {
-                        eprintln!("fake-engine: connection error: {e}");
+                        say!("fake-engine: connection error: {e}");
                     }
                 }
                 return;

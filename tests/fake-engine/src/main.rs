@@ -10,6 +10,16 @@
 
 #![forbid(unsafe_code)]
 
+/// `eprintln!` that never panics. The engine's stderr is a pipe to dsv4d; once dsv4d is gone
+/// (killed, in a test of what it leaves behind) a write fails, and a real engine goes on
+/// until it is signalled, so this one must not die inside a task over a log line either.
+macro_rules! say {
+    ($($arg:tt)*) => {{
+        use std::io::Write as _;
+        let _ = writeln!(std::io::stderr(), $($arg)*);
+    }};
+}
+
 mod conn;
 mod gen;
 mod server;
@@ -371,7 +381,7 @@ async fn handle_signals(engine: Arc<Engine>) {
     ) {
         (Ok(t), Ok(i)) => (t, i),
         (Err(e), _) | (_, Err(e)) => {
-            eprintln!("fake-engine: error: cannot install signal handlers: {e}");
+            say!("fake-engine: error: cannot install signal handlers: {e}");
             std::process::exit(1);
         }
     };
@@ -387,23 +397,23 @@ async fn handle_signals(engine: Arc<Engine>) {
             _ = term.recv() => {
                 engine.log.line("sigterm");
                 if engine.cfg.ignore_sigterm {
-                    eprintln!("fake-engine: SIGTERM received, ignoring it");
+                    say!("fake-engine: SIGTERM received, ignoring it");
                 } else if deadline.is_none() {
                     let ms = engine.cfg.sigterm_ms;
                     if ms > 0 {
-                        eprintln!("fake-engine: SIGTERM received, writing KV checkpoint ({ms} ms)");
+                        say!("fake-engine: SIGTERM received, writing KV checkpoint ({ms} ms)");
                     } else {
-                        eprintln!("fake-engine: SIGTERM received, exiting");
+                        say!("fake-engine: SIGTERM received, exiting");
                     }
                     deadline = Some(tokio::time::Instant::now() + Duration::from_millis(ms));
                 }
             }
             _ = int.recv() => {
-                eprintln!("fake-engine: SIGINT received, exiting");
+                say!("fake-engine: SIGINT received, exiting");
                 std::process::exit(1);
             }
             _ = linger => {
-                eprintln!("fake-engine: shutdown complete");
+                say!("fake-engine: shutdown complete");
                 std::process::exit(0);
             }
         }
@@ -420,7 +430,7 @@ async fn bind(cfg: &Config) -> Result<TcpListener, String> {
             )
         })?;
     match listener.local_addr() {
-        Ok(addr) => eprintln!("main: server is listening on http://{addr}"),
+        Ok(addr) => say!("main: server is listening on http://{addr}"),
         Err(e) => return Err(format!("cannot read bound address: {e}")),
     }
     Ok(listener)
@@ -431,9 +441,9 @@ async fn run(engine: Arc<Engine>) -> ExitCode {
     tokio::spawn(handle_signals(engine.clone()));
 
     if let FailStart::Exit(code) = cfg.fail_start {
-        eprintln!("llama_model_load: error loading model: fake failure requested");
-        eprintln!("llama_load_model_from_file: failed to load model");
-        eprintln!("fake-engine: error: failing on purpose (exit {code})");
+        say!("llama_model_load: error loading model: fake failure requested");
+        say!("llama_load_model_from_file: failed to load model");
+        say!("fake-engine: error: failing on purpose (exit {code})");
         return ExitCode::from(code);
     }
     let hang = cfg.fail_start == FailStart::Hang;
@@ -444,7 +454,7 @@ async fn run(engine: Arc<Engine>) -> ExitCode {
                 let engine = engine.clone();
                 tokio::spawn(async move {
                     if hang {
-                        eprintln!("fake-engine: hanging on purpose (never ready)");
+                        say!("fake-engine: hanging on purpose (never ready)");
                         return;
                     }
                     tokio::time::sleep(Duration::from_millis(cfg.load_ms)).await;
@@ -453,13 +463,13 @@ async fn run(engine: Arc<Engine>) -> ExitCode {
                 l
             }
             Err(e) => {
-                eprintln!("main: {e}");
+                say!("main: {e}");
                 return ExitCode::from(1);
             }
         },
         Mode::Ds4 => {
             if hang {
-                eprintln!("fake-engine: hanging on purpose (never binding)");
+                say!("fake-engine: hanging on purpose (never binding)");
                 std::future::pending::<()>().await;
             }
             tokio::time::sleep(Duration::from_millis(cfg.load_ms)).await;
@@ -469,7 +479,7 @@ async fn run(engine: Arc<Engine>) -> ExitCode {
                     l
                 }
                 Err(e) => {
-                    eprintln!("main: {e}");
+                    say!("main: {e}");
                     return ExitCode::from(1);
                 }
             }
@@ -485,14 +495,14 @@ fn main() -> ExitCode {
     let cfg = match build_config(&args) {
         Ok(c) => c,
         Err(e) => {
-            eprintln!("fake-engine: error: {e}");
+            say!("fake-engine: error: {e}");
             return ExitCode::from(2);
         }
     };
     let log = match EventLog::open(cfg.log_file.as_deref()) {
         Ok(l) => l,
         Err(e) => {
-            eprintln!("fake-engine: error: cannot open log file: {e}");
+            say!("fake-engine: error: cannot open log file: {e}");
             return ExitCode::from(1);
         }
     };
@@ -501,7 +511,7 @@ fn main() -> ExitCode {
         std::process::id(),
         raw.join(" ")
     ));
-    eprintln!(
+    say!(
         "fake-engine: loading model {}",
         cfg.model_path.as_deref().unwrap_or("(none)")
     );
@@ -514,7 +524,7 @@ fn main() -> ExitCode {
     {
         Ok(rt) => rt,
         Err(e) => {
-            eprintln!("fake-engine: error: cannot start runtime: {e}");
+            say!("fake-engine: error: cannot start runtime: {e}");
             return ExitCode::from(1);
         }
     };

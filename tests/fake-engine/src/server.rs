@@ -66,7 +66,7 @@ impl EventLog {
         line.push('\n');
         let mut f = file.lock().unwrap_or_else(|e| e.into_inner());
         if let Err(e) = f.write_all(line.as_bytes()).and_then(|()| f.flush()) {
-            eprintln!("fake-engine: cannot write log file: {e}");
+            say!("fake-engine: cannot write log file: {e}");
         }
     }
 }
@@ -110,7 +110,7 @@ impl Engine {
                 .map(|d| d.as_nanos())
                 .unwrap_or(0);
             if std::env::var_os("FAKE_ENGINE_QUIET_READY").is_none_or(|v| v.is_empty()) {
-                eprintln!("main: model loaded");
+                say!("main: model loaded");
             }
             self.log.line(&format!("ready t_ns={t_ns}"));
         }
@@ -144,7 +144,7 @@ impl Engine {
         let total = self.tokens_total.fetch_add(1, Ordering::SeqCst) + 1;
         if let Some(limit) = self.cfg.die_after_tokens {
             if total >= limit {
-                eprintln!("fake-engine: dying on purpose after {limit} tokens");
+                say!("fake-engine: dying on purpose after {limit} tokens");
                 // Give the socket a moment to carry the last token out, so the
                 // client sees a truncated stream rather than nothing at all.
                 tokio::time::sleep(Duration::from_millis(50)).await;
@@ -217,7 +217,7 @@ impl ResponseGuard {
 
     fn abandon(&self) {
         if !self.conn.closing() {
-            eprintln!("fake-engine: client closed {}", self.path);
+            say!("fake-engine: client closed {}", self.path);
             self.engine
                 .log
                 .line(&format!("client-closed {}", self.path));
@@ -402,13 +402,13 @@ pub async fn serve(engine: Arc<Engine>, listener: TcpListener) {
         let (stream, peer) = match listener.accept().await {
             Ok(x) => x,
             Err(e) => {
-                eprintln!("fake-engine: accept failed: {e}");
+                say!("fake-engine: accept failed: {e}");
                 tokio::time::sleep(Duration::from_millis(20)).await;
                 continue;
             }
         };
         if let Err(e) = stream.set_nodelay(true) {
-            eprintln!("fake-engine: set_nodelay failed: {e}");
+            say!("fake-engine: set_nodelay failed: {e}");
         }
         // One line per connection, so tests can see whether a client reuses them.
         engine.log.line(&format!("connection from {peer}"));
@@ -465,7 +465,7 @@ fn refuse_key(engine: &Engine, method: &Method, path: &str, headers: &HeaderMap)
     if keys.iter().any(|k| k.as_bytes() == key) {
         return None;
     }
-    eprintln!("srv    operator(): unauthorized: Invalid API Key");
+    say!("srv    operator(): unauthorized: Invalid API Key");
     let mut r = error_response(
         StatusCode::UNAUTHORIZED,
         "Invalid API Key",
@@ -490,7 +490,7 @@ async fn handle(
     // Health checks are not logged: a supervisor polls them, and their lines would crowd
     // the start-up messages out of the output tail that tests read.
     if path != "/health" {
-        eprintln!("fake-engine: request {method} {path}");
+        say!("fake-engine: request {method} {path}");
     }
     // `Expect` only when sent, so that most lines end with the credentials.
     let expect = match req.headers().contains_key(EXPECT) {

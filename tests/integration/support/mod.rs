@@ -630,6 +630,13 @@ impl Daemon {
         self.dir.take().expect("the daemon's folder")
     }
 
+    /// Kills the daemon (SIGKILL, as a crash) and hands back its folder, as it left it.
+    pub async fn kill_and_keep_dir(mut self) -> TempDir {
+        self.signal(nix::sys::signal::Signal::SIGKILL);
+        self.wait_exit(Duration::from_secs(5)).await;
+        self.dir.take().expect("the daemon's folder")
+    }
+
     /// Waits for the daemon to exit, at most `within`.
     pub async fn wait_exit(&mut self, within: Duration) -> ExitStatus {
         let t = Instant::now();
