@@ -14,6 +14,7 @@ pub mod leftover;
 pub mod lifecycle;
 pub mod listener;
 pub mod metrics;
+pub mod oversize;
 pub mod profiles;
 pub mod proxy;
 pub mod reload;

@@ -42,6 +42,7 @@ use crate::front;
 use crate::http_error::{with_tail, ApiError};
 use crate::intake::{self, IntakeError};
 use crate::lifecycle::{Handle, Lease, ERROR_TAIL_LINES};
+use crate::oversize;
 use crate::stats::{Stats, Tap};
 use crate::upstream::{UpstreamBody, UpstreamError};
 
@@ -240,7 +241,10 @@ pub async fn serve(
                 }
             },
         };
-        let max_connections = ctx.config.borrow().supervisor.api.max_connections;
+        let (max_connections, max_body) = {
+            let api = &ctx.config.borrow().supervisor.api;
+            (api.max_connections, api.max_body)
+        };
         let cap = max_connections.min(fd_cap);
         let Some(slot) = connections.admit(cap) else {
             tracing::debug!(%peer, "refused: {cap} client connections open");
@@ -253,7 +257,8 @@ pub async fn serve(
             let ctx = ctx.clone();
             async move { Ok::<_, Infallible>(handle(&ctx, req).await) }
         });
-        let conn = http.serve_connection(TokioIo::new(stream), service);
+        let io = TokioIo::new(oversize::Guarded::new(stream, max_body));
+        let conn = http.serve_connection(io, service);
         let conn = graceful.watch(conn);
         tokio::spawn(async move {
             if let Err(e) = conn.await {

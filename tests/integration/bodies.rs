@@ -374,3 +374,38 @@ async fn slow_bodies_leave_the_real_engine_serving_others() {
     // The same engine served it all.
     assert_eq!(d.status().await["generation"], generation);
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_largest_content_lengths_get_413_like_any_body_over_the_limit() {
+    let d = Daemon::start(&Setup::default().api("max_body", "1KiB"));
+    // hyper keeps the two largest values for itself and refuses them while parsing.
+    for len in [u64::MAX, u64::MAX - 1, u64::MAX - 2, 5000] {
+        let head = format!(
+            "POST /v1/chat/completions HTTP/1.1\r\nHost: {}\r\ncontent-length: {len}\r\n\r\n",
+            d.addr
+        );
+        let mut s = send_raw(d.addr, &head, b"").await;
+        let (status, h, body) = read_response(&mut s, 5 * SEC).await;
+        assert_eq!(status, 413, "{len}: {h}{body}");
+        let v: serde_json::Value = serde_json::from_str(&body).unwrap();
+        assert_eq!(v["error"]["code"], "body_too_large", "{v}");
+        let message = v["error"]["message"].as_str().unwrap();
+        let want = format!("the request body of {len} bytes is larger than api.max_body");
+        assert!(message.starts_with(&want), "{message}");
+    }
+    // A head that is really too large still gets hyper's 431.
+    let big = "x".repeat(500 * 1024);
+    let head = format!(
+        "GET /v1/models HTTP/1.1\r\nHost: {}\r\nX-Big: {big}\r\n\r\n",
+        d.addr
+    );
+    let mut s = send_raw(d.addr, &head, b"").await;
+    let (status, h, _) = read_response(&mut s, 5 * SEC).await;
+    assert_eq!(status, 431, "{h}");
+    assert_eq!(d.spawns(), 0);
+    // And the connections after them are served as usual.
+    let (status, _, v) = d
+        .send("POST", "/v1/chat/completions", &[], Some(chat(3, false)))
+        .await;
+    assert_eq!(status, 200, "{v}");
+}
