@@ -29,6 +29,7 @@ use crate::alert::Alert;
 use crate::config::Config;
 use crate::http_error::ApiError;
 use crate::lifecycle::{ControlError, Handle, Refused, Status};
+use crate::monitor::Telemetry;
 use crate::stats::Stats;
 
 /// Who may change the supervisor's state besides root.
@@ -118,6 +119,7 @@ pub struct ControlObject {
     lifecycle: Handle,
     config: watch::Receiver<Arc<Config>>,
     stats: Stats,
+    telemetry: Telemetry,
     group: ControlGroup,
 }
 
@@ -127,6 +129,7 @@ pub struct Parts {
     /// The configuration in force (replaced by reloads).
     pub config: watch::Receiver<Arc<Config>>,
     pub stats: Stats,
+    pub telemetry: Telemetry,
     pub group: ControlGroup,
     /// Alerts to raise as `Alert(kind, message)` signals.
     pub alerts: broadcast::Receiver<Alert>,
@@ -238,7 +241,7 @@ impl ControlObject {
 
     /// The status JSON, the same document as `GET /status`.
     async fn status(&self) -> Result<String, Fault> {
-        let doc = crate::proxy::status_document(&self.lifecycle, &self.stats);
+        let doc = crate::proxy::status_document(&self.lifecycle, &self.stats, &self.telemetry);
         serde_json::to_string(&doc).map_err(|e| Fault::failed(e.to_string()))
     }
 
@@ -327,6 +330,7 @@ pub async fn serve(bus: Bus, parts: Parts) -> anyhow::Result<Connection> {
         lifecycle,
         config,
         stats,
+        telemetry,
         group,
         alerts,
     } = parts;
@@ -334,6 +338,7 @@ pub async fn serve(bus: Bus, parts: Parts) -> anyhow::Result<Connection> {
         lifecycle: lifecycle.clone(),
         config: config.clone(),
         stats,
+        telemetry,
         group,
     };
     let conn = builder

@@ -1,107 +1,151 @@
-//! `GET /metrics`: the supervisor's own figures in the Prometheus text format.
+//! `GET /metrics`: the supervisor's own figures and the host's latest sample, in the
+//! OpenMetrics text format (which Prometheus reads), through `prometheus-client`.
 //!
-//! Owns: the metric names and their rendering. Must not: reach the engine; a scraper
-//! polling every few seconds must neither start an idle engine nor keep it running.
-//! (Hardware telemetry joins these once the monitor exists.)
+//! Owns: the metric names and what each is drawn from. Must not: reach the engine; a scraper
+//! polling every few seconds must neither start an idle engine nor keep it running. Each
+//! scrape builds its registry from snapshots (the lifecycle's status, the request
+//! statistics, the monitor's latest sample), so that nothing here holds state of its own.
+//! A figure the host does not report has no line.
 
-use std::fmt::Write;
-
+use dsv4_client::telemetry::{Sample, ThrottleKind};
 use dsv4_client::State;
+use prometheus_client::encoding::EncodeLabelSet;
+use prometheus_client::metrics::counter::Counter;
+use prometheus_client::metrics::family::Family;
+use prometheus_client::metrics::gauge::Gauge;
+use prometheus_client::registry::Registry;
+use std::sync::atomic::AtomicU64;
 
 use crate::lifecycle::Status;
 use crate::stats::Report;
 
-fn family(out: &mut String, name: &str, kind: &str, help: &str) {
-    let _ = writeln!(out, "# HELP {name} {help}");
-    let _ = writeln!(out, "# TYPE {name} {kind}");
+/// What `GET /metrics` answers with.
+pub const CONTENT_TYPE: &str = "application/openmetrics-text; version=1.0.0; charset=utf-8";
+
+type FloatGauge = Gauge<f64, AtomicU64>;
+type FloatCounter = Counter<f64, AtomicU64>;
+
+#[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
+struct StateLabel {
+    state: &'static str,
 }
 
-/// Label values are profile names (letters, digits, `.`, `_`, `-`), but escape anyway.
-fn label(v: &str) -> String {
-    v.replace('\\', "\\\\")
-        .replace('"', "\\\"")
-        .replace('\n', "\\n")
+#[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
+struct ProfileLabel {
+    profile: String,
 }
 
-pub fn render(status: &Status, requests: &Report) -> String {
-    let mut o = String::with_capacity(2048);
-    family(
-        &mut o,
+#[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
+struct SensorLabel {
+    sensor: &'static str,
+}
+
+#[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
+struct SourceLabel {
+    source: &'static str,
+}
+
+#[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
+struct KindLabel {
+    kind: &'static str,
+}
+
+/// Registers `metric` under `name` and hands it back to be set.
+fn add<
+    M: prometheus_client::metrics::TypedMetric
+        + prometheus_client::encoding::EncodeMetric
+        + Clone
+        + Send
+        + Sync
+        + std::fmt::Debug
+        + 'static,
+>(
+    reg: &mut Registry,
+    name: &str,
+    help: &str,
+    metric: M,
+) -> M {
+    // prometheus-client ends each help text with a full stop of its own.
+    reg.register(name, help.trim_end_matches('.'), metric.clone());
+    metric
+}
+
+pub fn render(status: &Status, requests: &Report, sample: Option<&Sample>) -> String {
+    let mut reg = Registry::default();
+    engine(&mut reg, status);
+    request_metrics(&mut reg, requests);
+    host(&mut reg, sample);
+    let mut out = String::with_capacity(4096);
+    // Writing to a String cannot fail.
+    let _ = prometheus_client::encoding::text::encode(&mut out, &reg);
+    out
+}
+
+fn engine(reg: &mut Registry, status: &Status) {
+    let states = add(
+        reg,
         "dsv4_engine_state",
-        "gauge",
         "Engine lifecycle state: 1 for the current one.",
+        Family::<StateLabel, Gauge>::default(),
     );
     for s in State::ALL {
-        let _ = writeln!(
-            o,
-            "dsv4_engine_state{{state=\"{s}\"}} {}",
-            u8::from(status.state == s)
-        );
+        states
+            .get_or_create(&StateLabel { state: s.as_str() })
+            .set(i64::from(status.state == s));
     }
-    family(
-        &mut o,
+    let profile = add(
+        reg,
         "dsv4_active_profile",
-        "gauge",
         "The active profile: 1 for it.",
+        Family::<ProfileLabel, Gauge>::default(),
     );
-    let _ = writeln!(
-        o,
-        "dsv4_active_profile{{profile=\"{}\"}} 1",
-        label(&status.profile)
-    );
-    family(
-        &mut o,
+    profile
+        .get_or_create(&ProfileLabel {
+            profile: status.profile.clone(),
+        })
+        .set(1);
+    let int = |reg: &mut Registry, name: &str, help: &str, v: u64| {
+        add(reg, name, help, Gauge::<i64>::default()).set(i64::try_from(v).unwrap_or(i64::MAX));
+    };
+    int(
+        reg,
         "dsv4_in_flight_requests",
-        "gauge",
         "Requests holding a lease on the engine.",
+        u64::from(status.in_flight),
     );
-    let _ = writeln!(o, "dsv4_in_flight_requests {}", status.in_flight);
-    family(
-        &mut o,
+    int(
+        reg,
         "dsv4_waiting_requests",
-        "gauge",
         "Requests waiting for the engine to be ready.",
+        status.waiting as u64,
     );
-    let _ = writeln!(o, "dsv4_waiting_requests {}", status.waiting);
-    family(
-        &mut o,
+    int(
+        reg,
         "dsv4_start_failures",
-        "gauge",
         "Consecutive failed engine starts.",
+        u64::from(status.failures),
     );
-    let _ = writeln!(o, "dsv4_start_failures {}", status.failures);
-    family(
-        &mut o,
+    int(
+        reg,
         "dsv4_engine_generation",
-        "gauge",
         "Engines started since the daemon started.",
+        status.generation.unwrap_or(0),
     );
-    let _ = writeln!(
-        o,
-        "dsv4_engine_generation {}",
-        status.generation.unwrap_or(0)
-    );
+}
 
+fn request_metrics(reg: &mut Registry, requests: &Report) {
+    // Counters: OpenMetrics names them without `_total` and adds it to each sample.
     let counters = [
+        ("dsv4_requests", "Finished requests with engine timings."),
+        ("dsv4_prompt_tokens", "New (uncached) prompt tokens."),
         (
-            "dsv4_requests_total",
-            "Finished requests with engine timings.",
-            0,
-        ),
-        (
-            "dsv4_prompt_tokens_total",
-            "New (uncached) prompt tokens.",
-            1,
-        ),
-        (
-            "dsv4_cached_prompt_tokens_total",
+            "dsv4_cached_prompt_tokens",
             "Prompt tokens served from the engine's cache.",
-            2,
         ),
-        ("dsv4_generated_tokens_total", "Generated tokens.", 3),
+        ("dsv4_generated_tokens", "Generated tokens."),
     ];
-    for (name, help, which) in counters {
-        family(&mut o, name, "counter", help);
+    for (which, (name, help)) in counters.into_iter().enumerate() {
+        let family = add(reg, name, help, Family::<ProfileLabel, Counter>::default());
         for (profile, t) in &requests.by_profile {
             let v = [
                 t.requests,
@@ -109,7 +153,11 @@ pub fn render(status: &Status, requests: &Report) -> String {
                 t.cached_tokens,
                 t.generated_tokens,
             ][which];
-            let _ = writeln!(o, "{name}{{profile=\"{}\"}} {v}", label(profile));
+            family
+                .get_or_create(&ProfileLabel {
+                    profile: profile.clone(),
+                })
+                .inc_by(v);
         }
     }
     let rates = [
@@ -127,21 +175,188 @@ pub fn render(status: &Status, requests: &Report) -> String {
         ),
     ];
     for (i, (name, help)) in rates.into_iter().enumerate() {
-        family(&mut o, name, "gauge", help);
+        let family = add(
+            reg,
+            name,
+            help,
+            Family::<ProfileLabel, FloatGauge>::default(),
+        );
         for (profile, t) in &requests.by_profile {
             let v = [t.decode_tok_s, t.prefill_tok_s, t.long_prompt_prefill_tok_s][i];
             if let Some(v) = v {
-                let _ = writeln!(o, "{name}{{profile=\"{}\"}} {v}", label(profile));
+                family
+                    .get_or_create(&ProfileLabel {
+                        profile: profile.clone(),
+                    })
+                    .set(v);
             }
         }
     }
-    o
+}
+
+/// A gauge without labels, registered only when `value` is known: a figure the host does
+/// not report has no family at all (an unset gauge would read 0, a false figure).
+fn gauge_opt(reg: &mut Registry, name: &str, help: &str, value: Option<f64>) {
+    if let Some(v) = value {
+        add(reg, name, help, FloatGauge::default()).set(v);
+    }
+}
+
+fn host(reg: &mut Registry, sample: Option<&Sample>) {
+    let s = sample.cloned().unwrap_or_default();
+    let gpu = s.gpu.as_ref();
+    let bytes = |v: Option<u64>| v.map(|b| b as f64);
+    let figures = [
+        (
+            "dsv4_gtt_used_bytes",
+            "GPU memory in GTT (system RAM mapped for the GPU) in use.",
+            bytes(gpu.and_then(|g| g.gtt_used)),
+        ),
+        (
+            "dsv4_gtt_total_bytes",
+            "GTT the GPU may use (ttm.pages_limit x 4096 on an APU).",
+            bytes(gpu.and_then(|g| g.gtt_total)),
+        ),
+        (
+            "dsv4_vram_used_bytes",
+            "GPU memory in VRAM (on an APU, the firmware's carve-out) in use.",
+            bytes(gpu.and_then(|g| g.vram_used)),
+        ),
+        (
+            "dsv4_vram_total_bytes",
+            "VRAM of the GPU.",
+            bytes(gpu.and_then(|g| g.vram_total)),
+        ),
+        (
+            "dsv4_memory_total_bytes",
+            "MemTotal of /proc/meminfo.",
+            bytes(s.memory.map(|m| m.total)),
+        ),
+        (
+            "dsv4_memory_available_bytes",
+            "MemAvailable of /proc/meminfo: what a new workload can take without swapping.",
+            bytes(s.memory.map(|m| m.available)),
+        ),
+        (
+            "dsv4_swap_total_bytes",
+            "SwapTotal of /proc/meminfo.",
+            bytes(s.memory.map(|m| m.swap_total)),
+        ),
+        (
+            "dsv4_swap_free_bytes",
+            "SwapFree of /proc/meminfo.",
+            bytes(s.memory.map(|m| m.swap_free)),
+        ),
+        (
+            "dsv4_gpu_busy_ratio",
+            "gpu_busy_percent as a ratio (0 to 1).",
+            gpu.and_then(|g| g.busy_percent).map(|p| p / 100.0),
+        ),
+        (
+            "dsv4_engine_rss_bytes",
+            "Resident memory of the engine process (its GTT is counted above).",
+            bytes(s.engine.map(|e| e.rss_bytes)),
+        ),
+        (
+            "dsv4_throttling",
+            "1 when the hardware throttled in the last sampling interval.",
+            s.throttle
+                .supported
+                .then_some(f64::from(u8::from(s.throttle.active))),
+        ),
+        (
+            "dsv4_sample_timestamp_seconds",
+            "Unix time of the latest sample of the host.",
+            sample.map(|s| s.at),
+        ),
+    ];
+    for (name, help, value) in figures {
+        gauge_opt(reg, name, help, value);
+    }
+    let t = &s.temperatures;
+    let temperatures = add(
+        reg,
+        "dsv4_temperature_celsius",
+        "Temperatures: edge (GPU), tctl (CPU control), ccd_max (hottest CCD), gfx and soc \
+         (gpu_metrics).",
+        Family::<SensorLabel, FloatGauge>::default(),
+    );
+    for (sensor, v) in [
+        ("edge", t.edge),
+        ("tctl", t.tctl),
+        ("ccd_max", t.ccd_max),
+        ("gfx", t.gfx),
+        ("soc", t.soc),
+    ] {
+        if let Some(v) = v {
+            temperatures.get_or_create(&SensorLabel { sensor }).set(v);
+        }
+    }
+    let p = &s.power;
+    let power = add(
+        reg,
+        "dsv4_power_watts",
+        "Power: soc (amdgpu hwmon; on an APU the whole chip), socket, apu and gfx \
+         (gpu_metrics).",
+        Family::<SourceLabel, FloatGauge>::default(),
+    );
+    for (source, v) in [
+        ("soc", p.soc),
+        ("socket", p.socket),
+        ("apu", p.apu),
+        ("gfx", p.gfx),
+    ] {
+        if let Some(v) = v {
+            power.get_or_create(&SourceLabel { source }).set(v);
+        }
+    }
+    let pressure = add(
+        reg,
+        "dsv4_memory_pressure_ratio",
+        "Share of the last 10 s in which some (or all) tasks waited for memory (PSI avg10).",
+        Family::<KindLabel, FloatGauge>::default(),
+    );
+    if let Some(psi) = s.pressure {
+        for (kind, v) in [("some", psi.some_avg10), ("full", psi.full_avg10)] {
+            pressure.get_or_create(&KindLabel { kind }).set(v / 100.0);
+        }
+    }
+    let throttle = add(
+        reg,
+        "dsv4_throttle_seconds",
+        "Seconds in which the hardware throttled, by kind, since the daemon started.",
+        Family::<KindLabel, FloatCounter>::default(),
+    );
+    if s.throttle.supported {
+        for kind in ThrottleKind::ALL {
+            throttle
+                .get_or_create(&KindLabel {
+                    kind: kind.as_str(),
+                })
+                .inc_by(s.throttle.seconds.get(kind));
+        }
+    }
+    let cpu = add(
+        reg,
+        "dsv4_engine_cpu_seconds",
+        "CPU time (user and system) of the engine process.",
+        Family::<KindLabel, FloatCounter>::default(),
+    );
+    if let Some(e) = s.engine {
+        cpu.get_or_create(&KindLabel { kind: "all" })
+            .inc_by(e.cpu_ms as f64 / 1000.0);
+    }
 }
 
 #[cfg(test)]
 mod tests {
     use super::*;
     use crate::stats::{Stats, Timings};
+    use dsv4_client::telemetry::*;
+
+    fn lines(text: &str) -> Vec<&str> {
+        text.lines().collect()
+    }
 
     #[test]
     fn renders_state_and_per_profile_counters() {
@@ -153,31 +368,116 @@ mod tests {
             predicted_n: 100,
             predicted_ms: 10_000.0,
         };
-        stats.record("320k", "/v1/chat/completions", &t, 20_000.0);
+        stats.record("320k", "/v1/chat/completions", &t, 20_000.0, None);
         let mut status = Status::stopped("320k");
         status.state = State::Ready;
         status.engine_profile = Some("320k".into());
         status.engine_pid = Some(7);
         status.generation = Some(2);
         status.in_flight = 1;
-        let text = render(&status, &stats.report(0));
+        let text = render(&status, &stats.report(0), None);
+        let got = lines(&text);
         for line in [
             "dsv4_engine_state{state=\"ready\"} 1",
             "dsv4_engine_state{state=\"stopped\"} 0",
+            "dsv4_active_profile{profile=\"320k\"} 1",
             "dsv4_in_flight_requests 1",
             "dsv4_engine_generation 2",
             "dsv4_requests_total{profile=\"320k\"} 1",
             "dsv4_prompt_tokens_total{profile=\"320k\"} 2000",
             "dsv4_cached_prompt_tokens_total{profile=\"320k\"} 5",
             "dsv4_generated_tokens_total{profile=\"320k\"} 100",
-            "dsv4_decode_tokens_per_second{profile=\"320k\"} 10",
-            "dsv4_long_prompt_prefill_tokens_per_second{profile=\"320k\"} 200",
-            "# TYPE dsv4_generated_tokens_total counter",
+            "dsv4_decode_tokens_per_second{profile=\"320k\"} 10.0",
+            "dsv4_long_prompt_prefill_tokens_per_second{profile=\"320k\"} 200.0",
+            "# TYPE dsv4_generated_tokens counter",
+            "# EOF",
         ] {
-            assert!(
-                text.lines().any(|l| l == line),
-                "missing {line:?} in\n{text}"
-            );
+            assert!(got.contains(&line), "missing {line:?} in\n{text}");
         }
+        assert!(
+            got.contains(&"# HELP dsv4_in_flight_requests Requests holding a lease on the engine."),
+            "{text}"
+        );
+        // No sample of the host yet: no figures of it.
+        assert!(!text.contains("dsv4_gtt_used_bytes"), "{text}");
+        assert!(!text.contains("dsv4_throttle_seconds_total{"), "{text}");
+    }
+
+    #[test]
+    fn renders_the_hosts_figures() {
+        let sample = Sample {
+            at: 1_700_000_000.5,
+            memory: Some(Memory {
+                total: 128,
+                available: 37,
+                swap_total: 8,
+                swap_free: 7,
+            }),
+            pressure: Some(Pressure {
+                some_avg10: 1.25,
+                full_avg10: 0.5,
+                ..Pressure::default()
+            }),
+            gpu: Some(Gpu {
+                card: "card1".into(),
+                gtt_used: Some(81),
+                gtt_total: Some(112),
+                busy_percent: Some(97.0),
+                ..Gpu::default()
+            }),
+            temperatures: Temperatures {
+                edge: Some(73.0),
+                tctl: Some(74.25),
+                ..Temperatures::default()
+            },
+            power: Power {
+                soc: Some(69.6),
+                ..Power::default()
+            },
+            throttle: Throttle {
+                supported: true,
+                active: true,
+                kinds: vec![ThrottleKind::Thermal],
+                since: None,
+                seconds: ThrottleSeconds {
+                    thermal: 3.0,
+                    ..ThrottleSeconds::default()
+                },
+            },
+            engine: Some(EngineProcess {
+                pid: 9,
+                rss_bytes: 20 << 20,
+                cpu_ms: 1500,
+            }),
+        };
+        let text = render(
+            &Status::stopped("320k"),
+            &Stats::default().report(0),
+            Some(&sample),
+        );
+        let got = lines(&text);
+        for line in [
+            "dsv4_gtt_used_bytes 81.0",
+            "dsv4_gtt_total_bytes 112.0",
+            "dsv4_memory_available_bytes 37.0",
+            "dsv4_swap_free_bytes 7.0",
+            "dsv4_temperature_celsius{sensor=\"edge\"} 73.0",
+            "dsv4_temperature_celsius{sensor=\"tctl\"} 74.25",
+            "dsv4_power_watts{source=\"soc\"} 69.6",
+            "dsv4_gpu_busy_ratio 0.97",
+            "dsv4_throttle_seconds_total{kind=\"thermal\"} 3.0",
+            "dsv4_throttle_seconds_total{kind=\"power\"} 0.0",
+            "dsv4_throttling 1.0",
+            "dsv4_memory_pressure_ratio{kind=\"some\"} 0.0125",
+            "dsv4_memory_pressure_ratio{kind=\"full\"} 0.005",
+            "dsv4_engine_rss_bytes 20971520.0",
+            "dsv4_engine_cpu_seconds_total{kind=\"all\"} 1.5",
+            "# TYPE dsv4_throttle_seconds counter",
+        ] {
+            assert!(got.contains(&line), "missing {line:?} in\n{text}");
+        }
+        // Absent figures have no line.
+        assert!(!text.contains("sensor=\"gfx\""), "{text}");
+        assert!(!text.contains("dsv4_vram_used_bytes"), "{text}");
     }
 }

@@ -42,6 +42,7 @@ use crate::front;
 use crate::http_error::{with_tail, ApiError};
 use crate::intake::{self, IntakeError};
 use crate::lifecycle::{Handle, Lease, ERROR_TAIL_LINES};
+use crate::monitor::Telemetry;
 use crate::oversize;
 use crate::stats::{Stats, Tap};
 use crate::upstream::{UpstreamBody, UpstreamError};
@@ -52,6 +53,8 @@ pub struct Ctx {
     /// The configuration in force; a reload replaces it (read it per request).
     pub config: watch::Receiver<Arc<Config>>,
     pub stats: Stats,
+    /// The monitor's samples of the host.
+    pub telemetry: Telemetry,
     /// The API keys of the configuration in force (`api.api_keys_file`), read on first use.
     pub api_keys: KeyCache,
     /// The request bodies held at once (`api.max_buffered`).
@@ -195,6 +198,7 @@ impl Body for EngineStream {
 pub struct Tapped {
     tap: Tap,
     stats: Stats,
+    telemetry: Telemetry,
     profile: String,
     path: String,
     started: Instant,
@@ -203,8 +207,16 @@ pub struct Tapped {
 impl Tapped {
     fn finish(self) {
         if let Some(t) = self.tap.timings() {
-            let wall_ms = self.started.elapsed().as_secs_f64() * 1000.0;
-            self.stats.record(&self.profile, &self.path, &t, wall_ms);
+            let wall = self.started.elapsed().as_secs_f64();
+            let now = crate::monitor::unix_now();
+            let resources = self.telemetry.resources(now - wall, now);
+            self.stats.record(
+                &self.profile,
+                &self.path,
+                &t,
+                wall * 1000.0,
+                Some(resources),
+            );
         }
     }
 }
@@ -335,7 +347,8 @@ async fn route(ctx: &Ctx, config: &Arc<Config>, mut req: Request<Incoming>) -> R
     }
     match (own, req.uri().path()) {
         (true, "/status") => {
-            match serde_json::to_value(status_document(&ctx.lifecycle, &ctx.stats)) {
+            match serde_json::to_value(status_document(&ctx.lifecycle, &ctx.stats, &ctx.telemetry))
+            {
                 Ok(v) => json_response(StatusCode::OK, v),
                 Err(e) => ApiError::new(
                     StatusCode::INTERNAL_SERVER_ERROR,
@@ -348,11 +361,16 @@ async fn route(ctx: &Ctx, config: &Arc<Config>, mut req: Request<Incoming>) -> R
         }
         (true, "/v1/models") => json_response(StatusCode::OK, models(ctx)),
         (true, "/metrics") => {
-            let text = crate::metrics::render(&ctx.lifecycle.status(), &ctx.stats.report(0));
+            let sample = ctx.telemetry.latest();
+            let text = crate::metrics::render(
+                &ctx.lifecycle.status(),
+                &ctx.stats.report(0),
+                sample.as_deref(),
+            );
             let mut r = Response::new(ProxyBody::from(Bytes::from(text)));
             r.headers_mut().insert(
                 header::CONTENT_TYPE,
-                HeaderValue::from_static("text/plain; version=0.0.4; charset=utf-8"),
+                HeaderValue::from_static(crate::metrics::CONTENT_TYPE),
             );
             r
         }
@@ -404,10 +422,11 @@ fn check_key(
 
 /// The status document (`GET /status`, D-Bus `Status()`): the lifecycle's status with the
 /// request statistics (the last few requests in full).
-pub fn status_document(lifecycle: &Handle, stats: &Stats) -> Status {
+pub fn status_document(lifecycle: &Handle, stats: &Stats, telemetry: &Telemetry) -> Status {
     Status {
         engine: lifecycle.status(),
         requests: stats.report(5),
+        telemetry: telemetry.latest().map(|s| (*s).clone()),
     }
 }
 
@@ -510,6 +529,7 @@ async fn proxy(ctx: &Ctx, config: &Config, req: Request<Incoming>) -> Response<P
                         Box::new(Tapped {
                             tap,
                             stats: ctx.stats.clone(),
+                            telemetry: ctx.telemetry.clone(),
                             profile: engine.profile.clone(),
                             path,
                             started,

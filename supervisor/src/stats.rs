@@ -17,6 +17,7 @@ use std::time::SystemTime;
 use bytes::Bytes;
 // The document types are the client's own: what the daemon serves is by construction what
 // `dsv4ctl` and other clients parse.
+use dsv4_client::telemetry::Resources;
 pub use dsv4_client::{RequestRecord as Record, Requests as Report, Totals as Summary};
 use serde::Deserialize;
 
@@ -101,7 +102,15 @@ pub struct Stats {
 }
 
 impl Stats {
-    pub fn record(&self, profile: &str, path: &str, t: &Timings, wall_ms: f64) {
+    /// Records a finished request; `resources`: what its span cost, from the monitor.
+    pub fn record(
+        &self,
+        profile: &str,
+        path: &str,
+        t: &Timings,
+        wall_ms: f64,
+        resources: Option<Resources>,
+    ) {
         let at = SystemTime::now()
             .duration_since(SystemTime::UNIX_EPOCH)
             .map(|d| d.as_secs_f64())
@@ -118,6 +127,7 @@ impl Stats {
             prompt_ms: t.prompt_ms,
             decode_ms: t.predicted_ms,
             wall_ms,
+            resources,
         };
         tracing::debug!(
             profile,
@@ -277,12 +287,19 @@ mod tests {
     fn rates_are_token_weighted_not_averaged() {
         let s = Stats::default();
         // 10 tokens at 100 tok/s and 1000 tokens at 10 tok/s: weighted 1010 / 100.1 s
-        s.record("320k", "/v1/chat/completions", &t(10, 10.0, 10, 100.0), 1.0);
+        s.record(
+            "320k",
+            "/v1/chat/completions",
+            &t(10, 10.0, 10, 100.0),
+            1.0,
+            None,
+        );
         s.record(
             "320k",
             "/v1/chat/completions",
             &t(2000, 20_000.0, 1000, 100_000.0),
             1.0,
+            None,
         );
         let r = s.report(10);
         assert_eq!(r.all.requests, 2);

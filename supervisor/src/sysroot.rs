@@ -82,32 +82,29 @@ impl SysRoot {
         })
     }
 
-    /// `/proc/meminfo`'s `MemAvailable`, in bytes: what a new process can take without
-    /// swapping (the kernel's own estimate).
-    pub fn mem_available(&self) -> Result<u64, SysError> {
-        let system = "/proc/meminfo";
-        let text = self.read(system)?;
-        meminfo_bytes(&text, "MemAvailable").ok_or_else(|| SysError::Parse {
-            path: self.path(system),
-            what: "no MemAvailable line in kB".into(),
+    /// The whole file as bytes, read to its end (sysfs binary files such as `gpu_metrics`
+    /// give a size that is only an upper bound).
+    pub fn read_bytes(&self, system: &str) -> Result<Vec<u8>, SysError> {
+        let path = self.path(system);
+        std::fs::read(&path).map_err(|e| SysError::Read {
+            why: e.to_string(),
+            path,
         })
     }
-}
 
-/// The value of `key` in meminfo's `Key:   12345 kB` lines, in bytes.
-fn meminfo_bytes(text: &str, key: &str) -> Option<u64> {
-    text.lines().find_map(|line| {
-        let (k, rest) = line.split_once(':')?;
-        if k.trim() != key {
-            return None;
-        }
-        let mut words = rest.split_whitespace();
-        let n: u64 = words.next()?.parse().ok()?;
-        match words.next() {
-            Some("kB") => n.checked_mul(1024),
-            _ => None,
-        }
-    })
+    /// The names in the folder `system`, sorted; empty when it cannot be read.
+    pub fn list(&self, system: &str) -> Vec<String> {
+        let mut names: Vec<String> = std::fs::read_dir(self.path(system))
+            .map(|entries| {
+                entries
+                    .flatten()
+                    .filter_map(|e| e.file_name().into_string().ok())
+                    .collect()
+            })
+            .unwrap_or_default();
+        names.sort();
+        names
+    }
 }
 
 #[cfg(test)]
@@ -144,7 +141,12 @@ mod tests {
             SysRoot::default().path("/proc/meminfo"),
             PathBuf::from("/proc/meminfo")
         );
-        assert_eq!(root.mem_available(), Ok(98_304_000 * 1024));
+        assert_eq!(
+            crate::hw::meminfo::read(&root).map(|m| m.available),
+            Some(98_304_000 * 1024)
+        );
+        assert_eq!(root.list("/sys/class/drm"), ["card1"]);
+        assert!(root.list("/sys/class/none").is_empty());
         assert_eq!(
             root.value::<u64>("/sys/class/drm/card1/device/mem_info_gtt_used"),
             Ok(86_973_087_744)
@@ -165,11 +167,6 @@ mod tests {
             )),
             "{missing}"
         );
-        std::fs::write(dir.join("proc/meminfo"), "MemTotal: 5 kB\n").unwrap();
-        assert_eq!(
-            root.mem_available().unwrap_err().to_string(),
-            format!("{}/proc/meminfo: no MemAvailable line in kB", dir.display())
-        );
         std::fs::write(dir.join("proc/x"), "lots\n").unwrap();
         let bad = root.value::<u64>("/proc/x").unwrap_err().to_string();
         assert!(bad.contains("/proc/x: \"lots\": invalid digit"), "{bad}");
@@ -186,13 +183,5 @@ mod tests {
         );
         let e = SysRoot::new("/proc/self/status").unwrap_err();
         assert_eq!(e.to_string(), "--sysroot /proc/self/status: not a folder");
-    }
-
-    #[test]
-    fn meminfo_lines() {
-        let text = "MemTotal: 10 kB\nMemAvailable:    7 kB\nHugepagesize: 2048 kB\n";
-        assert_eq!(meminfo_bytes(text, "MemAvailable"), Some(7 * 1024));
-        assert_eq!(meminfo_bytes(text, "MemFree"), None);
-        assert_eq!(meminfo_bytes("MemAvailable: 7\n", "MemAvailable"), None);
     }
 }

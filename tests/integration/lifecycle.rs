@@ -530,7 +530,7 @@ async fn engine_connections_are_kept_alive_and_reused() {
 /// Strix Halo's `/proc` stands in for this machine's.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn the_host_is_read_below_the_sysroot() {
-    let fixture = concat!(env!("CARGO_MANIFEST_DIR"), "/fixtures/sysroot/strix-halo");
+    let fixture = concat!(env!("CARGO_MANIFEST_DIR"), "/fixtures/sysfs/strix-halo");
     let setup = Setup {
         daemon_args: vec!["--sysroot".into(), fixture.into()],
         ..Setup::default()

@@ -20,3 +20,4 @@ mod real_engine;
 mod reload;
 mod soak;
 mod stats;
+mod telemetry;

@@ -7,6 +7,7 @@
 //! internals; `dsv4ctl` links this crate only.
 
 pub mod duration;
+pub mod telemetry;
 
 use std::collections::BTreeMap;
 use std::fmt;
@@ -324,6 +325,9 @@ pub struct Status {
     #[serde(flatten)]
     pub engine: EngineStatus,
     pub requests: Requests,
+    /// The latest sample of the host (none before the first, or from an older daemon).
+    #[serde(default)]
+    pub telemetry: Option<telemetry::Sample>,
 }
 
 /// Request statistics: totals with token-weighted rates (tokens per second).
@@ -360,6 +364,9 @@ pub struct RequestRecord {
     pub prompt_ms: f64,
     pub decode_ms: f64,
     pub wall_ms: f64,
+    /// Temperatures, power, GTT and throttling over the request's span.
+    #[serde(default)]
+    pub resources: Option<telemetry::Resources>,
 }
 
 /// One entry of `ListProfiles()`.
@@ -441,6 +448,7 @@ mod tests {
         let s = Status {
             engine: EngineStatus::stopped("320k"),
             requests: Requests::default(),
+            telemetry: Some(telemetry::Sample::default()),
         };
         let v = serde_json::to_value(&s).unwrap();
         assert_eq!(v["state"], "stopped");
@@ -456,12 +464,15 @@ mod tests {
         let mut v = serde_json::to_value(Status {
             engine: EngineStatus::stopped("320k"),
             requests: Requests::default(),
+            telemetry: None,
         })
         .unwrap();
         let top = v.as_object_mut().unwrap();
         top.remove("engine_key");
         top.remove("restart_pending");
+        top.remove("telemetry");
         let back: Status = serde_json::from_value(v).unwrap();
+        assert_eq!(back.telemetry, None);
         assert_eq!(back.engine.engine_key, None);
         assert!(!back.engine.restart_pending);
     }

@@ -226,13 +226,18 @@ async fn run(args: Args, activated: Vec<(std::os::fd::OwnedFd, String)>) -> Resu
     let alerts = Alerts::default();
     let services = Services {
         alerts: alerts.clone(),
-        sysroot,
+        sysroot: sysroot.clone(),
         key_folder: Some(key_folder),
     };
     let (lifecycle, actor) =
         dsv4::lifecycle::actor::spawn(config.clone(), profile.clone(), services);
     // The configuration in force, replaced by reloads (SIGHUP, or an edited file).
     let (config_tx, config_rx) = tokio::sync::watch::channel(config.clone());
+    let telemetry = dsv4::monitor::spawn(
+        dsv4::hw::Sampler::new(sysroot),
+        config_rx.clone(),
+        lifecycle.watch_status(),
+    );
     tracing::info!(profile, "ready; the engine starts on the first request");
     let stats = Stats::default();
     // Kept for the daemon's life: dropping it leaves the bus.
@@ -243,6 +248,7 @@ async fn run(args: Args, activated: Vec<(std::os::fd::OwnedFd, String)>) -> Resu
                 lifecycle: lifecycle.clone(),
                 config: config_rx.clone(),
                 stats: stats.clone(),
+                telemetry: telemetry.clone(),
                 group,
                 alerts: alerts.subscribe(),
             };
@@ -263,6 +269,7 @@ async fn run(args: Args, activated: Vec<(std::os::fd::OwnedFd, String)>) -> Resu
         lifecycle: lifecycle.clone(),
         config: config_rx,
         stats,
+        telemetry,
         api_keys: Default::default(),
         bodies: Default::default(),
     });

@@ -713,12 +713,15 @@ impl Actor {
             spec.program.display(),
             shown.join(" ")
         );
-        match self.sysroot.mem_available() {
-            Ok(bytes) => tracing::info!(
+        match crate::hw::meminfo::read(&self.sysroot) {
+            Some(m) => tracing::info!(
                 "memory available before the start: {:.1} GiB",
-                bytes as f64 / (1u64 << 30) as f64
+                m.available as f64 / (1u64 << 30) as f64
             ),
-            Err(e) => tracing::debug!("memory available before the start: unknown ({e})"),
+            None => tracing::debug!(
+                "memory available before the start: unknown (no {})",
+                self.sysroot.path(crate::hw::meminfo::PATH).display()
+            ),
         }
         let child = match EngineChild::spawn(&spec) {
             Ok(c) => c,

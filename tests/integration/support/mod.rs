@@ -35,6 +35,35 @@ pub fn temp_dir(tag: &str) -> TempDir {
         .expect("a temporary folder")
 }
 
+/// The fixture tree `tests/fixtures/sysfs/NAME`.
+pub fn fixture_tree(name: &str) -> PathBuf {
+    Path::new(env!("CARGO_MANIFEST_DIR"))
+        .join("fixtures/sysfs")
+        .join(name)
+}
+
+/// A copy of the fixture tree `name` (symbolic links kept as links), for a test to change
+/// while a daemon reads it.
+pub fn fixture_copy(name: &str) -> TempDir {
+    fn copy(src: &Path, dst: &Path) {
+        for entry in std::fs::read_dir(src).unwrap().flatten() {
+            let to = dst.join(entry.file_name());
+            let kind = entry.file_type().unwrap();
+            if kind.is_symlink() {
+                std::os::unix::fs::symlink(std::fs::read_link(entry.path()).unwrap(), &to).unwrap();
+            } else if kind.is_dir() {
+                std::fs::create_dir_all(&to).unwrap();
+                copy(&entry.path(), &to);
+            } else {
+                std::fs::copy(entry.path(), &to).unwrap();
+            }
+        }
+    }
+    let dir = temp_dir(&format!("sysfs-{name}"));
+    copy(&fixture_tree(name), dir.path());
+    dir
+}
+
 /// Runs `dsv4d ARGS` to its end (a configuration check, a configuration it refuses), with
 /// its logging off, and returns what it printed and how it exited.
 pub fn run_dsv4d<S: AsRef<OsStr>>(args: impl IntoIterator<Item = S>) -> Output {

@@ -3,7 +3,8 @@
 
 use std::time::Duration;
 
-use dsv4_client::{EngineStatus, ProfileInfo, Status, Totals};
+use dsv4_client::telemetry::Sample;
+use dsv4_client::{EngineStatus, ProfileInfo, RequestRecord, Status, Totals};
 
 /// Seconds as a whole number of them in the project's one duration format (`42s`, `3m12s`,
 /// `1h2m3s`, `2d4h5m9s`); negative counts as 0.
@@ -110,7 +111,137 @@ pub fn status_table(doc: &Status, now: f64) -> String {
     ));
     rows.push(("decode", decode(t)));
     rows.push(("prefill", prefill(t)));
+    match &doc.telemetry {
+        Some(sample) => hardware_rows(&mut rows, sample, now),
+        None => rows.push(("hardware", "- (no sample yet)".into())),
+    }
+    let recent: Vec<String> = doc
+        .requests
+        .recent
+        .iter()
+        .rev()
+        .take(3)
+        .map(|r| request_line(r, now))
+        .collect();
+    if !recent.is_empty() {
+        rows.push(("last requests", recent.join("\n")));
+    }
     table(&rows)
+}
+
+/// Bytes in GiB, one decimal.
+fn gib(bytes: u64) -> String {
+    format!("{:.1} GiB", bytes as f64 / (1u64 << 30) as f64)
+}
+
+fn celsius(v: f64) -> String {
+    format!("{v:.1} C")
+}
+
+/// The latest sample's rows: what the user measured by hand, each `-` when not measured.
+fn hardware_rows(rows: &mut Vec<(&str, String)>, h: &Sample, now: f64) {
+    rows.push((
+        "memory",
+        h.memory.map_or_else(dash, |m| {
+            format!(
+                "{} available of {}; swap {} used",
+                gib(m.available),
+                gib(m.total),
+                gib(m.swap_used())
+            )
+        }),
+    ));
+    let gtt = h
+        .gpu
+        .as_ref()
+        .and_then(|g| match (g.gtt_used, g.gtt_total) {
+            (Some(u), Some(t)) => Some(format!("{} of {} ({})", gib(u), gib(t), g.card)),
+            (Some(u), None) => Some(format!("{} ({})", gib(u), g.card)),
+            _ => None,
+        });
+    rows.push(("GTT", gtt.unwrap_or_else(dash)));
+    let t = &h.temperatures;
+    let temps: Vec<String> = [("edge", t.edge), ("Tctl", t.tctl)]
+        .into_iter()
+        .filter_map(|(name, v)| Some(format!("{name} {}", celsius(v?))))
+        .collect();
+    rows.push((
+        "temperature",
+        if temps.is_empty() {
+            dash()
+        } else {
+            temps.join(", ")
+        },
+    ));
+    let power = match (h.power.soc, h.power.socket) {
+        (Some(soc), Some(socket)) => format!("SoC {soc:.1} W (socket {socket:.1} W)"),
+        (Some(soc), None) => format!("SoC {soc:.1} W"),
+        (None, Some(socket)) => format!("socket {socket:.1} W"),
+        (None, None) => dash(),
+    };
+    rows.push(("power", power));
+    let busy = h.gpu.as_ref().and_then(|g| g.busy_percent);
+    rows.push(("GPU busy", busy.map_or_else(dash, |b| format!("{b:.0}%"))));
+    rows.push((
+        "mem pressure",
+        h.pressure.map_or_else(dash, |p| {
+            format!(
+                "some {:.2}%, full {:.2}% (last 10 s)",
+                p.some_avg10, p.full_avg10
+            )
+        }),
+    ));
+    let th = &h.throttle;
+    let throttling = if !th.supported {
+        "- (not reported by this machine)".to_string()
+    } else if th.active {
+        let kinds: Vec<&str> = th.kinds.iter().map(|k| k.as_str()).collect();
+        let since = th
+            .since
+            .map(|s| format!(" for {}", duration(now - s)))
+            .unwrap_or_default();
+        format!("yes ({}){since}", kinds.join(", "))
+    } else {
+        "no".to_string()
+    };
+    let total = th.seconds.total();
+    let throttling = if th.supported && total > 0.0 {
+        format!("{throttling}; {} in all", duration(total))
+    } else {
+        throttling
+    };
+    rows.push(("throttling", throttling));
+}
+
+/// One request, with what its span cost.
+fn request_line(r: &RequestRecord, now: f64) -> String {
+    let mut s = format!(
+        "{} ago {} {}: {} prompt + {} generated tokens in {}",
+        duration(now - r.at),
+        r.profile,
+        r.path,
+        r.prompt_tokens,
+        r.generated_tokens,
+        elapsed(Duration::from_secs_f64(r.wall_ms.max(0.0) / 1000.0))
+    );
+    if let Some(d) = r.decode_tok_s {
+        s.push_str(&format!(", decode {} tok/s", rate(d)));
+    }
+    if let Some(res) = &r.resources {
+        if let (Some(mean), Some(max)) = (res.edge_mean_c, res.edge_max_c) {
+            s.push_str(&format!(", edge {mean:.1}/{max:.1} C"));
+        }
+        if let Some(w) = res.soc_power_mean_w {
+            s.push_str(&format!(", SoC {w:.1} W"));
+        }
+        if let Some(g) = res.gtt_peak_bytes {
+            s.push_str(&format!(", GTT peak {}", gib(g)));
+        }
+        if res.throttle_seconds > 0.0 {
+            s.push_str(&format!(", throttled {}", duration(res.throttle_seconds)));
+        }
+    }
+    s
 }
 
 fn decode(t: &Totals) -> String {
@@ -300,6 +431,7 @@ mod tests {
                 by_profile: Default::default(),
                 recent: Vec::new(),
             },
+            telemetry: None,
         }
     }
 
@@ -334,7 +466,95 @@ last error  -
 requests    12 (prompt tokens 34567, cached 1200, generated 4567)
 decode      13.35 tok/s
 prefill     122.7 tok/s (prompts >= 1K tokens: 3 requests); 98.20 tok/s over all prompts
+hardware    - (no sample yet)
 "
+        );
+    }
+
+    #[test]
+    fn the_status_table_with_the_hardware_and_the_last_requests() {
+        use dsv4_client::telemetry::*;
+        let mut s = status();
+        s.telemetry = Some(Sample {
+            at: 1_000_000.0,
+            memory: Some(Memory {
+                total: 124 << 30,
+                available: 37 << 30,
+                swap_total: 8 << 30,
+                swap_free: (8 << 30) - (1 << 27),
+            }),
+            pressure: Some(Pressure {
+                some_avg10: 1.25,
+                full_avg10: 0.4,
+                some_total_us: 0,
+                full_total_us: 0,
+            }),
+            gpu: Some(Gpu {
+                card: "card1".into(),
+                gtt_used: Some(81 << 30),
+                gtt_total: Some(112 << 30),
+                busy_percent: Some(97.0),
+                ..Gpu::default()
+            }),
+            temperatures: Temperatures {
+                edge: Some(73.2),
+                tctl: Some(74.25),
+                ..Temperatures::default()
+            },
+            power: Power {
+                soc: Some(69.6),
+                socket: Some(85.0),
+                ..Power::default()
+            },
+            throttle: Throttle {
+                supported: true,
+                active: true,
+                kinds: vec![ThrottleKind::Thermal],
+                since: Some(999_990.0),
+                seconds: ThrottleSeconds {
+                    thermal: 12.0,
+                    ..ThrottleSeconds::default()
+                },
+            },
+            engine: None,
+        });
+        s.requests.recent.push(RequestRecord {
+            profile: "320k".into(),
+            path: "/completion".into(),
+            at: 999_700.0,
+            prompt_tokens: 262_144,
+            cached_tokens: 0,
+            generated_tokens: 32,
+            prefill_tok_s: Some(36.9),
+            decode_tok_s: Some(5.3),
+            prompt_ms: 7_098_500.0,
+            decode_ms: 6000.0,
+            wall_ms: 7_104_000.0,
+            resources: Some(Resources {
+                samples: 7104,
+                edge_mean_c: Some(73.2),
+                edge_max_c: Some(78.5),
+                soc_power_mean_w: Some(85.0),
+                gtt_peak_bytes: Some(81 << 30),
+                available_min_bytes: None,
+                throttle_seconds: 0.0,
+            }),
+        });
+        let table = status_table(&s, 1_000_000.0);
+        let tail: Vec<&str> = table.lines().skip(12).collect();
+        assert_eq!(
+            tail,
+            [
+                "memory         37.0 GiB available of 124.0 GiB; swap 0.1 GiB used",
+                "GTT            81.0 GiB of 112.0 GiB (card1)",
+                "temperature    edge 73.2 C, Tctl 74.2 C",
+                "power          SoC 69.6 W (socket 85.0 W)",
+                "GPU busy       97%",
+                "mem pressure   some 1.25%, full 0.40% (last 10 s)",
+                "throttling     yes (thermal) for 10s; 12s in all",
+                "last requests  5m ago 320k /completion: 262144 prompt + 32 generated tokens in \
+                 1h58m24s, decode 5.300 tok/s, edge 73.2/78.5 C, SoC 85.0 W, GTT peak 81.0 GiB",
+            ]
         );
     }
 
@@ -369,6 +589,7 @@ last error  the engine exited with status 1 before it was ready
 requests    0 (prompt tokens 0, cached 0, generated 0)
 decode      -
 prefill     -
+hardware    - (no sample yet)
 "
         );
     }

@@ -1,0 +1,160 @@
+//! The monitor end to end: `dsv4d --sysroot` on a copy of the Strix Halo fixture tree, changed
+//! while the daemon runs; `/metrics`, `/status` and the per-request figures follow it. And a
+//! bare tree (a machine without an AMD GPU): the daemon serves and reports the hardware absent.
+
+use std::time::{Duration, Instant};
+
+use crate::support::*;
+
+const SEC: Duration = Duration::from_secs(1);
+const DEVICE: &str = "sys/devices/pci0000:00/0000:00:08.1/0000:c5:00.0";
+
+fn sampled(sysroot: &std::path::Path) -> Setup {
+    Setup::default()
+        .args(&["--sysroot", sysroot.to_str().unwrap()])
+        .top_level("monitor", "{ interval: 200ms, idle_interval: 200ms }")
+}
+
+async fn metrics(d: &Daemon) -> String {
+    let (status, headers, body) = d.send("GET", "/metrics", &[], None).await;
+    assert_eq!(status, 200);
+    assert!(
+        headers["content-type"]
+            .to_str()
+            .unwrap()
+            .starts_with("application/openmetrics-text"),
+        "{headers:?}"
+    );
+    body.as_str().unwrap().to_string()
+}
+
+/// Waits until `/metrics` has the line `line`; how long it took.
+async fn wait_metric(d: &Daemon, line: &str, within: Duration) -> Duration {
+    let t = Instant::now();
+    loop {
+        let text = metrics(d).await;
+        if text.lines().any(|l| l == line) {
+            return t.elapsed();
+        }
+        assert!(
+            t.elapsed() < within,
+            "no {line:?} within {within:?}:\n{text}"
+        );
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn metrics_follow_the_hardware_within_two_intervals() {
+    let tree = fixture_copy("strix-halo");
+    let dev = tree.path().join(DEVICE);
+    let d = Daemon::start(&sampled(tree.path()));
+    wait_metric(&d, "dsv4_gtt_used_bytes 644874240.0", 3 * SEC).await;
+    for line in [
+        "dsv4_gtt_total_bytes 120259084288.0",
+        "dsv4_memory_available_bytes 120844845056.0",
+        "dsv4_swap_free_bytes 8589930496.0",
+        "dsv4_temperature_celsius{sensor=\"edge\"} 73.0",
+        "dsv4_temperature_celsius{sensor=\"tctl\"} 74.25",
+        "dsv4_power_watts{source=\"soc\"} 69.6",
+        "dsv4_gpu_busy_ratio 0.97",
+        "dsv4_memory_pressure_ratio{kind=\"some\"} 0.0125",
+        "dsv4_throttle_seconds_total{kind=\"thermal\"} 0.0",
+        "dsv4_throttling 0.0",
+    ] {
+        let text = metrics(&d).await;
+        assert!(text.lines().any(|l| l == line), "missing {line:?}:\n{text}");
+    }
+    // The engine loads: GTT grows, it warms up.
+    std::fs::write(dev.join("mem_info_gtt_used"), "87389609984\n").unwrap();
+    std::fs::write(dev.join("hwmon/hwmon3/temp1_input"), "78500\n").unwrap();
+    let took = wait_metric(&d, "dsv4_gtt_used_bytes 87389609984.0", 2 * SEC).await;
+    assert!(
+        took <= Duration::from_millis(600),
+        "{took:?} for two 200 ms intervals"
+    );
+    wait_metric(&d, "dsv4_temperature_celsius{sensor=\"edge\"} 78.5", SEC).await;
+
+    // A thermal residency counter rises: throttle seconds go up.
+    let metrics_file = dev.join("gpu_metrics");
+    let mut blob = std::fs::read(&metrics_file).unwrap();
+    for bump in 4u32..10 {
+        blob[248..252].copy_from_slice(&bump.to_le_bytes());
+        std::fs::write(&metrics_file, &blob).unwrap();
+        tokio::time::sleep(Duration::from_millis(200)).await;
+    }
+    let text = metrics(&d).await;
+    let seconds: f64 = text
+        .lines()
+        .find_map(|l| l.strip_prefix("dsv4_throttle_seconds_total{kind=\"thermal\"} "))
+        .unwrap()
+        .parse()
+        .unwrap();
+    assert!((0.6..=1.6).contains(&seconds), "{seconds}\n{text}");
+    // /status shows the same sample.
+    let status = d.status().await;
+    let t = &status["telemetry"];
+    assert_eq!(t["gpu"]["gtt_used"], 87389609984u64, "{status}");
+    assert_eq!(t["temperatures"]["edge"], 78.5);
+    assert_eq!(t["throttle"]["supported"], true);
+    assert!(
+        t["throttle"]["seconds"]["thermal"].as_f64().unwrap() > 0.5,
+        "{t}"
+    );
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_request_records_what_its_span_cost() {
+    let tree = fixture_copy("strix-halo");
+    let d = Daemon::start(&sampled(tree.path()).knob("token_ms", "100"));
+    let (status, _, v) = d
+        .send("POST", "/v1/chat/completions", &[], Some(chat(8, false)))
+        .await;
+    assert_eq!(status, 200, "{v}");
+    let s = d.status().await;
+    let r = &s["requests"]["recent"][0]["resources"];
+    assert!(r["samples"].as_u64().unwrap() >= 2, "{s}");
+    assert_eq!(r["edge_max_c"], 73.0, "{r}");
+    assert_eq!(r["edge_mean_c"], 73.0, "{r}");
+    assert_eq!(r["soc_power_mean_w"], 69.6, "{r}");
+    assert_eq!(r["gtt_peak_bytes"], 644874240u64, "{r}");
+    assert_eq!(r["throttle_seconds"], 0.0, "{r}");
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn on_a_bare_machine_the_daemon_serves_and_reports_the_hardware_absent() {
+    let d = Daemon::start(&sampled(&fixture_tree("bare")));
+    let (status, _, v) = d
+        .send("POST", "/v1/chat/completions", &[], Some(chat(3, false)))
+        .await;
+    assert_eq!(status, 200, "{v}");
+    // A sample taken while the engine runs (it stays up for its idle timeout).
+    let t = Instant::now();
+    let s = loop {
+        let s = d.status().await;
+        if !s["telemetry"]["engine"].is_null() {
+            break s;
+        }
+        assert!(t.elapsed() < 3 * SEC, "{s}");
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    };
+    let tel = &s["telemetry"];
+    for group in ["memory", "pressure", "gpu"] {
+        assert!(tel[group].is_null(), "{group}: {tel}");
+    }
+    assert!(tel["temperatures"]["edge"].is_null(), "{tel}");
+    assert_eq!(tel["throttle"]["supported"], false);
+    // The engine's own process is still measured, from the real /proc.
+    let engine = &tel["engine"];
+    assert_eq!(engine["pid"], s["engine_pid"], "{s}");
+    assert!(engine["rss_bytes"].as_u64().unwrap() > 0, "{tel}");
+    let text = metrics(&d).await;
+    assert!(!text.contains("dsv4_gtt_used_bytes"), "{text}");
+    assert!(!text.contains("dsv4_temperature_celsius{"), "{text}");
+    assert!(
+        text.contains("dsv4_engine_state{state=\"ready\"} 1"),
+        "{text}"
+    );
+    let log = d.log();
+    assert!(!log.contains("panicked"), "{log}");
+}
