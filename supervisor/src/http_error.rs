@@ -133,6 +133,16 @@ impl From<Refusal> for ApiError {
                 "the engine start this request waited for was cancelled by a stop request",
             )
             .retry_after(Duration::from_secs(1)),
+            Refusal::NotEnoughMemory { profile, short } => ApiError::new(
+                unavailable,
+                "unavailable_error",
+                "insufficient_memory",
+                format!(
+                    "{}; nothing was started, and the next request tries again",
+                    short.describe(&profile)
+                ),
+            )
+            .retry_after(Duration::from_secs(10)),
             Refusal::ShuttingDown => {
                 ApiError::new(unavailable, "unavailable_error", "shutting_down", "the supervisor is shutting down")
                     .retry_after(Duration::from_secs(5))

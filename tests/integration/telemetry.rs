@@ -158,3 +158,123 @@ async fn on_a_bare_machine_the_daemon_serves_and_reports_the_hardware_absent() {
     let log = d.log();
     assert!(!log.contains("panicked"), "{log}");
 }
+
+/// Sets `MemAvailable` in a fixture tree's meminfo.
+fn set_available(tree: &std::path::Path, gib: u64) {
+    let path = tree.join("proc/meminfo");
+    let text = std::fs::read_to_string(&path).unwrap();
+    let text: String = text
+        .lines()
+        .map(|l| {
+            if l.starts_with("MemAvailable:") {
+                format!("MemAvailable:   {} kB\n", gib << 20)
+            } else {
+                format!("{l}\n")
+            }
+        })
+        .collect();
+    std::fs::write(path, text).unwrap();
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_start_that_does_not_fit_in_memory_is_refused_with_its_figures() {
+    let bus = PrivateBus::start();
+    let tree = fixture_copy("strix-halo");
+    set_available(tree.path(), 52);
+    let d = Daemon::start(&sampled(tree.path()).session_bus(&bus).profile_key(
+        "320k",
+        "planned_memory",
+        "87.82GiB",
+    ));
+    let mut alerts = alert_stream(&bus, &d).await;
+    let (status, headers, v) = d
+        .send("POST", "/v1/chat/completions", &[], Some(chat(3, false)))
+        .await;
+    assert_eq!(status, 503, "{v}");
+    assert_eq!(v["error"]["code"], "insufficient_memory", "{v}");
+    assert_eq!(
+        v["error"]["message"],
+        "not enough memory to start profile 320k: it needs 87.8 GiB (planned_memory), 52.0 GiB \
+         is available, and memory.reserve keeps 8.0 GiB free; nothing was started, and the next \
+         request tries again"
+    );
+    assert_eq!(headers["retry-after"], "10");
+    assert_eq!(d.spawns(), 0, "{}", d.fake_log());
+    let alert = tokio::time::timeout(5 * SEC, futures_util::StreamExt::next(&mut alerts))
+        .await
+        .expect("an Alert")
+        .unwrap();
+    let args = alert.args().unwrap();
+    assert_eq!(args.kind, dsv4_client::AlertKind::Memory);
+    assert!(
+        args.message.contains("52.0 GiB is available"),
+        "{}",
+        args.message
+    );
+    // Not a failed start: no backoff, the state stays stopped.
+    let s = d.status().await;
+    assert_eq!(s["state"], dsv4_client::State::Stopped.as_str(), "{s}");
+    assert_eq!(s["failures"], 0, "{s}");
+
+    // Memory freed: the next request starts the engine.
+    set_available(tree.path(), 110);
+    let (status, _, v) = d
+        .send("POST", "/v1/chat/completions", &[], Some(chat(3, false)))
+        .await;
+    assert_eq!(status, 200, "{v}");
+    assert_eq!(d.spawns(), 1);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn memory_that_does_not_come_back_after_a_stop_raises_an_alert() {
+    let bus = PrivateBus::start();
+    let tree = fixture_copy("strix-halo");
+    let d = Daemon::start(
+        &sampled(tree.path())
+            .session_bus(&bus)
+            .top_level("memory", "{ reserve: 8GiB, return_timeout: 1s }"),
+    );
+    let mut alerts = alert_stream(&bus, &d).await;
+    let proxy = live_proxy(&bus, &d).await;
+    proxy.start_and_wait().await.unwrap();
+    // The engine "holds" 81 GiB of GTT, and keeps it after it exits.
+    std::fs::write(
+        tree.path().join(DEVICE).join("mem_info_gtt_used"),
+        "87389609984\n",
+    )
+    .unwrap();
+    proxy.stop().await.unwrap();
+    let alert = tokio::time::timeout(5 * SEC, futures_util::StreamExt::next(&mut alerts))
+        .await
+        .unwrap_or_else(|_| panic!("no Alert\n{}", d.log()))
+        .unwrap();
+    let args = alert.args().unwrap();
+    assert_eq!(args.kind, dsv4_client::AlertKind::Memory);
+    assert!(
+        args.message.contains("did not come back within 1s")
+            && args
+                .message
+                .contains("GTT in use is 81.4 GiB, 0.6 GiB before it started"),
+        "{}",
+        args.message
+    );
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn memory_that_comes_back_raises_no_alert() {
+    let bus = PrivateBus::start();
+    let tree = fixture_copy("strix-halo");
+    let d = Daemon::start(
+        &sampled(tree.path())
+            .session_bus(&bus)
+            .top_level("memory", "{ reserve: 8GiB, return_timeout: 1s }"),
+    );
+    let mut alerts = alert_stream(&bus, &d).await;
+    let proxy = live_proxy(&bus, &d).await;
+    proxy.start_and_wait().await.unwrap();
+    proxy.stop().await.unwrap();
+    let got = tokio::time::timeout(2 * SEC, futures_util::StreamExt::next(&mut alerts)).await;
+    if let Ok(Some(alert)) = got {
+        panic!("an alert: {}", alert.args().unwrap().message);
+    }
+}

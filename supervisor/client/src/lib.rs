@@ -241,6 +241,9 @@ pub enum AlertKind {
     Config,
     /// The engine died while it was serving (not at a stop the supervisor asked for).
     Engine,
+    /// A start was refused for memory, or an engine's memory did not come back after it
+    /// stopped.
+    Memory,
     /// A kind this client does not know.
     #[serde(other)]
     Other,
@@ -251,6 +254,7 @@ impl AlertKind {
         match self {
             AlertKind::Config => "config",
             AlertKind::Engine => "engine",
+            AlertKind::Memory => "memory",
             AlertKind::Other => "other",
         }
     }

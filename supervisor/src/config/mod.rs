@@ -277,6 +277,11 @@ pub struct Memory {
     #[serde(deserialize_with = "raw::size")]
     #[default(8 << 30)]
     pub reserve: u64,
+    /// After an engine stops, how long its memory (available memory, GTT) may take to come
+    /// back before an alert says it did not.
+    #[serde(deserialize_with = "raw::duration")]
+    #[default(Duration::from_secs(30))]
+    pub return_timeout: Duration,
 }
 
 /// `power.cpu`: the CPU power profile while the engine runs.

@@ -196,6 +196,7 @@ planned_memory: 10GiB
             },
             memory: Memory {
                 reserve: 4_000_000_000,
+                return_timeout: Duration::from_secs(30),
             },
         },
         profiles: BTreeMap::from([

@@ -25,6 +25,25 @@ use crate::sysroot::SysRoot;
 /// How often devices not found are looked for again (a driver loaded after the daemon).
 const LOOK_AGAIN: Duration = Duration::from_secs(60);
 
+/// The memory figures a start is admitted on, read fresh: MemAvailable and the GPU's GTT.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub struct MemoryNow {
+    pub available: Option<u64>,
+    pub gtt_used: Option<u64>,
+    pub gtt_total: Option<u64>,
+}
+
+/// Reads [`MemoryNow`] (the card is looked for each time: this is for the rare moments an
+/// engine starts or stops, not for sampling).
+pub fn memory_now(root: &SysRoot) -> MemoryNow {
+    let gpu = amdgpu::Card::find(root).map(|c| c.read(root));
+    MemoryNow {
+        available: meminfo::read(root).map(|m| m.available),
+        gtt_used: gpu.as_ref().and_then(|g| g.gtt_used),
+        gtt_total: gpu.as_ref().and_then(|g| g.gtt_total),
+    }
+}
+
 pub struct Sampler {
     root: SysRoot,
     card: Option<amdgpu::Card>,

@@ -20,7 +20,9 @@ use tokio::sync::{mpsc, oneshot, watch};
 // The clock tests can pause; the std clock is banned in this crate (supervisor/clippy.toml).
 use tokio::time::Instant;
 
-use super::state::{EngineFailure, Event, Gen, Limits, Machine, Phase, Refusal, Sig, WaiterId};
+use super::state::{
+    EngineFailure, Event, Gen, Limits, Machine, MemoryCheck, Phase, Refusal, Sig, WaiterId,
+};
 use crate::alert::Alerts;
 use crate::config::{Config, EngineLimits};
 use crate::engine_key::{EngineKey, KeyFolder};
@@ -262,6 +264,8 @@ struct Engine {
     shared: Arc<EngineRef>,
     probe: tokio::task::JoinHandle<()>,
     ready_at: Option<SystemTime>,
+    /// The memory figures just before it started, to check that they come back after it.
+    memory_before: crate::hw::MemoryNow,
     /// Its key, when the engine takes one: the file goes when this engine is dropped, that
     /// is once it has exited (or with the actor, which kills it).
     _key: Option<EngineKey>,
@@ -522,6 +526,15 @@ impl Actor {
             Internal::Ready { gen } => Some(Event::Ready { gen }),
             Internal::Exited { gen, report } => {
                 let engine = self.engine.take_if(|e| e.shared.gen == gen);
+                if let Some(e) = &engine {
+                    tokio::spawn(memory_comes_back(
+                        self.sysroot.clone(),
+                        e.memory_before,
+                        e.shared.profile.clone(),
+                        self.config.supervisor.memory.return_timeout,
+                        self.alerts.clone(),
+                    ));
+                }
                 let tail = engine
                     .as_ref()
                     .map(|e| e.shared.output.last(ERROR_TAIL_LINES))
@@ -562,6 +575,10 @@ impl Actor {
     fn handle(&mut self, first: Event) {
         let mut queue = VecDeque::from([first]);
         while let Some(event) = queue.pop_front() {
+            if self.machine.could_start() {
+                // Fresh figures for the admission rule, should this event start an engine.
+                self.machine.set_memory(self.memory_check());
+            }
             let effects = self.machine.step(event, Instant::now());
             for fx in effects {
                 if let Some(follow) = self.perform(fx) {
@@ -646,8 +663,38 @@ impl Actor {
             Effect::Exit => {
                 self.exited = true;
             }
+            Effect::NotAdmitted { profile, short } => {
+                let message = format!("{}; nothing was started", short.describe(&profile));
+                tracing::warn!("{message}");
+                self.alerts.raise(AlertKind::Memory, message);
+            }
         }
         None
+    }
+
+    /// What a start of the active profile would need, and what the machine has now.
+    fn memory_check(&self) -> MemoryCheck {
+        let planned = self
+            .config
+            .profile(self.machine.profile())
+            .and_then(|p| p.planned_memory);
+        let reserve = self.config.supervisor.memory.reserve;
+        if planned.is_none() {
+            // Nothing to check against: no need to read anything.
+            return MemoryCheck {
+                planned,
+                reserve,
+                ..MemoryCheck::default()
+            };
+        }
+        let now = crate::hw::memory_now(&self.sysroot);
+        MemoryCheck {
+            planned,
+            reserve,
+            available: now.available,
+            gtt_used: now.gtt_used,
+            gtt_total: now.gtt_total,
+        }
     }
 
     fn spawn_engine(&mut self, gen: Gen, profile_name: &str) -> Option<Event> {
@@ -713,10 +760,11 @@ impl Actor {
             spec.program.display(),
             shown.join(" ")
         );
-        match crate::hw::meminfo::read(&self.sysroot) {
-            Some(m) => tracing::info!(
+        let before = crate::hw::memory_now(&self.sysroot);
+        match before.available {
+            Some(bytes) => tracing::info!(
                 "memory available before the start: {:.1} GiB",
-                m.available as f64 / (1u64 << 30) as f64
+                bytes as f64 / (1u64 << 30) as f64
             ),
             None => tracing::debug!(
                 "memory available before the start: unknown (no {})",
@@ -777,6 +825,7 @@ impl Actor {
             shared,
             probe,
             ready_at: None,
+            memory_before: before,
             _key: key,
             _group: group,
         });
@@ -928,5 +977,69 @@ async fn probe_once(conn: &mut Option<ProbeConn>, addr: SocketAddr, path: &str) 
             *conn = None;
             false
         }
+    }
+}
+
+/// How far below its level before the start available memory may stay, and how far above
+/// GTT use, once the engine has stopped: the rest of the machine moves meanwhile.
+const MEMORY_RETURN_MARGIN: u64 = 2 << 30;
+
+/// After an engine has exited: waits (up to `within`) for available memory and GTT to come
+/// back to where they were before it started, and raises an alert if they do not (ROCm has
+/// been seen to keep GTT after its process exited).
+async fn memory_comes_back(
+    sysroot: SysRoot,
+    before: crate::hw::MemoryNow,
+    profile: String,
+    within: Duration,
+    alerts: Alerts,
+) {
+    let gib = |b: u64| b as f64 / (1u64 << 30) as f64;
+    let started = Instant::now();
+    loop {
+        let now = crate::hw::memory_now(&sysroot);
+        let available_back = match (before.available, now.available) {
+            (Some(b), Some(n)) => n + MEMORY_RETURN_MARGIN >= b,
+            _ => true,
+        };
+        let gtt_back = match (before.gtt_used, now.gtt_used) {
+            (Some(b), Some(n)) => n <= b + MEMORY_RETURN_MARGIN,
+            _ => true,
+        };
+        if available_back && gtt_back {
+            tracing::debug!(
+                "the engine's memory came back within {:.1} s",
+                started.elapsed().as_secs_f64()
+            );
+            return;
+        }
+        if started.elapsed() >= within {
+            let mut parts = Vec::new();
+            if let (false, Some(b), Some(n)) = (gtt_back, before.gtt_used, now.gtt_used) {
+                parts.push(format!(
+                    "GTT in use is {:.1} GiB, {:.1} GiB before it started",
+                    gib(n),
+                    gib(b)
+                ));
+            }
+            if let (false, Some(b), Some(n)) = (available_back, before.available, now.available) {
+                parts.push(format!(
+                    "available memory is {:.1} GiB, {:.1} GiB before it started",
+                    gib(n),
+                    gib(b)
+                ));
+            }
+            let message = format!(
+                "the memory of the engine (profile {profile}) did not come back within {} of \
+                 its stop: {}; a process may still hold it (ROCm has kept GTT after exit \
+                 before), and the next start may be refused",
+                crate::config::format_duration(within),
+                parts.join("; ")
+            );
+            tracing::warn!("{message}");
+            alerts.raise(AlertKind::Memory, message);
+            return;
+        }
+        tokio::time::sleep(Duration::from_millis(500)).await;
     }
 }

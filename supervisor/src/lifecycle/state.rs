@@ -52,6 +52,79 @@ pub struct EngineFailure {
     pub tail: Vec<String>,
 }
 
+/// What a start would need and what the machine has, as read just before the rules may
+/// start an engine (the actor hands the rules fresh figures then; see [`Machine::set_memory`]).
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub struct MemoryCheck {
+    /// The active profile's `planned_memory`; `None`: not known, so never refused.
+    pub planned: Option<u64>,
+    /// `memory.reserve`: what must stay available after the engine has taken its share.
+    pub reserve: u64,
+    /// MemAvailable, when readable.
+    pub available: Option<u64>,
+    /// GTT used and total, when the GPU reports them.
+    pub gtt_used: Option<u64>,
+    pub gtt_total: Option<u64>,
+}
+
+/// A start refused for memory: the figures it was refused on.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct MemoryShort {
+    pub profile_planned: u64,
+    pub reserve: u64,
+    pub available: Option<u64>,
+    /// Set when GTT is what is short: free and total.
+    pub gtt: Option<(u64, u64)>,
+}
+
+impl MemoryShort {
+    /// The refusal in words, with its figures.
+    pub fn describe(&self, profile: &str) -> String {
+        let gib = |b: u64| format!("{:.1} GiB", b as f64 / (1u64 << 30) as f64);
+        let needs = gib(self.profile_planned);
+        match self.gtt {
+            Some((free, total)) => format!(
+                "not enough GPU memory to start profile {profile}: it needs {needs} \
+                 (planned_memory), and the GPU has {} of GTT free of {}",
+                gib(free),
+                gib(total)
+            ),
+            None => format!(
+                "not enough memory to start profile {profile}: it needs {needs} \
+                 (planned_memory), {} is available, and memory.reserve keeps {} free",
+                self.available.map_or_else(|| "less".to_string(), gib),
+                gib(self.reserve)
+            ),
+        }
+    }
+}
+
+impl MemoryCheck {
+    /// Why a start now would not fit: MemAvailable less the planned memory would go below the
+    /// reserve, or (where the GPU reports GTT) the free GTT is less than the planned memory.
+    pub fn shortfall(&self) -> Option<MemoryShort> {
+        let planned = self.planned?;
+        let short = |gtt| MemoryShort {
+            profile_planned: planned,
+            reserve: self.reserve,
+            available: self.available,
+            gtt,
+        };
+        if let Some(available) = self.available {
+            if available.saturating_sub(planned) < self.reserve || available < planned {
+                return Some(short(None));
+            }
+        }
+        if let (Some(used), Some(total)) = (self.gtt_used, self.gtt_total) {
+            let free = total.saturating_sub(used);
+            if free < planned {
+                return Some(short(Some((free, total))));
+            }
+        }
+        None
+    }
+}
+
 /// Why a waiting request is not served.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub enum Refusal {
@@ -73,6 +146,9 @@ pub enum Refusal {
     StartCancelled,
     /// The supervisor is shutting down.
     ShuttingDown,
+    /// The engine of `profile` would not fit in memory now; nothing was started, and the next
+    /// request looks again.
+    NotEnoughMemory { profile: String, short: MemoryShort },
 }
 
 /// What the rules ask the actor to do, in order.
@@ -91,6 +167,8 @@ pub enum Effect {
     },
     /// Shutdown is complete: the engine is gone, the daemon may exit.
     Exit,
+    /// A start of `profile` was refused for memory (waiters, if any, are refused too).
+    NotAdmitted { profile: String, short: MemoryShort },
 }
 
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -219,6 +297,8 @@ pub struct Machine {
     failures: u32,
     last_failure: Option<EngineFailure>,
     shutting_down: bool,
+    /// The figures the next start is admitted on.
+    memory: MemoryCheck,
 }
 
 impl Machine {
@@ -235,7 +315,19 @@ impl Machine {
             failures: 0,
             last_failure: None,
             shutting_down: false,
+            memory: MemoryCheck::default(),
         }
+    }
+
+    /// The memory figures a start would be admitted on now: the actor sets them, freshly
+    /// read, before each event that could start an engine.
+    pub fn set_memory(&mut self, memory: MemoryCheck) {
+        self.memory = memory;
+    }
+
+    /// Whether the next event could start an engine (no engine is starting or serving).
+    pub fn could_start(&self) -> bool {
+        !matches!(self.phase, Phase::Starting { .. } | Phase::Ready { .. })
     }
 
     pub fn phase(&self) -> &Phase {
@@ -670,6 +762,18 @@ impl Machine {
     // ---- helpers ------------------------------------------------------------------------
 
     fn begin_start(&mut self, now: Instant, fx: &mut Vec<Effect>) {
+        // Admission: a start that would not fit is refused, not tried; it is not a failed
+        // start (no backoff), so the next request tries again with the figures of then.
+        if let Some(short) = self.memory.shortfall() {
+            self.phase = Phase::Stopped;
+            let profile = self.profile.clone();
+            fx.push(Effect::NotAdmitted {
+                profile: profile.clone(),
+                short,
+            });
+            self.refuse_waiters(Refusal::NotEnoughMemory { profile, short }, fx);
+            return;
+        }
         let gen = self.next_gen;
         self.next_gen += 1;
         self.leases = 0;

@@ -507,6 +507,139 @@ fn start_during_a_pending_stop_calls_it_off() {
     assert_eq!(t.m.leases(), 1);
 }
 
+// ---- memory admission ----------------------------------------------------------------------
+
+const GIB: u64 = 1 << 30;
+
+/// A 320K-shaped start (87.82 GiB planned, 8 GiB reserve) that fits, or does not.
+fn memory(fits: bool) -> MemoryCheck {
+    MemoryCheck {
+        planned: Some(88 * GIB),
+        reserve: 8 * GIB,
+        available: Some(if fits { 118 * GIB } else { 52 * GIB }),
+        gtt_used: Some(GIB),
+        gtt_total: Some(112 * GIB),
+    }
+}
+
+#[test]
+fn admission_weighs_available_memory_the_reserve_and_gtt() {
+    let check = |available: Option<u64>, gtt_used: Option<u64>, planned: Option<u64>| {
+        MemoryCheck {
+            planned,
+            reserve: 8 * GIB,
+            available,
+            gtt_used,
+            gtt_total: gtt_used.map(|_| 112 * GIB),
+        }
+        .shortfall()
+        .map(|s| s.gtt.is_some())
+    };
+    let p = Some(88 * GIB);
+    // (available, gtt used, planned) -> None: admitted; Some(gtt?): refused, for GTT or not
+    for (available, gtt, planned, want) in [
+        (Some(118 * GIB), Some(GIB), p, None),
+        // Exactly the reserve left.
+        (Some(96 * GIB), Some(GIB), p, None),
+        (Some(95 * GIB), Some(GIB), p, Some(false)),
+        (Some(52 * GIB), Some(GIB), p, Some(false)),
+        (Some(10 * GIB), None, p, Some(false)),
+        // Enough RAM, but the GTT is taken (another process holds it).
+        (Some(118 * GIB), Some(40 * GIB), p, Some(true)),
+        // No figures: nothing to refuse on.
+        (None, None, p, None),
+        (None, Some(40 * GIB), p, Some(true)),
+        // No planned_memory: never refused.
+        (Some(GIB), Some(111 * GIB), None, None),
+    ] {
+        assert_eq!(
+            check(available, gtt, planned),
+            want,
+            "{available:?} {gtt:?} {planned:?}"
+        );
+    }
+    let short = memory(false).shortfall().unwrap();
+    assert_eq!(
+        short.describe("320k"),
+        "not enough memory to start profile 320k: it needs 88.0 GiB (planned_memory), \
+         52.0 GiB is available, and memory.reserve keeps 8.0 GiB free"
+    );
+    let gtt = MemoryCheck {
+        gtt_used: Some(82 * GIB),
+        ..memory(true)
+    };
+    assert_eq!(
+        gtt.shortfall().unwrap().describe("320k"),
+        "not enough GPU memory to start profile 320k: it needs 88.0 GiB (planned_memory), \
+         and the GPU has 30.0 GiB of GTT free of 112.0 GiB"
+    );
+}
+
+#[test]
+fn a_start_that_does_not_fit_is_refused_not_failed_and_the_next_request_tries_again() {
+    let mut t = T::new();
+    t.m.set_memory(memory(false));
+    let short = memory(false).shortfall().unwrap();
+    let fx = t.ev(Event::Acquire { waiter: 1 });
+    assert_eq!(
+        fx,
+        vec![
+            Effect::NotAdmitted {
+                profile: "320k".into(),
+                short
+            },
+            Effect::Refuse {
+                waiters: vec![1],
+                why: Refusal::NotEnoughMemory {
+                    profile: "320k".into(),
+                    short
+                },
+            },
+        ]
+    );
+    // Not a failure: no backoff, nothing counted.
+    assert_eq!(t.state(), State::Stopped);
+    assert_eq!(t.m.failures(), 0);
+    // A Start (D-Bus) is refused the same way, with no waiter to tell.
+    let fx = t.ev(Event::Start);
+    assert!(
+        matches!(fx.as_slice(), [Effect::NotAdmitted { .. }]),
+        "{fx:?}"
+    );
+    // Memory freed: the next request starts the engine.
+    t.m.set_memory(memory(true));
+    assert_eq!(t.ev(Event::Acquire { waiter: 2 }), vec![spawn(1, "320k")]);
+    assert_eq!(t.state(), State::Starting);
+}
+
+#[test]
+fn a_restart_after_a_profile_switch_is_admitted_on_the_figures_after_the_old_engine() {
+    let mut t = T::new();
+    t.ready_with(&[]);
+    t.ev(Event::SetProfile {
+        profile: "64k".into(),
+    });
+    t.ev(Event::Acquire { waiter: 7 });
+    // The old engine is gone, but its memory is still held: refused, nothing spawned.
+    t.m.set_memory(memory(false));
+    let fx = t.ev(Event::Exited {
+        gen: 1,
+        failure: fail("gone"),
+    });
+    assert!(
+        fx.iter().all(|e| !matches!(e, Effect::Spawn { .. })),
+        "{fx:?}"
+    );
+    assert!(fx.contains(&Effect::Refuse {
+        waiters: vec![7],
+        why: Refusal::NotEnoughMemory {
+            profile: "64k".into(),
+            short: memory(false).shortfall().unwrap()
+        }
+    }));
+    assert_eq!(t.state(), State::Stopped);
+}
+
 // ---- proptest invariants -----------------------------------------------------------------
 
 #[derive(Debug, Clone)]
@@ -520,6 +653,8 @@ enum Op {
     Start,
     Stop(bool),
     Profile(bool),
+    /// The memory a start would need fits (`true`) or not.
+    Memory(bool),
     Shutdown,
 }
 
@@ -534,6 +669,7 @@ fn op(forcing: bool) -> impl Strategy<Value = Op> {
         (1, Just(Op::Start).boxed()),
         (1, Just(Op::Stop(false)).boxed()),
         (2, any::<bool>().prop_map(Op::Profile).boxed()),
+        (2, any::<bool>().prop_map(Op::Memory).boxed()),
     ];
     if forcing {
         ops.push((1, Just(Op::Stop(true)).boxed()));
@@ -612,6 +748,13 @@ impl World {
                         self.answer(w)?;
                     }
                 }
+                Effect::NotAdmitted { .. } => {
+                    prop_assert!(self.child.is_none(), "refused a start beside a child");
+                    prop_assert!(
+                        matches!(self.m.phase(), Phase::Stopped),
+                        "not admitted, not stopped"
+                    );
+                }
                 Effect::Exit => {
                     prop_assert!(self.child.is_none(), "exit with a live child");
                     prop_assert!(!self.exited, "exit twice");
@@ -687,6 +830,10 @@ impl World {
             Op::Profile(b) => self.apply(Event::SetProfile {
                 profile: if b { "a" } else { "b" }.into(),
             }),
+            Op::Memory(fits) => {
+                self.m.set_memory(memory(fits));
+                Ok(())
+            }
             Op::Shutdown => self.apply(Event::Shutdown),
         }
     }
