@@ -225,56 +225,69 @@ async fn a_start_that_does_not_fit_in_memory_is_refused_with_its_figures() {
     assert_eq!(d.spawns(), 1);
 }
 
+/// An engine started on a fixture copy, with a 1 s `memory.return_timeout`, and the stop to
+/// call once the test has changed the tree: what it returns is the first alert within `wait`.
+struct Returning {
+    tree: TempDir,
+    d: Daemon,
+    alerts: dsv4_client::AlertStream,
+    proxy: dsv4_client::Supervisor1Proxy<'static>,
+    _bus: PrivateBus,
+}
+
+impl Returning {
+    async fn start() -> Returning {
+        let bus = PrivateBus::start();
+        let tree = fixture_copy("strix-halo");
+        let d = Daemon::start(
+            &sampled(tree.path())
+                .session_bus(&bus)
+                .top_level("memory", "{ reserve: 8GiB, return_timeout: 1s }"),
+        );
+        let alerts = alert_stream(&bus, &d).await;
+        let proxy = live_proxy(&bus, &d).await;
+        proxy.start_and_wait().await.unwrap();
+        Returning {
+            tree,
+            d,
+            alerts,
+            proxy,
+            _bus: bus,
+        }
+    }
+
+    async fn stop(mut self, wait: Duration) -> Option<(dsv4_client::AlertKind, String)> {
+        self.proxy.stop().await.unwrap();
+        let got = tokio::time::timeout(wait, futures_util::StreamExt::next(&mut self.alerts)).await;
+        let alert = got.ok().flatten()?;
+        let args = alert.args().unwrap();
+        Some((args.kind, args.message.to_string()))
+    }
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn memory_that_does_not_come_back_after_a_stop_raises_an_alert() {
-    let bus = PrivateBus::start();
-    let tree = fixture_copy("strix-halo");
-    let d = Daemon::start(
-        &sampled(tree.path())
-            .session_bus(&bus)
-            .top_level("memory", "{ reserve: 8GiB, return_timeout: 1s }"),
-    );
-    let mut alerts = alert_stream(&bus, &d).await;
-    let proxy = live_proxy(&bus, &d).await;
-    proxy.start_and_wait().await.unwrap();
+    let r = Returning::start().await;
     // The engine "holds" 81 GiB of GTT, and keeps it after it exits.
-    std::fs::write(
-        tree.path().join(DEVICE).join("mem_info_gtt_used"),
-        "87389609984\n",
-    )
-    .unwrap();
-    proxy.stop().await.unwrap();
-    let alert = tokio::time::timeout(5 * SEC, futures_util::StreamExt::next(&mut alerts))
+    let gtt = r.tree.path().join(DEVICE).join("mem_info_gtt_used");
+    std::fs::write(gtt, "87389609984\n").unwrap();
+    let log = r.d.log();
+    let (kind, message) = r
+        .stop(5 * SEC)
         .await
-        .unwrap_or_else(|_| panic!("no Alert\n{}", d.log()))
-        .unwrap();
-    let args = alert.args().unwrap();
-    assert_eq!(args.kind, dsv4_client::AlertKind::Memory);
+        .unwrap_or_else(|| panic!("no Alert\n{log}"));
+    assert_eq!(kind, dsv4_client::AlertKind::Memory);
     assert!(
-        args.message.contains("did not come back within 1s")
-            && args
-                .message
-                .contains("GTT in use is 81.4 GiB, 0.6 GiB before it started"),
-        "{}",
-        args.message
+        message.contains("did not come back within 1s")
+            && message.contains("GTT in use is 81.4 GiB, 0.6 GiB before it started"),
+        "{message}"
     );
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn memory_that_comes_back_raises_no_alert() {
-    let bus = PrivateBus::start();
-    let tree = fixture_copy("strix-halo");
-    let d = Daemon::start(
-        &sampled(tree.path())
-            .session_bus(&bus)
-            .top_level("memory", "{ reserve: 8GiB, return_timeout: 1s }"),
-    );
-    let mut alerts = alert_stream(&bus, &d).await;
-    let proxy = live_proxy(&bus, &d).await;
-    proxy.start_and_wait().await.unwrap();
-    proxy.stop().await.unwrap();
-    let got = tokio::time::timeout(2 * SEC, futures_util::StreamExt::next(&mut alerts)).await;
-    if let Ok(Some(alert)) = got {
-        panic!("an alert: {}", alert.args().unwrap().message);
+    let r = Returning::start().await;
+    if let Some((_, message)) = r.stop(2 * SEC).await {
+        panic!("an alert: {message}");
     }
 }
