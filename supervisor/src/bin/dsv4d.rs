@@ -27,6 +27,9 @@ use tokio::signal::unix::{signal, SignalKind};
 /// clients may be waiting for this daemon, and the engine had no one to serve.
 const LEFTOVER_GRACE: std::time::Duration = std::time::Duration::from_secs(5);
 
+/// Log lines that may wait for the log writer.
+const LOG_QUEUE_LINES: usize = 4096;
+
 /// `--bus`: a bus, or `none` for no control interface.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 struct BusChoice(Option<Bus>);
@@ -138,7 +141,11 @@ fn init_logging() -> tracing_appender::non_blocking::WorkerGuard {
             filter = filter.add_directive(quiet);
         }
     }
+    // The queue's slots are allocated, and touched, up front: the default 128,000 lines took
+    // 4 MiB, 40% of the idle daemon's memory (measured). A burst longer than this waits for
+    // the writer (lossy off) rather than dropping lines.
     let (writer, guard) = tracing_appender::non_blocking::NonBlockingBuilder::default()
+        .buffered_lines_limit(LOG_QUEUE_LINES)
         .lossy(false)
         .thread_name("dsv4d-log")
         .finish(std::io::stderr());
