@@ -32,6 +32,9 @@ use crate::lifecycle::{ControlError, Handle, Refused, Status};
 use crate::monitor::Telemetry;
 use crate::stats::Stats;
 
+/// The most samples one `History()` call returns: an hour at 1 s.
+const HISTORY_MAX: usize = 3600;
+
 /// Who may change the supervisor's state besides root.
 #[derive(Debug, Clone)]
 pub struct ControlGroup {
@@ -243,6 +246,15 @@ impl ControlObject {
     async fn status(&self) -> Result<String, Fault> {
         let doc = crate::proxy::status_document(&self.lifecycle, &self.stats, &self.telemetry);
         serde_json::to_string(&doc).map_err(|e| Fault::failed(e.to_string()))
+    }
+
+    /// The samples of the host taken at or after `since` (unix s), oldest first, at most
+    /// `max` (the newest), as a JSON array of `Sample`s.
+    async fn history(&self, since: f64, max: u32) -> Result<String, Fault> {
+        let max = (max as usize).min(HISTORY_MAX);
+        let samples = self.telemetry.history(since, max);
+        let samples: Vec<&dsv4_client::telemetry::Sample> = samples.iter().map(|s| &**s).collect();
+        serde_json::to_string(&samples).map_err(|e| Fault::failed(e.to_string()))
     }
 
     async fn list_profiles(&self) -> Result<String, Fault> {

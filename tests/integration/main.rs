@@ -21,3 +21,4 @@ mod reload;
 mod soak;
 mod stats;
 mod telemetry;
+mod top;

@@ -59,6 +59,10 @@ pub trait Supervisor1 {
     fn status(&self) -> zbus::Result<String>;
     /// The profiles as a JSON array: see [`ProfileInfo`].
     fn list_profiles(&self) -> zbus::Result<String>;
+    /// The samples of the host taken at or after `since` (unix s), oldest first, at most
+    /// `max` (the newest ones; an hour at most), as a JSON array of
+    /// [`telemetry::Sample`]s. The daemon keeps the last hour.
+    fn history(&self, since: f64, max: u32) -> zbus::Result<String>;
     /// Engine output lines numbered from `since` on (at most the last `max` of them), and the
     /// number to ask from next time. Numbers run across engine restarts.
     fn logs(&self, since: u64, max: u32) -> zbus::Result<(u64, Vec<String>)>;

@@ -14,6 +14,8 @@ mod bus;
 mod error;
 #[path = "dsv4ctl/render.rs"]
 mod render;
+#[path = "dsv4ctl/top.rs"]
+mod top;
 
 use std::io::{IsTerminal, Write};
 use std::process::ExitCode;
@@ -121,6 +123,14 @@ enum Command {
         #[arg(short = 'n', long = "lines", value_name = "N", default_value_t = 50)]
         lines: u32,
     },
+    /// Watch the engine and the host live
+    ///
+    /// A terminal view of the engine's state, the requests, memory and throttling, with
+    /// sparklines of GTT, temperature, SoC power and the decode rate of the last requests,
+    /// from the daemon's samples (the last ten minutes, then each new one). q, Esc or
+    /// Ctrl-C quits. When standard output is not a terminal, prints a line per sample
+    /// instead, until interrupted.
+    Top,
     /// Check a configuration
     ///
     /// Reads supervisor.yaml and its profiles the way dsv4d does and prints every problem
@@ -184,6 +194,7 @@ async fn run(cli: Cli) -> Result<(), Failure> {
         Command::Profile { name: Some(name) } => set_profile(&daemon, json, &name).await,
         Command::Profiles => profiles(&daemon, json).await,
         Command::Logs { follow, lines } => logs(&daemon, json, follow, lines).await,
+        Command::Top => top::run(&daemon).await,
         Command::Completions { .. } | Command::Config { .. } => unreachable!("handled above"),
     }
 }

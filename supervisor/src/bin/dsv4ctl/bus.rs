@@ -4,6 +4,7 @@
 use std::future::Future;
 use std::time::Duration;
 
+use dsv4_client::telemetry::Sample;
 use dsv4_client::{Bus, ProfileInfo, StateChangedStream, Status, Supervisor1Proxy};
 use zbus::proxy::CacheProperties;
 
@@ -81,6 +82,16 @@ impl Daemon {
         serde_json::from_str(&json).map_err(|e| {
             Failure::Failed(format!(
                 "dsv4d answered ListProfiles() with a document dsv4ctl does not understand: {e}"
+            ))
+        })
+    }
+
+    /// `History(since, max)`, parsed: the daemon's samples of the host, oldest first.
+    pub async fn history(&self, since: f64, max: u32) -> Result<Vec<Sample>, Failure> {
+        let json = bounded(self.bus, "History()", self.proxy.history(since, max)).await?;
+        serde_json::from_str(&json).map_err(|e| {
+            Failure::Failed(format!(
+                "dsv4d answered History() with a document dsv4ctl does not understand: {e}"
             ))
         })
     }

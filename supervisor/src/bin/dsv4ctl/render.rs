@@ -3,7 +3,7 @@
 
 use std::time::Duration;
 
-use dsv4_client::telemetry::Sample;
+use dsv4_client::telemetry::{Memory, Sample};
 use dsv4_client::{EngineStatus, ProfileInfo, RequestRecord, Status, Totals};
 
 /// Seconds as a whole number of them in the project's one duration format (`42s`, `3m12s`,
@@ -138,19 +138,19 @@ fn celsius(v: f64) -> String {
     format!("{v:.1} C")
 }
 
+/// Available memory of the total, and swap in use.
+pub fn memory(m: &Memory) -> String {
+    format!(
+        "{} available of {}; swap {} used",
+        gib(m.available),
+        gib(m.total),
+        gib(m.swap_used())
+    )
+}
+
 /// The latest sample's rows: what the user measured by hand, each `-` when not measured.
 fn hardware_rows(rows: &mut Vec<(&str, String)>, h: &Sample, now: f64) {
-    rows.push((
-        "memory",
-        h.memory.map_or_else(dash, |m| {
-            format!(
-                "{} available of {}; swap {} used",
-                gib(m.available),
-                gib(m.total),
-                gib(m.swap_used())
-            )
-        }),
-    ));
+    rows.push(("memory", h.memory.as_ref().map_or_else(dash, memory)));
     let gtt = h
         .gpu
         .as_ref()
