@@ -30,6 +30,7 @@ use crate::config::Config;
 use crate::http_error::ApiError;
 use crate::lifecycle::{ControlError, Handle, Refused, Status};
 use crate::monitor::Telemetry;
+use crate::power::Power;
 use crate::stats::Stats;
 
 /// The most samples one `History()` call returns: an hour at 1 s.
@@ -123,6 +124,7 @@ pub struct ControlObject {
     config: watch::Receiver<Arc<Config>>,
     stats: Stats,
     telemetry: Telemetry,
+    power: Power,
     group: ControlGroup,
 }
 
@@ -133,6 +135,7 @@ pub struct Parts {
     pub config: watch::Receiver<Arc<Config>>,
     pub stats: Stats,
     pub telemetry: Telemetry,
+    pub power: Power,
     pub group: ControlGroup,
     /// Alerts to raise as `Alert(kind, message)` signals.
     pub alerts: broadcast::Receiver<Alert>,
@@ -244,7 +247,12 @@ impl ControlObject {
 
     /// The status JSON, the same document as `GET /status`.
     async fn status(&self) -> Result<String, Fault> {
-        let doc = crate::proxy::status_document(&self.lifecycle, &self.stats, &self.telemetry);
+        let doc = crate::proxy::status_document(
+            &self.lifecycle,
+            &self.stats,
+            &self.telemetry,
+            &self.power,
+        );
         serde_json::to_string(&doc).map_err(|e| Fault::failed(e.to_string()))
     }
 
@@ -343,6 +351,7 @@ pub async fn serve(bus: Bus, parts: Parts) -> anyhow::Result<Connection> {
         config,
         stats,
         telemetry,
+        power,
         group,
         alerts,
     } = parts;
@@ -351,6 +360,7 @@ pub async fn serve(bus: Bus, parts: Parts) -> anyhow::Result<Connection> {
         config: config.clone(),
         stats,
         telemetry,
+        power,
         group,
     };
     let conn = builder

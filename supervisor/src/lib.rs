@@ -17,6 +17,7 @@ pub mod listener;
 pub mod metrics;
 pub mod monitor;
 pub mod oversize;
+pub mod power;
 pub mod profiles;
 pub mod proxy;
 pub mod reload;

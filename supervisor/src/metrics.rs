@@ -8,7 +8,7 @@
 //! A figure the host does not report has no line.
 
 use dsv4_client::telemetry::{Sample, ThrottleKind};
-use dsv4_client::State;
+use dsv4_client::{PowerStatus, State};
 use prometheus_client::encoding::EncodeLabelSet;
 use prometheus_client::metrics::counter::Counter;
 use prometheus_client::metrics::family::Family;
@@ -46,6 +46,11 @@ struct SourceLabel {
 }
 
 #[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
+struct LevelLabel {
+    level: String,
+}
+
+#[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
 struct KindLabel {
     kind: &'static str,
 }
@@ -70,15 +75,44 @@ fn add<
     metric
 }
 
-pub fn render(status: &Status, requests: &Report, sample: Option<&Sample>) -> String {
+pub fn render(
+    status: &Status,
+    requests: &Report,
+    sample: Option<&Sample>,
+    power: &PowerStatus,
+) -> String {
     let mut reg = Registry::default();
     engine(&mut reg, status);
     request_metrics(&mut reg, requests);
     host(&mut reg, sample);
+    power_metrics(&mut reg, power);
     let mut out = String::with_capacity(4096);
     // Writing to a String cannot fail.
     let _ = prometheus_client::encoding::text::encode(&mut out, &reg);
     out
+}
+
+fn power_metrics(reg: &mut Registry, power: &PowerStatus) {
+    add(
+        reg,
+        "dsv4_power_profile_held",
+        "1 while dsv4d holds a power-profiles-daemon profile for the engine.",
+        Gauge::<i64>::default(),
+    )
+    .set(i64::from(power.held));
+    let levels = add(
+        reg,
+        "dsv4_gpu_performance_level",
+        "The GPU's power_dpm_force_performance_level: 1 for the current one.",
+        Family::<LevelLabel, Gauge>::default(),
+    );
+    if let Some(level) = &power.gpu_level {
+        levels
+            .get_or_create(&LevelLabel {
+                level: level.clone(),
+            })
+            .set(1);
+    }
 }
 
 fn engine(reg: &mut Registry, status: &Status) {
@@ -375,7 +409,7 @@ mod tests {
         status.engine_pid = Some(7);
         status.generation = Some(2);
         status.in_flight = 1;
-        let text = render(&status, &stats.report(0), None);
+        let text = render(&status, &stats.report(0), None, &PowerStatus::default());
         let got = lines(&text);
         for line in [
             "dsv4_engine_state{state=\"ready\"} 1",
@@ -450,10 +484,16 @@ mod tests {
                 cpu_ms: 1500,
             }),
         };
+        let power = PowerStatus {
+            held: true,
+            gpu_level: Some("auto".into()),
+            ..PowerStatus::default()
+        };
         let text = render(
             &Status::stopped("320k"),
             &Stats::default().report(0),
             Some(&sample),
+            &power,
         );
         let got = lines(&text);
         for line in [
@@ -473,6 +513,8 @@ mod tests {
             "dsv4_engine_rss_bytes 20971520.0",
             "dsv4_engine_cpu_seconds_total{kind=\"all\"} 1.5",
             "# TYPE dsv4_throttle_seconds counter",
+            "dsv4_power_profile_held 1",
+            "dsv4_gpu_performance_level{level=\"auto\"} 1",
         ] {
             assert!(got.contains(&line), "missing {line:?} in\n{text}");
         }

@@ -44,6 +44,7 @@ use crate::intake::{self, IntakeError};
 use crate::lifecycle::{Handle, Lease, ERROR_TAIL_LINES};
 use crate::monitor::Telemetry;
 use crate::oversize;
+use crate::power::Power;
 use crate::stats::{Stats, Tap};
 use crate::upstream::{UpstreamBody, UpstreamError};
 
@@ -55,6 +56,8 @@ pub struct Ctx {
     pub stats: Stats,
     /// The monitor's samples of the host.
     pub telemetry: Telemetry,
+    /// The power policy's status.
+    pub power: Power,
     /// The API keys of the configuration in force (`api.api_keys_file`), read on first use.
     pub api_keys: KeyCache,
     /// The request bodies held at once (`api.max_buffered`).
@@ -347,8 +350,8 @@ async fn route(ctx: &Ctx, config: &Arc<Config>, mut req: Request<Incoming>) -> R
     }
     match (own, req.uri().path()) {
         (true, "/status") => {
-            match serde_json::to_value(status_document(&ctx.lifecycle, &ctx.stats, &ctx.telemetry))
-            {
+            let doc = status_document(&ctx.lifecycle, &ctx.stats, &ctx.telemetry, &ctx.power);
+            match serde_json::to_value(doc) {
                 Ok(v) => json_response(StatusCode::OK, v),
                 Err(e) => ApiError::new(
                     StatusCode::INTERNAL_SERVER_ERROR,
@@ -366,6 +369,7 @@ async fn route(ctx: &Ctx, config: &Arc<Config>, mut req: Request<Incoming>) -> R
                 &ctx.lifecycle.status(),
                 &ctx.stats.report(0),
                 sample.as_deref(),
+                &ctx.power.status(),
             );
             let mut r = Response::new(ProxyBody::from(Bytes::from(text)));
             r.headers_mut().insert(
@@ -422,11 +426,17 @@ fn check_key(
 
 /// The status document (`GET /status`, D-Bus `Status()`): the lifecycle's status with the
 /// request statistics (the last few requests in full).
-pub fn status_document(lifecycle: &Handle, stats: &Stats, telemetry: &Telemetry) -> Status {
+pub fn status_document(
+    lifecycle: &Handle,
+    stats: &Stats,
+    telemetry: &Telemetry,
+    power: &Power,
+) -> Status {
     Status {
         engine: lifecycle.status(),
         requests: stats.report(5),
         telemetry: telemetry.latest().map(|s| (*s).clone()),
+        power: Some(power.status()),
     }
 }
 

@@ -530,7 +530,9 @@ async fn engine_connections_are_kept_alive_and_reused() {
 /// Strix Halo's `/proc` stands in for this machine's.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn the_host_is_read_below_the_sysroot() {
-    let fixture = concat!(env!("CARGO_MANIFEST_DIR"), "/fixtures/sysfs/strix-halo");
+    // A copy: the power policy writes the tree's cpufreq files while the engine runs.
+    let tree = fixture_copy("strix-halo");
+    let fixture = tree.path().to_str().unwrap();
     let setup = Setup {
         daemon_args: vec!["--sysroot".into(), fixture.into()],
         ..Setup::default()

@@ -248,6 +248,9 @@ pub enum AlertKind {
     /// A start was refused for memory, or an engine's memory did not come back after it
     /// stopped.
     Memory,
+    /// The power policy met something: the GPU's level drifted, or a setting could not be
+    /// written.
+    Power,
     /// A kind this client does not know.
     #[serde(other)]
     Other,
@@ -259,6 +262,7 @@ impl AlertKind {
             AlertKind::Config => "config",
             AlertKind::Engine => "engine",
             AlertKind::Memory => "memory",
+            AlertKind::Power => "power",
             AlertKind::Other => "other",
         }
     }
@@ -336,6 +340,34 @@ pub struct Status {
     /// The latest sample of the host (none before the first, or from an older daemon).
     #[serde(default)]
     pub telemetry: Option<telemetry::Sample>,
+    /// What the power policy did (none from an older daemon).
+    #[serde(default)]
+    pub power: Option<PowerStatus>,
+}
+
+/// The power policy's part of [`Status`]: what dsv4d changed on the machine for the engine.
+#[derive(Debug, Clone, Default, PartialEq, Serialize, Deserialize)]
+pub struct PowerStatus {
+    /// How the CPU's profile is set: `ppd`, `cpufreq` or `none`; empty before the first
+    /// engine start decided it.
+    pub method: String,
+    /// Why that method (what was found on the machine).
+    pub why: String,
+    /// What is applied now, in words (`power-saver held through net.hadess.PowerProfiles`,
+    /// `governor powersave, EPP power on 16 policies`); `None` while nothing is.
+    pub cpu: Option<String>,
+    /// Whether a power-profiles-daemon hold is in force.
+    pub held: bool,
+    /// Something to know about the CPU's profile: why nothing is held, or that the user
+    /// chose another profile while it was held (shown until the next start).
+    pub cpu_note: Option<String>,
+    /// The GPU's performance level, as last read.
+    pub gpu_level: Option<String>,
+    /// What was done about it, or why nothing could be.
+    pub gpu_note: Option<String>,
+    /// SoC power just before the engine started, and now (W).
+    pub soc_watts_before: Option<f64>,
+    pub soc_watts_now: Option<f64>,
 }
 
 /// Request statistics: totals with token-weighted rates (tokens per second).
@@ -457,6 +489,7 @@ mod tests {
             engine: EngineStatus::stopped("320k"),
             requests: Requests::default(),
             telemetry: Some(telemetry::Sample::default()),
+            power: Some(PowerStatus::default()),
         };
         let v = serde_json::to_value(&s).unwrap();
         assert_eq!(v["state"], "stopped");
@@ -473,12 +506,14 @@ mod tests {
             engine: EngineStatus::stopped("320k"),
             requests: Requests::default(),
             telemetry: None,
+            power: None,
         })
         .unwrap();
         let top = v.as_object_mut().unwrap();
         top.remove("engine_key");
         top.remove("restart_pending");
         top.remove("telemetry");
+        top.remove("power");
         let back: Status = serde_json::from_value(v).unwrap();
         assert_eq!(back.telemetry, None);
         assert_eq!(back.engine.engine_key, None);

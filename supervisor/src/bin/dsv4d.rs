@@ -241,10 +241,17 @@ async fn run(args: Args, activated: Vec<(std::os::fd::OwnedFd, String)>) -> Resu
     // The configuration in force, replaced by reloads (SIGHUP, or an edited file).
     let (config_tx, config_rx) = tokio::sync::watch::channel(config.clone());
     let telemetry = dsv4::monitor::spawn(
-        dsv4::hw::Sampler::new(sysroot),
+        dsv4::hw::Sampler::new(sysroot.clone()),
         config_rx.clone(),
         lifecycle.watch_status(),
     );
+    let power = dsv4::power::spawn(dsv4::power::Parts {
+        config: config_rx.clone(),
+        lifecycle: lifecycle.watch_status(),
+        telemetry: telemetry.clone(),
+        sysroot,
+        alerts: alerts.clone(),
+    });
     tracing::info!(profile, "ready; the engine starts on the first request");
     let stats = Stats::default();
     // Kept for the daemon's life: dropping it leaves the bus.
@@ -256,6 +263,7 @@ async fn run(args: Args, activated: Vec<(std::os::fd::OwnedFd, String)>) -> Resu
                 config: config_rx.clone(),
                 stats: stats.clone(),
                 telemetry: telemetry.clone(),
+                power: power.clone(),
                 group,
                 alerts: alerts.subscribe(),
             };
@@ -277,6 +285,7 @@ async fn run(args: Args, activated: Vec<(std::os::fd::OwnedFd, String)>) -> Resu
         config: config_rx,
         stats,
         telemetry,
+        power: power.clone(),
         api_keys: Default::default(),
         bodies: Default::default(),
     });
@@ -298,6 +307,8 @@ async fn run(args: Args, activated: Vec<(std::os::fd::OwnedFd, String)>) -> Resu
     // In-flight streams finish (bounded by engine.stop_timeout), then the engine stops.
     lifecycle.shutdown().await;
     let _ = actor.await;
+    // The engine is gone: the power settings go back.
+    power.shutdown().await;
     // Connections still open (a cut stream's client) get a moment to see their end.
     let _ = tokio::time::timeout(std::time::Duration::from_secs(1), connections_closed).await;
     tracing::info!("dsv4d stopped");

@@ -178,6 +178,9 @@ pub struct Setup {
     pub leave_log_once_listening: bool,
     /// The daemon's open-file limits (soft, hard), set before it runs, as `ulimit -n` would.
     pub nofile: Option<(u64, u64)>,
+    /// A program (and its arguments) that runs the daemon, as `setpriv ... dsv4d`: it must
+    /// exec it, so that the daemon keeps the pid systemd's `LISTEN_PID` names.
+    pub wrapper: Vec<String>,
 }
 
 impl Default for Setup {
@@ -206,6 +209,7 @@ impl Default for Setup {
             log_level: None,
             leave_log_once_listening: false,
             nofile: None,
+            wrapper: Vec::new(),
         }
     }
 }
@@ -285,6 +289,12 @@ impl Setup {
     /// Starts the daemon with these open-file limits (soft, hard).
     pub fn nofile(mut self, soft: u64, hard: u64) -> Self {
         self.nofile = Some((soft, hard));
+        self
+    }
+
+    /// Runs the daemon through `program args...` (which must exec it).
+    pub fn wrapper(mut self, program_and_args: &[&str]) -> Self {
+        self.wrapper = program_and_args.iter().map(|a| a.to_string()).collect();
         self
     }
 
@@ -427,6 +437,7 @@ impl Daemon {
                 // `exec` keeps the shell's pid, so LISTEN_PID=$$ names the daemon itself.
                 cmd.arg("-c")
                     .arg("LISTEN_PID=$$ LISTEN_FDS=1 LISTEN_FDNAMES=api exec \"$0\" \"$@\"")
+                    .args(&setup.wrapper)
                     .arg(DSV4D);
                 // SAFETY: dup2 and fcntl are async-signal-safe; they run in the forked child
                 // before exec and put the listener on fd 3 without FD_CLOEXEC, as systemd
@@ -445,7 +456,14 @@ impl Daemon {
                 cmd
             }
             Listen::Flag => {
-                let mut cmd = Command::new(DSV4D);
+                let mut cmd = match setup.wrapper.split_first() {
+                    Some((program, args)) => {
+                        let mut c = Command::new(program);
+                        c.args(args).arg(DSV4D);
+                        c
+                    }
+                    None => Command::new(DSV4D),
+                };
                 cmd.args(["--listen", "127.0.0.1:0"]);
                 cmd
             }

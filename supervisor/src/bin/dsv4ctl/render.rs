@@ -4,7 +4,7 @@
 use std::time::Duration;
 
 use dsv4_client::telemetry::{Memory, Sample};
-use dsv4_client::{EngineStatus, ProfileInfo, RequestRecord, Status, Totals};
+use dsv4_client::{EngineStatus, PowerStatus, ProfileInfo, RequestRecord, Status, Totals};
 
 /// Seconds as a whole number of them in the project's one duration format (`42s`, `3m12s`,
 /// `1h2m3s`, `2d4h5m9s`); negative counts as 0.
@@ -115,6 +115,9 @@ pub fn status_table(doc: &Status, now: f64) -> String {
         Some(sample) => hardware_rows(&mut rows, sample, now),
         None => rows.push(("hardware", "- (no sample yet)".into())),
     }
+    if let Some(p) = &doc.power {
+        power_rows(&mut rows, p);
+    }
     let recent: Vec<String> = doc
         .requests
         .recent
@@ -211,6 +214,37 @@ fn hardware_rows(rows: &mut Vec<(&str, String)>, h: &Sample, now: f64) {
         throttling
     };
     rows.push(("throttling", throttling));
+}
+
+/// What the power policy did: the method, the CPU's profile (or why none), the GPU level,
+/// and SoC power now against before the engine started.
+fn power_rows(rows: &mut Vec<(&str, String)>, p: &PowerStatus) {
+    if p.method.is_empty() {
+        rows.push((
+            "power policy",
+            "- (decided at the first engine start)".into(),
+        ));
+        return;
+    }
+    let mut cpu = p
+        .cpu
+        .clone()
+        .unwrap_or_else(|| "nothing applied now".into());
+    if let Some(note) = &p.cpu_note {
+        cpu.push_str(&format!("; {note}"));
+    }
+    rows.push(("power policy", format!("{} ({}): {cpu}", p.method, p.why)));
+    let mut gpu = p.gpu_level.clone().unwrap_or_else(dash);
+    if let Some(note) = &p.gpu_note {
+        gpu.push_str(&format!(" ({note})"));
+    }
+    rows.push(("GPU level", gpu));
+    if let (Some(before), Some(now)) = (p.soc_watts_before, p.soc_watts_now) {
+        rows.push((
+            "SoC power",
+            format!("{now:.1} W now, {before:.1} W before the engine started"),
+        ));
+    }
 }
 
 /// One request, with what its span cost.
@@ -432,6 +466,7 @@ mod tests {
                 recent: Vec::new(),
             },
             telemetry: None,
+            power: None,
         }
     }
 
@@ -554,6 +589,32 @@ hardware    - (no sample yet)
                 "throttling     yes (thermal) for 10s; 12s in all",
                 "last requests  5m ago 320k /completion: 262144 prompt + 32 generated tokens in \
                  1h58m24s, decode 5.300 tok/s, edge 73.2/78.5 C, SoC 85.0 W, GTT peak 81.0 GiB",
+            ]
+        );
+        s.power = Some(PowerStatus {
+            method: "ppd".into(),
+            why: "power-profiles-daemon is on the system bus as net.hadess.PowerProfiles".into(),
+            cpu: Some("power-saver held through net.hadess.PowerProfiles".into()),
+            held: true,
+            cpu_note: None,
+            gpu_level: Some("auto".into()),
+            gpu_note: Some("set to auto (it was low)".into()),
+            soc_watts_before: Some(86.6),
+            soc_watts_now: Some(69.6),
+        });
+        let table = status_table(&s, 1_000_000.0);
+        let power: Vec<&str> = table
+            .lines()
+            .skip_while(|l| !l.starts_with("power policy"))
+            .take(3)
+            .collect();
+        assert_eq!(
+            power,
+            [
+                "power policy   ppd (power-profiles-daemon is on the system bus as \
+                 net.hadess.PowerProfiles): power-saver held through net.hadess.PowerProfiles",
+                "GPU level      auto (set to auto (it was low))",
+                "SoC power      69.6 W now, 86.6 W before the engine started",
             ]
         );
     }

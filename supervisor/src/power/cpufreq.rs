@@ -1,0 +1,217 @@
+//! The CPU's frequency policy without power-profiles-daemon: each cpufreq policy's governor
+//! and, with amd-pstate-epp (or intel_pstate), its energy-performance preference.
+//!
+//! Follows: Documentation/admin-guide/pm/cpufreq.rst (`/sys/devices/system/cpu/cpufreq/
+//! policyN/scaling_governor`) and Documentation/admin-guide/pm/amd-pstate.rst
+//! (`energy_performance_preference`, `energy_performance_available_preferences`; the
+//! preference cannot be changed while the governor is `performance`, so the governor goes
+//! first). Owns: reading what is there, writing the target, and writing back exactly what
+//! was read. Must not: decide when (the power task does), or stop at the first policy that
+//! fails: every policy is tried and every failure reported.
+
+use serde::{Deserialize, Serialize};
+
+use crate::config::CpuPolicy;
+use crate::sysroot::SysRoot;
+
+const POLICIES: &str = "/sys/devices/system/cpu/cpufreq";
+
+/// One policy's settings, as read or to write.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct PolicySettings {
+    /// `policy0`.
+    pub policy: String,
+    pub governor: String,
+    /// `None` where the driver has no EPP.
+    pub epp: Option<String>,
+}
+
+/// The governor and preference for a CPU policy of the configuration; `None` for `keep`.
+pub fn target(cpu: CpuPolicy) -> Option<(&'static str, &'static str)> {
+    match cpu {
+        CpuPolicy::PowerSaver => Some(("powersave", "power")),
+        CpuPolicy::Balanced => Some(("powersave", "balance_performance")),
+        CpuPolicy::Performance => Some(("performance", "performance")),
+        CpuPolicy::Keep => None,
+    }
+}
+
+fn dir(policy: &str) -> String {
+    format!("{POLICIES}/{policy}")
+}
+
+/// The policies this machine has, with what they are set to now.
+pub fn read(root: &SysRoot) -> Vec<PolicySettings> {
+    root.list(POLICIES)
+        .into_iter()
+        .filter(|n| {
+            n.strip_prefix("policy")
+                .is_some_and(|i| i.parse::<u32>().is_ok())
+        })
+        .filter_map(|policy| {
+            let d = dir(&policy);
+            let governor = root.read(&format!("{d}/scaling_governor")).ok()?;
+            let epp = root
+                .read(&format!("{d}/energy_performance_preference"))
+                .ok()
+                .map(|e| e.trim().to_string());
+            Some(PolicySettings {
+                policy,
+                governor: governor.trim().to_string(),
+                epp,
+            })
+        })
+        .collect()
+}
+
+/// Whether the governor files can be written (the `auto` method's test for cpufreq).
+pub fn writable(root: &SysRoot) -> bool {
+    let policies = read(root);
+    !policies.is_empty()
+        && policies.iter().all(|p| {
+            let path = root.path(&format!("{}/scaling_governor", dir(&p.policy)));
+            nix::unistd::access(&path, nix::unistd::AccessFlags::W_OK).is_ok()
+        })
+}
+
+/// Writes `value` as sysfs shows it, with its newline (the kernel ignores it), so that what
+/// was read and written back is the same, byte for byte.
+fn write(root: &SysRoot, system: &str, value: &str) -> Result<(), String> {
+    let path = root.path(system);
+    std::fs::write(&path, format!("{value}\n"))
+        .map_err(|e| format!("writing {value:?} to {}: {e}", path.display()))
+}
+
+/// Writes `settings` to each policy, only what differs from what is there. The preference
+/// cannot be changed while the governor is `performance` (amd-pstate answers EBUSY), so
+/// toward `performance` it goes first, under the governor still in place; otherwise the
+/// governor goes first. Every failure is returned, with its file.
+pub fn apply(root: &SysRoot, settings: &[PolicySettings]) -> Vec<String> {
+    let now = read(root);
+    let mut problems = Vec::new();
+    for s in settings {
+        let d = dir(&s.policy);
+        let current = now.iter().find(|p| p.policy == s.policy);
+        let governor = || -> Result<(), String> {
+            if current.is_some_and(|c| c.governor == s.governor) {
+                return Ok(());
+            }
+            write(root, &format!("{d}/scaling_governor"), &s.governor)
+        };
+        let epp = |under_performance: bool| -> Result<(), String> {
+            let Some(epp) = &s.epp else {
+                return Ok(());
+            };
+            if current.is_some_and(|c| c.epp.as_ref() == Some(epp)) || under_performance {
+                return Ok(());
+            }
+            write(root, &format!("{d}/energy_performance_preference"), epp)
+        };
+        let result = if s.governor == "performance" {
+            let was_performance = current.is_some_and(|c| c.governor == "performance");
+            epp(was_performance).and_then(|()| governor())
+        } else {
+            governor().and_then(|()| epp(false))
+        };
+        if let Err(e) = result {
+            problems.push(e);
+        }
+    }
+    problems
+}
+
+/// What `found` becomes under `cpu`: the target governor everywhere, and the target
+/// preference where the policy has one and lists it as available.
+pub fn targeted(root: &SysRoot, found: &[PolicySettings], cpu: CpuPolicy) -> Vec<PolicySettings> {
+    let Some((governor, epp)) = target(cpu) else {
+        return Vec::new();
+    };
+    found
+        .iter()
+        .map(|p| {
+            let available = root
+                .read(&format!(
+                    "{}/energy_performance_available_preferences",
+                    dir(&p.policy)
+                ))
+                .unwrap_or_default();
+            let offered = available.split_whitespace().any(|a| a == epp) || available.is_empty();
+            PolicySettings {
+                policy: p.policy.clone(),
+                governor: governor.to_string(),
+                epp: p.epp.as_ref().filter(|_| offered).map(|_| epp.to_string()),
+            }
+        })
+        .collect()
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// Three policies: two with EPP (one under `performance`), one without.
+    fn tree() -> (tempfile::TempDir, SysRoot) {
+        let dir = tempfile::tempdir().unwrap();
+        let base = dir.path().join("sys/devices/system/cpu/cpufreq");
+        for (i, gov, epp) in [
+            (0, "powersave", Some("balance_performance")),
+            (1, "performance", Some("performance")),
+            (2, "schedutil", None),
+        ] {
+            let p = base.join(format!("policy{i}"));
+            std::fs::create_dir_all(&p).unwrap();
+            std::fs::write(p.join("scaling_governor"), format!("{gov}\n")).unwrap();
+            if let Some(e) = epp {
+                std::fs::write(p.join("energy_performance_preference"), format!("{e}\n")).unwrap();
+                std::fs::write(
+                    p.join("energy_performance_available_preferences"),
+                    "default performance balance_performance balance_power power \n",
+                )
+                .unwrap();
+            }
+        }
+        std::fs::write(base.join("boost"), "1\n").unwrap();
+        let root = SysRoot::new(dir.path()).unwrap();
+        (dir, root)
+    }
+
+    #[test]
+    fn power_saver_then_back_exactly() {
+        let (_dir, root) = tree();
+        let found = read(&root);
+        assert_eq!(found.len(), 3);
+        assert_eq!(found[1].governor, "performance");
+        assert_eq!(found[2].epp, None);
+        let want = targeted(&root, &found, CpuPolicy::PowerSaver);
+        assert!(apply(&root, &want).is_empty());
+        let now = read(&root);
+        for p in &now {
+            assert_eq!(p.governor, "powersave", "{p:?}");
+        }
+        assert_eq!(now[0].epp.as_deref(), Some("power"));
+        assert_eq!(now[1].epp.as_deref(), Some("power"));
+        assert_eq!(now[2].epp, None);
+        assert!(apply(&root, &found).is_empty());
+        assert_eq!(read(&root), found);
+        assert!(targeted(&root, &found, CpuPolicy::Keep).is_empty());
+    }
+
+    #[test]
+    fn failures_name_the_file_and_the_rest_go_on() {
+        let (dir, root) = tree();
+        let found = read(&root);
+        // policy1's governor cannot be written: a folder in its place.
+        let gov = dir
+            .path()
+            .join("sys/devices/system/cpu/cpufreq/policy1/scaling_governor");
+        std::fs::remove_file(&gov).unwrap();
+        std::fs::create_dir(&gov).unwrap();
+        let problems = apply(&root, &targeted(&root, &found, CpuPolicy::PowerSaver));
+        assert_eq!(problems.len(), 1, "{problems:?}");
+        assert!(
+            problems[0].contains("policy1/scaling_governor"),
+            "{problems:?}"
+        );
+        assert_eq!(read(&root)[0].governor, "powersave");
+    }
+}
