@@ -182,12 +182,14 @@ impl Drop for SystemBus {
 }
 
 fn on_system_bus(bus: &SystemBus) -> Setup {
-    Setup::default().daemon_env("DBUS_SYSTEM_BUS_ADDRESS", &bus.address)
+    Setup::default()
+        .top_level("power", "{ method: auto }")
+        .daemon_env("DBUS_SYSTEM_BUS_ADDRESS", &bus.address)
 }
 
 /// No system bus at all: a path where none listens.
 fn without_system_bus(setup: Setup) -> Setup {
-    setup.daemon_env(
+    setup.top_level("power", "{ method: auto }").daemon_env(
         "DBUS_SYSTEM_BUS_ADDRESS",
         "unix:path=/nonexistent/dsv4-no-bus",
     )

@@ -192,10 +192,13 @@ impl Default for Setup {
         let mut profiles = BTreeMap::new();
         profiles.insert("320k".to_string(), llama.clone());
         profiles.insert("64k".to_string(), llama);
+        // The power policy acts only where a test asks for it: never on this machine's own
+        // CPU, GPU or system bus.
+        let top_level = BTreeMap::from([("power", "{ method: none }".to_string())]);
         Setup {
             api: BTreeMap::new(),
             engine: BTreeMap::new(),
-            top_level: BTreeMap::new(),
+            top_level,
             profiles,
             profile_keys: BTreeMap::new(),
             default_profile: "320k".into(),
@@ -227,7 +230,8 @@ impl Setup {
         self
     }
 
-    /// Sets a top-level key of supervisor.yaml (one it has not otherwise).
+    /// Sets a top-level key of supervisor.yaml (one it has not otherwise; `power` is
+    /// `{ method: none }` unless set).
     pub fn top_level(mut self, key: &'static str, value: &str) -> Self {
         self.top_level.insert(key, value.to_string());
         self
