@@ -32,6 +32,7 @@ use crate::lifecycle::{ControlError, Handle, Refused, Status};
 use crate::monitor::Telemetry;
 use crate::power::Power;
 use crate::stats::Stats;
+use crate::thermal::Thermal;
 
 /// The most samples one `History()` call returns: an hour at 1 s.
 const HISTORY_MAX: usize = 3600;
@@ -125,6 +126,7 @@ pub struct ControlObject {
     stats: Stats,
     telemetry: Telemetry,
     power: Power,
+    thermal: Thermal,
     group: ControlGroup,
 }
 
@@ -136,6 +138,7 @@ pub struct Parts {
     pub stats: Stats,
     pub telemetry: Telemetry,
     pub power: Power,
+    pub thermal: Thermal,
     pub group: ControlGroup,
     /// Alerts to raise as `Alert(kind, message)` signals.
     pub alerts: broadcast::Receiver<Alert>,
@@ -252,6 +255,7 @@ impl ControlObject {
             &self.stats,
             &self.telemetry,
             &self.power,
+            &self.thermal,
         );
         serde_json::to_string(&doc).map_err(|e| Fault::failed(e.to_string()))
     }
@@ -322,14 +326,24 @@ impl ControlObject {
         self.lifecycle.status().last_error.unwrap_or_default()
     }
 
-    /// `StateChanged(state, profile)`: the lifecycle state changed. (Named apart in Rust from
-    /// the `State` property's own change notifier.)
     /// `Alert(kind, message)`: something a desktop user should hear about (a rejected
     /// configuration change, ...).
     #[zbus(signal)]
     async fn alert(emitter: &SignalEmitter<'_>, kind: AlertKind, message: &str)
         -> zbus::Result<()>;
 
+    /// `ThermalEvent(level, sensor, celsius, message)`: see `dsv4_client::Supervisor1Proxy`.
+    #[zbus(signal)]
+    async fn thermal_event(
+        emitter: &SignalEmitter<'_>,
+        level: &str,
+        sensor: &str,
+        celsius: f64,
+        message: &str,
+    ) -> zbus::Result<()>;
+
+    /// `StateChanged(state, profile)`: the lifecycle state changed. (Named apart in Rust from
+    /// the `State` property's own change notifier.)
     #[zbus(signal, name = "StateChanged")]
     async fn lifecycle_changed(
         emitter: &SignalEmitter<'_>,
@@ -352,6 +366,7 @@ pub async fn serve(bus: Bus, parts: Parts) -> anyhow::Result<Connection> {
         stats,
         telemetry,
         power,
+        thermal,
         group,
         alerts,
     } = parts;
@@ -361,6 +376,7 @@ pub async fn serve(bus: Bus, parts: Parts) -> anyhow::Result<Connection> {
         stats,
         telemetry,
         power,
+        thermal: thermal.clone(),
         group,
     };
     let conn = builder
@@ -381,7 +397,13 @@ pub async fn serve(bus: Bus, parts: Parts) -> anyhow::Result<Connection> {
         )
     })?;
     tracing::info!("control interface on the {} bus as {BUS_NAME}", bus);
-    tokio::spawn(announce_changes(conn.clone(), lifecycle, config, alerts));
+    tokio::spawn(announce_changes(
+        conn.clone(),
+        lifecycle,
+        config,
+        alerts,
+        thermal.subscribe(),
+    ));
     Ok(conn)
 }
 
@@ -412,6 +434,7 @@ async fn announce_changes(
     lifecycle: Handle,
     mut config: watch::Receiver<Arc<Config>>,
     mut alerts: broadcast::Receiver<Alert>,
+    mut thermal: broadcast::Receiver<crate::thermal::Signal>,
 ) {
     let Ok(iface) = conn
         .object_server()
@@ -425,6 +448,7 @@ async fn announce_changes(
     let mut figures_sent: Option<Instant> = None;
     // When held-back figures go out.
     let mut figures_due: Option<Instant> = None;
+    let mut thermal_open = true;
     loop {
         let hold = async {
             match figures_due {
@@ -455,6 +479,21 @@ async fn announce_changes(
                     }
                     Err(broadcast::error::RecvError::Lagged(_)) => {}
                     Err(broadcast::error::RecvError::Closed) => return,
+                }
+                continue;
+            }
+            event = thermal.recv(), if thermal_open => {
+                if matches!(event, Err(broadcast::error::RecvError::Closed)) {
+                    thermal_open = false;
+                }
+                if let Ok(t) = event {
+                    let e = iface.signal_emitter();
+                    let sent =
+                        ControlObject::thermal_event(e, &t.level, &t.sensor, t.celsius, &t.message)
+                            .await;
+                    if let Err(err) = sent {
+                        tracing::debug!("sending a ThermalEvent on D-Bus failed: {err}");
+                    }
                 }
                 continue;
             }

@@ -143,6 +143,16 @@ impl From<Refusal> for ApiError {
                 ),
             )
             .retry_after(Duration::from_secs(10)),
+            Refusal::TooHot { message } => ApiError::new(
+                unavailable,
+                "unavailable_error",
+                "too_hot",
+                format!(
+                    "the machine is too hot to run the engine ({message}); requests are served \
+                     again once it has cooled down (thermal.on_critical)"
+                ),
+            )
+            .retry_after(Duration::from_secs(60)),
             Refusal::ShuttingDown => {
                 ApiError::new(unavailable, "unavailable_error", "shutting_down", "the supervisor is shutting down")
                     .retry_after(Duration::from_secs(5))

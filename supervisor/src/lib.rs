@@ -24,4 +24,5 @@ pub mod reload;
 pub mod state_file;
 pub mod stats;
 pub mod sysroot;
+pub mod thermal;
 pub mod upstream;

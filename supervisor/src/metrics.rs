@@ -8,7 +8,7 @@
 //! A figure the host does not report has no line.
 
 use dsv4_client::telemetry::{Sample, ThrottleKind};
-use dsv4_client::{PowerStatus, State};
+use dsv4_client::{PowerStatus, State, ThermalStatus};
 use prometheus_client::encoding::EncodeLabelSet;
 use prometheus_client::metrics::counter::Counter;
 use prometheus_client::metrics::family::Family;
@@ -46,6 +46,11 @@ struct SourceLabel {
 }
 
 #[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
+struct SensorName {
+    sensor: String,
+}
+
+#[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
 struct LevelLabel {
     level: String,
 }
@@ -80,12 +85,31 @@ pub fn render(
     requests: &Report,
     sample: Option<&Sample>,
     power: &PowerStatus,
+    thermal: &ThermalStatus,
 ) -> String {
     let mut reg = Registry::default();
     engine(&mut reg, status);
     request_metrics(&mut reg, requests);
     host(&mut reg, sample);
     power_metrics(&mut reg, power);
+    let levels = add(
+        &mut reg,
+        "dsv4_thermal_level",
+        "Thermal level per sensor: 0 normal, 1 warn, 2 critical.",
+        Family::<SensorName, Gauge>::default(),
+    );
+    for s in &thermal.sensors {
+        let n = match s.level.as_str() {
+            "critical" => 2,
+            "warn" => 1,
+            _ => 0,
+        };
+        levels
+            .get_or_create(&SensorName {
+                sensor: s.sensor.clone(),
+            })
+            .set(n);
+    }
     let mut out = String::with_capacity(4096);
     // Writing to a String cannot fail.
     let _ = prometheus_client::encoding::text::encode(&mut out, &reg);
@@ -409,7 +433,13 @@ mod tests {
         status.engine_pid = Some(7);
         status.generation = Some(2);
         status.in_flight = 1;
-        let text = render(&status, &stats.report(0), None, &PowerStatus::default());
+        let text = render(
+            &status,
+            &stats.report(0),
+            None,
+            &PowerStatus::default(),
+            &ThermalStatus::default(),
+        );
         let got = lines(&text);
         for line in [
             "dsv4_engine_state{state=\"ready\"} 1",
@@ -494,6 +524,16 @@ mod tests {
             &Stats::default().report(0),
             Some(&sample),
             &power,
+            &ThermalStatus {
+                level: "warn".into(),
+                sensors: vec![dsv4_client::SensorThermal {
+                    sensor: "edge".into(),
+                    level: "warn".into(),
+                    since: None,
+                    peak: Some(86.0),
+                }],
+                ..ThermalStatus::default()
+            },
         );
         let got = lines(&text);
         for line in [
@@ -514,6 +554,7 @@ mod tests {
             "dsv4_engine_cpu_seconds_total{kind=\"all\"} 1.5",
             "# TYPE dsv4_throttle_seconds counter",
             "dsv4_power_profile_held 1",
+            "dsv4_thermal_level{sensor=\"edge\"} 1",
             "dsv4_gpu_performance_level{level=\"auto\"} 1",
         ] {
             assert!(got.contains(&line), "missing {line:?} in\n{text}");

@@ -46,6 +46,7 @@ use crate::monitor::Telemetry;
 use crate::oversize;
 use crate::power::Power;
 use crate::stats::{Stats, Tap};
+use crate::thermal::Thermal;
 use crate::upstream::{UpstreamBody, UpstreamError};
 
 /// What every request handler needs.
@@ -58,6 +59,8 @@ pub struct Ctx {
     pub telemetry: Telemetry,
     /// The power policy's status.
     pub power: Power,
+    /// The thermal policy's status.
+    pub thermal: Thermal,
     /// The API keys of the configuration in force (`api.api_keys_file`), read on first use.
     pub api_keys: KeyCache,
     /// The request bodies held at once (`api.max_buffered`).
@@ -350,7 +353,13 @@ async fn route(ctx: &Ctx, config: &Arc<Config>, mut req: Request<Incoming>) -> R
     }
     match (own, req.uri().path()) {
         (true, "/status") => {
-            let doc = status_document(&ctx.lifecycle, &ctx.stats, &ctx.telemetry, &ctx.power);
+            let doc = status_document(
+                &ctx.lifecycle,
+                &ctx.stats,
+                &ctx.telemetry,
+                &ctx.power,
+                &ctx.thermal,
+            );
             match serde_json::to_value(doc) {
                 Ok(v) => json_response(StatusCode::OK, v),
                 Err(e) => ApiError::new(
@@ -370,6 +379,7 @@ async fn route(ctx: &Ctx, config: &Arc<Config>, mut req: Request<Incoming>) -> R
                 &ctx.stats.report(0),
                 sample.as_deref(),
                 &ctx.power.status(),
+                &ctx.thermal.status(),
             );
             let mut r = Response::new(ProxyBody::from(Bytes::from(text)));
             r.headers_mut().insert(
@@ -431,12 +441,14 @@ pub fn status_document(
     stats: &Stats,
     telemetry: &Telemetry,
     power: &Power,
+    thermal: &Thermal,
 ) -> Status {
     Status {
         engine: lifecycle.status(),
         requests: stats.report(5),
         telemetry: telemetry.latest().map(|s| (*s).clone()),
         power: Some(power.status()),
+        thermal: Some(thermal.status()),
     }
 }
 

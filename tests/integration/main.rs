@@ -22,4 +22,5 @@ mod reload;
 mod soak;
 mod stats;
 mod telemetry;
+mod thermal;
 mod top;

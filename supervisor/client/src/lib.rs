@@ -104,6 +104,19 @@ pub trait Supervisor1 {
     /// `Alert(kind, message)`: something a desktop user should hear about.
     #[zbus(signal)]
     fn alert(&self, kind: AlertKind, message: &str) -> zbus::Result<()>;
+
+    /// `ThermalEvent(level, sensor, celsius, message)`: `level` is `warn`, `critical` or
+    /// `normal` for a sensor (`edge`, `tctl`) changing level (or still critical), or
+    /// `throttling` / `throttling-ended` (sensor `throttle`); `celsius` is NaN when no
+    /// temperature applies; `message` says it in words.
+    #[zbus(signal)]
+    fn thermal_event(
+        &self,
+        level: &str,
+        sensor: &str,
+        celsius: f64,
+        message: &str,
+    ) -> zbus::Result<()>;
 }
 
 /// The engine's lifecycle state. Serialized lower-case, as in `Status()`, the `State`
@@ -343,6 +356,32 @@ pub struct Status {
     /// What the power policy did (none from an older daemon).
     #[serde(default)]
     pub power: Option<PowerStatus>,
+    /// The thermal levels (none from an older daemon).
+    #[serde(default)]
+    pub thermal: Option<ThermalStatus>,
+}
+
+/// The thermal policy's part of [`Status`].
+#[derive(Debug, Clone, Default, PartialEq, Serialize, Deserialize)]
+pub struct ThermalStatus {
+    /// The highest level of any sensor: `normal`, `warn` or `critical`.
+    pub level: String,
+    pub sensors: Vec<SensorThermal>,
+    /// Unix time (s) since which the hardware has been throttling, while it does.
+    pub throttling_since: Option<f64>,
+    /// What dsv4d does about it (`thermal.on_critical`), while critical.
+    pub action: Option<String>,
+}
+
+#[derive(Debug, Clone, Default, PartialEq, Serialize, Deserialize)]
+pub struct SensorThermal {
+    /// `edge` (GPU) or `tctl` (CPU).
+    pub sensor: String,
+    pub level: String,
+    /// Unix time (s) since when it is at this level.
+    pub since: Option<f64>,
+    /// The hottest it was at this level.
+    pub peak: Option<f64>,
 }
 
 /// The power policy's part of [`Status`]: what dsv4d changed on the machine for the engine.
@@ -490,6 +529,7 @@ mod tests {
             requests: Requests::default(),
             telemetry: Some(telemetry::Sample::default()),
             power: Some(PowerStatus::default()),
+            thermal: Some(ThermalStatus::default()),
         };
         let v = serde_json::to_value(&s).unwrap();
         assert_eq!(v["state"], "stopped");
@@ -507,6 +547,7 @@ mod tests {
             requests: Requests::default(),
             telemetry: None,
             power: None,
+            thermal: None,
         })
         .unwrap();
         let top = v.as_object_mut().unwrap();
@@ -514,6 +555,7 @@ mod tests {
         top.remove("restart_pending");
         top.remove("telemetry");
         top.remove("power");
+        top.remove("thermal");
         let back: Status = serde_json::from_value(v).unwrap();
         assert_eq!(back.telemetry, None);
         assert_eq!(back.engine.engine_key, None);

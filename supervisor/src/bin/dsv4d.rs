@@ -245,6 +245,7 @@ async fn run(args: Args, activated: Vec<(std::os::fd::OwnedFd, String)>) -> Resu
         config_rx.clone(),
         lifecycle.watch_status(),
     );
+    let thermal = dsv4::thermal::spawn(config_rx.clone(), telemetry.clone(), lifecycle.clone());
     let power = dsv4::power::spawn(dsv4::power::Parts {
         config: config_rx.clone(),
         lifecycle: lifecycle.watch_status(),
@@ -264,6 +265,7 @@ async fn run(args: Args, activated: Vec<(std::os::fd::OwnedFd, String)>) -> Resu
                 stats: stats.clone(),
                 telemetry: telemetry.clone(),
                 power: power.clone(),
+                thermal: thermal.clone(),
                 group,
                 alerts: alerts.subscribe(),
             };
@@ -286,6 +288,7 @@ async fn run(args: Args, activated: Vec<(std::os::fd::OwnedFd, String)>) -> Resu
         stats,
         telemetry,
         power: power.clone(),
+        thermal,
         api_keys: Default::default(),
         bodies: Default::default(),
     });

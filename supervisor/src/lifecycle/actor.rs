@@ -118,6 +118,10 @@ enum Command {
     Reload {
         config: Arc<Config>,
     },
+    /// Too hot, or cool again (`None`): see [`Event::Heat`].
+    Heat {
+        hot: Option<(String, Option<Duration>)>,
+    },
 }
 
 #[derive(Debug)]
@@ -199,6 +203,12 @@ impl Handle {
             .await
             .map_err(|_| ControlError::Gone)?;
         rx.await.map_err(|_| ControlError::Gone)?
+    }
+
+    /// Too hot to serve (`thermal.on_critical`: new requests refused with `message`, the
+    /// engine stopped when idle, or after at most `drain`), or cool again with `None`.
+    pub async fn heat(&self, hot: Option<(String, Option<Duration>)>) {
+        let _ = self.commands.send(Command::Heat { hot }).await;
     }
 
     /// Replaces the configuration: limits apply at once, profile settings at the next start.
@@ -441,6 +451,10 @@ impl Actor {
             }
             Command::Start => Some(Event::Start),
             Command::Stop { now } => Some(Event::Stop { now }),
+            Command::Heat { hot } => Some(match hot {
+                Some((message, drain)) => Event::Heat { message, drain },
+                None => Event::Cooled,
+            }),
             Command::SetProfile { name, reply } => {
                 if self.config.profile(&name).is_none() {
                     let known = self

@@ -149,6 +149,9 @@ pub enum Refusal {
     /// The engine of `profile` would not fit in memory now; nothing was started, and the next
     /// request looks again.
     NotEnoughMemory { profile: String, short: MemoryShort },
+    /// The machine is critically hot (`thermal.on_critical` stops the engine): `message` says
+    /// which sensor and how hot.
+    TooHot { message: String },
 }
 
 /// What the rules ask the actor to do, in order.
@@ -193,6 +196,15 @@ pub enum Event {
     SetProfile { profile: String },
     /// The daemon is going down: drain (bounded by `stop_timeout`), stop, then exit.
     Shutdown,
+    /// Critically hot: new requests are refused with `message`, no engine starts, and a
+    /// running one stops once no request is in flight (`drain: None`), or after at most
+    /// `drain` (in-flight requests are cut then).
+    Heat {
+        message: String,
+        drain: Option<Duration>,
+    },
+    /// Cool again: requests are served, and start the engine, as before.
+    Cooled,
 }
 
 /// What happens once the engine has exited.
@@ -299,6 +311,8 @@ pub struct Machine {
     shutting_down: bool,
     /// The figures the next start is admitted on.
     memory: MemoryCheck,
+    /// Too hot to serve: why (see [`Event::Heat`]).
+    hot: Option<String>,
 }
 
 impl Machine {
@@ -316,7 +330,13 @@ impl Machine {
             last_failure: None,
             shutting_down: false,
             memory: MemoryCheck::default(),
+            hot: None,
         }
+    }
+
+    /// Why requests are refused for heat, while they are.
+    pub fn hot(&self) -> Option<&str> {
+        self.hot.as_deref()
     }
 
     /// The memory figures a start would be admitted on now: the actor sets them, freshly
@@ -402,8 +422,48 @@ impl Machine {
             Event::Stop { now: at_once } => self.stop(at_once, now, &mut fx),
             Event::SetProfile { profile } => self.set_profile(profile, now, &mut fx),
             Event::Shutdown => self.shutdown(now, &mut fx),
+            Event::Heat { message, drain } => self.heat(message, drain, now, &mut fx),
+            Event::Cooled => self.hot = None,
         }
         fx
+    }
+
+    fn heat(
+        &mut self,
+        message: String,
+        drain: Option<Duration>,
+        now: Instant,
+        fx: &mut Vec<Effect>,
+    ) {
+        self.hot = Some(message.clone());
+        self.refuse_waiters(Refusal::TooHot { message }, fx);
+        match &mut self.phase {
+            Phase::Starting { gen, profile, .. } => {
+                let (gen, profile) = (*gen, profile.clone());
+                self.signal_stop(gen, profile, Then::Idle, now, fx);
+            }
+            Phase::Ready { gen, profile, .. } => {
+                let (gen, profile) = (*gen, profile.clone());
+                if self.leases == 0 {
+                    self.signal_stop(gen, profile, Then::Idle, now, fx);
+                } else {
+                    self.phase = Phase::Draining {
+                        gen,
+                        profile,
+                        then: Then::Idle,
+                        deadline: drain.map(|d| now + d),
+                    };
+                }
+            }
+            Phase::Draining { deadline, .. } => {
+                if let Some(d) = drain {
+                    let cap = now + d;
+                    *deadline = Some(deadline.map_or(cap, |old| old.min(cap)));
+                }
+            }
+            Phase::Backoff { .. } => self.phase = Phase::Stopped,
+            Phase::Stopped | Phase::Stopping { .. } => {}
+        }
     }
 
     fn acquire(&mut self, waiter: WaiterId, now: Instant, fx: &mut Vec<Effect>) {
@@ -411,6 +471,15 @@ impl Machine {
             fx.push(Effect::Refuse {
                 waiters: vec![waiter],
                 why: Refusal::ShuttingDown,
+            });
+            return;
+        }
+        if let Some(message) = &self.hot {
+            fx.push(Effect::Refuse {
+                waiters: vec![waiter],
+                why: Refusal::TooHot {
+                    message: message.clone(),
+                },
             });
             return;
         }
@@ -762,6 +831,11 @@ impl Machine {
     // ---- helpers ------------------------------------------------------------------------
 
     fn begin_start(&mut self, now: Instant, fx: &mut Vec<Effect>) {
+        if let Some(message) = self.hot.clone() {
+            self.phase = Phase::Stopped;
+            self.refuse_waiters(Refusal::TooHot { message }, fx);
+            return;
+        }
         // Admission: a start that would not fit is refused, not tried; it is not a failed
         // start (no backoff), so the next request tries again with the figures of then.
         if let Some(short) = self.memory.shortfall() {

@@ -640,6 +640,95 @@ fn a_restart_after_a_profile_switch_is_admitted_on_the_figures_after_the_old_eng
     assert_eq!(t.state(), State::Stopped);
 }
 
+// ---- heat ------------------------------------------------------------------------------------
+
+fn hot() -> Refusal {
+    Refusal::TooHot {
+        message: "edge 96.0 C".into(),
+    }
+}
+
+fn heat(drain: Option<Duration>) -> Event {
+    Event::Heat {
+        message: "edge 96.0 C".into(),
+        drain,
+    }
+}
+
+#[test]
+fn when_too_hot_an_idle_engine_stops_and_nothing_starts_until_cooled() {
+    let mut t = T::new();
+    t.ready_with(&[]);
+    assert_eq!(t.ev(heat(None)), vec![term(1)]);
+    assert_eq!(
+        t.ev(Event::Acquire { waiter: 5 }),
+        vec![Effect::Refuse {
+            waiters: vec![5],
+            why: hot()
+        }]
+    );
+    t.ev(Event::Exited {
+        gen: 1,
+        failure: fail("gone"),
+    });
+    assert_eq!(t.state(), State::Stopped);
+    // Neither a request nor Start starts it while hot.
+    assert!(t.ev(Event::Start).is_empty());
+    assert!(matches!(
+        t.ev(Event::Acquire { waiter: 6 }).as_slice(),
+        [Effect::Refuse { .. }]
+    ));
+    t.ev(Event::Cooled);
+    assert_eq!(t.ev(Event::Acquire { waiter: 7 }), vec![spawn(2, "320k")]);
+}
+
+#[test]
+fn stop_when_idle_lets_in_flight_requests_finish_and_refuses_new_ones() {
+    let mut t = T::new();
+    t.ready_with(&[1]);
+    assert!(t.ev(heat(None)).is_empty());
+    assert_eq!(t.state(), State::Draining);
+    // Waiting a day changes nothing: no deadline.
+    t.at(86_400);
+    assert!(t.ev(Event::Tick).is_empty());
+    assert!(matches!(
+        t.ev(Event::Acquire { waiter: 2 }).as_slice(),
+        [Effect::Refuse {
+            why: Refusal::TooHot { .. },
+            ..
+        }]
+    ));
+    assert_eq!(t.ev(Event::Release { gen: 1 }), vec![term(1)]);
+}
+
+#[test]
+fn stop_drains_with_a_bound_then_cuts_in_flight_requests() {
+    let mut t = T::new();
+    t.ready_with(&[1]);
+    assert!(t.ev(heat(Some(10 * S))).is_empty());
+    t.at(9);
+    assert!(t.ev(Event::Tick).is_empty());
+    t.at(10);
+    assert_eq!(t.ev(Event::Tick), vec![term(1)]);
+}
+
+#[test]
+fn heat_while_starting_cancels_the_start_and_refuses_its_waiters() {
+    let mut t = T::new();
+    t.ev(Event::Acquire { waiter: 1 });
+    let fx = t.ev(heat(None));
+    assert_eq!(
+        fx,
+        vec![
+            Effect::Refuse {
+                waiters: vec![1],
+                why: hot()
+            },
+            term(1)
+        ]
+    );
+}
+
 // ---- proptest invariants -----------------------------------------------------------------
 
 #[derive(Debug, Clone)]
@@ -655,6 +744,9 @@ enum Op {
     Profile(bool),
     /// The memory a start would need fits (`true`) or not.
     Memory(bool),
+    /// Too hot (with a drain bound, or none), or cooled.
+    Heat(Option<u64>),
+    Cooled,
     Shutdown,
 }
 
@@ -670,6 +762,8 @@ fn op(forcing: bool) -> impl Strategy<Value = Op> {
         (1, Just(Op::Stop(false)).boxed()),
         (2, any::<bool>().prop_map(Op::Profile).boxed()),
         (2, any::<bool>().prop_map(Op::Memory).boxed()),
+        (1, proptest::option::of(0u64..60).prop_map(Op::Heat).boxed()),
+        (1, Just(Op::Cooled).boxed()),
     ];
     if forcing {
         ops.push((1, Just(Op::Stop(true)).boxed()));
@@ -834,6 +928,8 @@ impl World {
                 self.m.set_memory(memory(fits));
                 Ok(())
             }
+            Op::Heat(drain) => self.apply(heat(drain.map(Duration::from_secs))),
+            Op::Cooled => self.apply(Event::Cooled),
             Op::Shutdown => self.apply(Event::Shutdown),
         }
     }

@@ -4,7 +4,9 @@
 use std::time::Duration;
 
 use dsv4_client::telemetry::{Memory, Sample};
-use dsv4_client::{EngineStatus, PowerStatus, ProfileInfo, RequestRecord, Status, Totals};
+use dsv4_client::{
+    EngineStatus, PowerStatus, ProfileInfo, RequestRecord, Status, ThermalStatus, Totals,
+};
 
 /// Seconds as a whole number of them in the project's one duration format (`42s`, `3m12s`,
 /// `1h2m3s`, `2d4h5m9s`); negative counts as 0.
@@ -115,6 +117,9 @@ pub fn status_table(doc: &Status, now: f64) -> String {
         Some(sample) => hardware_rows(&mut rows, sample, now),
         None => rows.push(("hardware", "- (no sample yet)".into())),
     }
+    if let Some(t) = doc.thermal.as_ref().filter(|t| !t.level.is_empty()) {
+        rows.push(("thermal", thermal(t, now)));
+    }
     if let Some(p) = &doc.power {
         power_rows(&mut rows, p);
     }
@@ -214,6 +219,35 @@ fn hardware_rows(rows: &mut Vec<(&str, String)>, h: &Sample, now: f64) {
         throttling
     };
     rows.push(("throttling", throttling));
+}
+
+/// The thermal level, the sensors above normal with their peaks, and what is done about it.
+fn thermal(t: &ThermalStatus, now: f64) -> String {
+    let hot: Vec<String> = t
+        .sensors
+        .iter()
+        .filter(|s| s.level != "normal")
+        .map(|s| {
+            let peak = s
+                .peak
+                .map(|p| format!(", peak {p:.1} C"))
+                .unwrap_or_default();
+            let since = s
+                .since
+                .map(|at| format!(" for {}", duration(now - at)))
+                .unwrap_or_default();
+            format!("{} {}{since}{peak}", s.sensor, s.level)
+        })
+        .collect();
+    let mut text = if hot.is_empty() {
+        t.level.clone()
+    } else {
+        format!("{} ({})", t.level, hot.join("; "))
+    };
+    if let Some(a) = &t.action {
+        text.push_str(&format!("; {a}"));
+    }
+    text
 }
 
 /// What the power policy did: the method, the CPU's profile (or why none), the GPU level,
@@ -467,6 +501,7 @@ mod tests {
             },
             telemetry: None,
             power: None,
+            thermal: None,
         }
     }
 
@@ -602,7 +637,24 @@ hardware    - (no sample yet)
             soc_watts_before: Some(86.6),
             soc_watts_now: Some(69.6),
         });
+        s.thermal = Some(ThermalStatus {
+            level: "critical".into(),
+            sensors: vec![dsv4_client::SensorThermal {
+                sensor: "edge".into(),
+                level: "critical".into(),
+                since: Some(999_940.0),
+                peak: Some(96.5),
+            }],
+            throttling_since: None,
+            action: Some("notify only".into()),
+        });
         let table = status_table(&s, 1_000_000.0);
+        assert!(
+            table.contains(
+                "thermal        critical (edge critical for 1m, peak 96.5 C); notify only\n"
+            ),
+            "{table}"
+        );
         let power: Vec<&str> = table
             .lines()
             .skip_while(|l| !l.starts_with("power policy"))

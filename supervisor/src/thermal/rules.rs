@@ -1,0 +1,373 @@
+//! The thermal rules: from the monitor's samples to thermal events, each one transition.
+//!
+//! Owns: each sensor's level (normal, warn, critical) with hysteresis, the throttling state,
+//! and when a critical level was last announced. Must not: read anything, act, or announce
+//! the same level twice in a row: it turns samples into [`ThermalEvent`]s, and the daemon
+//! logs, signals and acts on them. Pure, so that it is table-tested.
+//!
+//! A level is reached when a sensor's temperature reaches its threshold (`thermal.warn`,
+//! `thermal.critical`), and it clears only once the temperature is below that threshold less
+//! `thermal.hysteresis`: noise around a threshold makes one event, not a stream of them.
+//! While critical, a reminder goes out every [`REMINDER`]. Throttling starts with the first
+//! sample that saw it, and ends after [`QUIET`] without any.
+
+use serde::{Deserialize, Serialize};
+
+/// How often a critical level is announced again while it holds.
+pub const REMINDER: f64 = 300.0;
+/// How long without throttling ends a throttling episode.
+pub const QUIET: f64 = 30.0;
+
+/// The sensors watched, as named in events and metrics.
+pub const SENSORS: [&str; 2] = ["edge", "tctl"];
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq, PartialOrd, Ord, Serialize, Deserialize, Default)]
+#[serde(rename_all = "lowercase")]
+pub enum Level {
+    #[default]
+    Normal,
+    Warn,
+    Critical,
+}
+
+impl Level {
+    pub fn as_str(self) -> &'static str {
+        match self {
+            Level::Normal => "normal",
+            Level::Warn => "warn",
+            Level::Critical => "critical",
+        }
+    }
+
+    pub fn number(self) -> u8 {
+        self as u8
+    }
+}
+
+/// The thresholds, from `thermal:`.
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub struct Thresholds {
+    pub warn: f64,
+    pub critical: f64,
+    pub hysteresis: f64,
+}
+
+/// What changed.
+#[derive(Debug, Clone, PartialEq)]
+pub enum ThermalEvent {
+    /// `sensor` went to `level` (up or down), at `celsius`.
+    Level {
+        sensor: &'static str,
+        level: Level,
+        from: Level,
+        celsius: f64,
+    },
+    /// Still critical: the reminder.
+    StillCritical { sensor: &'static str, celsius: f64 },
+    /// The hardware started throttling, for these reasons.
+    ThrottleStart { kinds: Vec<String> },
+    /// No throttling for [`QUIET`] seconds; `seconds`: how long the episode lasted.
+    ThrottleEnd { seconds: f64 },
+}
+
+/// One sensor's state.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Serialize, Deserialize)]
+pub struct SensorState {
+    pub level: Level,
+    /// Unix time (s) since when it is at this level.
+    pub since: Option<f64>,
+    /// The highest temperature at this level (or above normal) since it was reached.
+    pub peak: Option<f64>,
+    #[serde(skip)]
+    announced: f64,
+}
+
+#[derive(Debug, Clone, Default, PartialEq)]
+pub struct Thermal {
+    pub sensors: [SensorState; 2],
+    /// Throttling since (unix s), while an episode lasts.
+    pub throttling_since: Option<f64>,
+    last_throttled: f64,
+}
+
+impl Thermal {
+    /// The highest level of any sensor.
+    pub fn level(&self) -> Level {
+        self.sensors
+            .iter()
+            .map(|s| s.level)
+            .max()
+            .unwrap_or_default()
+    }
+
+    /// The sensor at the highest level and its peak, for messages.
+    pub fn hottest(&self) -> Option<(&'static str, f64)> {
+        SENSORS
+            .iter()
+            .zip(&self.sensors)
+            .filter(|(_, s)| s.level > Level::Normal)
+            .max_by(|a, b| a.1.level.cmp(&b.1.level))
+            .and_then(|(name, s)| Some((*name, s.peak?)))
+    }
+
+    /// The events of a sample taken at `at`: the sensors' temperatures (in [`SENSORS`]
+    /// order; `None`: not measured, which changes nothing), and whether it saw throttling.
+    pub fn step(
+        &mut self,
+        t: &Thresholds,
+        temps: [Option<f64>; 2],
+        throttled: Option<&[String]>,
+        at: f64,
+    ) -> Vec<ThermalEvent> {
+        let mut events = Vec::new();
+        for (i, celsius) in temps.into_iter().enumerate() {
+            let Some(c) = celsius.filter(|c| c.is_finite()) else {
+                continue;
+            };
+            let s = &mut self.sensors[i];
+            let sensor = SENSORS[i];
+            let level = next_level(s.level, c, t);
+            if level != s.level {
+                events.push(ThermalEvent::Level {
+                    sensor,
+                    level,
+                    from: s.level,
+                    celsius: c,
+                });
+                s.level = level;
+                s.since = Some(at);
+                s.peak = (level > Level::Normal).then_some(c);
+                s.announced = at;
+            } else {
+                if level > Level::Normal {
+                    s.peak = Some(s.peak.map_or(c, |p| p.max(c)));
+                }
+                if level == Level::Critical && at - s.announced >= REMINDER {
+                    s.announced = at;
+                    events.push(ThermalEvent::StillCritical { sensor, celsius: c });
+                }
+            }
+        }
+        match (throttled, self.throttling_since) {
+            (Some(kinds), None) => {
+                self.throttling_since = Some(at);
+                self.last_throttled = at;
+                events.push(ThermalEvent::ThrottleStart {
+                    kinds: kinds.to_vec(),
+                });
+            }
+            (Some(_), Some(_)) => self.last_throttled = at,
+            (None, Some(since)) if at - self.last_throttled >= QUIET => {
+                self.throttling_since = None;
+                events.push(ThermalEvent::ThrottleEnd {
+                    seconds: self.last_throttled - since,
+                });
+            }
+            _ => {}
+        }
+        events
+    }
+}
+
+/// A sensor's next level at `c`: up at a threshold, down only below it less the hysteresis.
+fn next_level(now: Level, c: f64, t: &Thresholds) -> Level {
+    let up = if c >= t.critical {
+        Level::Critical
+    } else if c >= t.warn {
+        Level::Warn
+    } else {
+        Level::Normal
+    };
+    if up >= now {
+        return up;
+    }
+    // Going down: each level holds until below its threshold less the hysteresis.
+    let holds = |threshold: f64| c >= threshold - t.hysteresis;
+    match now {
+        Level::Critical if holds(t.critical) => Level::Critical,
+        Level::Critical | Level::Warn if holds(t.warn) => Level::Warn,
+        _ => Level::Normal,
+    }
+}
+
+/// The event in words, with the temperature, for logs, signals and notifications.
+pub fn describe(e: &ThermalEvent, t: &Thresholds) -> String {
+    match e {
+        ThermalEvent::Level {
+            sensor,
+            level,
+            from,
+            celsius,
+        } => match (level, from) {
+            (Level::Critical, _) => format!(
+                "{sensor} temperature {celsius:.1} C: critical (at or above {:.0} C)",
+                t.critical
+            ),
+            (Level::Warn, Level::Normal) => format!(
+                "{sensor} temperature {celsius:.1} C: hot (at or above {:.0} C)",
+                t.warn
+            ),
+            (Level::Warn, _) => {
+                format!("{sensor} temperature {celsius:.1} C: down from critical, still hot")
+            }
+            (Level::Normal, _) => format!(
+                "{sensor} temperature {celsius:.1} C: back to normal (below {:.0} C)",
+                t.warn - t.hysteresis
+            ),
+        },
+        ThermalEvent::StillCritical { sensor, celsius } => {
+            format!("{sensor} temperature {celsius:.1} C: still critical")
+        }
+        ThermalEvent::ThrottleStart { kinds } => {
+            format!("the hardware is throttling ({})", kinds.join(", "))
+        }
+        ThermalEvent::ThrottleEnd { seconds } => {
+            format!("the hardware stopped throttling (it lasted {seconds:.0} s)")
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    const T: Thresholds = Thresholds {
+        warn: 85.0,
+        critical: 95.0,
+        hysteresis: 5.0,
+    };
+
+    /// Feeds the edge temperatures, one second apart; the levels announced.
+    fn edge(temps: &[f64]) -> Vec<(Level, f64)> {
+        let mut m = Thermal::default();
+        let mut out = Vec::new();
+        for (i, c) in temps.iter().enumerate() {
+            for e in m.step(&T, [Some(*c), None], None, i as f64) {
+                if let ThermalEvent::Level { level, celsius, .. } = e {
+                    out.push((level, celsius));
+                }
+            }
+        }
+        out
+    }
+
+    #[test]
+    fn levels_rise_at_thresholds_and_clear_below_them_less_the_hysteresis() {
+        use Level::*;
+        for (temps, want) in [
+            (&[70.0, 84.9, 85.0][..], vec![(Warn, 85.0)]),
+            // Noise around a threshold: one event.
+            (&[84.0, 85.1, 84.5, 85.3, 82.0, 86.0], vec![(Warn, 85.1)]),
+            // Clears only below 80.
+            (&[86.0, 80.0, 79.9], vec![(Warn, 86.0), (Normal, 79.9)]),
+            (
+                &[96.0, 94.0, 90.5, 89.9],
+                vec![(Critical, 96.0), (Warn, 89.9)],
+            ),
+            // Straight from critical to normal.
+            (&[96.0, 60.0], vec![(Critical, 96.0), (Normal, 60.0)]),
+            (&[70.0, 95.0, 99.0, 96.0], vec![(Critical, 95.0)]),
+        ] {
+            assert_eq!(edge(temps), want, "{temps:?}");
+        }
+    }
+
+    #[test]
+    fn a_critical_level_is_recalled_every_few_minutes_and_its_peak_kept() {
+        let mut m = Thermal::default();
+        let mut reminders = 0;
+        for i in 0..=700 {
+            let c = 95.0 + f64::from(i % 3);
+            for e in m.step(&T, [Some(c), None], None, f64::from(i)) {
+                if matches!(e, ThermalEvent::StillCritical { .. }) {
+                    reminders += 1;
+                }
+            }
+        }
+        // At 300 s and 600 s.
+        assert_eq!(reminders, 2);
+        assert_eq!(m.sensors[0].peak, Some(97.0));
+        assert_eq!(m.sensors[0].since, Some(0.0));
+        assert_eq!(m.hottest(), Some(("edge", 97.0)));
+    }
+
+    #[test]
+    fn several_sensors_each_have_their_level() {
+        let mut m = Thermal::default();
+        let e = m.step(&T, [Some(86.0), Some(96.0)], None, 0.0);
+        assert_eq!(e.len(), 2);
+        assert_eq!(m.level(), Level::Critical);
+        assert_eq!(m.hottest(), Some(("tctl", 96.0)));
+        // An unmeasured sensor changes nothing.
+        assert!(m.step(&T, [None, None], None, 1.0).is_empty());
+        let e = m.step(&T, [Some(86.0), Some(70.0)], None, 2.0);
+        assert_eq!(
+            e,
+            [ThermalEvent::Level {
+                sensor: "tctl",
+                level: Level::Normal,
+                from: Level::Critical,
+                celsius: 70.0
+            }]
+        );
+        assert_eq!(m.level(), Level::Warn);
+    }
+
+    #[test]
+    fn throttling_starts_at_once_and_ends_after_a_quiet_interval() {
+        let mut m = Thermal::default();
+        let thermal = vec!["thermal".to_string()];
+        let mut log = Vec::new();
+        for (at, throttled) in [
+            (0.0, false),
+            (1.0, true),
+            (2.0, true),
+            (3.0, false),
+            (20.0, true),
+            (49.0, false),
+            (51.0, false),
+        ] {
+            let kinds = throttled.then_some(thermal.as_slice());
+            for e in m.step(&T, [None, None], kinds, at) {
+                log.push((at, e));
+            }
+        }
+        assert_eq!(
+            log,
+            [
+                (
+                    1.0,
+                    ThermalEvent::ThrottleStart {
+                        kinds: thermal.clone()
+                    }
+                ),
+                // Quiet from 20 s on; ended once 30 s passed.
+                (51.0, ThermalEvent::ThrottleEnd { seconds: 19.0 }),
+            ]
+        );
+    }
+
+    #[test]
+    fn events_say_the_temperature() {
+        let e = ThermalEvent::Level {
+            sensor: "edge",
+            level: Level::Critical,
+            from: Level::Warn,
+            celsius: 96.25,
+        };
+        assert_eq!(
+            describe(&e, &T),
+            "edge temperature 96.2 C: critical (at or above 95 C)"
+        );
+        let e = ThermalEvent::Level {
+            sensor: "edge",
+            level: Level::Normal,
+            from: Level::Warn,
+            celsius: 78.0,
+        };
+        assert_eq!(
+            describe(&e, &T),
+            "edge temperature 78.0 C: back to normal (below 80 C)"
+        );
+    }
+}
