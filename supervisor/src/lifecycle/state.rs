@@ -444,16 +444,8 @@ impl Machine {
             }
             Phase::Ready { gen, profile, .. } => {
                 let (gen, profile) = (*gen, profile.clone());
-                if self.leases == 0 {
-                    self.signal_stop(gen, profile, Then::Idle, now, fx);
-                } else {
-                    self.phase = Phase::Draining {
-                        gen,
-                        profile,
-                        then: Then::Idle,
-                        deadline: drain.map(|d| now + d),
-                    };
-                }
+                let deadline = drain.map(|d| now + d);
+                self.stop_or_drain(gen, profile, Then::Idle, deadline, now, fx);
             }
             Phase::Draining { deadline, .. } => {
                 if let Some(d) = drain {
@@ -808,16 +800,8 @@ impl Machine {
             }
             Phase::Ready { gen, profile, .. } => {
                 let (gen, profile) = (*gen, profile.clone());
-                if self.leases == 0 {
-                    self.signal_stop(gen, profile, Then::Exit, now, fx);
-                } else {
-                    self.phase = Phase::Draining {
-                        gen,
-                        profile,
-                        then: Then::Exit,
-                        deadline: Some(now + self.limits.stop_timeout),
-                    };
-                }
+                let deadline = Some(now + self.limits.stop_timeout);
+                self.stop_or_drain(gen, profile, Then::Exit, deadline, now, fx);
             }
             Phase::Draining { then, deadline, .. } => {
                 *then = Then::Exit;
@@ -858,6 +842,29 @@ impl Machine {
             deadline: now + self.limits.start_timeout,
         };
         fx.push(Effect::Spawn { gen, profile });
+    }
+
+    /// A ready engine stops now when no lease is held, else drains first (until `deadline`,
+    /// when there is one).
+    fn stop_or_drain(
+        &mut self,
+        gen: Gen,
+        profile: String,
+        then: Then,
+        deadline: Option<Instant>,
+        now: Instant,
+        fx: &mut Vec<Effect>,
+    ) {
+        if self.leases == 0 {
+            self.signal_stop(gen, profile, then, now, fx);
+        } else {
+            self.phase = Phase::Draining {
+                gen,
+                profile,
+                then,
+                deadline,
+            };
+        }
     }
 
     fn signal_stop(
