@@ -16,6 +16,7 @@ mod ds4;
 mod engine_connections;
 mod engine_key;
 mod lifecycle;
+mod notify;
 mod power;
 mod real_engine;
 mod reload;

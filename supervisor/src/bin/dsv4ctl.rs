@@ -12,6 +12,8 @@
 mod bus;
 #[path = "dsv4ctl/error.rs"]
 mod error;
+#[path = "dsv4ctl/notify.rs"]
+mod notify;
 #[path = "dsv4ctl/render.rs"]
 mod render;
 #[path = "dsv4ctl/top.rs"]
@@ -131,6 +133,19 @@ enum Command {
     /// Ctrl-C quits. When standard output is not a terminal, prints a line per sample
     /// instead, until interrupted.
     Top,
+    /// Turn the daemon's thermal events and alerts into desktop notifications
+    ///
+    /// Listens on the daemon's bus (--bus; the system bus by default) to ThermalEvent and
+    /// Alert, and with --states to StateChanged (engine ready after a cold start, stopped),
+    /// and shows each as a notification on the session bus (org.freedesktop.Notifications):
+    /// critical temperatures with critical urgency, a follow-up replacing the earlier
+    /// bubble. Runs until stopped; the daemon may start, stop and restart meanwhile. Meant
+    /// for the user unit: systemctl --user enable --now dsv4-notify
+    NotifyAgent {
+        /// Also notify when the engine is ready after a cold start, and when it stops
+        #[arg(long)]
+        states: bool,
+    },
     /// Check a configuration
     ///
     /// Reads supervisor.yaml and its profiles the way dsv4d does and prints every problem
@@ -185,6 +200,10 @@ async fn run(cli: Cli) -> Result<(), Failure> {
         return config_check(file);
     }
     let bus = resolve_bus(cli.bus, std::env::var("DSV4_BUS").ok().as_deref())?;
+    if let Command::NotifyAgent { states } = cli.command {
+        // It waits for the daemon rather than requiring it.
+        return notify::run(bus, states).await;
+    }
     let daemon = Daemon::connect(bus).await?;
     match cli.command {
         Command::Status => status(&daemon, json).await,
@@ -195,7 +214,9 @@ async fn run(cli: Cli) -> Result<(), Failure> {
         Command::Profiles => profiles(&daemon, json).await,
         Command::Logs { follow, lines } => logs(&daemon, json, follow, lines).await,
         Command::Top => top::run(&daemon).await,
-        Command::Completions { .. } | Command::Config { .. } => unreachable!("handled above"),
+        Command::Completions { .. } | Command::Config { .. } | Command::NotifyAgent { .. } => {
+            unreachable!("handled above")
+        }
     }
 }
 

@@ -92,7 +92,7 @@ fn signal(e: &ThermalEvent, t: &Thresholds) -> Signal {
 /// What `on_critical` does, in words, for the status and the messages.
 fn action(on: OnCritical) -> &'static str {
     match on {
-        OnCritical::Notify => "notify only",
+        OnCritical::Notify => "only notifies (thermal.on_critical: notify)",
         OnCritical::StopWhenIdle => {
             "new requests refused, the engine stopped once no request is in flight"
         }

@@ -167,6 +167,9 @@ pub struct Setup {
     pub api_keys: Option<(String, u32)>,
     /// Serve the control interface on this (private) session bus; `--bus none` without.
     pub session_bus: Option<String>,
+    /// Serve it on this private bus as the system bus (`--bus system`,
+    /// `DBUS_SYSTEM_BUS_ADDRESS`), as the system service does.
+    pub system_bus: Option<String>,
     pub listen: Listen,
     /// More `dsv4d` arguments.
     pub daemon_args: Vec<String>,
@@ -206,6 +209,7 @@ impl Default for Setup {
             custom_profiles: BTreeMap::new(),
             api_keys: None,
             session_bus: None,
+            system_bus: None,
             listen: Listen::Activated,
             daemon_args: Vec::new(),
             daemon_env: Vec::new(),
@@ -269,6 +273,12 @@ impl Setup {
     /// The control interface on `bus`.
     pub fn session_bus(mut self, bus: &PrivateBus) -> Self {
         self.session_bus = Some(bus.address.clone());
+        self
+    }
+
+    /// The control interface on `bus`, used as the system bus.
+    pub fn system_bus(mut self, bus: &PrivateBus) -> Self {
+        self.system_bus = Some(bus.address.clone());
         self
     }
 
@@ -477,9 +487,10 @@ impl Daemon {
             .clone()
             .unwrap_or_else(|| std::env::var("DSV4_LOG").unwrap_or_else(|_| "debug".into()));
         cmd.args(["--config", config.to_str().unwrap()])
-            .args(match &setup.session_bus {
-                Some(_) => ["--bus", "session"],
-                None => ["--bus", "none"],
+            .args(match (&setup.session_bus, &setup.system_bus) {
+                (Some(_), _) => ["--bus", "session"],
+                (None, Some(_)) => ["--bus", "system"],
+                (None, None) => ["--bus", "none"],
             })
             .args(&setup.daemon_args)
             .envs(setup.daemon_env.iter().map(|(k, v)| (k, v)))
@@ -489,6 +500,9 @@ impl Daemon {
             .stderr(Stdio::piped());
         if let Some(addr) = &setup.session_bus {
             cmd.env("DBUS_SESSION_BUS_ADDRESS", addr);
+        }
+        if let Some(addr) = &setup.system_bus {
+            cmd.env("DBUS_SYSTEM_BUS_ADDRESS", addr);
         }
         if let Some((soft, hard)) = setup.nofile {
             let limit = libc::rlimit {

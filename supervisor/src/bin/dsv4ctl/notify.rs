@@ -1,0 +1,316 @@
+//! `dsv4ctl notify-agent`: desktop notifications for a user, from the daemon's signals.
+//!
+//! Owns: a connection to the daemon's bus (the system bus, for the system service) on which
+//! it listens to `ThermalEvent`, `Alert` and (with `--states`) `StateChanged`, and one to the
+//! user's session bus, on which it calls `org.freedesktop.Notifications.Notify`. A system
+//! service cannot reach a desktop's session bus; this small per-user process, run by the
+//! user unit `dsv4-notify.service`, carries the signals over. Must not: act on the daemon,
+//! or stop over a missing daemon or notification server: the signals are matched by the
+//! daemon's well-known name, so a daemon that starts later, or restarts, is heard as soon as
+//! it is back; a notification server that is not there is logged and asked again at the
+//! next event.
+
+use std::collections::HashMap;
+
+use dsv4_client::{AlertKind, Bus, State};
+use futures_util::StreamExt;
+use zbus::zvariant::Value;
+
+use crate::error::Failure;
+
+/// The app name notifications carry.
+const APP: &str = "dsv4";
+
+/// One notification to send.
+#[derive(Debug, Clone, PartialEq)]
+pub struct Note {
+    /// What it replaces if shown already (`thermal`, an alert kind, `state`).
+    pub topic: String,
+    pub summary: String,
+    pub body: String,
+    pub icon: &'static str,
+    /// 0 low, 1 normal, 2 critical.
+    pub urgency: u8,
+}
+
+/// Which part of the machine a sensor is.
+fn part(sensor: &str) -> &'static str {
+    match sensor {
+        "tctl" => "CPU",
+        _ => "GPU",
+    }
+}
+
+/// The notification for a `ThermalEvent`; `action`: what dsv4d does about it, when known.
+pub fn thermal(
+    level: &str,
+    sensor: &str,
+    celsius: f64,
+    message: &str,
+    action: Option<&str>,
+) -> Note {
+    let what = part(sensor);
+    let (summary, icon, urgency) = match level {
+        "warn" => (format!("{what} hot: {celsius:.0} C"), "dialog-warning", 1),
+        "critical" => (
+            format!("{what} critically hot: {celsius:.0} C"),
+            "dialog-error",
+            2,
+        ),
+        "normal" => (
+            format!("{what} temperature back to normal: {celsius:.0} C"),
+            "dialog-information",
+            0,
+        ),
+        "throttling" => (
+            "the hardware is throttling".to_string(),
+            "dialog-warning",
+            1,
+        ),
+        "throttling-ended" => (
+            "the hardware stopped throttling".to_string(),
+            "dialog-information",
+            0,
+        ),
+        other => (format!("thermal event: {other}"), "dialog-information", 1),
+    };
+    let mut body = capitalized(message);
+    if !body.ends_with('.') {
+        body.push('.');
+    }
+    if let Some(a) = action {
+        body.push_str(&format!(" dsv4d: {a}."));
+    }
+    Note {
+        topic: "thermal".into(),
+        summary: format!("dsv4: {summary}"),
+        body,
+        icon,
+        urgency,
+    }
+}
+
+fn capitalized(s: &str) -> String {
+    let mut c = s.chars();
+    match c.next() {
+        Some(f) => f.to_uppercase().chain(c).collect(),
+        None => String::new(),
+    }
+}
+
+/// The notification for an `Alert`.
+pub fn alert(kind: AlertKind, message: &str) -> Note {
+    let summary = match kind {
+        AlertKind::Config => "the configuration was not applied",
+        AlertKind::Engine => "the engine crashed",
+        AlertKind::Memory => "memory",
+        AlertKind::Power => "power settings",
+        AlertKind::Other => "alert",
+    };
+    Note {
+        topic: kind.as_str().into(),
+        summary: format!("dsv4: {summary}"),
+        body: capitalized(message),
+        icon: "dialog-warning",
+        urgency: 1,
+    }
+}
+
+/// The notification for a state change worth one (`--states`): ready, stopped.
+pub fn state(state: State, profile: &str) -> Option<Note> {
+    let summary = match state {
+        State::Ready => format!("engine ready ({profile})"),
+        State::Stopped => "engine stopped".to_string(),
+        _ => return None,
+    };
+    Some(Note {
+        topic: "state".into(),
+        summary: format!("dsv4: {summary}"),
+        body: String::new(),
+        icon: "dialog-information",
+        urgency: 0,
+    })
+}
+
+/// The session bus and the ids of the bubbles shown, by topic.
+#[derive(Default)]
+struct Desktop {
+    session: Option<zbus::Connection>,
+    shown: HashMap<String, u32>,
+}
+
+impl Desktop {
+    async fn notify(&mut self, note: Note) {
+        if self.session.is_none() {
+            match zbus::Connection::session().await {
+                Ok(c) => self.session = Some(c),
+                Err(e) => {
+                    eprintln!(
+                        "dsv4ctl: notify-agent: no session bus ({e}); {}",
+                        note.summary
+                    );
+                    return;
+                }
+            }
+        }
+        let Some(conn) = self.session.clone() else {
+            return;
+        };
+        let replaces = self.shown.get(&note.topic).copied().unwrap_or(0);
+        let mut hints: HashMap<&str, Value> = HashMap::new();
+        hints.insert("urgency", Value::U8(note.urgency));
+        let body = (
+            APP,
+            replaces,
+            note.icon,
+            note.summary.as_str(),
+            note.body.as_str(),
+            Vec::<&str>::new(),
+            hints,
+            -1i32,
+        );
+        let reply = conn
+            .call_method(
+                Some("org.freedesktop.Notifications"),
+                "/org/freedesktop/Notifications",
+                Some("org.freedesktop.Notifications"),
+                "Notify",
+                &body,
+            )
+            .await;
+        match reply.and_then(|r| r.body().deserialize::<u32>()) {
+            Ok(id) => {
+                self.shown.insert(note.topic, id);
+            }
+            Err(e) => {
+                // No notification server now (or the session went away): said, and the
+                // next event asks again.
+                eprintln!(
+                    "dsv4ctl: notify-agent: cannot show {:?}: {e}; will try again at the next event",
+                    note.summary
+                );
+                if matches!(e, zbus::Error::InputOutput(_)) {
+                    self.session = None;
+                }
+            }
+        }
+    }
+}
+
+pub async fn run(bus: Bus, states: bool) -> Result<(), Failure> {
+    let builder = match bus {
+        Bus::System => zbus::connection::Builder::system(),
+        Bus::Session => zbus::connection::Builder::session(),
+    };
+    let conn = builder
+        .map_err(|e| Failure::Unreachable(format!("cannot connect to the {bus} bus: {e}")))?
+        .build()
+        .await
+        .map_err(|e| Failure::Unreachable(format!("cannot connect to the {bus} bus: {e}")))?;
+    let proxy = dsv4_client::Supervisor1Proxy::builder(&conn)
+        .cache_properties(zbus::proxy::CacheProperties::No)
+        .build()
+        .await
+        .map_err(|e| Failure::Failed(format!("the proxy: {e}")))?;
+    let subscribe = |what: &str, e: zbus::Error| {
+        Failure::Failed(format!("cannot subscribe to {what} on the {bus} bus: {e}"))
+    };
+    let mut thermal_events = proxy
+        .receive_thermal_event()
+        .await
+        .map_err(|e| subscribe("ThermalEvent", e))?;
+    let mut alerts = proxy
+        .receive_alert()
+        .await
+        .map_err(|e| subscribe("Alert", e))?;
+    let mut changes = proxy
+        .receive_lifecycle_changed()
+        .await
+        .map_err(|e| subscribe("StateChanged", e))?;
+    eprintln!(
+        "dsv4ctl: notify-agent: listening to dsv4d on the {bus} bus{}",
+        if states { " (with engine states)" } else { "" }
+    );
+    let mut desktop = Desktop::default();
+    // Only a cold start's `ready` is news, not every return to it.
+    let mut last_state: Option<State> = None;
+    loop {
+        let note = tokio::select! {
+            Some(e) = thermal_events.next() => {
+                let Ok(a) = e.args() else { continue };
+                // What dsv4d does about it, from its status (absent from an older daemon).
+                let action = match a.level {
+                    "critical" => proxy
+                        .status()
+                        .await
+                        .ok()
+                        .and_then(|s| serde_json::from_str::<dsv4_client::Status>(&s).ok())
+                        .and_then(|s| s.thermal?.action),
+                    _ => None,
+                };
+                Some(thermal(a.level, a.sensor, a.celsius, a.message, action.as_deref()))
+            }
+            Some(a) = alerts.next() => {
+                let Ok(a) = a.args() else { continue };
+                Some(alert(a.kind, a.message))
+            }
+            Some(c) = changes.next() => {
+                let Ok(a) = c.args() else { continue };
+                let s = a.state;
+                let was = last_state.replace(s);
+                match (states, s, was) {
+                    (true, State::Ready, Some(State::Starting)) | (true, State::Stopped, Some(State::Stopping)) => {
+                        state(s, a.profile)
+                    }
+                    _ => None,
+                }
+            }
+            else => return Ok(()),
+        };
+        if let Some(n) = note {
+            desktop.notify(n).await;
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn thermal_notes_say_the_temperature_and_escalate() {
+        let n = thermal(
+            "warn",
+            "edge",
+            86.4,
+            "edge temperature 86.4 C: hot (at or above 85 C)",
+            None,
+        );
+        assert_eq!(n.summary, "dsv4: GPU hot: 86 C");
+        assert_eq!(n.body, "Edge temperature 86.4 C: hot (at or above 85 C).");
+        assert_eq!(
+            (n.urgency, n.icon, n.topic.as_str()),
+            (1, "dialog-warning", "thermal")
+        );
+        let n = thermal(
+            "critical",
+            "tctl",
+            96.0,
+            "tctl temperature 96.0 C: critical",
+            Some("requests refused"),
+        );
+        assert_eq!(n.summary, "dsv4: CPU critically hot: 96 C");
+        assert!(n.body.ends_with(" dsv4d: requests refused."), "{}", n.body);
+        assert_eq!(n.urgency, 2);
+        assert_eq!(thermal("normal", "edge", 78.0, "m", None).urgency, 0);
+        assert_eq!(
+            alert(AlertKind::Memory, "not enough memory").summary,
+            "dsv4: memory"
+        );
+        assert!(state(State::Draining, "320k").is_none());
+        assert_eq!(
+            state(State::Ready, "320k").unwrap().summary,
+            "dsv4: engine ready (320k)"
+        );
+    }
+}

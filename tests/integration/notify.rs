@@ -1,0 +1,271 @@
+//! `dsv4ctl notify-agent` with a real notification server: dunst under Xvfb on a private
+//! session bus, printing every notification it gets (`dunst -print`); the daemon on another
+//! private bus, used as the system bus, as the system service is.
+
+use std::io::{BufRead, BufReader};
+use std::process::{Child, Command, Stdio};
+use std::sync::{Arc, Mutex};
+use std::time::{Duration, Instant};
+
+use crate::support::*;
+
+const SEC: Duration = Duration::from_secs(1);
+const DSV4CTL: &str = env!("CARGO_BIN_EXE_dsv4ctl-under-test");
+const DEVICE: &str = "sys/devices/pci0000:00/0000:00:08.1/0000:c5:00.0";
+
+/// One notification as dunst printed it.
+#[derive(Debug, Clone, Default)]
+struct Shown {
+    appname: String,
+    summary: String,
+    body: String,
+    urgency: String,
+    id: String,
+}
+
+/// Lines collected from a child's output.
+type Lines = Arc<Mutex<Vec<String>>>;
+
+fn collect(out: impl std::io::Read + Send + 'static) -> Lines {
+    let lines: Lines = Arc::default();
+    let sink = lines.clone();
+    std::thread::spawn(move || {
+        for line in BufReader::new(out).lines().map_while(Result::ok) {
+            sink.lock().unwrap().push(line);
+        }
+    });
+    lines
+}
+
+/// Xvfb and dunst on a session bus of their own; killed on drop.
+struct Desktop {
+    bus: PrivateBus,
+    children: Vec<Child>,
+    printed: Lines,
+}
+
+impl Desktop {
+    fn start() -> Desktop {
+        let bus = PrivateBus::start();
+        let display = format!(":{}", 90 + std::process::id() % 9);
+        let mut xvfb = Command::new("Xvfb")
+            .args([&display, "-screen", "0", "800x600x24", "-nolisten", "tcp"])
+            .stdout(Stdio::null())
+            .stderr(Stdio::null())
+            .spawn()
+            .expect("Xvfb (apt-get install xvfb)");
+        let socket = format!("/tmp/.X11-unix/X{}", &display[1..]);
+        let t = Instant::now();
+        while !std::path::Path::new(&socket).exists() {
+            if t.elapsed() > 10 * SEC {
+                let _ = xvfb.kill();
+                panic!("Xvfb did not start on {display}");
+            }
+            std::thread::sleep(Duration::from_millis(20));
+        }
+        let mut dunst = Command::new("dunst")
+            .arg("-print")
+            .env("DISPLAY", &display)
+            .env("DBUS_SESSION_BUS_ADDRESS", &bus.address)
+            .stdout(Stdio::piped())
+            .stderr(Stdio::null())
+            .spawn()
+            .expect("dunst (apt-get install dunst)");
+        let printed = collect(dunst.stdout.take().unwrap());
+        Desktop {
+            bus,
+            children: vec![dunst, xvfb],
+            printed,
+        }
+    }
+
+    /// The notifications printed so far.
+    fn shown(&self) -> Vec<Shown> {
+        let mut all = Vec::new();
+        let mut cur: Option<Shown> = None;
+        for l in self.printed.lock().unwrap().iter() {
+            let l = l.trim();
+            if l == "{" {
+                cur = Some(Shown::default());
+            } else if l == "}" {
+                all.extend(cur.take());
+            } else if let (Some(c), Some((k, v))) = (cur.as_mut(), l.split_once(": ")) {
+                let v = v.trim_matches('\'').to_string();
+                match k {
+                    "appname" => c.appname = v,
+                    "summary" => c.summary = v,
+                    "body" => c.body = v,
+                    "urgency" => c.urgency = v,
+                    "id" => c.id = v,
+                    _ => {}
+                }
+            }
+        }
+        all
+    }
+
+    /// Waits for the notification number `n` (from 0) and returns it.
+    fn wait(&self, n: usize, within: Duration) -> Shown {
+        let t = Instant::now();
+        loop {
+            let all = self.shown();
+            if let Some(s) = all.get(n) {
+                return s.clone();
+            }
+            assert!(
+                t.elapsed() < within,
+                "no notification #{n}; shown: {all:#?}"
+            );
+            std::thread::sleep(Duration::from_millis(20));
+        }
+    }
+}
+
+impl Drop for Desktop {
+    fn drop(&mut self) {
+        for c in &mut self.children {
+            let _ = c.kill();
+            let _ = c.wait();
+        }
+    }
+}
+
+/// `dsv4ctl --bus system notify-agent` between the daemon's bus and a desktop's.
+struct Agent {
+    child: Child,
+    log: Lines,
+}
+
+impl Agent {
+    fn start(system: &PrivateBus, session: &str) -> Agent {
+        let mut child = Command::new(DSV4CTL)
+            .args(["--bus", "system", "notify-agent"])
+            .env("DBUS_SYSTEM_BUS_ADDRESS", &system.address)
+            .env("DBUS_SESSION_BUS_ADDRESS", session)
+            .stdout(Stdio::null())
+            .stderr(Stdio::piped())
+            .spawn()
+            .unwrap();
+        let log = collect(child.stderr.take().unwrap());
+        let agent = Agent { child, log };
+        agent.wait_log("listening to dsv4d", 5 * SEC);
+        agent
+    }
+
+    fn wait_log(&self, needle: &str, within: Duration) {
+        let t = Instant::now();
+        while !self.log.lock().unwrap().iter().any(|l| l.contains(needle)) {
+            assert!(
+                t.elapsed() < within,
+                "the agent never said {needle:?}: {:?}",
+                self.log
+            );
+            std::thread::sleep(Duration::from_millis(20));
+        }
+    }
+}
+
+impl Drop for Agent {
+    fn drop(&mut self) {
+        let _ = self.child.kill();
+        let _ = self.child.wait();
+    }
+}
+
+fn daemon(system: &PrivateBus, tree: &TempDir) -> Daemon {
+    Daemon::start(
+        &Setup::default()
+            .system_bus(system)
+            .args(&["--sysroot", tree.path().to_str().unwrap()])
+            .top_level("monitor", "{ interval: 100ms, idle_interval: 100ms }"),
+    )
+}
+
+fn edge(tree: &TempDir, celsius: f64) {
+    let file = tree.path().join(DEVICE).join("hwmon/hwmon3/temp1_input");
+    std::fs::write(file, format!("{}\n", (celsius * 1000.0) as i64)).unwrap();
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn thermal_events_become_desktop_notifications_and_survive_a_daemon_restart() {
+    let desktop = Desktop::start();
+    let system = PrivateBus::start();
+    // The agent first: it waits for the daemon.
+    let _agent = Agent::start(&system, &desktop.bus.address);
+    let tree = fixture_copy("strix-halo");
+    let d = daemon(&system, &tree);
+    // Let the daemon take its name and take a first sample at the fixture's 73 C.
+    tokio::time::sleep(Duration::from_millis(500)).await;
+
+    edge(&tree, 86.0);
+    let warn = desktop.wait(0, 5 * SEC);
+    assert_eq!(warn.appname, "dsv4");
+    assert_eq!(warn.summary, "dsv4: GPU hot: 86 C");
+    assert!(warn.body.contains("86.0 C"), "{warn:?}");
+    assert_eq!(warn.urgency, "NORMAL");
+    // Exactly one for the warn level.
+    std::thread::sleep(Duration::from_millis(500));
+    assert_eq!(desktop.shown().len(), 1, "{:#?}", desktop.shown());
+
+    edge(&tree, 96.0);
+    let critical = desktop.wait(1, 5 * SEC);
+    assert_eq!(critical.summary, "dsv4: GPU critically hot: 96 C");
+    assert_eq!(critical.urgency, "CRITICAL");
+    assert_eq!(
+        critical.id, warn.id,
+        "it did not replace the earlier bubble"
+    );
+    assert!(
+        critical
+            .body
+            .ends_with("dsv4d: only notifies (thermal.on_critical: notify)."),
+        "{critical:?}"
+    );
+
+    edge(&tree, 79.0);
+    let normal = desktop.wait(2, 5 * SEC);
+    assert_eq!(normal.summary, "dsv4: GPU temperature back to normal: 79 C");
+
+    let metrics = tree.path().join(DEVICE).join("gpu_metrics");
+    let mut blob = std::fs::read(&metrics).unwrap();
+    blob[248..252].copy_from_slice(&9u32.to_le_bytes());
+    std::fs::write(&metrics, &blob).unwrap();
+    let throttling = desktop.wait(3, 5 * SEC);
+    assert_eq!(throttling.summary, "dsv4: the hardware is throttling");
+
+    // The daemon restarts under the agent: its events still arrive.
+    let _ = d.stop().await;
+    let d = daemon(&system, &tree);
+    tokio::time::sleep(Duration::from_millis(500)).await;
+    edge(&tree, 87.0);
+    let t = Instant::now();
+    while !desktop
+        .shown()
+        .iter()
+        .any(|s| s.summary == "dsv4: GPU hot: 87 C")
+    {
+        assert!(
+            t.elapsed() < 5 * SEC,
+            "nothing after the restart: {:#?}\n{}",
+            desktop.shown(),
+            d.log()
+        );
+        std::thread::sleep(Duration::from_millis(20));
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn without_a_notification_server_the_agent_says_so_and_keeps_running() {
+    let system = PrivateBus::start();
+    let empty_session = PrivateBus::start();
+    let mut agent = Agent::start(&system, &empty_session.address);
+    let tree = fixture_copy("strix-halo");
+    let _d = daemon(&system, &tree);
+    tokio::time::sleep(Duration::from_millis(500)).await;
+    edge(&tree, 90.0);
+    agent.wait_log("cannot show \"dsv4: GPU hot: 90 C\"", 5 * SEC);
+    assert!(
+        agent.child.try_wait().unwrap().is_none(),
+        "the agent exited"
+    );
+}
