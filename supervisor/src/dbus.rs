@@ -139,6 +139,8 @@ pub struct Parts {
     pub telemetry: Telemetry,
     pub power: Power,
     pub thermal: Thermal,
+    /// Touched by every method call (`exit_when_idle`).
+    pub activity: crate::idle_exit::Activity,
     pub group: ControlGroup,
     /// Alerts to raise as `Alert(kind, message)` signals.
     pub alerts: broadcast::Receiver<Alert>,
@@ -367,6 +369,7 @@ pub async fn serve(bus: Bus, parts: Parts) -> anyhow::Result<Connection> {
         telemetry,
         power,
         thermal,
+        activity,
         group,
         alerts,
     } = parts;
@@ -397,6 +400,16 @@ pub async fn serve(bus: Bus, parts: Parts) -> anyhow::Result<Connection> {
         )
     })?;
     tracing::info!("control interface on the {} bus as {BUS_NAME}", bus);
+    // Every method call counts as activity: a daemon that is being talked to does not exit.
+    let calls = zbus::MessageStream::from(&conn);
+    tokio::spawn(async move {
+        let mut calls = calls;
+        while let Some(Ok(m)) = futures_util::StreamExt::next(&mut calls).await {
+            if m.message_type() == zbus::message::Type::MethodCall {
+                activity.touch();
+            }
+        }
+    });
     tokio::spawn(announce_changes(
         conn.clone(),
         lifecycle,

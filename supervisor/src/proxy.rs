@@ -40,6 +40,7 @@ use crate::config::Config;
 use crate::connections::{self, Connections};
 use crate::front;
 use crate::http_error::{with_tail, ApiError};
+use crate::idle_exit::Activity;
 use crate::intake::{self, IntakeError};
 use crate::lifecycle::{Handle, Lease, ERROR_TAIL_LINES};
 use crate::monitor::Telemetry;
@@ -65,6 +66,10 @@ pub struct Ctx {
     pub api_keys: KeyCache,
     /// The request bodies held at once (`api.max_buffered`).
     pub bodies: Arc<intake::Budget>,
+    /// The open client connections.
+    pub connections: Connections,
+    /// When a connection or request last came in (`exit_when_idle`).
+    pub activity: Activity,
 }
 
 /// The response body: a small body of our own, or the engine's, streamed with its lease.
@@ -242,7 +247,7 @@ pub async fn serve(
     http.timer(TokioTimer::new())
         .keep_alive(true)
         .header_read_timeout(connections::HEADER_TIMEOUT);
-    let connections = Connections::default();
+    let connections = ctx.connections.clone();
     // The open-file limit was raised (or not) before the runtime started.
     let fd_cap = connections::fd_cap();
     tokio::pin!(shutdown);
@@ -259,6 +264,7 @@ pub async fn serve(
                 }
             },
         };
+        ctx.activity.touch();
         let (max_connections, max_body) = {
             let api = &ctx.config.borrow().supervisor.api;
             (api.max_connections, api.max_body)
@@ -302,6 +308,7 @@ const ALLOWED_METHODS: [Method; 7] = [
 const ALLOW: &str = "GET, HEAD, POST, PUT, PATCH, DELETE, OPTIONS";
 
 async fn handle(ctx: &Ctx, req: Request<Incoming>) -> Response<ProxyBody> {
+    ctx.activity.touch();
     let config = ctx.config.borrow().clone();
     // Browsers first, on every path: a request for a host that is not ours (DNS rebinding)
     // or from a web page not listed gets no further, and a preflight is answered here.

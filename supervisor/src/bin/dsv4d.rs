@@ -255,6 +255,8 @@ async fn run(args: Args, activated: Vec<(std::os::fd::OwnedFd, String)>) -> Resu
     });
     tracing::info!(profile, "ready; the engine starts on the first request");
     let stats = Stats::default();
+    let activity = dsv4::idle_exit::Activity::default();
+    let connections = dsv4::connections::Connections::default();
     // Kept for the daemon's life: dropping it leaves the bus.
     let _control = match args.bus.0 {
         Some(bus) => {
@@ -266,6 +268,7 @@ async fn run(args: Args, activated: Vec<(std::os::fd::OwnedFd, String)>) -> Resu
                 telemetry: telemetry.clone(),
                 power: power.clone(),
                 thermal: thermal.clone(),
+                activity: activity.clone(),
                 group,
                 alerts: alerts.subscribe(),
             };
@@ -291,22 +294,58 @@ async fn run(args: Args, activated: Vec<(std::os::fd::OwnedFd, String)>) -> Resu
         thermal,
         api_keys: Default::default(),
         bodies: Default::default(),
+        connections: connections.clone(),
+        activity: activity.clone(),
     });
 
+    let lifecycle_status = lifecycle.watch_status();
     let mut term = signal(SignalKind::terminate()).context("installing the SIGTERM handler")?;
     let mut int = signal(SignalKind::interrupt()).context("installing the SIGINT handler")?;
+    // Under socket activation, an idle daemon may go: systemd keeps the socket and starts
+    // it again at the next connection. Without, nobody would.
+    let idle_after = config.supervisor.exit_when_idle;
+    let activated = matches!(origin, Origin::Activated { .. });
+    if idle_after.is_some() && !activated {
+        tracing::info!("exit_when_idle applies only under socket activation: not used");
+    }
+    let idle = async move {
+        match idle_after.filter(|_| activated) {
+            Some(after) => {
+                dsv4::idle_exit::due(after, lifecycle_status, activity, connections).await;
+                after
+            }
+            None => std::future::pending().await,
+        }
+    };
     let shutdown = async move {
         tokio::select! {
             _ = term.recv() => tracing::info!("SIGTERM: draining and stopping"),
             _ = int.recv() => tracing::info!("SIGINT: draining and stopping"),
+            after = idle => tracing::info!(
+                "no engine and no client for {}: exiting (systemd starts dsv4d again at the \
+                 next connection)",
+                dsv4::config::format_duration(after)
+            ),
         }
     };
-    let _ = sd_notify::notify(&[
-        sd_notify::NotifyState::Ready,
-        sd_notify::NotifyState::Status("engine stopped"),
-    ]);
+    if std::env::var("DSV4_TEST_FAULTS").is_ok_and(|f| f.contains("stall-actor-on-sigusr2")) {
+        // A test's fault switch: SIGUSR2 hangs the lifecycle actor, so that the watchdog's
+        // part can be seen. Nothing else turns it on.
+        let mut usr2 = signal(SignalKind::user_defined2()).context("installing SIGUSR2")?;
+        let handle = lifecycle.clone();
+        tokio::spawn(async move {
+            if usr2.recv().await.is_some() {
+                handle.stall().await;
+            }
+        });
+    }
+    // The listener, the configuration and the bus name are in place: ready.
+    dsv4::service::ready(&lifecycle.status());
+    dsv4::service::spawn(lifecycle.clone(), ctx.telemetry.clone());
+    let stop_timeout = ctx.config.borrow().supervisor.engine.stop_timeout;
     let connections_closed = proxy::serve(listener, ctx, shutdown).await;
-    let _ = sd_notify::notify(&[sd_notify::NotifyState::Stopping]);
+    // A drain of in-flight requests, then the engine's own stop: up to twice stop_timeout.
+    dsv4::service::stopping(2 * stop_timeout + std::time::Duration::from_secs(10));
     // In-flight streams finish (bounded by engine.stop_timeout), then the engine stops.
     lifecycle.shutdown().await;
     let _ = actor.await;

@@ -122,6 +122,12 @@ enum Command {
     Heat {
         hot: Option<(String, Option<Duration>)>,
     },
+    /// Answered at once: the watchdog's proof that the actor turns.
+    Ping {
+        reply: oneshot::Sender<()>,
+    },
+    /// Test-only: the actor stops turning (see `Handle::stall`).
+    Stall,
 }
 
 #[derive(Debug)]
@@ -203,6 +209,23 @@ impl Handle {
             .await
             .map_err(|_| ControlError::Gone)?;
         rx.await.map_err(|_| ControlError::Gone)?
+    }
+
+    /// Resolves once the actor has handled a command: what the watchdog checks before it
+    /// tells systemd that the daemon is alive. `false` when the actor is gone.
+    pub async fn ping(&self) -> bool {
+        let (reply, rx) = oneshot::channel();
+        if self.commands.send(Command::Ping { reply }).await.is_err() {
+            return false;
+        }
+        rx.await.is_ok()
+    }
+
+    /// Test-only fault switch: the actor stops handling anything, as if hung (the watchdog
+    /// must then let systemd restart the daemon). dsv4d offers it only when told to by
+    /// `DSV4_TEST_FAULTS`.
+    pub async fn stall(&self) {
+        let _ = self.commands.send(Command::Stall).await;
     }
 
     /// Too hot to serve (`thermal.on_critical`: new requests refused with `message`, the
@@ -331,6 +354,7 @@ pub fn spawn(
         key_folder,
         outbox: Vec::new(),
         exited: false,
+        stalled: false,
     };
     // What a stopped engine's status can say from the configuration (its key, say).
     actor.publish();
@@ -371,6 +395,8 @@ struct Actor {
     /// the status right after its answer sees its own change.
     outbox: Vec<Reply>,
     exited: bool,
+    /// A test's fault switch: the actor stops answering, as a hung one would.
+    stalled: bool,
 }
 
 enum Reply {
@@ -400,6 +426,10 @@ impl Actor {
         tokio::pin!(timer);
         let mut armed: Option<Instant> = None;
         while !self.exited {
+            if self.stalled {
+                tracing::warn!("the lifecycle actor stalls (a test's fault switch)");
+                std::future::pending::<()>().await;
+            }
             if let Some(due) = self.machine.next_deadline() {
                 if armed.is_none_or(|a| due < a) {
                     timer.as_mut().reset(due);
@@ -451,6 +481,14 @@ impl Actor {
             }
             Command::Start => Some(Event::Start),
             Command::Stop { now } => Some(Event::Stop { now }),
+            Command::Ping { reply } => {
+                let _ = reply.send(());
+                None
+            }
+            Command::Stall => {
+                self.stalled = true;
+                None
+            }
             Command::Heat { hot } => Some(match hot {
                 Some((message, drain)) => Event::Heat { message, drain },
                 None => Event::Cooled,
@@ -893,8 +931,6 @@ impl Actor {
         });
         if state_changed {
             tracing::info!("engine state: {state}");
-            let _ =
-                sd_notify::notify(&[sd_notify::NotifyState::Status(&format!("engine {state}"))]);
         }
     }
 }

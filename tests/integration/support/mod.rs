@@ -184,6 +184,8 @@ pub struct Setup {
     /// A program (and its arguments) that runs the daemon, as `setpriv ... dsv4d`: it must
     /// exec it, so that the daemon keeps the pid systemd's `LISTEN_PID` names.
     pub wrapper: Vec<String>,
+    /// `WATCHDOG_USEC` (with `WATCHDOG_PID` naming the daemon), as systemd sets them.
+    pub watchdog_usec: Option<u64>,
 }
 
 impl Default for Setup {
@@ -217,6 +219,7 @@ impl Default for Setup {
             leave_log_once_listening: false,
             nofile: None,
             wrapper: Vec::new(),
+            watchdog_usec: None,
         }
     }
 }
@@ -417,6 +420,24 @@ impl Setup {
     }
 }
 
+/// Puts the listening socket `fd` on fd 3 of the program `cmd` runs, without FD_CLOEXEC,
+/// as systemd hands it over (the command sets `LISTEN_PID`, `LISTEN_FDS`, `LISTEN_FDNAMES`).
+pub fn hand_over_listener(cmd: &mut Command, fd: std::os::fd::RawFd) {
+    // SAFETY: dup2 and fcntl are async-signal-safe; they run in the forked child before
+    // exec.
+    unsafe {
+        cmd.pre_exec(move || {
+            if libc::dup2(fd, 3) < 0 {
+                return Err(std::io::Error::last_os_error());
+            }
+            if fd == 3 {
+                libc::fcntl(3, libc::F_SETFD, 0);
+            }
+            Ok(())
+        });
+    }
+}
+
 /// A running `dsv4d`, killed on drop (its engine goes with it).
 pub struct Daemon {
     pub child: Child,
@@ -449,24 +470,17 @@ impl Daemon {
                 listener = Some(l);
                 let mut cmd = Command::new("/bin/sh");
                 // `exec` keeps the shell's pid, so LISTEN_PID=$$ names the daemon itself.
+                let watchdog = setup
+                    .watchdog_usec
+                    .map(|u| format!("WATCHDOG_PID=$$ WATCHDOG_USEC={u} "))
+                    .unwrap_or_default();
                 cmd.arg("-c")
-                    .arg("LISTEN_PID=$$ LISTEN_FDS=1 LISTEN_FDNAMES=api exec \"$0\" \"$@\"")
+                    .arg(format!(
+                        "LISTEN_PID=$$ LISTEN_FDS=1 LISTEN_FDNAMES=api {watchdog}exec \"$0\" \"$@\""
+                    ))
                     .args(&setup.wrapper)
                     .arg(DSV4D);
-                // SAFETY: dup2 and fcntl are async-signal-safe; they run in the forked child
-                // before exec and put the listener on fd 3 without FD_CLOEXEC, as systemd
-                // hands it over.
-                unsafe {
-                    cmd.pre_exec(move || {
-                        if libc::dup2(fd, 3) < 0 {
-                            return Err(std::io::Error::last_os_error());
-                        }
-                        if fd == 3 {
-                            libc::fcntl(3, libc::F_SETFD, 0);
-                        }
-                        Ok(())
-                    });
-                }
+                hand_over_listener(&mut cmd, fd);
                 cmd
             }
             Listen::Flag => {
