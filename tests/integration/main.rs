@@ -27,3 +27,4 @@ mod stats;
 mod telemetry;
 mod thermal;
 mod top;
+mod units;

@@ -1,0 +1,149 @@
+//! The shipped systemd units, offline: `systemd-analyze verify` says nothing about any of
+//! them (warnings exit 0, so any output fails), the service's security exposure stays at or
+//! below 2.5, and the sysusers and tmpfiles entries make the user, group and state folder in
+//! a scratch root.
+
+use std::path::{Path, PathBuf};
+use std::process::Command;
+
+use crate::support::*;
+
+const DSV4D: &str = env!("CARGO_BIN_EXE_dsv4d-under-test");
+const DSV4CTL: &str = env!("CARGO_BIN_EXE_dsv4ctl-under-test");
+
+fn units() -> PathBuf {
+    Path::new(env!("CARGO_MANIFEST_DIR")).join("../units")
+}
+
+/// Copies `files` of `from` into `to`, with the installed binaries' paths pointing at the
+/// ones just built (verify checks that ExecStart's program exists).
+fn copy_built(from: &Path, files: &[&str], to: &Path) {
+    for f in files {
+        let text = std::fs::read_to_string(from.join(f)).unwrap();
+        let text = text
+            .replace("/usr/bin/dsv4d ", &format!("{DSV4D} "))
+            .replace("/usr/bin/dsv4ctl ", &format!("{DSV4CTL} "));
+        std::fs::write(to.join(f), text).unwrap();
+    }
+}
+
+fn verify(dir: &Path, files: &[&str], user: bool) {
+    let runtime = temp_dir("xdg-runtime");
+    let mut cmd = Command::new("systemd-analyze");
+    if user {
+        cmd.arg("--user").env("XDG_RUNTIME_DIR", runtime.path());
+    }
+    let out = cmd
+        .args(["verify", "--man=no"])
+        .args(files)
+        .current_dir(dir)
+        .output()
+        .expect("systemd-analyze");
+    let said = format!(
+        "{}{}",
+        String::from_utf8_lossy(&out.stdout),
+        String::from_utf8_lossy(&out.stderr)
+    );
+    assert!(
+        out.status.success() && said.trim().is_empty(),
+        "{files:?}: {said}"
+    );
+}
+
+#[test]
+fn the_system_units_verify_without_a_word() {
+    let dir = temp_dir("units");
+    let files = ["dsv4.socket", "dsv4.service"];
+    copy_built(&units(), &files, dir.path());
+    verify(dir.path(), &files, false);
+}
+
+#[test]
+fn the_user_units_verify_without_a_word() {
+    let dir = temp_dir("user-units");
+    copy_built(
+        &units().join("user"),
+        &["dsv4.socket", "dsv4.service"],
+        dir.path(),
+    );
+    copy_built(&units(), &["dsv4-notify.service"], dir.path());
+    verify(
+        dir.path(),
+        &["dsv4.socket", "dsv4.service", "dsv4-notify.service"],
+        true,
+    );
+}
+
+#[test]
+fn the_service_is_hardened_to_an_exposure_of_at_most_2_5() {
+    let dir = temp_dir("security");
+    copy_built(&units(), &["dsv4.socket", "dsv4.service"], dir.path());
+    let out = Command::new("systemd-analyze")
+        .args([
+            "security",
+            "--offline=true",
+            "--threshold=25",
+            "dsv4.service",
+        ])
+        .current_dir(dir.path())
+        .output()
+        .unwrap();
+    let text = String::from_utf8_lossy(&out.stdout);
+    let overall = text
+        .lines()
+        .find_map(|l| l.split("Overall exposure level for dsv4.service: ").nth(1))
+        .unwrap_or_else(|| panic!("no overall exposure: {text}"));
+    let exposure: f64 = overall.split_whitespace().next().unwrap().parse().unwrap();
+    eprintln!("exposure {exposure}");
+    assert!(exposure <= 2.5, "{overall}");
+    assert!(out.status.success(), "{text}");
+    // The GPU stays reachable: no PrivateDevices, and the devices the engine needs.
+    let unit = std::fs::read_to_string(units().join("dsv4.service")).unwrap();
+    assert!(!unit.contains("PrivateDevices="), "{unit}");
+    for line in [
+        "DeviceAllow=/dev/kfd rw",
+        "DeviceAllow=char-drm rw",
+        "SupplementaryGroups=render video",
+    ] {
+        assert!(unit.lines().any(|l| l == line), "{line}");
+    }
+}
+
+#[test]
+fn sysusers_and_tmpfiles_make_the_user_and_the_state_folder() {
+    let root = temp_dir("sysroot");
+    std::fs::create_dir_all(root.path().join("etc")).unwrap();
+    let out = Command::new("systemd-sysusers")
+        .arg(format!("--root={}", root.path().display()))
+        .arg(units().join("dsv4.sysusers"))
+        .output()
+        .unwrap();
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    let passwd = std::fs::read_to_string(root.path().join("etc/passwd")).unwrap();
+    let user = passwd
+        .lines()
+        .find(|l| l.starts_with("dsv4:"))
+        .unwrap_or_else(|| panic!("{passwd}"));
+    assert!(user.ends_with(":/var/lib/dsv4:/usr/sbin/nologin"), "{user}");
+    let group = std::fs::read_to_string(root.path().join("etc/group")).unwrap();
+    assert!(group.lines().any(|l| l.starts_with("dsv4:")), "{group}");
+    let out = Command::new("systemd-tmpfiles")
+        .arg("--create")
+        .arg(format!("--root={}", root.path().display()))
+        .arg(units().join("dsv4.tmpfiles"))
+        .output()
+        .unwrap();
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    let state = root.path().join("var/lib/dsv4");
+    let meta = std::fs::metadata(&state).unwrap();
+    use std::os::unix::fs::MetadataExt;
+    assert_eq!(meta.mode() & 0o7777, 0o750);
+}
