@@ -18,6 +18,7 @@ mod engine_key;
 mod idle_exit;
 mod lifecycle;
 mod notify;
+mod packaging;
 mod power;
 mod real_engine;
 mod reload;

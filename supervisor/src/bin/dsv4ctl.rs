@@ -165,6 +165,9 @@ enum Command {
         #[arg(value_enum)]
         shell: clap_complete::Shell,
     },
+    /// Print the manual page (roff), for packages: dsv4ctl man > dsv4ctl.1
+    #[command(hide = true)]
+    Man,
 }
 
 #[derive(Debug, Subcommand)]
@@ -188,6 +191,13 @@ async fn main() -> ExitCode {
 
 async fn run(cli: Cli) -> Result<(), Failure> {
     let json = cli.json;
+    if let Command::Man = cli.command {
+        let mut page = Vec::new();
+        clap_mangen::Man::new(Cli::command())
+            .render(&mut page)
+            .map_err(|e| Failure::Failed(format!("writing the manual page: {e}")))?;
+        return write_out(&page);
+    }
     if let Command::Completions { shell } = cli.command {
         let mut script = Vec::new();
         clap_complete::generate(shell, &mut Cli::command(), "dsv4ctl", &mut script);
@@ -214,7 +224,10 @@ async fn run(cli: Cli) -> Result<(), Failure> {
         Command::Profiles => profiles(&daemon, json).await,
         Command::Logs { follow, lines } => logs(&daemon, json, follow, lines).await,
         Command::Top => top::run(&daemon).await,
-        Command::Completions { .. } | Command::Config { .. } | Command::NotifyAgent { .. } => {
+        Command::Completions { .. }
+        | Command::Config { .. }
+        | Command::NotifyAgent { .. }
+        | Command::Man => {
             unreachable!("handled above")
         }
     }

@@ -63,6 +63,9 @@ struct Args {
     /// Check the configuration, print every problem (or a summary), and exit: 0 valid, 1 not.
     #[arg(long)]
     check_config: bool,
+    /// Print the manual page (roff) and exit, for packages: dsv4d --man > dsv4d.8
+    #[arg(long, hide = true)]
+    man: bool,
     /// Members of this group (and root) may start, stop and switch profiles over D-Bus.
     #[arg(long, value_name = "GROUP", default_value = dsv4_client::CONTROL_GROUP)]
     control_group: String,
@@ -70,6 +73,18 @@ struct Args {
 
 fn main() -> std::process::ExitCode {
     let args = Args::parse();
+    if args.man {
+        use clap::CommandFactory;
+        let mut page = Vec::new();
+        let man = clap_mangen::Man::new(Args::command()).section("8");
+        return match man
+            .render(&mut page)
+            .and_then(|()| std::io::Write::write_all(&mut std::io::stdout(), &page))
+        {
+            Ok(()) => std::process::ExitCode::SUCCESS,
+            Err(e) => fail(anyhow::Error::new(e).context("writing the manual page")),
+        };
+    }
     if args.check_config {
         return check_config(&args.config);
     }
