@@ -25,6 +25,7 @@ mod reload;
 mod service;
 mod soak;
 mod stats;
+mod systemd;
 mod telemetry;
 mod thermal;
 mod top;
