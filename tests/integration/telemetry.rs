@@ -69,8 +69,9 @@ async fn metrics_follow_the_hardware_within_two_intervals() {
     std::fs::write(dev.join("mem_info_gtt_used"), "87389609984\n").unwrap();
     std::fs::write(dev.join("hwmon/hwmon3/temp1_input"), "78500\n").unwrap();
     let took = wait_metric(&d, "dsv4_gtt_used_bytes 87389609984.0", 2 * SEC).await;
+    // Two 200 ms intervals, and room for a loaded machine's scheduling and this loop's polls.
     assert!(
-        took <= Duration::from_millis(600),
+        took <= Duration::from_millis(800),
         "{took:?} for two 200 ms intervals"
     );
     wait_metric(&d, "dsv4_temperature_celsius{sensor=\"edge\"} 78.5", SEC).await;
