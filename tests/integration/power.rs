@@ -502,6 +502,13 @@ async fn a_gpu_level_that_cannot_be_written_is_said_clearly_and_the_engine_serve
     );
     assert_eq!(std::fs::read_to_string(&level).unwrap(), "low\n");
     chat_ok(&d).await;
+    // Said once, not at every sample.
+    tokio::time::sleep(2500 * Duration::from_millis(1)).await;
+    let said = d
+        .log()
+        .matches("cannot set the GPU's performance level to auto")
+        .count();
+    assert_eq!(said, 1, "{}", d.log());
     assert!(!d.log().contains("panicked"), "{}", d.log());
 }
 

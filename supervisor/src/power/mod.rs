@@ -478,6 +478,11 @@ impl Task {
                 (note, message)
             }
             Err(e) => {
+                // Said once: a file that cannot be written now will not be at the next
+                // sample either.
+                if self.status.borrow().gpu_note.as_deref() == Some(e.as_str()) {
+                    return;
+                }
                 self.update(|s| s.gpu_level = Some(level.clone()));
                 (
                     e.clone(),
