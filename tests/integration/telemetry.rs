@@ -212,6 +212,15 @@ async fn a_start_that_does_not_fit_in_memory_is_refused_with_its_figures() {
         "{}",
         args.message
     );
+    // More refused requests: refused alike, but alerted once a minute at most.
+    for _ in 0..3 {
+        let (status, _, _) = d
+            .send("POST", "/v1/chat/completions", &[], Some(chat(3, false)))
+            .await;
+        assert_eq!(status, 503);
+    }
+    let again = tokio::time::timeout(SEC / 2, futures_util::StreamExt::next(&mut alerts)).await;
+    assert!(again.is_err(), "another alert for the same refusal");
     // Not a failed start: no backoff, the state stays stopped.
     let s = d.status().await;
     assert_eq!(s["state"], dsv4_client::State::Stopped.as_str(), "{s}");

@@ -355,6 +355,7 @@ pub fn spawn(
         outbox: Vec::new(),
         exited: false,
         stalled: false,
+        not_admitted_said: None,
     };
     // What a stopped engine's status can say from the configuration (its key, say).
     actor.publish();
@@ -397,6 +398,8 @@ struct Actor {
     exited: bool,
     /// A test's fault switch: the actor stops answering, as a hung one would.
     stalled: bool,
+    /// When a start refused for memory was last logged and alerted.
+    not_admitted_said: Option<Instant>,
 }
 
 enum Reply {
@@ -717,8 +720,18 @@ impl Actor {
             }
             Effect::NotAdmitted { profile, short } => {
                 let message = format!("{}; nothing was started", short.describe(&profile));
-                tracing::warn!("{message}");
-                self.alerts.raise(AlertKind::Memory, message);
+                // Each refused request would say it again: once a minute is enough.
+                let now = Instant::now();
+                if self
+                    .not_admitted_said
+                    .is_none_or(|t| now.duration_since(t) >= NOT_ADMITTED_GAP)
+                {
+                    self.not_admitted_said = Some(now);
+                    tracing::warn!("{message}");
+                    self.alerts.raise(AlertKind::Memory, message);
+                } else {
+                    tracing::debug!("{message}");
+                }
             }
         }
         None
@@ -1029,6 +1042,9 @@ async fn probe_once(conn: &mut Option<ProbeConn>, addr: SocketAddr, path: &str) 
         }
     }
 }
+
+/// The least time between two alerts for starts refused for memory.
+const NOT_ADMITTED_GAP: Duration = Duration::from_secs(60);
 
 /// How far below its level before the start available memory may stay, and how far above
 /// GTT use, once the engine has stopped: the rest of the machine moves meanwhile.
