@@ -502,7 +502,13 @@ async fn proxy(ctx: &Ctx, config: &Config, req: Request<Incoming>) -> Response<P
     let (mut parts, body) = req.into_parts();
     // The whole body first: a client that is slow to send it holds no lease and no engine
     // connection meanwhile, and never starts the engine.
-    let held = match intake::read(body, content_length(&parts.headers), limits, &ctx.bodies).await {
+    // A Content-Length beside Transfer-Encoding is not the body's length: hyper reads such a
+    // body as chunked (RFC 9112 6.3), and so does the intake.
+    let declared = match parts.headers.contains_key(header::TRANSFER_ENCODING) {
+        true => None,
+        false => content_length(&parts.headers),
+    };
+    let held = match intake::read(body, declared, limits, &ctx.bodies).await {
         Ok(held) => held,
         Err(e) => return intake_refusal(&e),
     };
@@ -534,8 +540,10 @@ async fn proxy(ctx: &Ctx, config: &Config, req: Request<Incoming>) -> Response<P
     }
     parts.version = http::Version::HTTP_11;
     strip_hop_by_hop(&mut parts.headers);
-    // The body is here already: nothing for the engine to agree to first.
+    // The body is here already: nothing for the engine to agree to first, and its length is
+    // what was read (hyper's client sets Content-Length from it), not what the client said.
     parts.headers.remove(header::EXPECT);
+    parts.headers.remove(header::CONTENT_LENGTH);
     parts
         .headers
         .insert(header::HOST, lease.engine.connections.host().clone());

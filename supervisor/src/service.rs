@@ -107,15 +107,17 @@ pub fn spawn(lifecycle: Handle, telemetry: Telemetry) {
             period.as_secs_f64() / 2.0
         );
         tokio::spawn(async move {
-            let every = period / 2;
+            // A fixed beat: a slow answer does not push the next ping toward the deadline.
+            let mut beat = tokio::time::interval(period / 2);
+            beat.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
             loop {
-                let answered = tokio::time::timeout(every, lifecycle.ping()).await;
+                beat.tick().await;
+                let answered = tokio::time::timeout(period / 4, lifecycle.ping()).await;
                 if matches!(answered, Ok(true)) {
                     send(&[NotifyState::Watchdog]);
                 } else {
                     tracing::error!("the lifecycle actor did not answer: no watchdog ping");
                 }
-                tokio::time::sleep(every).await;
             }
         });
     }

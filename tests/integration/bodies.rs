@@ -409,3 +409,22 @@ async fn the_largest_content_lengths_get_413_like_any_body_over_the_limit() {
         .await;
     assert_eq!(status, 200, "{v}");
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_content_length_beside_chunked_is_not_the_length() {
+    // RFC 9112 6.3: with Transfer-Encoding, a Content-Length is ignored. The whole chunked
+    // body reaches the engine, with the length of what was read.
+    let d = Daemon::start(&Setup::default());
+    for declared in [0, 3] {
+        let head = format!(
+            "POST /echo HTTP/1.1\r\nHost: {}\r\nContent-Length: {declared}\r\n\
+             Transfer-Encoding: chunked\r\nContent-Type: text/plain\r\n\r\n",
+            d.addr
+        );
+        let body = b"5\r\nhello\r\n6\r\n world\r\n0\r\n\r\n";
+        let mut s = send_raw(d.addr, &head, body).await;
+        let (status, _, echoed) = read_response(&mut s, 5 * SEC).await;
+        assert_eq!(status, 200, "{declared}: {echoed}");
+        assert_eq!(echoed, "hello world", "Content-Length: {declared}");
+    }
+}

@@ -127,8 +127,8 @@ const V3_0: Layout = Layout {
 };
 
 fn layout(format: u8, content: u8, size: u16) -> Option<Layout> {
-    // The size decides first (see the module header).
-    if size == V3_0.size && (format, content) != (2, 0) {
+    // The size decides first for the two labels v3.0 is known by (see the module header).
+    if size == V3_0.size && matches!((format, content), (3, 0) | (2, 1)) {
         return Some(V3_0);
     }
     let want = match (format, content) {
@@ -317,6 +317,10 @@ mod tests {
                 size: 100
             })
         );
+        // A dGPU's table (format 1) of v3.0's size is not read as one.
+        let mut dgpu = v3.clone();
+        dgpu[2..4].copy_from_slice(&[1, 5]);
+        assert!(matches!(decode(&dgpu), Err(DecodeError::Unknown { .. })));
         let mut wrong = blob("v2_3.bin");
         wrong[0] = 128;
         assert!(matches!(decode(&wrong), Err(DecodeError::Unknown { .. })));

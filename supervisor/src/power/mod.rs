@@ -194,6 +194,8 @@ impl Task {
     async fn run(mut self, mut stop: mpsc::Receiver<oneshot::Sender<()>>) {
         let mut telemetry = self.parts.telemetry.watch();
         let mut released: Option<zbus::proxy::SignalStream<'static>> = None;
+        // Once the monitor is gone (it never is, but a closed channel is always ready).
+        let mut samples_open = true;
         loop {
             let engine = self.parts.lifecycle.borrow_and_update().state.has_engine();
             if engine && self.applied.is_none() {
@@ -209,10 +211,13 @@ impl Task {
                         return;
                     }
                 }
-                changed = telemetry.changed() => {
-                    if changed.is_ok() {
-                        let sample = telemetry.borrow_and_update().clone();
-                        self.on_sample(sample.as_deref());
+                changed = telemetry.changed(), if samples_open => {
+                    match changed {
+                        Ok(()) => {
+                            let sample = telemetry.borrow_and_update().clone();
+                            self.on_sample(sample.as_deref());
+                        }
+                        Err(_) => samples_open = false,
                     }
                 }
                 Some(msg) = async {
@@ -433,8 +438,9 @@ impl Task {
             restore,
             state_dir,
         });
-        // The GPU after the hold: power-profiles-daemon may change it as the hold begins.
-        self.check_gpu(gpu_found.as_deref(), true);
+        // The GPU after the hold, read again: power-profiles-daemon may change it as the hold
+        // begins.
+        self.check_gpu(None, true);
         released
     }
 
@@ -509,12 +515,10 @@ impl Task {
             self.update(|s| s.gpu_level = level);
             return;
         }
-        let level = sample
-            .gpu
-            .as_ref()
-            .and_then(|g| g.performance_level.clone());
-        if level.is_some() {
-            self.check_gpu(level.as_deref(), false);
+        // The sample says when to look; the file says what is there now (a sample taken
+        // as the engine started may still show the level before dsv4d set it).
+        if sample.gpu.is_some() {
+            self.check_gpu(None, false);
         }
     }
 

@@ -154,9 +154,14 @@ pub fn spawn(
                 let drain = (cfg.on_critical == OnCritical::Stop).then_some(STOP_DRAIN);
                 tracing::warn!("thermal: {message}: {}", action(cfg.on_critical));
                 lifecycle.heat(Some((message, drain))).await;
-            } else if hot && !critical {
+            } else if hot && (!critical || !acts) {
                 hot = false;
-                tracing::info!("thermal: cooled down: requests are served again");
+                if critical {
+                    // A reload made on_critical notify: nothing is refused any more.
+                    tracing::info!("thermal: on_critical is notify now: requests are served again");
+                } else {
+                    tracing::info!("thermal: cooled down: requests are served again");
+                }
                 lifecycle.heat(None).await;
             }
             let sensors = rules::SENSORS
