@@ -68,7 +68,7 @@ pub fn new_tag() -> io::Result<String> {
 }
 
 /// This boot's id, from `proc`.
-fn boot_id(proc: &Path) -> io::Result<String> {
+pub(crate) fn boot_id(proc: &Path) -> io::Result<String> {
     Ok(
         std::fs::read_to_string(proc.join("sys/kernel/random/boot_id"))?
             .trim()

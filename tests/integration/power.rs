@@ -537,3 +537,58 @@ async fn with_no_ppd_and_no_cpufreq_nothing_is_touched_and_one_line_says_why() {
     assert!(p["cpu"].is_null(), "{p}");
     assert!(!d.dir().join("state/power-restore.json").exists());
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_governor_changed_by_hand_during_the_run_is_left_as_chosen() {
+    let tree = fixture_copy("strix-halo");
+    let before = cpufreq_files(tree.path());
+    let d = Daemon::start(&cpufreq_setup(tree.path()));
+    chat_ok(&d).await;
+    wait_power(&d, "applied", |p| p["cpu"].is_string()).await;
+    // The user picks schedutil for policy3 while the engine runs.
+    let by_hand = tree.path().join(POLICIES).join("policy3/scaling_governor");
+    std::fs::write(&by_hand, "schedutil-by-hand\n").unwrap();
+    d.wait_state(State::Stopped, 5 * SEC).await;
+    wait_power(&d, "given back", |p| p["cpu"].is_null()).await;
+    assert_eq!(
+        std::fs::read_to_string(&by_hand).unwrap(),
+        "schedutil-by-hand\n"
+    );
+    let others: Vec<_> = cpufreq_files(tree.path())
+        .into_iter()
+        .filter(|(p, _)| p != &by_hand)
+        .collect();
+    let want: Vec<_> = before.into_iter().filter(|(p, _)| p != &by_hand).collect();
+    assert_eq!(others, want);
+    assert!(
+        d.log().contains("policy3 was changed by hand meanwhile"),
+        "{}",
+        d.log()
+    );
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn settings_to_give_back_from_before_a_reboot_are_dropped() {
+    let tree = fixture_copy("strix-halo");
+    let before = cpufreq_files(tree.path());
+    let setup = cpufreq_setup(tree.path());
+    let dir = temp_dir("daemon");
+    // What a daemon of another boot left: policy0 was powersave with EPP power.
+    let state = dir.path().join("state");
+    std::fs::create_dir_all(&state).unwrap();
+    let left = serde_json::json!({
+        "cpufreq": [{"policy": "policy0", "governor": "performance", "epp": "performance"}],
+        "cpufreq_set": [{"policy": "policy0", "governor": "powersave", "epp": "balance_performance"}],
+        "gpu": null,
+        "boot": "a-boot-long-gone",
+    });
+    std::fs::write(state.join("power-restore.json"), left.to_string()).unwrap();
+    let d = Daemon::start_in(&setup, dir);
+    let t = Instant::now();
+    while d.dir().join("state/power-restore.json").exists() {
+        assert!(t.elapsed() < 5 * SEC, "{}", d.log());
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+    assert_eq!(cpufreq_files(tree.path()), before);
+    assert!(d.log().contains("is from before a reboot"), "{}", d.log());
+}

@@ -43,10 +43,17 @@ const HOLD_APP: &str = "dsv4d";
 /// What to give back, as written to [`RESTORE_FILE`].
 #[derive(Debug, Clone, Default, PartialEq, Serialize, Deserialize)]
 pub struct Restore {
-    /// The cpufreq settings found before they were changed.
+    /// The cpufreq settings found before they were changed...
     pub cpufreq: Vec<PolicySettings>,
+    /// ...and what they were set to: a policy that no longer holds this was changed by hand
+    /// since, and is left as it is.
+    #[serde(default)]
+    pub cpufreq_set: Vec<PolicySettings>,
     /// The GPU's level file, the level found and the level set.
     pub gpu: Option<GpuRestore>,
+    /// The boot it was written in: after a reboot the machine has its own settings again.
+    #[serde(default)]
+    pub boot: Option<String>,
 }
 
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
@@ -77,7 +84,27 @@ impl Restore {
 
     /// Gives back what it holds; the problems, each naming its file.
     fn give_back(&self, root: &SysRoot) -> Vec<String> {
-        let mut problems = cpufreq::apply(root, &self.cpufreq);
+        let now = cpufreq::read(root);
+        let still_ours = |found: &&PolicySettings| {
+            let set = self.cpufreq_set.iter().find(|s| s.policy == found.policy);
+            let current = now.iter().find(|c| c.policy == found.policy);
+            match (set, current) {
+                (Some(s), Some(c)) => {
+                    c.governor == s.governor && (s.epp.is_none() || c.epp == s.epp)
+                }
+                _ => false,
+            }
+        };
+        let (ours, changed): (Vec<&PolicySettings>, Vec<&PolicySettings>) =
+            self.cpufreq.iter().partition(still_ours);
+        for p in changed {
+            tracing::info!(
+                "power: {} was changed by hand meanwhile: left as it is",
+                p.policy
+            );
+        }
+        let ours: Vec<PolicySettings> = ours.into_iter().cloned().collect();
+        let mut problems = cpufreq::apply(root, &ours);
         if let Some(g) = &self.gpu {
             let now = gpu::read(root, &g.file);
             if let Some(level) = gpu::restore_at_stop(&g.found, &g.set, now.as_deref()) {
@@ -133,7 +160,20 @@ pub fn spawn(parts: Parts) -> Power {
     let (status_tx, status) = watch::channel(PowerStatus::default());
     let (stop, stop_rx) = mpsc::channel(1);
     let state_dir = parts.config.borrow().supervisor.state_dir.clone();
-    if let Some(left) = Restore::load(&state_dir) {
+    let left = Restore::load(&state_dir);
+    let this_boot = crate::leftover::boot_id(Path::new("/proc")).ok();
+    let left = match left {
+        Some(l) if l.boot.is_some() && l.boot != this_boot => {
+            tracing::info!(
+                "power: {} is from before a reboot: the machine's own settings stand",
+                Restore::path(&state_dir).display()
+            );
+            Restore::clear(&state_dir);
+            None
+        }
+        other => other,
+    };
+    if let Some(left) = left {
         tracing::warn!(
             "power: giving back the settings a previous dsv4d changed and did not restore"
         );
@@ -339,10 +379,14 @@ impl Task {
             }
         });
         // What to give back, written down before anything changes.
-        let mut restore = Restore::default();
+        let mut restore = Restore {
+            boot: crate::leftover::boot_id(Path::new("/proc")).ok(),
+            ..Restore::default()
+        };
         let cpu_target = cpufreq::target(power.cpu);
         if method == Method::Cpufreq && cpu_target.is_some() {
             restore.cpufreq = cpufreq::read(&root);
+            restore.cpufreq_set = cpufreq::targeted(&root, &restore.cpufreq, power.cpu);
         }
         let gpu_file = gpu::wanted(power.gpu).and_then(|_| gpu::level_file(&root));
         let gpu_found = gpu_file.as_deref().and_then(|f| gpu::read(&root, f));
@@ -412,8 +456,7 @@ impl Task {
                 }
             }
             (Method::Cpufreq, cpu) => {
-                let found = &restore.cpufreq;
-                let target = cpufreq::targeted(&root, found, cpu);
+                let target = restore.cpufreq_set.clone();
                 let problems = cpufreq::apply(&root, &target);
                 let (governor, epp) = cpufreq::target(cpu).unwrap_or_default();
                 let with_epp = target.iter().filter(|t| t.epp.is_some()).count();
