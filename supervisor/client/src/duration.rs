@@ -78,7 +78,7 @@ impl fmt::Display for ParseError {
             Reason::NoUnit => write!(f, "add a unit ({HINT})"),
             Reason::UnknownUnit(unit) => write!(f, "unknown unit {unit:?} (use {HINT})"),
             Reason::Order => f.write_str("write each unit once, larger units first (e.g. 1h30m)"),
-            Reason::TooLarge => f.write_str("too large"),
+            Reason::TooLarge => f.write_str("too large (at most 36500d, a hundred years)"),
         }
     }
 }
@@ -87,6 +87,9 @@ impl std::error::Error for ParseError {}
 
 /// Reads a duration written with units, such as `90s`, `1h30m` or `1.5h` (see the module
 /// documentation for the grammar).
+/// The longest duration read: a hundred years.
+pub const MAX_SECONDS: u64 = 36_500 * 86_400;
+
 pub fn parse(text: &str) -> Result<Duration, ParseError> {
     let fail = |reason| ParseError {
         text: text.to_string(),
@@ -126,6 +129,10 @@ pub fn parse(text: &str) -> Result<Duration, ParseError> {
         rest = after.trim_start();
     }
     let seconds = u64::try_from(total / 1_000_000_000).map_err(|_| fail(Reason::TooLarge))?;
+    // A deadline is a clock reading plus a duration: beyond this, the sum could overflow.
+    if seconds > MAX_SECONDS {
+        return Err(fail(Reason::TooLarge));
+    }
     Ok(Duration::new(seconds, (total % 1_000_000_000) as u32))
 }
 
@@ -278,7 +285,10 @@ mod tests {
                 "expected a number followed by a unit, e.g. 90s or 1h30m",
             ),
             ("1e3s", "unknown unit \"e\" (use ms, s, m, h, d)"),
-            ("99999999999999999999999d", "too large"),
+            (
+                "99999999999999999999999d",
+                "too large (at most 36500d, a hundred years)",
+            ),
         ];
         for (text, why) in table {
             assert_eq!(
@@ -288,6 +298,12 @@ mod tests {
         }
         let huge = format!("{}s", "9".repeat(45));
         assert_eq!(parse(&huge).unwrap_err().reason(), &Reason::TooLarge);
+        assert_eq!(parse("36500d"), Ok(Duration::from_secs(MAX_SECONDS)));
+        assert_eq!(
+            parse("36501d").unwrap_err().reason(),
+            &Reason::TooLarge,
+            "past a hundred years"
+        );
     }
 
     #[test]
@@ -303,7 +319,8 @@ mod tests {
             parse_or_seconds("99999999999999999999999")
                 .unwrap_err()
                 .to_string(),
-            "invalid duration \"99999999999999999999999\": too large"
+            "invalid duration \"99999999999999999999999\": too large (at most 36500d, a hundred \
+             years)"
         );
         assert!(parse_or_seconds("").is_err());
         assert!(parse_or_seconds("5x").is_err());
@@ -332,16 +349,17 @@ mod tests {
 
     #[test]
     fn formatted_durations_parse_back() {
-        // Spread over every unit, up to the largest Duration.
+        // Spread over every unit, up to the longest duration read.
         let mut seconds = 1u64;
         for nanos in [0, 1, 999, 1_000_000, 999_999_999] {
-            while seconds < u64::MAX / 7 {
+            while seconds < MAX_SECONDS {
                 let d = Duration::new(seconds, nanos);
                 assert_eq!(parse(&format(d)), Ok(d), "{d:?}");
                 seconds = seconds * 7 + 3;
             }
             seconds = 1;
         }
-        assert_eq!(parse(&format(Duration::MAX)), Ok(Duration::MAX));
+        let longest = Duration::from_secs(MAX_SECONDS);
+        assert_eq!(parse(&format(longest)), Ok(longest));
     }
 }

@@ -554,6 +554,24 @@ fn semantic_problems_are_all_reported_in_file_order() {
 }
 
 #[test]
+fn a_duration_past_a_hundred_years_is_refused_not_overflowed() {
+    let dir = TempDir::new("forever");
+    let file = dir.write(
+        "supervisor.yaml",
+        "engine:\n  idle_timeout: 200000000000000d\n",
+    );
+    dir.write("profiles/320k.yaml", MINIMAL_PROFILE);
+    dir.engine_files("profiles");
+    assert_eq!(
+        errors(Config::load(&file)),
+        [
+            "supervisor.yaml:2:17: engine.idle_timeout: invalid duration \"200000000000000d\": \
+             too large (at most 36500d, a hundred years)"
+        ]
+    );
+}
+
+#[test]
 fn the_body_budget_must_hold_one_largest_body() {
     let dir = TempDir::new("budget");
     let file = dir.write(
