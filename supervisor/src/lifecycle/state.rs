@@ -313,6 +313,8 @@ pub struct Machine {
     memory: MemoryCheck,
     /// Too hot to serve: why (see [`Event::Heat`]).
     hot: Option<String>,
+    /// The drain in progress is the heat's: cooling down calls it off.
+    heat_drain: bool,
 }
 
 impl Machine {
@@ -331,6 +333,7 @@ impl Machine {
             shutting_down: false,
             memory: MemoryCheck::default(),
             hot: None,
+            heat_drain: false,
         }
     }
 
@@ -423,9 +426,33 @@ impl Machine {
             Event::SetProfile { profile } => self.set_profile(profile, now, &mut fx),
             Event::Shutdown => self.shutdown(now, &mut fx),
             Event::Heat { message, drain } => self.heat(message, drain, now, &mut fx),
-            Event::Cooled => self.hot = None,
+            Event::Cooled => self.cooled(now, &mut fx),
         }
         fx
+    }
+
+    /// Cool again: a drain the heat began (the engine still serving its last requests) is
+    /// called off, and the engine serves as before.
+    fn cooled(&mut self, now: Instant, fx: &mut Vec<Effect>) {
+        self.hot = None;
+        if !std::mem::take(&mut self.heat_drain) {
+            return;
+        }
+        if let Phase::Draining {
+            gen,
+            profile,
+            then: Then::Idle,
+            ..
+        } = &self.phase
+        {
+            let (gen, profile) = (*gen, profile.clone());
+            self.phase = Phase::Ready {
+                gen,
+                profile,
+                since: now,
+            };
+            self.grant_waiters(gen, fx);
+        }
     }
 
     fn heat(
@@ -445,6 +472,7 @@ impl Machine {
             Phase::Ready { gen, profile, .. } => {
                 let (gen, profile) = (*gen, profile.clone());
                 let deadline = drain.map(|d| now + d);
+                self.heat_drain = self.leases > 0;
                 self.stop_or_drain(gen, profile, Then::Idle, deadline, now, fx);
             }
             Phase::Draining { deadline, .. } => {

@@ -702,6 +702,20 @@ fn stop_when_idle_lets_in_flight_requests_finish_and_refuses_new_ones() {
 }
 
 #[test]
+fn cooling_down_during_the_heats_drain_calls_it_off() {
+    let mut t = T::new();
+    t.ready_with(&[1]);
+    t.ev(heat(None));
+    assert_eq!(t.state(), State::Draining);
+    assert!(t.ev(Event::Cooled).is_empty());
+    assert_eq!(t.state(), State::Ready);
+    assert_eq!(t.ev(Event::Acquire { waiter: 2 }), vec![grant(1, &[2])]);
+    // The in-flight request ends: nothing stops.
+    assert!(t.ev(Event::Release { gen: 1 }).is_empty());
+    assert_eq!(t.state(), State::Ready);
+}
+
+#[test]
 fn stop_drains_with_a_bound_then_cuts_in_flight_requests() {
     let mut t = T::new();
     t.ready_with(&[1]);
