@@ -172,12 +172,19 @@ pub async fn reap(state_dir: &Path, proc: &Path, grace: Duration) -> Reaped {
         tokio::time::sleep(Duration::from_millis(20)).await;
         alive.retain(|pid| still_marked(proc, *pid, &record));
     }
-    for pid in alive {
-        if still_marked(proc, pid, &record) {
+    for pid in &alive {
+        if still_marked(proc, *pid, &record) {
             tracing::warn!(pid, "the leftover engine process ignored SIGTERM: SIGKILL");
-            let _ = kill(Pid::from_raw(pid as i32), Signal::SIGKILL);
+            let _ = kill(Pid::from_raw(*pid as i32), Signal::SIGKILL);
             reaped.killed += 1;
         }
+    }
+    // Gone before this returns: its memory is what the next engine needs.
+    let deadline = tokio::time::Instant::now() + Duration::from_secs(2);
+    while alive.iter().any(|p| still_marked(proc, *p, &record))
+        && tokio::time::Instant::now() < deadline
+    {
+        tokio::time::sleep(Duration::from_millis(20)).await;
     }
     reaped
 }
