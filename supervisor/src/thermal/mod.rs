@@ -80,6 +80,7 @@ fn signal(e: &ThermalEvent, t: &Thresholds) -> Signal {
         ThermalEvent::StillCritical { sensor, celsius } => ("critical", *sensor, *celsius),
         ThermalEvent::ThrottleStart { .. } => ("throttling", "throttle", f64::NAN),
         ThermalEvent::ThrottleEnd { .. } => ("throttling-ended", "throttle", f64::NAN),
+        ThermalEvent::Lost { sensor, .. } => ("normal", *sensor, f64::NAN),
     };
     Signal {
         level: level.into(),

@@ -17,6 +17,9 @@ use serde::{Deserialize, Serialize};
 pub const REMINDER: f64 = 300.0;
 /// How long without throttling ends a throttling episode.
 pub const QUIET: f64 = 30.0;
+/// How long a hot sensor may give no reading before its level is dropped: a sensor that
+/// went away must not keep requests refused for ever.
+pub const LOST: f64 = 60.0;
 
 /// The sensors watched, as named in events and metrics.
 pub const SENSORS: [&str; 2] = ["edge", "tctl"];
@@ -68,6 +71,8 @@ pub enum ThermalEvent {
     ThrottleStart { kinds: Vec<String> },
     /// No throttling for [`QUIET`] seconds; `seconds`: how long the episode lasted.
     ThrottleEnd { seconds: f64 },
+    /// A sensor above normal gave no reading for [`LOST`] seconds: its level is dropped.
+    Lost { sensor: &'static str, from: Level },
 }
 
 /// One sensor's state.
@@ -80,6 +85,9 @@ pub struct SensorState {
     pub peak: Option<f64>,
     #[serde(skip)]
     announced: f64,
+    /// When it last gave a reading.
+    #[serde(skip)]
+    seen: f64,
 }
 
 #[derive(Debug, Clone, Default, PartialEq)]
@@ -122,9 +130,18 @@ impl Thermal {
         let mut events = Vec::new();
         for (i, celsius) in temps.into_iter().enumerate() {
             let Some(c) = celsius.filter(|c| c.is_finite()) else {
+                let s = &mut self.sensors[i];
+                if s.level > Level::Normal && at - s.seen >= LOST {
+                    events.push(ThermalEvent::Lost {
+                        sensor: SENSORS[i],
+                        from: s.level,
+                    });
+                    *s = SensorState::default();
+                }
                 continue;
             };
             let s = &mut self.sensors[i];
+            s.seen = at;
             let sensor = SENSORS[i];
             let level = next_level(s.level, c, t);
             if level != s.level {
@@ -224,6 +241,11 @@ pub fn describe(e: &ThermalEvent, t: &Thresholds) -> String {
         ThermalEvent::ThrottleEnd { seconds } => {
             format!("the hardware stopped throttling (it lasted {seconds:.0} s)")
         }
+        ThermalEvent::Lost { sensor, from } => format!(
+            "{sensor} temperature: no reading for {LOST:.0} s while {}; its level is dropped \
+             until it reads again",
+            from.as_str()
+        ),
     }
 }
 
@@ -345,6 +367,26 @@ mod tests {
                 (51.0, ThermalEvent::ThrottleEnd { seconds: 19.0 }),
             ]
         );
+    }
+
+    #[test]
+    fn a_hot_sensor_that_stops_reading_is_dropped_after_a_while() {
+        let mut m = Thermal::default();
+        m.step(&T, [Some(97.0), None], None, 0.0);
+        assert_eq!(m.level(), Level::Critical);
+        assert!(m.step(&T, [None, None], None, 59.0).is_empty());
+        let e = m.step(&T, [None, None], None, 60.0);
+        assert_eq!(
+            e,
+            [ThermalEvent::Lost {
+                sensor: "edge",
+                from: Level::Critical
+            }]
+        );
+        assert_eq!(m.level(), Level::Normal);
+        assert!(describe(&e[0], &T).starts_with("edge temperature: no reading for 60 s"));
+        // A cool sensor that stops reading says nothing.
+        assert!(m.step(&T, [None, None], None, 200.0).is_empty());
     }
 
     #[test]

@@ -57,6 +57,12 @@ pub fn thermal(
             "dialog-error",
             2,
         ),
+        // A sensor that stopped reading is dropped to normal without a temperature.
+        "normal" if !celsius.is_finite() => (
+            format!("{what} temperature: no reading"),
+            "dialog-warning",
+            1,
+        ),
         "normal" => (
             format!("{what} temperature back to normal: {celsius:.0} C"),
             "dialog-information",
@@ -303,6 +309,8 @@ mod tests {
         assert!(n.body.ends_with(" dsv4d: requests refused."), "{}", n.body);
         assert_eq!(n.urgency, 2);
         assert_eq!(thermal("normal", "edge", 78.0, "m", None).urgency, 0);
+        let lost = thermal("normal", "edge", f64::NAN, "no reading", None);
+        assert_eq!(lost.summary, "dsv4: GPU temperature: no reading");
         assert_eq!(
             alert(AlertKind::Memory, "not enough memory").summary,
             "dsv4: memory"
