@@ -435,9 +435,14 @@ impl Machine {
     /// called off, and the engine serves as before.
     fn cooled(&mut self, now: Instant, fx: &mut Vec<Effect>) {
         self.hot = None;
-        if !std::mem::take(&mut self.heat_drain) {
-            return;
+        if std::mem::take(&mut self.heat_drain) {
+            self.call_off_drain(now, fx);
         }
+    }
+
+    /// A drain toward an idle stop that has not signalled yet goes back to serving, and the
+    /// waiters get their leases. Nothing happens in any other phase.
+    fn call_off_drain(&mut self, now: Instant, fx: &mut Vec<Effect>) {
         if let Phase::Draining {
             gen,
             profile,
@@ -700,21 +705,10 @@ impl Machine {
         }
         match &mut self.phase {
             Phase::Stopped | Phase::Backoff { .. } => self.begin_start(now, fx),
+            // A stop that had not signalled yet is called off.
             Phase::Draining {
-                gen,
-                profile,
-                then: Then::Idle,
-                ..
-            } => {
-                // A stop that had not signalled yet is called off.
-                let (gen, profile) = (*gen, profile.clone());
-                self.phase = Phase::Ready {
-                    gen,
-                    profile,
-                    since: now,
-                };
-                self.grant_waiters(gen, fx);
-            }
+                then: Then::Idle, ..
+            } => self.call_off_drain(now, fx),
             Phase::Stopping { then, .. } if *then == Then::Idle => *then = Then::Restart,
             _ => {}
         }
