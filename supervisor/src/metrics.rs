@@ -261,7 +261,8 @@ fn gauge_opt(reg: &mut Registry, name: &str, help: &str, value: Option<f64>) {
 }
 
 fn host(reg: &mut Registry, sample: Option<&Sample>) {
-    let s = sample.cloned().unwrap_or_default();
+    let none = Sample::default();
+    let s = sample.unwrap_or(&none);
     let gpu = s.gpu.as_ref();
     let bytes = |v: Option<u64>| v.map(|b| b as f64);
     let figures = [
