@@ -2,7 +2,7 @@
 //! the listening socket, starts dsv4d on it when a connection waits, and again after each
 //! exit. Requests sent across several idle exits are all answered.
 
-use std::io::{Read, Write};
+use std::io::Read;
 use std::net::TcpListener;
 use std::os::fd::{AsRawFd, BorrowedFd};
 use std::path::{Path, PathBuf};
@@ -107,26 +107,6 @@ impl Drop for Activator {
     }
 }
 
-/// One chat request on a connection of its own; the status code.
-fn chat_once(addr: std::net::SocketAddr) -> Result<u16, String> {
-    let body = chat(2, false).to_string();
-    let mut s = std::net::TcpStream::connect(addr).map_err(|e| e.to_string())?;
-    s.set_read_timeout(Some(Duration::from_secs(10))).unwrap();
-    write!(
-        s,
-        "POST /v1/chat/completions HTTP/1.1\r\nHost: {addr}\r\nContent-Type: application/json\r\n\
-         Content-Length: {}\r\nConnection: close\r\n\r\n{body}",
-        body.len()
-    )
-    .map_err(|e| e.to_string())?;
-    let mut answer = String::new();
-    s.read_to_string(&mut answer).map_err(|e| e.to_string())?;
-    answer
-        .get(9..12)
-        .and_then(|c| c.parse().ok())
-        .ok_or_else(|| format!("no answer: {answer:?}"))
-}
-
 #[test]
 fn requests_across_idle_exits_are_all_answered() {
     let dir = temp_dir("idle-exit");
@@ -143,7 +123,7 @@ fn requests_across_idle_exits_are_all_answered() {
     let t0 = Instant::now();
     for burst in 0..20 {
         for _ in 0..10 {
-            match chat_once(addr) {
+            match chat_on_fresh_connection(addr) {
                 Ok(200) => answered += 1,
                 other => failures.push((burst, other)),
             }

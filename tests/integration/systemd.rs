@@ -211,21 +211,9 @@ fn unit_folder(w: &Path, port: u16, config: &Path) -> PathBuf {
     units
 }
 
+/// A chat request on a connection of its own; its status, 0 when none came.
 fn chat_status(port: u16) -> u16 {
-    use std::io::{Read, Write};
-    let body = chat(2, false).to_string();
-    let mut s = std::net::TcpStream::connect(("127.0.0.1", port)).unwrap();
-    s.set_read_timeout(Some(10 * SEC)).unwrap();
-    write!(
-        s,
-        "POST /v1/chat/completions HTTP/1.1\r\nHost: 127.0.0.1:{port}\r\n\
-         Content-Type: application/json\r\nContent-Length: {}\r\nConnection: close\r\n\r\n{body}",
-        body.len()
-    )
-    .unwrap();
-    let mut answer = String::new();
-    let _ = s.read_to_string(&mut answer);
-    answer.get(9..12).and_then(|c| c.parse().ok()).unwrap_or(0)
+    chat_on_fresh_connection(([127, 0, 0, 1], port).into()).unwrap_or(0)
 }
 
 #[test]

@@ -109,20 +109,23 @@ fn the_service_is_hardened_to_an_exposure_of_at_most_2_5() {
     }
 }
 
+/// Runs a systemd tool on the shipped `file` below `root` (`--root=`); it must succeed.
+fn in_root(root: &Path, program: &str, args: &[&str], file: &str) {
+    let out = Command::new(program)
+        .args(args)
+        .arg(format!("--root={}", root.display()))
+        .arg(units().join(file))
+        .output()
+        .unwrap();
+    let said = String::from_utf8_lossy(&out.stderr);
+    assert!(out.status.success(), "{program}: {said}");
+}
+
 #[test]
 fn sysusers_and_tmpfiles_make_the_user_and_the_state_folder() {
     let root = temp_dir("sysroot");
     std::fs::create_dir_all(root.path().join("etc")).unwrap();
-    let out = Command::new("systemd-sysusers")
-        .arg(format!("--root={}", root.path().display()))
-        .arg(units().join("dsv4.sysusers"))
-        .output()
-        .unwrap();
-    assert!(
-        out.status.success(),
-        "{}",
-        String::from_utf8_lossy(&out.stderr)
-    );
+    in_root(root.path(), "systemd-sysusers", &[], "dsv4.sysusers");
     let passwd = std::fs::read_to_string(root.path().join("etc/passwd")).unwrap();
     let user = passwd
         .lines()
@@ -131,16 +134,11 @@ fn sysusers_and_tmpfiles_make_the_user_and_the_state_folder() {
     assert!(user.ends_with(":/var/lib/dsv4:/usr/sbin/nologin"), "{user}");
     let group = std::fs::read_to_string(root.path().join("etc/group")).unwrap();
     assert!(group.lines().any(|l| l.starts_with("dsv4:")), "{group}");
-    let out = Command::new("systemd-tmpfiles")
-        .arg("--create")
-        .arg(format!("--root={}", root.path().display()))
-        .arg(units().join("dsv4.tmpfiles"))
-        .output()
-        .unwrap();
-    assert!(
-        out.status.success(),
-        "{}",
-        String::from_utf8_lossy(&out.stderr)
+    in_root(
+        root.path(),
+        "systemd-tmpfiles",
+        &["--create"],
+        "dsv4.tmpfiles",
     );
     let state = root.path().join("var/lib/dsv4");
     let meta = std::fs::metadata(&state).unwrap();

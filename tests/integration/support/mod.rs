@@ -812,6 +812,28 @@ pub async fn one_connection(
     sender
 }
 
+/// A chat request (2 tokens) on a blocking connection of its own that asks to be closed
+/// after the answer, as a short-lived client sends it; the answer's status code.
+pub fn chat_on_fresh_connection(addr: SocketAddr) -> Result<u16, String> {
+    use std::io::{Read, Write};
+    let body = chat(2, false).to_string();
+    let mut s = std::net::TcpStream::connect(addr).map_err(|e| e.to_string())?;
+    s.set_read_timeout(Some(Duration::from_secs(10))).unwrap();
+    write!(
+        s,
+        "POST /v1/chat/completions HTTP/1.1\r\nHost: {addr}\r\nContent-Type: application/json\r\n\
+         Content-Length: {}\r\nConnection: close\r\n\r\n{body}",
+        body.len()
+    )
+    .map_err(|e| e.to_string())?;
+    let mut answer = String::new();
+    s.read_to_string(&mut answer).map_err(|e| e.to_string())?;
+    answer
+        .get(9..12)
+        .and_then(|c| c.parse().ok())
+        .ok_or_else(|| format!("no answer: {answer:?}"))
+}
+
 pub fn chat(max_tokens: u32, stream: bool) -> serde_json::Value {
     serde_json::json!({
         "messages": [{"role": "user", "content": "hello"}],
