@@ -126,6 +126,10 @@ impl EngineKind {
                     a.push(OsString::from("--mmproj"));
                     a.push(mm.clone().into_os_string());
                 }
+                if let Some(dir) = &p.slot_save_path {
+                    a.push(OsString::from("--slot-save-path"));
+                    a.push(dir.clone().into_os_string());
+                }
             }
             EngineKind::Ds4 => {
                 if let Some(m) = &p.model {
@@ -248,6 +252,8 @@ pub struct EngineParams {
     pub prefill_chunk: Option<u32>,
     pub kv_disk_dir: Option<PathBuf>,
     pub kv_disk_space_mb: Option<u64>,
+    /// llama-server `--slot-save-path`: where slots are saved and restored from.
+    pub slot_save_path: Option<PathBuf>,
     pub extra_args: Vec<String>,
 }
 
@@ -271,13 +277,14 @@ mod tests {
             kv_cache: Some("q8_0".into()),
             flash_attn: Some(FlashAttn::On),
             gpu_layers: Some(GpuLayers::All),
+            slot_save_path: Some("/var/lib/dsv4/kv".into()),
             extra_args: vec!["--metrics".into(), "--no-webui".into()],
             ..Default::default()
         };
         let key = Path::new("/run/dsv4/engine-keys/engine-1.key");
         let got = strs(EngineKind::LlamaServer.argv(&p, "127.0.0.1", 40001, Some(key)));
         let want = "-m /m/a.gguf -c 327680 -np 1 -ctk q8_0 -ctv q8_0 -fa on -ngl all -b 2048 \
-                    -ub 512 --mmproj /m/mm.gguf --metrics --no-webui \
+                    -ub 512 --mmproj /m/mm.gguf --slot-save-path /var/lib/dsv4/kv --metrics --no-webui \
                     --api-key-file /run/dsv4/engine-keys/engine-1.key --host 127.0.0.1 --port 40001";
         assert_eq!(got.join(" "), want);
     }

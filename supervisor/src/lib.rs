@@ -12,6 +12,7 @@ pub mod http_error;
 pub mod hw;
 pub mod idle_exit;
 pub mod intake;
+pub mod kv;
 pub mod leftover;
 pub mod lifecycle;
 pub mod listener;

@@ -7,6 +7,7 @@
 //! internals; `dsv4ctl` links this crate only.
 
 pub mod duration;
+pub mod kv;
 pub mod telemetry;
 
 use std::collections::BTreeMap;
@@ -359,6 +360,9 @@ pub struct Status {
     /// The thermal levels (none from an older daemon).
     #[serde(default)]
     pub thermal: Option<ThermalStatus>,
+    /// The KV checkpoints (none from an older daemon).
+    #[serde(default)]
+    pub kv: Option<kv::KvStatus>,
 }
 
 /// The thermal policy's part of [`Status`].
@@ -530,6 +534,7 @@ mod tests {
             telemetry: Some(telemetry::Sample::default()),
             power: Some(PowerStatus::default()),
             thermal: Some(ThermalStatus::default()),
+            kv: Some(kv::KvStatus::default()),
         };
         let v = serde_json::to_value(&s).unwrap();
         assert_eq!(v["state"], "stopped");
@@ -548,6 +553,7 @@ mod tests {
             telemetry: None,
             power: None,
             thermal: None,
+            kv: None,
         })
         .unwrap();
         let top = v.as_object_mut().unwrap();

@@ -19,7 +19,9 @@ use super::files::{self, Shown};
 use super::raw::RawProfile;
 use super::rules;
 use super::yaml::Doc;
-use super::{format_duration, format_temperature, Config, ConfigError, Profile, Supervisor};
+use super::{
+    format_duration, format_temperature, Config, ConfigError, KvCheckpoint, Profile, Supervisor,
+};
 
 const MIB: u64 = 1 << 20;
 const MIN_CONTEXT: u32 = 512;
@@ -418,6 +420,9 @@ impl Check<'_> {
         self.when(kv_disk_space_mb == Some(0), "kv_disk_space", message);
         let planned_memory = raw.planned_memory;
         self.when(planned_memory == Some(0), "planned_memory", POSITIVE);
+        let kv_checkpoint = raw
+            .kv_checkpoint
+            .and_then(|kv| self.kv_checkpoint(kv, dir, llama));
 
         let extra_args = raw.extra_args.unwrap_or_default();
         for (i, arg) in extra_args.iter().enumerate() {
@@ -456,11 +461,57 @@ impl Check<'_> {
                 prefill_chunk: chunk,
                 kv_disk_dir,
                 kv_disk_space_mb,
+                slot_save_path: kv_checkpoint
+                    .as_ref()
+                    .filter(|_| llama)
+                    .map(|kv| kv.dir.clone()),
                 extra_args,
             },
             planned_memory,
             env,
+            // ds4-server keeps its own checkpoints (kv_disk_dir): the key is for llama-server.
+            kv_checkpoint: kv_checkpoint.filter(|_| llama),
         }
+    }
+
+    /// `kv_checkpoint:`; `llama`: the profile runs llama-server (others ignore the key, so
+    /// its folder need not be creatable).
+    fn kv_checkpoint(
+        &mut self,
+        raw: super::raw::RawKvCheckpoint,
+        dir: &Path,
+        llama: bool,
+    ) -> Option<KvCheckpoint> {
+        let missing = raw.dir.is_none() && !self.doc.dropped("kv_checkpoint.dir");
+        self.when(
+            missing,
+            "kv_checkpoint",
+            "kv_checkpoint.dir is required: the folder the checkpoints are kept in",
+        );
+        if let Some(text) = raw.dir.as_deref() {
+            self.add("kv_checkpoint.dir", text_problem(text));
+        }
+        let check = llama.then_some(files::check_creatable_dir as DiskCheck);
+        let folder = self.path("kv_checkpoint.dir", raw.dir, dir, check)?;
+        let message = "must be at least 1MiB";
+        let small = raw.max_size.is_some_and(|b| b < MIB);
+        self.when(small, "kv_checkpoint.max_size", message);
+        for (key, value) in [
+            ("kv_checkpoint.save_timeout", raw.save_timeout),
+            ("kv_checkpoint.restore_timeout", raw.restore_timeout),
+        ] {
+            self.when(value == Some(Duration::ZERO), key, POSITIVE);
+        }
+        Some(KvCheckpoint {
+            dir: folder,
+            max_size: raw.max_size,
+            save_timeout: raw
+                .save_timeout
+                .unwrap_or(KvCheckpoint::DEFAULT_SAVE_TIMEOUT),
+            restore_timeout: raw
+                .restore_timeout
+                .unwrap_or(KvCheckpoint::DEFAULT_RESTORE_TIMEOUT),
+        })
     }
 
     /// A path the engine reads (`value` at `key`), resolved against the profiles folder;

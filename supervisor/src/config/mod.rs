@@ -351,6 +351,28 @@ pub struct Profile {
     pub planned_memory: Option<u64>,
     /// Added to the engine's environment.
     pub env: BTreeMap<String, String>,
+    /// llama-server: KV checkpoints across stops (`kv_checkpoint`); `None`: off.
+    pub kv_checkpoint: Option<KvCheckpoint>,
+}
+
+/// `kv_checkpoint:` of a llama-server profile: the slots' KV cache is saved to `dir` on every
+/// planned stop and put back at the next start of a profile it is valid for.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct KvCheckpoint {
+    /// Where the checkpoints live (also the engine's `--slot-save-path`).
+    pub dir: PathBuf,
+    /// The most the checkpoint files in `dir` may take; the oldest go first. `None`: no bound
+    /// but the disk's.
+    pub max_size: Option<u64>,
+    /// How long a stop waits for the save before it signals the engine.
+    pub save_timeout: Duration,
+    /// How long waiting requests wait for the restore before the engine serves cold.
+    pub restore_timeout: Duration,
+}
+
+impl KvCheckpoint {
+    pub const DEFAULT_SAVE_TIMEOUT: Duration = Duration::from_secs(120);
+    pub const DEFAULT_RESTORE_TIMEOUT: Duration = Duration::from_secs(120);
 }
 
 impl Profile {

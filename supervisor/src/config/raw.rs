@@ -44,8 +44,25 @@ pub(crate) struct RawProfile {
     pub kv_disk_space: Option<u64>,
     #[serde(deserialize_with = "size_or_none")]
     pub planned_memory: Option<u64>,
+    /// llama-server: save the slots' KV cache on planned stops, restore it on start.
+    pub kv_checkpoint: Option<RawKvCheckpoint>,
     pub extra_args: Option<Vec<String>>,
     pub env: Option<BTreeMap<String, String>>,
+}
+
+/// `kv_checkpoint:` of a profile; `dir` is required (optional here so that its absence is
+/// reported with the profile's other problems).
+#[derive(Debug, Default, Deserialize)]
+#[serde(default, deny_unknown_fields)]
+#[serde(expecting = "a mapping with dir (required), max_size, save_timeout, restore_timeout")]
+pub(crate) struct RawKvCheckpoint {
+    pub dir: Option<String>,
+    #[serde(deserialize_with = "size_or_none")]
+    pub max_size: Option<u64>,
+    #[serde(deserialize_with = "duration_or_never")]
+    pub save_timeout: Option<Duration>,
+    #[serde(deserialize_with = "duration_or_never")]
+    pub restore_timeout: Option<Duration>,
 }
 
 /// Reads a scalar as text and parses it; the parser's message is the error.

@@ -133,6 +133,7 @@ gpu_layers: 40
 extra_args: [--metrics, "--alias", dsv4, --threads, 8]
 env: {{ LLAMA_ARG_THREADS: 8, HOME: /tmp, PATH: "/nonexistent:{base}/bin" }}
 planned_memory: 10GiB
+kv_checkpoint: {{ dir: kv, max_size: 40GiB, save_timeout: 90s }}
 "#,
             base = base.display()
         ),
@@ -219,6 +220,7 @@ planned_memory: 10GiB
                     },
                     planned_memory: None,
                     env: BTreeMap::new(),
+                    kv_checkpoint: None,
                 },
             ),
             (
@@ -242,11 +244,18 @@ planned_memory: 10GiB
                         prefill_chunk: None,
                         kv_disk_dir: None,
                         kv_disk_space_mb: None,
+                        slot_save_path: Some(profiles_dir.join("kv")),
                         extra_args: ["--metrics", "--alias", "dsv4", "--threads", "8"]
                             .map(String::from)
                             .to_vec(),
                     },
                     planned_memory: Some(10 << 30),
+                    kv_checkpoint: Some(KvCheckpoint {
+                        dir: profiles_dir.join("kv"),
+                        max_size: Some(40 << 30),
+                        save_timeout: Duration::from_secs(90),
+                        restore_timeout: KvCheckpoint::DEFAULT_RESTORE_TIMEOUT,
+                    }),
                     env: BTreeMap::from([
                         ("HOME".to_string(), "/tmp".to_string()),
                         ("LLAMA_ARG_THREADS".to_string(), "8".to_string()),
@@ -446,7 +455,7 @@ fn unknown_key_is_reported_with_position_and_path() {
             "profiles/320k.yaml:3:1: modle: unknown key `modle`, expected one of \
              `description`, `engine`, `command`, `model`, `mmproj`, `context`, `parallel`, \
              `batch`, `ubatch`, `kv_cache`, `flash_attn`, `gpu_layers`, `prefill_chunk`, \
-             `kv_disk_dir`, `kv_disk_space`, `planned_memory`, `extra_args`, `env`; \
+             `kv_disk_dir`, `kv_disk_space`, `planned_memory`, `kv_checkpoint`, `extra_args`, `env`; \
              did you mean `model`?",
         ]
     );

@@ -21,7 +21,7 @@ use tokio::sync::{mpsc, oneshot, watch};
 use tokio::time::Instant;
 
 use super::state::{
-    EngineFailure, Event, Gen, Limits, Machine, MemoryCheck, Phase, Refusal, Sig, WaiterId,
+    EngineFailure, Event, Gen, KvSteps, Limits, Machine, MemoryCheck, Phase, Refusal, Sig, WaiterId,
 };
 use crate::alert::Alerts;
 use crate::config::{Config, EngineLimits};
@@ -132,10 +132,24 @@ enum Command {
 
 #[derive(Debug)]
 enum Internal {
-    Release { gen: Gen },
-    Cancel { waiter: WaiterId },
-    Ready { gen: Gen },
-    Exited { gen: Gen, report: ExitReport },
+    Release {
+        gen: Gen,
+    },
+    Cancel {
+        waiter: WaiterId,
+    },
+    Ready {
+        gen: Gen,
+    },
+    Exited {
+        gen: Gen,
+        report: ExitReport,
+    },
+    /// The KV restore (`restore`) or save of generation `gen` is over.
+    KvDone {
+        gen: Gen,
+        restore: bool,
+    },
 }
 
 /// The way in to the actor; cheap to clone.
@@ -146,9 +160,15 @@ pub struct Handle {
     status: watch::Receiver<Status>,
     next_waiter: Arc<AtomicU64>,
     log: OutputTail,
+    kv: crate::kv::Book,
 }
 
 impl Handle {
+    /// The KV checkpoint steps' record.
+    pub fn kv(&self) -> &crate::kv::Book {
+        &self.kv
+    }
+
     /// Waits until the engine is ready (starting it if needed) and takes a lease on it.
     pub async fn acquire(&self) -> Result<Lease, Refused> {
         self.wait_for_lease(|waiter, reply| Command::Acquire { waiter, reply })
@@ -296,6 +316,10 @@ struct Engine {
     spawned: crate::config::Profile,
     shared: Arc<EngineRef>,
     probe: tokio::task::JoinHandle<()>,
+    /// The KV restore or save running for it, if one does.
+    kv_task: Option<KvTask>,
+    /// When it was sent SIGTERM (how long ds4-server's save took is measured from it).
+    term_at: Option<Instant>,
     ready_at: Option<SystemTime>,
     /// The memory figures just before it started, to check that they come back after it.
     memory_before: crate::hw::MemoryNow,
@@ -309,7 +333,17 @@ struct Engine {
 impl Drop for Engine {
     fn drop(&mut self) {
         self.probe.abort();
+        if let Some(task) = &self.kv_task {
+            task.handle.abort();
+        }
     }
+}
+
+/// A KV checkpoint step in progress.
+struct KvTask {
+    restore: bool,
+    handle: tokio::task::JoinHandle<()>,
+    started: Instant,
 }
 
 /// What the actor uses from the rest of the daemon.
@@ -340,7 +374,10 @@ pub fn spawn(
     let machine = Machine::new(profile, limits(&config.supervisor.engine), Instant::now());
     let (status_tx, status_rx) = watch::channel(Status::stopped(machine.profile()));
     let log = OutputTail::new(LOG_LINES);
+    let kv = crate::kv::Book::default();
+    kv.set_config(config.clone());
     let mut actor = Actor {
+        kv: kv.clone(),
         log: log.clone(),
         config,
         machine,
@@ -366,6 +403,7 @@ pub fn spawn(
         status: status_rx,
         next_waiter: Arc::new(AtomicU64::new(1)),
         log,
+        kv,
     };
     (handle, task)
 }
@@ -381,6 +419,8 @@ fn limits(e: &EngineLimits) -> Limits {
 
 struct Actor {
     config: Arc<Config>,
+    /// What the KV checkpoint steps did.
+    kv: crate::kv::Book,
     /// Every engine's output, across restarts.
     log: OutputTail,
     machine: Machine,
@@ -532,6 +572,7 @@ impl Actor {
             }
             Command::Reload { config } => {
                 self.machine.set_limits(limits(&config.supervisor.engine));
+                self.kv.set_config(config.clone());
                 self.config = config;
                 if let Some(event) = self.fall_back_if_gone() {
                     return Some(event);
@@ -579,9 +620,19 @@ impl Actor {
                 Some(Event::Cancel { waiter })
             }
             Internal::Ready { gen } => Some(Event::Ready { gen }),
+            Internal::KvDone { gen, restore } => {
+                if let Some(e) = self.engine.as_mut().filter(|e| e.shared.gen == gen) {
+                    e.kv_task = None;
+                }
+                Some(match restore {
+                    true => Event::KvRestored { gen },
+                    false => Event::KvSaved { gen },
+                })
+            }
             Internal::Exited { gen, report } => {
                 let engine = self.engine.take_if(|e| e.shared.gen == gen);
                 if let Some(e) = &engine {
+                    self.ds4_save_report(e);
                     tokio::spawn(memory_comes_back(
                         self.sysroot.clone(),
                         e.memory_before,
@@ -599,7 +650,10 @@ impl Actor {
                     Phase::Starting { .. } => {
                         format!("the engine exited before it was ready ({report})")
                     }
-                    Phase::Ready { .. } | Phase::Draining { .. } => {
+                    Phase::Restoring { .. }
+                    | Phase::Ready { .. }
+                    | Phase::Draining { .. }
+                    | Phase::Saving { .. } => {
                         format!("the engine exited unexpectedly ({report})")
                     }
                     _ => format!("the engine stopped ({report})"),
@@ -607,7 +661,10 @@ impl Actor {
                 match self.machine.phase() {
                     Phase::Starting { .. } => tracing::warn!(pid, "{summary}"),
                     // It was serving (or finishing what it served): someone should hear of it.
-                    Phase::Ready { profile, .. } | Phase::Draining { profile, .. } => {
+                    Phase::Restoring { profile, .. }
+                    | Phase::Ready { profile, .. }
+                    | Phase::Draining { profile, .. }
+                    | Phase::Saving { profile, .. } => {
                         tracing::warn!(pid, "{summary}");
                         let mut message = format!("engine (profile {profile}) crashed: {report}");
                         if !tail.is_empty() {
@@ -641,6 +698,7 @@ impl Actor {
                 }
             }
         }
+        self.end_stale_kv_task();
         self.publish();
         self.flush_outbox();
     }
@@ -672,6 +730,9 @@ impl Actor {
                         signal.as_str()
                     );
                     e.child.signal(signal);
+                }
+                if let (Sig::Term, Some(e)) = (sig, self.engine.as_mut()) {
+                    e.term_at.get_or_insert_with(Instant::now);
                 }
             }
             Effect::Grant { gen, waiters } => {
@@ -718,6 +779,8 @@ impl Actor {
             Effect::Exit => {
                 self.exited = true;
             }
+            Effect::RestoreKv { gen, .. } => return self.start_kv_task(gen, true),
+            Effect::SaveKv { gen, .. } => return self.start_kv_task(gen, false),
             Effect::NotAdmitted { profile, short } => {
                 let message = format!("{}; nothing was started", short.describe(&profile));
                 // Each refused request would say it again: once a minute is enough.
@@ -836,6 +899,15 @@ impl Actor {
                 self.sysroot.path(crate::hw::meminfo::PATH).display()
             ),
         }
+        if let Some(kv) = &profile.kv_checkpoint {
+            // llama-server saves only into a folder that exists.
+            if let Err(e) = crate::kv::store::Store::new(&kv.dir).ensure() {
+                tracing::warn!(
+                    "cannot create the KV checkpoint folder {}: {e}; saves will fail",
+                    kv.dir.display()
+                );
+            }
+        }
         let child = match EngineChild::spawn(&spec) {
             Ok(c) => c,
             Err(e) => return fail(e.to_string()),
@@ -855,6 +927,11 @@ impl Actor {
         };
         self.machine
             .set_interrupt_grace(profile.engine.interrupt_grace());
+        self.machine
+            .set_kv_steps(profile.kv_checkpoint.as_ref().map(|kv| KvSteps {
+                save_timeout: kv.save_timeout,
+                restore_timeout: kv.restore_timeout,
+            }));
         let upstream = SocketAddr::from((Ipv4Addr::LOCALHOST, port));
         let shared = Arc::new(EngineRef {
             gen,
@@ -889,12 +966,142 @@ impl Actor {
             child,
             shared,
             probe,
+            kv_task: None,
+            term_at: None,
             ready_at: None,
             memory_before: before,
             _key: key,
             _group: group,
         });
         None
+    }
+
+    /// Runs the KV restore or save of generation `gen` as a task that reports back.
+    fn start_kv_task(&mut self, gen: Gen, restore: bool) -> Option<Event> {
+        let done = match restore {
+            true => Event::KvRestored { gen },
+            false => Event::KvSaved { gen },
+        };
+        let Some(e) = self.engine.as_mut().filter(|e| e.shared.gen == gen) else {
+            return Some(done);
+        };
+        if e.spawned.kv_checkpoint.is_none() {
+            return Some(done);
+        }
+        let (engine, profile, book) = (e.shared.clone(), e.spawned.clone(), self.kv.clone());
+        let internal = self.internal.clone();
+        tracing::info!(
+            profile = profile.name,
+            "{} the KV checkpoint",
+            if restore { "restoring" } else { "saving" }
+        );
+        let handle = tokio::spawn(async move {
+            let name = profile.name.clone();
+            if restore {
+                let step = crate::kv::engine::restore(engine, profile, book.clone()).await;
+                book.restored(&name, step);
+            } else {
+                let step = crate::kv::engine::save(engine, profile, book.clone()).await;
+                book.saved(&name, step);
+            }
+            let _ = internal.send(Internal::KvDone { gen, restore });
+        });
+        e.kv_task = Some(KvTask {
+            restore,
+            handle,
+            started: Instant::now(),
+        });
+        None
+    }
+
+    /// A KV step whose phase the rules have left (its timeout, a stop) is ended, and said so.
+    fn end_stale_kv_task(&mut self) {
+        let phase = self.machine.phase();
+        let Some(e) = self.engine.as_mut() else {
+            return;
+        };
+        let Some(task) = &e.kv_task else { return };
+        let current = match phase {
+            Phase::Restoring { gen, .. } => task.restore && *gen == e.shared.gen,
+            Phase::Saving { gen, .. } => !task.restore && *gen == e.shared.gen,
+            _ => false,
+        };
+        if current {
+            return;
+        }
+        let Some(task) = e.kv_task.take() else { return };
+        task.handle.abort();
+        let Some(kv) = &e.spawned.kv_checkpoint else {
+            return;
+        };
+        let seconds = task.started.elapsed().as_secs_f64();
+        let (what, timeout) = match task.restore {
+            true => ("restore", kv.restore_timeout),
+            false => ("save", kv.save_timeout),
+        };
+        let timed_out = task.started.elapsed() >= timeout;
+        let result = match timed_out {
+            true => format!(
+                "cut off by kv_checkpoint.{what}_timeout ({})",
+                crate::config::format_duration(timeout)
+            ),
+            false => "cut off by a stop".to_string(),
+        };
+        match task.restore {
+            true => tracing::warn!(
+                "the KV checkpoint restore was {result}; the engine serves without it"
+            ),
+            false => tracing::warn!("the KV checkpoint save was {result}; nothing was kept"),
+        }
+        let step = dsv4_client::kv::KvStep {
+            at: crate::kv::unix_now(),
+            seconds,
+            result,
+            ..Default::default()
+        };
+        if task.restore {
+            // The engine lives: it did not die on the checkpoint, which stays usable.
+            let store = crate::kv::store::Store::new(&kv.dir);
+            tokio::task::spawn_blocking(move || store.clear_all_markers());
+            self.kv.restored(&e.spawned.name, step);
+        } else {
+            self.kv.saved(&e.spawned.name, step);
+        }
+    }
+
+    /// ds4-server saves its KV cache after SIGTERM: how long it took to exit, and what it said.
+    fn ds4_save_report(&self, e: &Engine) {
+        if e.spawned.engine != dsv4_engine::EngineKind::Ds4
+            || e.spawned.params.kv_disk_dir.is_none()
+        {
+            return;
+        }
+        let Some(term_at) = e.term_at else { return };
+        let seconds = term_at.elapsed().as_secs_f64();
+        let lines = e.shared.output.last(TAIL_LINES);
+        let step = match crate::kv::ds4_saved(&lines) {
+            Some((mut step, said)) => {
+                tracing::info!(
+                    profile = e.spawned.name,
+                    "ds4-server stopped {seconds:.1} s after SIGTERM; it said: {said}"
+                );
+                step.seconds = seconds;
+                step
+            }
+            None => {
+                tracing::info!(
+                    profile = e.spawned.name,
+                    "ds4-server stopped {seconds:.1} s after SIGTERM and said nothing of a                      KV checkpoint (it saves none under 512 tokens)"
+                );
+                dsv4_client::kv::KvStep {
+                    at: crate::kv::unix_now(),
+                    seconds,
+                    result: "nothing said".into(),
+                    ..Default::default()
+                }
+            }
+        };
+        self.kv.saved(&e.spawned.name, step);
     }
 
     fn publish(&mut self) {

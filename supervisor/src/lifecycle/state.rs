@@ -13,6 +13,14 @@
 //!                                 |  \--exit/timeout--> (Stopping) --> Backoff --until--> Stopped
 //!                      Ready --SetProfile/Stop/Shutdown with leases--> Draining --last lease--> Stopping
 //! ```
+//! With KV checkpoints on (the engine's profile has `kv_checkpoint`, see [`KvSteps`]), two
+//! steps join in, each bounded by its own timeout and never fatal:
+//! ```text
+//!   Starting --ready--> Restoring --restored/timeout--> Ready      (waiters wait for the restore)
+//!   Ready/Draining --planned stop, no lease held--> Saving --saved/timeout--> Stopping
+//! ```
+//! A stop that cuts requests (`stop --now` with leases, a forced drain deadline) or a stop of
+//! an engine that never served skips the save: only an idle engine's cache is consistent.
 //! Requests that arrive while the engine starts, drains or stops wait (up to `max_waiting`),
 //! and every waiter is answered, granted or failed, on every settled transition.
 
@@ -170,6 +178,11 @@ pub enum Effect {
     },
     /// Shutdown is complete: the engine is gone, the daemon may exit.
     Exit,
+    /// Put the saved KV cache of `profile` back into the engine of `gen`, then report
+    /// [`Event::KvRestored`] (whatever came of it: a failed restore means a cold cache).
+    RestoreKv { gen: Gen, profile: String },
+    /// Save the engine's KV cache to disk, then report [`Event::KvSaved`].
+    SaveKv { gen: Gen, profile: String },
     /// A start of `profile` was refused for memory (waiters, if any, are refused too).
     NotAdmitted { profile: String, short: MemoryShort },
 }
@@ -205,6 +218,17 @@ pub enum Event {
     },
     /// Cool again: requests are served, and start the engine, as before.
     Cooled,
+    /// The restore asked of generation `gen` is over (restored, nothing to restore, failed).
+    KvRestored { gen: Gen },
+    /// The save asked of generation `gen` is over (saved or failed).
+    KvSaved { gen: Gen },
+}
+
+/// The bounds of the KV checkpoint steps of an engine whose profile has `kv_checkpoint`.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct KvSteps {
+    pub save_timeout: Duration,
+    pub restore_timeout: Duration,
 }
 
 /// What happens once the engine has exited.
@@ -228,10 +252,25 @@ pub enum Phase {
         profile: String,
         deadline: Instant,
     },
+    /// Ready by its probe; its saved KV cache goes back in before any request is granted,
+    /// until `deadline` at most.
+    Restoring {
+        gen: Gen,
+        profile: String,
+        deadline: Instant,
+    },
     Ready {
         gen: Gen,
         profile: String,
         since: Instant,
+    },
+    /// No lease is held: the engine saves its KV cache (until `deadline` at most), then gets
+    /// the signal.
+    Saving {
+        gen: Gen,
+        profile: String,
+        then: Then,
+        deadline: Instant,
     },
     /// Waiting for the leases of `gen` to end; forced at `deadline` when set.
     Draining {
@@ -258,8 +297,10 @@ impl Phase {
     pub fn state(&self) -> State {
         match self {
             Phase::Stopped => State::Stopped,
-            Phase::Starting { .. } => State::Starting,
+            // The restore is the last step of a start, the save the first of a stop.
+            Phase::Starting { .. } | Phase::Restoring { .. } => State::Starting,
             Phase::Ready { .. } => State::Ready,
+            Phase::Saving { .. } => State::Stopping,
             Phase::Draining { .. } => State::Draining,
             Phase::Stopping { .. } => State::Stopping,
             Phase::Backoff { .. } => State::Backoff,
@@ -270,8 +311,10 @@ impl Phase {
     pub fn gen(&self) -> Option<Gen> {
         match self {
             Phase::Starting { gen, .. }
+            | Phase::Restoring { gen, .. }
             | Phase::Ready { gen, .. }
             | Phase::Draining { gen, .. }
+            | Phase::Saving { gen, .. }
             | Phase::Stopping { gen, .. } => Some(*gen),
             Phase::Stopped | Phase::Backoff { .. } => None,
         }
@@ -281,8 +324,10 @@ impl Phase {
     pub fn engine_profile(&self) -> Option<&str> {
         match self {
             Phase::Starting { profile, .. }
+            | Phase::Restoring { profile, .. }
             | Phase::Ready { profile, .. }
             | Phase::Draining { profile, .. }
+            | Phase::Saving { profile, .. }
             | Phase::Stopping { profile, .. } => Some(profile),
             Phase::Stopped | Phase::Backoff { .. } => None,
         }
@@ -301,6 +346,8 @@ pub struct Machine {
     /// SIGTERM -> SIGINT grace for engines that may deadlock on SIGTERM (llama-server);
     /// `None` for engines that must get their whole `stop_timeout` (ds4 saves its KV cache).
     interrupt_grace: Option<Duration>,
+    /// The KV checkpoint steps of the engine that runs (or is spawned next); `None`: off.
+    kv: Option<KvSteps>,
     profile: String,
     next_gen: Gen,
     leases: u32,
@@ -323,6 +370,7 @@ impl Machine {
             phase: Phase::Stopped,
             limits,
             interrupt_grace: None,
+            kv: None,
             profile,
             next_gen: 1,
             leases: 0,
@@ -350,7 +398,10 @@ impl Machine {
 
     /// Whether the next event could start an engine (no engine is starting or serving).
     pub fn could_start(&self) -> bool {
-        !matches!(self.phase, Phase::Starting { .. } | Phase::Ready { .. })
+        !matches!(
+            self.phase,
+            Phase::Starting { .. } | Phase::Restoring { .. } | Phase::Ready { .. }
+        )
     }
 
     pub fn phase(&self) -> &Phase {
@@ -381,6 +432,10 @@ impl Machine {
     pub fn set_interrupt_grace(&mut self, grace: Option<Duration>) {
         self.interrupt_grace = grace;
     }
+    /// Set by the actor, with the spawn, from the profile of the engine it spawns.
+    pub fn set_kv_steps(&mut self, kv: Option<KvSteps>) {
+        self.kv = kv;
+    }
 
     /// When the engine will be stopped for idleness, if it is ready and idle.
     pub fn idle_deadline(&self) -> Option<Instant> {
@@ -396,7 +451,9 @@ impl Machine {
     pub fn next_deadline(&self) -> Option<Instant> {
         match &self.phase {
             Phase::Stopped => None,
-            Phase::Starting { deadline, .. } => Some(*deadline),
+            Phase::Starting { deadline, .. }
+            | Phase::Restoring { deadline, .. }
+            | Phase::Saving { deadline, .. } => Some(*deadline),
             Phase::Ready { .. } => self.idle_deadline(),
             Phase::Draining { deadline, .. } => *deadline,
             Phase::Stopping {
@@ -427,6 +484,8 @@ impl Machine {
             Event::Shutdown => self.shutdown(now, &mut fx),
             Event::Heat { message, drain } => self.heat(message, drain, now, &mut fx),
             Event::Cooled => self.cooled(now, &mut fx),
+            Event::KvRestored { gen } => self.restored(gen, now, &mut fx),
+            Event::KvSaved { gen } => self.saved(gen, now, &mut fx),
         }
         fx
     }
@@ -470,7 +529,7 @@ impl Machine {
         self.hot = Some(message.clone());
         self.refuse_waiters(Refusal::TooHot { message }, fx);
         match &mut self.phase {
-            Phase::Starting { gen, profile, .. } => {
+            Phase::Starting { gen, profile, .. } | Phase::Restoring { gen, profile, .. } => {
                 let (gen, profile) = (*gen, profile.clone());
                 self.signal_stop(gen, profile, Then::Idle, now, fx);
             }
@@ -487,7 +546,7 @@ impl Machine {
                 }
             }
             Phase::Backoff { .. } => self.phase = Phase::Stopped,
-            Phase::Stopped | Phase::Stopping { .. } => {}
+            Phase::Stopped | Phase::Saving { .. } | Phase::Stopping { .. } => {}
         }
     }
 
@@ -547,7 +606,11 @@ impl Machine {
                 self.waiters.push_back(waiter);
                 self.begin_start(now, fx);
             }
-            Phase::Starting { .. } | Phase::Draining { .. } | Phase::Stopping { .. } => {
+            Phase::Starting { .. }
+            | Phase::Restoring { .. }
+            | Phase::Draining { .. }
+            | Phase::Saving { .. }
+            | Phase::Stopping { .. } => {
                 self.waiters.push_back(waiter);
             }
         }
@@ -567,7 +630,7 @@ impl Machine {
         } = &self.phase
         {
             let (gen, profile, then) = (*gen, profile.clone(), *then);
-            self.signal_stop(gen, profile, then, now, fx);
+            self.planned_stop(gen, profile, then, now, fx);
         }
     }
 
@@ -581,15 +644,61 @@ impl Machine {
         if *g != gen {
             return;
         }
-        self.phase = Phase::Ready {
-            gen,
-            profile: profile.clone(),
-            since: now,
-        };
+        let profile = profile.clone();
         self.failures = 0;
         self.last_failure = None;
+        match self.kv {
+            Some(kv) => {
+                self.phase = Phase::Restoring {
+                    gen,
+                    profile: profile.clone(),
+                    deadline: now + kv.restore_timeout,
+                };
+                fx.push(Effect::RestoreKv { gen, profile });
+            }
+            None => self.serve(gen, profile, now, fx),
+        }
+    }
+
+    /// The engine of `gen` serves: waiters get their leases.
+    fn serve(&mut self, gen: Gen, profile: String, now: Instant, fx: &mut Vec<Effect>) {
+        self.phase = Phase::Ready {
+            gen,
+            profile,
+            since: now,
+        };
         self.idle_since = now;
         self.grant_waiters(gen, fx);
+    }
+
+    /// The restore is over, or (from `tick`) took too long: the engine serves either way,
+    /// with what it has.
+    fn restored(&mut self, gen: Gen, now: Instant, fx: &mut Vec<Effect>) {
+        if let Phase::Restoring {
+            gen: g, profile, ..
+        } = &self.phase
+        {
+            if *g == gen {
+                let profile = profile.clone();
+                self.serve(gen, profile, now, fx);
+            }
+        }
+    }
+
+    /// The save is over, or (from `tick`) took too long: the stop goes on with the signal.
+    fn saved(&mut self, gen: Gen, now: Instant, fx: &mut Vec<Effect>) {
+        if let Phase::Saving {
+            gen: g,
+            profile,
+            then,
+            ..
+        } = &self.phase
+        {
+            if *g == gen {
+                let (profile, then) = (profile.clone(), *then);
+                self.signal_stop(gen, profile, then, now, fx);
+            }
+        }
     }
 
     fn exited(&mut self, gen: Gen, failure: EngineFailure, now: Instant, fx: &mut Vec<Effect>) {
@@ -610,8 +719,8 @@ impl Machine {
                     };
                 }
             }
-            Phase::Ready { .. } => {
-                // Died on its own. In-flight requests see their connection fail (502); the next
+            Phase::Restoring { .. } | Phase::Ready { .. } => {
+                // Died on its own (or on the restore: the actor sets that checkpoint aside). In-flight requests see their connection fail (502); the next
                 // request starts a fresh engine.
                 self.last_failure = Some(failure);
                 self.phase = Phase::Stopped;
@@ -619,7 +728,9 @@ impl Machine {
                     self.begin_start(now, fx);
                 }
             }
-            Phase::Draining { then, .. } | Phase::Stopping { then, .. } => {
+            Phase::Draining { then, .. }
+            | Phase::Saving { then, .. }
+            | Phase::Stopping { then, .. } => {
                 let then = *then;
                 self.after_stop(then, now, fx);
             }
@@ -658,11 +769,19 @@ impl Machine {
                 };
                 self.signal_stop(gen, profile, then, now, fx);
             }
+            Phase::Restoring { gen, deadline, .. } if now >= *deadline => {
+                let gen = *gen;
+                self.restored(gen, now, fx);
+            }
             Phase::Ready { gen, profile, .. }
                 if self.leases == 0 && now >= self.idle_since + self.limits.idle_timeout =>
             {
                 let (gen, profile) = (*gen, profile.clone());
-                self.signal_stop(gen, profile, Then::Idle, now, fx);
+                self.planned_stop(gen, profile, Then::Idle, now, fx);
+            }
+            Phase::Saving { gen, deadline, .. } if now >= *deadline => {
+                let gen = *gen;
+                self.saved(gen, now, fx);
             }
             Phase::Draining {
                 gen,
@@ -709,7 +828,9 @@ impl Machine {
             Phase::Draining {
                 then: Then::Idle, ..
             } => self.call_off_drain(now, fx),
-            Phase::Stopping { then, .. } if *then == Then::Idle => *then = Then::Restart,
+            Phase::Saving { then, .. } | Phase::Stopping { then, .. } if *then == Then::Idle => {
+                *then = Then::Restart
+            }
             _ => {}
         }
     }
@@ -718,14 +839,16 @@ impl Machine {
         match &mut self.phase {
             Phase::Stopped => {}
             Phase::Backoff { .. } => self.phase = Phase::Stopped,
-            Phase::Starting { gen, profile, .. } => {
+            Phase::Starting { gen, profile, .. } | Phase::Restoring { gen, profile, .. } => {
                 let (gen, profile) = (*gen, profile.clone());
                 self.refuse_waiters(Refusal::StartCancelled, fx);
                 self.signal_stop(gen, profile, Then::Idle, now, fx);
             }
             Phase::Ready { gen, profile, .. } => {
                 let (gen, profile) = (*gen, profile.clone());
-                if self.leases == 0 || at_once {
+                if self.leases == 0 {
+                    self.planned_stop(gen, profile, Then::Idle, now, fx);
+                } else if at_once {
                     self.signal_stop(gen, profile, Then::Idle, now, fx);
                 } else {
                     self.phase = Phase::Draining {
@@ -737,6 +860,9 @@ impl Machine {
                 }
             }
             Phase::Draining {
+                gen, profile, then, ..
+            }
+            | Phase::Saving {
                 gen, profile, then, ..
             } => {
                 if *then == Then::Restart {
@@ -765,7 +891,7 @@ impl Machine {
                 self.failures = 0;
                 self.phase = Phase::Stopped;
             }
-            Phase::Starting { gen, profile, .. } => {
+            Phase::Starting { gen, profile, .. } | Phase::Restoring { gen, profile, .. } => {
                 if *profile != profile_now {
                     let (gen, profile) = (*gen, profile.clone());
                     self.signal_stop(gen, profile, Then::Restart, now, fx);
@@ -775,7 +901,7 @@ impl Machine {
                 if *profile != profile_now {
                     let (gen, profile) = (*gen, profile.clone());
                     if self.leases == 0 {
-                        self.signal_stop(gen, profile, Then::Restart, now, fx);
+                        self.planned_stop(gen, profile, Then::Restart, now, fx);
                     } else {
                         self.phase = Phase::Draining {
                             gen,
@@ -788,7 +914,11 @@ impl Machine {
             }
             Phase::Draining {
                 gen, profile, then, ..
+            }
+            | Phase::Saving {
+                gen, profile, then, ..
             } => {
+                // (Back to a saving engine: the save goes on beside the requests.)
                 if *then == Then::Restart && *profile == profile_now {
                     // Switched back before the drain ended: keep the running engine.
                     let (gen, profile) = (*gen, profile.clone());
@@ -816,7 +946,7 @@ impl Machine {
         self.refuse_waiters(Refusal::ShuttingDown, fx);
         match &mut self.phase {
             Phase::Stopped | Phase::Backoff { .. } => self.finish_exit(fx),
-            Phase::Starting { gen, profile, .. } => {
+            Phase::Starting { gen, profile, .. } | Phase::Restoring { gen, profile, .. } => {
                 let (gen, profile) = (*gen, profile.clone());
                 self.signal_stop(gen, profile, Then::Exit, now, fx);
             }
@@ -830,7 +960,8 @@ impl Machine {
                 let cap = now + self.limits.stop_timeout;
                 *deadline = Some(deadline.map_or(cap, |d| d.min(cap)));
             }
-            Phase::Stopping { then, .. } => *then = Then::Exit,
+            // The save is bounded by its own timeout, which the stop's budget includes.
+            Phase::Saving { then, .. } | Phase::Stopping { then, .. } => *then = Then::Exit,
         }
     }
 
@@ -878,7 +1009,7 @@ impl Machine {
         fx: &mut Vec<Effect>,
     ) {
         if self.leases == 0 {
-            self.signal_stop(gen, profile, then, now, fx);
+            self.planned_stop(gen, profile, then, now, fx);
         } else {
             self.phase = Phase::Draining {
                 gen,
@@ -886,6 +1017,30 @@ impl Machine {
                 then,
                 deadline,
             };
+        }
+    }
+
+    /// A serving engine that holds no lease stops: with KV checkpoints on, it saves its cache
+    /// first (see [`Phase::Saving`]), else it gets the signal now.
+    fn planned_stop(
+        &mut self,
+        gen: Gen,
+        profile: String,
+        then: Then,
+        now: Instant,
+        fx: &mut Vec<Effect>,
+    ) {
+        match self.kv {
+            Some(kv) => {
+                self.phase = Phase::Saving {
+                    gen,
+                    profile: profile.clone(),
+                    then,
+                    deadline: now + kv.save_timeout,
+                };
+                fx.push(Effect::SaveKv { gen, profile });
+            }
+            None => self.signal_stop(gen, profile, then, now, fx),
         }
     }
 

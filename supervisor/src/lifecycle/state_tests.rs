@@ -56,6 +56,9 @@ impl T {
             self.ev(Event::Start);
         }
         self.ev(Event::Ready { gen: 1 });
+        if matches!(self.m.phase(), Phase::Restoring { .. }) {
+            self.ev(Event::KvRestored { gen: 1 });
+        }
         assert_eq!(self.state(), State::Ready);
     }
 }
@@ -743,6 +746,227 @@ fn heat_while_starting_cancels_the_start_and_refuses_its_waiters() {
     );
 }
 
+// ---- KV checkpoint steps ------------------------------------------------------------------
+
+/// A machine whose engines have KV checkpoints: saves bounded by 30 s, restores by 45 s.
+fn kv_t() -> T {
+    let mut t = T::new();
+    t.m.set_kv_steps(Some(KvSteps {
+        save_timeout: 30 * S,
+        restore_timeout: 45 * S,
+    }));
+    t
+}
+fn restore(gen: Gen, profile: &str) -> Effect {
+    Effect::RestoreKv {
+        gen,
+        profile: profile.into(),
+    }
+}
+fn save(gen: Gen, profile: &str) -> Effect {
+    Effect::SaveKv {
+        gen,
+        profile: profile.into(),
+    }
+}
+fn exited(gen: Gen) -> Event {
+    Event::Exited {
+        gen,
+        failure: fail("exit code 0"),
+    }
+}
+
+#[test]
+fn the_restore_comes_after_ready_and_before_the_first_grant() {
+    let mut t = kv_t();
+    assert_eq!(t.ev(Event::Acquire { waiter: 1 }), vec![spawn(1, "320k")]);
+    assert_eq!(t.ev(Event::Ready { gen: 1 }), vec![restore(1, "320k")]);
+    // Still a start to clients; a request arriving now waits with the first.
+    assert_eq!(t.state(), State::Starting);
+    assert_eq!(t.ev(Event::Acquire { waiter: 2 }), vec![]);
+    assert_eq!(t.m.failures(), 0);
+    // A report of another generation changes nothing.
+    assert_eq!(t.ev(Event::KvRestored { gen: 7 }), vec![]);
+    assert_eq!(
+        t.at(3).ev(Event::KvRestored { gen: 1 }),
+        vec![grant(1, &[1, 2])]
+    );
+    assert_eq!(t.state(), State::Ready);
+    // Idle time counts from the end of the requests, after the restore.
+    t.ev(Event::Release { gen: 1 });
+    t.ev(Event::Release { gen: 1 });
+    assert_eq!(t.m.idle_deadline(), Some(t.t0 + 903 * S));
+}
+
+#[test]
+fn a_restore_past_its_timeout_serves_with_a_cold_cache() {
+    let mut t = kv_t();
+    t.ev(Event::Acquire { waiter: 1 });
+    t.ev(Event::Ready { gen: 1 });
+    assert_eq!(t.m.next_deadline(), Some(t.t0 + 45 * S));
+    assert_eq!(t.at(44).ev(Event::Tick), vec![]);
+    assert_eq!(t.at(45).ev(Event::Tick), vec![grant(1, &[1])]);
+    // The late report is harmless.
+    assert_eq!(t.at(50).ev(Event::KvRestored { gen: 1 }), vec![]);
+    assert_eq!(t.m.leases(), 1);
+}
+
+#[test]
+fn an_idle_stop_saves_before_the_signal_and_the_save_is_bounded() {
+    let mut t = kv_t();
+    t.ready_with(&[]);
+    assert_eq!(t.at(900).ev(Event::Tick), vec![save(1, "320k")]);
+    assert_eq!(t.state(), State::Stopping);
+    assert_eq!(t.m.next_deadline(), Some(t.t0 + 930 * S));
+    assert_eq!(t.at(910).ev(Event::KvSaved { gen: 1 }), vec![term(1)]);
+    assert_eq!(t.at(911).ev(exited(1)), vec![]);
+    assert_eq!(t.state(), State::Stopped);
+
+    // The next engine: a save that never reports is cut off by save_timeout.
+    let mut t = kv_t();
+    t.ready_with(&[]);
+    assert_eq!(t.at(900).ev(Event::Tick), vec![save(1, "320k")]);
+    assert_eq!(t.at(929).ev(Event::Tick), vec![]);
+    assert_eq!(t.at(930).ev(Event::Tick), vec![term(1)]);
+    // ... and the stop escalates as every stop does.
+    let kill = Effect::Signal {
+        gen: 1,
+        sig: Sig::Kill,
+    };
+    assert_eq!(t.at(1050).ev(Event::Tick), vec![kill]);
+    assert_eq!(t.at(1051).ev(Event::KvSaved { gen: 1 }), vec![]);
+}
+
+#[test]
+fn a_stop_saves_when_no_request_runs_and_never_cuts_requests_to_save() {
+    // stop with no lease: saved first, --now or not.
+    for now in [false, true] {
+        let mut t = kv_t();
+        t.ready_with(&[]);
+        assert_eq!(t.ev(Event::Stop { now }), vec![save(1, "320k")]);
+    }
+    // stop with a request in flight: drained, then saved.
+    let mut t = kv_t();
+    t.ready_with(&[1]);
+    assert_eq!(t.ev(Event::Stop { now: false }), vec![]);
+    assert_eq!(t.ev(Event::Release { gen: 1 }), vec![save(1, "320k")]);
+    // --now with a request in flight cuts it: no save of a cache in the middle of work.
+    let mut t = kv_t();
+    t.ready_with(&[1]);
+    assert_eq!(t.ev(Event::Stop { now: true }), vec![term(1)]);
+    // During the save, --now signals at once.
+    let mut t = kv_t();
+    t.ready_with(&[]);
+    t.ev(Event::Stop { now: false });
+    assert_eq!(t.ev(Event::Stop { now: true }), vec![term(1)]);
+}
+
+#[test]
+fn a_start_that_never_served_stops_without_a_save() {
+    // Stopped while loading, and while restoring: no save, the waiters are told.
+    let mut t = kv_t();
+    t.ev(Event::Acquire { waiter: 1 });
+    assert_eq!(
+        t.ev(Event::Stop { now: false }),
+        vec![
+            Effect::Refuse {
+                waiters: vec![1],
+                why: Refusal::StartCancelled
+            },
+            term(1)
+        ]
+    );
+    let mut t = kv_t();
+    t.ev(Event::Acquire { waiter: 1 });
+    t.ev(Event::Ready { gen: 1 });
+    assert_eq!(
+        t.ev(Event::Stop { now: false }),
+        vec![
+            Effect::Refuse {
+                waiters: vec![1],
+                why: Refusal::StartCancelled
+            },
+            term(1)
+        ]
+    );
+}
+
+#[test]
+fn a_profile_switch_saves_the_old_engine_and_restores_into_the_new() {
+    let mut t = kv_t();
+    t.ready_with(&[1]);
+    assert_eq!(
+        t.ev(Event::SetProfile {
+            profile: "64k".into()
+        }),
+        vec![]
+    );
+    assert_eq!(t.state(), State::Draining);
+    assert_eq!(t.ev(Event::Acquire { waiter: 2 }), vec![]);
+    assert_eq!(t.ev(Event::Release { gen: 1 }), vec![save(1, "320k")]);
+    assert_eq!(t.ev(Event::KvSaved { gen: 1 }), vec![term(1)]);
+    assert_eq!(t.ev(exited(1)), vec![spawn(2, "64k")]);
+    assert_eq!(t.ev(Event::Ready { gen: 2 }), vec![restore(2, "64k")]);
+    assert_eq!(t.ev(Event::KvRestored { gen: 2 }), vec![grant(2, &[2])]);
+}
+
+#[test]
+fn switching_back_during_the_save_keeps_the_engine() {
+    let mut t = kv_t();
+    t.ready_with(&[]);
+    let to = |p: &str| Event::SetProfile { profile: p.into() };
+    assert_eq!(t.ev(to("64k")), vec![save(1, "320k")]);
+    assert_eq!(t.ev(Event::Acquire { waiter: 1 }), vec![]);
+    assert_eq!(t.ev(to("320k")), vec![grant(1, &[1])]);
+    assert_eq!(t.state(), State::Ready);
+    // The save's report after that changes nothing.
+    assert_eq!(t.ev(Event::KvSaved { gen: 1 }), vec![]);
+    assert_eq!(t.state(), State::Ready);
+}
+
+#[test]
+fn a_request_during_the_save_starts_the_next_engine_after_the_stop() {
+    let mut t = kv_t();
+    t.ready_with(&[]);
+    t.at(900).ev(Event::Tick);
+    assert_eq!(t.ev(Event::Acquire { waiter: 1 }), vec![]);
+    assert_eq!(t.ev(Event::KvSaved { gen: 1 }), vec![term(1)]);
+    assert_eq!(t.ev(exited(1)), vec![spawn(2, "320k")]);
+    // ... which gets back what the first one saved.
+    assert_eq!(t.ev(Event::Ready { gen: 2 }), vec![restore(2, "320k")]);
+}
+
+#[test]
+fn shutdown_saves_then_exits() {
+    let mut t = kv_t();
+    t.ready_with(&[]);
+    assert_eq!(t.ev(Event::Shutdown), vec![save(1, "320k")]);
+    assert_eq!(t.ev(Event::KvSaved { gen: 1 }), vec![term(1)]);
+    assert_eq!(t.ev(exited(1)), vec![Effect::Exit]);
+    // A shutdown that comes during an idle stop's save exits after it.
+    let mut t = kv_t();
+    t.ready_with(&[]);
+    t.at(900).ev(Event::Tick);
+    assert_eq!(t.ev(Event::Shutdown), vec![]);
+    assert_eq!(t.ev(Event::KvSaved { gen: 1 }), vec![term(1)]);
+    assert_eq!(t.ev(exited(1)), vec![Effect::Exit]);
+}
+
+#[test]
+fn an_engine_that_dies_on_its_restore_is_started_again_for_the_waiters() {
+    let mut t = kv_t();
+    t.ev(Event::Acquire { waiter: 1 });
+    t.ev(Event::Ready { gen: 1 });
+    assert_eq!(t.ev(exited(1)), vec![spawn(2, "320k")]);
+    assert_eq!(
+        t.m.failures(),
+        0,
+        "the engine was ready: not a failed start"
+    );
+    assert_eq!(t.ev(Event::Ready { gen: 2 }), vec![restore(2, "320k")]);
+    assert_eq!(t.ev(Event::KvRestored { gen: 2 }), vec![grant(2, &[1])]);
+}
+
 // ---- proptest invariants -----------------------------------------------------------------
 
 #[derive(Debug, Clone)]
@@ -762,6 +986,8 @@ enum Op {
     Heat(Option<u64>),
     Cooled,
     Shutdown,
+    /// The KV restore or save asked for is over.
+    KvDone,
 }
 
 fn op(forcing: bool) -> impl Strategy<Value = Op> {
@@ -778,6 +1004,7 @@ fn op(forcing: bool) -> impl Strategy<Value = Op> {
         (2, any::<bool>().prop_map(Op::Memory).boxed()),
         (1, proptest::option::of(0u64..60).prop_map(Op::Heat).boxed()),
         (1, Just(Op::Cooled).boxed()),
+        (2, Just(Op::KvDone).boxed()),
     ];
     if forcing {
         ops.push((1, Just(Op::Stop(true)).boxed()));
@@ -796,6 +1023,8 @@ struct World {
     pending: BTreeSet<WaiterId>,
     answered: BTreeMap<WaiterId, u32>,
     exited: bool,
+    /// The KV step asked of the child and not yet reported: a restore (`true`) or a save.
+    kv_asked: Option<(Gen, bool)>,
 }
 
 impl World {
@@ -803,6 +1032,10 @@ impl World {
         let now = Instant::now();
         let mut m = Machine::new("a".into(), limits(), now);
         m.set_interrupt_grace(Some(5 * S));
+        m.set_kv_steps(Some(KvSteps {
+            save_timeout: 30 * S,
+            restore_timeout: 45 * S,
+        }));
         World {
             m,
             now,
@@ -812,6 +1045,7 @@ impl World {
             pending: BTreeSet::new(),
             answered: BTreeMap::new(),
             exited: false,
+            kv_asked: None,
         }
     }
 
@@ -862,6 +1096,21 @@ impl World {
                         matches!(self.m.phase(), Phase::Stopped),
                         "not admitted, not stopped"
                     );
+                }
+                Effect::RestoreKv { gen, .. } => {
+                    prop_assert_eq!(Some(gen), self.child, "restore into a child not there");
+                    prop_assert_eq!(leases_after, 0, "restore while requests are served");
+                    self.kv_asked = Some((gen, true));
+                }
+                Effect::SaveKv { gen, .. } => {
+                    prop_assert_eq!(Some(gen), self.child, "save of a child not there");
+                    // The save happens once no lease is held, and before the signal.
+                    prop_assert_eq!(leases_after, 0, "save while a lease is held");
+                    prop_assert!(
+                        self.leases.iter().all(|g| *g != gen),
+                        "save while a lease is held"
+                    );
+                    self.kv_asked = Some((gen, false));
                 }
                 Effect::Exit => {
                     prop_assert!(self.child.is_none(), "exit with a live child");
@@ -945,6 +1194,11 @@ impl World {
             Op::Heat(drain) => self.apply(heat(drain.map(Duration::from_secs))),
             Op::Cooled => self.apply(Event::Cooled),
             Op::Shutdown => self.apply(Event::Shutdown),
+            Op::KvDone => match self.kv_asked.take() {
+                Some((gen, true)) => self.apply(Event::KvRestored { gen }),
+                Some((gen, false)) => self.apply(Event::KvSaved { gen }),
+                None => Ok(()),
+            },
         }
     }
 
@@ -957,6 +1211,9 @@ impl World {
             }
             match (self.m.phase().clone(), self.child) {
                 (Phase::Starting { .. }, Some(gen)) => self.apply(Event::Ready { gen })?,
+                (Phase::Restoring { .. } | Phase::Saving { .. }, Some(_)) => {
+                    self.run(Op::KvDone)?
+                }
                 (Phase::Stopping { .. }, Some(gen)) => {
                     self.child = None;
                     self.apply(Event::Exited {

@@ -154,9 +154,13 @@ struct Args {
     /// ds4: prefill chunk size (accepted, ignored).
     #[arg(long = "prefill-chunk")]
     prefill_chunk: Option<u64>,
-    /// ds4: KV checkpoint directory (accepted, ignored).
+    /// ds4: KV checkpoint directory; with --mode ds4 a SIGTERM writes a checkpoint there
+    /// and logs it as ds4-server does.
     #[arg(long = "kv-disk-dir")]
     kv_disk_dir: Option<PathBuf>,
+    /// llama-server: where `/slots/N?action=save|restore` keep their files.
+    #[arg(long = "slot-save-path")]
+    slot_save_path: Option<PathBuf>,
     /// ds4: KV checkpoint space budget (accepted, ignored).
     #[arg(long = "kv-disk-space-mb")]
     kv_disk_space_mb: Option<u64>,
@@ -192,6 +196,9 @@ struct Args {
     /// On SIGTERM wait this many ms, then exit 0 [env FAKE_ENGINE_SIGTERM_MS; default 0].
     #[arg(long = "sigterm-ms")]
     sigterm_ms: Option<u64>,
+    /// A slot save takes this many ms before it writes [env FAKE_ENGINE_SAVE_MS; default 0].
+    #[arg(long = "save-ms")]
+    save_ms: Option<u64>,
     /// Ignore SIGTERM entirely [env FAKE_ENGINE_IGNORE_SIGTERM=1|true|yes|on].
     #[arg(long = "ignore-sigterm")]
     ignore_sigterm: bool,
@@ -229,6 +236,9 @@ pub struct Config {
     /// `None` (or 0 on the command line) disables it.
     pub die_after_tokens: Option<u64>,
     pub sigterm_ms: u64,
+    pub save_ms: u64,
+    pub slot_save_path: Option<PathBuf>,
+    pub kv_disk_dir: Option<PathBuf>,
     pub ignore_sigterm: bool,
     pub log_file: Option<PathBuf>,
     pub connections: Connections,
@@ -364,6 +374,9 @@ fn build_config(args: &Args) -> Result<Config, String> {
         fail_start: knob(args.fail_start, "FAIL_START")?.unwrap_or(FailStart::None),
         die_after_tokens: knob(args.die_after_tokens, "DIE_AFTER_TOKENS")?.filter(|&n| n > 0),
         sigterm_ms: knob(args.sigterm_ms, "SIGTERM_MS")?.unwrap_or(0),
+        save_ms: knob(args.save_ms, "SAVE_MS")?.unwrap_or(0),
+        slot_save_path: args.slot_save_path.clone(),
+        kv_disk_dir: args.kv_disk_dir.clone(),
         ignore_sigterm,
         log_file: knob(args.log_file.clone(), "LOG_FILE")?,
         connections: knob(args.connections.clone(), "CONNECTIONS")?.unwrap_or_default(),
@@ -413,10 +426,37 @@ async fn handle_signals(engine: Arc<Engine>) {
                 std::process::exit(1);
             }
             _ = linger => {
+                if let (Mode::Ds4, Some(dir)) = (engine.cfg.mode, &engine.cfg.kv_disk_dir) {
+                    ds4_checkpoint(&engine, dir);
+                }
                 say!("fake-engine: shutdown complete");
                 std::process::exit(0);
             }
         }
+    }
+}
+
+/// ds4-server at shutdown: it writes the live session to `<sha1>.kv` in its folder when it
+/// holds at least 512 tokens, and logs it in its words.
+fn ds4_checkpoint(engine: &Engine, dir: &Path) {
+    let tokens = engine.tokens_served();
+    if tokens < 512 {
+        return;
+    }
+    say!("ds4-server: persisting current KV cache before shutdown tokens={tokens}");
+    let bytes = tokens * 1024;
+    let file = dir.join(format!("{:040x}.kv", tokens));
+    let started = std::time::Instant::now();
+    let written = std::fs::create_dir_all(dir)
+        .and_then(|()| std::fs::write(&file, vec![0u8; bytes as usize]));
+    let ms = started.elapsed().as_secs_f64() * 1000.0;
+    match written {
+        Ok(()) => say!(
+            "ds4-server: kv cache stored tokens={tokens} trimmed=0 reason=shutdown \
+             key=token-text size={:.2} MiB save={ms:.1} ms",
+            bytes as f64 / 1048576.0
+        ),
+        Err(e) => say!("ds4-server: kv cache store failed (shutdown): {e} save={ms:.1} ms"),
     }
 }
 

@@ -96,6 +96,11 @@ impl Engine {
         }
     }
 
+    /// Tokens generated so far (what a ds4 checkpoint of this engine would hold).
+    pub fn tokens_served(&self) -> u64 {
+        self.tokens_total.load(Ordering::SeqCst)
+    }
+
     pub fn is_ready(&self) -> bool {
         self.ready.load(Ordering::SeqCst)
     }
@@ -586,6 +591,7 @@ async fn route(engine: &Arc<Engine>, req: Request<Incoming>, method: &Method, pa
                 .collect();
             json_response(StatusCode::OK, &Value::Array(slots))
         }
+        (&Method::POST, p) if llama && p.starts_with("/slots/") => slot_action(engine, req).await,
         (&Method::GET, "/props") => json_response(
             StatusCode::OK,
             &json!({
@@ -598,6 +604,89 @@ async fn route(engine: &Arc<Engine>, req: Request<Incoming>, method: &Method, pa
             }),
         ),
         _ => not_found(),
+    }
+}
+
+/// `POST /slots/N?action=save|restore|erase` with `{"filename": NAME}`, as llama-server
+/// answers it: the file lives in `--slot-save-path` (without one: 501), a name with a path
+/// in it is refused, a save takes `--save-ms` first. A slot "holds" the tokens generated so
+/// far; a restore reads the count back from the file.
+async fn slot_action(engine: &Arc<Engine>, req: Request<Incoming>) -> Resp {
+    let error = |status: StatusCode, message: &str| {
+        json_response(
+            status,
+            &json!({"error": {"code": status.as_u16(), "message": message, "type": "invalid_request_error"}}),
+        )
+    };
+    let id: Option<u64> = req.uri().path()["/slots/".len()..].parse().ok();
+    let action = req
+        .uri()
+        .query()
+        .and_then(|q| q.split('&').find_map(|kv| kv.strip_prefix("action=")))
+        .unwrap_or("")
+        .to_string();
+    let Some(id) = id.filter(|id| *id < u64::from(engine.cfg.parallel.max(1))) else {
+        return error(StatusCode::BAD_REQUEST, "Invalid slot ID");
+    };
+    let Some(dir) = engine.cfg.slot_save_path.clone() else {
+        return error(
+            StatusCode::NOT_IMPLEMENTED,
+            "This server does not support slots action.",
+        );
+    };
+    let body = match Limited::new(req.into_body(), 1 << 20).collect().await {
+        Ok(b) => b.to_bytes(),
+        Err(_) => return error(StatusCode::BAD_REQUEST, "bad body"),
+    };
+    let name = serde_json::from_slice::<Value>(&body)
+        .ok()
+        .and_then(|v| v["filename"].as_str().map(String::from));
+    let name = match (action.as_str(), name) {
+        ("erase", _) => String::new(),
+        (_, Some(n)) if !n.is_empty() && !n.contains('/') && n != ".." => n,
+        _ => return error(StatusCode::BAD_REQUEST, "Invalid filename"),
+    };
+    let path = dir.join(&name);
+    engine.log.line(&format!("slot {id} {action} {name}"));
+    match action.as_str() {
+        "save" => {
+            tokio::time::sleep(Duration::from_millis(engine.cfg.save_ms)).await;
+            let tokens = engine.tokens_served();
+            let content = format!(
+                "fake-engine slot tokens={tokens}
+"
+            );
+            if std::fs::write(&path, &content).is_err() {
+                return json_response(
+                    StatusCode::INTERNAL_SERVER_ERROR,
+                    &json!({"error": {"code": 500, "message": "Unable to save slot", "type": "server_error"}}),
+                );
+            }
+            json_response(
+                StatusCode::OK,
+                &json!({"id_slot": id, "filename": name, "n_saved": tokens, "n_written": content.len(), "timings": {"save_ms": engine.cfg.save_ms}}),
+            )
+        }
+        "restore" => {
+            let tokens = std::fs::read_to_string(&path).ok().and_then(|t| {
+                t.trim()
+                    .strip_prefix("fake-engine slot tokens=")?
+                    .parse::<u64>()
+                    .ok()
+            });
+            match tokens {
+                Some(n) => json_response(
+                    StatusCode::OK,
+                    &json!({"id_slot": id, "filename": name, "n_restored": n, "n_read": 0, "timings": {"restore_ms": 0}}),
+                ),
+                None => error(
+                    StatusCode::BAD_REQUEST,
+                    "Unable to restore slot: No available space in KV cache or invalid slot save file",
+                ),
+            }
+        }
+        "erase" => json_response(StatusCode::OK, &json!({"id_slot": id, "n_erased": 0})),
+        _ => error(StatusCode::BAD_REQUEST, "Invalid action"),
     }
 }
 

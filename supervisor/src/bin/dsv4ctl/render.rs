@@ -502,6 +502,7 @@ mod tests {
             telemetry: None,
             power: None,
             thermal: None,
+            kv: None,
         }
     }
 

@@ -1,0 +1,70 @@
+//! KV checkpoints: the saved KV caches of engines, as `GET /status`, `Status()`,
+//! `KvCheckpoints()` and `dsv4ctl kv list` show them.
+
+use serde::{Deserialize, Serialize};
+
+/// The checkpoint part of [`crate::Status`]: one entry per profile that keeps checkpoints.
+#[derive(Debug, Clone, Default, PartialEq, Serialize, Deserialize)]
+pub struct KvStatus {
+    pub profiles: Vec<KvProfile>,
+    /// Prompt tokens that requests took from a restored cache instead of a prefill.
+    pub restored_tokens_total: u64,
+}
+
+/// One profile's checkpoints and its last save and restore.
+#[derive(Debug, Clone, Default, PartialEq, Serialize, Deserialize)]
+pub struct KvProfile {
+    pub profile: String,
+    /// `llama-server` (slots saved by dsv4d) or `ds4` (ds4-server's own `--kv-disk-dir`).
+    pub engine: String,
+    /// Where the checkpoints are kept.
+    pub dir: String,
+    /// The newest checkpoint this profile saved, when there is one (llama-server only: ds4
+    /// keeps its own files).
+    pub checkpoint: Option<KvCheckpoint>,
+    /// Bytes of the checkpoint files in `dir` (all profiles' that share it, and those set aside).
+    pub dir_bytes: u64,
+    pub last_save: Option<KvStep>,
+    pub last_restore: Option<KvStep>,
+}
+
+/// A checkpoint on disk.
+#[derive(Debug, Clone, Default, PartialEq, Serialize, Deserialize)]
+pub struct KvCheckpoint {
+    /// Its name: the hash of what makes a KV cache valid (model, context, slots, KV types,
+    /// engine build).
+    pub id: String,
+    /// The profile that saved it.
+    pub profile: String,
+    /// Tokens held, over all its slots.
+    pub tokens: u64,
+    pub bytes: u64,
+    /// Unix time (s) of the save.
+    pub saved_at: f64,
+    /// How long the save took.
+    pub save_seconds: f64,
+    /// The slots it holds.
+    pub slots: Vec<u32>,
+    /// The engine build it was made with (`/props` `build_info`).
+    pub build: String,
+    /// Set for a checkpoint set aside (never restored): why.
+    #[serde(default)]
+    pub aside: Option<String>,
+}
+
+/// What one save or restore did.
+#[derive(Debug, Clone, Default, PartialEq, Serialize, Deserialize)]
+pub struct KvStep {
+    /// Unix time (s) it ended.
+    pub at: f64,
+    pub seconds: f64,
+    pub tokens: u64,
+    pub bytes: u64,
+    /// `saved`, `restored`, `nothing to save`, `nothing to restore`, or what went wrong.
+    pub result: String,
+    /// Whether it did what it was for (a restore that found nothing compatible did not).
+    pub ok: bool,
+    /// What the engine said about it (ds4-server's log line), when it says something.
+    #[serde(default)]
+    pub engine_said: Option<String>,
+}
