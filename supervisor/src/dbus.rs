@@ -6,7 +6,7 @@
 //! object keeps only handles (the lifecycle actor's, the config, the statistics), and its
 //! methods take `&self`.
 //!
-//! Reading is open to every caller. `Start`, `Stop`, `StopNow` and `SetProfile` are allowed
+//! Reading is open to every caller. `Start`, `Stop`, `StopNow`, `SetProfile` and `DropKv` are allowed
 //! for root and the members of the control group only. The check uses the caller's
 //! credentials as the bus daemon reports them (`GetConnectionCredentials`), so it holds even
 //! under a bus policy that lets everyone call.
@@ -248,6 +248,28 @@ impl ControlObject {
     ) -> Result<(), Fault> {
         self.authorize(&header, conn, "SetProfile").await?;
         Ok(self.lifecycle.set_profile(&name).await?)
+    }
+
+    /// The KV checkpoints on disk, every profile's, as a JSON array of `KvCheckpoint`s.
+    async fn kv_checkpoints(&self) -> Result<String, Fault> {
+        serde_json::to_string(&self.lifecycle.kv().list()).map_err(|e| Fault::failed(e.to_string()))
+    }
+
+    /// Removes the KV checkpoints `what` names (`all`, a profile, an id); the ids removed,
+    /// as a JSON array.
+    async fn drop_kv(
+        &self,
+        what: String,
+        #[zbus(header)] header: Header<'_>,
+        #[zbus(connection)] conn: &Connection,
+    ) -> Result<String, Fault> {
+        self.authorize(&header, conn, "DropKv").await?;
+        let gone = self
+            .lifecycle
+            .kv()
+            .drop_matching(&what)
+            .map_err(Fault::failed)?;
+        serde_json::to_string(&gone).map_err(|e| Fault::failed(e.to_string()))
     }
 
     /// The status JSON, the same document as `GET /status`.

@@ -7,6 +7,7 @@
 //! statistics, the monitor's latest sample), so that nothing here holds state of its own.
 //! A figure the host does not report has no line.
 
+use dsv4_client::kv::KvStatus;
 use dsv4_client::telemetry::{Sample, ThrottleKind};
 use dsv4_client::{PowerStatus, State, ThermalStatus};
 use prometheus_client::encoding::EncodeLabelSet;
@@ -86,12 +87,14 @@ pub fn render(
     sample: Option<&Sample>,
     power: &PowerStatus,
     thermal: &ThermalStatus,
+    kv: &KvStatus,
 ) -> String {
     let mut reg = Registry::default();
     engine(&mut reg, status);
     request_metrics(&mut reg, requests);
     host(&mut reg, sample);
     power_metrics(&mut reg, power);
+    kv_metrics(&mut reg, kv);
     let levels = add(
         &mut reg,
         "dsv4_thermal_level",
@@ -114,6 +117,50 @@ pub fn render(
     // Writing to a String cannot fail.
     let _ = prometheus_client::encoding::text::encode(&mut out, &reg);
     out
+}
+
+fn kv_metrics(reg: &mut Registry, kv: &KvStatus) {
+    let bytes = add(
+        reg,
+        "dsv4_kv_checkpoint_bytes",
+        "Bytes of the newest KV checkpoint each profile saved.",
+        Family::<ProfileLabel, Gauge>::default(),
+    );
+    let save = add(
+        reg,
+        "dsv4_kv_save_seconds",
+        "How long the last KV checkpoint save of each profile took.",
+        Family::<ProfileLabel, FloatGauge>::default(),
+    );
+    let restore = add(
+        reg,
+        "dsv4_kv_restore_seconds",
+        "How long the last KV checkpoint restore of each profile took.",
+        Family::<ProfileLabel, FloatGauge>::default(),
+    );
+    for p in &kv.profiles {
+        let label = ProfileLabel {
+            profile: p.profile.clone(),
+        };
+        let on_disk = p.checkpoint.as_ref().map_or(p.dir_bytes, |c| c.bytes);
+        bytes
+            .get_or_create(&label)
+            .set(i64::try_from(on_disk).unwrap_or(i64::MAX));
+        if let Some(step) = &p.last_save {
+            save.get_or_create(&label).set(step.seconds);
+        }
+        if let Some(step) = &p.last_restore {
+            restore.get_or_create(&label).set(step.seconds);
+        }
+    }
+    // OpenMetrics adds `_total` to a counter's samples.
+    add(
+        reg,
+        "dsv4_kv_restored_tokens",
+        "Prompt tokens that requests took from a restored KV cache instead of a prefill.",
+        Counter::<u64>::default(),
+    )
+    .inc_by(kv.restored_tokens_total);
 }
 
 fn power_metrics(reg: &mut Registry, power: &PowerStatus) {
@@ -440,6 +487,7 @@ mod tests {
             None,
             &PowerStatus::default(),
             &ThermalStatus::default(),
+            &KvStatus::default(),
         );
         let got = lines(&text);
         for line in [
@@ -535,6 +583,7 @@ mod tests {
                 }],
                 ..ThermalStatus::default()
             },
+            &KvStatus::default(),
         );
         let got = lines(&text);
         for line in [

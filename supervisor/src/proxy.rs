@@ -391,6 +391,7 @@ async fn route(ctx: &Ctx, config: &Arc<Config>, mut req: Request<Incoming>) -> R
                 sample.as_deref(),
                 &ctx.power.status(),
                 &ctx.thermal.status(),
+                &ctx.lifecycle.kv().status(),
             );
             let mut r = Response::new(ProxyBody::from(Bytes::from(text)));
             r.headers_mut().insert(

@@ -16,7 +16,7 @@ const DSV4CTL: &str = env!("CARGO_BIN_EXE_dsv4ctl-under-test");
 
 /// Runs `dsv4ctl --bus session ARGS` on `bus`, optionally as another user: the copy of
 /// dsv4ctl that user may run, through setpriv with these arguments.
-fn ctl(bus: &str, args: &[&str], as_user: Option<(&CtlCopy, &[&str])>) -> Output {
+pub(crate) fn ctl(bus: &str, args: &[&str], as_user: Option<(&CtlCopy, &[&str])>) -> Output {
     let mut cmd = match as_user {
         Some((copy, setpriv_args)) => {
             let mut c = Command::new("setpriv");
@@ -41,7 +41,7 @@ fn ctl(bus: &str, args: &[&str], as_user: Option<(&CtlCopy, &[&str])>) -> Output
 
 /// A copy of dsv4ctl that any user may run (the build folder may not be reachable); removed
 /// on drop.
-struct CtlCopy {
+pub(crate) struct CtlCopy {
     path: PathBuf,
     _dir: TempDir,
 }
@@ -91,7 +91,7 @@ async fn client(
     (conn, live, cached)
 }
 
-async fn wait_bus_name(d: &Daemon, bus: &PrivateBus) {
+pub(crate) async fn wait_bus_name(d: &Daemon, bus: &PrivateBus) {
     let t = Instant::now();
     loop {
         if ctl(&bus.address, &["status", "--json"], None).status.code() == Some(0) {

@@ -58,6 +58,11 @@ pub trait Supervisor1 {
     fn set_profile(&self, name: &str) -> zbus::Result<()>;
     /// The status as JSON (the same document as `GET /status`): see [`Status`].
     fn status(&self) -> zbus::Result<String>;
+    /// The KV checkpoints on disk as a JSON array: see [`kv::KvCheckpoint`].
+    fn kv_checkpoints(&self) -> zbus::Result<String>;
+    /// Removes the KV checkpoints `what` names (`all`, a profile, an id); the ids removed,
+    /// as a JSON array. Root and the `dsv4` group only.
+    fn drop_kv(&self, what: &str) -> zbus::Result<String>;
     /// The profiles as a JSON array: see [`ProfileInfo`].
     fn list_profiles(&self) -> zbus::Result<String>;
     /// The samples of the host taken at or after `since` (unix s), oldest first, at most

@@ -146,6 +146,18 @@ enum Command {
         #[arg(long)]
         states: bool,
     },
+    /// List or remove the saved KV caches (checkpoints)
+    ///
+    /// Profiles with kv_checkpoint save their engine's KV cache on every planned stop and
+    /// get it back at the next start, so a long prompt is not prefilled again. `kv list`
+    /// (the default) shows each checkpoint: its id, the profile that saved it, tokens, size,
+    /// age and engine build; set-aside ones (never restored) with the reason. `kv drop
+    /// WHAT` removes the checkpoints of a profile, one by id, or `all` (root and the dsv4
+    /// group only). With --json, prints KvCheckpoints() or the removed ids.
+    Kv {
+        #[command(subcommand)]
+        action: Option<KvAction>,
+    },
     /// Check a configuration
     ///
     /// Reads supervisor.yaml and its profiles the way dsv4d does and prints every problem
@@ -168,6 +180,17 @@ enum Command {
     /// Print the manual page (roff), for packages: dsv4ctl man > dsv4ctl.1
     #[command(hide = true)]
     Man,
+}
+
+#[derive(Debug, Subcommand)]
+enum KvAction {
+    /// List the checkpoints on disk
+    List,
+    /// Remove checkpoints: WHAT is a profile name, a checkpoint id, or `all`
+    Drop {
+        #[arg(value_name = "WHAT")]
+        what: String,
+    },
 }
 
 #[derive(Debug, Subcommand)]
@@ -224,6 +247,7 @@ async fn run(cli: Cli) -> Result<(), Failure> {
         Command::Profiles => profiles(&daemon, json).await,
         Command::Logs { follow, lines } => logs(&daemon, json, follow, lines).await,
         Command::Top => top::run(&daemon).await,
+        Command::Kv { action } => kv(&daemon, json, action.unwrap_or(KvAction::List)).await,
         Command::Completions { .. }
         | Command::Config { .. }
         | Command::NotifyAgent { .. }
@@ -493,6 +517,25 @@ fn set_profile_text(before: &EngineStatus, name: &str) -> String {
         )
     } else {
         format!("profile {name}: applies at the next start")
+    }
+}
+
+async fn kv(daemon: &Daemon, json: bool, action: KvAction) -> Result<(), Failure> {
+    match action {
+        KvAction::List => {
+            let list = daemon.kv_checkpoints().await?;
+            match json {
+                true => print_json(&list),
+                false => print(&render::kv_table(&list, unix_now())),
+            }
+        }
+        KvAction::Drop { what } => {
+            let gone = daemon.drop_kv(&what).await?;
+            match json {
+                true => print_json(&gone),
+                false => print(&format!("removed: {}\n", gone.join(", "))),
+            }
+        }
     }
 }
 

@@ -357,10 +357,20 @@ async fn run(args: Args, activated: Vec<(std::os::fd::OwnedFd, String)>) -> Resu
     // The listener, the configuration and the bus name are in place: ready.
     dsv4::service::ready(&lifecycle.status());
     dsv4::service::spawn(lifecycle.clone(), ctx.telemetry.clone());
-    let stop_timeout = ctx.config.borrow().supervisor.engine.stop_timeout;
+    let config_in_force = ctx.config.clone();
     let connections_closed = proxy::serve(listener, ctx, shutdown).await;
-    // A drain of in-flight requests, then the engine's own stop: up to twice stop_timeout.
-    dsv4::service::stopping(2 * stop_timeout + std::time::Duration::from_secs(10));
+    // A drain of in-flight requests, the KV checkpoint's save, then the engine's own stop.
+    let budget = {
+        let config = config_in_force.borrow();
+        let save = config
+            .profiles
+            .values()
+            .filter_map(|p| p.kv_checkpoint.as_ref().map(|kv| kv.save_timeout))
+            .max()
+            .unwrap_or_default();
+        2 * config.supervisor.engine.stop_timeout + save + std::time::Duration::from_secs(10)
+    };
+    dsv4::service::stopping(budget);
     // In-flight streams finish (bounded by engine.stop_timeout), then the engine stops.
     lifecycle.shutdown().await;
     let _ = actor.await;

@@ -166,6 +166,65 @@ impl Book {
     }
 }
 
+impl Book {
+    /// The checkpoint folders of the profiles that keep checkpoints, each once.
+    fn stores(&self) -> Vec<store::Store> {
+        let Some(config) = self.lock().config.clone() else {
+            return Vec::new();
+        };
+        let mut dirs: Vec<std::path::PathBuf> = config
+            .profiles
+            .values()
+            .filter_map(|p| p.kv_checkpoint.as_ref().map(|kv| kv.dir.clone()))
+            .collect();
+        dirs.sort();
+        dirs.dedup();
+        dirs.iter().map(|d| store::Store::new(d)).collect()
+    }
+
+    /// Every checkpoint on disk (newest first, those set aside after).
+    pub fn list(&self) -> Vec<dsv4_client::kv::KvCheckpoint> {
+        let mut all: Vec<store::Manifest> = self.stores().iter().flat_map(|s| s.list()).collect();
+        all.sort_by(|a, b| {
+            (a.aside.is_some(), -a.saved_at)
+                .partial_cmp(&(b.aside.is_some(), -b.saved_at))
+                .unwrap_or(std::cmp::Ordering::Equal)
+        });
+        all.iter().map(store::Manifest::shown).collect()
+    }
+
+    /// Removes the checkpoints `what` names (`all`, a profile, an id); the ids removed, or
+    /// why nothing was.
+    pub fn drop_matching(&self, what: &str) -> Result<Vec<String>, String> {
+        if what.is_empty() {
+            return Err("say what to drop: all, a profile name or a checkpoint id".into());
+        }
+        let gone: Vec<String> = self
+            .stores()
+            .iter()
+            .flat_map(|s| s.drop_matching(what))
+            .collect();
+        if gone.is_empty() && what != "all" {
+            let known: Vec<String> = self
+                .list()
+                .into_iter()
+                .map(|c| format!("{} (profile {})", c.id, c.profile))
+                .collect();
+            return Err(match known.is_empty() {
+                true => format!("no KV checkpoint matches `{what}`: there are none"),
+                false => format!(
+                    "no KV checkpoint matches `{what}`; there are: {}",
+                    known.join(", ")
+                ),
+            });
+        }
+        for id in &gone {
+            tracing::info!("KV checkpoint {id} dropped on request");
+        }
+        Ok(gone)
+    }
+}
+
 /// Bytes of ds4-server's `<sha1>.kv` files in its folder.
 fn ds4_dir_bytes(dir: &std::path::Path) -> u64 {
     let Ok(entries) = std::fs::read_dir(dir) else {

@@ -4,6 +4,7 @@
 use std::future::Future;
 use std::time::Duration;
 
+use dsv4_client::kv::KvCheckpoint;
 use dsv4_client::telemetry::Sample;
 use dsv4_client::{Bus, ProfileInfo, StateChangedStream, Status, Supervisor1Proxy};
 use zbus::proxy::CacheProperties;
@@ -92,6 +93,26 @@ impl Daemon {
         serde_json::from_str(&json).map_err(|e| {
             Failure::Failed(format!(
                 "dsv4d answered History() with a document dsv4ctl does not understand: {e}"
+            ))
+        })
+    }
+
+    /// `KvCheckpoints()`, parsed.
+    pub async fn kv_checkpoints(&self) -> Result<Vec<KvCheckpoint>, Failure> {
+        let json = bounded(self.bus, "KvCheckpoints()", self.proxy.kv_checkpoints()).await?;
+        serde_json::from_str(&json).map_err(|e| {
+            Failure::Failed(format!(
+                "dsv4d answered KvCheckpoints() with a document dsv4ctl does not understand: {e}"
+            ))
+        })
+    }
+
+    /// `DropKv(what)`: the ids removed.
+    pub async fn drop_kv(&self, what: &str) -> Result<Vec<String>, Failure> {
+        let json = bounded(self.bus, "DropKv()", self.proxy.drop_kv(what)).await?;
+        serde_json::from_str(&json).map_err(|e| {
+            Failure::Failed(format!(
+                "dsv4d answered DropKv() with a document dsv4ctl does not understand: {e}"
             ))
         })
     }

@@ -3,6 +3,7 @@
 
 use std::time::Duration;
 
+use dsv4_client::kv::{KvCheckpoint, KvProfile, KvStep};
 use dsv4_client::telemetry::{Memory, Sample};
 use dsv4_client::{
     EngineStatus, PowerStatus, ProfileInfo, RequestRecord, Status, ThermalStatus, Totals,
@@ -122,6 +123,11 @@ pub fn status_table(doc: &Status, now: f64) -> String {
     }
     if let Some(p) = &doc.power {
         power_rows(&mut rows, p);
+    }
+    if let Some(kv) = &doc.kv {
+        for p in &kv.profiles {
+            rows.push(("kv checkpoint", kv_line(p, now)));
+        }
     }
     let recent: Vec<String> = doc
         .requests
@@ -362,6 +368,82 @@ fn table(rows: &[(&str, String)]) -> String {
 }
 
 /// The profiles as a table, `*` marking the active one.
+/// Bytes in MiB below a GiB, else in GiB.
+fn size(bytes: u64) -> String {
+    if bytes < 1 << 30 {
+        format!("{:.1} MiB", bytes as f64 / (1u64 << 20) as f64)
+    } else {
+        gib(bytes)
+    }
+}
+
+/// A save or restore: what it did, how much and how long.
+fn kv_step(step: &KvStep, now: f64) -> String {
+    let mut s = step.result.clone();
+    if step.tokens > 0 {
+        s.push_str(&format!(" {} tokens, {}", step.tokens, size(step.bytes)));
+    }
+    s.push_str(&format!(
+        " in {}, {} ago",
+        elapsed(Duration::from_secs_f64(step.seconds.max(0.0))),
+        duration(now - step.at)
+    ));
+    s
+}
+
+/// One profile's checkpoint, last save and last restore, for the status table.
+fn kv_line(p: &KvProfile, now: f64) -> String {
+    let held = match &p.checkpoint {
+        Some(c) => format!(
+            "{}: {} tokens, {}, saved {} ago",
+            p.profile,
+            c.tokens,
+            size(c.bytes),
+            duration(now - c.saved_at)
+        ),
+        None if p.engine == "ds4" => format!(
+            "{}: ds4-server's own, {} in {}",
+            p.profile,
+            size(p.dir_bytes),
+            p.dir
+        ),
+        None => format!("{}: none", p.profile),
+    };
+    let mut lines = vec![held];
+    if let Some(step) = &p.last_save {
+        lines.push(format!("  last save: {}", kv_step(step, now)));
+    }
+    if let Some(step) = &p.last_restore {
+        lines.push(format!("  last restore: {}", kv_step(step, now)));
+    }
+    lines.join("\n")
+}
+
+/// `dsv4ctl kv list`.
+pub fn kv_table(list: &[KvCheckpoint], now: f64) -> String {
+    if list.is_empty() {
+        return "no KV checkpoints\n".into();
+    }
+    let mut out = String::new();
+    for c in list {
+        let slots: Vec<String> = c.slots.iter().map(u32::to_string).collect();
+        out.push_str(&format!(
+            "{}  {}  {} tokens  {}  saved {} ago  slots {}  build {}\n",
+            c.id,
+            c.profile,
+            c.tokens,
+            size(c.bytes),
+            duration(now - c.saved_at),
+            slots.join(","),
+            c.build
+        ));
+        if let Some(why) = &c.aside {
+            out.push_str(&format!("    set aside: {why}\n"));
+        }
+    }
+    out
+}
+
 pub fn profiles_table(profiles: &[ProfileInfo]) -> String {
     let mut rows: Vec<[String; 5]> = vec![[
         String::new(),

@@ -1,0 +1,388 @@
+//! KV checkpoints across stops (`kv_checkpoint`): with the real llama-server and the tiny
+//! model, a long prompt's cache survives an idle stop, a profile switch away and back, and a
+//! daemon restart; a checkpoint for another engine is never restored; a full folder evicts
+//! the oldest. With the fake engine: a save that stalls does not hold the stop, and
+//! ds4-server's own shutdown save is measured and reported.
+
+use std::path::Path;
+use std::time::{Duration, Instant};
+
+use crate::control::{ctl, wait_bus_name};
+use crate::support::real::engine;
+use crate::support::*;
+use dsv4_client::State;
+use serde_json::{json, Value};
+
+const SEC: Duration = Duration::from_secs(1);
+
+/// About 2,800 tokens of the tiny model's vocabulary: a long prompt for a 4096 context.
+fn long_prompt() -> String {
+    "abc ".repeat(700)
+}
+
+/// A profile of the real engine with KV checkpoints in `profiles/kv`.
+fn real_profile(model: &Path, context: u32, kv: &str) -> String {
+    let (server, _) = engine();
+    format!(
+        "engine: llama-server\ncommand: {}\nmodel: {}\ncontext: {context}\nparallel: 1\n\
+         kv_checkpoint: {kv}\nextra_args: [--no-webui]\n",
+        server.display(),
+        model.display()
+    )
+}
+
+/// A daemon setup with the real engine as profile `tiny` (context 4096); an idle engine
+/// stops after `idle`.
+fn real_setup(idle: &str) -> Setup {
+    let (_, model) = engine();
+    let mut s = Setup::default()
+        .engine("idle_timeout", idle)
+        .engine("stop_timeout", "5s");
+    s.custom_profiles
+        .insert("tiny".into(), real_profile(&model, 4096, "{ dir: kv }"));
+    s.default_profile = "tiny".into();
+    s
+}
+
+/// One native completion with the cache on (or not): content, `cache_n`, `prompt_n`.
+async fn complete(d: &Daemon, prompt: &str, cache: bool) -> (String, u64, u64) {
+    let body = json!({"prompt": prompt, "n_predict": 8, "cache_prompt": cache});
+    let (status, _, v) = body_json(d.post("/completion", body).await).await;
+    assert_eq!(status, 200, "{v}\n{}", d.log());
+    let t = &v["timings"];
+    (
+        v["content"].as_str().unwrap().to_string(),
+        t["cache_n"].as_u64().unwrap(),
+        t["prompt_n"].as_u64().unwrap(),
+    )
+}
+
+/// The `kv` part of the status for `profile`.
+async fn kv_of(d: &Daemon, profile: &str) -> Value {
+    let s = d.status().await;
+    s["kv"]["profiles"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .find(|p| p["profile"] == profile)
+        .cloned()
+        .unwrap_or_else(|| panic!("no kv status for {profile}: {s}"))
+}
+
+/// Waits until the last save of `profile` has a result.
+async fn wait_saved(d: &Daemon, profile: &str, within: Duration) -> Value {
+    let t = Instant::now();
+    loop {
+        let kv = kv_of(d, profile).await;
+        if !kv["last_save"].is_null() && d.status().await["state"] == State::Stopped.as_str() {
+            return kv;
+        }
+        assert!(
+            t.elapsed() < within,
+            "no save within {within:?}: {kv}\n{}",
+            d.log()
+        );
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+}
+
+/// The second request after a stop: the first prompt's tokens come from the restored cache,
+/// only the new ones are prefilled, and the answer is the one a cold engine gives.
+async fn assert_prefix_kept(d: &Daemon, first_prompt_n: u64) {
+    let prompt = format!("{}xyz", long_prompt());
+    let (content, cache_n, prompt_n) = complete(d, &prompt, true).await;
+    assert!(
+        cache_n >= first_prompt_n,
+        "cache_n {cache_n} does not cover the old prompt's {first_prompt_n} tokens\n{}",
+        d.log()
+    );
+    assert!(
+        prompt_n <= 5,
+        "{prompt_n} tokens prefilled: only the new ones should be"
+    );
+    let (cold, cold_cache_n, _) = complete(d, &prompt, false).await;
+    assert_eq!(cold_cache_n, 0);
+    assert_eq!(content, cold, "the restored cache changed the answer");
+    let kv = kv_of(d, "tiny").await;
+    assert_eq!(kv["last_restore"]["result"], "restored", "{kv}");
+    assert!(kv["last_restore"]["tokens"].as_u64().unwrap() >= first_prompt_n);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_idle_stop_keeps_the_long_prefix() {
+    let d = Daemon::start(&real_setup("1s"));
+    let (_, cache_n, prompt_n) = complete(&d, &long_prompt(), true).await;
+    assert_eq!(cache_n, 0);
+    assert!(prompt_n > 2000, "{prompt_n}");
+    let kv = wait_saved(&d, "tiny", 15 * SEC).await;
+    assert_eq!(kv["last_save"]["result"], "saved", "{kv}");
+    assert!(kv["last_save"]["tokens"].as_u64().unwrap() >= prompt_n);
+    let checkpoint = &kv["checkpoint"];
+    assert_eq!(checkpoint["profile"], "tiny");
+    assert!(checkpoint["bytes"].as_u64().unwrap() > 0);
+    let files = std::fs::read_dir(d.dir().join("profiles/kv"))
+        .unwrap()
+        .count();
+    assert_eq!(files, 2, "one manifest and one slot file");
+
+    assert_prefix_kept(&d, prompt_n).await;
+    let s = d.status().await;
+    let restored = s["kv"]["restored_tokens_total"].as_u64().unwrap();
+    assert!(restored >= prompt_n, "{}", s["kv"]);
+    let (status, _, body) = d.send("GET", "/metrics", &[], None).await;
+    assert_eq!(status, 200);
+    let metrics = body.as_str().unwrap().to_string();
+    for name in [
+        "dsv4_kv_checkpoint_bytes{profile=\"tiny\"}",
+        "dsv4_kv_save_seconds{profile=\"tiny\"}",
+        "dsv4_kv_restore_seconds{profile=\"tiny\"}",
+        "dsv4_kv_restored_tokens_total",
+    ] {
+        assert!(metrics.contains(name), "no {name} in\n{metrics}");
+    }
+    assert!(
+        metrics.contains(&format!("dsv4_kv_restored_tokens_total {restored}")),
+        "{metrics}"
+    );
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_daemon_restart_keeps_the_long_prefix() {
+    // No idle stop: the daemon's own shutdown saves.
+    let s = real_setup("10m");
+    let d = Daemon::start(&s);
+    let (_, _, prompt_n) = complete(&d, &long_prompt(), true).await;
+    let dir = d.stop().await;
+    let d = Daemon::start_in(&s, dir);
+    assert_prefix_kept(&d, prompt_n).await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_profile_switch_away_and_back_keeps_the_long_prefix() {
+    let bus = PrivateBus::start();
+    let (_, model) = engine();
+    let mut s = real_setup("10m").session_bus(&bus);
+    // Another profile for another engine (half the context), sharing the folder.
+    s.custom_profiles
+        .insert("half".into(), real_profile(&model, 2048, "{ dir: kv }"));
+    let d = Daemon::start(&s);
+    wait_bus_name(&d, &bus).await;
+    let (_, _, prompt_n) = complete(&d, &long_prompt(), true).await;
+    let out = ctl(&bus.address, &["profile", "half"], None);
+    assert_eq!(out.status.code(), Some(0));
+    // The half profile serves a prompt of its own, cold.
+    let (_, cache_n, _) = complete(&d, &"xy ".repeat(300), true).await;
+    assert_eq!(cache_n, 0);
+    assert_eq!(d.status().await["engine_profile"], "half");
+    assert_eq!(kv_of(&d, "tiny").await["last_save"]["result"], "saved");
+    let out = ctl(&bus.address, &["profile", "tiny"], None);
+    assert_eq!(out.status.code(), Some(0));
+    assert_prefix_kept(&d, prompt_n).await;
+    // Both checkpoints are there, side by side.
+    let out = ctl(&bus.address, &["--json", "kv", "list"], None);
+    assert_eq!(
+        out.status.code(),
+        Some(0),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    let list: Value = serde_json::from_slice(&out.stdout).unwrap();
+    let profiles: Vec<&str> = list
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|c| c["profile"].as_str().unwrap())
+        .collect();
+    assert!(
+        profiles.contains(&"tiny") && profiles.contains(&"half"),
+        "{list}"
+    );
+    // `kv drop` takes one profile's away, and the next start of it is cold.
+    let out = ctl(&bus.address, &["kv", "drop", "tiny"], None);
+    assert_eq!(
+        out.status.code(),
+        Some(0),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    let out = ctl(&bus.address, &["--json", "kv", "list"], None);
+    let list: Value = serde_json::from_slice(&out.stdout).unwrap();
+    assert_eq!(list.as_array().unwrap().len(), 1, "{list}");
+    assert_eq!(list[0]["profile"], "half");
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_checkpoint_for_another_context_or_model_is_not_restored() {
+    let (_, model) = engine();
+    let prompt = "abc ".repeat(300);
+    let mut s = real_setup("1s");
+    let d = Daemon::start(&s);
+    let (first, _, _) = complete(&d, &prompt, true).await;
+    wait_saved(&d, "tiny", 15 * SEC).await;
+    let dir = d.stop().await;
+
+    // The same profile with half the context: its checkpoint is set aside, with the reason.
+    s.custom_profiles
+        .insert("tiny".into(), real_profile(&model, 2048, "{ dir: kv }"));
+    let d = Daemon::start_in(&s, dir);
+    let (again, cache_n, _) = complete(&d, &prompt, true).await;
+    assert_eq!(cache_n, 0, "a checkpoint of another context was restored");
+    assert_eq!(again, first);
+    let log = d.log();
+    assert!(log.contains("set aside, not restored"), "{log}");
+    assert!(log.contains("context per slot 4096 (now 2048)"), "{log}");
+    assert_eq!(
+        kv_of(&d, "tiny").await["last_restore"]["result"],
+        "nothing to restore"
+    );
+    wait_saved(&d, "tiny", 15 * SEC).await;
+    let dir = d.stop().await;
+
+    // Another model file (the generator's other seed): not restored either.
+    let other = dir.path().join("other.gguf");
+    make_tiny_model(&other, 2);
+    s.custom_profiles
+        .insert("tiny".into(), real_profile(&other, 2048, "{ dir: kv }"));
+    let d = Daemon::start_in(&s, dir);
+    let (again, cache_n, _) = complete(&d, &prompt, true).await;
+    assert_eq!(cache_n, 0, "a checkpoint of another model was restored");
+    assert_eq!(again, first);
+    assert!(d.log().contains("another model file"), "{}", d.log());
+    let aside = std::fs::read_dir(d.dir().join("profiles/kv/aside"))
+        .unwrap()
+        .filter(|e| {
+            e.as_ref()
+                .unwrap()
+                .file_name()
+                .to_string_lossy()
+                .ends_with(".json")
+        })
+        .count();
+    assert_eq!(aside, 2, "both set aside");
+}
+
+/// Writes the tiny model with another seed (same behaviour, other weights).
+fn make_tiny_model(out: &Path, seed: u32) {
+    let python = crate::support::real::cache_dir().join("venv/bin/python");
+    let generator = Path::new(env!("CARGO_MANIFEST_DIR")).join("engine/make_tiny_gguf.py");
+    let st = std::process::Command::new(&python)
+        .arg(&generator)
+        .arg(out)
+        .args(["--seed", &seed.to_string()])
+        .status()
+        .unwrap_or_else(|e| panic!("cannot run {}: {e}", python.display()));
+    assert!(st.success(), "the model generator failed");
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn max_size_evicts_the_oldest_and_keeps_serving() {
+    let bus = PrivateBus::start();
+    let (_, model) = engine();
+    // Room for one checkpoint of the long prompt (~1.5 MB) and not for two.
+    let kv = "{ dir: kv, max_size: 2MiB }";
+    let mut s = real_setup("10m").session_bus(&bus);
+    s.custom_profiles
+        .insert("tiny".into(), real_profile(&model, 4096, kv));
+    s.custom_profiles
+        .insert("half".into(), real_profile(&model, 2048, kv));
+    let d = Daemon::start(&s);
+    wait_bus_name(&d, &bus).await;
+    complete(&d, &long_prompt(), true).await;
+    assert_eq!(
+        ctl(&bus.address, &["profile", "half"], None).status.code(),
+        Some(0)
+    );
+    complete(&d, &"abc ".repeat(400), true).await;
+    let tiny = kv_of(&d, "tiny").await;
+    assert_eq!(tiny["last_save"]["result"], "saved", "{tiny}");
+    assert_eq!(
+        ctl(&bus.address, &["profile", "tiny"], None).status.code(),
+        Some(0)
+    );
+    // half's save pushed the folder over 2 MiB: tiny's, the oldest, went.
+    let (_, cache_n, _) = complete(&d, &long_prompt(), true).await;
+    assert_eq!(
+        cache_n,
+        0,
+        "the evicted checkpoint was restored\n{}",
+        d.log()
+    );
+    assert!(
+        d.log().contains("removed: kv_checkpoint.max_size reached"),
+        "{}",
+        d.log()
+    );
+    let kv = kv_of(&d, "tiny").await;
+    assert!(kv["dir_bytes"].as_u64().unwrap() <= 2 << 20, "{kv}");
+    assert_eq!(kv_of(&d, "half").await["checkpoint"]["profile"], "half");
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_stalled_save_does_not_hold_the_stop_beyond_save_timeout() {
+    // The engine takes a minute to save and ignores SIGTERM: the save is cut at 1 s, and the
+    // stop goes on, SIGTERM then SIGKILL at stop_timeout (2 s), as any stop does.
+    let mut s = Setup::default()
+        .engine("idle_timeout", "1s")
+        .engine("stop_timeout", "2s")
+        .knob("save_ms", "60000")
+        .knob("ignore_sigterm", "1")
+        .profile_key("320k", "kv_checkpoint", "{ dir: kv, save_timeout: 1s }");
+    s.default_profile = "320k".into();
+    let d = Daemon::start(&s);
+    let (status, _, _) = body_json(d.post("/v1/chat/completions", chat(4, false)).await).await;
+    assert_eq!(status, 200);
+    d.wait_fake_log("slot 0 save", 10 * SEC).await;
+    let t = Instant::now();
+    d.wait_state(State::Stopped, 10 * SEC).await;
+    let took = t.elapsed();
+    assert!(took < 5 * SEC, "the stop took {took:?}\n{}", d.log());
+    assert!(
+        took >= 2 * SEC,
+        "the stop did not wait for the save at all: {took:?}"
+    );
+    let log = d.log();
+    assert!(log.contains("sending SIGTERM"), "{log}");
+    assert!(log.contains("sending SIGKILL"), "{log}");
+    let kv = kv_of(&d, "320k").await;
+    assert!(
+        kv["last_save"]["result"]
+            .as_str()
+            .unwrap()
+            .contains("cut off by kv_checkpoint.save_timeout (1s)"),
+        "{kv}"
+    );
+    // Nothing half-written is taken for a checkpoint.
+    assert!(kv["checkpoint"].is_null(), "{kv}");
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn ds4_gets_the_time_its_shutdown_save_needs_and_its_words_are_reported() {
+    let mut s = Setup::default()
+        .ds4()
+        .engine("idle_timeout", "1s")
+        .engine("stop_timeout", "10s")
+        .knob("sigterm_ms", "1500")
+        .profile_key("320k", "kv_disk_dir", "ds4-kv");
+    s.default_profile = "320k".into();
+    let d = Daemon::start(&s);
+    // ds4-server saves from 512 tokens on.
+    let (status, _, _) = body_json(d.post("/v1/chat/completions", chat(600, false)).await).await;
+    assert_eq!(status, 200);
+    let kv = wait_saved(&d, "320k", 20 * SEC).await;
+    let save = &kv["last_save"];
+    assert_eq!(kv["engine"], "ds4");
+    assert!(save["seconds"].as_f64().unwrap() >= 1.5, "{save}");
+    assert_eq!(save["tokens"], 600, "{save}");
+    assert!(
+        save["engine_said"]
+            .as_str()
+            .unwrap()
+            .contains("kv cache stored tokens=600"),
+        "{save}"
+    );
+    assert!(kv["dir_bytes"].as_u64().unwrap() > 0, "{kv}");
+    assert!(
+        !d.log().contains("sending SIGINT"),
+        "ds4 must not be interrupted"
+    );
+}
