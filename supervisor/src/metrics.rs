@@ -460,6 +460,47 @@ mod tests {
     use crate::stats::{Stats, Timings};
     use dsv4_client::telemetry::*;
 
+    #[test]
+    fn kv_checkpoint_figures_are_exported() {
+        use dsv4_client::kv::{KvCheckpoint, KvProfile, KvStep};
+        let kv = KvStatus {
+            profiles: vec![KvProfile {
+                profile: "320k".into(),
+                checkpoint: Some(KvCheckpoint {
+                    bytes: 1234,
+                    ..KvCheckpoint::default()
+                }),
+                last_save: Some(KvStep {
+                    seconds: 2.5,
+                    ..KvStep::default()
+                }),
+                last_restore: Some(KvStep {
+                    seconds: 0.75,
+                    ..KvStep::default()
+                }),
+                ..KvProfile::default()
+            }],
+            restored_tokens_total: 2802,
+        };
+        let text = render(
+            &Status::stopped("320k"),
+            &Stats::default().report(0),
+            None,
+            &PowerStatus::default(),
+            &ThermalStatus::default(),
+            &kv,
+        );
+        let got = lines(&text);
+        for line in [
+            "dsv4_kv_checkpoint_bytes{profile=\"320k\"} 1234",
+            "dsv4_kv_save_seconds{profile=\"320k\"} 2.5",
+            "dsv4_kv_restore_seconds{profile=\"320k\"} 0.75",
+            "dsv4_kv_restored_tokens_total 2802",
+        ] {
+            assert!(got.contains(&line), "no {line} in\n{text}");
+        }
+    }
+
     fn lines(text: &str) -> Vec<&str> {
         text.lines().collect()
     }

@@ -386,3 +386,58 @@ async fn ds4_gets_the_time_its_shutdown_save_needs_and_its_words_are_reported() 
         "ds4 must not be interrupted"
     );
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_full_disk_evicts_the_oldest_and_keeps_serving() {
+    // The checkpoint folder is a 2200 KiB tmpfs in the daemon's own mount namespace: one
+    // checkpoint of the long prompt (~1.5 MB) fits, a second does not. Mounting needs root,
+    // as CI has it.
+    assert!(
+        nix::unistd::geteuid().is_root(),
+        "this test mounts a small tmpfs: run it as root"
+    );
+    let bus = PrivateBus::start();
+    let (_, model) = engine();
+    let dir = temp_dir("daemon");
+    let kv = dir.path().join("profiles/kv");
+    std::fs::create_dir_all(&kv).unwrap();
+    let mount = format!(
+        "mount -t tmpfs -o size=2200k dsv4-test-kv '{}' && exec \"$@\"",
+        kv.display()
+    );
+    let mut s = real_setup("10m").session_bus(&bus).wrapper(&[
+        "unshare",
+        "-m",
+        "--propagation",
+        "private",
+        "sh",
+        "-c",
+        &mount,
+        "sh",
+    ]);
+    s.custom_profiles
+        .insert("half".into(), real_profile(&model, 2048, "{ dir: kv }"));
+    let d = Daemon::start_in(&s, dir);
+    wait_bus_name(&d, &bus).await;
+    complete(&d, &long_prompt(), true).await;
+    assert_eq!(
+        ctl(&bus.address, &["profile", "half"], None).status.code(),
+        Some(0)
+    );
+    complete(&d, &"abc ".repeat(450), true).await;
+    assert_eq!(kv_of(&d, "tiny").await["last_save"]["result"], "saved");
+    assert_eq!(
+        ctl(&bus.address, &["profile", "tiny"], None).status.code(),
+        Some(0)
+    );
+    // half's save found the disk full: the oldest (tiny's) went, half's was kept, and tiny
+    // starts cold and serves.
+    let (_, cache_n, _) = complete(&d, &long_prompt(), true).await;
+    assert_eq!(cache_n, 0, "the evicted checkpoint was restored");
+    let log = d.log();
+    assert!(log.contains("No space left on device"), "{log}");
+    assert!(log.contains("to make room, and trying again"), "{log}");
+    let half = kv_of(&d, "half").await;
+    assert_eq!(half["last_save"]["result"], "saved", "{half}");
+    assert_eq!(half["checkpoint"]["profile"], "half", "{half}");
+}

@@ -202,6 +202,25 @@ pub(crate) fn check_creatable_dir(shown: &Shown, dir: &Path) -> Option<String> {
     }
 }
 
+/// A folder dsv4d creates with its parents when it needs it (`kv_checkpoint.dir`): what
+/// exists of it must be folders.
+pub(crate) fn check_makeable_dir(shown: &Shown, dir: &Path) -> Option<String> {
+    let mut at = dir;
+    loop {
+        match fs::metadata(at) {
+            Ok(m) if m.is_dir() => return None,
+            Ok(_) => return Some(format!("{} exists and is not a folder", shown.text(at))),
+            Err(e) if e.kind() != io::ErrorKind::NotFound => {
+                return Some(format!("cannot access {}: {e}", shown.text(at)))
+            }
+            Err(_) => match at.parent().filter(|p| !p.as_os_str().is_empty()) {
+                Some(parent) => at = parent,
+                None => return None,
+            },
+        }
+    }
+}
+
 /// The API keys file: a regular file that only its owner may read or write, since it holds
 /// secrets (the same rule as `auth::ApiKeys::load`, which reads it).
 pub(crate) fn check_secret_file(shown: &Shown, path: &Path) -> Option<String> {

@@ -491,7 +491,7 @@ impl Check<'_> {
         if let Some(text) = raw.dir.as_deref() {
             self.add("kv_checkpoint.dir", text_problem(text));
         }
-        let check = llama.then_some(files::check_creatable_dir as DiskCheck);
+        let check = llama.then_some(files::check_makeable_dir as DiskCheck);
         let folder = self.path("kv_checkpoint.dir", raw.dir, dir, check)?;
         let message = "must be at least 1MiB";
         let small = raw.max_size.is_some_and(|b| b < MIB);

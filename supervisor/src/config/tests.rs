@@ -837,6 +837,11 @@ fn shipped_policies_fail_only_on_the_example_paths() {
         assert_eq!(p.params.batch, Some(2048));
         assert_eq!(p.params.ubatch, Some(512));
         assert_eq!(p.params.extra_args, ["--metrics", "--no-webui"]);
+        let kv = p.kv_checkpoint.as_ref().unwrap();
+        assert_eq!(kv.dir, Path::new("/var/lib/dsv4/kv"));
+        assert_eq!(kv.max_size, Some(40 << 30));
+        assert_eq!(kv.save_timeout, Duration::from_secs(120));
+        assert_eq!(p.params.slot_save_path.as_deref(), Some(kv.dir.as_path()));
         assert!(p
             .params
             .model

@@ -589,6 +589,66 @@ mod tests {
     }
 
     #[test]
+    fn kv_checkpoints_are_shown_with_size_age_and_steps() {
+        use dsv4_client::kv::{KvCheckpoint, KvProfile, KvStatus, KvStep};
+        let now = 10_000.0;
+        let checkpoint = KvCheckpoint {
+            id: "99d90431048c6f35".into(),
+            profile: "320k".into(),
+            tokens: 262_144,
+            bytes: 3 << 30,
+            saved_at: now - 300.0,
+            save_seconds: 4.2,
+            slots: vec![0],
+            build: "b7000-abc".into(),
+            aside: None,
+        };
+        let mut s = status();
+        s.kv = Some(KvStatus {
+            profiles: vec![KvProfile {
+                profile: "320k".into(),
+                engine: "llama-server".into(),
+                dir: "/var/lib/dsv4/kv".into(),
+                checkpoint: Some(checkpoint.clone()),
+                dir_bytes: 3 << 30,
+                last_save: Some(KvStep {
+                    at: now - 300.0,
+                    seconds: 4.2,
+                    tokens: 262_144,
+                    bytes: 3 << 30,
+                    result: "saved".into(),
+                    ok: true,
+                    engine_said: None,
+                }),
+                last_restore: None,
+            }],
+            restored_tokens_total: 0,
+        });
+        let text = status_table(&s, now);
+        assert!(
+            text.contains("kv checkpoint  320k: 262144 tokens, 3.0 GiB, saved 5m ago"),
+            "{text}"
+        );
+        assert!(
+            text.contains("last save: saved 262144 tokens, 3.0 GiB in 4.2s, 5m ago"),
+            "{text}"
+        );
+        let aside = KvCheckpoint {
+            aside: Some("made with context per slot 65536 (now 327680)".into()),
+            bytes: 5 << 20,
+            ..checkpoint.clone()
+        };
+        let list = kv_table(&[checkpoint, aside], now);
+        assert_eq!(
+            list,
+            "99d90431048c6f35  320k  262144 tokens  3.0 GiB  saved 5m ago  slots 0  build b7000-abc\n\
+             99d90431048c6f35  320k  262144 tokens  5.0 MiB  saved 5m ago  slots 0  build b7000-abc\n    \
+             set aside: made with context per slot 65536 (now 327680)\n"
+        );
+        assert_eq!(kv_table(&[], now), "no KV checkpoints\n");
+    }
+
+    #[test]
     fn a_pending_restart_is_shown() {
         let mut s = status();
         s.engine.restart_pending = true;
