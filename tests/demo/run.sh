@@ -42,6 +42,8 @@ command: $LLAMA_SERVER
 model: $MODEL
 context: 4096
 parallel: 1
+# The idle stop saves the KV cache here; the next start restores it (see dsv4ctl kv).
+kv_checkpoint: { dir: $DEMO/kv }
 extra_args: [--no-webui, --metrics]
 YAML
 

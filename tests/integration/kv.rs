@@ -333,6 +333,9 @@ async fn a_stalled_save_does_not_hold_the_stop_beyond_save_timeout() {
     assert_eq!(status, 200);
     d.wait_fake_log("slot 0 save", 10 * SEC).await;
     let t = Instant::now();
+    let st = d.status().await;
+    assert_eq!(st["state"], State::Stopping.as_str(), "{st}");
+    assert_eq!(st["kv_step"], "saving", "{st}");
     d.wait_state(State::Stopped, 10 * SEC).await;
     let took = t.elapsed();
     assert!(took < 5 * SEC, "the stop took {took:?}\n{}", d.log());
@@ -440,4 +443,98 @@ async fn a_full_disk_evicts_the_oldest_and_keeps_serving() {
     let half = kv_of(&d, "half").await;
     assert_eq!(half["last_save"]["result"], "saved", "{half}");
     assert_eq!(half["checkpoint"]["profile"], "half", "{half}");
+}
+
+/// The slot files of the checkpoints in `dir` (not those set aside).
+fn slot_files(dir: &Path) -> Vec<std::path::PathBuf> {
+    std::fs::read_dir(dir)
+        .unwrap()
+        .map(|e| e.unwrap().path())
+        .filter(|p| p.extension().is_some_and(|x| x == "bin"))
+        .collect()
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_damaged_checkpoint_is_set_aside_and_the_engine_serves_cold() {
+    let s = real_setup("10m");
+    let d = Daemon::start(&s);
+    let (first, _, _) = complete(&d, &long_prompt(), true).await;
+    let dir = d.stop().await;
+    let kv = dir.path().join("profiles/kv");
+    let files = slot_files(&kv);
+    assert_eq!(files.len(), 1);
+
+    // Truncated (llama-server aborts on such a file): never offered to the engine.
+    let bytes = std::fs::read(&files[0]).unwrap();
+    std::fs::write(&files[0], &bytes[..bytes.len() / 2]).unwrap();
+    let d = Daemon::start_in(&s, dir);
+    let (again, cache_n, _) = complete(&d, &long_prompt(), true).await;
+    assert_eq!(cache_n, 0);
+    assert_eq!(again, first);
+    let log = d.log();
+    assert!(log.contains("truncated:"), "{log}");
+    assert!(
+        !log.contains("exited unexpectedly"),
+        "the engine was given the file\n{log}"
+    );
+    let dir = d.stop().await;
+
+    // Same size, garbage inside: whatever the engine makes of it (a refusal, or dying on
+    // it), the request is served, cold, and the checkpoint is set aside.
+    let files = slot_files(&kv);
+    assert_eq!(files.len(), 1, "the shutdown saved a new one");
+    let len = std::fs::metadata(&files[0]).unwrap().len() as usize;
+    let garbage: Vec<u8> = (0..len).map(|i| (i * 7 + 3) as u8).collect();
+    std::fs::write(&files[0], garbage).unwrap();
+    let d = Daemon::start_in(&s, dir);
+    let (again, cache_n, _) = complete(&d, &long_prompt(), true).await;
+    assert_eq!(cache_n, 0);
+    assert_eq!(again, first);
+    let aside = std::fs::read_dir(kv.join("aside"))
+        .unwrap()
+        .filter(|e| {
+            e.as_ref()
+                .unwrap()
+                .file_name()
+                .to_string_lossy()
+                .ends_with(".json")
+        })
+        .count();
+    assert_eq!(aside, 2, "{}", d.log());
+    assert_eq!(d.status().await["state"], State::Ready.as_str());
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_engine_that_dies_on_a_restore_is_started_again_without_that_checkpoint() {
+    let mut s = Setup::default().engine("idle_timeout", "10m").profile_key(
+        "320k",
+        "kv_checkpoint",
+        "{ dir: kv }",
+    );
+    s.default_profile = "320k".into();
+    let d = Daemon::start(&s);
+    let (status, _, _) = body_json(d.post("/v1/chat/completions", chat(4, false)).await).await;
+    assert_eq!(status, 200);
+    let dir = d.stop().await;
+    // The next engine aborts on the restore, as llama-server does on a bad slot file.
+    let s = s.knob("restore_abort", "1");
+    let d = Daemon::start_in(&s, dir);
+    let (status, _, v) = body_json(d.post("/v1/chat/completions", chat(4, false)).await).await;
+    assert_eq!(
+        status,
+        200,
+        "the waiting request was lost: {v}\n{}",
+        d.log()
+    );
+    let log = d.log();
+    assert_eq!(log.matches("starting engine:").count(), 2, "{log}");
+    // Set aside by the restore that saw the engine die, or else by the next start, which
+    // finds the mark of a restore that never ended.
+    assert!(
+        log.contains("the engine died restoring it")
+            || log.contains("an earlier restore of it never ended"),
+        "{log}"
+    );
+    let kv = kv_of(&d, "320k").await;
+    assert_eq!(kv["last_restore"]["result"], "nothing to restore", "{kv}");
 }

@@ -325,6 +325,10 @@ pub struct EngineStatus {
     /// next start would run; `None` when neither is known (or from an older daemon).
     #[serde(default)]
     pub engine_key: Option<String>,
+    /// The KV checkpoint step under way: `restoring` (the last part of `starting`) or
+    /// `saving` (the first part of `stopping`).
+    #[serde(default)]
+    pub kv_step: Option<String>,
 }
 
 impl EngineStatus {
@@ -344,6 +348,7 @@ impl EngineStatus {
             last_error: None,
             restart_pending: false,
             engine_key: None,
+            kv_step: None,
         }
     }
 }

@@ -205,6 +205,7 @@ pub async fn restore(engine: Arc<EngineRef>, profile: Profile, book: Book) -> Kv
         return failed(started, "nothing to restore".into());
     };
     let store = Store::new(&kv.dir);
+    book.set_restoring(engine.gen, &m.id);
     let id = m.id.clone();
     let marked = {
         let store = store.clone();
@@ -226,7 +227,13 @@ pub async fn restore(engine: Arc<EngineRef>, profile: Profile, book: Book) -> Kv
                     let path = format!("/slots/{slot}?action=erase");
                     let _ = call(&engine, http::Method::POST, &path, None).await;
                 }
-                let why = format!("the engine refused it: {e}");
+                // An engine that aborts on the file (llama-server does on some damage) breaks
+                // the connection: tell that from a refusal.
+                tokio::time::sleep(Duration::from_millis(100)).await;
+                let why = match engine.exit.borrow().is_some() {
+                    true => format!("the engine died restoring it ({e})"),
+                    false => format!("the engine refused it: {e}"),
+                };
                 tracing::warn!(
                     "KV checkpoint {} set aside, not restored: {why}; the engine serves without it",
                     m.id

@@ -50,6 +50,8 @@ struct Inner {
     last_restore: BTreeMap<String, KvStep>,
     /// The key of the running engine, once its restore step worked it out.
     key: Option<(Gen, key::Key)>,
+    /// The checkpoint whose restore into the engine of `Gen` is under way.
+    restoring: Option<(Gen, String)>,
     /// Tokens given back to the engine of `Gen` that no request has used yet.
     credit: Option<(Gen, u64)>,
     restored_served: u64,
@@ -89,6 +91,20 @@ impl Book {
             .as_ref()
             .filter(|(g, _)| *g == gen)
             .map(|(_, k)| k.clone())
+    }
+
+    /// The restore of checkpoint `id` into the engine of `gen` begins.
+    pub fn set_restoring(&self, gen: Gen, id: &str) {
+        self.lock().restoring = Some((gen, id.to_string()));
+    }
+
+    /// The checkpoint being restored into the engine of `gen`, if one is.
+    pub fn restoring(&self, gen: Gen) -> Option<String> {
+        self.lock()
+            .restoring
+            .as_ref()
+            .filter(|(g, _)| *g == gen)
+            .map(|(_, id)| id.clone())
     }
 
     /// `tokens` went back into the engine of `gen`.

@@ -294,23 +294,6 @@ impl Store {
         fs::write(self.marker_path(id), b"")
     }
 
-    /// Removes every restore marker (the engine outlived its restore).
-    pub fn clear_all_markers(&self) {
-        let Ok(entries) = fs::read_dir(&self.dir) else {
-            return;
-        };
-        for entry in entries.flatten() {
-            let name = entry.file_name();
-            if name
-                .to_str()
-                .and_then(|n| n.strip_suffix(".restoring"))
-                .is_some_and(is_id)
-            {
-                let _ = fs::remove_file(entry.path());
-            }
-        }
-    }
-
     pub fn clear_restoring(&self, id: &str) {
         let _ = fs::remove_file(self.marker_path(id));
     }

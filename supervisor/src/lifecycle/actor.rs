@@ -1061,8 +1061,10 @@ impl Actor {
         };
         if task.restore {
             // The engine lives: it did not die on the checkpoint, which stays usable.
-            let store = crate::kv::store::Store::new(&kv.dir);
-            tokio::task::spawn_blocking(move || store.clear_all_markers());
+            if let Some(id) = self.kv.restoring(e.shared.gen) {
+                let store = crate::kv::store::Store::new(&kv.dir);
+                tokio::task::spawn_blocking(move || store.clear_restoring(&id));
+            }
             self.kv.restored(&e.spawned.name, step);
         } else {
             self.kv.saved(&e.spawned.name, step);
@@ -1140,6 +1142,11 @@ impl Actor {
                 None => self.config.profile(m.profile()).map(|p| p.engine),
             }
             .map(|kind| kind.key_protection().to_string()),
+            kv_step: match m.phase() {
+                Phase::Restoring { .. } => Some("restoring".to_string()),
+                Phase::Saving { .. } => Some("saving".to_string()),
+                _ => None,
+            },
         };
         let state = status.state;
         let mut state_changed = false;

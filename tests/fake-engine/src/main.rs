@@ -199,6 +199,10 @@ struct Args {
     /// A slot save takes this many ms before it writes [env FAKE_ENGINE_SAVE_MS; default 0].
     #[arg(long = "save-ms")]
     save_ms: Option<u64>,
+    /// Abort on a slot restore, as llama-server does on a bad slot file
+    /// [env FAKE_ENGINE_RESTORE_ABORT=1|true|yes|on].
+    #[arg(long = "restore-abort")]
+    restore_abort: bool,
     /// Ignore SIGTERM entirely [env FAKE_ENGINE_IGNORE_SIGTERM=1|true|yes|on].
     #[arg(long = "ignore-sigterm")]
     ignore_sigterm: bool,
@@ -239,6 +243,7 @@ pub struct Config {
     pub save_ms: u64,
     pub slot_save_path: Option<PathBuf>,
     pub kv_disk_dir: Option<PathBuf>,
+    pub restore_abort: bool,
     pub ignore_sigterm: bool,
     pub log_file: Option<PathBuf>,
     pub connections: Connections,
@@ -377,6 +382,8 @@ fn build_config(args: &Args) -> Result<Config, String> {
         save_ms: knob(args.save_ms, "SAVE_MS")?.unwrap_or(0),
         slot_save_path: args.slot_save_path.clone(),
         kv_disk_dir: args.kv_disk_dir.clone(),
+        restore_abort: args.restore_abort
+            || env_knob::<Truthy>("RESTORE_ABORT")?.is_some_and(|t| t.0),
         ignore_sigterm,
         log_file: knob(args.log_file.clone(), "LOG_FILE")?,
         connections: knob(args.connections.clone(), "CONNECTIONS")?.unwrap_or_default(),

@@ -667,6 +667,10 @@ async fn slot_action(engine: &Arc<Engine>, req: Request<Incoming>) -> Resp {
                 &json!({"id_slot": id, "filename": name, "n_saved": tokens, "n_written": content.len(), "timings": {"save_ms": engine.cfg.save_ms}}),
             )
         }
+        "restore" if engine.cfg.restore_abort => {
+            say!("llama_state_seq_load_file: GGML_ASSERT failed (fake-engine --restore-abort)");
+            std::process::exit(134);
+        }
         "restore" => {
             let tokens = std::fs::read_to_string(&path).ok().and_then(|t| {
                 t.trim()

@@ -399,8 +399,13 @@ impl Setup {
         std::fs::write(dir.join("supervisor.yaml"), self.supervisor_yaml(dir)).unwrap();
         // The fake engine reads no model, but the config loader checks that the file is there.
         std::fs::create_dir_all(profiles.join("models")).unwrap();
+        // Written once: a restarted daemon finds the same file (KV checkpoints know a model
+        // file by its time too).
         for name in self.profiles.keys() {
-            std::fs::write(profiles.join(format!("models/{name}.gguf")), b"GGUF").unwrap();
+            let model = profiles.join(format!("models/{name}.gguf"));
+            if !model.exists() {
+                std::fs::write(model, b"GGUF").unwrap();
+            }
         }
         let names: Vec<&String> = if self.custom_profiles.is_empty() {
             self.profiles.keys().collect()

@@ -60,6 +60,10 @@ pub fn status_table(doc: &Status, now: f64) -> String {
     } else {
         s.state.to_string()
     };
+    let state = match s.kv_step.as_deref() {
+        Some(step) => format!("{state} ({step} the KV checkpoint)"),
+        None => state,
+    };
     rows.push(("state", state));
     let profile = match s.engine_profile.as_deref() {
         Some(engine) if engine != s.profile => {
@@ -566,6 +570,7 @@ mod tests {
                 last_error: None,
                 restart_pending: false,
                 engine_key: Some("per-generation secret".into()),
+                kv_step: None,
             },
             requests: Requests {
                 all: Totals {
@@ -646,6 +651,13 @@ mod tests {
              set aside: made with context per slot 65536 (now 327680)\n"
         );
         assert_eq!(kv_table(&[], now), "no KV checkpoints\n");
+        s.engine.state = State::Starting;
+        s.engine.kv_step = Some("restoring".into());
+        let text = status_table(&s, now);
+        assert!(
+            text.contains("state          starting (restoring the KV checkpoint)"),
+            "{text}"
+        );
     }
 
     #[test]
