@@ -248,16 +248,7 @@ async fn a_checkpoint_for_another_context_or_model_is_not_restored() {
     assert_eq!(cache_n, 0, "a checkpoint of another model was restored");
     assert_eq!(again, first);
     assert!(d.log().contains("another model file"), "{}", d.log());
-    let aside = std::fs::read_dir(d.dir().join("profiles/kv/aside"))
-        .unwrap()
-        .filter(|e| {
-            e.as_ref()
-                .unwrap()
-                .file_name()
-                .to_string_lossy()
-                .ends_with(".json")
-        })
-        .count();
+    let aside = set_aside(&d.dir().join("profiles/kv"));
     assert_eq!(aside, 2, "both set aside");
 }
 
@@ -445,6 +436,20 @@ async fn a_full_disk_evicts_the_oldest_and_keeps_serving() {
     assert_eq!(half["checkpoint"]["profile"], "half", "{half}");
 }
 
+/// How many checkpoints in `dir` were set aside.
+fn set_aside(dir: &Path) -> usize {
+    std::fs::read_dir(dir.join("aside"))
+        .unwrap()
+        .filter(|e| {
+            e.as_ref()
+                .unwrap()
+                .path()
+                .extension()
+                .is_some_and(|x| x == "json")
+        })
+        .count()
+}
+
 /// The slot files of the checkpoints in `dir` (not those set aside).
 fn slot_files(dir: &Path) -> Vec<std::path::PathBuf> {
     std::fs::read_dir(dir)
@@ -490,16 +495,7 @@ async fn a_damaged_checkpoint_is_set_aside_and_the_engine_serves_cold() {
     let (again, cache_n, _) = complete(&d, &long_prompt(), true).await;
     assert_eq!(cache_n, 0);
     assert_eq!(again, first);
-    let aside = std::fs::read_dir(kv.join("aside"))
-        .unwrap()
-        .filter(|e| {
-            e.as_ref()
-                .unwrap()
-                .file_name()
-                .to_string_lossy()
-                .ends_with(".json")
-        })
-        .count();
+    let aside = set_aside(&kv);
     assert_eq!(aside, 2, "{}", d.log());
     assert_eq!(d.status().await["state"], State::Ready.as_str());
 }
