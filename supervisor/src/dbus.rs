@@ -6,8 +6,9 @@
 //! object keeps only handles (the lifecycle actor's, the config, the statistics), and its
 //! methods take `&self`.
 //!
-//! Reading is open to every caller. `Start`, `Stop`, `StopNow`, `SetProfile` and `DropKv` are allowed
-//! for root and the members of the control group only. The check uses the caller's
+//! Reading is open to every caller. `Start`, `Stop`, `StopNow`, `SetProfile`, `DropKv`,
+//! `Validate` and `CancelValidation` are allowed for root and the members of the control
+//! group only. The check uses the caller's
 //! credentials as the bus daemon reports them (`GetConnectionCredentials`), so it holds even
 //! under a bus policy that lets everyone call.
 
@@ -128,6 +129,7 @@ pub struct ControlObject {
     power: Power,
     thermal: Thermal,
     group: ControlGroup,
+    validator: crate::validate::Validator,
 }
 
 /// What the control interface is made of.
@@ -141,6 +143,8 @@ pub struct Parts {
     pub thermal: Thermal,
     /// Touched by every method call (`exit_when_idle`).
     pub activity: crate::idle_exit::Activity,
+    /// Validation runs.
+    pub validator: crate::validate::Validator,
     pub group: ControlGroup,
     /// Alerts to raise as `Alert(kind, message)` signals.
     pub alerts: broadcast::Receiver<Alert>,
@@ -249,6 +253,47 @@ impl ControlObject {
         self.authorize(&header, conn, "SetProfile").await?;
         Ok(self.lifecycle.set_profile(&name).await?)
     }
+
+    /// Starts a validation run (`dsv4ctl validate`): `request` is a `ValidateRequest` as
+    /// JSON; answers the validation profile's name at once. Progress comes as
+    /// `ValidationProgress` signals, the result as one `ValidationDone`.
+    async fn validate(
+        &self,
+        request: String,
+        #[zbus(header)] header: Header<'_>,
+        #[zbus(connection)] conn: &Connection,
+    ) -> Result<String, Fault> {
+        self.authorize(&header, conn, "Validate").await?;
+        let req: dsv4_client::validate::ValidateRequest = serde_json::from_str(&request)
+            .map_err(|e| Fault::failed(format!("not a validation request: {e}")))?;
+        self.validator.start(req).map_err(Fault::failed)
+    }
+
+    /// Ends the running validation (it switches back to the previous profile).
+    async fn cancel_validation(
+        &self,
+        #[zbus(header)] header: Header<'_>,
+        #[zbus(connection)] conn: &Connection,
+    ) -> Result<bool, Fault> {
+        self.authorize(&header, conn, "CancelValidation").await?;
+        Ok(self.validator.cancel())
+    }
+
+    /// The kept validation results of `profile` (every profile's when empty), newest first,
+    /// as a JSON array.
+    async fn validations(&self, profile: String) -> Result<String, Fault> {
+        let profile = (!profile.is_empty()).then_some(profile.as_str());
+        serde_json::to_string(&self.validator.saved(profile))
+            .map_err(|e| Fault::failed(e.to_string()))
+    }
+
+    /// `ValidationProgress(s json)`: a `Progress` of the running validation.
+    #[zbus(signal)]
+    async fn validation_progress(emitter: &SignalEmitter<'_>, progress: &str) -> zbus::Result<()>;
+
+    /// `ValidationDone(s json)`: the `ValidationResult` of the validation that just ended.
+    #[zbus(signal)]
+    async fn validation_done(emitter: &SignalEmitter<'_>, result: &str) -> zbus::Result<()>;
 
     /// The KV checkpoints on disk, every profile's, as a JSON array of `KvCheckpoint`s.
     async fn kv_checkpoints(&self) -> Result<String, Fault> {
@@ -394,6 +439,7 @@ pub async fn serve(bus: Bus, parts: Parts) -> anyhow::Result<Connection> {
         activity,
         group,
         alerts,
+        validator,
     } = parts;
     let object = ControlObject {
         lifecycle: lifecycle.clone(),
@@ -403,6 +449,7 @@ pub async fn serve(bus: Bus, parts: Parts) -> anyhow::Result<Connection> {
         power,
         thermal: thermal.clone(),
         group,
+        validator: validator.clone(),
     };
     let conn = builder
         .serve_at(OBJECT_PATH, object)
@@ -432,6 +479,7 @@ pub async fn serve(bus: Bus, parts: Parts) -> anyhow::Result<Connection> {
             }
         }
     });
+    tokio::spawn(announce_validation(conn.clone(), validator.subscribe()));
     tokio::spawn(announce_changes(
         conn.clone(),
         lifecycle,
@@ -440,6 +488,42 @@ pub async fn serve(bus: Bus, parts: Parts) -> anyhow::Result<Connection> {
         thermal.subscribe(),
     ));
     Ok(conn)
+}
+
+/// Sends the validation's progress and result as signals.
+async fn announce_validation(
+    conn: Connection,
+    mut events: tokio::sync::broadcast::Receiver<crate::validate::ValidationEvent>,
+) {
+    use crate::validate::ValidationEvent;
+    let Ok(iface) = conn
+        .object_server()
+        .interface::<_, ControlObject>(OBJECT_PATH)
+        .await
+    else {
+        return;
+    };
+    loop {
+        let event = match events.recv().await {
+            Ok(e) => e,
+            Err(tokio::sync::broadcast::error::RecvError::Lagged(_)) => continue,
+            Err(_) => return,
+        };
+        let e = iface.signal_emitter();
+        let sent = match event {
+            ValidationEvent::Progress(p) => {
+                let text = serde_json::to_string(&p).unwrap_or_default();
+                ControlObject::validation_progress(e, &text).await
+            }
+            ValidationEvent::Done(r) => {
+                let text = serde_json::to_string(&*r).unwrap_or_default();
+                ControlObject::validation_done(e, &text).await
+            }
+        };
+        if let Err(err) = sent {
+            tracing::debug!("cannot send a validation signal: {err}");
+        }
+    }
 }
 
 /// The least time between two announcements of the per-request figures (`InFlight`,

@@ -29,3 +29,4 @@ pub mod stats;
 pub mod sysroot;
 pub mod thermal;
 pub mod upstream;
+pub mod validate;

@@ -70,6 +70,8 @@ pub struct Ctx {
     pub connections: Connections,
     /// When a connection or request last came in (`exit_when_idle`).
     pub activity: Activity,
+    /// Validation runs: while one holds the engine, requests wait at its gate.
+    pub validator: crate::validate::Validator,
 }
 
 /// The response body: a small body of our own, or the engine's, streamed with its lease.
@@ -518,6 +520,23 @@ async fn proxy(ctx: &Ctx, config: &Config, req: Request<Incoming>) -> Response<P
         Ok(held) => held,
         Err(e) => return intake_refusal(&e),
     };
+    if let Err(max_waiting) = ctx
+        .validator
+        .admit(config.supervisor.engine.max_waiting)
+        .await
+    {
+        return ApiError::new(
+            StatusCode::SERVICE_UNAVAILABLE,
+            "server_error",
+            "queue_full",
+            format!(
+                "a validation run holds the engine and {max_waiting} requests (engine.max_waiting) \
+                 already wait for its end; try again later"
+            ),
+        )
+        .retry_after(Duration::from_secs(30))
+        .into_response();
+    }
     let lease = match ctx.lifecycle.acquire().await {
         Ok(lease) => lease,
         Err(refusal) => return ApiError::from(refusal).into_response(),

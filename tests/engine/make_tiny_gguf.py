@@ -1,7 +1,7 @@
 #!/usr/bin/env python3
 """Write a tiny llama-architecture GGUF model for engine tests.
 
-    make_tiny_gguf.py OUT.gguf [--seed N]
+    make_tiny_gguf.py OUT.gguf [--seed N] [--ctx N]
 
 The model is about 1.5 MB, loads in milliseconds and, decoded greedily, its
 next token depends only on the previous token, so tests can assert exact text:
@@ -154,12 +154,12 @@ def build_weights(vocab, rng):
     return tensors
 
 
-def write_model(path, vocab, tensors):
+def write_model(path, vocab, tensors, n_ctx=N_CTX):
     writer = gguf.GGUFWriter(path, "llama")
 
     writer.add_name("dsv4-tiny-test")
     writer.add_file_type(gguf.LlamaFileType.ALL_F32)
-    writer.add_context_length(N_CTX)
+    writer.add_context_length(n_ctx)
     writer.add_embedding_length(N_EMBD)
     writer.add_block_count(N_LAYER)
     writer.add_feed_forward_length(N_FF)
@@ -196,11 +196,15 @@ def main():
     parser = argparse.ArgumentParser(description="Write a tiny deterministic llama GGUF for tests.")
     parser.add_argument("out", help="path of the .gguf file to write")
     parser.add_argument("--seed", type=int, default=0, help="seed of the random weights (default 0)")
+    parser.add_argument(
+        "--ctx", type=int, default=N_CTX,
+        help=f"training context it declares (default {N_CTX}); llama-server caps a slot's context at it",
+    )
     args = parser.parse_args()
 
     vocab = build_vocab()
     tensors = build_weights(vocab, np.random.default_rng(args.seed))
-    write_model(args.out, vocab, tensors)
+    write_model(args.out, vocab, tensors, args.ctx)
     n_params = sum(data.size for _, data in tensors)
     print(f"make_tiny_gguf: wrote {args.out} (vocab {len(vocab)}, {n_params} parameters)", file=sys.stderr)
 

@@ -31,3 +31,4 @@ mod telemetry;
 mod thermal;
 mod top;
 mod units;
+mod validate;

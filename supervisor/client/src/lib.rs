@@ -9,6 +9,7 @@
 pub mod duration;
 pub mod kv;
 pub mod telemetry;
+pub mod validate;
 
 use std::collections::BTreeMap;
 use std::fmt;
@@ -63,6 +64,19 @@ pub trait Supervisor1 {
     /// Removes the KV checkpoints `what` names (`all`, a profile, an id); the ids removed,
     /// as a JSON array. Root and the `dsv4` group only.
     fn drop_kv(&self, what: &str) -> zbus::Result<String>;
+    /// Starts a validation run: `request` is a [`validate::ValidateRequest`] as JSON; the
+    /// answer is the validation profile. Root and the `dsv4` group only.
+    fn validate(&self, request: &str) -> zbus::Result<String>;
+    /// Ends the running validation; `false` when none runs.
+    fn cancel_validation(&self) -> zbus::Result<bool>;
+    /// The kept validation results of `profile` (all with ""), newest first, as JSON.
+    fn validations(&self, profile: &str) -> zbus::Result<String>;
+    /// A [`validate::Progress`] of the running validation, as JSON.
+    #[zbus(signal)]
+    fn validation_progress(&self, progress: &str) -> zbus::Result<()>;
+    /// The [`validate::ValidationResult`] of the validation that just ended, as JSON.
+    #[zbus(signal)]
+    fn validation_done(&self, result: &str) -> zbus::Result<()>;
     /// The profiles as a JSON array: see [`ProfileInfo`].
     fn list_profiles(&self) -> zbus::Result<String>;
     /// The samples of the host taken at or after `since` (unix s), oldest first, at most

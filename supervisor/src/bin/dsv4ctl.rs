@@ -146,6 +146,35 @@ enum Command {
         #[arg(long)]
         states: bool,
     },
+    /// Validate the engine: decode and cold-prefill runs on the validation profile
+    ///
+    /// Asks the daemon (Validate(); root and the dsv4 group only) to switch to the
+    /// validation profile by drain and restart, run each test --runs times cold
+    /// (cache_prompt false on /completion): decode (256 generated tokens) and prefill (a
+    /// prompt of exactly 4,096 tokens), with --long N one prefill of exactly N tokens; then
+    /// switch back to the profile that was active, whatever happens. Progress shows as it
+    /// runs. Prints a table (test, mean, sample SD, runs, and the host's temperature, power
+    /// and memory over each test), or with --json the result document, which the daemon
+    /// also keeps in state_dir/validations/. --compare last (or a result file) shows the
+    /// change per test and flags a drop beyond the noise (the larger of twice the pooled SD
+    /// and 5%). Exits 1 when the run ended early (with the reason) or a drop was flagged.
+    /// Client requests that arrive meanwhile wait and are served on the restored profile.
+    /// Ctrl-C cancels the run (the daemon switches back).
+    Validate {
+        /// The validation profile
+        #[arg(long, default_value = "64k")]
+        profile: String,
+        /// How many times each test runs
+        #[arg(long, default_value_t = 3, value_parser = clap::value_parser!(u32).range(1..=100))]
+        runs: u32,
+        /// Also one cold prefill of exactly N tokens (e.g. 262144), with its wall time
+        #[arg(long, value_name = "N")]
+        long: Option<u64>,
+        /// Compare with an earlier run: `last` (the daemon's previous run of the profile) or
+        /// a result file
+        #[arg(long, value_name = "PATH|last")]
+        compare: Option<String>,
+    },
     /// List or remove the saved KV caches (checkpoints)
     ///
     /// Profiles with kv_checkpoint save their engine's KV cache on every planned stop and
@@ -248,6 +277,19 @@ async fn run(cli: Cli) -> Result<(), Failure> {
         Command::Logs { follow, lines } => logs(&daemon, json, follow, lines).await,
         Command::Top => top::run(&daemon).await,
         Command::Kv { action } => kv(&daemon, json, action.unwrap_or(KvAction::List)).await,
+        Command::Validate {
+            profile,
+            runs,
+            long,
+            compare,
+        } => {
+            let req = dsv4_client::validate::ValidateRequest {
+                profile: Some(profile),
+                runs,
+                long,
+            };
+            validate(&daemon, json, req, compare).await
+        }
         Command::Completions { .. }
         | Command::Config { .. }
         | Command::NotifyAgent { .. }
@@ -518,6 +560,119 @@ fn set_profile_text(before: &EngineStatus, name: &str) -> String {
     } else {
         format!("profile {name}: applies at the next start")
     }
+}
+
+async fn validate(
+    daemon: &Daemon,
+    json: bool,
+    req: dsv4_client::validate::ValidateRequest,
+    compare: Option<String>,
+) -> Result<(), Failure> {
+    use dsv4_client::validate::{Progress, ValidationResult};
+    use futures_util::StreamExt;
+    // What to compare with is found before the run adds itself to the daemon's list.
+    let profile = req.profile.clone().unwrap_or_default();
+    let earlier: Option<ValidationResult> =
+        match compare.as_deref() {
+            None => None,
+            Some("last") => Some(
+                daemon
+                    .validations(&profile)
+                    .await?
+                    .into_iter()
+                    .next()
+                    .ok_or_else(|| {
+                        Failure::Failed(format!(
+                            "no earlier validation of profile {profile} to compare with"
+                        ))
+                    })?,
+            ),
+            Some(path) => {
+                let text = std::fs::read(path)
+                    .map_err(|e| Failure::Usage(format!("cannot read {path}: {e}")))?;
+                Some(serde_json::from_slice(&text).map_err(|e| {
+                    Failure::Usage(format!("{path} is not a validation result: {e}"))
+                })?)
+            }
+        };
+    // Subscribed before the call, so nothing it says is missed.
+    let (mut progress, mut done) = daemon.validation_signals().await?;
+    let profile = daemon.validate(&req).await?;
+    eprintln!(
+        "dsv4ctl: validating profile {profile} ({} runs per test)",
+        req.runs
+    );
+    let ctrl_c = tokio::signal::ctrl_c();
+    tokio::pin!(ctrl_c);
+    let mut cancelled = false;
+    // A daemon that dies sends no ValidationDone: it is asked after each quiet while.
+    let mut alive = tokio::time::interval(Duration::from_secs(2));
+    alive.tick().await;
+    let result: ValidationResult = loop {
+        tokio::select! {
+            _ = alive.tick() => {
+                if daemon.status().await.is_err() {
+                    return Err(Failure::Unreachable(
+                        "dsv4d went away during the validation; its next start goes back to \
+                         the profile that was active before it".into(),
+                    ));
+                }
+            }
+            Some(p) = progress.next() => {
+                if let Ok(p) = p.args().map(|a| a.progress.to_string()) {
+                    if let Ok(p) = serde_json::from_str::<Progress>(&p) {
+                        eprintln!("dsv4ctl: {}", p.message);
+                    }
+                }
+            }
+            Some(d) = done.next() => {
+                let Ok(text) = d.args().map(|a| a.result.to_string()) else { continue };
+                match serde_json::from_str(&text) {
+                    Ok(r) => break r,
+                    Err(e) => return Err(Failure::Failed(format!(
+                        "dsv4d sent a validation result dsv4ctl does not understand: {e}"
+                    ))),
+                }
+            }
+            _ = &mut ctrl_c, if !cancelled => {
+                cancelled = true;
+                eprintln!("dsv4ctl: cancelling; the daemon switches back");
+                daemon.cancel_validation().await?;
+            }
+            else => return Err(Failure::Unreachable("the daemon's signals stopped".into())),
+        }
+    };
+    let comparison = earlier
+        .as_ref()
+        .map(|e| (e, dsv4_client::validate::compare(e, &result)));
+    if json {
+        print_json(&result)?;
+    } else {
+        print(&render::validation_table(&result))?;
+        if let Some((e, c)) = &comparison {
+            print(&render::comparison_table(e, c))?;
+        }
+    }
+    if let Some(why) = &result.error {
+        return Err(Failure::Failed(format!(
+            "the validation ended early: {why}; profile {} is active again",
+            result.previous_profile
+        )));
+    }
+    if let Some((_, c)) = &comparison {
+        let slower: Vec<String> = c
+            .iter()
+            .filter(|c| c.flagged)
+            .map(|c| format!("{} ({:+.1}%)", c.name, c.change_pct))
+            .collect();
+        if !slower.is_empty() {
+            return Err(Failure::Failed(format!(
+                "slower than the earlier run beyond the noise: {}",
+                slower.join(", ")
+            )));
+        }
+    }
+    Ok(())
 }
 
 async fn kv(daemon: &Daemon, json: bool, action: KvAction) -> Result<(), Failure> {

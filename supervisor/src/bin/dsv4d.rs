@@ -244,6 +244,7 @@ async fn run(args: Args, activated: Vec<(std::os::fd::OwnedFd, String)>) -> Resu
         );
     }
 
+    dsv4::validate::recover(&config.supervisor.state_dir);
     let profile = active_profile(&config);
     let alerts = Alerts::default();
     let services = Services {
@@ -261,6 +262,12 @@ async fn run(args: Args, activated: Vec<(std::os::fd::OwnedFd, String)>) -> Resu
         lifecycle.watch_status(),
     );
     let thermal = dsv4::thermal::spawn(config_rx.clone(), telemetry.clone(), lifecycle.clone());
+    let validator = dsv4::validate::Validator::new(
+        lifecycle.clone(),
+        telemetry.clone(),
+        config_rx.clone(),
+        sysroot.clone(),
+    );
     let power = dsv4::power::spawn(dsv4::power::Parts {
         config: config_rx.clone(),
         lifecycle: lifecycle.watch_status(),
@@ -286,6 +293,7 @@ async fn run(args: Args, activated: Vec<(std::os::fd::OwnedFd, String)>) -> Resu
                 activity: activity.clone(),
                 group,
                 alerts: alerts.subscribe(),
+                validator: validator.clone(),
             };
             Some(dbus::serve(bus, parts).await?)
         }
@@ -301,6 +309,7 @@ async fn run(args: Args, activated: Vec<(std::os::fd::OwnedFd, String)>) -> Resu
         .run(),
     );
     let ctx = Arc::new(Ctx {
+        validator: validator.clone(),
         lifecycle: lifecycle.clone(),
         config: config_rx,
         stats,

@@ -99,7 +99,7 @@ async fn call(
 }
 
 /// `call`, expecting 200 and JSON of type `T`.
-async fn call_json<T: serde::de::DeserializeOwned>(
+pub(crate) async fn call_json<T: serde::de::DeserializeOwned>(
     engine: &EngineRef,
     method: http::Method,
     path: &str,

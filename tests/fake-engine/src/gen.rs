@@ -171,6 +171,11 @@ pub fn chat_prompt_chars(messages: &[Value]) -> u64 {
 pub fn prompt_text(v: &Value) -> Option<String> {
     match v {
         Value::String(s) => Some(s.clone()),
+        // Token ids, as `/tokenize` gives them: one character each.
+        Value::Array(items) if !items.is_empty() && items.iter().all(Value::is_u64) => items
+            .iter()
+            .map(|t| t.as_u64().and_then(|t| char::from_u32(t as u32)))
+            .collect(),
         Value::Array(items) => {
             let mut out = String::new();
             for it in items {
@@ -180,6 +185,12 @@ pub fn prompt_text(v: &Value) -> Option<String> {
         }
         _ => None,
     }
+}
+
+/// `/tokenize`: one token per character, its code point as the id.
+pub fn tokenize(text: &str) -> Value {
+    let tokens: Vec<u32> = text.chars().map(u32::from).collect();
+    serde_json::json!({ "tokens": tokens })
 }
 
 /// llama-server's `timings` object.

@@ -592,6 +592,14 @@ async fn route(engine: &Arc<Engine>, req: Request<Incoming>, method: &Method, pa
             json_response(StatusCode::OK, &Value::Array(slots))
         }
         (&Method::POST, p) if llama && p.starts_with("/slots/") => slot_action(engine, req).await,
+        (&Method::POST, "/tokenize") if llama => {
+            let body = match read_json(req).await {
+                Ok(v) => v,
+                Err(e) => return json_response(StatusCode::BAD_REQUEST, &json!({"error": e})),
+            };
+            let text = body["content"].as_str().unwrap_or_default();
+            json_response(StatusCode::OK, &gen::tokenize(text))
+        }
         (&Method::GET, "/props") => json_response(
             StatusCode::OK,
             &json!({

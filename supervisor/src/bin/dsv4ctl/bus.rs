@@ -6,7 +6,11 @@ use std::time::Duration;
 
 use dsv4_client::kv::KvCheckpoint;
 use dsv4_client::telemetry::Sample;
-use dsv4_client::{Bus, ProfileInfo, StateChangedStream, Status, Supervisor1Proxy};
+use dsv4_client::validate::{ValidateRequest, ValidationResult};
+use dsv4_client::{
+    Bus, ProfileInfo, StateChangedStream, Status, Supervisor1Proxy, ValidationDoneStream,
+    ValidationProgressStream,
+};
 use zbus::proxy::CacheProperties;
 
 use crate::error::Failure;
@@ -139,6 +143,50 @@ impl Daemon {
             self.proxy.receive_lifecycle_changed(),
         )
         .await
+    }
+
+    /// The validation signals from now on: progress lines and the final result.
+    pub async fn validation_signals(
+        &self,
+    ) -> Result<(ValidationProgressStream, ValidationDoneStream), Failure> {
+        let progress = bounded(
+            self.bus,
+            "the ValidationProgress subscription",
+            self.proxy.receive_validation_progress(),
+        )
+        .await?;
+        let done = bounded(
+            self.bus,
+            "the ValidationDone subscription",
+            self.proxy.receive_validation_done(),
+        )
+        .await?;
+        Ok((progress, done))
+    }
+
+    /// `Validate(request)`: the validation profile.
+    pub async fn validate(&self, request: &ValidateRequest) -> Result<String, Failure> {
+        let text = serde_json::to_string(request).unwrap_or_default();
+        bounded(self.bus, "Validate()", self.proxy.validate(&text)).await
+    }
+
+    pub async fn cancel_validation(&self) -> Result<bool, Failure> {
+        bounded(
+            self.bus,
+            "CancelValidation()",
+            self.proxy.cancel_validation(),
+        )
+        .await
+    }
+
+    /// `Validations(profile)`, parsed: the kept results, newest first.
+    pub async fn validations(&self, profile: &str) -> Result<Vec<ValidationResult>, Failure> {
+        let json = bounded(self.bus, "Validations()", self.proxy.validations(profile)).await?;
+        serde_json::from_str(&json).map_err(|e| {
+            Failure::Failed(format!(
+                "dsv4d answered Validations() with a document dsv4ctl does not understand: {e}"
+            ))
+        })
     }
 
     pub async fn stop(&self) -> Result<(), Failure> {

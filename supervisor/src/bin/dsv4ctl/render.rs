@@ -5,6 +5,7 @@ use std::time::Duration;
 
 use dsv4_client::kv::{KvCheckpoint, KvProfile, KvStep};
 use dsv4_client::telemetry::{Memory, Sample};
+use dsv4_client::validate::{Comparison, ValidationResult};
 use dsv4_client::{
     EngineStatus, PowerStatus, ProfileInfo, RequestRecord, Status, ThermalStatus, Totals,
 };
@@ -421,6 +422,84 @@ fn kv_line(p: &KvProfile, now: f64) -> String {
         lines.push(format!("  last restore: {}", kv_step(step, now)));
     }
     lines.join("\n")
+}
+
+/// `dsv4ctl validate`: test, mean, sample SD, runs; then what the host did in each.
+pub fn validation_table(r: &ValidationResult) -> String {
+    let mut out = format!(
+        "profile {} (engine build {}, kernel {})\n",
+        r.profile,
+        if r.engine_build.is_empty() {
+            "?"
+        } else {
+            &r.engine_build
+        },
+        if r.kernel.is_empty() { "?" } else { &r.kernel }
+    );
+    out.push_str(&format!(
+        "{:<14} {:>12} {:>10} {:>5}  {}\n",
+        "test", "mean", "sample SD", "runs", "unit"
+    ));
+    for t in &r.tests {
+        out.push_str(&format!(
+            "{:<14} {:>12.3} {:>10.3} {:>5}  {}\n",
+            t.name,
+            t.mean,
+            t.sd,
+            t.runs.len(),
+            t.unit
+        ));
+    }
+    for t in &r.tests {
+        let m = &t.telemetry;
+        let mut parts = Vec::new();
+        if let (Some(mean), Some(max)) = (m.edge_mean_c, m.edge_max_c) {
+            parts.push(format!("edge {mean:.1}/{max:.1} C"));
+        }
+        if let Some(w) = m.soc_power_mean_w {
+            parts.push(format!("SoC {w:.1} W"));
+        }
+        if let (Some(a), Some(b)) = (m.gtt_before_bytes, m.gtt_after_bytes) {
+            parts.push(format!("GTT {} -> {}", gib(a), gib(b)));
+        }
+        if let (Some(a), Some(b)) = (m.available_before_bytes, m.available_after_bytes) {
+            parts.push(format!("available {} -> {}", gib(a), gib(b)));
+        }
+        parts.push(format!("throttled {:.0} s", m.throttle_seconds));
+        if let Some(s) = m.swap_used_bytes {
+            parts.push(format!("swap {}", size(s)));
+        }
+        out.push_str(&format!("  {}: {}\n", t.name, parts.join(", ")));
+    }
+    out
+}
+
+/// `dsv4ctl validate --compare`: each test against the earlier run.
+pub fn comparison_table(earlier: &ValidationResult, c: &[Comparison]) -> String {
+    let mut out = format!(
+        "compared with the run of {} (engine build {}):\n",
+        earlier.profile,
+        if earlier.engine_build.is_empty() {
+            "?"
+        } else {
+            &earlier.engine_build
+        }
+    );
+    for c in c {
+        out.push_str(&format!(
+            "{:<14} {:>12.3} -> {:>12.3} {:>+7.1}%  {}\n",
+            c.name,
+            c.before,
+            c.now,
+            c.change_pct,
+            if c.flagged {
+                format!("SLOWER beyond the noise ({:.3})", c.threshold)
+            } else {
+                "ok".to_string()
+            }
+        ));
+    }
+    out
 }
 
 /// `dsv4ctl kv list`.

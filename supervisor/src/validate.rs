@@ -1,0 +1,539 @@
+//! Validation runs (`dsv4ctl validate`): the 64K profile's reason to exist, run unattended.
+//!
+//! A run switches to the validation profile by drain and restart, holds one lease on its
+//! engine for the whole suite (so it is never stopped for idleness in between), runs each
+//! test `runs` times on the native `/completion` endpoint with `cache_prompt: false` (every
+//! run cold), and switches back to the profile that was active, whatever happened: a failed
+//! test, an engine that died, `dsv4ctl stop --now`, a cancel. Client requests that arrive
+//! meanwhile wait at the [`Validator::admit`] gate (or get a 503 when `max_waiting` of them
+//! already wait) and are served once the old profile is back.
+//!
+//! The suite: `decode` (a fixed short prompt, 256 generated tokens), `prefill` (a prompt of
+//! exactly 4,096 tokens, built from `/tokenize`'s ids), and with `--long N` one
+//! `long_prefill` of exactly N tokens. Each test gets the host's figures over its span from
+//! the monitor's ring. The result is kept as JSON in `state_dir/validations/`.
+//!
+//! Owns: the one validation that may run, its gate, and its progress stream. Must not:
+//! decide about the engine; it goes through the lifecycle's handle like any client.
+
+use std::path::{Path, PathBuf};
+use std::sync::atomic::{AtomicUsize, Ordering};
+use std::sync::{Arc, Mutex};
+use std::time::Duration;
+
+use dsv4_client::validate::{
+    mean_sd, Progress, RunDetail, TestResult, TestTelemetry, ValidateRequest, ValidationResult,
+};
+use serde_json::{json, Value};
+use tokio::sync::{broadcast, watch};
+use tokio::time::Instant;
+
+use crate::config::Config;
+use crate::lifecycle::actor::{EngineRef, Handle, Lease};
+use crate::monitor::Telemetry;
+use crate::sysroot::SysRoot;
+
+/// The validation profile when none is named.
+pub const DEFAULT_PROFILE: &str = "64k";
+/// Tokens of the cold prefill test.
+pub const PREFILL_TOKENS: u64 = 4096;
+/// Tokens the decode test generates.
+pub const DECODE_TOKENS: u64 = 256;
+const DECODE_PROMPT: &str = "Write the alphabet, then keep going:";
+/// Most runs a request may ask for.
+pub const MAX_RUNS: u32 = 100;
+/// The file that names the profile to go back to while a validation runs: a daemon that
+/// dies in the middle finds it at its next start.
+const RUNNING: &str = "validation-running";
+
+/// What a validation tells its watchers.
+#[derive(Debug, Clone)]
+pub enum ValidationEvent {
+    Progress(Progress),
+    Done(Box<ValidationResult>),
+}
+
+struct Inner {
+    lifecycle: Handle,
+    telemetry: Telemetry,
+    config: watch::Receiver<Arc<Config>>,
+    sysroot: SysRoot,
+    /// `true` while a validation holds the engine: client requests wait.
+    gate: watch::Sender<bool>,
+    waiting: AtomicUsize,
+    events: broadcast::Sender<ValidationEvent>,
+    /// The running validation's cancel switch.
+    cancel: Mutex<Option<watch::Sender<bool>>>,
+}
+
+/// The validation runner; cheap to clone.
+#[derive(Clone)]
+pub struct Validator(Arc<Inner>);
+
+/// A request waiting at the gate, counted while it waits.
+struct Waiting<'a>(&'a AtomicUsize);
+impl Drop for Waiting<'_> {
+    fn drop(&mut self) {
+        self.0.fetch_sub(1, Ordering::SeqCst);
+    }
+}
+
+impl Validator {
+    pub fn new(
+        lifecycle: Handle,
+        telemetry: Telemetry,
+        config: watch::Receiver<Arc<Config>>,
+        sysroot: SysRoot,
+    ) -> Validator {
+        let (gate, _) = watch::channel(false);
+        let (events, _) = broadcast::channel(256);
+        Validator(Arc::new(Inner {
+            lifecycle,
+            telemetry,
+            config,
+            sysroot,
+            gate,
+            waiting: AtomicUsize::new(0),
+            events,
+            cancel: Mutex::new(None),
+        }))
+    }
+
+    pub fn subscribe(&self) -> broadcast::Receiver<ValidationEvent> {
+        self.0.events.subscribe()
+    }
+
+    pub fn running(&self) -> bool {
+        *self.0.gate.borrow()
+    }
+
+    /// A client request passes when no validation runs, else waits for its end; `Err` when
+    /// `max_waiting` requests wait already (the caller answers 503).
+    pub async fn admit(&self, max_waiting: usize) -> Result<(), usize> {
+        let mut gate = self.0.gate.subscribe();
+        if !*gate.borrow_and_update() {
+            return Ok(());
+        }
+        if self.0.waiting.fetch_add(1, Ordering::SeqCst) >= max_waiting {
+            self.0.waiting.fetch_sub(1, Ordering::SeqCst);
+            return Err(max_waiting);
+        }
+        let _counted = Waiting(&self.0.waiting);
+        let _ = gate.wait_for(|running| !running).await;
+        Ok(())
+    }
+
+    /// Starts a validation; its progress and result come as [`ValidationEvent`]s. Refused
+    /// while one runs, or for a profile that does not exist.
+    pub fn start(&self, req: ValidateRequest) -> Result<String, String> {
+        let config = self.0.config.borrow().clone();
+        let profile = req
+            .profile
+            .clone()
+            .unwrap_or_else(|| DEFAULT_PROFILE.to_string());
+        if config.profile(&profile).is_none() {
+            return Err(format!(
+                "unknown profile `{profile}`; profiles: {}",
+                config.profile_names().join(", ")
+            ));
+        }
+        if req.runs == 0 || req.runs > MAX_RUNS {
+            return Err(format!("runs must be between 1 and {MAX_RUNS}"));
+        }
+        if req.long.is_some_and(|n| n == 0) {
+            return Err("--long must be at least 1 token".into());
+        }
+        let mut slot = self.0.cancel.lock().unwrap_or_else(|p| p.into_inner());
+        if slot.is_some() {
+            return Err("a validation is already running".into());
+        }
+        let (cancel_tx, cancel_rx) = watch::channel(false);
+        *slot = Some(cancel_tx);
+        self.0.gate.send_replace(true);
+        drop(slot);
+        let this = self.clone();
+        let name = profile.clone();
+        tokio::spawn(async move {
+            let result = this.run(&name, &req, cancel_rx).await;
+            *this.0.cancel.lock().unwrap_or_else(|p| p.into_inner()) = None;
+            let _ = this.0.events.send(ValidationEvent::Done(Box::new(result)));
+        });
+        Ok(profile)
+    }
+
+    /// Ends the running validation (it switches back); `false` when none runs.
+    pub fn cancel(&self) -> bool {
+        let slot = self.0.cancel.lock().unwrap_or_else(|p| p.into_inner());
+        match slot.as_ref() {
+            Some(tx) => {
+                tx.send_replace(true);
+                true
+            }
+            None => false,
+        }
+    }
+
+    /// The saved runs of `profile` (every profile's with `None`), newest first.
+    pub fn saved(&self, profile: Option<&str>) -> Vec<ValidationResult> {
+        let dir = self
+            .0
+            .config
+            .borrow()
+            .supervisor
+            .state_dir
+            .join("validations");
+        let Ok(entries) = std::fs::read_dir(&dir) else {
+            return Vec::new();
+        };
+        let mut runs: Vec<ValidationResult> = entries
+            .flatten()
+            .filter(|e| e.path().extension().is_some_and(|x| x == "json"))
+            .filter_map(|e| serde_json::from_slice(&std::fs::read(e.path()).ok()?).ok())
+            .filter(|r: &ValidationResult| profile.is_none_or(|p| r.profile == p))
+            .collect();
+        runs.sort_by(|a, b| b.started.total_cmp(&a.started));
+        runs
+    }
+
+    fn say(&self, p: Progress) {
+        tracing::info!("validation: {}", p.message);
+        let _ = self.0.events.send(ValidationEvent::Progress(p));
+    }
+
+    async fn run(
+        &self,
+        profile: &str,
+        req: &ValidateRequest,
+        mut cancel: watch::Receiver<bool>,
+    ) -> ValidationResult {
+        let config = self.0.config.borrow().clone();
+        let lifecycle = &self.0.lifecycle;
+        let previous = lifecycle.status().profile;
+        let state_dir = config.supervisor.state_dir.clone();
+        let mut result = ValidationResult {
+            profile: profile.to_string(),
+            started: crate::kv::unix_now(),
+            previous_profile: previous.clone(),
+            kernel: std::fs::read_to_string(self.0.sysroot.path("/proc/sys/kernel/osrelease"))
+                .map(|s| s.trim().to_string())
+                .unwrap_or_default(),
+            settings: config
+                .profile(profile)
+                .and_then(|p| std::fs::read_to_string(&p.file).ok())
+                .and_then(|text| serde_yaml_ng::from_str::<Value>(&text).ok())
+                .unwrap_or(Value::Null),
+            ..ValidationResult::default()
+        };
+        let _ = crate::state_file::write_atomic(&state_dir.join(RUNNING), previous.as_bytes());
+        let outcome = tokio::select! {
+            r = self.suite(profile, req, &mut result) => r,
+            _ = cancel.wait_for(|c| *c) => Err("cancelled (CancelValidation)".to_string()),
+        };
+        if let Err(why) = outcome {
+            tracing::warn!("validation of profile {profile} ended early: {why}");
+            result.error = Some(why);
+        }
+        // Back, whatever happened; the lease went with the suite.
+        if lifecycle.status().profile != previous {
+            self.say(Progress {
+                step: "switching back".into(),
+                message: format!("switching back to profile {previous}"),
+                ..Progress::default()
+            });
+            if let Err(e) = lifecycle.set_profile(&previous).await {
+                let why = format!("cannot switch back to profile {previous}: {e}");
+                tracing::error!("{why}");
+                result.error.get_or_insert(why);
+            }
+        }
+        let _ = std::fs::remove_file(state_dir.join(RUNNING));
+        self.0.gate.send_replace(false);
+        result.finished = crate::kv::unix_now();
+        if let Err(e) = save(&state_dir, &mut result) {
+            tracing::warn!("cannot keep the validation's result: {e}");
+            result.file = None;
+        }
+        result
+    }
+
+    async fn suite(
+        &self,
+        profile: &str,
+        req: &ValidateRequest,
+        result: &mut ValidationResult,
+    ) -> Result<(), String> {
+        let lifecycle = &self.0.lifecycle;
+        self.say(Progress {
+            step: "switching".into(),
+            message: format!("switching to profile {profile} (drain and restart)"),
+            ..Progress::default()
+        });
+        lifecycle
+            .set_profile(profile)
+            .await
+            .map_err(|e| e.to_string())?;
+        let lease = self.lease_on(profile).await?;
+        let engine = lease.engine.clone();
+        result.engine_build = build_info(&engine).await.unwrap_or_default();
+        let runs = req.runs;
+        let decode = self
+            .test("decode", runs, &engine, || async {
+                let body = json!({
+                    "prompt": DECODE_PROMPT,
+                    "n_predict": DECODE_TOKENS,
+                    "ignore_eos": true,
+                    "cache_prompt": false,
+                });
+                let d = complete(&engine, body).await?;
+                Ok(RunDetail {
+                    value: rate(d.predicted_n, d.predicted_ms),
+                    ..d.detail
+                })
+            })
+            .await;
+        result.tests.push(decode?);
+        let prompt = exact_prompt(&engine, PREFILL_TOKENS).await?;
+        let prefill = self
+            .test("prefill", runs, &engine, || async {
+                let body = json!({"prompt": prompt, "n_predict": 1, "cache_prompt": false});
+                let d = complete(&engine, body).await?;
+                Ok(RunDetail {
+                    value: rate(d.detail.prompt_n, d.prompt_ms),
+                    ..d.detail
+                })
+            })
+            .await;
+        result.tests.push(prefill?);
+        if let Some(n) = req.long {
+            let prompt = exact_prompt(&engine, n).await?;
+            let long = self
+                .test("long_prefill", 1, &engine, || async {
+                    let body = json!({"prompt": prompt, "n_predict": 32, "cache_prompt": false});
+                    let d = complete(&engine, body).await?;
+                    Ok(RunDetail {
+                        value: rate(d.detail.prompt_n, d.prompt_ms),
+                        ..d.detail
+                    })
+                })
+                .await;
+            result.tests.push(long?);
+        }
+        drop(lease);
+        Ok(())
+    }
+
+    /// A lease on an engine of `profile` (a lease on the old engine, granted before the
+    /// switch took hold, is given back).
+    async fn lease_on(&self, profile: &str) -> Result<Lease, String> {
+        for _ in 0..100 {
+            let lease = self
+                .0
+                .lifecycle
+                .start_and_acquire()
+                .await
+                .map_err(|r| crate::http_error::ApiError::from(r).message)?;
+            if lease.engine.profile == profile {
+                return Ok(lease);
+            }
+            drop(lease);
+            tokio::time::sleep(Duration::from_millis(20)).await;
+        }
+        Err(format!("the engine of profile {profile} did not come up"))
+    }
+
+    /// Runs one test `runs` times, with the host's figures over its span.
+    async fn test<F, Fut>(
+        &self,
+        name: &str,
+        runs: u32,
+        engine: &EngineRef,
+        mut once: F,
+    ) -> Result<TestResult, String>
+    where
+        F: FnMut() -> Fut,
+        Fut: std::future::Future<Output = Result<RunDetail, String>>,
+    {
+        let before = self.0.telemetry.latest();
+        let from = crate::kv::unix_now();
+        let mut details = Vec::new();
+        for run in 1..=runs {
+            let t = Instant::now();
+            let mut d = match once().await {
+                Ok(d) => d,
+                Err(e) => {
+                    // A stopped or crashed engine: its exit is seen a moment after the
+                    // connection breaks.
+                    let mut exit = engine.exit.clone();
+                    let gone = tokio::time::timeout(
+                        Duration::from_millis(500),
+                        exit.wait_for(Option::is_some),
+                    )
+                    .await
+                    .is_ok_and(|r| r.is_ok());
+                    return Err(match gone {
+                        true => format!("{name} run {run}: the engine went away ({e})"),
+                        false => format!("{name} run {run}: {e}"),
+                    });
+                }
+            };
+            d.wall_seconds = t.elapsed().as_secs_f64();
+            self.say(Progress {
+                step: "run".into(),
+                test: Some(name.to_string()),
+                run: Some(run),
+                runs: Some(runs),
+                value: Some(d.value),
+                message: format!("{name} run {run}/{runs}: {:.3} tok/s", d.value),
+            });
+            details.push(d);
+        }
+        let to = crate::kv::unix_now();
+        let after = self.0.telemetry.latest();
+        let span = self.0.telemetry.resources(from, to);
+        let gtt = |s: &Option<Arc<dsv4_client::telemetry::Sample>>| {
+            s.as_ref()
+                .and_then(|s| s.gpu.as_ref())
+                .and_then(|g| g.gtt_used)
+        };
+        let available = |s: &Option<Arc<dsv4_client::telemetry::Sample>>| {
+            s.as_ref()
+                .and_then(|s| s.memory.as_ref())
+                .map(|m| m.available)
+        };
+        let values: Vec<f64> = details.iter().map(|d| d.value).collect();
+        let (mean, sd) = mean_sd(&values);
+        Ok(TestResult {
+            name: name.to_string(),
+            unit: "tok/s".into(),
+            runs: values,
+            mean,
+            sd,
+            telemetry: TestTelemetry {
+                edge_mean_c: span.edge_mean_c,
+                edge_max_c: span.edge_max_c,
+                soc_power_mean_w: span.soc_power_mean_w,
+                gtt_before_bytes: gtt(&before),
+                gtt_after_bytes: gtt(&after),
+                available_before_bytes: available(&before),
+                available_after_bytes: available(&after),
+                throttle_seconds: span.throttle_seconds,
+                swap_used_bytes: after
+                    .as_ref()
+                    .and_then(|s| s.memory.as_ref())
+                    .map(|m| m.swap_used()),
+            },
+            details,
+        })
+    }
+}
+
+fn rate(tokens: u64, ms: f64) -> f64 {
+    if ms > 0.0 {
+        tokens as f64 * 1000.0 / ms
+    } else {
+        0.0
+    }
+}
+
+/// One completion's figures.
+struct Done {
+    detail: RunDetail,
+    prompt_ms: f64,
+    predicted_n: u64,
+    predicted_ms: f64,
+}
+
+async fn complete(engine: &EngineRef, body: Value) -> Result<Done, String> {
+    let v: Value =
+        crate::kv::engine::call_json(engine, http::Method::POST, "/completion", Some(body)).await?;
+    let t = &v["timings"];
+    let n = |k: &str| t[k].as_u64().unwrap_or(0);
+    let f = |k: &str| t[k].as_f64().unwrap_or(0.0);
+    if t.is_null() {
+        return Err("the engine's answer has no timings".into());
+    }
+    Ok(Done {
+        detail: RunDetail {
+            prompt_n: n("prompt_n"),
+            cache_n: n("cache_n"),
+            predicted_n: n("predicted_n"),
+            ..RunDetail::default()
+        },
+        prompt_ms: f("prompt_ms"),
+        predicted_n: n("predicted_n"),
+        predicted_ms: f("predicted_ms"),
+    })
+}
+
+async fn build_info(engine: &EngineRef) -> Result<String, String> {
+    let v: Value = crate::kv::engine::call_json(engine, http::Method::GET, "/props", None).await?;
+    Ok(v["build_info"].as_str().unwrap_or_default().to_string())
+}
+
+/// Exactly `n` token ids of ordinary text, from the engine's own tokenizer.
+async fn exact_prompt(engine: &EngineRef, n: u64) -> Result<Vec<u64>, String> {
+    const TEXT: &str = "The quick brown fox jumps over the lazy dog while the five boxing \
+                        wizards jump quickly and a sphinx of black quartz judges my vow. ";
+    let mut text = TEXT.repeat(64);
+    loop {
+        let v: Value = crate::kv::engine::call_json(
+            engine,
+            http::Method::POST,
+            "/tokenize",
+            Some(json!({"content": text, "add_special": false})),
+        )
+        .await?;
+        let tokens: Vec<u64> = v["tokens"]
+            .as_array()
+            .ok_or("the engine's /tokenize answered no tokens")?
+            .iter()
+            .filter_map(Value::as_u64)
+            .collect();
+        if tokens.len() as u64 >= n {
+            return Ok(tokens[..n as usize].to_vec());
+        }
+        if tokens.is_empty() {
+            return Err("the engine's /tokenize answered no tokens".into());
+        }
+        let factor = (n as usize / tokens.len()).max(1) + 1;
+        text = text.repeat(factor);
+    }
+}
+
+/// Keeps `result` in `state_dir/validations/`, with its own path in it.
+fn save(state_dir: &Path, result: &mut ValidationResult) -> std::io::Result<()> {
+    let dir = state_dir.join("validations");
+    std::fs::create_dir_all(&dir)?;
+    let path: PathBuf = dir.join(format!(
+        "{}-{}.json",
+        (result.started * 1000.0) as u64,
+        result.profile
+    ));
+    result.file = Some(path.display().to_string());
+    crate::state_file::write_atomic(&path, &serde_json::to_vec_pretty(result)?)
+}
+
+/// At start-up: a validation that a dead daemon left running is undone, so the next start
+/// uses the profile that was active before it (returned, when there was one).
+pub fn recover(state_dir: &Path) -> Option<String> {
+    let file = state_dir.join(RUNNING);
+    let previous = std::fs::read_to_string(&file).ok()?;
+    let previous = previous.trim().to_string();
+    let _ = std::fs::remove_file(&file);
+    if previous.is_empty() {
+        return None;
+    }
+    match crate::state_file::save_profile(state_dir, &previous) {
+        Ok(()) => {
+            tracing::warn!(
+                "a validation did not finish (the daemon stopped during it): back to profile \
+                 {previous}"
+            );
+            Some(previous)
+        }
+        Err(e) => {
+            tracing::warn!("cannot go back to profile {previous} after a validation: {e}");
+            None
+        }
+    }
+}

@@ -1,0 +1,317 @@
+//! `dsv4ctl validate`: the suite on the real llama-server and the tiny model, interrupted
+//! runs that switch back and let waiting clients through, and `--compare` against an earlier
+//! run with the fake engine made slower.
+
+use std::path::Path;
+use std::process::{Command, Output, Stdio};
+use std::time::{Duration, Instant};
+
+const DSV4CTL: &str = env!("CARGO_BIN_EXE_dsv4ctl-under-test");
+
+use crate::control::wait_bus_name;
+use crate::support::real::engine;
+use crate::support::*;
+use dsv4_client::validate::{mean_sd, ValidationResult};
+use serde_json::Value;
+
+const SEC: Duration = Duration::from_secs(1);
+
+/// Runs dsv4ctl on `bus` (bounded to 2 minutes).
+fn ctl(bus: &PrivateBus, args: &[&str]) -> Output {
+    let t = Instant::now();
+    let out = Command::new(DSV4CTL)
+        .args(["--bus", "session"])
+        .args(args)
+        .env("DBUS_SESSION_BUS_ADDRESS", &bus.address)
+        .stdin(Stdio::null())
+        .output()
+        .expect("run dsv4ctl");
+    assert!(
+        t.elapsed() < 120 * SEC,
+        "dsv4ctl {args:?} took {:?}",
+        t.elapsed()
+    );
+    out
+}
+
+fn text(b: &[u8]) -> String {
+    String::from_utf8_lossy(b).into_owned()
+}
+
+/// The results the daemon kept, oldest first.
+fn kept(d: &Daemon) -> Vec<ValidationResult> {
+    let dir = d.dir().join("state/validations");
+    let mut runs: Vec<ValidationResult> = std::fs::read_dir(&dir)
+        .map(|entries| {
+            entries
+                .flatten()
+                .map(|e| serde_json::from_slice(&std::fs::read(e.path()).unwrap()).unwrap())
+                .collect()
+        })
+        .unwrap_or_default();
+    runs.sort_by(|a, b| a.started.total_cmp(&b.started));
+    runs
+}
+
+/// The tiny model declaring a 16K training context (llama-server caps a slot's context at
+/// it), so that a 4,096-token prompt fits.
+fn tiny_16k(dir: &Path) -> std::path::PathBuf {
+    let out = dir.join("tiny-16k.gguf");
+    let python = crate::support::real::cache_dir().join("venv/bin/python");
+    let generator = Path::new(env!("CARGO_MANIFEST_DIR")).join("engine/make_tiny_gguf.py");
+    let st = Command::new(&python)
+        .arg(&generator)
+        .arg(&out)
+        .args(["--ctx", "16384"])
+        .status()
+        .unwrap_or_else(|e| panic!("cannot run {}: {e}", python.display()));
+    assert!(st.success());
+    out
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn validate_runs_the_suite_cold_on_the_real_engine_and_switches_back() {
+    let bus = PrivateBus::start();
+    let (server, model) = engine();
+    let dir = temp_dir("daemon");
+    let model_16k = tiny_16k(dir.path());
+    let profile = |model: &Path, context: u32| {
+        format!(
+            "engine: llama-server\ncommand: {}\nmodel: {}\ncontext: {context}\nparallel: 1\n\
+             kv_cache: f16\nbatch: 2048\nubatch: 512\nextra_args: [--no-webui]\n",
+            server.display(),
+            model.display()
+        )
+    };
+    let mut s = Setup::default()
+        .engine("idle_timeout", "10m")
+        .session_bus(&bus);
+    s.custom_profiles
+        .insert("svc".into(), profile(&model, 4096));
+    // A 64K-shaped validation profile, on the small model's scale.
+    s.custom_profiles
+        .insert("64k".into(), profile(&model_16k, 16384));
+    s.default_profile = "svc".into();
+    let d = Daemon::start_in(&s, dir);
+    wait_bus_name(&d, &bus).await;
+    // The service profile is running when the validation begins.
+    let (status, _, _) = body_json(d.post("/v1/chat/completions", chat(3, false)).await).await;
+    assert_eq!(status, 200);
+
+    let out = ctl(&bus, &["validate", "--runs", "3"]);
+    let stdout = text(&out.stdout);
+    let stderr = text(&out.stderr);
+    assert_eq!(
+        out.status.code(),
+        Some(0),
+        "{stdout}\n{stderr}\n{}",
+        d.log()
+    );
+    assert!(stderr.contains("decode run 3/3"), "{stderr}");
+    let runs = kept(&d);
+    assert_eq!(runs.len(), 1);
+    let r = &runs[0];
+    assert_eq!(r.profile, "64k");
+    assert_eq!(r.previous_profile, "svc");
+    assert!(r.error.is_none(), "{:?}", r.error);
+    assert!(!r.engine_build.is_empty());
+    assert!(!r.kernel.is_empty());
+    assert_eq!(r.settings["context"], 16384);
+    let names: Vec<&str> = r.tests.iter().map(|t| t.name.as_str()).collect();
+    assert_eq!(names, ["decode", "prefill"]);
+    for t in &r.tests {
+        assert_eq!(t.runs.len(), 3);
+        assert_eq!(t.unit, "tok/s");
+        // The table shows what the runs give, recomputed here.
+        let (mean, sd) = mean_sd(&t.runs);
+        assert!(
+            (mean - t.mean).abs() < 1e-9 && (sd - t.sd).abs() < 1e-9,
+            "{t:?}"
+        );
+        let row = format!("{:<14} {:>12.3} {:>10.3} {:>5}  tok/s", t.name, mean, sd, 3);
+        assert!(stdout.contains(&row), "no `{row}` in\n{stdout}");
+        for d in &t.details {
+            assert_eq!(d.cache_n, 0, "a run was not cold: {d:?}");
+            assert!(d.value > 0.0);
+        }
+    }
+    for d in &r.tests[0].details {
+        assert_eq!(d.predicted_n, 256, "{d:?}");
+    }
+    for d in &r.tests[1].details {
+        assert_eq!(
+            d.prompt_n, 4096,
+            "the prefill prompt is not exactly 4,096 tokens"
+        );
+    }
+    // The service profile is back, and serves.
+    let st = d.status().await;
+    assert_eq!(st["profile"], "svc", "{st}");
+    let (status, _, _) = body_json(d.post("/v1/chat/completions", chat(3, false)).await).await;
+    assert_eq!(status, 200);
+    assert_eq!(d.status().await["engine_profile"], "svc");
+
+    // --json prints the result document.
+    let out = ctl(&bus, &["--json", "validate", "--runs", "1"]);
+    assert_eq!(out.status.code(), Some(0), "{}", text(&out.stderr));
+    let v: Value = serde_json::from_slice(&out.stdout).unwrap();
+    assert_eq!(v["profile"], "64k");
+    assert_eq!(v["tests"][1]["name"], "prefill");
+    assert_eq!(v["tests"][1]["runs"].as_array().unwrap().len(), 1);
+    assert!(v["tests"][0]["telemetry"].is_object());
+}
+
+/// Fake-engine profiles: `320k` (the service) and `64k` (validation; decode at `token_ms`
+/// per token, prefill 200 ms).
+fn fake_setup(bus: &PrivateBus, token_ms: &str) -> Setup {
+    let mut s = Setup::default()
+        .engine("idle_timeout", "10m")
+        .session_bus(bus);
+    let knobs = s.profiles.get_mut("64k").unwrap();
+    knobs.insert("token_ms", token_ms.to_string());
+    knobs.insert("prefill_ms", "200".to_string());
+    s
+}
+
+/// Runs `dsv4ctl validate ARGS` in a thread.
+fn validate_in_background(bus: &PrivateBus, args: &[&str]) -> std::thread::JoinHandle<Output> {
+    let address = bus.address.clone();
+    let args: Vec<String> = args.iter().map(|a| a.to_string()).collect();
+    std::thread::spawn(move || {
+        Command::new(DSV4CTL)
+            .args(["--bus", "session", "validate"])
+            .args(&args)
+            .env("DBUS_SESSION_BUS_ADDRESS", address)
+            .stdin(Stdio::null())
+            .output()
+            .unwrap()
+    })
+}
+
+async fn wait_log(d: &Daemon, needle: &str, within: Duration) {
+    let t = Instant::now();
+    while !d.log().contains(needle) {
+        assert!(t.elapsed() < within, "no `{needle}` in\n{}", d.log());
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_stopped_validation_switches_back_and_the_waiting_client_is_served() {
+    let bus = PrivateBus::start();
+    let d = Daemon::start(&fake_setup(&bus, "20"));
+    wait_bus_name(&d, &bus).await;
+    let run = validate_in_background(&bus, &["--runs", "3"]);
+    wait_log(&d, "validation: decode run 1/3", 20 * SEC).await;
+    // A client request during the run waits for it.
+    let addr = d.addr;
+    let client = tokio::task::spawn_blocking(move || chat_on_fresh_connection(addr));
+    tokio::time::sleep(Duration::from_millis(300)).await;
+    assert!(
+        !client.is_finished(),
+        "the client was served during the validation"
+    );
+    let out = ctl(&bus, &["stop", "--now"]);
+    assert_eq!(out.status.code(), Some(0));
+    let out = run.join().unwrap();
+    let stderr = text(&out.stderr);
+    assert_eq!(out.status.code(), Some(1), "{stderr}");
+    assert!(stderr.contains("the validation ended early"), "{stderr}");
+    assert!(stderr.contains("the engine went away"), "{stderr}");
+    assert!(stderr.contains("profile 320k is active again"), "{stderr}");
+    assert_eq!(client.await.unwrap(), Ok(200));
+    let st = d.status().await;
+    assert_eq!(st["profile"], "320k");
+    assert_eq!(st["engine_profile"], "320k", "{st}");
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_validation_whose_engine_crashes_switches_back_and_exits_1() {
+    let bus = PrivateBus::start();
+    let mut s = fake_setup(&bus, "1");
+    s.profiles
+        .get_mut("64k")
+        .unwrap()
+        .insert("die_after_tokens", "300".to_string());
+    let d = Daemon::start(&s);
+    wait_bus_name(&d, &bus).await;
+    let out = ctl(&bus, &["validate", "--runs", "3"]);
+    let stderr = text(&out.stderr);
+    assert_eq!(out.status.code(), Some(1), "{stderr}");
+    assert!(
+        stderr.contains("decode run 2: the engine went away"),
+        "{stderr}"
+    );
+    assert_eq!(d.status().await["profile"], "320k");
+    let (status, _, _) = body_json(d.post("/v1/chat/completions", chat(3, false)).await).await;
+    assert_eq!(status, 200);
+    // The run is kept with the tests it finished and the reason.
+    let r = kept(&d).pop().unwrap();
+    assert!(r.error.unwrap().contains("decode run 2"));
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn compare_last_flags_a_slower_engine_and_passes_an_unchanged_one() {
+    let bus = PrivateBus::start();
+    let s = fake_setup(&bus, "2");
+    let d = Daemon::start(&s);
+    wait_bus_name(&d, &bus).await;
+    let out = ctl(&bus, &["validate", "--runs", "3"]);
+    assert_eq!(out.status.code(), Some(0), "{}", text(&out.stderr));
+    // The same engine with decode twice as slow.
+    let dir = d.stop().await;
+    let slow = fake_setup(&bus, "4");
+    let d = Daemon::start_in(&slow, dir);
+    wait_bus_name(&d, &bus).await;
+    let out = ctl(&bus, &["validate", "--runs", "3", "--compare", "last"]);
+    let (stdout, stderr) = (text(&out.stdout), text(&out.stderr));
+    assert_eq!(out.status.code(), Some(1), "{stdout}\n{stderr}");
+    assert!(
+        stderr.contains("slower than the earlier run beyond the noise: decode"),
+        "{stderr}"
+    );
+    let decode = stdout
+        .lines()
+        .find(|l| l.starts_with("decode") && l.contains("->"))
+        .unwrap_or_else(|| panic!("no comparison in\n{stdout}\n{stderr}"));
+    assert!(decode.contains("SLOWER"), "{stdout}");
+    let prefill = stdout
+        .lines()
+        .find(|l| l.starts_with("prefill") && l.contains("->"))
+        .unwrap_or_else(|| panic!("no comparison in\n{stdout}\n{stderr}"));
+    assert!(prefill.ends_with("ok"), "{stdout}");
+    // Unchanged against that slow run: passes.
+    let out = ctl(&bus, &["validate", "--runs", "3", "--compare", "last"]);
+    assert_eq!(
+        out.status.code(),
+        Some(0),
+        "{}\n{}",
+        text(&out.stdout),
+        text(&out.stderr)
+    );
+    // A result file works as well.
+    let file = kept(&d).pop().unwrap().file.unwrap();
+    let out = ctl(&bus, &["validate", "--runs", "3", "--compare", &file]);
+    assert_eq!(out.status.code(), Some(0), "{}", text(&out.stderr));
+    assert!(text(&out.stdout).contains("compared with the run of 64k"));
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_daemon_killed_during_a_validation_comes_back_on_the_previous_profile() {
+    let bus = PrivateBus::start();
+    let s = fake_setup(&bus, "20");
+    let d = Daemon::start(&s);
+    wait_bus_name(&d, &bus).await;
+    let run = validate_in_background(&bus, &["--runs", "3"]);
+    wait_log(&d, "validation: decode run 1/3", 20 * SEC).await;
+    let dir = d.kill_and_keep_dir().await;
+    let out = run.join().unwrap();
+    assert_ne!(out.status.code(), Some(0), "{}", text(&out.stderr));
+    let d = Daemon::start_in(&s, dir);
+    assert_eq!(d.status().await["profile"], "320k", "{}", d.log());
+    assert!(
+        d.log().contains("a validation did not finish"),
+        "{}",
+        d.log()
+    );
+}
