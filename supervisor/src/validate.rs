@@ -304,6 +304,29 @@ impl Validator {
             })
             .await;
         result.tests.push(prefill?);
+        let has_mmproj = self
+            .0
+            .config
+            .borrow()
+            .profile(profile)
+            .is_some_and(|p| p.params.mmproj.is_some());
+        if has_mmproj {
+            let image = test_image_uri().map_err(|e| format!("cannot make the test image: {e}"))?;
+            for (name, decode) in [("vision_prefill", false), ("vision_decode", true)] {
+                let vision = self
+                    .test(name, runs, &engine, || async {
+                        let body = vision_request(&image, decode);
+                        let d = chat(&engine, body).await?;
+                        let value = match decode {
+                            true => rate(d.predicted_n, d.predicted_ms),
+                            false => rate(d.detail.prompt_n, d.prompt_ms),
+                        };
+                        Ok(RunDetail { value, ..d.detail })
+                    })
+                    .await;
+                result.tests.push(vision?);
+            }
+        }
         if let Some(n) = req.long {
             let prompt = exact_prompt(&engine, n).await?;
             let long = self
@@ -444,8 +467,17 @@ struct Done {
 }
 
 async fn complete(engine: &EngineRef, body: Value) -> Result<Done, String> {
+    timed(engine, "/completion", body).await
+}
+
+async fn chat(engine: &EngineRef, body: Value) -> Result<Done, String> {
+    timed(engine, "/v1/chat/completions", body).await
+}
+
+/// A request whose answer carries llama-server's `timings`.
+async fn timed(engine: &EngineRef, path: &str, body: Value) -> Result<Done, String> {
     let v: Value =
-        crate::kv::engine::call_json(engine, http::Method::POST, "/completion", Some(body)).await?;
+        crate::kv::engine::call_json(engine, http::Method::POST, path, Some(body)).await?;
     let t = &v["timings"];
     let n = |k: &str| t[k].as_u64().unwrap_or(0);
     let f = |k: &str| t[k].as_f64().unwrap_or(0.0);
@@ -462,6 +494,51 @@ async fn complete(engine: &EngineRef, body: Value) -> Result<Done, String> {
         prompt_ms: f("prompt_ms"),
         predicted_n: n("predicted_n"),
         predicted_ms: f("predicted_ms"),
+    })
+}
+
+/// The vision test's image: 512 x 512 pixels of colour gradients and a grid, as a PNG in a
+/// data URI (a photo-like image of the size a vision projector tiles).
+fn test_image_uri() -> Result<String, String> {
+    use base64::Engine as _;
+    const SIDE: u32 = 512;
+    let mut pixels = Vec::with_capacity((SIDE * SIDE * 3) as usize);
+    for y in 0..SIDE {
+        for x in 0..SIDE {
+            let grid = x % 64 < 2 || y % 64 < 2;
+            let (r, g, b) = match grid {
+                true => (255, 255, 255),
+                false => ((x / 2) as u8, (y / 2) as u8, ((x + y) / 4) as u8),
+            };
+            pixels.extend_from_slice(&[r, g, b]);
+        }
+    }
+    let mut png = Vec::new();
+    {
+        let mut encoder = png::Encoder::new(&mut png, SIDE, SIDE);
+        encoder.set_color(png::ColorType::Rgb);
+        encoder.set_depth(png::BitDepth::Eight);
+        let mut writer = encoder.write_header().map_err(|e| e.to_string())?;
+        writer
+            .write_image_data(&pixels)
+            .map_err(|e| e.to_string())?;
+    }
+    Ok(format!(
+        "data:image/png;base64,{}",
+        base64::engine::general_purpose::STANDARD.encode(&png)
+    ))
+}
+
+/// One image and a question, cold; `decode`: 256 tokens generated, else one.
+fn vision_request(image: &str, decode: bool) -> Value {
+    json!({
+        "messages": [{"role": "user", "content": [
+            {"type": "text", "text": "Describe this picture in detail."},
+            {"type": "image_url", "image_url": {"url": image}},
+        ]}],
+        "max_tokens": if decode { DECODE_TOKENS } else { 1 },
+        "ignore_eos": decode,
+        "cache_prompt": false,
     })
 }
 
@@ -535,5 +612,39 @@ pub fn recover(state_dir: &Path) -> Option<String> {
             tracing::warn!("cannot go back to profile {previous} after a validation: {e}");
             None
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use base64::Engine as _;
+
+    #[test]
+    fn the_test_image_is_a_512_pixel_png() {
+        let uri = test_image_uri().unwrap();
+        let data = uri.strip_prefix("data:image/png;base64,").unwrap();
+        let bytes = base64::engine::general_purpose::STANDARD
+            .decode(data)
+            .unwrap();
+        let decoder = png::Decoder::new(std::io::Cursor::new(bytes));
+        let reader = decoder.read_info().unwrap();
+        let info = reader.info();
+        assert_eq!((info.width, info.height), (512, 512));
+        assert_eq!(info.color_type, png::ColorType::Rgb);
+    }
+
+    #[test]
+    fn a_validation_left_running_is_undone_at_the_next_start() {
+        let dir = tempfile::tempdir().unwrap();
+        crate::state_file::save_profile(dir.path(), "64k").unwrap();
+        assert_eq!(recover(dir.path()), None, "nothing ran");
+        std::fs::write(dir.path().join(RUNNING), "320k\n").unwrap();
+        assert_eq!(recover(dir.path()).as_deref(), Some("320k"));
+        assert_eq!(
+            crate::state_file::load_profile(dir.path()).as_deref(),
+            Some("320k")
+        );
+        assert!(!dir.path().join(RUNNING).exists());
     }
 }

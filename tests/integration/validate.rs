@@ -315,3 +315,34 @@ async fn a_daemon_killed_during_a_validation_comes_back_on_the_previous_profile(
         d.log()
     );
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_profile_with_mmproj_gets_the_vision_tests() {
+    let bus = PrivateBus::start();
+    let s = fake_setup(&bus, "1").profile_key("64k", "mmproj", "models/64k.gguf");
+    let d = Daemon::start(&s);
+    wait_bus_name(&d, &bus).await;
+    let out = ctl(&bus, &["--json", "validate", "--runs", "2"]);
+    assert_eq!(out.status.code(), Some(0), "{}", text(&out.stderr));
+    let r: ValidationResult = serde_json::from_slice(&out.stdout).unwrap();
+    let names: Vec<&str> = r.tests.iter().map(|t| t.name.as_str()).collect();
+    assert_eq!(
+        names,
+        ["decode", "prefill", "vision_prefill", "vision_decode"]
+    );
+    // The image went in: its tokens are in the prompt, and the decode ran its 256 tokens.
+    for d in &r.tests[2].details {
+        assert!(d.prompt_n >= 256, "{d:?}");
+    }
+    for d in &r.tests[3].details {
+        assert_eq!(d.predicted_n, 256, "{d:?}");
+    }
+    let log = d.fake_log();
+    assert!(
+        log.lines()
+            .filter(|l| l.contains("request POST /v1/chat/completions"))
+            .count()
+            >= 4,
+        "{log}"
+    );
+}

@@ -148,6 +148,9 @@ pub fn max_tokens(body: &Value, keys: &[&str]) -> u64 {
 
 /// Number of characters in all message contents (string contents, or the
 /// `text` of content parts).
+/// Prompt tokens an image part counts for.
+pub const IMAGE_TOKENS: u64 = 256;
+
 pub fn chat_prompt_chars(messages: &[Value]) -> u64 {
     let mut n: u64 = 0;
     for m in messages {
@@ -157,6 +160,10 @@ pub fn chat_prompt_chars(messages: &[Value]) -> u64 {
                 for p in parts {
                     if let Some(t) = p.get("text").and_then(Value::as_str) {
                         n += t.chars().count() as u64;
+                    }
+                    // An image is some hundreds of tokens to a vision projector.
+                    if p.get("type").and_then(Value::as_str) == Some("image_url") {
+                        n += IMAGE_TOKENS;
                     }
                 }
             }
