@@ -151,7 +151,8 @@ enum Command {
     /// Asks the daemon (Validate(); root and the dsv4 group only) to switch to the
     /// validation profile by drain and restart, run each test --runs times cold
     /// (cache_prompt false on /completion): decode (256 generated tokens) and prefill (a
-    /// prompt of exactly 4,096 tokens), with --long N one prefill of exactly N tokens; then
+    /// prompt of exactly 4,096 tokens), for a profile with mmproj a test image's prefill
+    /// and decode, and with --long N one prefill of exactly N tokens; then
     /// switch back to the profile that was active, whatever happens. Progress shows as it
     /// runs. Prints a table (test, mean, sample SD, runs, and the host's temperature, power
     /// and memory over each test), or with --json the result document, which the daemon
@@ -597,6 +598,7 @@ async fn validate(
         };
     // Subscribed before the call, so nothing it says is missed.
     let (mut progress, mut done) = daemon.validation_signals().await?;
+    let owner = daemon.owner().await;
     let profile = daemon.validate(&req).await?;
     eprintln!(
         "dsv4ctl: validating profile {profile} ({} runs per test)",
@@ -611,7 +613,8 @@ async fn validate(
     let result: ValidationResult = loop {
         tokio::select! {
             _ = alive.tick() => {
-                if daemon.status().await.is_err() {
+                // Gone, or replaced by another dsv4d (which never ran this validation).
+                if daemon.owner().await != owner {
                     return Err(Failure::Unreachable(
                         "dsv4d went away during the validation; its next start goes back to \
                          the profile that was active before it".into(),

@@ -164,6 +164,19 @@ impl Daemon {
         Ok((progress, done))
     }
 
+    /// The unique bus name of the daemon that owns the name now (it changes when another
+    /// dsv4d takes its place); `None` when none does.
+    pub async fn owner(&self) -> Option<String> {
+        let conn = self.proxy.inner().connection();
+        let dbus = zbus::fdo::DBusProxy::new(conn).await.ok()?;
+        let name = zbus::names::BusName::try_from(dsv4_client::BUS_NAME).ok()?;
+        let owner = tokio::time::timeout(CALL_TIMEOUT, dbus.get_name_owner(name))
+            .await
+            .ok()?
+            .ok()?;
+        Some(owner.to_string())
+    }
+
     /// `Validate(request)`: the validation profile.
     pub async fn validate(&self, request: &ValidateRequest) -> Result<String, Failure> {
         let text = serde_json::to_string(request).unwrap_or_default();
