@@ -309,6 +309,11 @@ impl ControlObject {
         #[zbus(connection)] conn: &Connection,
     ) -> Result<String, Fault> {
         self.authorize(&header, conn, "DropKv").await?;
+        if let Some(step) = self.lifecycle.status().kv_step {
+            return Err(Fault::failed(format!(
+                "the engine is {step} its KV checkpoint: try again once it is done"
+            )));
+        }
         let gone = self
             .lifecycle
             .kv()

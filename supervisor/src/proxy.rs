@@ -499,6 +499,36 @@ fn models(ctx: &Ctx) -> serde_json::Value {
     json!({ "object": "list", "data": data })
 }
 
+/// With KV checkpoints on, the engine's slot files are dsv4d's: a client's `POST
+/// /slots/N?action=save|restore|erase` would write files no bound counts, read back another
+/// conversation's cache, or throw away another client's slot. `GET /slots` still passes.
+fn slots_kept_by_dsv4d(
+    ctx: &Ctx,
+    config: &Config,
+    req: &Request<Incoming>,
+) -> Option<Response<ProxyBody>> {
+    let path = req.uri().path();
+    if req.method() == Method::GET || !(path == "/slots" || path.starts_with("/slots/")) {
+        return None;
+    }
+    let status = ctx.lifecycle.status();
+    let profile = status.engine_profile.as_deref().unwrap_or(&status.profile);
+    config.profile(profile)?.kv_checkpoint.as_ref()?;
+    Some(
+        ApiError::new(
+            StatusCode::FORBIDDEN,
+            "invalid_request_error",
+            "slots_managed",
+            format!(
+                "profile {profile} keeps KV checkpoints (kv_checkpoint): dsv4d saves and \
+                 restores the engine's slots itself, so slot actions are not forwarded; see \
+                 dsv4ctl kv"
+            ),
+        )
+        .into_response(),
+    )
+}
+
 async fn proxy(ctx: &Ctx, config: &Config, req: Request<Incoming>) -> Response<ProxyBody> {
     let api = &config.supervisor.api;
     let limits = intake::Limits {
@@ -507,6 +537,9 @@ async fn proxy(ctx: &Ctx, config: &Config, req: Request<Incoming>) -> Response<P
         max_buffered: api.max_buffered,
     };
     let started = Instant::now();
+    if let Some(refused) = slots_kept_by_dsv4d(ctx, config, &req) {
+        return refused;
+    }
     let (mut parts, body) = req.into_parts();
     // The whole body first: a client that is slow to send it holds no lease and no engine
     // connection meanwhile, and never starts the engine.

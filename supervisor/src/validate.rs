@@ -140,8 +140,15 @@ impl Validator {
         if req.runs == 0 || req.runs > MAX_RUNS {
             return Err(format!("runs must be between 1 and {MAX_RUNS}"));
         }
-        if req.long.is_some_and(|n| n == 0) {
-            return Err("--long must be at least 1 token".into());
+        let context = config.profile(&profile).and_then(|p| p.context());
+        if let Some(n) = req.long {
+            let most = context.map_or(10_000_000, u64::from);
+            if n == 0 || n >= most {
+                return Err(format!(
+                    "--long must be at least 1 token and fewer than the profile's context \
+                     ({most})"
+                ));
+            }
         }
         let mut slot = self.0.cancel.lock().unwrap_or_else(|p| p.into_inner());
         if slot.is_some() {
@@ -153,10 +160,21 @@ impl Validator {
         drop(slot);
         let this = self.clone();
         let name = profile.clone();
+        let previous = self.0.lifecycle.status().profile;
         tokio::spawn(async move {
-            let result = this.run(&name, &req, cancel_rx).await;
-            *this.0.cancel.lock().unwrap_or_else(|p| p.into_inner()) = None;
+            let run = {
+                let (this, name) = (this.clone(), name.clone());
+                tokio::spawn(async move { this.run(&name, &req, cancel_rx).await })
+            };
+            let result = match run.await {
+                Ok(result) => result,
+                // A run that panicked: nothing may stay held for it.
+                Err(e) => this.aborted(&name, &previous, e.to_string()).await,
+            };
+            // The result first, then the slot: a next run's watcher cannot take this one's
+            // result for its own.
             let _ = this.0.events.send(ValidationEvent::Done(Box::new(result)));
+            *this.0.cancel.lock().unwrap_or_else(|p| p.into_inner()) = None;
         });
         Ok(profile)
     }
@@ -195,6 +213,26 @@ impl Validator {
         runs
     }
 
+    /// After a run that did not end by itself: back to `previous`, the gate open.
+    async fn aborted(&self, profile: &str, previous: &str, why: String) -> ValidationResult {
+        tracing::error!("the validation of profile {profile} failed: {why}");
+        self.0.lifecycle.kv().suspend(None);
+        if self.0.lifecycle.status().profile == profile && profile != previous {
+            let _ = self.0.lifecycle.set_profile(previous).await;
+        }
+        let state_dir = self.0.config.borrow().supervisor.state_dir.clone();
+        let _ = std::fs::remove_file(state_dir.join(RUNNING));
+        self.0.gate.send_replace(false);
+        ValidationResult {
+            profile: profile.to_string(),
+            previous_profile: previous.to_string(),
+            started: crate::kv::unix_now(),
+            finished: crate::kv::unix_now(),
+            error: Some(format!("the validation failed inside dsv4d: {why}")),
+            ..ValidationResult::default()
+        }
+    }
+
     fn say(&self, p: Progress) {
         tracing::info!("validation: {}", p.message);
         let _ = self.0.events.send(ValidationEvent::Progress(p));
@@ -225,6 +263,9 @@ impl Validator {
             ..ValidationResult::default()
         };
         let _ = crate::state_file::write_atomic(&state_dir.join(RUNNING), previous.as_bytes());
+        // Its engine neither restores nor saves a KV checkpoint: the benchmark prompts must
+        // not replace the profile's real one, or push others out of the folder.
+        lifecycle.kv().suspend(Some(profile));
         let outcome = tokio::select! {
             r = self.suite(profile, req, &mut result) => r,
             _ = cancel.wait_for(|c| *c) => Err("cancelled (CancelValidation)".to_string()),
@@ -233,8 +274,9 @@ impl Validator {
             tracing::warn!("validation of profile {profile} ended early: {why}");
             result.error = Some(why);
         }
-        // Back, whatever happened; the lease went with the suite.
-        if lifecycle.status().profile != previous {
+        // Back, whatever happened (the lease went with the suite), unless someone chose
+        // another profile meanwhile.
+        if lifecycle.status().profile == profile && profile != previous {
             self.say(Progress {
                 step: "switching back".into(),
                 message: format!("switching back to profile {previous}"),
@@ -247,6 +289,7 @@ impl Validator {
             }
         }
         let _ = std::fs::remove_file(state_dir.join(RUNNING));
+        lifecycle.kv().suspend(None);
         self.0.gate.send_replace(false);
         result.finished = crate::kv::unix_now();
         if let Err(e) = save(&state_dir, &mut result) {

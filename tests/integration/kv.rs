@@ -534,3 +534,60 @@ async fn an_engine_that_dies_on_a_restore_is_started_again_without_that_checkpoi
     let kv = kv_of(&d, "320k").await;
     assert_eq!(kv["last_restore"]["result"], "nothing to restore", "{kv}");
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn clients_cannot_drive_the_slots_dsv4d_keeps() {
+    let mut s = Setup::default().profile_key("320k", "kv_checkpoint", "{ dir: kv }");
+    s.default_profile = "320k".into();
+    let d = Daemon::start(&s);
+    let (status, _, _) = body_json(d.post("/v1/chat/completions", chat(4, false)).await).await;
+    assert_eq!(status, 200);
+    for action in ["save", "restore", "erase"] {
+        let path = format!("/slots/0?action={action}");
+        let (status, _, v) = body_json(d.post(&path, json!({"filename": "mine.bin"})).await).await;
+        assert_eq!(status, 403, "{v}");
+        assert_eq!(v["error"]["code"], "slots_managed", "{v}");
+    }
+    assert!(!d.fake_log().contains("slot 0 save mine.bin"));
+    // Reading the slots still goes to the engine.
+    let (status, v) = d.get("/slots").await;
+    assert_eq!(status, 200, "{v}");
+    assert!(v.is_array(), "{v}");
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_engine_dying_in_its_save_removes_no_other_checkpoint() {
+    let mut s = Setup::default()
+        .engine("idle_timeout", "10m")
+        .profile_key("320k", "kv_checkpoint", "{ dir: kv }")
+        .profile_key("64k", "kv_checkpoint", "{ dir: kv }");
+    s.default_profile = "320k".into();
+    let d = Daemon::start(&s);
+    let (status, _, _) = body_json(d.post("/v1/chat/completions", chat(4, false)).await).await;
+    assert_eq!(status, 200);
+    let dir = d.stop().await;
+    let manifests = |dir: &Path| {
+        std::fs::read_dir(dir.join("profiles/kv"))
+            .unwrap()
+            .filter(|e| {
+                e.as_ref()
+                    .unwrap()
+                    .path()
+                    .extension()
+                    .is_some_and(|x| x == "json")
+            })
+            .count()
+    };
+    assert_eq!(manifests(dir.path()), 1, "320k's checkpoint");
+    // 64k's engine dies while it saves: that is no full disk, and nothing is evicted.
+    s.default_profile = "64k".into();
+    s.profiles
+        .get_mut("64k")
+        .unwrap()
+        .insert("save_abort", "1".to_string());
+    let d = Daemon::start_in(&s, dir);
+    let (status, _, _) = body_json(d.post("/v1/chat/completions", chat(4, false)).await).await;
+    assert_eq!(status, 200);
+    let dir = d.stop().await;
+    assert_eq!(manifests(dir.path()), 1, "320k's checkpoint was removed");
+}

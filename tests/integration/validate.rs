@@ -312,7 +312,10 @@ async fn a_daemon_killed_during_a_validation_comes_back_on_the_previous_profile(
     let out = run.join().unwrap();
     let stderr = text(&out.stderr);
     assert_eq!(out.status.code(), Some(2), "{stderr}");
-    assert!(stderr.contains("dsv4d went away during the validation"), "{stderr}");
+    assert!(
+        stderr.contains("dsv4d went away during the validation"),
+        "{stderr}"
+    );
     assert_eq!(d.status().await["profile"], "320k", "{}", d.log());
     assert!(
         d.log().contains("a validation did not finish"),
@@ -350,4 +353,34 @@ async fn a_profile_with_mmproj_gets_the_vision_tests() {
             >= 4,
         "{log}"
     );
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_validation_leaves_the_kv_checkpoints_alone() {
+    let bus = PrivateBus::start();
+    let s = fake_setup(&bus, "1")
+        .profile_key("320k", "kv_checkpoint", "{ dir: kv }")
+        .profile_key("64k", "kv_checkpoint", "{ dir: kv }");
+    let d = Daemon::start(&s);
+    wait_bus_name(&d, &bus).await;
+    // The service engine serves, then the validation switches away from it.
+    let (status, _, _) = body_json(d.post("/v1/chat/completions", chat(4, false)).await).await;
+    assert_eq!(status, 200);
+    let out = ctl(&bus, &["validate", "--runs", "1"]);
+    assert_eq!(out.status.code(), Some(0), "{}", text(&out.stderr));
+    let kv = d.status().await["kv"]["profiles"].clone();
+    let of = |name: &str| {
+        kv.as_array()
+            .unwrap()
+            .iter()
+            .find(|p| p["profile"] == name)
+            .cloned()
+            .unwrap()
+    };
+    // The service profile's cache was saved at the switch; the validation engine neither
+    // restored nor saved one.
+    assert_eq!(of("320k")["last_save"]["result"], "saved", "{kv}");
+    assert!(of("64k")["last_save"].is_null(), "{kv}");
+    assert!(of("64k")["last_restore"].is_null(), "{kv}");
+    assert!(of("64k")["checkpoint"].is_null(), "{kv}");
 }

@@ -599,6 +599,7 @@ async fn validate(
     // Subscribed before the call, so nothing it says is missed.
     let (mut progress, mut done) = daemon.validation_signals().await?;
     let owner = daemon.owner().await;
+    let asked_at = unix_now();
     let profile = daemon.validate(&req).await?;
     eprintln!(
         "dsv4ctl: validating profile {profile} ({} runs per test)",
@@ -630,7 +631,9 @@ async fn validate(
             }
             Some(d) = done.next() => {
                 let Ok(text) = d.args().map(|a| a.result.to_string()) else { continue };
-                match serde_json::from_str(&text) {
+                match serde_json::from_str::<ValidationResult>(&text) {
+                    // Another run's end (one that ended as this one was asked for).
+                    Ok(r) if r.profile != profile || r.started < asked_at - 1.0 => continue,
                     Ok(r) => break r,
                     Err(e) => return Err(Failure::Failed(format!(
                         "dsv4d sent a validation result dsv4ctl does not understand: {e}"

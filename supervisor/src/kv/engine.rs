@@ -27,6 +27,8 @@ use crate::lifecycle::actor::EngineRef;
 /// One answer of the engine is awaited this long at most (a slot of a 320K context is tens
 /// of GiB to write; the step's own timeout bounds the whole anyway).
 const CALL_TIMEOUT: Duration = Duration::from_secs(3600);
+/// Checkpoints one failed save may remove to make room.
+const MAX_EVICTIONS: u32 = 16;
 
 #[derive(Debug, Deserialize)]
 struct Props {
@@ -212,7 +214,14 @@ pub async fn restore(engine: Arc<EngineRef>, profile: Profile, book: Book) -> Kv
         blocking(move || store.mark_restoring(&id)).await
     };
     if let Ok(Err(e)) | Err(e) = marked.map_err(std::io::Error::other) {
-        tracing::warn!("cannot mark the restore in {}: {e}", kv.dir.display());
+        // Without the mark, a file that kills the engine would be offered again at every
+        // start: no restore then.
+        let why = format!(
+            "cannot mark the restore in {} ({e}); not restored",
+            kv.dir.display()
+        );
+        tracing::warn!("{why}");
+        return failed(started, why);
     }
     let mut restored = Vec::new();
     for s in &m.slots {
@@ -312,6 +321,7 @@ pub async fn save(engine: Arc<EngineRef>, profile: Profile, book: Book) -> KvSte
             continue;
         }
         let file = Store::slot_file_name(&id, stamp, slot.id);
+        let mut evictions = 0;
         loop {
             let path = format!("/slots/{}?action=save", slot.id);
             let body = Some(json!({ "filename": file }));
@@ -339,9 +349,16 @@ pub async fn save(engine: Arc<EngineRef>, profile: Profile, book: Book) -> KvSte
                     break;
                 }
                 Err(e) => {
-                    // A full disk leaves a partial file: it goes, and so does the oldest
-                    // other checkpoint, before one more try.
+                    // A full disk (llama-server: 500 "Unable to save slot", and a partial
+                    // file) makes room: the partial file goes, and so does the oldest other
+                    // checkpoint, before one more try. Nothing else evicts anything.
                     store.remove_slot_file(&file);
+                    let full = e.contains(": 500 ") && engine.exit.borrow().is_none();
+                    evictions += 1;
+                    if !full || evictions > MAX_EVICTIONS {
+                        failure = Some(format!("the engine could not save slot {}: {e}", slot.id));
+                        break 'slots;
+                    }
                     let (store2, keep) = (store.clone(), id.clone());
                     match blocking(move || store2.evict_oldest(&keep)).await {
                         Ok(Some(gone)) => {
@@ -391,7 +408,10 @@ pub async fn save(engine: Arc<EngineRef>, profile: Profile, book: Book) -> KvSte
         let m = manifest.clone();
         blocking(move || -> Result<Vec<String>, String> {
             if max.is_some_and(|max| m.bytes() > max) {
-                store.remove(&m);
+                // Not committed: only its own files go; the previous checkpoint stays.
+                for s in &m.slots {
+                    store.remove_slot_file(&s.file);
+                }
                 return Err(format!(
                     "not kept: its {} bytes are more than kv_checkpoint.max_size ({} bytes)",
                     m.bytes(),

@@ -57,6 +57,9 @@ struct Inner {
     restored_served: u64,
     /// The configuration in force (the actor replaces it on reloads).
     config: Option<Arc<Config>>,
+    /// A profile whose engines neither restore nor save (a validation run's: its benchmark
+    /// prompts must not replace the real checkpoints).
+    suspended: Option<String>,
 }
 
 /// What the checkpoint steps did; shared by the actor (which writes) and the status and
@@ -67,6 +70,15 @@ pub struct Book(Arc<Mutex<Inner>>);
 impl Book {
     fn lock(&self) -> std::sync::MutexGuard<'_, Inner> {
         self.0.lock().unwrap_or_else(|p| p.into_inner())
+    }
+
+    /// Engines of `profile` started from now on skip both steps; `None` ends that.
+    pub fn suspend(&self, profile: Option<&str>) {
+        self.lock().suspended = profile.map(String::from);
+    }
+
+    pub fn suspended(&self, profile: &str) -> bool {
+        self.lock().suspended.as_deref() == Some(profile)
     }
 
     pub fn set_config(&self, config: Arc<Config>) {

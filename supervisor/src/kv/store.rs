@@ -385,7 +385,7 @@ impl Store {
                     }
                 }
             }
-            let _ = fs::remove_file(&path);
+            fs::remove_file(&path).ok()?;
             let name = m.map_or_else(|| path.display().to_string(), |m| m.id.clone());
             return Some(format!("{name} (set aside before)"));
         }
@@ -397,6 +397,7 @@ impl Store {
             .collect();
         live.sort_by(|a, b| a.saved_at.total_cmp(&b.saved_at));
         let m = live.into_iter().next()?;
+        fs::remove_file(self.manifest_path(&m.id)).ok()?;
         self.remove(&m);
         Some(format!(
             "{} (profile {}, {} tokens, {} bytes)",

@@ -927,11 +927,16 @@ impl Actor {
         };
         self.machine
             .set_interrupt_grace(profile.engine.interrupt_grace());
-        self.machine
-            .set_kv_steps(profile.kv_checkpoint.as_ref().map(|kv| KvSteps {
-                save_timeout: kv.save_timeout,
-                restore_timeout: kv.restore_timeout,
-            }));
+        self.machine.set_kv_steps(
+            profile
+                .kv_checkpoint
+                .as_ref()
+                .filter(|_| !self.kv.suspended(profile_name))
+                .map(|kv| KvSteps {
+                    save_timeout: kv.save_timeout,
+                    restore_timeout: kv.restore_timeout,
+                }),
+        );
         let upstream = SocketAddr::from((Ipv4Addr::LOCALHOST, port));
         let shared = Arc::new(EngineRef {
             gen,
@@ -985,7 +990,7 @@ impl Actor {
         let Some(e) = self.engine.as_mut().filter(|e| e.shared.gen == gen) else {
             return Some(done);
         };
-        if e.spawned.kv_checkpoint.is_none() {
+        if e.spawned.kv_checkpoint.is_none() || self.kv.suspended(&e.spawned.name) {
             return Some(done);
         }
         let (engine, profile, book) = (e.shared.clone(), e.spawned.clone(), self.kv.clone());
@@ -1060,8 +1065,10 @@ impl Actor {
             ..Default::default()
         };
         if task.restore {
-            // The engine lives: it did not die on the checkpoint, which stays usable.
-            if let Some(id) = self.kv.restoring(e.shared.gen) {
+            // Cut by a stop, the engine did not die on the checkpoint, which stays usable.
+            // Cut by its timeout, the restore may still go on inside the engine: the mark
+            // stays (the engine's next save replaces the checkpoint and clears it).
+            if let Some(id) = self.kv.restoring(e.shared.gen).filter(|_| !timed_out) {
                 let store = crate::kv::store::Store::new(&kv.dir);
                 tokio::task::spawn_blocking(move || store.clear_restoring(&id));
             }

@@ -203,6 +203,10 @@ struct Args {
     /// [env FAKE_ENGINE_RESTORE_ABORT=1|true|yes|on].
     #[arg(long = "restore-abort")]
     restore_abort: bool,
+    /// Abort on a slot save, as an engine that crashes while it writes
+    /// [env FAKE_ENGINE_SAVE_ABORT=1|true|yes|on].
+    #[arg(long = "save-abort")]
+    save_abort: bool,
     /// Ignore SIGTERM entirely [env FAKE_ENGINE_IGNORE_SIGTERM=1|true|yes|on].
     #[arg(long = "ignore-sigterm")]
     ignore_sigterm: bool,
@@ -244,6 +248,7 @@ pub struct Config {
     pub slot_save_path: Option<PathBuf>,
     pub kv_disk_dir: Option<PathBuf>,
     pub restore_abort: bool,
+    pub save_abort: bool,
     pub ignore_sigterm: bool,
     pub log_file: Option<PathBuf>,
     pub connections: Connections,
@@ -384,6 +389,7 @@ fn build_config(args: &Args) -> Result<Config, String> {
         kv_disk_dir: args.kv_disk_dir.clone(),
         restore_abort: args.restore_abort
             || env_knob::<Truthy>("RESTORE_ABORT")?.is_some_and(|t| t.0),
+        save_abort: args.save_abort || env_knob::<Truthy>("SAVE_ABORT")?.is_some_and(|t| t.0),
         ignore_sigterm,
         log_file: knob(args.log_file.clone(), "LOG_FILE")?,
         connections: knob(args.connections.clone(), "CONNECTIONS")?.unwrap_or_default(),

@@ -657,6 +657,10 @@ async fn slot_action(engine: &Arc<Engine>, req: Request<Incoming>) -> Resp {
     let path = dir.join(&name);
     engine.log.line(&format!("slot {id} {action} {name}"));
     match action.as_str() {
+        "save" if engine.cfg.save_abort => {
+            say!("fake-engine: aborting in a slot save (--save-abort)");
+            std::process::exit(134);
+        }
         "save" => {
             tokio::time::sleep(Duration::from_millis(engine.cfg.save_ms)).await;
             let tokens = engine.tokens_served();
