@@ -163,8 +163,8 @@ impl Validator {
         let previous = self.0.lifecycle.status().profile;
         tokio::spawn(async move {
             let run = {
-                let (this, name) = (this.clone(), name.clone());
-                tokio::spawn(async move { this.run(&name, &req, cancel_rx).await })
+                let (this, name, previous) = (this.clone(), name.clone(), previous.clone());
+                tokio::spawn(async move { this.run(&name, &previous, &req, cancel_rx).await })
             };
             let result = match run.await {
                 Ok(result) => result,
@@ -238,15 +238,17 @@ impl Validator {
         let _ = self.0.events.send(ValidationEvent::Progress(p));
     }
 
+    /// Runs the suite on `profile`, then goes back to `previous`.
     async fn run(
         &self,
         profile: &str,
+        previous: &str,
         req: &ValidateRequest,
         mut cancel: watch::Receiver<bool>,
     ) -> ValidationResult {
         let config = self.0.config.borrow().clone();
         let lifecycle = &self.0.lifecycle;
-        let previous = lifecycle.status().profile;
+        let previous = previous.to_string();
         let state_dir = config.supervisor.state_dir.clone();
         let mut result = ValidationResult {
             profile: profile.to_string(),
@@ -427,15 +429,7 @@ impl Validator {
             let mut d = match once().await {
                 Ok(d) => d,
                 Err(e) => {
-                    // A stopped or crashed engine: its exit is seen a moment after the
-                    // connection breaks.
-                    let mut exit = engine.exit.clone();
-                    let gone = tokio::time::timeout(
-                        Duration::from_millis(500),
-                        exit.wait_for(Option::is_some),
-                    )
-                    .await
-                    .is_ok_and(|r| r.is_ok());
+                    let gone = engine.gone_within(Duration::from_millis(500)).await;
                     return Err(match gone {
                         true => format!("{name} run {run}: the engine went away ({e})"),
                         false => format!("{name} run {run}: {e}"),

@@ -154,10 +154,28 @@ pub async fn engine_key(engine: &EngineRef, profile: &Profile) -> Result<Key, St
     })
 }
 
-async fn blocking<T: Send + 'static>(f: impl FnOnce() -> T + Send + 'static) -> Result<T, String> {
-    tokio::task::spawn_blocking(f)
+/// Runs `f` on the folder off the runtime's thread (file work may block).
+async fn on_disk<T: Send + 'static>(
+    store: &Store,
+    f: impl FnOnce(&Store) -> T + Send + 'static,
+) -> Result<T, String> {
+    let store = store.clone();
+    tokio::task::spawn_blocking(move || f(&store))
         .await
         .map_err(|e| format!("a file task failed: {e}"))
+}
+
+/// The key of the engine of `engine`: the one its restore worked out, else read now (and
+/// kept for its save).
+async fn key_of(engine: &EngineRef, profile: &Profile, book: &Book) -> Result<Key, String> {
+    if let Some(key) = book.key_of(engine.gen) {
+        return Ok(key);
+    }
+    let key = engine_key(engine, profile)
+        .await
+        .map_err(|e| format!("cannot tell the engine's key: {e}"))?;
+    book.set_key(engine.gen, key.clone());
+    Ok(key)
 }
 
 /// A step that did nothing, and why.
@@ -184,17 +202,13 @@ pub async fn restore(engine: Arc<EngineRef>, profile: Profile, book: Book) -> Kv
     let Some(kv) = profile.kv_checkpoint.clone() else {
         return failed(started, "checkpoints are off".into());
     };
-    let key = match engine_key(&engine, &profile).await {
+    let key = match key_of(&engine, &profile, &book).await {
         Ok(key) => key,
-        Err(e) => {
-            return failed(started, format!("cannot tell the engine's key: {e}"));
-        }
+        Err(e) => return failed(started, e),
     };
-    book.set_key(engine.gen, key.clone());
     let store = Store::new(&kv.dir);
     let name = profile.name.clone();
-    let wanted = key.clone();
-    let lookup = match blocking(move || store.lookup(&name, &wanted)).await {
+    let lookup = match on_disk(&store, move |s| s.lookup(&name, &key)).await {
         Ok(l) => l,
         Err(e) => return failed(started, e),
     };
@@ -206,14 +220,13 @@ pub async fn restore(engine: Arc<EngineRef>, profile: Profile, book: Book) -> Kv
     let Some(m) = lookup.found else {
         return failed(started, "nothing to restore".into());
     };
-    let store = Store::new(&kv.dir);
     book.set_restoring(engine.gen, &m.id);
     let id = m.id.clone();
-    let marked = {
-        let store = store.clone();
-        blocking(move || store.mark_restoring(&id)).await
-    };
-    if let Ok(Err(e)) | Err(e) = marked.map_err(std::io::Error::other) {
+    let marked = on_disk(&store, move |s| {
+        s.mark_restoring(&id).map_err(|e| e.to_string())
+    })
+    .await;
+    if let Err(e) = marked.and_then(|r| r) {
         // Without the mark, a file that kills the engine would be offered again at every
         // start: no restore then.
         let why = format!(
@@ -238,8 +251,7 @@ pub async fn restore(engine: Arc<EngineRef>, profile: Profile, book: Book) -> Kv
                 }
                 // An engine that aborts on the file (llama-server does on some damage) breaks
                 // the connection: tell that from a refusal.
-                tokio::time::sleep(Duration::from_millis(100)).await;
-                let why = match engine.exit.borrow().is_some() {
+                let why = match engine.gone_within(Duration::from_millis(100)).await {
                     true => format!("the engine died restoring it ({e})"),
                     false => format!("the engine refused it: {e}"),
                 };
@@ -247,14 +259,14 @@ pub async fn restore(engine: Arc<EngineRef>, profile: Profile, book: Book) -> Kv
                     "KV checkpoint {} set aside, not restored: {why}; the engine serves without it",
                     m.id
                 );
-                let (store, m2, why2) = (store.clone(), m.clone(), why.clone());
-                let _ = blocking(move || store.set_aside(&m2, &why2)).await;
+                let (aside, reason) = (m.clone(), why.clone());
+                let _ = on_disk(&store, move |s| s.set_aside(&aside, &reason)).await;
                 return failed(started, why);
             }
         }
     }
     let id = m.id.clone();
-    let _ = blocking(move || store.clear_restoring(&id)).await;
+    let _ = on_disk(&store, move |s| s.clear_restoring(&id)).await;
     let tokens: u64 = restored.iter().map(|(_, n)| n).sum();
     book.credit(engine.gen, tokens);
     let done = step(started, tokens, m.bytes(), true, "restored".into());
@@ -282,30 +294,20 @@ pub async fn save(engine: Arc<EngineRef>, profile: Profile, book: Book) -> KvSte
     let Some(kv) = profile.kv_checkpoint.clone() else {
         return failed(started, "checkpoints are off".into());
     };
-    let key = match book.key_of(engine.gen) {
-        Some(key) => key,
-        None => match engine_key(&engine, &profile).await {
-            Ok(key) => key,
-            Err(e) => return failed(started, format!("cannot tell the engine's key: {e}")),
-        },
+    let key = match key_of(&engine, &profile, &book).await {
+        Ok(key) => key,
+        Err(e) => return failed(started, e),
     };
     let store = Store::new(&kv.dir);
-    let prepared = {
-        let store = store.clone();
-        blocking(move || {
-            store.ensure()?;
-            store.sweep();
-            Ok::<_, std::io::Error>(())
-        })
-        .await
-    };
-    match prepared {
-        Ok(Ok(())) => {}
-        Ok(Err(e)) => {
-            let why = format!("cannot use {}: {e}", kv.dir.display());
-            return failed(started, why);
-        }
-        Err(e) => return failed(started, e),
+    let shown = kv.dir.display().to_string();
+    let prepared = on_disk(&store, move |s| {
+        s.ensure()
+            .map(|()| s.sweep())
+            .map_err(|e| format!("cannot use {shown}: {e}"))
+    })
+    .await;
+    if let Err(why) = prepared.and_then(|r| r) {
+        return failed(started, why);
     }
     let slots: Vec<Slot> = match call_json(&engine, http::Method::GET, "/slots", None).await {
         Ok(s) => s,
@@ -355,25 +357,25 @@ pub async fn save(engine: Arc<EngineRef>, profile: Profile, book: Book) -> KvSte
                     store.remove_slot_file(&file);
                     let full = e.contains(": 500 ") && engine.exit.borrow().is_none();
                     evictions += 1;
-                    if !full || evictions > MAX_EVICTIONS {
+                    let gone = match full && evictions <= MAX_EVICTIONS {
+                        true => {
+                            let keep = id.clone();
+                            on_disk(&store, move |s| s.evict_oldest(&keep))
+                                .await
+                                .ok()
+                                .flatten()
+                        }
+                        false => None,
+                    };
+                    let Some(gone) = gone else {
                         failure = Some(format!("the engine could not save slot {}: {e}", slot.id));
                         break 'slots;
-                    }
-                    let (store2, keep) = (store.clone(), id.clone());
-                    match blocking(move || store2.evict_oldest(&keep)).await {
-                        Ok(Some(gone)) => {
-                            tracing::info!(
-                                "the save of slot {} failed ({e}): removed the oldest \
-                                 checkpoint, {gone}, to make room, and trying again",
-                                slot.id
-                            );
-                        }
-                        _ => {
-                            failure =
-                                Some(format!("the engine could not save slot {}: {e}", slot.id));
-                            break 'slots;
-                        }
-                    }
+                    };
+                    tracing::info!(
+                        "the save of slot {} failed ({e}): removed the oldest checkpoint, \
+                         {gone}, to make room, and trying again",
+                        slot.id
+                    );
                 }
             }
         }
@@ -403,31 +405,21 @@ pub async fn save(engine: Arc<EngineRef>, profile: Profile, book: Book) -> KvSte
     };
     let (tokens, bytes) = (manifest.tokens(), manifest.bytes());
     let max = kv.max_size;
-    let committed = {
-        let store = store.clone();
-        let m = manifest.clone();
-        blocking(move || -> Result<Vec<String>, String> {
-            if max.is_some_and(|max| m.bytes() > max) {
-                // Not committed: only its own files go; the previous checkpoint stays.
-                for s in &m.slots {
-                    store.remove_slot_file(&s.file);
-                }
-                return Err(format!(
-                    "not kept: its {} bytes are more than kv_checkpoint.max_size ({} bytes)",
-                    m.bytes(),
-                    max.unwrap_or(0)
-                ));
-            }
-            store
-                .commit(&m)
-                .map_err(|e| format!("cannot write its manifest: {e}"))?;
-            Ok(max
-                .map(|max| store.evict_to(max, &m.id))
-                .unwrap_or_default())
-        })
-        .await
-        .and_then(|r| r)
-    };
+    let m = manifest.clone();
+    let committed = on_disk(&store, move |s| -> Result<Vec<String>, String> {
+        if let Some(max) = max.filter(|max| m.bytes() > *max) {
+            // Not committed (its files go below): the previous checkpoint stays.
+            return Err(format!(
+                "not kept: its {} bytes are more than kv_checkpoint.max_size ({max} bytes)",
+                m.bytes()
+            ));
+        }
+        s.commit(&m)
+            .map_err(|e| format!("cannot write its manifest: {e}"))?;
+        Ok(max.map(|max| s.evict_to(max, &m.id)).unwrap_or_default())
+    })
+    .await
+    .and_then(|r| r);
     match committed {
         Ok(evicted) => {
             for gone in evicted {

@@ -61,6 +61,17 @@ pub struct EngineRef {
     pub exit: watch::Receiver<Option<ExitReport>>,
 }
 
+impl EngineRef {
+    /// Whether the engine has exited, or does within `within` (its exit is seen a moment
+    /// after its connections break).
+    pub async fn gone_within(&self, within: Duration) -> bool {
+        let mut exit = self.exit.clone();
+        tokio::time::timeout(within, exit.wait_for(Option::is_some))
+            .await
+            .is_ok_and(|r| r.is_ok())
+    }
+}
+
 /// The right to send one request to the engine; the engine is not stopped while any lease is
 /// held. Dropping it tells the actor, so idle time counts from the last lease released.
 #[derive(Debug)]

@@ -510,12 +510,7 @@ impl Machine {
         } = &self.phase
         {
             let (gen, profile) = (*gen, profile.clone());
-            self.phase = Phase::Ready {
-                gen,
-                profile,
-                since: now,
-            };
-            self.grant_waiters(gen, fx);
+            self.back_to_ready(gen, profile, now, fx);
         }
     }
 
@@ -660,14 +655,19 @@ impl Machine {
         }
     }
 
-    /// The engine of `gen` serves: waiters get their leases.
+    /// The engine of `gen` serves for the first time: idle time counts from now.
     fn serve(&mut self, gen: Gen, profile: String, now: Instant, fx: &mut Vec<Effect>) {
+        self.idle_since = now;
+        self.back_to_ready(gen, profile, now, fx);
+    }
+
+    /// The engine of `gen` serves (again): waiters get their leases.
+    fn back_to_ready(&mut self, gen: Gen, profile: String, now: Instant, fx: &mut Vec<Effect>) {
         self.phase = Phase::Ready {
             gen,
             profile,
             since: now,
         };
-        self.idle_since = now;
         self.grant_waiters(gen, fx);
     }
 
@@ -922,12 +922,7 @@ impl Machine {
                 if *then == Then::Restart && *profile == profile_now {
                     // Switched back before the drain ended: keep the running engine.
                     let (gen, profile) = (*gen, profile.clone());
-                    self.phase = Phase::Ready {
-                        gen,
-                        profile,
-                        since: now,
-                    };
-                    self.grant_waiters(gen, fx);
+                    self.back_to_ready(gen, profile, now, fx);
                 } else if *then == Then::Idle {
                     // Stop requested: the new profile applies at the next start.
                 } else {

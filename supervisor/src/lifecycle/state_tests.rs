@@ -864,31 +864,24 @@ fn a_stop_saves_when_no_request_runs_and_never_cuts_requests_to_save() {
 #[test]
 fn a_start_that_never_served_stops_without_a_save() {
     // Stopped while loading, and while restoring: no save, the waiters are told.
-    let mut t = kv_t();
-    t.ev(Event::Acquire { waiter: 1 });
-    assert_eq!(
-        t.ev(Event::Stop { now: false }),
-        vec![
-            Effect::Refuse {
-                waiters: vec![1],
-                why: Refusal::StartCancelled
-            },
-            term(1)
-        ]
-    );
-    let mut t = kv_t();
-    t.ev(Event::Acquire { waiter: 1 });
-    t.ev(Event::Ready { gen: 1 });
-    assert_eq!(
-        t.ev(Event::Stop { now: false }),
-        vec![
-            Effect::Refuse {
-                waiters: vec![1],
-                why: Refusal::StartCancelled
-            },
-            term(1)
-        ]
-    );
+    for restoring in [false, true] {
+        let mut t = kv_t();
+        t.ev(Event::Acquire { waiter: 1 });
+        if restoring {
+            t.ev(Event::Ready { gen: 1 });
+        }
+        assert_eq!(
+            t.ev(Event::Stop { now: false }),
+            vec![
+                Effect::Refuse {
+                    waiters: vec![1],
+                    why: Refusal::StartCancelled
+                },
+                term(1)
+            ],
+            "restoring: {restoring}"
+        );
+    }
 }
 
 #[test]
