@@ -19,14 +19,7 @@ use std::time::{Duration, Instant};
 
 use dsv4_client::State;
 use serde_json::{json, Value};
-use support::{body_json, Daemon, Setup};
-
-fn env_u64(name: &str, default: u64) -> u64 {
-    std::env::var(name)
-        .ok()
-        .and_then(|v| v.parse().ok())
-        .unwrap_or(default)
-}
+use support::{body_json, env_or, Daemon, Setup};
 
 /// The request's timings and its whole time in ms.
 async fn complete(d: &Daemon, prompt: &str) -> (Value, f64) {
@@ -56,19 +49,14 @@ fn row(name: &str, unit: &str, mut v: Vec<f64>) {
 }
 
 fn main() {
-    let rounds = env_u64("BENCH_ROUNDS", 5).max(1) as usize;
-    let (server, model) = support::real::engine();
+    let rounds = env_or::<u64>("BENCH_ROUNDS", 5).max(1) as usize;
+    let (_, model) = support::real::engine();
     let mut s = Setup::default()
         .engine("idle_timeout", "1s")
         .engine("stop_timeout", "5s");
     s.custom_profiles.insert(
         "tiny".into(),
-        format!(
-            "engine: llama-server\ncommand: {}\nmodel: {}\ncontext: 4096\nparallel: 1\n\
-             kv_checkpoint: {{ dir: kv }}\nextra_args: [--no-webui]\n",
-            server.display(),
-            model.display()
-        ),
+        support::real::profile(&model, 4096, "kv_checkpoint: { dir: kv }\n"),
     );
     s.default_profile = "tiny".into();
     let rt = tokio::runtime::Builder::new_multi_thread()

@@ -19,7 +19,7 @@ use std::time::{Duration, Instant};
 use nix::sys::signal::{kill, Signal};
 use nix::unistd::Pid;
 
-use crate::env_usize;
+use crate::support::env_or;
 use crate::support::{temp_dir, Daemon, EngineSeen, Setup, TempDir};
 
 const SCRIPT: &str = concat!(env!("CARGO_MANIFEST_DIR"), "/bench/chat.lua");
@@ -461,8 +461,8 @@ fn opt(x: f64, width: usize, prec: usize) -> String {
 
 /// The section: sets everything up, runs the rounds, prints the table.
 pub async fn run() {
-    let secs = env_usize("BENCH_WRK_SECONDS", 3).max(1);
-    let rounds = env_usize("BENCH_ROUNDS", 3).max(1);
+    let secs = env_or::<usize>("BENCH_WRK_SECONDS", 3).max(1);
+    let rounds = env_or::<usize>("BENCH_ROUNDS", 3).max(1);
     let workers: Vec<String> = std::env::var("BENCH_NGINX_WORKERS")
         .unwrap_or_else(|_| "1,auto".into())
         .split(',')

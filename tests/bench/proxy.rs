@@ -26,14 +26,7 @@ use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
 use bytes::Bytes;
 use http_body_util::{BodyExt, Full};
 use hyper::client::conn::http1::SendRequest;
-use support::{Daemon, Setup};
-
-fn env_usize(name: &str, default: usize) -> usize {
-    std::env::var(name)
-        .ok()
-        .and_then(|v| v.parse().ok())
-        .unwrap_or(default)
-}
+use support::{env_or, Daemon, Setup};
 
 fn chat(max_tokens: usize, stream: bool) -> Bytes {
     Bytes::from(
@@ -140,9 +133,9 @@ async fn main() {
 
 /// The in-process sections: latency and streaming throughput with a hyper client, readiness lag.
 async fn classic() {
-    let requests = env_usize("BENCH_REQUESTS", 3000);
-    let tokens = env_usize("BENCH_TOKENS", 20000);
-    let starts = env_usize("BENCH_STARTS", 8);
+    let requests = env_or::<usize>("BENCH_REQUESTS", 3000);
+    let tokens = env_or::<usize>("BENCH_TOKENS", 20000);
+    let starts = env_or::<usize>("BENCH_STARTS", 8);
 
     let d = Daemon::start(&Setup::default().engine("idle_timeout", "1h"));
     // Warm up: start the engine through the daemon, then find its port for the direct path.

@@ -18,14 +18,7 @@ use std::time::{Duration, Instant};
 
 use dsv4::hw::Sampler;
 use dsv4::sysroot::SysRoot;
-use support::{fixture_tree, Daemon, Setup};
-
-fn env_u64(name: &str, default: u64) -> u64 {
-    std::env::var(name)
-        .ok()
-        .and_then(|v| v.parse().ok())
-        .unwrap_or(default)
-}
+use support::{env_or, fixture_tree, Daemon, Setup};
 
 fn percentile(sorted: &[f64], p: f64) -> f64 {
     sorted[((sorted.len() - 1) as f64 * p).round() as usize]
@@ -56,7 +49,7 @@ fn sampled_files(root: &Path) -> Vec<PathBuf> {
 }
 
 fn sample_cost() {
-    let n = env_u64("BENCH_SAMPLES", 5000) as usize;
+    let n = env_or::<u64>("BENCH_SAMPLES", 5000) as usize;
     let fixture = fixture_tree("strix-halo");
     let mut sampler = Sampler::new(SysRoot::new(&fixture).unwrap());
     let files = sampled_files(&fixture);
@@ -131,7 +124,7 @@ fn rss(pid: u32) -> (u64, u64, u64) {
 }
 
 async fn idle_daemon() {
-    let seconds = env_u64("BENCH_IDLE_SECONDS", 60);
+    let seconds = env_or::<u64>("BENCH_IDLE_SECONDS", 60);
     let fixture = fixture_tree("strix-halo");
     let d = Daemon::start(
         &Setup::default()

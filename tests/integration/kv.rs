@@ -20,15 +20,9 @@ fn long_prompt() -> String {
     "abc ".repeat(700)
 }
 
-/// A profile of the real engine with KV checkpoints in `profiles/kv`.
+/// A profile of the real engine with `kv_checkpoint: KV`.
 fn real_profile(model: &Path, context: u32, kv: &str) -> String {
-    let (server, _) = engine();
-    format!(
-        "engine: llama-server\ncommand: {}\nmodel: {}\ncontext: {context}\nparallel: 1\n\
-         kv_checkpoint: {kv}\nextra_args: [--no-webui]\n",
-        server.display(),
-        model.display()
-    )
+    crate::support::real::profile(model, context, &format!("kv_checkpoint: {kv}\n"))
 }
 
 /// A daemon setup with the real engine as profile `tiny` (context 4096); an idle engine
@@ -438,25 +432,12 @@ async fn a_full_disk_evicts_the_oldest_and_keeps_serving() {
 
 /// How many checkpoints in `dir` were set aside.
 fn set_aside(dir: &Path) -> usize {
-    std::fs::read_dir(dir.join("aside"))
-        .unwrap()
-        .filter(|e| {
-            e.as_ref()
-                .unwrap()
-                .path()
-                .extension()
-                .is_some_and(|x| x == "json")
-        })
-        .count()
+    files_with_extension(&dir.join("aside"), "json").len()
 }
 
 /// The slot files of the checkpoints in `dir` (not those set aside).
 fn slot_files(dir: &Path) -> Vec<std::path::PathBuf> {
-    std::fs::read_dir(dir)
-        .unwrap()
-        .map(|e| e.unwrap().path())
-        .filter(|p| p.extension().is_some_and(|x| x == "bin"))
-        .collect()
+    files_with_extension(dir, "bin")
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -566,18 +547,7 @@ async fn an_engine_dying_in_its_save_removes_no_other_checkpoint() {
     let (status, _, _) = body_json(d.post("/v1/chat/completions", chat(4, false)).await).await;
     assert_eq!(status, 200);
     let dir = d.stop().await;
-    let manifests = |dir: &Path| {
-        std::fs::read_dir(dir.join("profiles/kv"))
-            .unwrap()
-            .filter(|e| {
-                e.as_ref()
-                    .unwrap()
-                    .path()
-                    .extension()
-                    .is_some_and(|x| x == "json")
-            })
-            .count()
-    };
+    let manifests = |dir: &Path| files_with_extension(&dir.join("profiles/kv"), "json").len();
     assert_eq!(manifests(dir.path()), 1, "320k's checkpoint");
     // 64k's engine dies while it saves: that is no full disk, and nothing is evicted.
     s.default_profile = "64k".into();

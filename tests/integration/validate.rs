@@ -72,16 +72,12 @@ fn tiny_16k(dir: &Path) -> std::path::PathBuf {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn validate_runs_the_suite_cold_on_the_real_engine_and_switches_back() {
     let bus = PrivateBus::start();
-    let (server, model) = engine();
+    let (_, model) = engine();
     let dir = temp_dir("daemon");
     let model_16k = tiny_16k(dir.path());
     let profile = |model: &Path, context: u32| {
-        format!(
-            "engine: llama-server\ncommand: {}\nmodel: {}\ncontext: {context}\nparallel: 1\n\
-             kv_cache: f16\nbatch: 2048\nubatch: 512\nextra_args: [--no-webui]\n",
-            server.display(),
-            model.display()
-        )
+        let more = "kv_cache: f16\nbatch: 2048\nubatch: 512\n";
+        crate::support::real::profile(model, context, more)
     };
     let mut s = Setup::default()
         .engine("idle_timeout", "10m")

@@ -28,6 +28,23 @@ pub const FAKE_ENGINE: &str = env!("CARGO_BIN_EXE_fake-engine");
 pub const DSV4D: &str = env!("CARGO_BIN_EXE_dsv4d-under-test");
 
 /// A fresh folder under the system temp dir, `dsv4-test-TAG-…`, removed on drop.
+/// A benchmark knob: the environment variable `name` as a number, else `default`.
+pub fn env_or<T: std::str::FromStr>(name: &str, default: T) -> T {
+    std::env::var(name)
+        .ok()
+        .and_then(|v| v.parse().ok())
+        .unwrap_or(default)
+}
+
+/// The files in `dir` whose names end in `.EXT`.
+pub fn files_with_extension(dir: &Path, ext: &str) -> Vec<PathBuf> {
+    std::fs::read_dir(dir)
+        .unwrap_or_else(|e| panic!("cannot read {}: {e}", dir.display()))
+        .map(|e| e.unwrap().path())
+        .filter(|p| p.extension().is_some_and(|x| x == ext))
+        .collect()
+}
+
 pub fn temp_dir(tag: &str) -> TempDir {
     tempfile::Builder::new()
         .prefix(&format!("dsv4-test-{tag}-"))

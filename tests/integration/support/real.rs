@@ -5,7 +5,7 @@
 //! `tests/engine/prepare` fills. Tests that need them fail, with that hint, when neither has
 //! them: they never pass by skipping.
 
-use std::path::PathBuf;
+use std::path::{Path, PathBuf};
 use std::process::{Child, Command, Stdio};
 use std::time::{Duration, Instant};
 
@@ -44,6 +44,18 @@ pub fn engine() -> (PathBuf, PathBuf) {
         model.display()
     );
     (server, model)
+}
+
+/// A profile of the real engine on `model` with one slot of `context` tokens, with the
+/// YAML lines `more` (each ending in a newline).
+pub fn profile(model: &Path, context: u32, more: &str) -> String {
+    let (server, _) = engine();
+    format!(
+        "engine: llama-server\ncommand: {}\nmodel: {}\ncontext: {context}\nparallel: 1\n\
+         {more}extra_args: [--no-webui]\n",
+        server.display(),
+        model.display()
+    )
 }
 
 /// A daemon setup whose only profile, `tiny`, runs the real engine on the tiny model; an idle
