@@ -558,7 +558,10 @@ async fn announce_changes(
     lifecycle: Handle,
     mut config: watch::Receiver<Arc<Config>>,
     mut alerts: broadcast::Receiver<Alert>,
-    mut thermal: broadcast::Receiver<crate::thermal::Signal>,
+    thermal: (
+        Vec<crate::thermal::Signal>,
+        broadcast::Receiver<crate::thermal::Signal>,
+    ),
 ) {
     let Ok(iface) = conn
         .object_server()
@@ -567,6 +570,17 @@ async fn announce_changes(
     else {
         return;
     };
+    // What stands already (a machine hot at the daemon's start, before it had its name) is
+    // said first: a desktop agent hears it as it would have heard the change.
+    let (standing, mut thermal) = thermal;
+    for t in standing {
+        let e = iface.signal_emitter();
+        let sent =
+            ControlObject::thermal_event(e, &t.level, &t.sensor, t.celsius, &t.message).await;
+        if let Err(err) = sent {
+            tracing::debug!("sending a ThermalEvent on D-Bus failed: {err}");
+        }
+    }
     let mut rx = lifecycle.watch_status();
     let mut old: Status = rx.borrow_and_update().clone();
     let mut figures_sent: Option<Instant> = None;

@@ -123,7 +123,7 @@ async fn slow_bodies_get_408_and_never_start_or_hold_the_engine() {
     assert_eq!(s["in_flight"], 0, "{s}");
     assert_eq!(s["waiting"], 0, "{s}");
     for s in &mut slow {
-        let (status, head, body) = read_response(s, 5 * SEC).await;
+        let (status, head, body) = read_response(s, PATIENCE).await;
         assert_eq!(status, 408, "{head}{body}");
         assert!(head.contains("connection: close"), "{head}");
         let v: serde_json::Value = serde_json::from_str(&body).unwrap();
@@ -135,12 +135,13 @@ async fn slow_bodies_get_408_and_never_start_or_hold_the_engine() {
         );
         // And the connection is closed after it.
         let mut rest = [0u8; 16];
-        let n = tokio::time::timeout(2 * SEC, s.read(&mut rest)).await;
+        let n = tokio::time::timeout(PATIENCE, s.read(&mut rest)).await;
         assert!(matches!(n, Ok(Ok(0)) | Ok(Err(_))), "{n:?}");
     }
+    // The timeout is the figure: not before it, and not long after.
     let took = t0.elapsed();
     assert!(
-        took >= Duration::from_millis(900) && took < 4 * SEC,
+        took >= Duration::from_millis(900) && took < SEC + LOAD_MARGIN,
         "{took:?}"
     );
     assert_eq!(d.spawns(), 0, "a slow body started the engine");
@@ -176,7 +177,7 @@ async fn the_engine_sees_a_request_only_once_its_body_is_whole() {
     );
     assert_eq!(d.status().await["in_flight"], 0);
     s.write_all(last).await.unwrap();
-    let (status, _, body) = read_response(&mut s, 5 * SEC).await;
+    let (status, _, body) = read_response(&mut s, PATIENCE).await;
     assert_eq!(status, 200, "{body}");
     let v: serde_json::Value = serde_json::from_str(&body).unwrap();
     assert_eq!(v["choices"][0]["message"]["content"], "abc", "{v}");
@@ -203,8 +204,9 @@ async fn bodies_held_at_once_stay_within_max_buffered() {
     // A second that would pass the budget is refused at once, before its body is read.
     let mut second = send_raw(d.addr, &head, b"").await;
     let t = Instant::now();
-    let (status, h, body) = read_response(&mut second, 5 * SEC).await;
-    assert!(t.elapsed() < 2 * SEC, "{:?}", t.elapsed());
+    let (status, h, body) = read_response(&mut second, PATIENCE).await;
+    // At once, not after the first body is whole or the second's body_timeout (30 s).
+    assert!(t.elapsed() < LOAD_MARGIN, "{:?}", t.elapsed());
     assert_eq!(status, 503, "{h}{body}");
     assert!(h.contains("retry-after: 1"), "{h}");
     let v: serde_json::Value = serde_json::from_str(&body).unwrap();
@@ -223,10 +225,10 @@ async fn bodies_held_at_once_stay_within_max_buffered() {
     assert_eq!(status, 200, "{v}");
     // The first completes and is served; then the budget is free again.
     first.write_all(&big[1000..]).await.unwrap();
-    let (status, _, body) = read_response(&mut first, 10 * SEC).await;
+    let (status, _, body) = read_response(&mut first, PATIENCE).await;
     assert_eq!(status, 200, "{body}");
     let mut again = send_raw(d.addr, &head, &big).await;
-    let (status, _, body) = read_response(&mut again, 10 * SEC).await;
+    let (status, _, body) = read_response(&mut again, PATIENCE).await;
     assert_eq!(status, 200, "{body}");
 }
 
@@ -237,13 +239,13 @@ async fn expect_100_continue_is_answered_and_refusals_come_before_it() {
     let head = chat_head(d.addr, Some(body.len()), "Expect: 100-continue\r\n");
     let mut s = send_raw(d.addr, &head, b"").await;
     let mut buf = [0u8; 64];
-    let n = tokio::time::timeout(5 * SEC, s.read(&mut buf))
+    let n = tokio::time::timeout(PATIENCE, s.read(&mut buf))
         .await
         .expect("100 Continue")
         .unwrap();
     assert_eq!(&buf[..n], b"HTTP/1.1 100 Continue\r\n\r\n");
     s.write_all(&body).await.unwrap();
-    let (status, _, text) = read_response(&mut s, 5 * SEC).await;
+    let (status, _, text) = read_response(&mut s, PATIENCE).await;
     assert_eq!(status, 200, "{text}");
     // The engine was not asked to agree to anything: dsv4d had the body already.
     let fake = d.fake_log();
@@ -253,7 +255,7 @@ async fn expect_100_continue_is_answered_and_refusals_come_before_it() {
     // Too large: 413 at once, and no 100 Continue before it.
     let head = chat_head(d.addr, Some(5000), "Expect: 100-continue\r\n");
     let mut s = send_raw(d.addr, &head, b"").await;
-    let (status, h, text) = read_response(&mut s, 5 * SEC).await;
+    let (status, h, text) = read_response(&mut s, PATIENCE).await;
     assert_eq!(status, 413, "{h}{text}");
     assert!(
         text.contains("the request body of 5000 bytes is larger than api.max_body (1024 bytes)"),
@@ -267,7 +269,7 @@ async fn a_key_is_checked_before_100_continue() {
     let body = chat_bytes(3);
     let head = chat_head(d.addr, Some(body.len()), "Expect: 100-continue\r\n");
     let mut s = send_raw(d.addr, &head, b"").await;
-    let (status, h, _) = read_response(&mut s, 5 * SEC).await;
+    let (status, h, _) = read_response(&mut s, PATIENCE).await;
     assert_eq!(status, 401, "{h}");
     assert_eq!(d.spawns(), 0);
 }
@@ -283,27 +285,25 @@ async fn chat_on_raw(d: &Daemon, stream: bool) -> TcpStream {
 async fn a_client_that_leaves_during_a_silent_prefill_lets_go_within_a_second() {
     // The engine says nothing for a minute, as llama-server does through a long prefill.
     let d = Daemon::start(&Setup::default().knob("prefill_ms", "60000"));
-    for stream in [false, true] {
+    for (n, stream) in [false, true].into_iter().enumerate() {
         let before = d.fake_log().matches("client-closed").count();
         let s = chat_on_raw(&d, stream).await;
-        wait_status(&d, "in_flight", 1, 5 * SEC).await;
-        let seen = d
-            .fake_log()
-            .matches("request POST /v1/chat/completions")
-            .count();
-        assert!(seen >= 1, "{}", d.fake_log());
+        // The engine has the request (the lease is granted before it gets there).
+        d.wait_fake_log_count("request POST /v1/chat/completions", n + 1, PATIENCE)
+            .await;
+        assert_eq!(d.status().await["in_flight"], 1);
         tokio::time::sleep(Duration::from_millis(300)).await;
         drop(s);
-        let took = wait_status(&d, "in_flight", 0, 5 * SEC).await;
+        let took = wait_status(&d, "in_flight", 0, PATIENCE).await;
         assert!(
-            took < SEC,
+            took < SEC + LOAD_MARGIN,
             "stream={stream}: the lease went only after {took:?}"
         );
         // The engine heard of it: its connection closed, and it dropped the work.
         let t = Instant::now();
         while d.fake_log().matches("client-closed").count() == before {
             assert!(
-                t.elapsed() < SEC,
+                t.elapsed() < SEC + LOAD_MARGIN,
                 "stream={stream}: the engine never saw the client go:\n{}",
                 d.fake_log()
             );
@@ -317,10 +317,13 @@ async fn a_client_that_leaves_during_a_silent_prefill_lets_go_within_a_second() 
 async fn a_client_that_leaves_while_the_engine_loads_stops_waiting() {
     let d = Daemon::start(&Setup::default().knob("load_ms", "60000"));
     let s = chat_on_raw(&d, false).await;
-    wait_status(&d, "waiting", 1, 5 * SEC).await;
+    wait_status(&d, "waiting", 1, PATIENCE).await;
     drop(s);
-    let took = wait_status(&d, "waiting", 0, 5 * SEC).await;
-    assert!(took < SEC, "the waiter went only after {took:?}");
+    let took = wait_status(&d, "waiting", 0, PATIENCE).await;
+    assert!(
+        took < SEC + LOAD_MARGIN,
+        "the waiter went only after {took:?}"
+    );
     assert_eq!(d.status().await["in_flight"], 0);
 }
 
@@ -330,7 +333,7 @@ async fn a_client_that_leaves_while_the_engine_loads_stops_waiting() {
 async fn slow_bodies_leave_the_real_engine_serving_others() {
     let d = Daemon::start(
         &real::setup()
-            .api("body_timeout", "3s")
+            .api("body_timeout", "10s")
             .engine("idle_timeout", "1m"),
     );
     let (status, _, v) = d
@@ -344,8 +347,8 @@ async fn slow_bodies_leave_the_real_engine_serving_others() {
         let head = chat_head(d.addr, None, "");
         slow.push(send_raw(d.addr, &head, b"5\r\n{\"mes\r\n").await);
     }
-    let t0 = Instant::now();
-    // Everyone else is served meanwhile, one request after another, streams too.
+    // Everyone else is served meanwhile, one request after another, streams too, each well
+    // before the slow clients' body_timeout (10 s) could have freed anything.
     for i in 0..10 {
         let t = Instant::now();
         let stream = i % 2 == 1;
@@ -359,16 +362,24 @@ async fn slow_bodies_leave_the_real_engine_serving_others() {
             let (_, _, v) = body_json(resp).await;
             assert_eq!(v["choices"][0]["message"]["content"], "abcdefgh", "{v}");
         }
-        assert!(t.elapsed() < 2 * SEC, "request {i} took {:?}", t.elapsed());
+        assert!(
+            t.elapsed() < SEC + LOAD_MARGIN,
+            "request {i} took {:?}",
+            t.elapsed()
+        );
         let s = d.status().await;
         assert!(s["in_flight"].as_u64().unwrap() <= 1, "{s}");
     }
-    assert!(
-        t0.elapsed() < 3 * SEC,
-        "the slow clients' time ran out first"
-    );
+    // The slow clients still hold their connections: nothing has been said to them yet.
+    for s in &slow {
+        let mut byte = [0u8; 1];
+        match s.try_read(&mut byte) {
+            Err(e) if e.kind() == std::io::ErrorKind::WouldBlock => {}
+            other => panic!("a slow client was answered before its body_timeout: {other:?}"),
+        }
+    }
     for s in &mut slow {
-        let (status, h, body) = read_response(s, 10 * SEC).await;
+        let (status, h, body) = read_response(s, PATIENCE).await;
         assert_eq!(status, 408, "{h}{body}");
     }
     // The same engine served it all.
@@ -385,7 +396,7 @@ async fn the_largest_content_lengths_get_413_like_any_body_over_the_limit() {
             d.addr
         );
         let mut s = send_raw(d.addr, &head, b"").await;
-        let (status, h, body) = read_response(&mut s, 5 * SEC).await;
+        let (status, h, body) = read_response(&mut s, PATIENCE).await;
         assert_eq!(status, 413, "{len}: {h}{body}");
         let v: serde_json::Value = serde_json::from_str(&body).unwrap();
         assert_eq!(v["error"]["code"], "body_too_large", "{v}");
@@ -400,7 +411,7 @@ async fn the_largest_content_lengths_get_413_like_any_body_over_the_limit() {
         d.addr
     );
     let mut s = send_raw(d.addr, &head, b"").await;
-    let (status, h, _) = read_response(&mut s, 5 * SEC).await;
+    let (status, h, _) = read_response(&mut s, PATIENCE).await;
     assert_eq!(status, 431, "{h}");
     assert_eq!(d.spawns(), 0);
     // And the connections after them are served as usual.
@@ -423,7 +434,7 @@ async fn a_content_length_beside_chunked_is_not_the_length() {
         );
         let body = b"5\r\nhello\r\n6\r\n world\r\n0\r\n\r\n";
         let mut s = send_raw(d.addr, &head, body).await;
-        let (status, _, echoed) = read_response(&mut s, 5 * SEC).await;
+        let (status, _, echoed) = read_response(&mut s, PATIENCE).await;
         assert_eq!(status, 200, "{declared}: {echoed}");
         assert_eq!(echoed, "hello world", "Content-Length: {declared}");
     }

@@ -26,15 +26,18 @@ async fn idle_connections(addr: SocketAddr, n: usize) -> Vec<TcpStream> {
     held
 }
 
-/// A chat request answered 200 within 2 s, engine start included.
+/// A chat request answered 200 within a second (and a loaded machine's margin), engine start
+/// included.
 async fn chat_served(d: &Daemon) -> Duration {
     let t = Instant::now();
+    let within = Duration::from_secs(1) + LOAD_MARGIN;
     let answer = tokio::time::timeout(
-        Duration::from_secs(2),
+        within,
         d.send("POST", "/v1/chat/completions", &[], Some(chat(3, false))),
     )
     .await;
-    let (status, _, body) = answer.unwrap_or_else(|_| panic!("no answer in 2 s:\n{}", d.log()));
+    let (status, _, body) =
+        answer.unwrap_or_else(|_| panic!("no answer in {within:?}:\n{}", d.log()));
     assert_eq!(status, 200, "{body}");
     t.elapsed()
 }
@@ -54,11 +57,8 @@ async fn idle_connections_under_a_1024_soft_limit_leave_other_clients_served() {
     let took = chat_served(&d).await;
     eprintln!("1,100 idle connections open: chat answered in {took:?}");
     // It said what it did with its limit.
-    assert!(
-        d.log().contains("open-file limit raised from 1024 to 4096"),
-        "{}",
-        d.log()
-    );
+    d.log_with(&["open-file limit raised from 1024 to 4096"])
+        .await;
     drop(held);
     d.stop().await;
 }
@@ -77,9 +77,10 @@ async fn connections_over_max_connections_get_503_at_once() {
     for _ in 0..20 {
         let mut over = TcpStream::connect(d.addr).await.unwrap();
         let mut text = String::new();
-        tokio::time::timeout(Duration::from_secs(1), over.read_to_string(&mut text))
+        // At once: a connection over the cap is never queued behind the held ones.
+        tokio::time::timeout(LOAD_MARGIN, over.read_to_string(&mut text))
             .await
-            .expect("no 503 within 1 s")
+            .expect("no 503 at once")
             .unwrap();
         let (head, body) = text.split_once("\r\n\r\n").expect("a complete response");
         assert!(

@@ -32,7 +32,7 @@ pub(crate) fn ctl(bus: &str, args: &[&str], as_user: Option<(&CtlCopy, &[&str])>
     let t = Instant::now();
     let out = cmd.output().expect("run dsv4ctl");
     assert!(
-        t.elapsed() < 20 * SEC,
+        t.elapsed() < PATIENCE,
         "dsv4ctl {args:?} took {:?}",
         t.elapsed()
     );
@@ -98,7 +98,7 @@ pub(crate) async fn wait_bus_name(d: &Daemon, bus: &PrivateBus) {
             return;
         }
         assert!(
-            t.elapsed() < 10 * SEC,
+            t.elapsed() < PATIENCE,
             "dsv4d never appeared on the bus\n{}",
             d.log()
         );
@@ -184,7 +184,7 @@ async fn start_switch_profile_and_stop_with_dsv4ctl() {
     while proxy.state().await.unwrap() != State::Ready.as_str()
         || proxy.engine_pid().await.unwrap() == first_pid
     {
-        assert!(t.elapsed() < 10 * SEC, "no restart with the new profile");
+        assert!(t.elapsed() < PATIENCE, "no restart with the new profile");
         tokio::time::sleep(Duration::from_millis(20)).await;
     }
     let starts = d.starts();
@@ -196,7 +196,7 @@ async fn start_switch_profile_and_stop_with_dsv4ctl() {
 
     let out = ctl(&bus.address, &["stop"], None);
     assert_eq!(out.status.code(), Some(0), "{}", text(&out.stderr));
-    d.wait_state(State::Stopped, 10 * SEC).await;
+    d.wait_state(State::Stopped, PATIENCE).await;
     assert_eq!(proxy.engine_pid().await.unwrap(), 0);
 
     // The states went by in order, each announced.
@@ -210,7 +210,7 @@ async fn start_switch_profile_and_stop_with_dsv4ctl() {
     while last(&seen).as_deref() != Some(Stopped.as_str())
         || last(&announced).as_deref() != Some(Stopped.as_str())
     {
-        if t.elapsed() > 5 * SEC {
+        if t.elapsed() > PATIENCE {
             break;
         }
         tokio::time::sleep(Duration::from_millis(20)).await;
@@ -298,7 +298,8 @@ async fn without_a_daemon_dsv4ctl_says_so_and_exits_2() {
         err.starts_with("dsv4ctl: ") && err.contains("session bus"),
         "{err}"
     );
-    assert!(t.elapsed() < 6 * SEC);
+    // At once: a client that waited for the name would hang for the bus's 25 s call timeout.
+    assert!(t.elapsed() < 3 * LOAD_MARGIN, "{:?}", t.elapsed());
     // and without a bus at all
     let out = ctl("unix:path=/nonexistent/bus", &["start"], None);
     let err = text(&out.stderr);
@@ -383,7 +384,10 @@ async fn start_wait_fails_with_the_engine_error() {
         // The engine's last lines, as the daemon quotes them.
         assert!(err.contains("failed to load model"), "{err}");
         // The engine fails at once; the answer follows it, with no grace period.
-        assert!(took < SEC, "attempt {attempt}: dsv4ctl took {took:?}");
+        assert!(
+            took < SEC + LOAD_MARGIN,
+            "attempt {attempt}: dsv4ctl took {took:?}"
+        );
         assert_eq!(d.starts().len(), attempt, "{}", d.log());
     }
     // the daemon is fine
@@ -414,7 +418,10 @@ async fn start_wait_shows_the_states_the_daemon_announces() {
     );
     // It waited for the load, and not much longer.
     assert!(took >= Duration::from_millis(600), "{took:?}");
-    assert!(took < 3 * SEC, "{took:?}");
+    assert!(
+        took < Duration::from_millis(600) + SEC + LOAD_MARGIN,
+        "{took:?}"
+    );
     assert_eq!(d.status().await["state"], State::Ready.as_str());
     // Already ready: answered at once.
     let out = ctl(&bus.address, &["--json", "start", "--wait"], None);
@@ -450,12 +457,12 @@ async fn logs_follow_prints_new_lines_as_the_engine_writes_them() {
         }
     });
     // The last line so far comes first.
-    rx.recv_timeout(5 * SEC).expect("logs -f printed nothing");
+    rx.recv_timeout(PATIENCE).expect("logs -f printed nothing");
     // A request makes the engine log; the line shows up while logs -f keeps running.
     tokio::time::sleep(Duration::from_millis(200)).await;
     let resp = d.post("/v1/chat/completions", chat(2, false)).await;
     assert_eq!(resp.status(), 200);
-    let deadline = Instant::now() + 5 * SEC;
+    let deadline = Instant::now() + PATIENCE;
     let mut seen = Vec::new();
     loop {
         let left = deadline.saturating_duration_since(Instant::now());
@@ -491,11 +498,11 @@ async fn an_engine_that_dies_while_serving_raises_an_alert() {
     assert_eq!(out.status.code(), Some(0), "{}", text(&out.stderr));
     let out = ctl(&bus.address, &["stop"], None);
     assert_eq!(out.status.code(), Some(0), "{}", text(&out.stderr));
-    d.wait_state(State::Stopped, 10 * SEC).await;
+    d.wait_state(State::Stopped, PATIENCE).await;
     // A request that makes it die mid-answer does.
     let resp = d.post("/v1/chat/completions", chat(10, false)).await;
     assert_eq!(resp.status(), 502);
-    let alert = tokio::time::timeout(5 * SEC, alerts.next())
+    let alert = tokio::time::timeout(PATIENCE, alerts.next())
         .await
         .expect("no Alert signal")
         .unwrap();
@@ -576,7 +583,7 @@ async fn per_request_figures_are_announced_at_a_bounded_rate_and_end_true() {
     assert_eq!(out.status.code(), Some(0), "{}", text(&out.stderr));
     let mut in_flight = cached.receive_in_flight_changed().await;
     // The stream first yields the current value.
-    tokio::time::timeout(5 * SEC, in_flight.next())
+    tokio::time::timeout(PATIENCE, in_flight.next())
         .await
         .unwrap();
     let seen = std::sync::Arc::new(std::sync::Mutex::new(Vec::<u32>::new()));
@@ -596,10 +603,17 @@ async fn per_request_figures_are_announced_at_a_bounded_rate_and_end_true() {
         let _ = http_body_util::BodyExt::collect(resp.into_body()).await;
     }
     let took = t.elapsed();
-    // The last value always goes out, at most a gap later.
-    tokio::time::sleep(Duration::from_millis(600)).await;
+    // The last value always goes out, a gap later.
+    let t = Instant::now();
+    while seen.lock().unwrap().last() != Some(&0) {
+        assert!(
+            t.elapsed() < PATIENCE,
+            "the last InFlight (0) never went out: {:?}",
+            seen.lock().unwrap()
+        );
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
     let seen = seen.lock().unwrap().clone();
-    assert_eq!(seen.last(), Some(&0), "{seen:?}");
     // Held back to one announcement per 250 ms (plus the first and the last).
     let bound = (took.as_millis() / 250 + 3) as usize;
     assert!(

@@ -14,7 +14,6 @@ use crate::support::*;
 use dsv4_client::State;
 use serde_json::json;
 
-const SEC: Duration = Duration::from_secs(1);
 /// The user the issue tested with: a local user who is not dsv4d's.
 const NOBODY: u32 = 65534;
 const CLIENT_KEY: &str = "sk-client-0123456789";
@@ -203,12 +202,12 @@ async fn a_new_engine_gets_a_new_secret_and_the_old_file_goes_with_the_old_engin
     let first = EngineSeen::of(&d).await;
     let old_file = first.key_file.clone().unwrap();
     assert!(old_file.exists());
-    d.wait_state(State::Stopped, 10 * SEC).await;
+    d.wait_state(State::Stopped, PATIENCE).await;
     // The daemon runs on; the stopped engine's key is gone with it.
     let t = Instant::now();
     while old_file.exists() {
         assert!(
-            t.elapsed() < 5 * SEC,
+            t.elapsed() < PATIENCE,
             "{} outlived its engine",
             old_file.display()
         );
@@ -399,7 +398,7 @@ fn dsv4d_exit(dir: &Path) -> (Option<i32>, String) {
         if let Some(st) = child.try_wait().unwrap() {
             break st;
         }
-        if t.elapsed() > 10 * SEC {
+        if t.elapsed() > PATIENCE {
             let _ = child.kill();
             let _ = child.wait();
             panic!("dsv4d kept running with the key folder it should refuse");

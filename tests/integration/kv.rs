@@ -108,7 +108,7 @@ async fn an_idle_stop_keeps_the_long_prefix() {
     let (_, cache_n, prompt_n) = complete(&d, &long_prompt(), true).await;
     assert_eq!(cache_n, 0);
     assert!(prompt_n > 2000, "{prompt_n}");
-    let kv = wait_saved(&d, "tiny", 15 * SEC).await;
+    let kv = wait_saved(&d, "tiny", PATIENCE).await;
     assert_eq!(kv["last_save"]["result"], "saved", "{kv}");
     assert!(kv["last_save"]["tokens"].as_u64().unwrap() >= prompt_n);
     let checkpoint = &kv["checkpoint"];
@@ -212,7 +212,7 @@ async fn a_checkpoint_for_another_context_or_model_is_not_restored() {
     let mut s = real_setup("1s");
     let d = Daemon::start(&s);
     let (first, _, _) = complete(&d, &prompt, true).await;
-    wait_saved(&d, "tiny", 15 * SEC).await;
+    wait_saved(&d, "tiny", PATIENCE).await;
     let dir = d.stop().await;
 
     // The same profile with half the context: its checkpoint is set aside, with the reason.
@@ -222,14 +222,19 @@ async fn a_checkpoint_for_another_context_or_model_is_not_restored() {
     let (again, cache_n, _) = complete(&d, &prompt, true).await;
     assert_eq!(cache_n, 0, "a checkpoint of another context was restored");
     assert_eq!(again, first);
-    let log = d.log();
+    let log = d
+        .log_with(&[
+            "set aside, not restored",
+            "context per slot 4096 (now 2048)",
+        ])
+        .await;
     assert!(log.contains("set aside, not restored"), "{log}");
     assert!(log.contains("context per slot 4096 (now 2048)"), "{log}");
     assert_eq!(
         kv_of(&d, "tiny").await["last_restore"]["result"],
         "nothing to restore"
     );
-    wait_saved(&d, "tiny", 15 * SEC).await;
+    wait_saved(&d, "tiny", PATIENCE).await;
     let dir = d.stop().await;
 
     // Another model file (the generator's other seed): not restored either.
@@ -316,21 +321,23 @@ async fn a_stalled_save_does_not_hold_the_stop_beyond_save_timeout() {
     let d = Daemon::start(&s);
     let (status, _, _) = body_json(d.post("/v1/chat/completions", chat(4, false)).await).await;
     assert_eq!(status, 200);
-    d.wait_fake_log("slot 0 save", 10 * SEC).await;
+    d.wait_fake_log("slot 0 save", PATIENCE).await;
     let t = Instant::now();
     let st = d.status().await;
     assert_eq!(st["state"], State::Stopping.as_str(), "{st}");
     assert_eq!(st["kv_step"], "saving", "{st}");
-    d.wait_state(State::Stopped, 10 * SEC).await;
+    d.wait_state(State::Stopped, PATIENCE).await;
     let took = t.elapsed();
-    assert!(took < 5 * SEC, "the stop took {took:?}\n{}", d.log());
+    assert!(
+        took < 3 * SEC + LOAD_MARGIN,
+        "the stop took {took:?}\n{}",
+        d.log()
+    );
     assert!(
         took >= 2 * SEC,
         "the stop did not wait for the save at all: {took:?}"
     );
-    let log = d.log();
-    assert!(log.contains("sending SIGTERM"), "{log}");
-    assert!(log.contains("sending SIGKILL"), "{log}");
+    d.log_with(&["sending SIGTERM", "sending SIGKILL"]).await;
     let kv = kv_of(&d, "320k").await;
     assert!(
         kv["last_save"]["result"]
@@ -356,7 +363,7 @@ async fn ds4_gets_the_time_its_shutdown_save_needs_and_its_words_are_reported() 
     // ds4-server saves from 512 tokens on.
     let (status, _, _) = body_json(d.post("/v1/chat/completions", chat(600, false)).await).await;
     assert_eq!(status, 200);
-    let kv = wait_saved(&d, "320k", 20 * SEC).await;
+    let kv = wait_saved(&d, "320k", PATIENCE).await;
     let save = &kv["last_save"];
     assert_eq!(kv["engine"], "ds4");
     assert!(save["seconds"].as_f64().unwrap() >= 1.5, "{save}");
@@ -422,9 +429,8 @@ async fn a_full_disk_evicts_the_oldest_and_keeps_serving() {
     // starts cold and serves.
     let (_, cache_n, _) = complete(&d, &long_prompt(), true).await;
     assert_eq!(cache_n, 0, "the evicted checkpoint was restored");
-    let log = d.log();
-    assert!(log.contains("No space left on device"), "{log}");
-    assert!(log.contains("to make room, and trying again"), "{log}");
+    d.log_with(&["No space left on device", "to make room, and trying again"])
+        .await;
     let half = kv_of(&d, "half").await;
     assert_eq!(half["last_save"]["result"], "saved", "{half}");
     assert_eq!(half["checkpoint"]["profile"], "half", "{half}");
@@ -457,8 +463,7 @@ async fn a_damaged_checkpoint_is_set_aside_and_the_engine_serves_cold() {
     let (again, cache_n, _) = complete(&d, &long_prompt(), true).await;
     assert_eq!(cache_n, 0);
     assert_eq!(again, first);
-    let log = d.log();
-    assert!(log.contains("truncated:"), "{log}");
+    let log = d.log_with(&["truncated:"]).await;
     assert!(
         !log.contains("exited unexpectedly"),
         "the engine was given the file\n{log}"
@@ -503,15 +508,23 @@ async fn an_engine_that_dies_on_a_restore_is_started_again_without_that_checkpoi
         "the waiting request was lost: {v}\n{}",
         d.log()
     );
-    let log = d.log();
-    assert_eq!(log.matches("starting engine:").count(), 2, "{log}");
     // Set aside by the restore that saw the engine die, or else by the next start, which
     // finds the mark of a restore that never ended.
-    assert!(
-        log.contains("the engine died restoring it")
-            || log.contains("an earlier restore of it never ended"),
-        "{log}"
-    );
+    let t = Instant::now();
+    let log = loop {
+        let log = d.log();
+        if log.contains("the engine died restoring it")
+            || log.contains("an earlier restore of it never ended")
+        {
+            break log;
+        }
+        assert!(
+            t.elapsed() < PATIENCE,
+            "the checkpoint was not set aside:\n{log}"
+        );
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    };
+    assert_eq!(log.matches("starting engine:").count(), 2, "{log}");
     let kv = kv_of(&d, "320k").await;
     assert_eq!(kv["last_restore"]["result"], "nothing to restore", "{kv}");
 }

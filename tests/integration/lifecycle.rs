@@ -63,14 +63,16 @@ async fn a_stream_that_pauses_past_idle_timeout_completes_and_is_not_buffered() 
     assert_eq!(resp.status(), 200);
     let mut s = Stream::new(resp.into_body());
     let first = s.next_event().await.expect("first event");
-    let first_at = t0.elapsed();
+    let first_at = Instant::now();
     assert!(first.contains(r#""content":"a""#), "{first}");
-    // The first token reaches the client before the 2.5 s pause: nothing buffers it.
-    assert!(
-        first_at < Duration::from_millis(2000),
-        "first chunk after {first_at:?}"
-    );
     let (rest, done, _) = s.collect_chat().await;
+    // The first token reached the client before the engine's 2.5 s pause, not with the rest
+    // after it: nothing buffers it. (Load can only delay the first, and so shorten the gap.)
+    let gap = first_at.elapsed();
+    assert!(
+        gap >= Duration::from_millis(1500),
+        "the rest came {gap:?} after the first chunk"
+    );
     assert!(t0.elapsed() >= Duration::from_millis(2500));
     assert_eq!(rest, "bcd");
     assert!(done);
@@ -82,7 +84,7 @@ async fn a_stream_that_pauses_past_idle_timeout_completes_and_is_not_buffered() 
         d.fake_log()
     );
     // Idle time counts from the end of the stream: it stops about a second later.
-    d.wait_state(State::Stopped, 5 * SEC).await;
+    d.wait_state(State::Stopped, PATIENCE).await;
     assert!(d.fake_log().contains("sigterm"));
 }
 
@@ -117,7 +119,7 @@ async fn idle_engine_stops_and_the_next_request_starts_it_again() {
     assert!(s["engine_pid"].as_i64().is_some());
     assert!(s["idle_deadline"].as_f64().is_some());
 
-    d.wait_state(State::Stopped, 5 * SEC).await;
+    d.wait_state(State::Stopped, PATIENCE).await;
     assert!(d.fake_log().contains("sigterm"));
     let (status, _, v) = body_json(d.post("/v1/chat/completions", chat(2, false)).await).await;
     assert_eq!(status, 200, "{v}");
@@ -158,7 +160,7 @@ async fn an_engine_that_exits_at_start_gives_its_stderr_and_the_daemon_stays_up(
     assert!(headers.contains_key("retry-after"));
     assert_eq!(d.spawns(), 1);
     // After it, a later request tries again.
-    d.wait_state(State::Stopped, 3 * SEC).await;
+    d.wait_state(State::Stopped, PATIENCE).await;
     let (status, _, _) = body_json(d.post("/v1/chat/completions", chat(3, false)).await).await;
     assert_eq!(status, 503);
     assert_eq!(d.spawns(), 2);
@@ -174,7 +176,7 @@ async fn an_engine_that_never_gets_ready_times_out_with_504_and_is_stopped() {
     let (status, _, v) = body_json(d.post("/v1/chat/completions", chat(3, false)).await).await;
     let took = t0.elapsed();
     assert_eq!(status, 504, "{v}");
-    assert!(took >= SEC && took < 5 * SEC, "{took:?}");
+    assert!(took >= SEC && took < SEC + LOAD_MARGIN, "{took:?}");
     assert_eq!(v["error"]["code"], "engine_start_timeout");
     let msg = v["error"]["message"].as_str().unwrap();
     assert!(msg.contains("engine.start_timeout (1s)"), "{msg}");
@@ -182,8 +184,8 @@ async fn an_engine_that_never_gets_ready_times_out_with_504_and_is_stopped() {
         msg.contains("fake-engine: loading model"),
         "no output tail: {msg}"
     );
-    d.wait_fake_log("sigterm", 3 * SEC).await;
-    d.wait_state(State::Backoff, 3 * SEC).await;
+    d.wait_fake_log("sigterm", PATIENCE).await;
+    d.wait_state(State::Backoff, PATIENCE).await;
     let (status, _) = d.get("/health").await;
     assert_eq!(status, 200);
 }
@@ -197,13 +199,13 @@ async fn a_client_that_goes_away_mid_stream_closes_the_engine_connection() {
     s.next_event().await.unwrap();
     assert_eq!(d.status().await["in_flight"], 1);
     drop(s);
-    d.wait_fake_log("client-closed /v1/chat/completions", 3 * SEC)
+    let dropped = Instant::now();
+    d.wait_fake_log("client-closed /v1/chat/completions", PATIENCE)
         .await;
     assert!(!d.fake_log().contains("done /v1/chat/completions"));
-    // and the lease is gone with it
-    let t = Instant::now();
+    // and the lease is gone with it (the stream would hold it for 20 s)
     while d.status().await["in_flight"] != 0 {
-        assert!(t.elapsed() < 3 * SEC, "lease still held");
+        assert!(dropped.elapsed() < SEC + LOAD_MARGIN, "lease still held");
         tokio::time::sleep(Duration::from_millis(20)).await;
     }
 }
@@ -220,7 +222,7 @@ async fn an_engine_that_dies_mid_request_gives_502_with_its_output() {
         "{msg}"
     );
     assert!(msg.contains("dying on purpose"), "{msg}");
-    d.wait_state(State::Stopped, 3 * SEC).await;
+    d.wait_state(State::Stopped, PATIENCE).await;
     let s = d.status().await;
     assert!(
         s["last_error"]
@@ -270,7 +272,7 @@ async fn sigterm_lets_the_stream_finish_then_exits_zero_with_no_engine_left() {
     assert_eq!(rest, "bcdefghij");
     assert!(done);
     let mut d = d;
-    let st = d.wait_exit(10 * SEC).await;
+    let st = d.wait_exit(PATIENCE).await;
     assert_eq!(st.code(), Some(0), "{}", d.log());
     assert!(!alive(pid), "engine {pid} outlived the daemon");
     assert!(d.fake_log().contains("sigterm"));
@@ -279,9 +281,9 @@ async fn sigterm_lets_the_stream_finish_then_exits_zero_with_no_engine_left() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn sigterm_while_stopped_exits_zero_at_once() {
     let mut d = Daemon::start(&Setup::default());
-    d.wait_state(State::Stopped, 5 * SEC).await;
+    d.wait_state(State::Stopped, PATIENCE).await;
     d.signal(Signal::SIGTERM);
-    let st = d.wait_exit(5 * SEC).await;
+    let st = d.wait_exit(PATIENCE).await;
     assert_eq!(st.code(), Some(0));
 }
 
@@ -292,11 +294,11 @@ async fn a_sigkilled_daemon_leaves_no_engine_behind() {
     assert_eq!(status, 200);
     let pid = d.status().await["engine_pid"].as_i64().unwrap();
     d.signal(Signal::SIGKILL);
-    d.wait_exit(5 * SEC).await;
+    d.wait_exit(PATIENCE).await;
     let t = Instant::now();
     while alive(pid) {
         assert!(
-            t.elapsed() < 3 * SEC,
+            t.elapsed() < PATIENCE,
             "engine {pid} survived a SIGKILLed daemon"
         );
         tokio::time::sleep(Duration::from_millis(20)).await;
@@ -331,7 +333,7 @@ async fn an_engine_a_killed_daemon_left_running_is_ended_at_the_next_start() {
     let dir = d.kill_and_keep_dir().await;
     let t = Instant::now();
     while alive(script) {
-        assert!(t.elapsed() < 3 * SEC, "the script survived");
+        assert!(t.elapsed() < PATIENCE, "the script survived");
         tokio::time::sleep(Duration::from_millis(20)).await;
     }
     // What the fix is for: the engine itself is still there, with nobody to stop it.
@@ -345,7 +347,7 @@ async fn an_engine_a_killed_daemon_left_running_is_ended_at_the_next_start() {
     let t = Instant::now();
     while alive(engine) {
         assert!(
-            t.elapsed() < 3 * SEC,
+            t.elapsed() < PATIENCE,
             "the leftover engine {engine} was not ended:\n{}",
             d.log()
         );
@@ -404,7 +406,7 @@ async fn request_bodies_reach_the_engine_whole_and_hop_by_hop_headers_are_droppe
         .await
         .unwrap();
     drop(tx);
-    let resp = tokio::time::timeout(5 * SEC, resp_fut)
+    let resp = tokio::time::timeout(PATIENCE, resp_fut)
         .await
         .expect("an answer once the body ended")
         .unwrap()
@@ -468,7 +470,7 @@ async fn without_socket_activation_it_binds_listen() {
         "{body}"
     );
     d.signal(Signal::SIGTERM);
-    let st = d.wait_exit(10 * SEC).await;
+    let st = d.wait_exit(PATIENCE).await;
     assert_eq!(st.code(), Some(0));
 }
 
@@ -541,11 +543,9 @@ async fn the_host_is_read_below_the_sysroot() {
     let resp = d.post("/v1/chat/completions", chat(2, false)).await;
     assert_eq!(resp.status(), 200);
     // MemAvailable: 118012544 kB in the fixture.
-    let log = d.log();
-    assert!(
-        log.contains("memory available before the start: 112.5 GiB"),
-        "{log}"
-    );
+    let log = d
+        .log_with(&["memory available before the start: 112.5 GiB"])
+        .await;
     assert!(
         log.contains(&format!("reading /proc and /sys below {fixture}")),
         "{log}"

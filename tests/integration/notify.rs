@@ -9,7 +9,6 @@ use std::time::{Duration, Instant};
 
 use crate::support::*;
 
-const SEC: Duration = Duration::from_secs(1);
 const DSV4CTL: &str = env!("CARGO_BIN_EXE_dsv4ctl-under-test");
 const DEVICE: &str = "sys/devices/pci0000:00/0000:00:08.1/0000:c5:00.0";
 
@@ -57,7 +56,7 @@ impl Desktop {
         let socket = format!("/tmp/.X11-unix/X{}", &display[1..]);
         let t = Instant::now();
         while !std::path::Path::new(&socket).exists() {
-            if t.elapsed() > 10 * SEC {
+            if t.elapsed() > PATIENCE {
                 let _ = xvfb.kill();
                 panic!("Xvfb did not start on {display}");
             }
@@ -148,7 +147,7 @@ impl Agent {
             .unwrap();
         let log = collect(child.stderr.take().unwrap());
         let agent = Agent { child, log };
-        agent.wait_log("listening to dsv4d", 5 * SEC);
+        agent.wait_log("listening to dsv4d", PATIENCE);
         agent
     }
 
@@ -181,6 +180,20 @@ fn daemon(system: &PrivateBus, tree: &TempDir) -> Daemon {
     )
 }
 
+/// Waits until `d` has its name on `system` and has taken a sample at `celsius` (edge).
+async fn settled(d: &Daemon, system: &PrivateBus, celsius: f64) {
+    live_proxy(system, d).await;
+    let t = Instant::now();
+    loop {
+        let s = d.status().await;
+        if s["telemetry"]["temperatures"]["edge"].as_f64() == Some(celsius) {
+            return;
+        }
+        assert!(t.elapsed() < PATIENCE, "no sample at {celsius} C: {s}");
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+}
+
 fn edge(tree: &TempDir, celsius: f64) {
     let file = tree.path().join(DEVICE).join("hwmon/hwmon3/temp1_input");
     std::fs::write(file, format!("{}\n", (celsius * 1000.0) as i64)).unwrap();
@@ -194,11 +207,11 @@ async fn thermal_events_become_desktop_notifications_and_survive_a_daemon_restar
     let _agent = Agent::start(&system, &desktop.bus.address);
     let tree = fixture_copy("strix-halo");
     let d = daemon(&system, &tree);
-    // Let the daemon take its name and take a first sample at the fixture's 73 C.
-    tokio::time::sleep(Duration::from_millis(500)).await;
+    // The daemon has its name and a first sample at the fixture's 73 C.
+    settled(&d, &system, 73.0).await;
 
     edge(&tree, 86.0);
-    let warn = desktop.wait(0, 5 * SEC);
+    let warn = desktop.wait(0, PATIENCE);
     assert_eq!(warn.appname, "dsv4");
     assert_eq!(warn.summary, "dsv4: GPU hot: 86 C");
     assert!(warn.body.contains("86.0 C"), "{warn:?}");
@@ -208,7 +221,7 @@ async fn thermal_events_become_desktop_notifications_and_survive_a_daemon_restar
     assert_eq!(desktop.shown().len(), 1, "{:#?}", desktop.shown());
 
     edge(&tree, 96.0);
-    let critical = desktop.wait(1, 5 * SEC);
+    let critical = desktop.wait(1, PATIENCE);
     assert_eq!(critical.summary, "dsv4: GPU critically hot: 96 C");
     assert_eq!(critical.urgency, "CRITICAL");
     assert_eq!(
@@ -223,20 +236,20 @@ async fn thermal_events_become_desktop_notifications_and_survive_a_daemon_restar
     );
 
     edge(&tree, 79.0);
-    let normal = desktop.wait(2, 5 * SEC);
+    let normal = desktop.wait(2, PATIENCE);
     assert_eq!(normal.summary, "dsv4: GPU temperature back to normal: 79 C");
 
     let metrics = tree.path().join(DEVICE).join("gpu_metrics");
     let mut blob = std::fs::read(&metrics).unwrap();
     blob[248..252].copy_from_slice(&9u32.to_le_bytes());
     std::fs::write(&metrics, &blob).unwrap();
-    let throttling = desktop.wait(3, 5 * SEC);
+    let throttling = desktop.wait(3, PATIENCE);
     assert_eq!(throttling.summary, "dsv4: the hardware is throttling");
 
     // The daemon restarts under the agent: its events still arrive.
     let _ = d.stop().await;
     let d = daemon(&system, &tree);
-    tokio::time::sleep(Duration::from_millis(500)).await;
+    settled(&d, &system, 79.0).await;
     edge(&tree, 87.0);
     let t = Instant::now();
     while !desktop
@@ -245,7 +258,7 @@ async fn thermal_events_become_desktop_notifications_and_survive_a_daemon_restar
         .any(|s| s.summary == "dsv4: GPU hot: 87 C")
     {
         assert!(
-            t.elapsed() < 5 * SEC,
+            t.elapsed() < PATIENCE,
             "nothing after the restart: {:#?}\n{}",
             desktop.shown(),
             d.log()
@@ -255,15 +268,29 @@ async fn thermal_events_become_desktop_notifications_and_survive_a_daemon_restar
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_daemon_that_starts_on_a_hot_machine_says_so() {
+    // Hot before the daemon runs: its first sample is warn, taken before it has its name on
+    // the bus. The event still goes out once it has.
+    let desktop = Desktop::start();
+    let system = PrivateBus::start();
+    let _agent = Agent::start(&system, &desktop.bus.address);
+    let tree = fixture_copy("strix-halo");
+    edge(&tree, 86.0);
+    let d = daemon(&system, &tree);
+    let warn = desktop.wait(0, PATIENCE);
+    assert_eq!(warn.summary, "dsv4: GPU hot: 86 C", "{}", d.log());
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn without_a_notification_server_the_agent_says_so_and_keeps_running() {
     let system = PrivateBus::start();
     let empty_session = PrivateBus::start();
     let mut agent = Agent::start(&system, &empty_session.address);
     let tree = fixture_copy("strix-halo");
-    let _d = daemon(&system, &tree);
-    tokio::time::sleep(Duration::from_millis(500)).await;
+    let d = daemon(&system, &tree);
+    settled(&d, &system, 73.0).await;
     edge(&tree, 90.0);
-    agent.wait_log("cannot show \"dsv4: GPU hot: 90 C\"", 5 * SEC);
+    agent.wait_log("cannot show \"dsv4: GPU hot: 90 C\"", PATIENCE);
     assert!(
         agent.child.try_wait().unwrap().is_none(),
         "the agent exited"

@@ -5,8 +5,6 @@
 //! that `tests/engine/prepare` fills. These tests fail, with that hint, when neither has it:
 //! they never pass by skipping.
 
-use std::time::Duration;
-
 use crate::engine_key::{
     assert_invalid_api_key, assert_kept_private, assert_only_the_secret_opens,
 };
@@ -14,8 +12,6 @@ use crate::support::real::{engine, setup};
 use crate::support::*;
 use dsv4_client::State;
 use nix::sys::signal::Signal;
-
-const SEC: Duration = Duration::from_secs(1);
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_streamed_chat_starts_the_real_engine_on_demand() {
@@ -77,7 +73,7 @@ async fn the_idle_real_engine_stops_and_starts_again() {
     assert_eq!(status, 200, "{v}");
     assert_eq!(v["choices"][0]["message"]["content"], "abc");
     let pid = d.status().await["engine_pid"].as_i64().unwrap();
-    d.wait_state(State::Stopped, 10 * SEC).await;
+    d.wait_state(State::Stopped, PATIENCE).await;
     assert!(!alive(pid), "idle engine {pid} still running");
     let (status, _, v) = body_json(d.post("/v1/chat/completions", chat(2, false)).await).await;
     assert_eq!(status, 200, "{v}");
@@ -92,7 +88,7 @@ async fn sigterm_stops_the_real_engine_and_exits_zero() {
     assert_eq!(status, 200);
     let pid = d.status().await["engine_pid"].as_i64().unwrap();
     d.signal(Signal::SIGTERM);
-    let st = d.wait_exit(15 * SEC).await;
+    let st = d.wait_exit(PATIENCE).await;
     assert_eq!(st.code(), Some(0), "{}", d.log());
     assert!(!alive(pid), "engine {pid} outlived the daemon");
 }
@@ -120,7 +116,7 @@ async fn the_shipped_profile_settings_start_the_real_engine() {
     let (content, done, _) = Stream::new(resp.into_body()).collect_chat().await;
     assert_eq!(content, "abcde");
     assert!(done);
-    let log = d.log();
+    let log = d.log_with(&["starting engine:"]).await;
     assert!(
         log.contains("-c 2048 -np 1 -ctk q8_0 -ctv q8_0 -fa on -ngl all -b 2048 -ub 512 --metrics --no-webui --api-key-file "),
         "{log}"
@@ -162,7 +158,7 @@ async fn each_real_engine_start_gets_a_new_secret_and_the_old_file_goes() {
     assert_eq!(status, 200);
     let first = EngineSeen::of(&d).await;
     let old_file = first.key_file.clone().expect("a key file");
-    d.wait_state(State::Stopped, 10 * SEC).await;
+    d.wait_state(State::Stopped, PATIENCE).await;
     assert!(
         !old_file.exists(),
         "{} outlived its engine",

@@ -10,8 +10,6 @@ use dsv4_client::State;
 use futures_util::StreamExt;
 use nix::sys::signal::Signal;
 
-const SEC: Duration = Duration::from_secs(1);
-
 /// Replaces a file the way editors save: write a temporary file, rename it over the old one.
 fn editor_save(path: &Path, text: &str) {
     let tmp = path.with_extension("yaml.tmp-save");
@@ -45,7 +43,8 @@ async fn a_new_idle_timeout_applies_to_the_running_engine() {
         &d.config_text(&new, "supervisor.yaml"),
     );
     // Picked up once, and the engine, idle, stops within the new timeout.
-    d.wait_state(State::Stopped, 5 * SEC).await;
+    d.wait_state(State::Stopped, PATIENCE).await;
+    d.log_with(&["configuration reloaded"]).await;
     assert_eq!(
         d.log().matches("configuration reloaded").count(),
         1,
@@ -77,7 +76,7 @@ async fn an_invalid_edit_is_rejected_whole_with_an_alert() {
         &d.dir().join("supervisor.yaml"),
         &d.config_text(&bad, "supervisor.yaml"),
     );
-    let alert = tokio::time::timeout(5 * SEC, alerts.next())
+    let alert = tokio::time::timeout(PATIENCE, alerts.next())
         .await
         .expect("no Alert signal")
         .unwrap();
@@ -89,7 +88,7 @@ async fn an_invalid_edit_is_rejected_whole_with_an_alert() {
         message.contains("idle_timeout") || message.contains("max_wating"),
         "{message}"
     );
-    wait_log(&d, "the last good one stays", 5 * SEC).await;
+    wait_log(&d, "the last good one stays", PATIENCE).await;
     // Still serving, with the old settings.
     let (status, _, _) = body_json(d.post("/v1/chat/completions", chat(2, false)).await).await;
     assert_eq!(status, 200);
@@ -113,14 +112,14 @@ async fn a_changed_active_profile_applies_at_the_next_start() {
     editor_save(&d.dir().join(file), &d.config_text(&new, file));
     let t = Instant::now();
     while d.status().await["restart_pending"] != true {
-        assert!(t.elapsed() < 5 * SEC, "restart never pending\n{}", d.log());
+        assert!(t.elapsed() < PATIENCE, "restart never pending\n{}", d.log());
         tokio::time::sleep(Duration::from_millis(20)).await;
     }
     // The running engine is left alone...
     assert_eq!(d.spawns(), 1);
     assert_eq!(d.status().await["state"], State::Ready.as_str());
     // ...and once it has stopped (idle), the next one gets the new context.
-    d.wait_state(State::Stopped, 5 * SEC).await;
+    d.wait_state(State::Stopped, PATIENCE).await;
     let (status, _, _) = body_json(d.post("/v1/chat/completions", chat(2, false)).await).await;
     assert_eq!(status, 200);
     let starts = d.starts();
@@ -134,7 +133,7 @@ async fn a_changed_active_profile_applies_at_the_next_start() {
 async fn sighup_reloads() {
     let setup = Setup::default();
     let d = Daemon::start(&setup);
-    d.wait_state(State::Stopped, 5 * SEC).await;
+    d.wait_state(State::Stopped, PATIENCE).await;
     // Written in place while the daemon is told to reload: SIGHUP (the write may also be seen).
     let new = setup.top_level("exit_when_idle", "null");
     std::fs::write(
@@ -143,7 +142,7 @@ async fn sighup_reloads() {
     )
     .unwrap();
     d.signal(Signal::SIGHUP);
-    wait_log(&d, "SIGHUP: configuration reloaded", 5 * SEC).await;
+    wait_log(&d, "SIGHUP: configuration reloaded", PATIENCE).await;
     let (status, _) = d.get("/health").await;
     assert_eq!(status, 200);
 }
@@ -161,7 +160,7 @@ async fn writes_to_other_files_in_the_config_folder_are_not_traced() {
     // A configuration change still gets through (and is logged) after them.
     tokio::time::sleep(Duration::from_millis(300)).await;
     d.signal(Signal::SIGHUP);
-    wait_log(&d, "SIGHUP", 5 * SEC).await;
+    wait_log(&d, "SIGHUP", PATIENCE).await;
     let log = d.log();
     let traced = log.lines().filter(|l| l.contains("dsv4d.log")).count();
     assert_eq!(traced, 0, "{traced} lines about the other file:\n{log}");
@@ -180,7 +179,7 @@ async fn deleting_the_active_profile_falls_back_to_the_default_with_an_alert() {
     assert_eq!(d.status().await["profile"], "64k");
 
     std::fs::remove_file(d.dir().join("profiles/64k.yaml")).unwrap();
-    let alert = tokio::time::timeout(5 * SEC, alerts.next())
+    let alert = tokio::time::timeout(PATIENCE, alerts.next())
         .await
         .unwrap_or_else(|_| panic!("no Alert\n{}", d.log()))
         .unwrap();

@@ -12,7 +12,6 @@ use crate::support::*;
 
 const DSV4D: &str = env!("CARGO_BIN_EXE_dsv4d-under-test");
 const DSV4CTL: &str = env!("CARGO_BIN_EXE_dsv4ctl-under-test");
-const SEC: Duration = Duration::from_secs(1);
 
 fn repo() -> PathBuf {
     Path::new(env!("CARGO_MANIFEST_DIR")).join("..")
@@ -238,7 +237,7 @@ fn the_units_under_a_real_systemd() {
     let ns = Ns::boot(&units, "test.target", w.path());
 
     // Listening, with nothing running.
-    ns.wait_active("dsv4.socket", "active", 5 * SEC);
+    ns.wait_active("dsv4.socket", "active", PATIENCE);
     assert_eq!(ns.active("dsv4.service"), "inactive");
     // A request activates the service and is served.
     let first_answer = chat_status(port);
@@ -254,7 +253,7 @@ fn the_units_under_a_real_systemd() {
     let first = ns.out("systemctl show -p MainPID --value dsv4.service");
 
     // Idle: the service goes, the socket stays, and the next request brings it back.
-    ns.wait_active("dsv4.service", "inactive", 15 * SEC);
+    ns.wait_active("dsv4.service", "inactive", PATIENCE);
     assert_eq!(ns.active("dsv4.socket"), "active");
     assert_eq!(chat_status(port), 200);
     let second = ns.out("systemctl show -p MainPID --value dsv4.service");
@@ -269,7 +268,7 @@ fn the_units_under_a_real_systemd() {
                 answered += 1;
             }
         }
-        ns.wait_active("dsv4.service", "inactive", 15 * SEC);
+        ns.wait_active("dsv4.service", "inactive", PATIENCE);
         exits += 1;
     }
     assert_eq!((answered, exits), (200, 5));
@@ -290,7 +289,7 @@ fn the_units_under_a_real_systemd() {
     let t = Instant::now();
     while ns.out("systemctl show -p NRestarts --value dsv4.service") == restarts {
         assert!(
-            t.elapsed() < 15 * SEC,
+            t.elapsed() < PATIENCE,
             "no restart after the watchdog:\n{}",
             ns.out("journalctl --no-pager -u dsv4 -n 40")
         );
@@ -301,7 +300,7 @@ fn the_units_under_a_real_systemd() {
 
     // D-Bus activation: a call to the name starts the service.
     ns.out("systemctl stop dsv4.service");
-    ns.wait_active("dsv4.service", "inactive", 10 * SEC);
+    ns.wait_active("dsv4.service", "inactive", PATIENCE);
     let o = ns.sh(
         "busctl --system call io.github.dsv4.Supervisor1 /io/github/dsv4/Supervisor1 \
          io.github.dsv4.Supervisor1 Status",

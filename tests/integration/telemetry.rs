@@ -49,7 +49,7 @@ async fn metrics_follow_the_hardware_within_two_intervals() {
     let tree = fixture_copy("strix-halo");
     let dev = tree.path().join(DEVICE);
     let d = Daemon::start(&sampled(tree.path()));
-    wait_metric(&d, "dsv4_gtt_used_bytes 644874240.0", 3 * SEC).await;
+    wait_metric(&d, "dsv4_gtt_used_bytes 644874240.0", PATIENCE).await;
     for line in [
         "dsv4_gtt_total_bytes 120259084288.0",
         "dsv4_memory_available_bytes 120844845056.0",
@@ -68,13 +68,19 @@ async fn metrics_follow_the_hardware_within_two_intervals() {
     // The engine loads: GTT grows, it warms up.
     std::fs::write(dev.join("mem_info_gtt_used"), "87389609984\n").unwrap();
     std::fs::write(dev.join("hwmon/hwmon3/temp1_input"), "78500\n").unwrap();
-    let took = wait_metric(&d, "dsv4_gtt_used_bytes 87389609984.0", 2 * SEC).await;
-    // Two 200 ms intervals, and room for a loaded machine's scheduling and this loop's polls.
+    let took = wait_metric(&d, "dsv4_gtt_used_bytes 87389609984.0", PATIENCE).await;
+    // Two 200 ms intervals, and room for a loaded machine's scheduling and this loop's polls
+    // (an idle_interval taken for the interval would be a minute).
     assert!(
-        took <= Duration::from_millis(800),
+        took <= Duration::from_millis(400) + LOAD_MARGIN,
         "{took:?} for two 200 ms intervals"
     );
-    wait_metric(&d, "dsv4_temperature_celsius{sensor=\"edge\"} 78.5", SEC).await;
+    wait_metric(
+        &d,
+        "dsv4_temperature_celsius{sensor=\"edge\"} 78.5",
+        PATIENCE,
+    )
+    .await;
 
     // A thermal residency counter rises: throttle seconds go up.
     let metrics_file = dev.join("gpu_metrics");
@@ -136,7 +142,7 @@ async fn on_a_bare_machine_the_daemon_serves_and_reports_the_hardware_absent() {
         if !s["telemetry"]["engine"].is_null() {
             break s;
         }
-        assert!(t.elapsed() < 3 * SEC, "{s}");
+        assert!(t.elapsed() < PATIENCE, "{s}");
         tokio::time::sleep(Duration::from_millis(20)).await;
     };
     let tel = &s["telemetry"];
@@ -201,7 +207,7 @@ async fn a_start_that_does_not_fit_in_memory_is_refused_with_its_figures() {
     );
     assert_eq!(headers["retry-after"], "10");
     assert_eq!(d.spawns(), 0, "{}", d.fake_log());
-    let alert = tokio::time::timeout(5 * SEC, futures_util::StreamExt::next(&mut alerts))
+    let alert = tokio::time::timeout(PATIENCE, futures_util::StreamExt::next(&mut alerts))
         .await
         .expect("an Alert")
         .unwrap();
@@ -283,7 +289,7 @@ async fn memory_that_does_not_come_back_after_a_stop_raises_an_alert() {
     std::fs::write(gtt, "87389609984\n").unwrap();
     let log = r.d.log();
     let (kind, message) = r
-        .stop(5 * SEC)
+        .stop(PATIENCE)
         .await
         .unwrap_or_else(|| panic!("no Alert\n{log}"));
     assert_eq!(kind, dsv4_client::AlertKind::Memory);

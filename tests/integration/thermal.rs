@@ -9,7 +9,6 @@ use futures_util::StreamExt;
 
 use crate::support::*;
 
-const SEC: Duration = Duration::from_secs(1);
 const DEVICE: &str = "sys/devices/pci0000:00/0000:00:08.1/0000:c5:00.0";
 
 struct Hot {
@@ -62,7 +61,7 @@ impl Hot {
 
     /// The next event: (level, sensor, celsius, message).
     async fn next(&mut self) -> (String, String, f64, String) {
-        let e = tokio::time::timeout(5 * SEC, self.events.next())
+        let e = tokio::time::timeout(PATIENCE, self.events.next())
             .await
             .unwrap_or_else(|_| panic!("no ThermalEvent\n{}", self.d.log()))
             .unwrap();
@@ -118,7 +117,7 @@ async fn levels_are_announced_once_each_and_on_critical_stop_refuses_with_the_te
     h.edge(96.5);
     let (level, _, celsius, _) = h.next().await;
     assert_eq!((level.as_str(), celsius), ("critical", 96.5));
-    h.d.wait_state(State::Stopped, 5 * SEC).await;
+    h.d.wait_state(State::Stopped, PATIENCE).await;
     let (status, v) = chat_status(&h.d).await;
     assert_eq!(status, 503, "{v}");
     assert_eq!(v["error"]["code"], "too_hot", "{v}");
@@ -150,7 +149,7 @@ async fn levels_are_announced_once_each_and_on_critical_stop_refuses_with_the_te
         if status == 200 {
             break;
         }
-        assert!(t.elapsed() < 3 * SEC, "{v}");
+        assert!(t.elapsed() < PATIENCE, "{v}");
         tokio::time::sleep(Duration::from_millis(50)).await;
     }
     assert_eq!(h.d.spawns(), 2);
@@ -172,7 +171,7 @@ async fn stop_when_idle_lets_a_stream_finish_then_stops() {
     let (content, done, _) = stream.collect_chat().await;
     assert!(done, "the stream was cut: {content:?}");
     assert_eq!(content.len(), 39);
-    h.d.wait_state(State::Stopped, 5 * SEC).await;
+    h.d.wait_state(State::Stopped, PATIENCE).await;
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

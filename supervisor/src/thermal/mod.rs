@@ -7,7 +7,8 @@
 
 pub mod rules;
 
-use std::sync::Arc;
+use std::collections::BTreeMap;
+use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
 use dsv4_client::{SensorThermal, ThermalStatus};
@@ -39,6 +40,10 @@ pub struct Signal {
 pub struct Thermal {
     status: watch::Receiver<ThermalStatus>,
     signals: broadcast::Sender<Signal>,
+    /// The events that still stand (a sensor above normal, throttling under way), by what
+    /// they are about: a listener that comes later (the D-Bus interface, once the daemon has
+    /// its name) hears them first, so a machine hot at the daemon's start is announced.
+    standing: Arc<Mutex<BTreeMap<&'static str, Signal>>>,
 }
 
 impl Thermal {
@@ -48,6 +53,7 @@ impl Thermal {
         Thermal {
             status,
             signals: broadcast::channel(1).0,
+            standing: Default::default(),
         }
     }
 
@@ -55,8 +61,14 @@ impl Thermal {
         self.status.borrow().clone()
     }
 
-    pub fn subscribe(&self) -> broadcast::Receiver<Signal> {
-        self.signals.subscribe()
+    /// The events that still stand, then every event from now on: nothing is missed
+    /// between the two, since events are recorded and sent under the same lock.
+    pub fn subscribe(&self) -> (Vec<Signal>, broadcast::Receiver<Signal>) {
+        let standing = self.standing.lock().unwrap_or_else(|p| p.into_inner());
+        (
+            standing.values().cloned().collect(),
+            self.signals.subscribe(),
+        )
     }
 }
 
@@ -115,6 +127,8 @@ pub fn spawn(
     });
     let signals = broadcast::channel(BACKLOG).0;
     let out = signals.clone();
+    let standing: Arc<Mutex<BTreeMap<&'static str, Signal>>> = Default::default();
+    let record = standing.clone();
     tokio::spawn(async move {
         let mut samples = telemetry.watch();
         let mut state = rules::Thermal::default();
@@ -143,6 +157,27 @@ pub fn spawn(
                     }
                     | ThermalEvent::ThrottleEnd { .. } => tracing::info!("thermal: {}", s.message),
                     _ => tracing::warn!("thermal: {}", s.message),
+                }
+                let mut now = record.lock().unwrap_or_else(|p| p.into_inner());
+                match &e {
+                    ThermalEvent::Level {
+                        sensor,
+                        level: Level::Normal,
+                        ..
+                    }
+                    | ThermalEvent::Lost { sensor, .. } => {
+                        now.remove(sensor);
+                    }
+                    ThermalEvent::Level { sensor, .. }
+                    | ThermalEvent::StillCritical { sensor, .. } => {
+                        now.insert(sensor, s.clone());
+                    }
+                    ThermalEvent::ThrottleStart { .. } => {
+                        now.insert("throttle", s.clone());
+                    }
+                    ThermalEvent::ThrottleEnd { .. } => {
+                        now.remove("throttle");
+                    }
                 }
                 let _ = out.send(s);
             }
@@ -183,5 +218,9 @@ pub fn spawn(
             });
         }
     });
-    Thermal { status, signals }
+    Thermal {
+        status,
+        signals,
+        standing,
+    }
 }

@@ -27,7 +27,18 @@ pub mod real;
 pub const FAKE_ENGINE: &str = env!("CARGO_BIN_EXE_fake-engine");
 pub const DSV4D: &str = env!("CARGO_BIN_EXE_dsv4d-under-test");
 
-/// A fresh folder under the system temp dir, `dsv4-test-TAG-…`, removed on drop.
+/// What a latency bound that is itself the feature ("the lease goes within a second") may take
+/// on top of its figure on a loaded machine: the tests run in parallel, each with a daemon and
+/// an engine, on two cores that something else may be busy on. Each such bound is measured
+/// from the moment its cause happened, and the behaviour it guards against (a lease held for
+/// the whole minute of a prefill, a kill only at the next timer) takes far longer than the
+/// figure and this margin together, so the test still fails when the feature breaks.
+pub const LOAD_MARGIN: Duration = Duration::from_secs(2);
+
+/// How long a test waits for a condition that should come in milliseconds, before it says it
+/// never came: a wait ends as soon as its condition holds, so only a failing test pays it.
+pub const PATIENCE: Duration = Duration::from_secs(30);
+
 /// A benchmark knob: the environment variable `name` as a number, else `default`.
 pub fn env_or<T: std::str::FromStr>(name: &str, default: T) -> T {
     std::env::var(name)
@@ -45,6 +56,7 @@ pub fn files_with_extension(dir: &Path, ext: &str) -> Vec<PathBuf> {
         .collect()
 }
 
+/// A fresh folder under the system temp dir, `dsv4-test-TAG-…`, removed on drop.
 pub fn temp_dir(tag: &str) -> TempDir {
     tempfile::Builder::new()
         .prefix(&format!("dsv4-test-{tag}-"))
@@ -592,7 +604,7 @@ impl Daemon {
         d.addr = match bound {
             Some(addr) => addr,
             None => addr_rx
-                .recv_timeout(Duration::from_secs(10))
+                .recv_timeout(PATIENCE)
                 .unwrap_or_else(|_| panic!("dsv4d did not listen:\n{}", d.log())),
         };
         d
@@ -622,8 +634,28 @@ impl Daemon {
         format!("http://{}{path}", self.addr)
     }
 
+    /// What the daemon has logged so far. Its lines reach the test a moment after the daemon
+    /// acts (its log writer, then a pipe): to assert on a line, wait for it with
+    /// [`Daemon::log_with`].
     pub fn log(&self) -> String {
         self.log.lock().unwrap().clone()
+    }
+
+    /// The daemon's log once it has every one of `needles` (for PATIENCE at most).
+    pub async fn log_with(&self, needles: &[&str]) -> String {
+        let t = Instant::now();
+        loop {
+            let log = self.log();
+            let missing: Vec<&&str> = needles.iter().filter(|n| !log.contains(**n)).collect();
+            if missing.is_empty() {
+                return log;
+            }
+            assert!(
+                t.elapsed() < PATIENCE,
+                "dsv4d never logged {missing:?}:\n{log}"
+            );
+            tokio::time::sleep(Duration::from_millis(20)).await;
+        }
     }
 
     /// What the fake engine wrote to its event log (all generations).
@@ -708,11 +740,20 @@ impl Daemon {
 
     /// Waits until the fake engine's log has a line containing `needle`.
     pub async fn wait_fake_log(&self, needle: &str, within: Duration) {
+        self.wait_fake_log_count(needle, 1, within).await;
+    }
+
+    /// Waits until the fake engine's log has `needle` at least `count` times; returns how many.
+    pub async fn wait_fake_log_count(&self, needle: &str, count: usize, within: Duration) -> usize {
         let t = Instant::now();
-        while !self.fake_log().contains(needle) {
+        loop {
+            let seen = self.fake_log().matches(needle).count();
+            if seen >= count {
+                return seen;
+            }
             assert!(
                 t.elapsed() < within,
-                "fake engine never logged {needle:?}:\n{}",
+                "fake engine logged {needle:?} {seen} times, not {count}, in {within:?}:\n{}",
                 self.fake_log()
             );
             tokio::time::sleep(Duration::from_millis(20)).await;
@@ -1016,11 +1057,7 @@ pub async fn live_proxy(bus: &PrivateBus, d: &Daemon) -> dsv4_client::Supervisor
                 return p;
             }
         }
-        assert!(
-            t.elapsed() < Duration::from_secs(10),
-            "no daemon on the bus\n{}",
-            d.log()
-        );
+        assert!(t.elapsed() < PATIENCE, "no daemon on the bus\n{}", d.log());
         tokio::time::sleep(Duration::from_millis(50)).await;
     }
 }
