@@ -574,6 +574,7 @@ async fn announce_changes(
     // said first: a desktop agent hears it as it would have heard the change.
     let (standing, mut thermal) = thermal;
     for t in standing {
+        tracing::debug!("thermal: announcing what stands: {}", t.message);
         let e = iface.signal_emitter();
         let sent =
             ControlObject::thermal_event(e, &t.level, &t.sensor, t.celsius, &t.message).await;

@@ -41,27 +41,41 @@ struct Desktop {
     bus: PrivateBus,
     children: Vec<Child>,
     printed: Lines,
+    _xvfb_out: std::process::ChildStdout,
 }
 
 impl Desktop {
     fn start() -> Desktop {
         let bus = PrivateBus::start();
-        let display = format!(":{}", 90 + std::process::id() % 9);
+        // Xvfb picks a free display and says which (-displayfd): tests run side by side.
         let mut xvfb = Command::new("Xvfb")
-            .args([&display, "-screen", "0", "800x600x24", "-nolisten", "tcp"])
-            .stdout(Stdio::null())
+            .args([
+                "-displayfd",
+                "1",
+                "-screen",
+                "0",
+                "800x600x24",
+                "-nolisten",
+                "tcp",
+            ])
+            .stdout(Stdio::piped())
             .stderr(Stdio::null())
             .spawn()
             .expect("Xvfb (apt-get install xvfb)");
-        let socket = format!("/tmp/.X11-unix/X{}", &display[1..]);
-        let t = Instant::now();
-        while !std::path::Path::new(&socket).exists() {
-            if t.elapsed() > PATIENCE {
-                let _ = xvfb.kill();
-                panic!("Xvfb did not start on {display}");
-            }
-            std::thread::sleep(Duration::from_millis(20));
+        let mut number = String::new();
+        // Kept open for Xvfb's life: a write to a closed pipe would end it.
+        let xvfb_out = {
+            use std::io::BufRead;
+            let mut out = std::io::BufReader::new(xvfb.stdout.take().unwrap());
+            let _ = out.read_line(&mut number);
+            out.into_inner()
+        };
+        let number = number.trim();
+        if number.is_empty() {
+            let _ = xvfb.kill();
+            panic!("Xvfb did not say its display");
         }
+        let display = format!(":{number}");
         let mut dunst = Command::new("dunst")
             .arg("-print")
             .env("DISPLAY", &display)
@@ -71,11 +85,37 @@ impl Desktop {
             .spawn()
             .expect("dunst (apt-get install dunst)");
         let printed = collect(dunst.stdout.take().unwrap());
-        Desktop {
+        let desktop = Desktop {
             bus,
             children: vec![dunst, xvfb],
             printed,
+            _xvfb_out: xvfb_out,
+        };
+        // A notification sent before dunst has its name on the bus is not shown.
+        let t = Instant::now();
+        while !desktop.has_notification_server() {
+            assert!(
+                t.elapsed() < PATIENCE,
+                "dunst never took org.freedesktop.Notifications"
+            );
+            std::thread::sleep(Duration::from_millis(20));
         }
+        desktop
+    }
+
+    fn has_notification_server(&self) -> bool {
+        Command::new("dbus-send")
+            .args([
+                "--session",
+                "--print-reply",
+                "--dest=org.freedesktop.DBus",
+                "/org/freedesktop/DBus",
+                "org.freedesktop.DBus.NameHasOwner",
+                "string:org.freedesktop.Notifications",
+            ])
+            .env("DBUS_SESSION_BUS_ADDRESS", &self.bus.address)
+            .output()
+            .is_ok_and(|o| String::from_utf8_lossy(&o.stdout).contains("boolean true"))
     }
 
     /// The notifications printed so far.

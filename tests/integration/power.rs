@@ -584,5 +584,5 @@ async fn settings_to_give_back_from_before_a_reboot_are_dropped() {
         tokio::time::sleep(Duration::from_millis(20)).await;
     }
     assert_eq!(cpufreq_files(tree.path()), before);
-    assert!(d.log().contains("is from before a reboot"), "{}", d.log());
+    d.log_with(&["is from before a reboot"]).await;
 }
