@@ -390,12 +390,14 @@ fn pump(
     pid: u32,
     which: &'static str,
 ) {
-    use std::io::BufRead;
     use std::os::fd::AsFd;
     let mut reader = std::io::BufReader::with_capacity(READ_BUFFER, file);
     let mut buf = Vec::with_capacity(256);
     // Lines go to the tail at once (errors quote it); to the log in batches.
     let mut batch = LogBatch::new(pid, which);
+    // The last line ended by `\r`, while no `\n` has come after it.
+    let mut redrawn = Vec::with_capacity(256);
+    let mut has_redrawn = false;
     loop {
         if reader.buffer().is_empty() {
             if let Some(due) = batch.due() {
@@ -417,16 +419,23 @@ fn pump(
             }
         }
         buf.clear();
-        match reader.read_until(b'\n', &mut buf) {
-            Ok(0) => break,
-            Err(e) if e.kind() == io::ErrorKind::Interrupted => continue,
-            Err(_) => break,
-            Ok(_) => {
-                while matches!(buf.last(), Some(b'\n' | b'\r')) {
-                    buf.pop();
+        match read_line_bounded(&mut reader, &mut buf, MAX_LINE) {
+            Ok(None) | Err(_) => break,
+            Ok(Some(end)) => {
+                // A line ended by `\r` is redrawn by the next (a progress bar): only the last
+                // one before a `\n` is kept, and only when nothing came between (`\r\n`).
+                if end == b'\r' {
+                    std::mem::swap(&mut redrawn, &mut buf);
+                    has_redrawn = true;
+                    continue;
                 }
-                buf.truncate(MAX_LINE);
-                let line = String::from_utf8_lossy(&buf).into_owned();
+                let kept = if buf.is_empty() && has_redrawn {
+                    &redrawn
+                } else {
+                    &buf
+                };
+                let line = String::from_utf8_lossy(kept).into_owned();
+                has_redrawn = false;
                 if let Some(also) = &also {
                     also.push(line.clone());
                 }
@@ -435,7 +444,54 @@ fn pump(
             }
         }
     }
+    // An engine that ended while drawing a progress bar: its last state belongs in the tail.
+    if has_redrawn && !redrawn.is_empty() {
+        let line = String::from_utf8_lossy(&redrawn).into_owned();
+        if let Some(also) = &also {
+            also.push(line.clone());
+        }
+        tail.push(line.clone());
+        batch.push(line);
+    }
     batch.flush();
+}
+
+/// Reads one line into `buf`, keeping at most `max` bytes of it and skipping the rest, so
+/// that output without a line end cannot grow the daemon's memory. A line ends at `\n` or
+/// at `\r` (a progress bar redraws itself with `\r` and never writes `\n`). Returns what
+/// ended it (`0`: the end of the output), or `None` at the end with nothing read.
+fn read_line_bounded(
+    reader: &mut impl std::io::BufRead,
+    buf: &mut Vec<u8>,
+    max: usize,
+) -> io::Result<Option<u8>> {
+    let mut read_any = false;
+    loop {
+        let available = match reader.fill_buf() {
+            Ok(b) => b,
+            Err(e) if e.kind() == io::ErrorKind::Interrupted => continue,
+            Err(e) => return Err(e),
+        };
+        if available.is_empty() {
+            return Ok(read_any.then_some(0));
+        }
+        read_any = true;
+        let end = available.iter().position(|&b| b == b'\n' || b == b'\r');
+        let upto = end.unwrap_or(available.len());
+        let room = max.saturating_sub(buf.len());
+        buf.extend_from_slice(&available[..upto.min(room)]);
+        match end {
+            Some(i) => {
+                let terminator = available[i];
+                reader.consume(i + 1);
+                return Ok(Some(terminator));
+            }
+            None => {
+                let n = available.len();
+                reader.consume(n);
+            }
+        }
+    }
 }
 
 /// The engine's lines on their way to the log, written a few at a time: llama-server logs
@@ -494,6 +550,33 @@ mod tests {
             tail_lines: 3,
             also: None,
         }
+    }
+
+    #[test]
+    fn lines_are_bounded_and_end_at_a_newline_or_a_carriage_return() {
+        let mut input: Vec<u8> = b"one\r\ntwo\rthree\n".to_vec();
+        // A million bytes with no line end at all, then one more line.
+        input.extend(std::iter::repeat_n(b'x', 1 << 20));
+        input.extend_from_slice(b"\nlast");
+        let mut reader = std::io::BufReader::with_capacity(64, &input[..]);
+        let mut got = Vec::new();
+        let mut buf = Vec::new();
+        while let Some(end) = read_line_bounded(&mut reader, &mut buf, 16).unwrap() {
+            assert!(buf.len() <= 16, "{}", buf.len());
+            got.push((String::from_utf8_lossy(&buf).into_owned(), end));
+            buf.clear();
+        }
+        assert_eq!(
+            got,
+            [
+                ("one".to_string(), b'\r'),
+                (String::new(), b'\n'),
+                ("two".into(), b'\r'),
+                ("three".into(), b'\n'),
+                ("x".repeat(16), b'\n'),
+                ("last".into(), 0),
+            ]
+        );
     }
 
     #[tokio::test(start_paused = true)]

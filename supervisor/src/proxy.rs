@@ -108,6 +108,9 @@ pub struct Release {
 
 impl Settle<EngineStream> for Release {
     fn settle(self, how: End, body: &mut EngineStream) {
+        if how == End::Completed {
+            self.lease.served();
+        }
         drop(self.lease);
         if let (End::Completed, Some(t)) = (how, body.tap.take()) {
             t.finish();
@@ -464,6 +467,7 @@ pub fn status_document(
         power: Some(power.status()),
         thermal: Some(thermal.status()),
         kv: Some(lifecycle.kv().status()),
+        limits: Some(crate::connections::limits()),
     }
 }
 

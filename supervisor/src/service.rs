@@ -66,15 +66,48 @@ pub fn ready(e: &EngineStatus) {
     ]);
 }
 
-/// `STOPPING=1`, and room for the engine's stop: `extend` more than systemd's own stop
-/// timeout may allow (a drain of in-flight requests, then ds4's KV save).
-pub fn stopping(extend: Duration) {
-    let usec = u32::try_from(extend.as_micros()).unwrap_or(u32::MAX);
+/// The longest extension sent at once: well inside `EXTEND_TIMEOUT_USEC`'s u32 of
+/// microseconds (71 minutes), and renewed at half of it.
+const EXTEND_STEP: Duration = Duration::from_secs(10 * 60);
+
+/// When to send `EXTEND_TIMEOUT_USEC=` for a stop that may take `budget`, with extensions of
+/// at most `step`: (after how long, the extension in microseconds). Each extension runs
+/// from its sending, so each next one goes out at half the one before, and the last reaches
+/// the end of the budget.
+pub fn extensions(budget: Duration, step: Duration) -> Vec<(Duration, u32)> {
+    let step = step.min(Duration::from_micros(u32::MAX.into()));
+    let mut out = Vec::new();
+    let mut at = Duration::ZERO;
+    loop {
+        let left = budget.saturating_sub(at);
+        let this = left.min(step);
+        out.push((at, u32::try_from(this.as_micros()).unwrap_or(u32::MAX)));
+        if this == left {
+            return out;
+        }
+        at += (step / 2).max(Duration::from_millis(1));
+    }
+}
+
+/// `STOPPING=1`, and room for the engine's stop: `budget` more than systemd's own stop
+/// timeout may allow (a drain of in-flight requests, then the KV checkpoint's save, which
+/// may take longer than one extension can say). The extensions go on being sent until the
+/// budget ends or the returned task is aborted (the stop is over).
+pub fn stopping(budget: Duration) -> tokio::task::JoinHandle<()> {
+    let mut plan = extensions(budget, EXTEND_STEP).into_iter();
+    let first = plan.next().map_or(0, |(_, usec)| usec);
     send(&[
         NotifyState::Stopping,
         NotifyState::Status("stopping: draining requests, then stopping the engine"),
-        NotifyState::ExtendTimeoutUsec(usec),
+        NotifyState::ExtendTimeoutUsec(first),
     ]);
+    let start = tokio::time::Instant::now();
+    tokio::spawn(async move {
+        for (at, usec) in plan {
+            tokio::time::sleep_until(start + at).await;
+            send(&[NotifyState::ExtendTimeoutUsec(usec)]);
+        }
+    })
 }
 
 /// Keeps `STATUS=` following the state and the latest sample, and, when systemd asks for
@@ -125,6 +158,30 @@ pub fn spawn(lifecycle: Handle, telemetry: Telemetry) {
 
 #[cfg(test)]
 mod tests {
+    #[test]
+    fn a_long_stop_is_extended_in_steps_that_never_run_out() {
+        let step = EXTEND_STEP;
+        for budget in [
+            Duration::ZERO,
+            Duration::from_secs(70),
+            step,
+            step + Duration::from_secs(1),
+            // Past what one u32 of microseconds can say (71 min 35 s).
+            Duration::from_secs(3 * 3600),
+        ] {
+            let plan = extensions(budget, step);
+            let mut covered = Duration::ZERO;
+            for (i, &(at, usec)) in plan.iter().enumerate() {
+                assert!(at <= covered, "{budget:?}: a gap before #{i} at {at:?}");
+                assert!(Duration::from_micros(usec.into()) <= step, "{budget:?}");
+                covered = covered.max(at + Duration::from_micros(usec.into()));
+            }
+            assert_eq!(covered, budget, "{budget:?}: {plan:?}");
+        }
+        // One u32 cannot hold 3 hours; 10-minute steps renewed every 5 minutes can.
+        assert_eq!(extensions(Duration::from_secs(3 * 3600), step).len(), 35);
+    }
+
     use super::*;
     use dsv4_client::telemetry::{Gpu, Temperatures};
 

@@ -24,15 +24,22 @@ pub fn save_profile(state_dir: &Path, name: &str) -> io::Result<()> {
     write_atomic(&profile_file(state_dir), format!("{name}\n").as_bytes())
 }
 
-/// Writes `path` atomically (a crash leaves the old file or the new one, never half),
-/// creating its folder when missing.
+/// Writes `path` atomically and durably, creating its folder when missing: the bytes go to
+/// a temporary file beside it, which is synced, then renamed over it, and the folder is
+/// synced, so that a crash or a power cut leaves the old file or the new one, never half or
+/// none.
 pub fn write_atomic(path: &Path, bytes: &[u8]) -> io::Result<()> {
+    use std::io::Write;
     let dir = path.parent().unwrap_or(Path::new("."));
     std::fs::create_dir_all(dir)?;
     let name = path.file_name().map(|n| n.to_string_lossy().into_owned());
     let tmp = dir.join(format!(".{}.tmp", name.unwrap_or_default()));
-    std::fs::write(&tmp, bytes)?;
-    std::fs::rename(&tmp, path)
+    let mut f = std::fs::File::create(&tmp)?;
+    f.write_all(bytes)?;
+    f.sync_all()?;
+    drop(f);
+    std::fs::rename(&tmp, path)?;
+    std::fs::File::open(dir)?.sync_all()
 }
 
 #[cfg(test)]

@@ -551,3 +551,120 @@ async fn the_host_is_read_below_the_sysroot() {
         "{log}"
     );
 }
+
+/// The peak resident memory of process `pid` (`VmHWM`), in KiB.
+fn peak_rss_kib(pid: u32) -> u64 {
+    let status = std::fs::read_to_string(format!("/proc/{pid}/status")).unwrap();
+    status
+        .lines()
+        .find_map(|l| l.strip_prefix("VmHWM:"))
+        .and_then(|v| v.split_whitespace().next()?.parse().ok())
+        .unwrap_or_else(|| panic!("no VmHWM:\n{status}"))
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_progress_bar_without_newlines_does_not_grow_the_daemon() {
+    // 100 MiB of `loading NN%\r` and not one newline: read to the newline, it would be held
+    // whole.
+    let d = Daemon::start(&Setup::default().knob("spew_cr_mib", "100"));
+    let (status, _, v) = body_json(d.post("/v1/chat/completions", chat(3, false)).await).await;
+    assert_eq!(status, 200, "{v}");
+    d.wait_fake_log("spewed 100 MiB of progress", PATIENCE)
+        .await;
+    // dsv4d has read all of it once the line after it is in its log.
+    let t = Instant::now();
+    while !d.log().contains("fake-engine: progress done") {
+        assert!(
+            t.elapsed() < PATIENCE,
+            "the line after the progress never came"
+        );
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+    // Not one redraw of the bar was logged as a line of its own.
+    assert!(d.log().matches("loading ").count() <= 2, "redraws logged");
+    let peak = peak_rss_kib(d.child.id());
+    assert!(peak < 64 * 1024, "dsv4d's peak RSS reached {peak} KiB");
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_engine_that_dies_on_every_request_backs_off_instead_of_reloading() {
+    // Each engine dies on its third token (exit code 3): a request that kills it, retried at
+    // once by its client, five times.
+    let d = Daemon::start(&Setup::default().knob("die_after_tokens", "3"));
+    let t = Instant::now();
+    let mut answers = Vec::new();
+    for _ in 0..6 {
+        let (status, headers, v) =
+            body_json(d.post("/v1/chat/completions", chat(10, false)).await).await;
+        answers.push((status, v["error"]["code"].clone(), v, headers));
+    }
+    let spawns = d.spawns();
+    assert!(
+        spawns <= 2,
+        "{spawns} spawns: {:?}",
+        answers.iter().map(|a| a.0).collect::<Vec<_>>()
+    );
+    assert!(t.elapsed() < 15 * SEC);
+    assert_eq!(answers[0].0, 502, "{}", answers[0].2);
+    let (status, code, v, headers) = answers.last().unwrap();
+    assert_eq!(*status, 503, "{v}");
+    assert_eq!(code, "engine_backoff", "{v}");
+    assert!(headers.contains_key("retry-after"));
+    let message = v["error"]["message"].as_str().unwrap();
+    assert!(
+        message.contains("exited unexpectedly (exit code 3)")
+            && message.contains("it died twice within 10m with no response delivered"),
+        "{message}"
+    );
+    let s = d.status().await;
+    assert_eq!(s["state"], State::Backoff.as_str(), "{s}");
+    assert_eq!(s["failures"], 1, "{s}");
+    assert!(
+        s["last_error"].as_str().unwrap().contains("died twice"),
+        "{s}"
+    );
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_engine_the_oom_killer_ends_is_said_to_be_out_of_memory() {
+    // dsv4d's cgroup, as the sysroot shows it: the OOM killer's count goes up as the engine
+    // is killed.
+    let tree = fixture_copy("strix-halo");
+    let cg = tree.path().join("sys/fs/cgroup/system.slice/dsv4.service");
+    std::fs::create_dir_all(&cg).unwrap();
+    std::fs::create_dir_all(tree.path().join("proc/self")).unwrap();
+    std::fs::write(
+        tree.path().join("proc/self/cgroup"),
+        "0::/system.slice/dsv4.service\n",
+    )
+    .unwrap();
+    let events = |n: u32| format!("low 0\nhigh 0\nmax 0\noom {n}\noom_kill {n}\n");
+    std::fs::write(cg.join("memory.events"), events(0)).unwrap();
+    let d = Daemon::start(
+        &Setup::default()
+            .args(&["--sysroot", tree.path().to_str().unwrap()])
+            .top_level("memory", "{ reserve: 0GiB }"),
+    );
+    let (status, _, _) = body_json(d.post("/v1/chat/completions", chat(3, false)).await).await;
+    assert_eq!(status, 200);
+    let pid = d.status().await["engine_pid"].as_i64().unwrap();
+    std::fs::write(cg.join("memory.events"), events(1)).unwrap();
+    nix::sys::signal::kill(
+        nix::unistd::Pid::from_raw(pid as i32),
+        nix::sys::signal::Signal::SIGKILL,
+    )
+    .unwrap();
+    d.wait_state(State::Stopped, PATIENCE).await;
+    let s = d.status().await;
+    let error = s["last_error"].as_str().unwrap();
+    assert!(
+        error.contains("killed by SIGKILL; out of memory: the kernel's OOM killer ended it"),
+        "{error}"
+    );
+    assert!(
+        error.contains(
+            "oom_kill in /sys/fs/cgroup/system.slice/dsv4.service/memory.events went from 0 to 1"
+        ),
+        "{error}"
+    );
+}

@@ -16,6 +16,7 @@ mod ds4;
 mod engine_connections;
 mod engine_key;
 mod idle_exit;
+mod installed;
 mod kv;
 mod lifecycle;
 mod notify;

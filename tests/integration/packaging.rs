@@ -2,31 +2,19 @@
 //! CI (or with `DSV4_TEST_INSTALL=1`: it installs the package on this machine), installs,
 //! gives `dsv4ctl --version` and its manual page, and purges without leaving anything.
 
-use std::path::{Path, PathBuf};
+use std::path::Path;
 use std::process::Command;
 
+use crate::support::ns::{build_deb, run};
 use crate::support::*;
-
-fn root() -> PathBuf {
-    Path::new(env!("CARGO_MANIFEST_DIR")).join("..")
-}
-
-fn run(cmd: &mut Command) -> String {
-    let out = cmd.output().expect("run");
-    assert!(
-        out.status.success(),
-        "{cmd:?}: {}{}",
-        String::from_utf8_lossy(&out.stdout),
-        String::from_utf8_lossy(&out.stderr)
-    );
-    String::from_utf8_lossy(&out.stdout).into_owned()
-}
 
 const EXPECTED: &[&str] = &[
     "./usr/bin/dsv4d",
     "./usr/bin/dsv4ctl",
+    "./usr/libexec/dsv4/dsv4-sysfs",
     "./usr/lib/systemd/system/dsv4.socket",
     "./usr/lib/systemd/system/dsv4.service",
+    "./usr/lib/systemd/system/dsv4-sysfs@.service",
     "./usr/lib/systemd/user/dsv4.socket",
     "./usr/lib/systemd/user/dsv4.service",
     "./usr/lib/systemd/user/dsv4-notify.service",
@@ -49,11 +37,7 @@ const EXPECTED: &[&str] = &[
 #[test]
 fn the_deb_builds_installs_and_purges_clean() {
     let out = temp_dir("deb");
-    let deb = run(Command::new(root().join("packaging/deb/build"))
-        .arg("--debug")
-        .arg(out.path()))
-    .trim()
-    .to_string();
+    let deb = build_deb(out.path());
     let listing = run(Command::new("dpkg-deb").args(["-c", &deb]));
     let files: Vec<&str> = listing
         .lines()
@@ -86,6 +70,7 @@ fn the_deb_builds_installs_and_purges_clean() {
         );
         return;
     }
+    let _one_at_a_time = package_lock();
     run(Command::new("dpkg").args(["-i", &deb]));
     let version = run(Command::new("/usr/bin/dsv4ctl").arg("--version"));
     assert!(version.starts_with("dsv4ctl "), "{version}");

@@ -5,136 +5,20 @@
 //! the project's D-Bus activation file.
 
 use std::path::{Path, PathBuf};
-use std::process::{Command, Output};
 use std::time::{Duration, Instant};
 
+use crate::support::ns::{base_units, repo, Ns};
 use crate::support::*;
 
 const DSV4D: &str = env!("CARGO_BIN_EXE_dsv4d-under-test");
 const DSV4CTL: &str = env!("CARGO_BIN_EXE_dsv4ctl-under-test");
 
-fn repo() -> PathBuf {
-    Path::new(env!("CARGO_MANIFEST_DIR")).join("..")
-}
-
-/// A booted systemd, stopped on drop.
-struct Ns {
-    pid: String,
-    cgroup: String,
-    dir: PathBuf,
-}
-
-impl Ns {
-    fn boot(units: &Path, target: &str, dir: &Path) -> Ns {
-        let log = dir.join("console.log");
-        let out = Command::new(repo().join("tests/systemd/ns"))
-            .arg("start")
-            .arg(units)
-            .arg(target)
-            .arg(&log)
-            .output()
-            .unwrap();
-        let text = String::from_utf8_lossy(&out.stdout).into_owned();
-        let mut words = text.split_whitespace();
-        let (Some(pid), Some(cgroup)) = (words.next(), words.next()) else {
-            panic!(
-                "systemd did not boot: {}\n{}",
-                String::from_utf8_lossy(&out.stderr),
-                std::fs::read_to_string(&log).unwrap_or_default()
-            );
-        };
-        Ns {
-            pid: pid.into(),
-            cgroup: cgroup.into(),
-            dir: dir.to_path_buf(),
-        }
-    }
-
-    /// `sh -c script` inside the namespaces.
-    fn sh(&self, script: &str) -> Output {
-        Command::new("nsenter")
-            .args(["-t", &self.pid, "-m", "-p", "sh", "-c", script])
-            .output()
-            .unwrap()
-    }
-
-    fn out(&self, script: &str) -> String {
-        let o = self.sh(script);
-        String::from_utf8_lossy(&o.stdout).trim().to_string()
-    }
-
-    fn active(&self, unit: &str) -> String {
-        self.out(&format!("systemctl is-active {unit}"))
-    }
-
-    fn wait_active(&self, unit: &str, want: &str, within: Duration) {
-        let t = Instant::now();
-        loop {
-            let now = self.active(unit);
-            if now == want {
-                return;
-            }
-            assert!(
-                t.elapsed() < within,
-                "{unit} is {now}, not {want}:\n{}",
-                self.out("journalctl --no-pager -n 60")
-            );
-            std::thread::sleep(Duration::from_millis(50));
-        }
-    }
-}
-
-impl Drop for Ns {
-    fn drop(&mut self) {
-        let _ = Command::new(repo().join("tests/systemd/ns"))
-            .args(["stop", &self.pid, &self.cgroup])
-            .output();
-        let _ = &self.dir;
-    }
-}
-
 /// The unit folder: stubs of the boot's special units, journald and the exit path from the
 /// host's systemd, a D-Bus system bus, and the project's units for this build.
 fn unit_folder(w: &Path, port: u16, config: &Path) -> PathBuf {
-    let units = w.join("units");
+    let units = base_units(w, &[]);
     let services = w.join("dbus-services");
-    std::fs::create_dir_all(&units).unwrap();
     std::fs::create_dir_all(&services).unwrap();
-    for u in [
-        "exit.target",
-        "systemd-exit.service",
-        "shutdown.target",
-        "umount.target",
-        "final.target",
-        "systemd-journald.service",
-        "systemd-journald.socket",
-        "systemd-journald-dev-log.socket",
-        "systemd-journald-audit.socket",
-    ] {
-        std::fs::copy(Path::new("/lib/systemd/system").join(u), units.join(u)).unwrap();
-    }
-    for u in [
-        "sysinit.target",
-        "basic.target",
-        "sockets.target",
-        "timers.target",
-        "paths.target",
-        "slices.target",
-        "syslog.socket",
-        "network.target",
-    ] {
-        std::fs::write(
-            units.join(u),
-            format!("[Unit]\nDescription=stub {u}\nDefaultDependencies=no\n"),
-        )
-        .unwrap();
-    }
-    std::fs::write(
-        units.join("test.target"),
-        "[Unit]\nDescription=the test\nWants=systemd-journald.service systemd-journald.socket \
-         systemd-journald-dev-log.socket dbus.socket dsv4.socket\n",
-    )
-    .unwrap();
     let bus_conf = w.join("system.conf");
     std::fs::write(
         &bus_conf,
@@ -210,6 +94,23 @@ fn unit_folder(w: &Path, port: u16, config: &Path) -> PathBuf {
     units
 }
 
+/// A folder removed on drop if it was not there at first and is empty then.
+struct RemoveIfMade(Option<&'static str>);
+
+impl RemoveIfMade {
+    fn new(dir: &'static str) -> RemoveIfMade {
+        RemoveIfMade((!Path::new(dir).exists()).then_some(dir))
+    }
+}
+
+impl Drop for RemoveIfMade {
+    fn drop(&mut self) {
+        if let Some(dir) = self.0 {
+            let _ = std::fs::remove_dir(dir);
+        }
+    }
+}
+
 /// A chat request on a connection of its own; its status, 0 when none came.
 fn chat_status(port: u16) -> u16 {
     chat_on_fresh_connection(([127, 0, 0, 1], port).into()).unwrap_or(0)
@@ -217,6 +118,10 @@ fn chat_status(port: u16) -> u16 {
 
 #[test]
 fn the_units_under_a_real_systemd() {
+    // The service's ConfigurationDirectory= makes /etc/dsv4 on this machine's file system:
+    // not while a test installs or purges the package, and not left behind.
+    let _one_at_a_time = package_lock();
+    let _etc = RemoveIfMade::new("/etc/dsv4");
     let base = Path::new(env!("CARGO_TARGET_TMPDIR"));
     std::fs::create_dir_all(base).unwrap();
     let w = tempfile::Builder::new()
@@ -234,10 +139,10 @@ fn the_units_under_a_real_systemd() {
         l.local_addr().unwrap().port()
     };
     let units = unit_folder(w.path(), port, &config);
-    let ns = Ns::boot(&units, "test.target", w.path());
+    let ns = Ns::boot(&units, "test.target", &w.path().join("console.log"), false);
 
     // Listening, with nothing running.
-    ns.wait_active("dsv4.socket", "active", PATIENCE);
+    ns.wait_active("dsv4.socket", "active");
     assert_eq!(ns.active("dsv4.service"), "inactive");
     // A request activates the service and is served.
     let first_answer = chat_status(port);
@@ -253,7 +158,7 @@ fn the_units_under_a_real_systemd() {
     let first = ns.out("systemctl show -p MainPID --value dsv4.service");
 
     // Idle: the service goes, the socket stays, and the next request brings it back.
-    ns.wait_active("dsv4.service", "inactive", PATIENCE);
+    ns.wait_active("dsv4.service", "inactive");
     assert_eq!(ns.active("dsv4.socket"), "active");
     assert_eq!(chat_status(port), 200);
     let second = ns.out("systemctl show -p MainPID --value dsv4.service");
@@ -268,7 +173,7 @@ fn the_units_under_a_real_systemd() {
                 answered += 1;
             }
         }
-        ns.wait_active("dsv4.service", "inactive", PATIENCE);
+        ns.wait_active("dsv4.service", "inactive");
         exits += 1;
     }
     assert_eq!((answered, exits), (200, 5));
@@ -300,7 +205,7 @@ fn the_units_under_a_real_systemd() {
 
     // D-Bus activation: a call to the name starts the service.
     ns.out("systemctl stop dsv4.service");
-    ns.wait_active("dsv4.service", "inactive", PATIENCE);
+    ns.wait_active("dsv4.service", "inactive");
     let o = ns.sh(
         "busctl --system call io.github.dsv4.Supervisor1 /io/github/dsv4/Supervisor1 \
          io.github.dsv4.Supervisor1 Status",

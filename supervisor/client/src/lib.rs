@@ -387,6 +387,19 @@ pub struct Status {
     /// The KV checkpoints (none from an older daemon).
     #[serde(default)]
     pub kv: Option<kv::KvStatus>,
+    /// The daemon's own limits (none from an older daemon).
+    #[serde(default)]
+    pub limits: Option<Limits>,
+}
+
+/// The daemon's process limits, as it runs (the engine inherits them).
+#[derive(Debug, Clone, Default, PartialEq, Serialize, Deserialize)]
+pub struct Limits {
+    /// The soft open-file limit (`RLIMIT_NOFILE`), after dsv4d raised it to the hard one;
+    /// `None`: unlimited.
+    pub open_files: Option<u64>,
+    /// The hard open-file limit; `None`: unlimited.
+    pub open_files_hard: Option<u64>,
 }
 
 /// The thermal policy's part of [`Status`].
@@ -559,6 +572,10 @@ mod tests {
             power: Some(PowerStatus::default()),
             thermal: Some(ThermalStatus::default()),
             kv: Some(kv::KvStatus::default()),
+            limits: Some(Limits {
+                open_files: Some(524_288),
+                open_files_hard: None,
+            }),
         };
         let v = serde_json::to_value(&s).unwrap();
         assert_eq!(v["state"], "stopped");
@@ -578,6 +595,7 @@ mod tests {
             power: None,
             thermal: None,
             kv: None,
+            limits: None,
         })
         .unwrap();
         let top = v.as_object_mut().unwrap();
@@ -586,6 +604,7 @@ mod tests {
         top.remove("telemetry");
         top.remove("power");
         top.remove("thermal");
+        top.remove("limits");
         let back: Status = serde_json::from_value(v).unwrap();
         assert_eq!(back.telemetry, None);
         assert_eq!(back.engine.engine_key, None);

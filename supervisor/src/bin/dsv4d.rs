@@ -379,12 +379,13 @@ async fn run(args: Args, activated: Vec<(std::os::fd::OwnedFd, String)>) -> Resu
             .unwrap_or_default();
         2 * config.supervisor.engine.stop_timeout + save + std::time::Duration::from_secs(10)
     };
-    dsv4::service::stopping(budget);
+    let extending = dsv4::service::stopping(budget);
     // In-flight streams finish (bounded by engine.stop_timeout), then the engine stops.
     lifecycle.shutdown().await;
     let _ = actor.await;
     // The engine is gone: the power settings go back.
     power.shutdown().await;
+    extending.abort();
     // Connections still open (a cut stream's client) get a moment to see their end.
     let _ = tokio::time::timeout(std::time::Duration::from_secs(1), connections_closed).await;
     tracing::info!("dsv4d stopped");

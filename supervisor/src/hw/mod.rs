@@ -7,6 +7,7 @@
 //! sample is always taken. Each reader cites the kernel document it follows.
 
 pub mod amdgpu;
+pub mod cgroup;
 pub mod gpu_metrics;
 pub mod hwmon;
 pub mod meminfo;

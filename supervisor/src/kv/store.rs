@@ -282,7 +282,7 @@ impl Store {
             Some(m) => {
                 let mut m = m.clone();
                 m.aside = Some(reason.to_string());
-                write_atomic(&target, &serde_json::to_vec_pretty(&m)?)?;
+                crate::state_file::write_atomic(&target, &serde_json::to_vec_pretty(&m)?)?;
                 fs::remove_file(manifest).or_else(ignore_missing)
             }
             // Unreadable: kept as it is, for whoever wants to look.
@@ -305,7 +305,7 @@ impl Store {
         let old = fs::read(&path)
             .ok()
             .and_then(|b| serde_json::from_slice::<Manifest>(&b).ok());
-        write_atomic(&path, &serde_json::to_vec_pretty(m)?)?;
+        crate::state_file::write_atomic(&path, &serde_json::to_vec_pretty(m)?)?;
         self.clear_restoring(&m.id);
         if let Some(old) = old {
             for s in old.slots.iter().filter(|s| !m.slots.contains(s)) {
@@ -501,12 +501,6 @@ fn ignore_missing(e: io::Error) -> io::Result<()> {
         io::ErrorKind::NotFound => Ok(()),
         _ => Err(e),
     }
-}
-
-fn write_atomic(path: &Path, bytes: &[u8]) -> io::Result<()> {
-    let tmp = path.with_extension("json.tmp");
-    fs::write(&tmp, bytes)?;
-    fs::rename(&tmp, path)
 }
 
 #[cfg(test)]

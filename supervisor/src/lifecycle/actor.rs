@@ -80,6 +80,15 @@ pub struct Lease {
     release: mpsc::UnboundedSender<Internal>,
 }
 
+impl Lease {
+    /// The response went out whole: the engine serves (see `Event::Served`).
+    pub fn served(&self) {
+        let _ = self.release.send(Internal::Served {
+            gen: self.engine.gen,
+        });
+    }
+}
+
 impl Drop for Lease {
     fn drop(&mut self) {
         let _ = self.release.send(Internal::Release {
@@ -144,6 +153,9 @@ enum Command {
 #[derive(Debug)]
 enum Internal {
     Release {
+        gen: Gen,
+    },
+    Served {
         gen: Gen,
     },
     Cancel {
@@ -334,6 +346,9 @@ struct Engine {
     ready_at: Option<SystemTime>,
     /// The memory figures just before it started, to check that they come back after it.
     memory_before: crate::hw::MemoryNow,
+    /// The OOM killer's count in dsv4d's cgroup just before it started (see
+    /// `hw::cgroup`): a higher one at its exit names the cause.
+    oom_kills_before: Option<u64>,
     /// Its key, when the engine takes one: the file goes when this engine is dropped, that
     /// is once it has exited (or with the actor, which kills it).
     _key: Option<EngineKey>,
@@ -626,6 +641,7 @@ impl Actor {
     fn internal_event(&mut self, i: Internal) -> Option<Event> {
         match i {
             Internal::Release { gen } => Some(Event::Release { gen }),
+            Internal::Served { gen } => Some(Event::Served { gen }),
             Internal::Cancel { waiter } => {
                 self.waiters.remove(&waiter);
                 Some(Event::Cancel { waiter })
@@ -657,6 +673,22 @@ impl Actor {
                     .map(|e| e.shared.output.last(ERROR_TAIL_LINES))
                     .unwrap_or_default();
                 let pid = engine.as_ref().map(|e| e.shared.pid).unwrap_or(0);
+                // Killed while the OOM killer's count in our cgroup went up: say so.
+                let oom = engine.as_ref().and_then(|e| {
+                    let before = e.oom_kills_before?;
+                    let (file, now) = crate::hw::cgroup::oom_kills(&self.sysroot)?;
+                    (report.signal.is_some() && now > before).then(|| {
+                        format!(
+                            "out of memory: the kernel's OOM killer ended it ({} in {file} went \
+                             from {before} to {now})",
+                            "oom_kill"
+                        )
+                    })
+                });
+                let report = match &oom {
+                    Some(why) => format!("{report}; {why}"),
+                    None => report.to_string(),
+                };
                 let summary = match self.machine.phase() {
                     Phase::Starting { .. } => {
                         format!("the engine exited before it was ready ({report})")
@@ -986,6 +1018,7 @@ impl Actor {
             term_at: None,
             ready_at: None,
             memory_before: before,
+            oom_kills_before: crate::hw::cgroup::oom_kills(&self.sysroot).map(|(_, n)| n),
             _key: key,
             _group: group,
         });
@@ -1111,7 +1144,7 @@ impl Actor {
             None => {
                 tracing::info!(
                     profile = e.spawned.name,
-                    "ds4-server stopped {seconds:.1} s after SIGTERM and said nothing of a                      KV checkpoint (it saves none under 512 tokens)"
+                    "ds4-server stopped {seconds:.1} s after SIGTERM and said nothing of a KV checkpoint (it saves none under 512 tokens)"
                 );
                 dsv4_client::kv::KvStep {
                     at: crate::kv::unix_now(),

@@ -195,6 +195,9 @@ pub enum Event {
     Cancel { waiter: WaiterId },
     /// A lease on generation `gen` ended (response body finished or dropped).
     Release { gen: Gen },
+    /// A response of generation `gen` was delivered whole: the engine serves (a death after
+    /// it is not a crash loop).
+    Served { gen: Gen },
     /// The engine of `gen` answered its readiness probe.
     Ready { gen: Gen },
     /// The engine of `gen` ended (or could not be spawned).
@@ -337,6 +340,10 @@ impl Phase {
 /// First retry delay after a failed start; doubles per failure up to [`BACKOFF_MAX`].
 pub const BACKOFF_BASE: Duration = Duration::from_secs(1);
 pub const BACKOFF_MAX: Duration = Duration::from_secs(60);
+/// An engine that dies after it was ready, a second time within this long with no response
+/// delivered in between, is crash-looping (a request that OOMs it, retried): the next start
+/// backs off as after a failed start.
+pub const CRASH_WINDOW: Duration = Duration::from_secs(10 * 60);
 
 /// The whole lifecycle state.
 #[derive(Debug, Clone)]
@@ -355,6 +362,8 @@ pub struct Machine {
     waiters: VecDeque<WaiterId>,
     failures: u32,
     last_failure: Option<EngineFailure>,
+    /// When a ready engine last died with no response delivered since (see [`CRASH_WINDOW`]).
+    unserved_death: Option<Instant>,
     shutting_down: bool,
     /// The figures the next start is admitted on.
     memory: MemoryCheck,
@@ -378,6 +387,7 @@ impl Machine {
             waiters: VecDeque::new(),
             failures: 0,
             last_failure: None,
+            unserved_death: None,
             shutting_down: false,
             memory: MemoryCheck::default(),
             hot: None,
@@ -475,6 +485,13 @@ impl Machine {
             Event::Acquire { waiter } => self.acquire(waiter, now, &mut fx),
             Event::Cancel { waiter } => self.waiters.retain(|w| *w != waiter),
             Event::Release { gen } => self.release(gen, now, &mut fx),
+            Event::Served { .. } => {
+                if self.unserved_death.is_some() {
+                    self.unserved_death = None;
+                    self.failures = 0;
+                    self.last_failure = None;
+                }
+            }
             Event::Ready { gen } => self.ready(gen, now, &mut fx),
             Event::Exited { gen, failure } => self.exited(gen, failure, now, &mut fx),
             Event::Tick => self.tick(now, &mut fx),
@@ -640,8 +657,11 @@ impl Machine {
             return;
         }
         let profile = profile.clone();
-        self.failures = 0;
-        self.last_failure = None;
+        // A crash loop's count stands until a response is delivered (see `Event::Served`).
+        if self.unserved_death.is_none() {
+            self.failures = 0;
+            self.last_failure = None;
+        }
         match self.kv {
             Some(kv) => {
                 self.phase = Phase::Restoring {
@@ -720,8 +740,39 @@ impl Machine {
                 }
             }
             Phase::Restoring { .. } | Phase::Ready { .. } => {
-                // Died on its own (or on the restore: the actor sets that checkpoint aside). In-flight requests see their connection fail (502); the next
-                // request starts a fresh engine.
+                // Died on its own (or on the restore: the actor sets that checkpoint aside).
+                // In-flight requests see their connection fail (502). The next request starts
+                // a fresh engine, unless it died like this before with nothing served since:
+                // then it backs off as a failed start does.
+                let again = self
+                    .unserved_death
+                    .is_some_and(|t| now.saturating_duration_since(t) <= CRASH_WINDOW);
+                self.unserved_death = Some(now);
+                if again && !self.shutting_down {
+                    self.failures += 1;
+                    let failure = EngineFailure {
+                        summary: format!(
+                            "{}; it died twice within {} with no response delivered in \
+                             between, so dsv4d backs off before it starts it again",
+                            failure.summary,
+                            crate::config::format_duration(CRASH_WINDOW)
+                        ),
+                        tail: failure.tail,
+                    };
+                    self.last_failure = Some(failure.clone());
+                    let retry_after = self.backoff_delay();
+                    self.refuse_waiters(
+                        Refusal::Backoff {
+                            retry_after,
+                            last: Some(failure),
+                        },
+                        fx,
+                    );
+                    self.phase = Phase::Backoff {
+                        until: now + retry_after,
+                    };
+                    return;
+                }
                 self.last_failure = Some(failure);
                 self.phase = Phase::Stopped;
                 if !self.waiters.is_empty() {
@@ -889,6 +940,7 @@ impl Machine {
             Phase::Backoff { .. } => {
                 // A new profile deserves a fresh try.
                 self.failures = 0;
+                self.unserved_death = None;
                 self.phase = Phase::Stopped;
             }
             Phase::Starting { gen, profile, .. } | Phase::Restoring { gen, profile, .. } => {

@@ -283,6 +283,105 @@ fn same_profile_is_a_no_op() {
 }
 
 #[test]
+fn an_engine_that_dies_twice_while_serving_with_nothing_served_backs_off() {
+    let mut t = T::new();
+    // Generation 1 serves, then dies: that alone is no crash loop, the waiting retry starts a
+    // fresh engine at once.
+    t.ready_with(&[1]);
+    t.ev(Event::Served { gen: 1 });
+    t.ev(Event::Release { gen: 1 });
+    let fx = t.at(11).ev(Event::Exited {
+        gen: 1,
+        failure: fail("killed by SIGKILL"),
+    });
+    assert_eq!(fx, vec![]);
+    assert_eq!(
+        t.at(12).ev(Event::Acquire { waiter: 2 }),
+        vec![spawn(2, "320k")]
+    );
+    assert_eq!(t.ev(Event::Ready { gen: 2 }), vec![grant(2, &[2])]);
+    assert_eq!(t.m.failures(), 0);
+    // Generation 2 dies on the retried request, within ten minutes, with nothing delivered
+    // since the first death: it backs off like a failed start.
+    let fx = t.at(20).ev(Event::Exited {
+        gen: 2,
+        failure: fail("killed by SIGKILL"),
+    });
+    assert_eq!(fx, vec![]);
+    assert_eq!(t.state(), State::Backoff);
+    assert_eq!(t.m.failures(), 1);
+    // A request in the backoff is refused without a spawn, and hears why.
+    let fx = t.at(20).ev(Event::Acquire { waiter: 3 });
+    let [Effect::Refuse {
+        waiters,
+        why: Refusal::Backoff { retry_after, last },
+    }] = fx.as_slice()
+    else {
+        panic!("{fx:?}");
+    };
+    assert_eq!(waiters, &vec![3]);
+    assert_eq!(*retry_after, BACKOFF_BASE);
+    let summary = &last.as_ref().unwrap().summary;
+    assert!(
+        summary.starts_with("killed by SIGKILL; it died twice within 10m"),
+        "{summary}"
+    );
+    // After it, the next try; a ready engine does not clear the count, a served answer does.
+    t.at(22).ev(Event::Tick);
+    assert_eq!(t.state(), State::Stopped);
+    assert_eq!(t.ev(Event::Acquire { waiter: 4 }), vec![spawn(3, "320k")]);
+    t.ev(Event::Ready { gen: 3 });
+    assert_eq!(t.m.failures(), 1);
+    t.at(23).ev(Event::Exited {
+        gen: 3,
+        failure: fail("killed by SIGKILL"),
+    });
+    assert_eq!(t.state(), State::Backoff);
+    assert_eq!(t.m.failures(), 2, "the backoff doubles");
+    assert_eq!(
+        t.m.phase(),
+        &Phase::Backoff {
+            until: t.t0 + 25 * S
+        }
+    );
+    t.at(40).ev(Event::Tick);
+    t.ev(Event::Acquire { waiter: 5 });
+    t.ev(Event::Ready { gen: 4 });
+    t.ev(Event::Served { gen: 4 });
+    assert_eq!(t.m.failures(), 0);
+    t.ev(Event::Release { gen: 4 });
+    let fx = t.at(51).ev(Event::Exited {
+        gen: 4,
+        failure: fail("killed by SIGKILL"),
+    });
+    assert_eq!(fx, vec![]);
+    assert_eq!(
+        t.state(),
+        State::Stopped,
+        "served in between: no crash loop"
+    );
+}
+
+#[test]
+fn deaths_further_apart_than_the_window_are_no_crash_loop() {
+    let mut t = T::new();
+    t.ready_with(&[1]);
+    t.ev(Event::Exited {
+        gen: 1,
+        failure: fail("killed by SIGKILL"),
+    });
+    t.at(1).ev(Event::Acquire { waiter: 2 });
+    t.ev(Event::Ready { gen: 2 });
+    let later = CRASH_WINDOW.as_secs() + 2;
+    let fx = t.at(later).ev(Event::Exited {
+        gen: 2,
+        failure: fail("killed by SIGKILL"),
+    });
+    assert_eq!(fx, vec![]);
+    assert_eq!(t.state(), State::Stopped);
+}
+
+#[test]
 fn exit_before_ready_refuses_waiters_and_backs_off() {
     let mut t = T::new();
     t.ev(Event::Acquire { waiter: 1 });
@@ -966,7 +1065,8 @@ fn an_engine_that_dies_on_its_restore_is_started_again_for_the_waiters() {
 enum Op {
     Acquire,
     Cancel(usize),
-    Release(usize),
+    /// A lease ends; its response went out whole (`true`) or not.
+    Release(usize, bool),
     Ready,
     Exit,
     Advance(u64),
@@ -987,7 +1087,12 @@ fn op(forcing: bool) -> impl Strategy<Value = Op> {
     let mut ops = vec![
         (6, Just(Op::Acquire).boxed()),
         (2, (0usize..64).prop_map(Op::Cancel).boxed()),
-        (5, (0usize..64).prop_map(Op::Release).boxed()),
+        (
+            5,
+            (0usize..64, any::<bool>())
+                .prop_map(|(i, served)| Op::Release(i, served))
+                .boxed(),
+        ),
         (3, Just(Op::Ready).boxed()),
         (1, Just(Op::Exit).boxed()),
         (3, (0u64..1500).prop_map(Op::Advance).boxed()),
@@ -1150,9 +1255,15 @@ impl World {
                 }
                 Ok(())
             }
-            Op::Release(i) => {
+            Op::Release(i, served) => {
                 if !self.leases.is_empty() {
-                    let gen = self.leases.remove(i % self.leases.len());
+                    let at = i % self.leases.len();
+                    if served {
+                        // Told while the lease is still held, as the proxy does.
+                        let gen = self.leases[at];
+                        self.apply(Event::Served { gen })?;
+                    }
+                    let gen = self.leases.remove(at);
                     self.apply(Event::Release { gen })?;
                 }
                 Ok(())

@@ -11,6 +11,7 @@
 
 use serde::{Deserialize, Serialize};
 
+use super::sysfs::{Request, Writer};
 use crate::config::CpuPolicy;
 use crate::sysroot::SysRoot;
 
@@ -74,47 +75,46 @@ pub fn writable(root: &SysRoot) -> bool {
         })
 }
 
-/// Writes `value` as sysfs shows it, with its newline (the kernel ignores it), so that what
-/// was read and written back is the same, byte for byte.
-fn write(root: &SysRoot, system: &str, value: &str) -> Result<(), String> {
-    let path = root.path(system);
-    std::fs::write(&path, format!("{value}\n"))
-        .map_err(|e| format!("writing {value:?} to {}: {e}", path.display()))
+/// The writes that make each policy of `settings` what it says, in order, one list per
+/// policy; only what differs from `now`. The preference cannot be changed while the
+/// governor is `performance` (amd-pstate answers EBUSY), so toward `performance` it goes
+/// first, under the governor still in place; otherwise the governor goes first.
+pub fn plan(now: &[PolicySettings], settings: &[PolicySettings]) -> Vec<Vec<Request>> {
+    settings
+        .iter()
+        .map(|s| {
+            let current = now.iter().find(|p| p.policy == s.policy);
+            let governor = current
+                .is_none_or(|c| c.governor != s.governor)
+                .then(|| Request::governor(&s.policy, &s.governor));
+            let epp = s.epp.as_ref().and_then(|epp| {
+                let differs = current.is_none_or(|c| c.epp.as_ref() != Some(epp));
+                differs.then(|| Request::epp(&s.policy, epp))
+            });
+            if s.governor == "performance" {
+                // Under a governor that is already performance, the preference is fixed.
+                let was_performance = current.is_some_and(|c| c.governor == "performance");
+                let epp = epp.filter(|_| !was_performance);
+                epp.into_iter().chain(governor).collect()
+            } else {
+                governor.into_iter().chain(epp).collect()
+            }
+        })
+        .filter(|writes: &Vec<Request>| !writes.is_empty())
+        .collect()
 }
 
-/// Writes `settings` to each policy, only what differs from what is there. The preference
-/// cannot be changed while the governor is `performance` (amd-pstate answers EBUSY), so
-/// toward `performance` it goes first, under the governor still in place; otherwise the
-/// governor goes first. Every failure is returned, with its file.
-pub fn apply(root: &SysRoot, settings: &[PolicySettings]) -> Vec<String> {
-    let now = read(root);
+/// Writes `settings` to each policy, as [`plan`] orders it. A policy stops at its first
+/// failure, and the others go on: every failure is returned, with its file.
+pub async fn apply(writer: &Writer, settings: &[PolicySettings]) -> Vec<String> {
+    let now = read(writer.root());
     let mut problems = Vec::new();
-    for s in settings {
-        let d = dir(&s.policy);
-        let current = now.iter().find(|p| p.policy == s.policy);
-        let governor = || -> Result<(), String> {
-            if current.is_some_and(|c| c.governor == s.governor) {
-                return Ok(());
+    for writes in plan(&now, settings) {
+        for w in writes {
+            if let Err(e) = writer.write(&w).await {
+                problems.push(e);
+                break;
             }
-            write(root, &format!("{d}/scaling_governor"), &s.governor)
-        };
-        let epp = |under_performance: bool| -> Result<(), String> {
-            let Some(epp) = &s.epp else {
-                return Ok(());
-            };
-            if current.is_some_and(|c| c.epp.as_ref() == Some(epp)) || under_performance {
-                return Ok(());
-            }
-            write(root, &format!("{d}/energy_performance_preference"), epp)
-        };
-        let result = if s.governor == "performance" {
-            let was_performance = current.is_some_and(|c| c.governor == "performance");
-            epp(was_performance).and_then(|()| governor())
-        } else {
-            governor().and_then(|()| epp(false))
-        };
-        if let Err(e) = result {
-            problems.push(e);
         }
     }
     problems
@@ -175,15 +175,16 @@ mod tests {
         (dir, root)
     }
 
-    #[test]
-    fn power_saver_then_back_exactly() {
+    #[tokio::test]
+    async fn power_saver_then_back_exactly() {
         let (_dir, root) = tree();
+        let w = Writer::with_bus(root.clone(), None);
         let found = read(&root);
         assert_eq!(found.len(), 3);
         assert_eq!(found[1].governor, "performance");
         assert_eq!(found[2].epp, None);
         let want = targeted(&root, &found, CpuPolicy::PowerSaver);
-        assert!(apply(&root, &want).is_empty());
+        assert!(apply(&w, &want).await.is_empty());
         let now = read(&root);
         for p in &now {
             assert_eq!(p.governor, "powersave", "{p:?}");
@@ -191,14 +192,15 @@ mod tests {
         assert_eq!(now[0].epp.as_deref(), Some("power"));
         assert_eq!(now[1].epp.as_deref(), Some("power"));
         assert_eq!(now[2].epp, None);
-        assert!(apply(&root, &found).is_empty());
+        assert!(apply(&w, &found).await.is_empty());
         assert_eq!(read(&root), found);
         assert!(targeted(&root, &found, CpuPolicy::Keep).is_empty());
     }
 
-    #[test]
-    fn failures_name_the_file_and_the_rest_go_on() {
+    #[tokio::test]
+    async fn failures_name_the_file_and_the_rest_go_on() {
         let (dir, root) = tree();
+        let w = Writer::with_bus(root.clone(), None);
         let found = read(&root);
         // policy1's governor cannot be written: a folder in its place.
         let gov = dir
@@ -206,12 +208,63 @@ mod tests {
             .join("sys/devices/system/cpu/cpufreq/policy1/scaling_governor");
         std::fs::remove_file(&gov).unwrap();
         std::fs::create_dir(&gov).unwrap();
-        let problems = apply(&root, &targeted(&root, &found, CpuPolicy::PowerSaver));
+        let problems = apply(&w, &targeted(&root, &found, CpuPolicy::PowerSaver)).await;
         assert_eq!(problems.len(), 1, "{problems:?}");
         assert!(
             problems[0].contains("policy1/scaling_governor"),
             "{problems:?}"
         );
         assert_eq!(read(&root)[0].governor, "powersave");
+    }
+
+    #[test]
+    fn the_plan_orders_governor_and_preference_as_amd_pstate_needs() {
+        let p = |gov: &str, epp: Option<&str>| PolicySettings {
+            policy: "policy0".into(),
+            governor: gov.into(),
+            epp: epp.map(String::from),
+        };
+        let g = |v: &str| Request::governor("policy0", v);
+        let e = |v: &str| Request::epp("policy0", v);
+        for (now, want, writes) in [
+            // From performance to power-saver: the governor first, then the preference.
+            (
+                p("performance", Some("performance")),
+                p("powersave", Some("power")),
+                vec![g("powersave"), e("power")],
+            ),
+            // Toward performance: the preference first, under the governor in place.
+            (
+                p("powersave", Some("power")),
+                p("performance", Some("performance")),
+                vec![e("performance"), g("performance")],
+            ),
+            // Already performance: its preference is fixed, only nothing to do.
+            (
+                p("performance", Some("performance")),
+                p("performance", Some("balance_performance")),
+                vec![],
+            ),
+            // Only what differs.
+            (
+                p("powersave", Some("balance_power")),
+                p("powersave", Some("power")),
+                vec![e("power")],
+            ),
+            (
+                p("schedutil", None),
+                p("powersave", None),
+                vec![g("powersave")],
+            ),
+            (
+                p("powersave", Some("power")),
+                p("powersave", Some("power")),
+                vec![],
+            ),
+        ] {
+            let got = plan(std::slice::from_ref(&now), std::slice::from_ref(&want));
+            let got: Vec<Request> = got.into_iter().flatten().collect();
+            assert_eq!(got, writes, "{now:?} -> {want:?}");
+        }
     }
 }

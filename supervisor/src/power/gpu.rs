@@ -8,6 +8,7 @@
 //! decode speed), and back at the stop unless the user changed it meanwhile. Must not:
 //! touch anything but that one file.
 
+use super::sysfs::{Request, Writer};
 use crate::config::GpuPolicy;
 use crate::sysroot::SysRoot;
 
@@ -32,25 +33,26 @@ pub fn read(root: &SysRoot, file: &str) -> Option<String> {
     (!level.is_empty()).then_some(level)
 }
 
-/// Writes `level`; the error says what is missing when it is a permission.
-pub fn write(root: &SysRoot, file: &str, level: &str) -> Result<(), String> {
-    let path = root.path(file);
-    // With its newline, as sysfs shows it (the kernel ignores it).
-    std::fs::write(&path, format!("{level}\n")).map_err(|e| {
-        let why = if e.kind() == std::io::ErrorKind::PermissionDenied {
-            format!(
-                "{e}: dsv4d's user needs write access to it (a udev rule giving the group \
-                 video write access, or run dsv4d as root; under systemd also \
-                 ReadWritePaths=/sys/class/drm)"
-            )
-        } else {
-            e.to_string()
-        };
-        format!(
-            "cannot set the GPU's performance level to {level}: writing {}: {why}",
-            path.display()
-        )
-    })
+/// The card a level file belongs to: `card1` of
+/// `/sys/class/drm/card1/device/power_dpm_force_performance_level`.
+pub fn card_of(file: &str) -> Option<&str> {
+    let rest = file.strip_prefix("/sys/class/drm/")?;
+    let (card, tail) = rest.split_once('/')?;
+    (tail == "device/power_dpm_force_performance_level").then_some(card)
+}
+
+/// Writes `level` to the card's file: itself, or through the `dsv4-sysfs@` unit where dsv4d
+/// may not (see [`super::sysfs`]); the error says what was tried and what is missing.
+pub async fn write(writer: &Writer, file: &str, level: &str) -> Result<(), String> {
+    let Some(card) = card_of(file) else {
+        return Err(format!(
+            "cannot set the GPU's performance level to {level}: {file} is not a card's level file"
+        ));
+    };
+    writer
+        .write(&Request::gpu_level(card, level))
+        .await
+        .map_err(|e| format!("cannot set the GPU's performance level to {level}: {e}"))
 }
 
 /// What to do at the stop: restore `found` (the level at the start) when the level is
@@ -62,6 +64,20 @@ pub fn restore_at_stop<'a>(found: &'a str, set: &str, now: Option<&str>) -> Opti
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn the_card_comes_from_its_level_file_only() {
+        for (file, want) in [
+            (
+                "/sys/class/drm/card1/device/power_dpm_force_performance_level",
+                Some("card1"),
+            ),
+            ("/sys/class/drm/card1/device/vendor", None),
+            ("/etc/passwd", None),
+        ] {
+            assert_eq!(card_of(file), want, "{file}");
+        }
+    }
 
     #[test]
     fn a_stop_restores_only_what_dsv4d_set() {

@@ -15,6 +15,7 @@
 pub mod cpufreq;
 pub mod gpu;
 pub mod ppd;
+pub mod sysfs;
 
 use std::path::{Path, PathBuf};
 use std::sync::Arc;
@@ -32,6 +33,7 @@ use crate::sysroot::SysRoot;
 
 use self::cpufreq::PolicySettings;
 use self::ppd::Ppd;
+use self::sysfs::Writer;
 
 /// The file in `state_dir` that says what to give back.
 pub const RESTORE_FILE: &str = "power-restore.json";
@@ -83,7 +85,8 @@ impl Restore {
     }
 
     /// Gives back what it holds; the problems, each naming its file.
-    fn give_back(&self, root: &SysRoot) -> Vec<String> {
+    async fn give_back(&self, writer: &Writer) -> Vec<String> {
+        let root = writer.root();
         let now = cpufreq::read(root);
         let still_ours = |found: &&PolicySettings| {
             let set = self.cpufreq_set.iter().find(|s| s.policy == found.policy);
@@ -104,11 +107,11 @@ impl Restore {
             );
         }
         let ours: Vec<PolicySettings> = ours.into_iter().cloned().collect();
-        let mut problems = cpufreq::apply(root, &ours);
+        let mut problems = cpufreq::apply(writer, &ours).await;
         if let Some(g) = &self.gpu {
             let now = gpu::read(root, &g.file);
             if let Some(level) = gpu::restore_at_stop(&g.found, &g.set, now.as_deref()) {
-                if let Err(e) = gpu::write(root, &g.file, level) {
+                if let Err(e) = gpu::write(writer, &g.file, level).await {
                     problems.push(e);
                 }
             }
@@ -173,23 +176,27 @@ pub fn spawn(parts: Parts) -> Power {
         }
         other => other,
     };
-    if let Some(left) = left {
-        tracing::warn!(
-            "power: giving back the settings a previous dsv4d changed and did not restore"
-        );
-        for p in left.give_back(&parts.sysroot) {
-            tracing::warn!("power: {p}");
-        }
-        Restore::clear(&state_dir);
-    }
+    let writer = Writer::new(parts.sysroot.clone());
     let task = Task {
         parts,
         status: status_tx,
         bus: None,
+        writer,
         applied: None,
         last_choice: None,
     };
-    tokio::spawn(task.run(stop_rx));
+    tokio::spawn(async move {
+        if let Some(left) = left {
+            tracing::warn!(
+                "power: giving back the settings a previous dsv4d changed and did not restore"
+            );
+            for p in left.give_back(&task.writer).await {
+                tracing::warn!("power: {p}");
+            }
+            Restore::clear(&state_dir);
+        }
+        task.run(stop_rx).await
+    });
     Power { status, stop }
 }
 
@@ -225,6 +232,8 @@ struct Task {
     status: watch::Sender<PowerStatus>,
     /// The system bus, connected on first need (none on a machine without one).
     bus: Option<zbus::Connection>,
+    /// The sysfs writes: dsv4d's own, or through the `dsv4-sysfs@` unit.
+    writer: Writer,
     applied: Option<Applied>,
     /// The last method chosen and why, logged when it changes.
     last_choice: Option<(Method, String)>,
@@ -255,7 +264,7 @@ impl Task {
                     match changed {
                         Ok(()) => {
                             let sample = telemetry.borrow_and_update().clone();
-                            self.on_sample(sample.as_deref());
+                            self.on_sample(sample.as_deref()).await;
                         }
                         Err(_) => samples_open = false,
                     }
@@ -338,10 +347,27 @@ impl Task {
             );
         }
         let policies = cpufreq::read(&root).len();
-        if cpufreq::writable(&root) {
+        let how = if policies == 0 {
+            None
+        } else if cpufreq::writable(&root) {
+            Some("writable".to_string())
+        } else if self.writer.helper_installed().await {
+            Some(format!(
+                "written through {}*{}",
+                sysfs::UNIT_PREFIX,
+                sysfs::UNIT_SUFFIX
+            ))
+        } else {
+            None
+        };
+        if let Some(how) = how {
             let why = match method {
-                PowerMethod::Cpufreq => format!("power.method is cpufreq ({policies} policies)"),
-                _ => format!("no power-profiles-daemon on the system bus; {policies} cpufreq policies are writable"),
+                PowerMethod::Cpufreq => {
+                    format!("power.method is cpufreq ({policies} policies, {how})")
+                }
+                _ => format!(
+                    "no power-profiles-daemon on the system bus; {policies} cpufreq policies, {how}"
+                ),
             };
             return (Method::Cpufreq, why, None);
         }
@@ -351,7 +377,7 @@ impl Task {
                 root.path("/sys/devices/system/cpu/cpufreq").display()
             )
         } else {
-            format!("no power-profiles-daemon on the system bus, and the {policies} cpufreq policies are not writable by dsv4d")
+            format!("no power-profiles-daemon on the system bus, and the {policies} cpufreq policies are not writable by dsv4d, nor is {}{} installed", sysfs::UNIT_PREFIX, sysfs::UNIT_SUFFIX)
         };
         (Method::None, why, None)
     }
@@ -457,7 +483,7 @@ impl Task {
             }
             (Method::Cpufreq, cpu) => {
                 let target = restore.cpufreq_set.clone();
-                let problems = cpufreq::apply(&root, &target);
+                let problems = cpufreq::apply(&self.writer, &target).await;
                 let (governor, epp) = cpufreq::target(cpu).unwrap_or_default();
                 let with_epp = target.iter().filter(|t| t.epp.is_some()).count();
                 let text = format!(
@@ -483,13 +509,13 @@ impl Task {
         });
         // The GPU after the hold, read again: power-profiles-daemon may change it as the hold
         // begins.
-        self.check_gpu(None, true);
+        self.check_gpu(None, true).await;
         released
     }
 
     /// Sets the GPU's level back to the wanted one if it is not (at the start, or when it
     /// drifted while the engine runs), with an alert that names the cause.
-    fn check_gpu(&mut self, level: Option<&str>, at_start: bool) {
+    async fn check_gpu(&mut self, level: Option<&str>, at_start: bool) {
         let Some(applied) = &self.applied else {
             return;
         };
@@ -515,7 +541,7 @@ impl Task {
         } else {
             "something else changed it while the engine runs".to_string()
         };
-        let (note, message) = match gpu::write(root, &g.file, &g.set) {
+        let (note, message) = match gpu::write(&self.writer, &g.file, &g.set).await {
             Ok(()) => {
                 let note = format!("set to {} (it was {level})", g.set);
                 let message = format!(
@@ -544,7 +570,7 @@ impl Task {
         self.update(|s| s.gpu_note = Some(note));
     }
 
-    fn on_sample(&mut self, sample: Option<&dsv4_client::telemetry::Sample>) {
+    async fn on_sample(&mut self, sample: Option<&dsv4_client::telemetry::Sample>) {
         let Some(sample) = sample else {
             return;
         };
@@ -561,7 +587,7 @@ impl Task {
         // The sample says when to look; the file says what is there now (a sample taken
         // as the engine started may still show the level before dsv4d set it).
         if sample.gpu.is_some() {
-            self.check_gpu(None, false);
+            self.check_gpu(None, false).await;
         }
     }
 
@@ -598,7 +624,7 @@ impl Task {
                 Err(e) => tracing::warn!("power: releasing the hold on {}: {e}", p.service),
             }
         }
-        let problems = applied.restore.give_back(&self.parts.sysroot);
+        let problems = applied.restore.give_back(&self.writer).await;
         for p in &problems {
             tracing::warn!("power: {p}");
         }

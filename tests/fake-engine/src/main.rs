@@ -8,7 +8,9 @@
 //! handling. The HTTP side lives in `server.rs`, the deterministic content in
 //! `gen.rs`, when connections close (`--connections`) in `conn.rs`.
 
-#![forbid(unsafe_code)]
+// Denied, not forbidden: the syscall probe alone (`probe_syscalls`) makes raw system calls,
+// which is all it is for.
+#![deny(unsafe_code)]
 
 /// `eprintln!` that never panics. The engine's stderr is a pipe to dsv4d; once dsv4d is gone
 /// (killed, in a test of what it leaves behind) a write fails, and a real engine goes on
@@ -210,6 +212,15 @@ struct Args {
     /// Ignore SIGTERM entirely [env FAKE_ENGINE_IGNORE_SIGTERM=1|true|yes|on].
     #[arg(long = "ignore-sigterm")]
     ignore_sigterm: bool,
+    /// At start, make the system calls behind llama.cpp's --prio, --cpu-mask and --numa
+    /// (setpriority to a lower priority, sched_setaffinity, setrlimit, mbind) and log each
+    /// result as `syscall NAME ok|ERRNO` [env FAKE_ENGINE_PROBE_SYSCALLS=1|true|yes|on].
+    #[arg(long = "probe-syscalls")]
+    probe_syscalls: bool,
+    /// At start, write this many MiB of progress-bar output to stderr (`loading NN%\r`, no
+    /// newline at all), as a runaway progress bar would [env FAKE_ENGINE_SPEW_CR_MIB].
+    #[arg(long = "spew-cr-mib")]
+    spew_cr_mib: Option<u64>,
     /// Append event lines here [env FAKE_ENGINE_LOG_FILE].
     #[arg(long = "log-file")]
     log_file: Option<PathBuf>,
@@ -564,6 +575,17 @@ fn main() -> ExitCode {
         std::process::id(),
         raw.join(" ")
     ));
+    let probe = args.probe_syscalls
+        || matches!(env_knob::<Truthy>("PROBE_SYSCALLS"), Ok(Some(Truthy(true))));
+    if probe {
+        for (name, result) in probe_syscalls() {
+            log.line(&format!("syscall {name} {result}"));
+        }
+    }
+    if let Ok(Some(mib)) = knob(args.spew_cr_mib, "SPEW_CR_MIB") {
+        spew_progress(mib);
+        log.line(&format!("spewed {mib} MiB of progress"));
+    }
     say!(
         "fake-engine: loading model {}",
         cfg.model_path.as_deref().unwrap_or("(none)")
@@ -582,6 +604,84 @@ fn main() -> ExitCode {
         }
     };
     runtime.block_on(run(engine))
+}
+
+/// `mib` MiB of `loading NN%\r` on stderr, with no newline.
+fn spew_progress(mib: u64) {
+    use std::io::Write;
+    let mut chunk = Vec::with_capacity(1 << 16);
+    let mut n = 0u64;
+    while chunk.len() < (1 << 16) - 16 {
+        chunk.extend_from_slice(format!("loading {:3}%\r", n % 100).as_bytes());
+        n += 1;
+    }
+    let mut err = std::io::stderr().lock();
+    let mut left = mib << 20;
+    while left > 0 {
+        let part = &chunk[..chunk.len().min(left as usize)];
+        if err.write_all(part).is_err() {
+            return;
+        }
+        left -= part.len() as u64;
+    }
+    let _ = err.write_all(b"fake-engine: progress done\n");
+    let _ = err.flush();
+}
+
+/// The system calls an engine makes to place and prioritise its threads and memory, each
+/// with its result: `ok` or the errno's name.
+#[allow(unsafe_code)]
+fn probe_syscalls() -> Vec<(&'static str, String)> {
+    fn result(r: libc::c_long) -> String {
+        if r == 0 {
+            "ok".into()
+        } else {
+            nix::errno::Errno::last().to_string()
+        }
+    }
+    let mut out = Vec::new();
+    // SAFETY: plain system calls on this process, with valid pointers to locals.
+    unsafe {
+        // A lower priority than it has (a nice value one higher).
+        *libc::__errno_location() = 0;
+        let nice = libc::getpriority(libc::PRIO_PROCESS, 0);
+        let r = libc::setpriority(libc::PRIO_PROCESS, 0, (nice + 1).min(19));
+        out.push(("setpriority", result(r.into())));
+        // The CPUs it may run on, set to what they are.
+        let mut set: libc::cpu_set_t = std::mem::zeroed();
+        let size = std::mem::size_of::<libc::cpu_set_t>();
+        libc::sched_getaffinity(0, size, &mut set);
+        let r = libc::sched_setaffinity(0, size, &set);
+        out.push(("sched_setaffinity", result(r.into())));
+        // Its open-file limit, set to what it is.
+        let mut lim: libc::rlimit = std::mem::zeroed();
+        libc::getrlimit(libc::RLIMIT_NOFILE, &mut lim);
+        let r = libc::setrlimit(libc::RLIMIT_NOFILE, &lim);
+        out.push(("setrlimit", result(r.into())));
+        // A page of its own memory bound to the default NUMA policy.
+        let page = 4096;
+        let mem = libc::mmap(
+            std::ptr::null_mut(),
+            page,
+            libc::PROT_READ | libc::PROT_WRITE,
+            libc::MAP_PRIVATE | libc::MAP_ANONYMOUS,
+            -1,
+            0,
+        );
+        const MPOL_DEFAULT: libc::c_long = 0;
+        let r = libc::syscall(
+            libc::SYS_mbind,
+            mem,
+            page,
+            MPOL_DEFAULT,
+            std::ptr::null::<libc::c_ulong>(),
+            0 as libc::c_ulong,
+            0 as libc::c_uint,
+        );
+        out.push(("mbind", result(r)));
+        libc::munmap(mem, page);
+    }
+    out
 }
 
 #[cfg(test)]

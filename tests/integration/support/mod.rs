@@ -23,6 +23,7 @@ use hyper_util::client::legacy::Client;
 use hyper_util::rt::TokioExecutor;
 pub use tempfile::TempDir;
 
+pub mod ns;
 pub mod real;
 pub const FAKE_ENGINE: &str = env!("CARGO_BIN_EXE_fake-engine");
 pub const DSV4D: &str = env!("CARGO_BIN_EXE_dsv4d-under-test");
@@ -38,6 +39,15 @@ pub const LOAD_MARGIN: Duration = Duration::from_secs(2);
 /// How long a test waits for a condition that should come in milliseconds, before it says it
 /// never came: a wait ends as soon as its condition holds, so only a failing test pays it.
 pub const PATIENCE: Duration = Duration::from_secs(30);
+
+/// Held by a test that installs the package on this machine, or runs its units under a real
+/// systemd (which makes `/etc/dsv4`): one at a time.
+pub fn package_lock() -> std::sync::MutexGuard<'static, ()> {
+    static PACKAGE: Mutex<()> = Mutex::new(());
+    PACKAGE
+        .lock()
+        .unwrap_or_else(|poisoned| poisoned.into_inner())
+}
 
 /// A benchmark knob: the environment variable `name` as a number, else `default`.
 pub fn env_or<T: std::str::FromStr>(name: &str, default: T) -> T {

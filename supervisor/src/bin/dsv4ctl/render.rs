@@ -667,6 +667,7 @@ mod tests {
             },
             telemetry: None,
             power: None,
+            limits: None,
             thermal: None,
             kv: None,
         }

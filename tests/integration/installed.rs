@@ -1,0 +1,298 @@
+//! The package as installed, under a real systemd: the .deb (`packaging/deb/build`) installed
+//! with dpkg, and its units run unchanged, `User=dsv4` and every hardening line, by systemd
+//! 252 as PID 1 of its own namespaces (`tests/systemd/ns --net`), with the machine's own
+//! D-Bus system bus and polkitd units beside them. Drop-ins change only paths: `ExecStart=`'s
+//! configuration and `--sysroot`, and `ReadWritePaths=` for the test's folder.
+//!
+//! It shows what a user gets on the real box: the GPU's level file, root-owned 0644 and on
+//! `low`, is `auto` while the engine runs and `low` again after the idle stop, and the
+//! cpufreq policies likewise, written by `dsv4-sysfs@.service` that dsv4d starts through
+//! systemd and polkit; the engine under the unit makes the system calls behind llama.cpp's
+//! `--prio`, `--cpu-mask` and `--numa` without EPERM; the real llama-server serves; and
+//! `/status` shows the open-file limit.
+//!
+//! It installs a package on this machine, so it runs only in CI (`CI=true`) or with
+//! `DSV4_TEST_INSTALL=1`, like the packaging test, and never at the same time as it.
+
+use std::os::unix::fs::PermissionsExt;
+use std::path::{Path, PathBuf};
+use std::process::Command;
+
+use crate::support::ns::{base_units, build_deb, run, Ns};
+use crate::support::*;
+
+const FAKE: &str = env!("CARGO_BIN_EXE_fake-engine");
+
+/// The installed package; purged on drop (and the `render` group removed if it made it).
+struct Installed {
+    made_render: bool,
+}
+
+impl Installed {
+    fn new() -> Installed {
+        let out = temp_dir("deb");
+        let deb = build_deb(out.path());
+        run(Command::new("dpkg").args(["-i", &deb]));
+        // The unit's SupplementaryGroups=render video: a machine with a GPU has both (udev
+        // makes render); a container may not.
+        let made_render = Command::new("getent")
+            .args(["group", "render"])
+            .output()
+            .is_ok_and(|o| !o.status.success());
+        if made_render {
+            run(Command::new("groupadd").args(["--system", "render"]));
+        }
+        Installed { made_render }
+    }
+}
+
+impl Drop for Installed {
+    fn drop(&mut self) {
+        let _ = Command::new("dpkg").args(["-P", "dsv4"]).output();
+        if self.made_render {
+            let _ = Command::new("groupdel").arg("render").output();
+        }
+    }
+}
+
+/// `curl` inside the namespace: the status and the body.
+fn curl(ns: &Ns, args: &str) -> (u16, String) {
+    let text = ns.out(&format!(
+        "curl -sS --max-time 60 -w '\\n%{{http_code}}' {args}"
+    ));
+    let (body, code) = text.rsplit_once('\n').unwrap_or(("", &text));
+    (code.trim().parse().unwrap_or(0), body.to_string())
+}
+
+fn status(ns: &Ns) -> serde_json::Value {
+    let (code, body) = curl(ns, "http://127.0.0.1:8080/status");
+    assert_eq!(code, 200, "{body}\n{}", ns.journal());
+    serde_json::from_str(&body).unwrap()
+}
+
+/// Copies `from` to `to` as root's, readable by all: the dsv4 user reaches it only so.
+fn copy_public(from: &Path, to: &Path, mode: u32) {
+    std::fs::create_dir_all(to.parent().unwrap()).unwrap();
+    std::fs::copy(from, to).unwrap_or_else(|e| panic!("{}: {e}", from.display()));
+    std::fs::set_permissions(to, std::fs::Permissions::from_mode(mode)).unwrap();
+}
+
+fn write_public(path: &Path, text: &str) {
+    std::fs::create_dir_all(path.parent().unwrap()).unwrap();
+    std::fs::write(path, text).unwrap();
+    std::fs::set_permissions(path, std::fs::Permissions::from_mode(0o644)).unwrap();
+}
+
+const DEVICE: &str = "sys/devices/pci0000:00/0000:00:08.1/0000:c5:00.0";
+
+/// The unit folder: the boot's special units stubbed, journald, D-Bus and polkit as this
+/// machine has them, the installed dsv4 units unchanged, and drop-ins that change only paths.
+fn unit_folder(w: &Path) -> PathBuf {
+    let units = base_units(w, &["dbus.socket", "dbus.service", "polkit.service"]);
+    // The installed units, as dpkg put them.
+    let installed = Path::new("/usr/lib/systemd/system");
+    for u in ["dsv4.socket", "dsv4.service", "dsv4-sysfs@.service"] {
+        std::fs::copy(installed.join(u), units.join(u))
+            .unwrap_or_else(|e| panic!("{} not installed: {e}", u));
+    }
+    let sysroot = w.join("root");
+    let paths = |unit: &str, exec: String| {
+        let d = units.join(format!("{unit}.d"));
+        std::fs::create_dir_all(&d).unwrap();
+        std::fs::write(
+            d.join("paths.conf"),
+            format!(
+                "[Service]\nExecStart=\nExecStart={exec}\nReadWritePaths={}\n",
+                sysroot.display()
+            ),
+        )
+        .unwrap();
+    };
+    paths(
+        "dsv4.service",
+        format!(
+            "/usr/bin/dsv4d --config {} --sysroot {}",
+            w.join("etc/supervisor.yaml").display(),
+            sysroot.display()
+        ),
+    );
+    paths(
+        "dsv4-sysfs@.service",
+        format!(
+            "/usr/libexec/dsv4/dsv4-sysfs --sysroot {} %i",
+            sysroot.display()
+        ),
+    );
+    units
+}
+
+/// The test's files, all root's and readable by all: the engines, the model, the
+/// configuration and a Strix Halo sysroot whose GPU is on `low`.
+fn lay_out(w: &Path) {
+    let (server, model) = real::engine();
+    copy_public(&server, &w.join("bin/llama-server"), 0o755);
+    copy_public(Path::new(FAKE), &w.join("bin/fake-engine"), 0o755);
+    copy_public(&model, &w.join("models/tiny.gguf"), 0o644);
+    copy_public(&model, &w.join("models/probe.gguf"), 0o644);
+    // cp -a keeps the tree's symlinks (class/drm/card1 -> ../../devices/...).
+    run(Command::new("cp")
+        .arg("-a")
+        .arg(fixture_tree("strix-halo"))
+        .arg(w.join("root")));
+    run(Command::new("chown")
+        .args(["-R", "root:root"])
+        .arg(w.join("root")));
+    run(Command::new("chmod")
+        .args(["-R", "u=rwX,go=rX"])
+        .arg(w.join("root")));
+    std::fs::write(
+        w.join("root")
+            .join(DEVICE)
+            .join("power_dpm_force_performance_level"),
+        "low\n",
+    )
+    .unwrap();
+    write_public(
+        &w.join("etc/supervisor.yaml"),
+        "api:\n  listen: 127.0.0.1:8080\n\
+         engine:\n  idle_timeout: 3s\n  stop_timeout: 10s\n  start_timeout: 1m\n\
+         power: { method: auto, cpu: power-saver, gpu: auto }\n\
+         monitor: { interval: 500ms, idle_interval: 500ms }\n\
+         memory: { reserve: 0GiB }\n\
+         profiles_dir: profiles\ndefault_profile: tiny\nstate_dir: /var/lib/dsv4\n",
+    );
+    write_public(
+        &w.join("etc/profiles/tiny.yaml"),
+        &format!(
+            "description: the real llama-server on the tiny model\nengine: llama-server\n\
+             command: {}\nmodel: {}\ncontext: 1024\nparallel: 1\nextra_args: [--no-webui]\n",
+            w.join("bin/llama-server").display(),
+            w.join("models/tiny.gguf").display()
+        ),
+    );
+    write_public(
+        &w.join("etc/profiles/probe.yaml"),
+        &format!(
+            "description: the fake engine, making an engine's system calls\n\
+             engine: llama-server\ncommand: {}\nmodel: {}\ncontext: 1024\nparallel: 1\n\
+             env:\n  FAKE_ENGINE_PROBE_SYSCALLS: \"1\"\n  \
+             FAKE_ENGINE_LOG_FILE: /var/lib/dsv4/probe.log\n",
+            w.join("bin/fake-engine").display(),
+            w.join("models/probe.gguf").display()
+        ),
+    );
+}
+
+fn install_allowed() -> bool {
+    std::env::var("CI").is_ok_and(|v| v == "true")
+        || std::env::var("DSV4_TEST_INSTALL").is_ok_and(|v| v == "1")
+}
+
+#[test]
+fn the_installed_units_run_as_shipped_under_a_real_systemd() {
+    if !install_allowed() {
+        eprintln!(
+            "not run: it installs the package on this machine, which happens only in CI \
+             (CI=true) or with DSV4_TEST_INSTALL=1"
+        );
+        return;
+    }
+    let _one_at_a_time = package_lock();
+    let _installed = Installed::new();
+    // Below /var/cache: not /tmp or /var/tmp (PrivateTmp=), /home or /root (ProtectHome=),
+    // nor /run or /var/lib (the namespace's own tmpfs).
+    let w = tempfile::Builder::new()
+        .prefix("dsv4-installed-")
+        .tempdir_in("/var/cache")
+        .unwrap();
+    std::fs::set_permissions(w.path(), std::fs::Permissions::from_mode(0o755)).unwrap();
+    lay_out(w.path());
+    let units = unit_folder(w.path());
+    let ns = Ns::boot(&units, "test.target", &w.path().join("console.log"), true);
+    let level_file = w
+        .path()
+        .join("root")
+        .join(DEVICE)
+        .join("power_dpm_force_performance_level");
+    let level = || {
+        std::fs::read_to_string(&level_file)
+            .unwrap()
+            .trim()
+            .to_string()
+    };
+    let governor_file = w
+        .path()
+        .join("root/sys/devices/system/cpu/cpufreq/policy1/scaling_governor");
+    let governor = || {
+        std::fs::read_to_string(&governor_file)
+            .unwrap()
+            .trim()
+            .to_string()
+    };
+    let governor_before = governor();
+    assert_ne!(
+        governor_before, "powersave",
+        "the fixture must start elsewhere"
+    );
+    assert_eq!(level(), "low");
+
+    // The real llama-server serves through the socket-activated daemon, as the dsv4 user.
+    ns.wait("dsv4.socket listening", || {
+        ns.out("systemctl is-active dsv4.socket") == "active"
+    });
+    let chat = r#"-H 'content-type: application/json' -d '{"messages":[{"role":"user","content":"hi"}],"max_tokens":8}' http://127.0.0.1:8080/v1/chat/completions"#;
+    let (code, body) = curl(&ns, chat);
+    assert_eq!(code, 200, "{body}\n{}", ns.journal());
+    let v: serde_json::Value = serde_json::from_str(&body).unwrap();
+    assert_eq!(v["choices"][0]["message"]["content"], "abcdefgh", "{v}");
+    let user = ns.out("ps -o user= -p $(systemctl show -p MainPID --value dsv4.service)");
+    assert_eq!(user, "dsv4");
+
+    // While it runs: the GPU on auto and the CPU policies on powersave, written through
+    // dsv4-sysfs@ (dsv4d itself cannot: the files are root's and /sys is read-only to it).
+    ns.wait("the GPU level on auto", || level() == "auto");
+    ns.wait("policy1 on powersave", || governor() == "powersave");
+    let s = status(&ns);
+    assert_eq!(s["power"]["gpu_level"], "auto", "{}", s["power"]);
+    assert_eq!(s["power"]["method"], "cpufreq", "{}", s["power"]);
+    let helper = ns.out("journalctl --no-pager -u 'dsv4-sysfs@*'");
+    assert!(
+        helper.contains("wrote auto to") && helper.contains("wrote powersave to"),
+        "{helper}"
+    );
+    // The open-file limit: the shipped unit leaves systemd's 1024:524288, raised to the hard.
+    let limits = &s["limits"];
+    assert_eq!(limits["open_files"], limits["open_files_hard"], "{limits}");
+    assert!(limits["open_files"].as_u64().unwrap() > 1024, "{limits}");
+
+    // The idle stop gives both back.
+    ns.wait("the idle stop", || {
+        status(&ns)["state"] == dsv4_client::State::Stopped.as_str()
+    });
+    ns.wait("the GPU level back on low", || level() == "low");
+    ns.wait("policy1 back", || governor() == governor_before);
+
+    // An engine under the unit makes the calls behind --prio, --cpu-mask and --numa.
+    let o = ns.sh("dsv4ctl profile probe && dsv4ctl start --wait");
+    assert!(
+        o.status.success(),
+        "{}{}\n{}",
+        String::from_utf8_lossy(&o.stdout),
+        String::from_utf8_lossy(&o.stderr),
+        ns.journal()
+    );
+    // The namespace's /var/lib is its own tmpfs: read the log from inside.
+    let probe = ns.out("cat /var/lib/dsv4/probe.log");
+    // The filter would answer EPERM; anything else is the kernel's own answer (mbind on a
+    // kernel without NUMA says ENOSYS), and the call got through.
+    for call in ["setpriority", "sched_setaffinity", "setrlimit", "mbind"] {
+        let line = probe
+            .lines()
+            .find(|l| l.starts_with(&format!("syscall {call} ")))
+            .unwrap_or_else(|| panic!("no {call} in the probe's log:\n{probe}"));
+        assert!(!line.contains("EPERM"), "{line}\n{probe}");
+    }
+    for call in ["setpriority", "sched_setaffinity", "setrlimit"] {
+        assert!(probe.contains(&format!("syscall {call} ok")), "{probe}");
+    }
+}
