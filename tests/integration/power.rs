@@ -495,7 +495,7 @@ async fn a_gpu_level_that_cannot_be_written_is_said_clearly_and_the_engine_serve
     assert!(
         note.starts_with("cannot set the GPU's performance level to auto: writing ")
             && note.contains("Permission denied")
-            && note.contains("dsv4d's user needs write access to it"),
+            && note.contains("dsv4-sysfs@gpu:card1:auto.service"),
         "{note}"
     );
     assert_eq!(std::fs::read_to_string(&level).unwrap(), "low\n");
