@@ -297,11 +297,8 @@ async fn max_size_evicts_the_oldest_and_keeps_serving() {
         "the evicted checkpoint was restored\n{}",
         d.log()
     );
-    assert!(
-        d.log().contains("removed: kv_checkpoint.max_size reached"),
-        "{}",
-        d.log()
-    );
+    d.log_with(&["removed: kv_checkpoint.max_size reached"])
+        .await;
     let kv = kv_of(&d, "tiny").await;
     assert!(kv["dir_bytes"].as_u64().unwrap() <= 2 << 20, "{kv}");
     assert_eq!(kv_of(&d, "half").await["checkpoint"]["profile"], "half");

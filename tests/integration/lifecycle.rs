@@ -353,12 +353,8 @@ async fn an_engine_a_killed_daemon_left_running_is_ended_at_the_next_start() {
         );
         tokio::time::sleep(Duration::from_millis(20)).await;
     }
-    assert!(
-        d.log()
-            .contains("ending an engine process a previous dsv4d left running"),
-        "{}",
-        d.log()
-    );
+    d.log_with(&["ending an engine process a previous dsv4d left running"])
+        .await;
     // The new daemon serves with an engine of its own, and its record replaced the old one.
     let (status, _, _) = body_json(d.post("/v1/chat/completions", chat(2, false)).await).await;
     assert_eq!(status, 200);

@@ -412,12 +412,8 @@ async fn a_crashed_daemons_cpufreq_changes_are_given_back_at_its_next_start() {
         );
         tokio::time::sleep(Duration::from_millis(20)).await;
     }
-    assert!(
-        d.log()
-            .contains("giving back the settings a previous dsv4d changed"),
-        "{}",
-        d.log()
-    );
+    d.log_with(&["giving back the settings a previous dsv4d changed"])
+        .await;
     assert!(!d.dir().join("state/power-restore.json").exists());
 }
 
@@ -501,6 +497,8 @@ async fn a_gpu_level_that_cannot_be_written_is_said_clearly_and_the_engine_serve
     assert_eq!(std::fs::read_to_string(&level).unwrap(), "low\n");
     chat_ok(&d).await;
     // Said once, not at every sample.
+    d.log_with(&["cannot set the GPU's performance level to auto"])
+        .await;
     tokio::time::sleep(2500 * Duration::from_millis(1)).await;
     let said = d
         .log()
