@@ -41,12 +41,26 @@ pub const LOAD_MARGIN: Duration = Duration::from_secs(2);
 pub const PATIENCE: Duration = Duration::from_secs(30);
 
 /// Held by a test that installs the package on this machine, or runs its units under a real
-/// systemd (which makes `/etc/dsv4`): one at a time.
-pub fn package_lock() -> std::sync::MutexGuard<'static, ()> {
-    static PACKAGE: Mutex<()> = Mutex::new(());
-    PACKAGE
-        .lock()
-        .unwrap_or_else(|poisoned| poisoned.into_inner())
+/// systemd (which makes `/etc/dsv4`): one at a time, in this test process and in any other
+/// (two checkouts tested at once share the machine's /etc and dpkg). An exclusive `flock` on
+/// a file of this machine's, let go when the guard drops (or the process dies).
+pub fn package_lock() -> nix::fcntl::Flock<std::fs::File> {
+    let path = "/run/lock/dsv4-tests-package.lock";
+    let file = std::fs::OpenOptions::new()
+        .create(true)
+        .truncate(false)
+        .write(true)
+        .open(path)
+        .or_else(|_| {
+            std::fs::OpenOptions::new()
+                .create(true)
+                .truncate(false)
+                .write(true)
+                .open("/tmp/dsv4-tests-package.lock")
+        })
+        .unwrap_or_else(|e| panic!("cannot open a lock file: {e}"));
+    nix::fcntl::Flock::lock(file, nix::fcntl::FlockArg::LockExclusive)
+        .unwrap_or_else(|(_, e)| panic!("cannot lock {path}: {e}"))
 }
 
 /// A benchmark knob: the environment variable `name` as a number, else `default`.
