@@ -18,7 +18,7 @@ use std::os::unix::fs::PermissionsExt;
 use std::path::{Path, PathBuf};
 use std::process::Command;
 
-use crate::support::ns::{base_units, build_deb, run, Ns};
+use crate::support::ns::{base_units, deb, run, Ns};
 use crate::support::*;
 
 const FAKE: &str = env!("CARGO_BIN_EXE_fake-engine");
@@ -30,9 +30,8 @@ struct Installed {
 
 impl Installed {
     fn new() -> Installed {
-        let out = temp_dir("deb");
-        let deb = build_deb(out.path());
-        run(Command::new("dpkg").args(["-i", &deb]));
+        let deb = deb();
+        run(Command::new("dpkg").args(["-i", deb]));
         // The unit's SupplementaryGroups=render video: a machine with a GPU has both (udev
         // makes render); a container may not.
         let made_render = Command::new("getent")

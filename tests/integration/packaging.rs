@@ -5,7 +5,7 @@
 use std::path::Path;
 use std::process::Command;
 
-use crate::support::ns::{build_deb, run};
+use crate::support::ns::{deb, run};
 use crate::support::*;
 
 const EXPECTED: &[&str] = &[
@@ -36,9 +36,8 @@ const EXPECTED: &[&str] = &[
 
 #[test]
 fn the_deb_builds_installs_and_purges_clean() {
-    let out = temp_dir("deb");
-    let deb = build_deb(out.path());
-    let listing = run(Command::new("dpkg-deb").args(["-c", &deb]));
+    let deb = deb();
+    let listing = run(Command::new("dpkg-deb").args(["-c", deb]));
     let files: Vec<&str> = listing
         .lines()
         .filter_map(|l| l.split_whitespace().nth(5))
@@ -49,7 +48,7 @@ fn the_deb_builds_installs_and_purges_clean() {
             "{want} not in the package:\n{listing}"
         );
     }
-    let conffiles = run(Command::new("dpkg-deb").args(["-I", &deb, "conffiles"]));
+    let conffiles = run(Command::new("dpkg-deb").args(["-I", deb, "conffiles"]));
     assert_eq!(
         conffiles.lines().collect::<Vec<_>>(),
         [
@@ -58,7 +57,7 @@ fn the_deb_builds_installs_and_purges_clean() {
             "/etc/dsv4/supervisor.yaml"
         ]
     );
-    let control = run(Command::new("dpkg-deb").args(["-f", &deb, "Package", "Version"]));
+    let control = run(Command::new("dpkg-deb").args(["-f", deb, "Package", "Version"]));
     assert!(control.contains("Package: dsv4"), "{control}");
 
     let install = std::env::var("CI").is_ok_and(|v| v == "true")
@@ -71,7 +70,7 @@ fn the_deb_builds_installs_and_purges_clean() {
         return;
     }
     let _one_at_a_time = package_lock();
-    run(Command::new("dpkg").args(["-i", &deb]));
+    run(Command::new("dpkg").args(["-i", deb]));
     let version = run(Command::new("/usr/bin/dsv4ctl").arg("--version"));
     assert!(version.starts_with("dsv4ctl "), "{version}");
     let page = run(Command::new("man").args(["-w", "dsv4ctl"]));

@@ -134,18 +134,19 @@ impl Engine {
         }
     }
 
-    /// Sleeps before producing token `i` (each token "takes" `--token-ms`);
+    /// Waits until token `i` is due (each token "takes" `--token-ms`, counted on `pace`);
     /// `--pause-after 0` pauses before the very first token.
-    async fn before_token(&self, i: u64) {
+    async fn before_token(&self, i: u64, pace: &mut Pace) {
         if i == 0 && self.cfg.pause_after == Some(0) {
             sleep_ms(self.cfg.pause_ms).await;
+            pace.restart();
         }
-        sleep_ms(self.cfg.token_ms).await;
+        pace.next_token(self.cfg.token_ms).await;
     }
 
     /// Bookkeeping after token `i` went out: the process-wide counter for
     /// `--die-after-tokens`, and the one-off `--pause-after` pause.
-    async fn after_token(&self, i: u64) {
+    async fn after_token(&self, i: u64, pace: &mut Pace) {
         let total = self.tokens_total.fetch_add(1, Ordering::SeqCst) + 1;
         if let Some(limit) = self.cfg.die_after_tokens {
             if total >= limit {
@@ -158,6 +159,34 @@ impl Engine {
         }
         if self.cfg.pause_after == Some(i + 1) {
             sleep_ms(self.cfg.pause_ms).await;
+            pace.restart();
+        }
+    }
+}
+
+/// When the next token is due: `--token-ms` after the one before on a schedule that starts
+/// with the answer, not after the last wake-up, so that a loaded machine's late wake-ups
+/// do not slow the rate (a real engine's throughput does not drift with its scheduling). A
+/// pause starts the schedule again.
+pub struct Pace {
+    due: tokio::time::Instant,
+}
+
+impl Pace {
+    pub fn new() -> Pace {
+        Pace {
+            due: tokio::time::Instant::now(),
+        }
+    }
+
+    fn restart(&mut self) {
+        self.due = tokio::time::Instant::now();
+    }
+
+    async fn next_token(&mut self, token_ms: u64) {
+        if token_ms > 0 {
+            self.due += Duration::from_millis(token_ms);
+            tokio::time::sleep_until(self.due).await;
         }
     }
 }
@@ -829,11 +858,12 @@ async fn generate(engine: &Arc<Engine>, req: Request<Incoming>, flavor: Flavor) 
     sleep_ms(engine.cfg.prefill_ms).await;
     let prompt_ms = ms_since(t0);
     let t1 = Instant::now();
+    let mut pace = Pace::new();
     let mut content = String::new();
     for i in 0..job.plan.len() {
-        engine.before_token(i).await;
+        engine.before_token(i, &mut pace).await;
         content.push(job.plan.token(i));
-        engine.after_token(i).await;
+        engine.after_token(i, &mut pace).await;
     }
     let timings = Timings {
         cache_n: 0,
@@ -864,13 +894,14 @@ async fn stream_job(
     }
     let prompt_ms = ms_since(t0);
     let t1 = Instant::now();
+    let mut pace = Pace::new();
     for i in 0..job.plan.len() {
-        engine.before_token(i).await;
+        engine.before_token(i, &mut pace).await;
         let event = gen::sse_data(&job.flavor.chunk(&meta, job.plan.token(i)));
         if tx.send(event).await.is_err() {
             return;
         }
-        engine.after_token(i).await;
+        engine.after_token(i, &mut pace).await;
     }
     let timings = Timings {
         cache_n: 0,

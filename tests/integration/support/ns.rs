@@ -25,13 +25,20 @@ pub fn run(cmd: &mut Command) -> String {
     String::from_utf8_lossy(&out.stdout).into_owned()
 }
 
-/// Builds the .deb (a debug build, `packaging/deb/build --debug`) into `out`; its path.
-pub fn build_deb(out: &Path) -> String {
-    run(Command::new(repo().join("packaging/deb/build"))
-        .arg("--debug")
-        .arg(out))
-    .trim()
-    .to_string()
+/// The .deb of this checkout (a debug build, `packaging/deb/build --debug`), built once per
+/// test process for every test that needs it (compressing it takes minutes on a busy machine).
+pub fn deb() -> &'static str {
+    static DEB: std::sync::OnceLock<(tempfile::TempDir, String)> = std::sync::OnceLock::new();
+    let (_, path) = DEB.get_or_init(|| {
+        let out = super::temp_dir("deb");
+        let path = run(Command::new(repo().join("packaging/deb/build"))
+            .arg("--debug")
+            .arg(out.path()))
+        .trim()
+        .to_string();
+        (out, path)
+    });
+    path
 }
 
 /// A booted systemd, stopped on drop.
