@@ -67,10 +67,12 @@ async fn prefill_comments_reach_the_client_as_they_come() {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn sigterm_gives_ds4_its_grace_to_save_the_kv_cache() {
+    // It takes 3 s after SIGTERM, well inside stop_timeout (10 s), and long enough that a
+    // late look at it on a loaded machine still finds it alive at the first second.
     let setup = Setup::default()
         .ds4()
-        .engine("stop_timeout", "5s")
-        .knob("sigterm_ms", "1500");
+        .engine("stop_timeout", "10s")
+        .knob("sigterm_ms", "3000");
     let mut d = Daemon::start(&setup);
     let (status, _, _) = body_json(d.post("/v1/chat/completions", chat(2, false)).await).await;
     assert_eq!(status, 200);
@@ -82,7 +84,7 @@ async fn sigterm_gives_ds4_its_grace_to_save_the_kv_cache() {
     assert!(alive(pid), "engine killed before its stop grace");
     let st = d.wait_exit(PATIENCE).await;
     assert_eq!(st.code(), Some(0));
-    assert!(t0.elapsed() >= Duration::from_millis(1400));
+    assert!(t0.elapsed() >= Duration::from_millis(2900));
     assert!(!alive(pid));
     let log = d.log_with(&["the engine stopped (exit code 0)"]).await;
     assert!(!log.contains("SIGKILL") && !log.contains("SIGINT"), "{log}");
