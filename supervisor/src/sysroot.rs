@@ -60,13 +60,19 @@ impl SysRoot {
         self.root.join(system.trim_start_matches('/'))
     }
 
-    /// The whole file.
+    /// The whole file, without the NUL bytes a reader of a fixed-size buffer may have padded
+    /// it with (some tools capture sysfs that way).
     pub fn read(&self, system: &str) -> Result<String, SysError> {
         let path = self.path(system);
-        std::fs::read_to_string(&path).map_err(|e| SysError::Read {
-            why: e.to_string(),
-            path,
-        })
+        std::fs::read_to_string(&path)
+            .map(|mut text| {
+                text.truncate(text.trim_end_matches('\0').len());
+                text
+            })
+            .map_err(|e| SysError::Read {
+                why: e.to_string(),
+                path,
+            })
     }
 
     /// A file holding one value (most of sysfs): its trimmed content, parsed.

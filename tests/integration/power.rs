@@ -351,7 +351,7 @@ async fn without_ppd_cpufreq_is_set_for_the_run_and_restored_byte_for_byte() {
     let d = Daemon::start(&cpufreq_setup(tree.path()));
     chat_ok(&d).await;
     wait_power(&d, "applied", |p| p["cpu"].is_string()).await;
-    for i in 0..4 {
+    for i in 0..3 {
         assert_eq!(
             read(
                 tree.path(),
@@ -360,6 +360,11 @@ async fn without_ppd_cpufreq_is_set_for_the_run_and_restored_byte_for_byte() {
             "powersave"
         );
     }
+    // policy3 is acpi-cpufreq: powersave would pin it at its lowest frequency.
+    assert_eq!(
+        read(tree.path(), &format!("{POLICIES}/policy3/scaling_governor")),
+        "schedutil"
+    );
     for i in 0..3 {
         let epp = read(
             tree.path(),
@@ -370,7 +375,13 @@ async fn without_ppd_cpufreq_is_set_for_the_run_and_restored_byte_for_byte() {
     let p = power_status(&d).await;
     assert_eq!(p["method"], "cpufreq", "{p}");
     assert_eq!(
-        p["cpu"], "governor powersave on 4 policies, EPP power on 3",
+        p["cpu"], "governor powersave on 3 policies, EPP power on 3",
+        "{p}"
+    );
+    assert!(
+        p["cpu_note"]
+            .as_str()
+            .is_some_and(|n| n.starts_with("policy3 (acpi-cpufreq) left as it is")),
         "{p}"
     );
     assert!(d.dir().join("state/power-restore.json").exists());
@@ -541,8 +552,8 @@ async fn a_governor_changed_by_hand_during_the_run_is_left_as_chosen() {
     let d = Daemon::start(&cpufreq_setup(tree.path()));
     chat_ok(&d).await;
     wait_power(&d, "applied", |p| p["cpu"].is_string()).await;
-    // The user picks schedutil for policy3 while the engine runs.
-    let by_hand = tree.path().join(POLICIES).join("policy3/scaling_governor");
+    // The user picks schedutil for policy2 while the engine runs.
+    let by_hand = tree.path().join(POLICIES).join("policy2/scaling_governor");
     std::fs::write(&by_hand, "schedutil-by-hand\n").unwrap();
     d.wait_state(State::Stopped, PATIENCE).await;
     wait_power(&d, "given back", |p| p["cpu"].is_null()).await;
@@ -550,13 +561,18 @@ async fn a_governor_changed_by_hand_during_the_run_is_left_as_chosen() {
         std::fs::read_to_string(&by_hand).unwrap(),
         "schedutil-by-hand\n"
     );
+    // The user took that policy over: all of it stays as it is; the others are given back.
+    let taken = by_hand.parent().unwrap();
     let others: Vec<_> = cpufreq_files(tree.path())
         .into_iter()
-        .filter(|(p, _)| p != &by_hand)
+        .filter(|(p, _)| !p.starts_with(taken))
         .collect();
-    let want: Vec<_> = before.into_iter().filter(|(p, _)| p != &by_hand).collect();
+    let want: Vec<_> = before
+        .into_iter()
+        .filter(|(p, _)| !p.starts_with(taken))
+        .collect();
     assert_eq!(others, want);
-    d.log_with(&["policy3 was changed by hand meanwhile"]).await;
+    d.log_with(&["policy2 was changed by hand meanwhile"]).await;
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

@@ -9,8 +9,10 @@
 //! `structure_size` matches the layout it names and the bytes read hold all of it. Any input
 //! gives a value or an error, never a panic.
 //!
-//! The layout is chosen by `structure_size` first: Strix Halo's v3.0 table (264 bytes) was
-//! labelled revision 2.1 by its first kernels. v2.x tables report throttling as bits
+//! The layout is chosen by the revision, and the table must have that layout's size. v2.x
+//! tables hold `average_gfx_activity` in centi-percent (the SMU's `GfxActivity`, which the
+//! driver divides by 100 for `gpu_busy_percent`); v3.0 holds percent. v2.x tables report
+//! throttling as bits
 //! (`indep_throttle_status`, v2.2 and later: bits 0-15 power, 16-31 current, 32-47 thermal,
 //! 48-63 other); v3.0 has cumulative `throttle_residency_*` counters instead, whose rise
 //! between two readings is throttling in that interval. All ones in a field means the
@@ -32,7 +34,7 @@ pub enum ThrottleReading {
 pub struct Metrics {
     /// `format.content`, as the header says.
     pub revision: (u8, u8),
-    /// The layout decoded, which may differ from the label (`3.0` for Strix Halo's `2.1`).
+    /// The layout decoded.
     pub layout: &'static str,
     pub gfx_celsius: Option<f64>,
     pub soc_celsius: Option<f64>,
@@ -65,7 +67,8 @@ struct Layout {
     soc: usize,
     /// Offset and count of `temperature_core`.
     cores: (usize, usize),
-    busy: usize,
+    /// `average_gfx_activity`: offset, and whether it is in centi-percent (v2.x) or percent.
+    busy: (usize, bool),
     /// `average_socket_power`: offset, and whether it is a u32 (v3.0) or a u16.
     socket: (usize, bool),
     apu: Option<usize>,
@@ -86,7 +89,7 @@ const V2_0: Layout = Layout {
     gfx: 16,
     soc: 18,
     cores: (20, 8),
-    busy: 40,
+    busy: (40, true),
     socket: (44, false),
     apu: None,
     gfx_power: (50, false),
@@ -101,7 +104,7 @@ const fn v2(name: &'static str, size: u16) -> Layout {
         gfx: 4,
         soc: 6,
         cores: (8, 8),
-        busy: 28,
+        busy: (28, true),
         socket: (40, false),
         apu: None,
         gfx_power: (46, false),
@@ -119,7 +122,7 @@ const V3_0: Layout = Layout {
     gfx: 4,
     soc: 6,
     cores: (8, 16),
-    busy: 42,
+    busy: (42, false),
     socket: (112, true),
     apu: Some(120),
     gfx_power: (124, true),
@@ -127,16 +130,13 @@ const V3_0: Layout = Layout {
 };
 
 fn layout(format: u8, content: u8, size: u16) -> Option<Layout> {
-    // The size decides first for the two labels v3.0 is known by (see the module header).
-    if size == V3_0.size && matches!((format, content), (3, 0) | (2, 1)) {
-        return Some(V3_0);
-    }
     let want = match (format, content) {
         (2, 0) => V2_0,
         (2, 1) => v2("2.1", 120),
         (2, 2) => v2("2.2", 128),
         (2, 3) => v2("2.3", 152),
         (2, 4) => v2("2.4", 168),
+        (3, 0) => V3_0,
         _ => return None,
     };
     (want.size == size).then_some(want)
@@ -169,6 +169,12 @@ fn milliwatts(b: &[u8], (at, wide): (usize, bool)) -> Option<f64> {
         u16_at(b, at).map(u32::from)
     };
     mw.map(|mw| f64::from(mw) / 1000.0)
+}
+
+fn busy_percent(b: &[u8], (at, centi): (usize, bool)) -> Option<f64> {
+    let v = f64::from(u16_at(b, at)?);
+    let percent = if centi { v / 100.0 } else { v };
+    (percent <= 100.0).then_some(percent)
 }
 
 /// Decodes a table read whole from `gpu_metrics`.
@@ -210,7 +216,7 @@ pub fn decode(bytes: &[u8]) -> Result<Metrics, DecodeError> {
         gfx_celsius: centi(u16_at(b, l.gfx)),
         soc_celsius: centi(u16_at(b, l.soc)),
         core_max_celsius,
-        gfx_busy_percent: u16_at(b, l.busy).filter(|v| *v <= 100).map(f64::from),
+        gfx_busy_percent: busy_percent(b, l.busy),
         socket_watts: milliwatts(b, l.socket),
         apu_watts: l.apu.and_then(|at| milliwatts(b, (at, true))),
         gfx_watts: milliwatts(b, l.gfx_power),
@@ -231,13 +237,7 @@ mod tests {
         std::fs::read(&path).unwrap_or_else(|e| panic!("{}: {e}", path.display()))
     }
 
-    const BLOBS: [&str; 5] = [
-        "v3_0.bin",
-        "v3_0-labelled-2_1.bin",
-        "v2_3.bin",
-        "v2_1.bin",
-        "v2_0.bin",
-    ];
+    const BLOBS: [&str; 4] = ["v3_0.bin", "v2_3.bin", "v2_1.bin", "v2_0.bin"];
 
     #[test]
     fn strix_halo_v3_0() {
@@ -257,16 +257,16 @@ mod tests {
                 throttle: Some(ThrottleReading::Residency([0, 40, 0, 0, 0, 3, 0])),
             }
         );
-        // As the first kernels labelled it: the same table.
-        let labelled = decode(&blob("v3_0-labelled-2_1.bin")).unwrap();
-        assert_eq!(labelled.revision, (2, 1));
-        assert_eq!(labelled.layout, "3.0");
+        // A v3.0 table under another label is not read as v3.0.
+        let mut labelled = blob("v3_0.bin");
+        labelled[2..4].copy_from_slice(&[2, 1]);
         assert_eq!(
-            Metrics {
-                revision: (3, 0),
-                ..labelled
-            },
-            m
+            decode(&labelled),
+            Err(DecodeError::Unknown {
+                format: 2,
+                content: 1,
+                size: 264
+            })
         );
     }
 
@@ -277,7 +277,8 @@ mod tests {
         assert_eq!(m.gfx_celsius, Some(64.2));
         assert_eq!(m.soc_celsius, Some(59.3));
         assert_eq!(m.core_max_celsius, Some(61.0));
-        assert_eq!(m.gfx_busy_percent, Some(41.0));
+        // Centi-percent on v2.x.
+        assert_eq!(m.gfx_busy_percent, Some(41.25));
         assert_eq!(m.socket_watts, Some(28.5));
         assert_eq!(m.apu_watts, None);
         assert_eq!(m.gfx_watts, Some(12.75));
@@ -349,7 +350,7 @@ mod tests {
 
         #[test]
         fn real_headers_with_random_bodies_never_panic(
-            pick in 0usize..5,
+            pick in 0usize..4,
             body in proptest::collection::vec(any::<u8>(), 0..300),
         ) {
             let head = blob(BLOBS[pick]);

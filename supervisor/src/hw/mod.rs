@@ -158,4 +158,6 @@ impl Sampler {
 }
 
 #[cfg(test)]
+mod captured;
+#[cfg(test)]
 mod tests;

@@ -1,5 +1,6 @@
-//! The CPU's frequency policy without power-profiles-daemon: each cpufreq policy's governor
-//! and, with amd-pstate-epp (or intel_pstate), its energy-performance preference.
+//! The CPU's frequency policy without power-profiles-daemon: the governor and the
+//! energy-performance preference of each cpufreq policy whose driver takes one (amd-pstate
+//! or intel_pstate in active mode); policies of other drivers are left as they are.
 //!
 //! Follows: Documentation/admin-guide/pm/cpufreq.rst (`/sys/devices/system/cpu/cpufreq/
 //! policyN/scaling_governor`) and Documentation/admin-guide/pm/amd-pstate.rst
@@ -120,46 +121,102 @@ pub async fn apply(writer: &Writer, settings: &[PolicySettings]) -> Vec<String> 
     problems
 }
 
-/// What `found` becomes under `cpu`: the target governor everywhere, and the target
-/// preference where the policy has one and lists it as available.
-pub fn targeted(root: &SysRoot, found: &[PolicySettings], cpu: CpuPolicy) -> Vec<PolicySettings> {
+/// The cpufreq drivers whose energy preference dsv4 sets, as power-profiles-daemon does:
+/// amd-pstate in active mode (`amd-pstate-epp`) and intel_pstate in active mode. Under the
+/// others (acpi-cpufreq, amd-pstate in passive or guided mode, `intel_cpufreq`), the
+/// `powersave` governor pins the CPUs at their lowest frequency, so they are left alone.
+pub const EPP_DRIVERS: [&str; 2] = ["amd-pstate-epp", "intel_pstate"];
+
+/// What the policies found become under a CPU policy of the configuration.
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
+pub struct Targets {
+    /// The policies dsv4 sets, with what it sets them to.
+    pub set: Vec<PolicySettings>,
+    /// The policies left as they are, with their driver (`?` when it cannot be read).
+    pub left: Vec<(String, String)>,
+}
+
+impl Targets {
+    /// The status note for the policies left alone, if any.
+    pub fn left_note(&self) -> Option<String> {
+        if self.left.is_empty() {
+            return None;
+        }
+        let list: Vec<String> = self
+            .left
+            .iter()
+            .map(|(policy, driver)| format!("{policy} ({driver})"))
+            .collect();
+        Some(format!(
+            "{} left as {}: only {} in active mode take an energy preference, and the powersave governor would pin the others at their lowest frequency",
+            list.join(", "),
+            if self.left.len() == 1 { "it is" } else { "they are" },
+            EPP_DRIVERS.join(" or "),
+        ))
+    }
+}
+
+/// What `found` becomes under `cpu`: on the policies of an [`EPP_DRIVERS`] driver with an
+/// energy preference, the target governor and the target preference (where it is offered);
+/// the other policies are left alone.
+pub fn targeted(root: &SysRoot, found: &[PolicySettings], cpu: CpuPolicy) -> Targets {
     let Some((governor, epp)) = target(cpu) else {
-        return Vec::new();
+        return Targets::default();
     };
-    found
-        .iter()
-        .map(|p| {
-            let available = root
-                .read(&format!(
-                    "{}/energy_performance_available_preferences",
-                    dir(&p.policy)
-                ))
-                .unwrap_or_default();
-            let offered = available.split_whitespace().any(|a| a == epp) || available.is_empty();
-            PolicySettings {
-                policy: p.policy.clone(),
-                governor: governor.to_string(),
-                epp: p.epp.as_ref().filter(|_| offered).map(|_| epp.to_string()),
-            }
-        })
-        .collect()
+    let mut targets = Targets::default();
+    for p in found {
+        let d = dir(&p.policy);
+        let driver = root
+            .read(&format!("{d}/scaling_driver"))
+            .map(|d| d.trim().to_string())
+            .unwrap_or_else(|_| "?".to_string());
+        if !EPP_DRIVERS.contains(&driver.as_str()) || p.epp.is_none() {
+            targets.left.push((p.policy.clone(), driver));
+            continue;
+        }
+        let available = root
+            .read(&format!("{d}/energy_performance_available_preferences"))
+            .unwrap_or_default();
+        let offered = available.split_whitespace().any(|a| a == epp) || available.is_empty();
+        targets.set.push(PolicySettings {
+            policy: p.policy.clone(),
+            governor: governor.to_string(),
+            epp: Some(
+                if offered {
+                    epp
+                } else {
+                    p.epp.as_deref().unwrap_or(epp)
+                }
+                .to_string(),
+            ),
+        });
+    }
+    targets
 }
 
 #[cfg(test)]
 mod tests {
     use super::*;
 
-    /// Three policies: two with EPP (one under `performance`), one without.
+    /// Four policies: two of amd-pstate in active mode (one under `performance`), one of
+    /// acpi-cpufreq and one of amd-pstate in passive mode.
     fn tree() -> (tempfile::TempDir, SysRoot) {
         let dir = tempfile::tempdir().unwrap();
         let base = dir.path().join("sys/devices/system/cpu/cpufreq");
-        for (i, gov, epp) in [
-            (0, "powersave", Some("balance_performance")),
-            (1, "performance", Some("performance")),
-            (2, "schedutil", None),
+        for (i, driver, gov, epp) in [
+            (
+                0,
+                "amd-pstate-epp",
+                "powersave",
+                Some("balance_performance"),
+            ),
+            (1, "amd-pstate-epp", "performance", Some("performance")),
+            (2, "acpi-cpufreq", "schedutil", None),
+            (3, "amd-pstate", "schedutil", None),
         ] {
             let p = base.join(format!("policy{i}"));
             std::fs::create_dir_all(&p).unwrap();
+            std::fs::write(p.join("scaling_driver"), format!("{driver}\n")).unwrap();
             std::fs::write(p.join("scaling_governor"), format!("{gov}\n")).unwrap();
             if let Some(e) = epp {
                 std::fs::write(p.join("energy_performance_preference"), format!("{e}\n")).unwrap();
@@ -180,21 +237,31 @@ mod tests {
         let (_dir, root) = tree();
         let w = Writer::with_bus(root.clone(), None);
         let found = read(&root);
-        assert_eq!(found.len(), 3);
+        assert_eq!(found.len(), 4);
         assert_eq!(found[1].governor, "performance");
         assert_eq!(found[2].epp, None);
         let want = targeted(&root, &found, CpuPolicy::PowerSaver);
-        assert!(apply(&w, &want).await.is_empty());
+        assert_eq!(
+            want.left,
+            [
+                ("policy2".to_string(), "acpi-cpufreq".to_string()),
+                ("policy3".to_string(), "amd-pstate".to_string())
+            ]
+        );
+        assert!(want.left_note().unwrap().starts_with(
+            "policy2 (acpi-cpufreq), policy3 (amd-pstate) left as they are: only amd-pstate-epp or intel_pstate in active mode"
+        ));
+        assert!(apply(&w, &want.set).await.is_empty());
         let now = read(&root);
-        for p in &now {
-            assert_eq!(p.governor, "powersave", "{p:?}");
-        }
+        assert_eq!(now[0].governor, "powersave");
+        assert_eq!(now[1].governor, "powersave");
         assert_eq!(now[0].epp.as_deref(), Some("power"));
         assert_eq!(now[1].epp.as_deref(), Some("power"));
-        assert_eq!(now[2].epp, None);
+        // The others would be pinned at their lowest frequency by powersave: not touched.
+        assert_eq!(now[2..], found[2..]);
         assert!(apply(&w, &found).await.is_empty());
         assert_eq!(read(&root), found);
-        assert!(targeted(&root, &found, CpuPolicy::Keep).is_empty());
+        assert_eq!(targeted(&root, &found, CpuPolicy::Keep), Targets::default());
     }
 
     #[tokio::test]
@@ -208,7 +275,7 @@ mod tests {
             .join("sys/devices/system/cpu/cpufreq/policy1/scaling_governor");
         std::fs::remove_file(&gov).unwrap();
         std::fs::create_dir(&gov).unwrap();
-        let problems = apply(&w, &targeted(&root, &found, CpuPolicy::PowerSaver)).await;
+        let problems = apply(&w, &targeted(&root, &found, CpuPolicy::PowerSaver).set).await;
         assert_eq!(problems.len(), 1, "{problems:?}");
         assert!(
             problems[0].contains("policy1/scaling_governor"),

@@ -410,9 +410,17 @@ impl Task {
             ..Restore::default()
         };
         let cpu_target = cpufreq::target(power.cpu);
+        let mut left_note = None;
         if method == Method::Cpufreq && cpu_target.is_some() {
-            restore.cpufreq = cpufreq::read(&root);
-            restore.cpufreq_set = cpufreq::targeted(&root, &restore.cpufreq, power.cpu);
+            let found = cpufreq::read(&root);
+            let targets = cpufreq::targeted(&root, &found, power.cpu);
+            left_note = targets.left_note();
+            // Only the policies dsv4 sets are given back.
+            restore.cpufreq = found
+                .into_iter()
+                .filter(|p| targets.set.iter().any(|t| t.policy == p.policy))
+                .collect();
+            restore.cpufreq_set = targets.set;
         }
         let gpu_file = gpu::wanted(power.gpu).and_then(|_| gpu::level_file(&root));
         let gpu_found = gpu_file.as_deref().and_then(|f| gpu::read(&root, f));
@@ -491,11 +499,18 @@ impl Task {
                     target.len()
                 );
                 tracing::info!("power: {text}");
+                if let Some(note) = &left_note {
+                    tracing::info!("power: {note}");
+                }
+                let mut notes: Vec<String> = left_note.into_iter().collect();
                 if !problems.is_empty() {
                     let message = format!("power: {}", problems.join("; "));
                     tracing::warn!("{message}");
                     self.parts.alerts.raise(AlertKind::Power, message.clone());
-                    self.update(|s| s.cpu_note = Some(message));
+                    notes.push(message);
+                }
+                if !notes.is_empty() {
+                    self.update(|s| s.cpu_note = Some(notes.join("; ")));
                 }
                 self.update(|s| s.cpu = Some(text));
             }
