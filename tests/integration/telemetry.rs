@@ -307,3 +307,67 @@ async fn memory_that_comes_back_raises_no_alert() {
         panic!("an alert: {message}");
     }
 }
+
+/// Replaces a fixture file whole, as sysfs changes a value: a reader never sees it half
+/// written.
+fn replace(path: &std::path::Path, text: &str) {
+    let tmp = path.with_extension("dsv4-test-new");
+    std::fs::write(&tmp, text).unwrap();
+    std::fs::rename(&tmp, path).unwrap();
+}
+
+/// amdgpu frees a process's GTT some time after the process is gone. Here the fixture's GTT
+/// use drops 2 s after the old engine has exited: the profile switch's start waits for it,
+/// and the request that came meanwhile is served, with no 503 and no alert.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_switch_waits_for_the_old_engines_gtt_to_come_back() {
+    let bus = PrivateBus::start();
+    let tree = fixture_copy("strix-halo");
+    let d = Daemon::start(
+        &sampled(tree.path())
+            .session_bus(&bus)
+            .profile_key("320k", "planned_memory", "60GiB")
+            .profile_key("64k", "planned_memory", "60GiB"),
+    );
+    let mut alerts = alert_stream(&bus, &d).await;
+    let proxy = live_proxy(&bus, &d).await;
+    let (status, _, v) = d
+        .send("POST", "/v1/chat/completions", &[], Some(chat(3, false)))
+        .await;
+    assert_eq!(status, 200, "{v}");
+    let old = d.status().await["engine_pid"].as_u64().unwrap();
+    // The engine holds 81.4 GiB of the 112 GiB of GTT: 60 GiB more would not fit.
+    let gtt = tree.path().join(DEVICE).join("mem_info_gtt_used");
+    let before = std::fs::read_to_string(&gtt).unwrap();
+    replace(&gtt, "87389609984\n");
+    proxy.set_profile("64k").await.unwrap();
+    let freed = tokio::spawn(async move {
+        let proc = std::path::PathBuf::from(format!("/proc/{old}"));
+        let t = Instant::now();
+        while proc.exists() {
+            assert!(t.elapsed() < PATIENCE, "engine {old} never exited");
+            tokio::time::sleep(Duration::from_millis(20)).await;
+        }
+        tokio::time::sleep(2 * SEC).await;
+        replace(&gtt, &before);
+        Instant::now()
+    });
+    let (status, _, v) = d
+        .send("POST", "/v1/chat/completions", &[], Some(chat(3, false)))
+        .await;
+    assert_eq!(status, 200, "{v}\n{}", d.log());
+    let freed_at = freed.await.unwrap();
+    assert_eq!(d.spawns(), 2);
+    let s = d.status().await;
+    assert_eq!(s["engine_profile"], "64k", "{s}");
+    // The new engine was spawned after the GTT came back, not on the figures at the exit.
+    let log = d
+        .log_with(&["the start waits for the last engine's memory to come back"])
+        .await;
+    assert!(!log.contains("not enough GPU memory"), "{log}");
+    assert!(freed_at.elapsed() < PATIENCE);
+    let alert = tokio::time::timeout(SEC, futures_util::StreamExt::next(&mut alerts)).await;
+    if let Ok(Some(a)) = alert {
+        panic!("an alert: {:?}", a.args().unwrap().message);
+    }
+}

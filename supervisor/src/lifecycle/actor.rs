@@ -173,6 +173,8 @@ enum Internal {
         gen: Gen,
         restore: bool,
     },
+    /// The memory of the engine that exited last came back, or will not (said already).
+    MemorySettled,
 }
 
 /// The way in to the actor; cheap to clone.
@@ -397,7 +399,8 @@ pub fn spawn(
     let key_folder = key_folder.unwrap_or_else(|| KeyFolder::below(&config.supervisor.state_dir));
     let (cmd_tx, cmd_rx) = mpsc::channel(1024);
     let (int_tx, int_rx) = mpsc::unbounded_channel();
-    let machine = Machine::new(profile, limits(&config.supervisor.engine), Instant::now());
+    let mut machine = Machine::new(profile, limits(&config.supervisor.engine), Instant::now());
+    machine.set_memory_return(config.supervisor.memory.return_timeout);
     let (status_tx, status_rx) = watch::channel(Status::stopped(machine.profile()));
     let log = OutputTail::new(LOG_LINES);
     let kv = crate::kv::Book::default();
@@ -418,6 +421,8 @@ pub fn spawn(
         outbox: Vec::new(),
         exited: false,
         stalled: false,
+        memory_read: crate::hw::MemoryNow::default(),
+        next_spawned: None,
         not_admitted_said: None,
     };
     // What a stopped engine's status can say from the configuration (its key, say).
@@ -464,6 +469,10 @@ struct Actor {
     exited: bool,
     /// A test's fault switch: the actor stops answering, as a hung one would.
     stalled: bool,
+    /// The memory figures read before the event being handled (off the runtime's thread).
+    memory_read: crate::hw::MemoryNow,
+    /// Tells the check of the last engine's memory that the next engine is spawned.
+    next_spawned: Option<watch::Sender<bool>>,
     /// When a start refused for memory was last logged and alerted.
     not_admitted_said: Option<Instant>,
 }
@@ -509,7 +518,7 @@ impl Actor {
                 biased;
                 Some(i) = internal.recv() => self.internal_event(i),
                 c = commands.recv(), if commands_open => match c {
-                    Some(c) => self.command(c),
+                    Some(c) => self.command(c).await,
                     // Every handle is gone: nobody can use the engine any more.
                     None => {
                         commands_open = false;
@@ -522,7 +531,7 @@ impl Actor {
                 }
             };
             match event {
-                Some(event) => self.handle(event),
+                Some(event) => self.handle(event).await,
                 None => self.flush_outbox(),
             }
         }
@@ -531,7 +540,7 @@ impl Actor {
         }
     }
 
-    fn command(&mut self, c: Command) -> Option<Event> {
+    async fn command(&mut self, c: Command) -> Option<Event> {
         match c {
             Command::Acquire { waiter, reply } => {
                 if reply.is_closed() {
@@ -544,7 +553,7 @@ impl Actor {
                 if reply.is_closed() {
                     return None;
                 }
-                self.handle(Event::Start);
+                self.handle(Event::Start).await;
                 self.waiters.insert(waiter, reply);
                 Some(Event::Acquire { waiter })
             }
@@ -598,6 +607,8 @@ impl Actor {
             }
             Command::Reload { config } => {
                 self.machine.set_limits(limits(&config.supervisor.engine));
+                self.machine
+                    .set_memory_return(config.supervisor.memory.return_timeout);
                 self.kv.set_config(config.clone());
                 self.config = config;
                 if let Some(event) = self.fall_back_if_gone() {
@@ -647,6 +658,7 @@ impl Actor {
                 Some(Event::Cancel { waiter })
             }
             Internal::Ready { gen } => Some(Event::Ready { gen }),
+            Internal::MemorySettled => Some(Event::MemorySettled),
             Internal::KvDone { gen, restore } => {
                 if let Some(e) = self.engine.as_mut().filter(|e| e.shared.gen == gen) {
                     e.kv_task = None;
@@ -660,12 +672,14 @@ impl Actor {
                 let engine = self.engine.take_if(|e| e.shared.gen == gen);
                 if let Some(e) = &engine {
                     self.ds4_save_report(e);
+                    let (sysroot, alerts) = (self.sysroot.clone(), self.alerts.clone());
+                    let (before, profile) = (e.memory_before, e.shared.profile.clone());
+                    let within = self.config.supervisor.memory.return_timeout;
+                    let settled = self.internal.clone();
+                    let (next_tx, next) = watch::channel(false);
+                    self.next_spawned = Some(next_tx);
                     tokio::spawn(memory_comes_back(
-                        self.sysroot.clone(),
-                        e.memory_before,
-                        e.shared.profile.clone(),
-                        self.config.supervisor.memory.return_timeout,
-                        self.alerts.clone(),
+                        sysroot, before, profile, within, alerts, settled, next,
                     ));
                 }
                 let tail = engine
@@ -727,11 +741,14 @@ impl Actor {
     }
 
     /// Runs one event (and those its effects cause at once) through the rules.
-    fn handle(&mut self, first: Event) {
+    async fn handle(&mut self, first: Event) {
+        let was_held = self.machine.held_for_memory();
         let mut queue = VecDeque::from([first]);
         while let Some(event) = queue.pop_front() {
             if self.machine.could_start() {
-                // Fresh figures for the admission rule, should this event start an engine.
+                // Fresh figures for the admission rule, should this event start an engine,
+                // read on a blocking worker (sysfs reads may stall).
+                self.memory_read = memory_now_off_thread(&self.sysroot).await;
                 self.machine.set_memory(self.memory_check());
             }
             let effects = self.machine.step(event, Instant::now());
@@ -740,6 +757,12 @@ impl Actor {
                     queue.push_back(follow);
                 }
             }
+        }
+        if self.machine.held_for_memory() && !was_held {
+            tracing::info!(
+                "the start waits for the last engine's memory to come back (at most {})",
+                crate::config::format_duration(self.config.supervisor.memory.return_timeout)
+            );
         }
         self.end_stale_kv_task();
         self.publish();
@@ -843,22 +866,15 @@ impl Actor {
         None
     }
 
-    /// What a start of the active profile would need, and what the machine has now.
+    /// What a start of the active profile would need, and what the machine had when
+    /// [`Actor::memory_read`] was read.
     fn memory_check(&self) -> MemoryCheck {
         let planned = self
             .config
             .profile(self.machine.profile())
             .and_then(|p| p.planned_memory);
         let reserve = self.config.supervisor.memory.reserve;
-        if planned.is_none() {
-            // Nothing to check against: no need to read anything.
-            return MemoryCheck {
-                planned,
-                reserve,
-                ..MemoryCheck::default()
-            };
-        }
-        let now = crate::hw::memory_now(&self.sysroot);
+        let now = self.memory_read;
         MemoryCheck {
             planned,
             reserve,
@@ -931,7 +947,11 @@ impl Actor {
             spec.program.display(),
             shown.join(" ")
         );
-        let before = crate::hw::memory_now(&self.sysroot);
+        // Read just before the step that spawns (see `handle`).
+        let before = self.memory_read;
+        if let Some(next) = self.next_spawned.take() {
+            next.send_replace(true);
+        }
         match before.available {
             Some(bytes) => tracing::info!(
                 "memory available before the start: {:.1} GiB",
@@ -1172,7 +1192,7 @@ impl Actor {
             unix(SystemTime::now() + left)
         });
         let status = Status {
-            state: m.phase().state(),
+            state: m.state(),
             profile: m.profile().to_string(),
             engine_profile: m.phase().engine_profile().map(String::from),
             engine_pid: self.engine.as_ref().map(|e| e.shared.pid),
@@ -1318,17 +1338,37 @@ const MEMORY_RETURN_MARGIN: u64 = 2 << 30;
 /// After an engine has exited: waits (up to `within`) for available memory and GTT to come
 /// back to where they were before it started, and raises an alert if they do not (ROCm has
 /// been seen to keep GTT after its process exited).
+///
+/// The next start waits for GTT (amdgpu frees it some time after the exit): `settled` is
+/// told once GTT is back, or at once where the GPU reports none, or when the alert is
+/// raised. Available memory moves with the rest of the machine as well, so it only ever
+/// raises the alert, and its check ends, silently, when `next` says a next engine is
+/// spawned: that engine's allocations are never counted as this one's.
 async fn memory_comes_back(
     sysroot: SysRoot,
     before: crate::hw::MemoryNow,
     profile: String,
     within: Duration,
     alerts: Alerts,
+    settled: mpsc::UnboundedSender<Internal>,
+    mut next: watch::Receiver<bool>,
 ) {
     let gib = |b: u64| b as f64 / (1u64 << 30) as f64;
     let started = Instant::now();
+    let mut told = false;
+    let tell = |told: &mut bool| {
+        if !std::mem::replace(told, true) {
+            let _ = settled.send(Internal::MemorySettled);
+        }
+    };
     loop {
-        let now = crate::hw::memory_now(&sysroot);
+        let now = memory_now_off_thread(&sysroot).await;
+        if *next.borrow() {
+            tracing::debug!(
+                "the next engine is starting: the last one's memory is not looked at any more"
+            );
+            return;
+        }
         let available_back = match (before.available, now.available) {
             (Some(b), Some(n)) => n + MEMORY_RETURN_MARGIN >= b,
             _ => true,
@@ -1337,6 +1377,9 @@ async fn memory_comes_back(
             (Some(b), Some(n)) => n <= b + MEMORY_RETURN_MARGIN,
             _ => true,
         };
+        if gtt_back {
+            tell(&mut told);
+        }
         if available_back && gtt_back {
             tracing::debug!(
                 "the engine's memory came back within {:.1} s",
@@ -1344,7 +1387,9 @@ async fn memory_comes_back(
             );
             return;
         }
-        if started.elapsed() >= within {
+        // The last look is taken before `within` has passed: a start that waits for this
+        // (no longer than `within`) never overlaps it.
+        if started.elapsed() + MEMORY_LOOK_EVERY >= within {
             let mut parts = Vec::new();
             if let (false, Some(b), Some(n)) = (gtt_back, before.gtt_used, now.gtt_used) {
                 parts.push(format!(
@@ -1369,8 +1414,24 @@ async fn memory_comes_back(
             );
             tracing::warn!("{message}");
             alerts.raise(AlertKind::Memory, message);
+            tell(&mut told);
             return;
         }
-        tokio::time::sleep(Duration::from_millis(500)).await;
+        tokio::select! {
+            _ = tokio::time::sleep(MEMORY_LOOK_EVERY) => {}
+            _ = next.changed() => {}
+        }
     }
+}
+
+/// How often [`memory_comes_back`] looks.
+const MEMORY_LOOK_EVERY: Duration = Duration::from_millis(250);
+
+/// [`crate::hw::memory_now`] on a blocking worker: sysfs reads may stall (the SMU), and the
+/// runtime's one thread carries every stream.
+async fn memory_now_off_thread(sysroot: &SysRoot) -> crate::hw::MemoryNow {
+    let root = sysroot.clone();
+    tokio::task::spawn_blocking(move || crate::hw::memory_now(&root))
+        .await
+        .unwrap_or_default()
 }

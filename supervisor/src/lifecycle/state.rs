@@ -225,6 +225,9 @@ pub enum Event {
     KvRestored { gen: Gen },
     /// The save asked of generation `gen` is over (saved or failed).
     KvSaved { gen: Gen },
+    /// The memory of the engine that exited last has come back (or the actor gave up
+    /// waiting for it, and said so): a start held for it goes ahead.
+    MemorySettled,
 }
 
 /// The bounds of the KV checkpoint steps of an engine whose profile has `kv_checkpoint`.
@@ -367,6 +370,13 @@ pub struct Machine {
     shutting_down: bool,
     /// The figures the next start is admitted on.
     memory: MemoryCheck,
+    /// After an engine exits, how long at most a start waits for its memory to come back.
+    memory_return: Duration,
+    /// The memory of the engine that exited last is coming back, until this instant at
+    /// most: a start waits for [`Event::MemorySettled`] or this instant.
+    settling: Option<Instant>,
+    /// A start is wanted and waits for the memory to settle.
+    held: bool,
     /// Too hot to serve: why (see [`Event::Heat`]).
     hot: Option<String>,
     /// The drain in progress is the heat's: cooling down calls it off.
@@ -390,6 +400,9 @@ impl Machine {
             unserved_death: None,
             shutting_down: false,
             memory: MemoryCheck::default(),
+            memory_return: Duration::ZERO,
+            settling: None,
+            held: false,
             hot: None,
             heat_drain: false,
         }
@@ -404,6 +417,25 @@ impl Machine {
     /// read, before each event that could start an engine.
     pub fn set_memory(&mut self, memory: MemoryCheck) {
         self.memory = memory;
+    }
+
+    /// How long at most a start waits, after an engine exited, for its memory to come back
+    /// (`memory.return_timeout`); zero: no wait.
+    pub fn set_memory_return(&mut self, within: Duration) {
+        self.memory_return = within;
+    }
+
+    /// Whether a start waits for the last engine's memory to come back.
+    pub fn held_for_memory(&self) -> bool {
+        self.held
+    }
+
+    /// The state clients see: a start held for memory is a start.
+    pub fn state(&self) -> State {
+        match self.phase {
+            Phase::Stopped if self.held => State::Starting,
+            _ => self.phase.state(),
+        }
     }
 
     /// Whether the next event could start an engine (no engine is starting or serving).
@@ -460,7 +492,7 @@ impl Machine {
     /// The next instant at which a [`Event::Tick`] may change something.
     pub fn next_deadline(&self) -> Option<Instant> {
         match &self.phase {
-            Phase::Stopped => None,
+            Phase::Stopped => self.settling.filter(|_| self.held),
             Phase::Starting { deadline, .. }
             | Phase::Restoring { deadline, .. }
             | Phase::Saving { deadline, .. } => Some(*deadline),
@@ -503,8 +535,18 @@ impl Machine {
             Event::Cooled => self.cooled(now, &mut fx),
             Event::KvRestored { gen } => self.restored(gen, now, &mut fx),
             Event::KvSaved { gen } => self.saved(gen, now, &mut fx),
+            Event::MemorySettled => self.settled(now, &mut fx),
         }
         fx
+    }
+
+    /// The last engine's memory is back (or will not come back): a held start goes ahead,
+    /// admitted on the figures of now.
+    fn settled(&mut self, now: Instant, fx: &mut Vec<Effect>) {
+        self.settling = None;
+        if std::mem::take(&mut self.held) && self.phase == Phase::Stopped {
+            self.begin_start(now, fx);
+        }
     }
 
     /// Cool again: a drain the heat began (the engine still serving its last requests) is
@@ -540,6 +582,7 @@ impl Machine {
     ) {
         self.hot = Some(message.clone());
         self.refuse_waiters(Refusal::TooHot { message }, fx);
+        self.held = false;
         match &mut self.phase {
             Phase::Starting { gen, profile, .. } | Phase::Restoring { gen, profile, .. } => {
                 let (gen, profile) = (*gen, profile.clone());
@@ -726,6 +769,9 @@ impl Machine {
             return;
         }
         self.leases = 0;
+        // Its memory comes back some time after the exit (amdgpu frees GTT late): the next
+        // start waits for it, not the figures of this instant.
+        self.settling = (!self.memory_return.is_zero()).then(|| now + self.memory_return);
         match &self.phase {
             Phase::Starting { .. } => {
                 self.failures += 1;
@@ -865,6 +911,9 @@ impl Machine {
             Phase::Backoff { until } if now >= *until => {
                 self.phase = Phase::Stopped;
             }
+            Phase::Stopped if self.held && self.settling.is_none_or(|t| now >= t) => {
+                self.settled(now, fx);
+            }
             _ => {}
         }
     }
@@ -888,7 +937,11 @@ impl Machine {
 
     fn stop(&mut self, at_once: bool, now: Instant, fx: &mut Vec<Effect>) {
         match &mut self.phase {
-            Phase::Stopped => {}
+            Phase::Stopped => {
+                if std::mem::take(&mut self.held) {
+                    self.refuse_waiters(Refusal::StartCancelled, fx);
+                }
+            }
             Phase::Backoff { .. } => self.phase = Phase::Stopped,
             Phase::Starting { gen, profile, .. } | Phase::Restoring { gen, profile, .. } => {
                 let (gen, profile) = (*gen, profile.clone());
@@ -991,6 +1044,7 @@ impl Machine {
         }
         self.shutting_down = true;
         self.refuse_waiters(Refusal::ShuttingDown, fx);
+        self.held = false;
         match &mut self.phase {
             Phase::Stopped | Phase::Backoff { .. } => self.finish_exit(fx),
             Phase::Starting { gen, profile, .. } | Phase::Restoring { gen, profile, .. } => {
@@ -1020,6 +1074,17 @@ impl Machine {
             self.refuse_waiters(Refusal::TooHot { message }, fx);
             return;
         }
+        // The last engine's memory is still coming back: the start waits for it (waiters
+        // stay queued), bounded by `memory_return`.
+        if let Some(until) = self.settling {
+            if now < until {
+                self.phase = Phase::Stopped;
+                self.held = true;
+                return;
+            }
+            self.settling = None;
+        }
+        self.held = false;
         // Admission: a start that would not fit is refused, not tried; it is not a failed
         // start (no backoff), so the next request tries again with the figures of then.
         if let Some(short) = self.memory.shortfall() {

@@ -5,6 +5,8 @@ use proptest::prelude::*;
 use std::collections::{BTreeMap, BTreeSet};
 
 const S: Duration = Duration::from_secs(1);
+/// `memory.return_timeout` in the machines that wait for it.
+const RETURN: Duration = Duration::from_secs(30);
 
 fn limits() -> Limits {
     Limits {
@@ -45,7 +47,19 @@ impl T {
         self.m.step(e, self.now)
     }
     fn state(&self) -> State {
-        self.m.phase().state()
+        self.m.state()
+    }
+    /// A machine that waits for memory to come back, whose engine stopped at 5 s.
+    fn stopped_at_5_while_memory_returns() -> T {
+        let mut t = T::new();
+        t.m.set_memory_return(RETURN);
+        t.ready_with(&[]);
+        t.ev(Event::Stop { now: false });
+        t.at(5).ev(Event::Exited {
+            gen: 1,
+            failure: fail("gone"),
+        });
+        t
     }
     /// Drives a fresh machine to Ready with one lease per waiter given.
     fn ready_with(&mut self, waiters: &[WaiterId]) {
@@ -742,6 +756,74 @@ fn a_restart_after_a_profile_switch_is_admitted_on_the_figures_after_the_old_eng
     assert_eq!(t.state(), State::Stopped);
 }
 
+#[test]
+fn after_an_exit_a_start_waits_for_the_memory_to_come_back() {
+    let mut t = T::new();
+    t.m.set_memory_return(RETURN);
+    t.ready_with(&[]);
+    t.ev(Event::SetProfile {
+        profile: "64k".into(),
+    });
+    t.ev(Event::Acquire { waiter: 7 });
+    // At the exit the old engine's GTT is still counted: the start waits, nothing refused.
+    t.m.set_memory(memory(false));
+    let fx = t.at(10).ev(Event::Exited {
+        gen: 1,
+        failure: fail("gone"),
+    });
+    assert_eq!(fx, vec![]);
+    assert!(t.m.held_for_memory());
+    assert_eq!(t.state(), State::Starting);
+    assert_eq!(t.m.next_deadline(), Some(t.t0 + 40 * S));
+    // More requests queue behind it.
+    assert_eq!(t.at(11).ev(Event::Acquire { waiter: 8 }), vec![]);
+    assert_eq!(t.at(11).ev(Event::Tick), vec![]);
+    // Back 2 s after the exit: the start goes ahead on the figures of then.
+    t.m.set_memory(memory(true));
+    assert_eq!(t.at(12).ev(Event::MemorySettled), vec![spawn(2, "64k")]);
+    assert!(!t.m.held_for_memory());
+    assert_eq!(t.ev(Event::Ready { gen: 2 }), vec![grant(2, &[7, 8])]);
+}
+
+#[test]
+fn a_start_held_for_memory_goes_ahead_at_the_bound_and_a_stop_cancels_it() {
+    // Never reported back: at memory.return_timeout the start is admitted on what is there.
+    let mut t = T::stopped_at_5_while_memory_returns();
+    assert_eq!(t.state(), State::Stopped);
+    assert_eq!(t.at(6).ev(Event::Acquire { waiter: 1 }), vec![]);
+    assert_eq!(t.state(), State::Starting);
+    t.m.set_memory(memory(false));
+    assert_eq!(t.at(34).ev(Event::Tick), vec![]);
+    let fx = t.at(35).ev(Event::Tick);
+    assert!(
+        matches!(
+            fx.as_slice(),
+            [Effect::NotAdmitted { .. }, Effect::Refuse { .. }]
+        ),
+        "{fx:?}"
+    );
+    assert_eq!(t.state(), State::Stopped);
+    // Once settled, a start is at once.
+    t.m.set_memory(memory(true));
+    assert_eq!(
+        t.at(36).ev(Event::Acquire { waiter: 2 }),
+        vec![spawn(2, "320k")]
+    );
+
+    // A stop while the start is held calls it off.
+    let mut t = T::stopped_at_5_while_memory_returns();
+    t.at(6).ev(Event::Acquire { waiter: 1 });
+    assert_eq!(
+        t.at(7).ev(Event::Stop { now: false }),
+        vec![Effect::Refuse {
+            waiters: vec![1],
+            why: Refusal::StartCancelled
+        }]
+    );
+    assert_eq!(t.state(), State::Stopped);
+    assert_eq!(t.at(8).ev(Event::MemorySettled), vec![]);
+}
+
 // ---- heat ------------------------------------------------------------------------------------
 
 fn hot() -> Refusal {
@@ -1081,6 +1163,8 @@ enum Op {
     Shutdown,
     /// The KV restore or save asked for is over.
     KvDone,
+    /// The last engine's memory came back.
+    Settled,
 }
 
 fn op(forcing: bool) -> impl Strategy<Value = Op> {
@@ -1103,6 +1187,7 @@ fn op(forcing: bool) -> impl Strategy<Value = Op> {
         (1, proptest::option::of(0u64..60).prop_map(Op::Heat).boxed()),
         (1, Just(Op::Cooled).boxed()),
         (2, Just(Op::KvDone).boxed()),
+        (2, Just(Op::Settled).boxed()),
     ];
     if forcing {
         ops.push((1, Just(Op::Stop(true)).boxed()));
@@ -1123,6 +1208,8 @@ struct World {
     exited: bool,
     /// The KV step asked of the child and not yet reported: a restore (`true`) or a save.
     kv_asked: Option<(Gen, bool)>,
+    /// When the last child exited, while its memory is not reported back.
+    unsettled_since: Option<Instant>,
 }
 
 impl World {
@@ -1134,6 +1221,7 @@ impl World {
             save_timeout: 30 * S,
             restore_timeout: 45 * S,
         }));
+        m.set_memory_return(RETURN);
         World {
             m,
             now,
@@ -1144,11 +1232,19 @@ impl World {
             answered: BTreeMap::new(),
             exited: false,
             kv_asked: None,
+            unsettled_since: None,
         }
     }
 
     fn apply(&mut self, e: Event) -> Result<(), TestCaseError> {
         let forced = matches!(e, Event::Stop { now: true } | Event::Tick | Event::Shutdown);
+        match &e {
+            Event::Exited { gen, .. } if self.m.phase().gen() == Some(*gen) => {
+                self.unsettled_since = Some(self.now);
+            }
+            Event::MemorySettled => self.unsettled_since = None,
+            _ => {}
+        }
         let was_starting = matches!(self.m.phase(), Phase::Starting { .. });
         let effects = self.m.step(e, self.now);
         let leases_after = self.m.leases();
@@ -1160,6 +1256,11 @@ impl World {
                         "spawn of {gen} while {:?} lives",
                         self.child
                     );
+                    prop_assert!(
+                        self.unsettled_since.is_none_or(|t| self.now >= t + RETURN),
+                        "spawn of {gen} while the last engine's memory was coming back"
+                    );
+                    self.unsettled_since = None;
                     self.child = Some(gen);
                 }
                 Effect::Signal { gen, sig } => {
@@ -1298,6 +1399,7 @@ impl World {
             Op::Heat(drain) => self.apply(heat(drain.map(Duration::from_secs))),
             Op::Cooled => self.apply(Event::Cooled),
             Op::Shutdown => self.apply(Event::Shutdown),
+            Op::Settled => self.apply(Event::MemorySettled),
             Op::KvDone => match self.kv_asked.take() {
                 Some((gen, true)) => self.apply(Event::KvRestored { gen }),
                 Some((gen, false)) => self.apply(Event::KvSaved { gen }),
