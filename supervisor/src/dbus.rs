@@ -297,7 +297,8 @@ impl ControlObject {
 
     /// The KV checkpoints on disk, every profile's, as a JSON array of `KvCheckpoint`s.
     async fn kv_checkpoints(&self) -> Result<String, Fault> {
-        serde_json::to_string(&self.lifecycle.kv().list()).map_err(|e| Fault::failed(e.to_string()))
+        serde_json::to_string(&self.lifecycle.kv().list().await)
+            .map_err(|e| Fault::failed(e.to_string()))
     }
 
     /// Removes the KV checkpoints `what` names (`all`, a profile, an id); the ids removed,
@@ -318,6 +319,7 @@ impl ControlObject {
             .lifecycle
             .kv()
             .drop_matching(&what)
+            .await
             .map_err(Fault::failed)?;
         serde_json::to_string(&gone).map_err(|e| Fault::failed(e.to_string()))
     }
@@ -330,7 +332,8 @@ impl ControlObject {
             &self.telemetry,
             &self.power,
             &self.thermal,
-        );
+        )
+        .await;
         serde_json::to_string(&doc).map_err(|e| Fault::failed(e.to_string()))
     }
 

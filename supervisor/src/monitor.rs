@@ -5,14 +5,16 @@
 //! Owns: the [`Sampler`] and the ring of samples. Must not: act on what it sees (policies
 //! read the samples and decide), or sample more often than asked: a change of the engine's
 //! state or process takes a sample at once, other status changes (each request moves the
-//! in-flight count) do not.
+//! in-flight count) do not. Must not read sysfs on the runtime's thread either: the SMU can
+//! stall a `gpu_metrics` read, and that thread carries every stream. The sampler lives on
+//! its own thread; a read that does not return delays the next sample, nothing else.
 
 use std::collections::VecDeque;
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, SystemTime};
 
 use dsv4_client::telemetry::{Resources, Sample};
-use tokio::sync::watch;
+use tokio::sync::{oneshot, watch};
 
 use crate::config::Config;
 use crate::hw::Sampler;
@@ -121,6 +123,48 @@ pub fn unix_now() -> f64 {
         .unwrap_or(0.0)
 }
 
+/// How long a sample may take before the log says that a hardware read hangs.
+const STALLED: Duration = Duration::from_secs(5);
+
+/// The [`Sampler`] on a thread of its own, taking one sample per request.
+struct Worker {
+    requests: std::sync::mpsc::Sender<(Option<u32>, oneshot::Sender<Sample>)>,
+}
+
+impl Worker {
+    fn start(mut sampler: Sampler) -> std::io::Result<Worker> {
+        let (requests, asked) =
+            std::sync::mpsc::channel::<(Option<u32>, oneshot::Sender<Sample>)>();
+        std::thread::Builder::new()
+            .name("dsv4-sampler".into())
+            .spawn(move || {
+                for (pid, reply) in asked {
+                    let _ = reply.send(sampler.sample(pid, unix_now()));
+                }
+            })?;
+        Ok(Worker { requests })
+    }
+
+    /// One sample of the engine process `pid`; `None` when the thread is gone.
+    async fn sample(&self, pid: Option<u32>) -> Option<Sample> {
+        let (reply, answer) = oneshot::channel();
+        self.requests.send((pid, reply)).ok()?;
+        let mut answer = std::pin::pin!(answer);
+        tokio::select! {
+            s = &mut answer => return s.ok(),
+            _ = tokio::time::sleep(STALLED) => {}
+        }
+        tracing::warn!(
+            "a hardware read has not returned for {} s (the GPU firmware can stall gpu_metrics): \
+             telemetry waits for it; serving goes on",
+            STALLED.as_secs()
+        );
+        let s = answer.await.ok();
+        tracing::info!("the hardware read returned: telemetry goes on");
+        s
+    }
+}
+
 /// Starts the monitor on the current runtime; it runs for the daemon's life.
 pub fn spawn(
     sampler: Sampler,
@@ -137,18 +181,29 @@ pub fn spawn(
 }
 
 async fn run(
-    mut sampler: Sampler,
+    sampler: Sampler,
     config: watch::Receiver<Arc<Config>>,
     mut lifecycle: watch::Receiver<Status>,
     tx: watch::Sender<Option<Arc<Sample>>>,
     ring: Arc<Mutex<VecDeque<Arc<Sample>>>>,
 ) {
+    let worker = match Worker::start(sampler) {
+        Ok(w) => w,
+        Err(e) => {
+            tracing::error!("cannot start the sampler's thread: {e}; no telemetry");
+            return;
+        }
+    };
     loop {
         let (engine, pid) = {
             let s = lifecycle.borrow_and_update();
             (s.state.has_engine(), s.engine_pid)
         };
-        let sample = Arc::new(sampler.sample(pid, unix_now()));
+        let Some(sample) = worker.sample(pid).await else {
+            tracing::error!("the sampler's thread is gone; no telemetry from now on");
+            return;
+        };
+        let sample = Arc::new(sample);
         {
             let mut ring = ring.lock().unwrap_or_else(|p| p.into_inner());
             let oldest = sample.at - SPAN.as_secs_f64();

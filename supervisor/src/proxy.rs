@@ -375,7 +375,8 @@ async fn route(ctx: &Ctx, config: &Arc<Config>, mut req: Request<Incoming>) -> R
                 &ctx.telemetry,
                 &ctx.power,
                 &ctx.thermal,
-            );
+            )
+            .await;
             match serde_json::to_value(doc) {
                 Ok(v) => json_response(StatusCode::OK, v),
                 Err(e) => ApiError::new(
@@ -390,13 +391,14 @@ async fn route(ctx: &Ctx, config: &Arc<Config>, mut req: Request<Incoming>) -> R
         (true, "/v1/models") => json_response(StatusCode::OK, models(ctx)),
         (true, "/metrics") => {
             let sample = ctx.telemetry.latest();
+            let kv = ctx.lifecycle.kv().status().await;
             let text = crate::metrics::render(
                 &ctx.lifecycle.status(),
                 &ctx.stats.report(0),
                 sample.as_deref(),
                 &ctx.power.status(),
                 &ctx.thermal.status(),
-                &ctx.lifecycle.kv().status(),
+                &kv,
             );
             let mut r = Response::new(ProxyBody::from(Bytes::from(text)));
             r.headers_mut().insert(
@@ -453,7 +455,7 @@ fn check_key(
 
 /// The status document (`GET /status`, D-Bus `Status()`): the lifecycle's status with the
 /// request statistics (the last few requests in full).
-pub fn status_document(
+pub async fn status_document(
     lifecycle: &Handle,
     stats: &Stats,
     telemetry: &Telemetry,
@@ -466,7 +468,7 @@ pub fn status_document(
         telemetry: telemetry.latest().map(|s| (*s).clone()),
         power: Some(power.status()),
         thermal: Some(thermal.status()),
-        kv: Some(lifecycle.kv().status()),
+        kv: Some(lifecycle.kv().status().await),
         limits: Some(crate::connections::limits()),
     }
 }

@@ -371,3 +371,47 @@ async fn a_switch_waits_for_the_old_engines_gtt_to_come_back() {
         panic!("an alert: {:?}", a.args().unwrap().message);
     }
 }
+
+/// The GPU firmware can stall a `gpu_metrics` read. With a FIFO in its place, whose read
+/// never returns, a stream keeps flowing and `/health` answers within 50 ms.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_hardware_read_that_hangs_stalls_no_stream_and_no_health_check() {
+    use http_body_util::BodyExt;
+    let tree = fixture_copy("strix-halo");
+    let metrics = tree.path().join(DEVICE).join("gpu_metrics");
+    std::fs::remove_file(&metrics).unwrap();
+    nix::unistd::mkfifo(&metrics, nix::sys::stat::Mode::from_bits_truncate(0o600)).unwrap();
+    let d = Daemon::start(&sampled(tree.path()).knob("token_ms", "20"));
+    // The sampler is held in that read (the daemon says so after 5 s).
+    d.log_with(&["a hardware read has not returned for 5 s"])
+        .await;
+    let resp = d.post("/v1/chat/completions", chat(100, true)).await;
+    assert_eq!(resp.status(), 200);
+    let mut body = resp.into_body();
+    let (mut frames, mut health) = (0, Vec::new());
+    while let Some(frame) = tokio::time::timeout(PATIENCE, body.frame())
+        .await
+        .expect("the stream stalled")
+    {
+        frame.unwrap();
+        frames += 1;
+        if frames % 5 == 0 {
+            let t = Instant::now();
+            let (status, _) = d.get("/health").await;
+            health.push(t.elapsed());
+            assert_eq!(status, 200);
+        }
+    }
+    assert!(frames >= 100, "{frames} frames");
+    health.sort();
+    let median = health[health.len() / 2];
+    let max = *health.last().unwrap();
+    assert!(median < Duration::from_millis(50), "{health:?}");
+    assert!(max < Duration::from_millis(50) + LOAD_MARGIN, "{health:?}");
+    // Still held: nothing read it meanwhile.
+    assert!(
+        !d.log().contains("the hardware read returned"),
+        "{}",
+        d.log()
+    );
+}

@@ -111,7 +111,10 @@ fn main() -> std::process::ExitCode {
         Ok(rt) => rt,
         Err(e) => return fail(anyhow::Error::new(e).context("starting the async runtime")),
     };
-    match runtime.block_on(run(args, activated)) {
+    let result = runtime.block_on(run(args, activated));
+    // A blocking read that never returns (a stalled sysfs file) must not hold the exit.
+    runtime.shutdown_timeout(std::time::Duration::from_secs(2));
+    match result {
         Ok(()) => std::process::ExitCode::SUCCESS,
         Err(e) => fail(e),
     }

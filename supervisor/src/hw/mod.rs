@@ -17,6 +17,7 @@ pub mod throttle;
 
 use std::time::Duration;
 
+// Outside a runtime (the sampler's thread) this is the std clock.
 use tokio::time::Instant;
 
 use dsv4_client::telemetry::{Power, Sample, Temperatures};

@@ -165,6 +165,17 @@ async fn on_disk<T: Send + 'static>(
         .map_err(|e| format!("a file task failed: {e}"))
 }
 
+/// Removes slot files off the runtime's thread (a checkpoint's files are GiB: unlinking
+/// them takes time).
+async fn remove_files(store: &Store, files: Vec<String>) {
+    let _ = on_disk(store, move |s| {
+        for f in &files {
+            s.remove_slot_file(f);
+        }
+    })
+    .await;
+}
+
 /// The key of the engine of `engine`: the one its restore worked out, else read now (and
 /// kept for its save).
 async fn key_of(engine: &EngineRef, profile: &Profile, book: &Book) -> Result<Key, String> {
@@ -329,15 +340,19 @@ pub async fn save(engine: Arc<EngineRef>, profile: Profile, book: Book) -> KvSte
             let body = Some(json!({ "filename": file }));
             match call_json::<Saved>(&engine, http::Method::POST, &path, body).await {
                 Ok(r) if r.n_saved == 0 => {
-                    store.remove_slot_file(&file);
+                    remove_files(&store, vec![file.clone()]).await;
                     break;
                 }
                 Ok(r) => {
-                    let on_disk = store.slot_file_len(&file);
-                    if on_disk != Some(r.n_written) {
-                        store.remove_slot_file(&file);
+                    let name = file.clone();
+                    let written = on_disk(&store, move |s| s.slot_file_len(&name))
+                        .await
+                        .ok()
+                        .flatten();
+                    if written != Some(r.n_written) {
+                        remove_files(&store, vec![file.clone()]).await;
                         failure = Some(format!(
-                            "slot {} was written short ({on_disk:?} of {} bytes)",
+                            "slot {} was written short ({written:?} of {} bytes)",
                             slot.id, r.n_written
                         ));
                         break 'slots;
@@ -354,7 +369,7 @@ pub async fn save(engine: Arc<EngineRef>, profile: Profile, book: Book) -> KvSte
                     // A full disk (llama-server: 500 "Unable to save slot", and a partial
                     // file) makes room: the partial file goes, and so does the oldest other
                     // checkpoint, before one more try. Nothing else evicts anything.
-                    store.remove_slot_file(&file);
+                    remove_files(&store, vec![file.clone()]).await;
                     let full = e.contains(": 500 ") && engine.exit.borrow().is_none();
                     evictions += 1;
                     let gone = match full && evictions <= MAX_EVICTIONS {
@@ -381,9 +396,7 @@ pub async fn save(engine: Arc<EngineRef>, profile: Profile, book: Book) -> KvSte
         }
     }
     if let Some(why) = failure {
-        for f in &files {
-            store.remove_slot_file(&f.file);
-        }
+        remove_files(&store, files.iter().map(|f| f.file.clone()).collect()).await;
         tracing::warn!(
             profile = profile.name,
             "KV checkpoint not saved: {why}; the next start is cold"
@@ -434,9 +447,8 @@ pub async fn save(engine: Arc<EngineRef>, profile: Profile, book: Book) -> KvSte
             done
         }
         Err(why) => {
-            for f in &manifest.slots {
-                store.remove_slot_file(&f.file);
-            }
+            let files = manifest.slots.iter().map(|f| f.file.clone()).collect();
+            remove_files(&store, files).await;
             tracing::warn!(profile = profile.name, "KV checkpoint {id}: {why}");
             failed(started, why)
         }

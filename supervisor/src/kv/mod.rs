@@ -151,9 +151,41 @@ impl Book {
         self.lock().last_restore.get(profile).cloned()
     }
 
-    /// Per profile that keeps checkpoints: what is on disk and the last steps. Reads the
-    /// folders (a few small files).
-    pub fn status(&self) -> KvStatus {
+    /// Runs `f` on a blocking worker: it lists or removes files, which may block (a
+    /// checkpoint's files are GiB), and the runtime's thread carries every stream.
+    async fn off_thread<T: Send + 'static>(
+        &self,
+        f: impl FnOnce(&Book) -> T + Send + 'static,
+    ) -> Result<T, String> {
+        let book = self.clone();
+        tokio::task::spawn_blocking(move || f(&book))
+            .await
+            .map_err(|e| format!("a file task failed: {e}"))
+    }
+
+    /// Per profile that keeps checkpoints: what is on disk and the last steps (read on a
+    /// blocking worker).
+    pub async fn status(&self) -> KvStatus {
+        self.off_thread(Book::status_now).await.unwrap_or_default()
+    }
+
+    /// Every checkpoint on disk (newest first, those set aside after), read on a blocking
+    /// worker.
+    pub async fn list(&self) -> Vec<dsv4_client::kv::KvCheckpoint> {
+        self.off_thread(Book::list_now).await.unwrap_or_default()
+    }
+
+    /// Removes the checkpoints `what` names (`all`, a profile, an id), on a blocking worker;
+    /// the ids removed, or why nothing was.
+    pub async fn drop_matching(&self, what: &str) -> Result<Vec<String>, String> {
+        let what = what.to_string();
+        self.off_thread(move |b| b.drop_matching_now(&what))
+            .await
+            .and_then(|r| r)
+    }
+
+    /// [`Book::status`], here and now: reads the folders.
+    fn status_now(&self) -> KvStatus {
         let Some(config) = self.lock().config.clone() else {
             return KvStatus::default();
         };
@@ -210,8 +242,7 @@ impl Book {
         dirs.iter().map(|d| store::Store::new(d)).collect()
     }
 
-    /// Every checkpoint on disk (newest first, those set aside after).
-    pub fn list(&self) -> Vec<dsv4_client::kv::KvCheckpoint> {
+    fn list_now(&self) -> Vec<dsv4_client::kv::KvCheckpoint> {
         let mut all: Vec<store::Manifest> = self.stores().iter().flat_map(|s| s.list()).collect();
         all.sort_by(|a, b| {
             (a.aside.is_some(), -a.saved_at)
@@ -221,9 +252,7 @@ impl Book {
         all.iter().map(store::Manifest::shown).collect()
     }
 
-    /// Removes the checkpoints `what` names (`all`, a profile, an id); the ids removed, or
-    /// why nothing was.
-    pub fn drop_matching(&self, what: &str) -> Result<Vec<String>, String> {
+    fn drop_matching_now(&self, what: &str) -> Result<Vec<String>, String> {
         if what.is_empty() {
             return Err("say what to drop: all, a profile name or a checkpoint id".into());
         }
@@ -234,7 +263,7 @@ impl Book {
             .collect();
         if gone.is_empty() && what != "all" {
             let known: Vec<String> = self
-                .list()
+                .list_now()
                 .into_iter()
                 .map(|c| format!("{} (profile {})", c.id, c.profile))
                 .collect();
