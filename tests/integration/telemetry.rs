@@ -415,3 +415,48 @@ async fn a_hardware_read_that_hangs_stalls_no_stream_and_no_health_check() {
         d.log()
     );
 }
+
+/// A Strix Halo set to a 96 GiB VRAM carve-out in its BIOS: 32 GiB of system RAM left (25 GiB
+/// available), 16 GiB of GTT. The model lives in VRAM: admission and `/status` count VRAM.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn with_a_large_vram_carve_out_admission_and_status_count_vram() {
+    let tree = fixture_copy("strix-halo");
+    let dev = tree.path().join(DEVICE);
+    let gib = |n: u64| format!("{}\n", n << 30);
+    replace(&dev.join("mem_info_vram_total"), &gib(96));
+    replace(&dev.join("mem_info_vram_used"), "322961408\n");
+    replace(&dev.join("mem_info_gtt_total"), &gib(16));
+    set_available(tree.path(), 25);
+    let d = Daemon::start(
+        &sampled(tree.path())
+            .profile_key("320k", "planned_memory", "60GiB")
+            .engine("idle_timeout", "1s")
+            .top_level("memory", "{ reserve: 8GiB, return_timeout: 1s }"),
+    );
+    // 60 GiB fit in the 95.7 GiB of free VRAM (not in the 16 GiB of GTT, nor in the 25 GiB
+    // of system memory).
+    let (status, _, v) = d
+        .send("POST", "/v1/chat/completions", &[], Some(chat(3, false)))
+        .await;
+    assert_eq!(status, 200, "{v}");
+    let s = d.status().await;
+    assert_eq!(s["telemetry"]["gpu"]["pool"], "vram", "{s}");
+    // The engine holds 81 GiB of VRAM and keeps it after its idle stop.
+    replace(&dev.join("mem_info_vram_used"), &gib(81));
+    d.wait_state(dsv4_client::State::Stopped, PATIENCE).await;
+    d.log_with(&["VRAM in use is 81.0 GiB, 0.3 GiB before it started"])
+        .await;
+    let (status, _, v) = d
+        .send("POST", "/v1/chat/completions", &[], Some(chat(3, false)))
+        .await;
+    assert_eq!(status, 503, "{v}");
+    let message = v["error"]["message"].as_str().unwrap();
+    assert!(
+        message.starts_with(
+            "not enough GPU memory to start profile 320k: it needs 60.0 GiB (planned_memory), \
+             and the GPU has 15.0 GiB of VRAM free of 96.0 GiB"
+        ),
+        "{message}"
+    );
+    assert_eq!(d.spawns(), 1);
+}

@@ -61,9 +61,55 @@ pub struct Gpu {
     pub gtt_total: Option<u64>,
     pub vram_used: Option<u64>,
     pub vram_total: Option<u64>,
+    /// The memory an engine's model lives in (see [`MemoryPool::of`]); `None` when neither
+    /// total is known.
+    #[serde(default)]
+    pub pool: Option<MemoryPool>,
     pub busy_percent: Option<f64>,
     /// `power_dpm_force_performance_level`: auto, low, high, manual, profile_*.
     pub performance_level: Option<String>,
+}
+
+/// The GPU memory an engine's model is allocated from.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "lowercase")]
+pub enum MemoryPool {
+    /// System RAM mapped for the GPU (an APU with the usual small carve-out: Strix Halo's
+    /// 512 MiB of VRAM and up to ~112 GiB of GTT).
+    Gtt,
+    /// The firmware's carve-out (an APU set to, say, 96 GiB of VRAM in its BIOS): the
+    /// runtimes allocate device memory there first, and system RAM is that much smaller.
+    Vram,
+}
+
+impl MemoryPool {
+    /// VRAM when the carve-out is at least as large as the GTT, else GTT; `None` when no
+    /// total is known.
+    pub fn of(vram_total: Option<u64>, gtt_total: Option<u64>) -> Option<MemoryPool> {
+        match (vram_total, gtt_total) {
+            (Some(v), Some(g)) if v >= g => Some(MemoryPool::Vram),
+            (Some(_), None) => Some(MemoryPool::Vram),
+            (_, Some(_)) => Some(MemoryPool::Gtt),
+            (None, None) => None,
+        }
+    }
+
+    pub fn name(self) -> &'static str {
+        match self {
+            MemoryPool::Gtt => "GTT",
+            MemoryPool::Vram => "VRAM",
+        }
+    }
+}
+
+impl Gpu {
+    /// The used and total bytes of the pool the model lives in, when known.
+    pub fn pool_figures(&self) -> Option<(MemoryPool, Option<u64>, Option<u64>)> {
+        Some(match self.pool? {
+            MemoryPool::Gtt => (MemoryPool::Gtt, self.gtt_used, self.gtt_total),
+            MemoryPool::Vram => (MemoryPool::Vram, self.vram_used, self.vram_total),
+        })
+    }
 }
 
 /// Degrees Celsius.

@@ -10,10 +10,11 @@
 //! 0x1002) and its `amdgpu` hwmon once, then reading them. Must not: fail over a file the
 //! driver or this machine does not have: that figure is absent.
 //!
-//! On Strix Halo the VRAM is only the firmware's carve-out; the engine's memory is GTT,
-//! capped by `ttm.pages_limit`, which is why GTT is the figure to watch.
+//! On Strix Halo the VRAM is only the firmware's carve-out; with the usual 512 MiB of it the
+//! engine's memory is GTT, capped by `ttm.pages_limit`. Set to a large carve-out in the BIOS
+//! (96 GiB, say), the model lives in VRAM instead: [`MemoryPool::of`] tells which.
 
-use dsv4_client::telemetry::Gpu;
+use dsv4_client::telemetry::{Gpu, MemoryPool};
 
 use crate::hw::gpu_metrics::{self, DecodeError, Metrics};
 use crate::sysroot::SysRoot;
@@ -80,12 +81,15 @@ impl Card {
             .ok()
             .map(|l| l.trim().to_string())
             .filter(|l| !l.is_empty() && l.len() <= 32);
+        let gtt_total = self.number(root, "mem_info_gtt_total");
+        let vram_total = self.number(root, "mem_info_vram_total");
         Gpu {
             card: self.name.clone(),
             gtt_used: self.number(root, "mem_info_gtt_used"),
-            gtt_total: self.number(root, "mem_info_gtt_total"),
+            gtt_total,
             vram_used: self.number(root, "mem_info_vram_used"),
-            vram_total: self.number(root, "mem_info_vram_total"),
+            vram_total,
+            pool: MemoryPool::of(vram_total, gtt_total),
             busy_percent: self
                 .number(root, "gpu_busy_percent")
                 .filter(|p| *p <= 100)

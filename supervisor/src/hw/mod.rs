@@ -27,12 +27,25 @@ use crate::sysroot::SysRoot;
 /// How often devices not found are looked for again (a driver loaded after the daemon).
 const LOOK_AGAIN: Duration = Duration::from_secs(60);
 
-/// The memory figures a start is admitted on, read fresh: MemAvailable and the GPU's GTT.
+/// The memory figures a start is admitted on, read fresh: MemAvailable and the GPU's GTT
+/// and VRAM.
 #[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
 pub struct MemoryNow {
     pub available: Option<u64>,
     pub gtt_used: Option<u64>,
     pub gtt_total: Option<u64>,
+    pub vram_used: Option<u64>,
+    pub vram_total: Option<u64>,
+}
+
+impl MemoryNow {
+    /// The used bytes of the GPU memory the model lives in (see `MemoryPool::of`).
+    pub fn pool_used(&self) -> Option<u64> {
+        match dsv4_client::telemetry::MemoryPool::of(self.vram_total, self.gtt_total)? {
+            dsv4_client::telemetry::MemoryPool::Gtt => self.gtt_used,
+            dsv4_client::telemetry::MemoryPool::Vram => self.vram_used,
+        }
+    }
 }
 
 /// Reads [`MemoryNow`] (the card is looked for each time: this is for the rare moments an
@@ -43,6 +56,8 @@ pub fn memory_now(root: &SysRoot) -> MemoryNow {
         available: meminfo::read(root).map(|m| m.available),
         gtt_used: gpu.as_ref().and_then(|g| g.gtt_used),
         gtt_total: gpu.as_ref().and_then(|g| g.gtt_total),
+        vram_used: gpu.as_ref().and_then(|g| g.vram_used),
+        vram_total: gpu.as_ref().and_then(|g| g.vram_total),
     }
 }
 

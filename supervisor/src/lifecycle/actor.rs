@@ -881,6 +881,8 @@ impl Actor {
             available: now.available,
             gtt_used: now.gtt_used,
             gtt_total: now.gtt_total,
+            vram_used: now.vram_used,
+            vram_total: now.vram_total,
         }
     }
 
@@ -1339,9 +1341,9 @@ const MEMORY_RETURN_MARGIN: u64 = 2 << 30;
 /// back to where they were before it started, and raises an alert if they do not (ROCm has
 /// been seen to keep GTT after its process exited).
 ///
-/// The next start waits for GTT (amdgpu frees it some time after the exit): `settled` is
-/// told once GTT is back, or at once where the GPU reports none, or when the alert is
-/// raised. Available memory moves with the rest of the machine as well, so it only ever
+/// The next start waits for GTT, or VRAM where the model lives in a large carve-out (amdgpu
+/// frees it some time after the exit): `settled` is told once it is back, or at once where
+/// the GPU reports none, or when the alert is raised. Available memory moves with the rest of the machine as well, so it only ever
 /// raises the alert, and its check ends, silently, when `next` says a next engine is
 /// spawned: that engine's allocations are never counted as this one's.
 async fn memory_comes_back(
@@ -1373,14 +1375,15 @@ async fn memory_comes_back(
             (Some(b), Some(n)) => n + MEMORY_RETURN_MARGIN >= b,
             _ => true,
         };
-        let gtt_back = match (before.gtt_used, now.gtt_used) {
+        // GTT, or VRAM where the model lives in a large carve-out.
+        let gpu_back = match (before.pool_used(), now.pool_used()) {
             (Some(b), Some(n)) => n <= b + MEMORY_RETURN_MARGIN,
             _ => true,
         };
-        if gtt_back {
+        if gpu_back {
             tell(&mut told);
         }
-        if available_back && gtt_back {
+        if available_back && gpu_back {
             tracing::debug!(
                 "the engine's memory came back within {:.1} s",
                 started.elapsed().as_secs_f64()
@@ -1391,9 +1394,12 @@ async fn memory_comes_back(
         // (no longer than `within`) never overlaps it.
         if started.elapsed() + MEMORY_LOOK_EVERY >= within {
             let mut parts = Vec::new();
-            if let (false, Some(b), Some(n)) = (gtt_back, before.gtt_used, now.gtt_used) {
+            if let (false, Some(b), Some(n)) = (gpu_back, before.pool_used(), now.pool_used()) {
+                let pool =
+                    dsv4_client::telemetry::MemoryPool::of(before.vram_total, before.gtt_total)
+                        .map_or("GPU memory", |p| p.name());
                 parts.push(format!(
-                    "GTT in use is {:.1} GiB, {:.1} GiB before it started",
+                    "{pool} in use is {:.1} GiB, {:.1} GiB before it started",
                     gib(n),
                     gib(b)
                 ));

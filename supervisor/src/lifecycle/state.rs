@@ -31,6 +31,7 @@ use std::time::Duration;
 // from a clock that tests pause.
 use tokio::time::Instant;
 
+pub use dsv4_client::telemetry::MemoryPool;
 pub use dsv4_client::State;
 
 pub type Gen = u64;
@@ -73,6 +74,9 @@ pub struct MemoryCheck {
     /// GTT used and total, when the GPU reports them.
     pub gtt_used: Option<u64>,
     pub gtt_total: Option<u64>,
+    /// VRAM (the firmware's carve-out) used and total, when the GPU reports them.
+    pub vram_used: Option<u64>,
+    pub vram_total: Option<u64>,
 }
 
 /// A start refused for memory: the figures it was refused on.
@@ -81,8 +85,10 @@ pub struct MemoryShort {
     pub profile_planned: u64,
     pub reserve: u64,
     pub available: Option<u64>,
-    /// Set when GTT is what is short: free and total.
-    pub gtt: Option<(u64, u64)>,
+    /// The GPU memory the model lives in, when the GPU reports it.
+    pub pool: Option<MemoryPool>,
+    /// Set when GPU memory is what is short: that pool, free and total.
+    pub gpu: Option<(MemoryPool, u64, u64)>,
 }
 
 impl MemoryShort {
@@ -90,12 +96,20 @@ impl MemoryShort {
     pub fn describe(&self, profile: &str) -> String {
         let gib = |b: u64| format!("{:.1} GiB", b as f64 / (1u64 << 30) as f64);
         let needs = gib(self.profile_planned);
-        match self.gtt {
-            Some((free, total)) => format!(
+        match self.gpu {
+            Some((pool, free, total)) => format!(
                 "not enough GPU memory to start profile {profile}: it needs {needs} \
-                 (planned_memory), and the GPU has {} of GTT free of {}",
+                 (planned_memory), and the GPU has {} of {} free of {}",
                 gib(free),
+                pool.name(),
                 gib(total)
+            ),
+            None if self.pool == Some(MemoryPool::Vram) => format!(
+                "not enough memory to start profile {profile}: its {needs} (planned_memory) \
+                 go to VRAM, but {} of system memory is available, and memory.reserve keeps \
+                 {} free",
+                self.available.map_or_else(|| "less".to_string(), gib),
+                gib(self.reserve)
             ),
             None => format!(
                 "not enough memory to start profile {profile}: it needs {needs} \
@@ -108,25 +122,40 @@ impl MemoryShort {
 }
 
 impl MemoryCheck {
-    /// Why a start now would not fit: MemAvailable less the planned memory would go below the
-    /// reserve, or (where the GPU reports GTT) the free GTT is less than the planned memory.
+    /// The GPU memory the model lives in (see [`MemoryPool::of`]).
+    pub fn pool(&self) -> Option<MemoryPool> {
+        MemoryPool::of(self.vram_total, self.gtt_total)
+    }
+
+    /// Why a start now would not fit. Where the model lives in GTT (system RAM) or the GPU
+    /// reports nothing: MemAvailable less the planned memory would go below the reserve, or
+    /// the free GTT is less than the planned memory. Where it lives in a large VRAM
+    /// carve-out: the free VRAM is less than the planned memory, or MemAvailable is already
+    /// below the reserve.
     pub fn shortfall(&self) -> Option<MemoryShort> {
         let planned = self.planned?;
-        let short = |gtt| MemoryShort {
+        let pool = self.pool();
+        let short = |gpu| MemoryShort {
             profile_planned: planned,
             reserve: self.reserve,
             available: self.available,
-            gtt,
+            pool,
+            gpu,
+        };
+        let (charged, used, total) = match pool {
+            Some(MemoryPool::Vram) => (0, self.vram_used, self.vram_total),
+            _ => (planned, self.gtt_used, self.gtt_total),
         };
         if let Some(available) = self.available {
-            if available.saturating_sub(planned) < self.reserve || available < planned {
+            if available.saturating_sub(charged) < self.reserve || available < charged {
                 return Some(short(None));
             }
         }
-        if let (Some(used), Some(total)) = (self.gtt_used, self.gtt_total) {
+        if let (Some(used), Some(total)) = (used, total) {
             let free = total.saturating_sub(used);
             if free < planned {
-                return Some(short(Some((free, total))));
+                let pool = pool.unwrap_or(MemoryPool::Gtt);
+                return Some(short(Some((pool, free, total))));
             }
         }
         None

@@ -635,6 +635,8 @@ fn memory(fits: bool) -> MemoryCheck {
         available: Some(if fits { 118 * GIB } else { 52 * GIB }),
         gtt_used: Some(GIB),
         gtt_total: Some(112 * GIB),
+        vram_used: Some(GIB / 4),
+        vram_total: Some(GIB / 2),
     }
 }
 
@@ -647,9 +649,10 @@ fn admission_weighs_available_memory_the_reserve_and_gtt() {
             available,
             gtt_used,
             gtt_total: gtt_used.map(|_| 112 * GIB),
+            ..MemoryCheck::default()
         }
         .shortfall()
-        .map(|s| s.gtt.is_some())
+        .map(|s| s.gpu.is_some())
     };
     let p = Some(88 * GIB);
     // (available, gtt used, planned) -> None: admitted; Some(gtt?): refused, for GTT or not
@@ -688,6 +691,40 @@ fn admission_weighs_available_memory_the_reserve_and_gtt() {
         gtt.shortfall().unwrap().describe("320k"),
         "not enough GPU memory to start profile 320k: it needs 88.0 GiB (planned_memory), \
          and the GPU has 30.0 GiB of GTT free of 112.0 GiB"
+    );
+}
+
+#[test]
+fn with_a_large_vram_carve_out_admission_counts_vram_not_gtt() {
+    // 96 GiB of VRAM set in the BIOS: 32 GiB of system RAM left, 16 GiB of GTT.
+    let carve_out = |vram_used: u64, available: u64| MemoryCheck {
+        planned: Some(88 * GIB),
+        reserve: 8 * GIB,
+        available: Some(available * GIB),
+        gtt_used: Some(GIB / 2),
+        gtt_total: Some(16 * GIB),
+        vram_used: Some(vram_used * GIB),
+        vram_total: Some(96 * GIB),
+    };
+    assert_eq!(carve_out(1, 25).pool(), Some(MemoryPool::Vram));
+    assert_eq!(memory(true).pool(), Some(MemoryPool::Gtt));
+    // The model goes to VRAM: 95 GiB free there; system RAM is not charged with it.
+    assert_eq!(carve_out(1, 25).shortfall(), None);
+    // Another process holds VRAM.
+    let short = carve_out(20, 25).shortfall().unwrap();
+    assert_eq!(short.gpu, Some((MemoryPool::Vram, 76 * GIB, 96 * GIB)));
+    assert_eq!(
+        short.describe("320k"),
+        "not enough GPU memory to start profile 320k: it needs 88.0 GiB (planned_memory), \
+         and the GPU has 76.0 GiB of VRAM free of 96.0 GiB"
+    );
+    // System RAM below the reserve already.
+    let short = carve_out(1, 6).shortfall().unwrap();
+    assert_eq!(short.gpu, None);
+    assert_eq!(
+        short.describe("320k"),
+        "not enough memory to start profile 320k: its 88.0 GiB (planned_memory) go to VRAM, \
+         but 6.0 GiB of system memory is available, and memory.reserve keeps 8.0 GiB free"
     );
 }
 

@@ -170,15 +170,15 @@ pub fn memory(m: &Memory) -> String {
 /// The latest sample's rows: what the user measured by hand, each `-` when not measured.
 fn hardware_rows(rows: &mut Vec<(&str, String)>, h: &Sample, now: f64) {
     rows.push(("memory", h.memory.as_ref().map_or_else(dash, memory)));
-    let gtt = h
-        .gpu
-        .as_ref()
-        .and_then(|g| match (g.gtt_used, g.gtt_total) {
-            (Some(u), Some(t)) => Some(format!("{} of {} ({})", gib(u), gib(t), g.card)),
-            (Some(u), None) => Some(format!("{} ({})", gib(u), g.card)),
-            _ => None,
-        });
-    rows.push(("GTT", gtt.unwrap_or_else(dash)));
+    // The pool the model lives in: GTT, or VRAM with a large carve-out.
+    let pool = h.gpu.as_ref().and_then(|g| Some((g, g.pool_figures()?)));
+    let label = pool.map_or("GTT", |(_, (p, _, _))| p.name());
+    let figures = pool.and_then(|(g, (_, used, total))| match (used, total) {
+        (Some(u), Some(t)) => Some(format!("{} of {} ({})", gib(u), gib(t), g.card)),
+        (Some(u), None) => Some(format!("{} ({})", gib(u), g.card)),
+        _ => None,
+    });
+    rows.push((label, figures.unwrap_or_else(dash)));
     let t = &h.temperatures;
     let temps: Vec<String> = [("edge", t.edge), ("Tctl", t.tctl)]
         .into_iter()
@@ -798,6 +798,8 @@ hardware    - (no sample yet)
                 card: "card1".into(),
                 gtt_used: Some(81 << 30),
                 gtt_total: Some(112 << 30),
+                vram_total: Some(1 << 29),
+                pool: Some(MemoryPool::Gtt),
                 busy_percent: Some(97.0),
                 ..Gpu::default()
             }),
@@ -860,6 +862,19 @@ hardware    - (no sample yet)
                 "last requests  5m ago 320k /completion: 262144 prompt + 32 generated tokens in \
                  1h58m24s, decode 5.300 tok/s, edge 73.2/78.5 C, SoC 85.0 W, GTT peak 81.0 GiB",
             ]
+        );
+        // A large VRAM carve-out: the model's pool is VRAM, and that is the row.
+        if let Some(g) = s.telemetry.as_mut().and_then(|t| t.gpu.as_mut()) {
+            g.vram_used = Some(81 << 30);
+            g.vram_total = Some(96 << 30);
+            g.gtt_total = Some(16 << 30);
+            g.gtt_used = Some(1 << 29);
+            g.pool = Some(MemoryPool::Vram);
+        }
+        let table = status_table(&s, 1_000_000.0);
+        assert!(
+            table.contains("\nVRAM           81.0 GiB of 96.0 GiB (card1)\n"),
+            "{table}"
         );
         s.power = Some(PowerStatus {
             method: "ppd".into(),
