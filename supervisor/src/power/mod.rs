@@ -180,7 +180,6 @@ pub fn spawn(parts: Parts) -> Power {
     let task = Task {
         parts,
         status: status_tx,
-        bus: None,
         writer,
         applied: None,
         last_choice: None,
@@ -230,9 +229,8 @@ impl Method {
 struct Task {
     parts: Parts,
     status: watch::Sender<PowerStatus>,
-    /// The system bus, connected on first need (none on a machine without one).
-    bus: Option<zbus::Connection>,
-    /// The sysfs writes: dsv4d's own, or through the `dsv4-sysfs@` unit.
+    /// The sysfs writes: dsv4d's own, or through the `dsv4-sysfs@` unit; it also holds the
+    /// policy's one system-bus connection.
     writer: Writer,
     applied: Option<Applied>,
     /// The last method chosen and why, logged when it changes.
@@ -291,14 +289,7 @@ impl Task {
     }
 
     async fn system_bus(&mut self) -> Result<zbus::Connection, String> {
-        if let Some(c) = &self.bus {
-            return Ok(c.clone());
-        }
-        let conn = zbus::Connection::system()
-            .await
-            .map_err(|e| format!("no system bus ({e})"))?;
-        self.bus = Some(conn.clone());
-        Ok(conn)
+        self.writer.system_bus().await
     }
 
     /// The method to use now, and why; PPD when asked for (or found, with `auto`).
@@ -352,11 +343,7 @@ impl Task {
         } else if cpufreq::writable(&root) {
             Some("writable".to_string())
         } else if self.writer.helper_installed().await {
-            Some(format!(
-                "written through {}*{}",
-                sysfs::UNIT_PREFIX,
-                sysfs::UNIT_SUFFIX
-            ))
+            Some(format!("written through {}", sysfs::template_unit()))
         } else {
             None
         };
@@ -377,7 +364,7 @@ impl Task {
                 root.path("/sys/devices/system/cpu/cpufreq").display()
             )
         } else {
-            format!("no power-profiles-daemon on the system bus, and the {policies} cpufreq policies are not writable by dsv4d, nor is {}{} installed", sysfs::UNIT_PREFIX, sysfs::UNIT_SUFFIX)
+            format!("no power-profiles-daemon on the system bus, and the {policies} cpufreq policies are not writable by dsv4d, nor is {} installed", sysfs::template_unit())
         };
         (Method::None, why, None)
     }

@@ -238,6 +238,11 @@ mod libc_errno {
     pub const EROFS: i32 = nix::errno::Errno::EROFS as i32;
 }
 
+/// The helper's template unit, `dsv4-sysfs@.service`.
+pub fn template_unit() -> String {
+    format!("{UNIT_PREFIX}{UNIT_SUFFIX}")
+}
+
 /// How long a helper run may take before dsv4d gives up on it.
 const HELPER_TIMEOUT: Duration = Duration::from_secs(30);
 
@@ -245,17 +250,21 @@ const HELPER_TIMEOUT: Duration = Duration::from_secs(30);
 #[derive(Clone)]
 pub struct Writer {
     root: SysRoot,
-    /// The system bus, for the helper: connected on first need, `None` where there is none.
-    bus: Arc<tokio::sync::OnceCell<Option<zbus::Connection>>>,
+    /// The power policy's one connection to the system bus (for power-profiles-daemon and
+    /// the helper): connected on first need, and again after a failed try.
+    bus: Arc<tokio::sync::Mutex<Option<zbus::Connection>>>,
+    /// Whether to connect at all (a writer given no bus never does).
+    connect: bool,
 }
 
 impl Writer {
-    /// A writer that connects to the system bus (`DBUS_SYSTEM_BUS_ADDRESS` is honoured) only
-    /// when a write needs the helper.
+    /// A writer that connects to the system bus (`DBUS_SYSTEM_BUS_ADDRESS` is honoured) on
+    /// first need.
     pub fn new(root: SysRoot) -> Writer {
         Writer {
             root,
-            bus: Arc::new(tokio::sync::OnceCell::new()),
+            bus: Arc::default(),
+            connect: true,
         }
     }
 
@@ -263,7 +272,8 @@ impl Writer {
     pub fn with_bus(root: SysRoot, bus: Option<zbus::Connection>) -> Writer {
         Writer {
             root,
-            bus: Arc::new(tokio::sync::OnceCell::new_with(Some(bus))),
+            bus: Arc::new(tokio::sync::Mutex::new(bus)),
+            connect: false,
         }
     }
 
@@ -271,11 +281,24 @@ impl Writer {
         &self.root
     }
 
-    async fn bus(&self) -> Option<&zbus::Connection> {
-        self.bus
-            .get_or_init(|| async { zbus::Connection::system().await.ok() })
+    /// The system bus, shared by everything the power policy asks there.
+    pub async fn system_bus(&self) -> Result<zbus::Connection, String> {
+        let mut slot = self.bus.lock().await;
+        if let Some(c) = &*slot {
+            return Ok(c.clone());
+        }
+        if !self.connect {
+            return Err("no system bus".into());
+        }
+        let conn = zbus::Connection::system()
             .await
-            .as_ref()
+            .map_err(|e| format!("no system bus ({e})"))?;
+        *slot = Some(conn.clone());
+        Ok(conn)
+    }
+
+    async fn bus(&self) -> Option<zbus::Connection> {
+        self.system_bus().await.ok()
     }
 
     /// Whether the helper unit is installed where systemd can start it.
@@ -283,10 +306,10 @@ impl Writer {
         let Some(bus) = self.bus().await else {
             return false;
         };
-        let Ok(manager) = manager(bus).await else {
+        let Ok(manager) = manager(&bus).await else {
             return false;
         };
-        let template = format!("{UNIT_PREFIX}{UNIT_SUFFIX}");
+        let template = template_unit();
         let state: zbus::Result<String> = manager.call("GetUnitFileState", &(template,)).await;
         state.is_ok()
     }
@@ -314,7 +337,7 @@ impl Writer {
                 req.unit()
             ));
         };
-        match tokio::time::timeout(HELPER_TIMEOUT, run_helper(bus, req)).await {
+        match tokio::time::timeout(HELPER_TIMEOUT, run_helper(&bus, req)).await {
             Ok(Ok(())) => {
                 tracing::debug!(
                     "power: {} wrote {:?} to {}",
