@@ -19,6 +19,7 @@ pub mod listener;
 pub mod metrics;
 pub mod monitor;
 pub mod oversize;
+pub mod path;
 pub mod power;
 pub mod profiles;
 pub mod proxy;

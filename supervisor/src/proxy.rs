@@ -348,6 +348,11 @@ async fn route(ctx: &Ctx, config: &Arc<Config>, mut req: Request<Incoming>) -> R
             .insert(header::ALLOW, HeaderValue::from_static(ALLOW));
         return r;
     }
+    // From here on the path is the one the engine will route: decoded as it decodes it,
+    // and sent to it so that it decodes to exactly that (see `crate::path`).
+    if let Err(refused) = judge_path(&mut req) {
+        return refused;
+    }
     let own = matches!(*req.method(), Method::GET | Method::HEAD);
     if own && req.uri().path() == "/health" {
         // Open to every caller the front admits: it is what a load balancer or a watchdog
@@ -505,20 +510,47 @@ fn models(ctx: &Ctx) -> serde_json::Value {
     json!({ "object": "list", "data": data })
 }
 
+/// Replaces the request's target by its origin form with the path decoded and encoded
+/// canonically; a path that cannot be decoded cleanly is refused with a 400.
+#[allow(clippy::result_large_err)]
+fn judge_path(req: &mut Request<Incoming>) -> Result<(), Response<ProxyBody>> {
+    let bad = |why: String| {
+        ApiError::new(
+            StatusCode::BAD_REQUEST,
+            "invalid_request_error",
+            "bad_path",
+            why,
+        )
+        .into_response()
+    };
+    let decoded = crate::path::decode(req.uri().path()).map_err(|e| bad(e.to_string()))?;
+    let mut target = crate::path::encode(&decoded);
+    if let Some(q) = req.uri().query() {
+        target.push('?');
+        target.push_str(q);
+    }
+    if req.uri().scheme().is_none()
+        && req.uri().path_and_query().map(|p| p.as_str()) == Some(&target)
+    {
+        return Ok(());
+    }
+    *req.uri_mut() = Uri::try_from(target).map_err(|e| bad(e.to_string()))?;
+    Ok(())
+}
+
+/// Whether `req` is a slot action (`POST /slots/N?action=...`, or anything but a read of
+/// `/slots`), judged on the path the engine routes (see `judge_path`).
+fn is_slot_action(req: &Request<Incoming>) -> bool {
+    let path = req.uri().path();
+    req.method() != Method::GET && (path == "/slots" || path.starts_with("/slots/"))
+}
+
 /// With KV checkpoints on, the engine's slot files are dsv4d's: a client's `POST
 /// /slots/N?action=save|restore|erase` would write files no bound counts, read back another
 /// conversation's cache, or throw away another client's slot. `GET /slots` still passes.
-fn slots_kept_by_dsv4d(
-    ctx: &Ctx,
-    config: &Config,
-    req: &Request<Incoming>,
-) -> Option<Response<ProxyBody>> {
-    let path = req.uri().path();
-    if req.method() == Method::GET || !(path == "/slots" || path.starts_with("/slots/")) {
-        return None;
-    }
-    let status = ctx.lifecycle.status();
-    let profile = status.engine_profile.as_deref().unwrap_or(&status.profile);
+/// Judged for `profile`: before the lease, each of the running engine's and the active one
+/// (a switch may be draining toward it); with the lease, the engine that will serve it.
+fn slots_kept_by_dsv4d(config: &Config, profile: &str) -> Option<Response<ProxyBody>> {
     config.profile(profile)?.kv_checkpoint.as_ref()?;
     Some(
         ApiError::new(
@@ -543,8 +575,17 @@ async fn proxy(ctx: &Ctx, config: &Config, req: Request<Incoming>) -> Response<P
         max_buffered: api.max_buffered,
     };
     let started = Instant::now();
-    if let Some(refused) = slots_kept_by_dsv4d(ctx, config, &req) {
-        return refused;
+    let slot_action = is_slot_action(&req);
+    if slot_action {
+        let status = ctx.lifecycle.status();
+        let running = status.engine_profile.as_deref();
+        let refused = [running, Some(status.profile.as_str())]
+            .into_iter()
+            .flatten()
+            .find_map(|p| slots_kept_by_dsv4d(config, p));
+        if let Some(refused) = refused {
+            return refused;
+        }
     }
     let (mut parts, body) = req.into_parts();
     // The whole body first: a client that is slow to send it holds no lease and no engine
@@ -580,28 +621,15 @@ async fn proxy(ctx: &Ctx, config: &Config, req: Request<Incoming>) -> Response<P
         Ok(lease) => lease,
         Err(refusal) => return ApiError::from(refusal).into_response(),
     };
-    let tap_path = (parts.method == Method::POST).then(|| parts.uri.path().to_string());
-    // Origin form (`/path?query`), as an HTTP/1.1 client sends to a server it talks to
-    // directly.
-    if parts.uri.scheme().is_some() || parts.uri.authority().is_some() {
-        let path = parts
-            .uri
-            .path_and_query()
-            .map(|p| p.as_str())
-            .unwrap_or("/");
-        parts.uri = match Uri::try_from(path) {
-            Ok(u) => u,
-            Err(e) => {
-                return ApiError::new(
-                    StatusCode::BAD_REQUEST,
-                    "invalid_request_error",
-                    "bad_uri",
-                    e.to_string(),
-                )
-                .into_response()
-            }
-        };
+    if slot_action {
+        // The engine that will serve it, which a switch may have changed meanwhile.
+        if let Some(refused) = slots_kept_by_dsv4d(config, &lease.engine.profile) {
+            return refused;
+        }
     }
+    let tap_path = (parts.method == Method::POST).then(|| parts.uri.path().to_string());
+    // The target is in origin form already (`judge_path`), as an HTTP/1.1 client sends it to
+    // a server it talks to directly.
     parts.version = http::Version::HTTP_11;
     strip_hop_by_hop(&mut parts.headers);
     // The body is here already: nothing for the engine to agree to first, and its length is

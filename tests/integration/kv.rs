@@ -539,6 +539,17 @@ async fn clients_cannot_drive_the_slots_dsv4d_keeps() {
         assert_eq!(status, 403, "{v}");
         assert_eq!(v["error"]["code"], "slots_managed", "{v}");
     }
+    // Written as the engine decodes it (the fake decodes as llama-server's library does).
+    for (path, want) in crate::real_engine::ENCODED_SLOT_ACTIONS {
+        let target = format!("{path}?action=save");
+        let (status, _, v) =
+            body_json(d.post(&target, json!({"filename": "mine.bin"})).await).await;
+        assert_eq!(status, want, "{target}: {v}");
+    }
+    // dsv4d's own endpoints are judged on the decoded path too.
+    let (status, v) = d.get("/%73tatus").await;
+    assert_eq!(status, 200);
+    assert!(v["kv"].is_object() && v["requests"].is_object(), "{v}");
     assert!(!d.fake_log().contains("slot 0 save mine.bin"));
     // Reading the slots still goes to the engine.
     let (status, v) = d.get("/slots").await;
@@ -570,4 +581,74 @@ async fn an_engine_dying_in_its_save_removes_no_other_checkpoint() {
     assert_eq!(status, 200);
     let dir = d.stop().await;
     assert_eq!(manifests(dir.path()), 1, "320k's checkpoint was removed");
+}
+
+/// 320k keeps no checkpoints, 64k does; the daemon serves 320k first.
+fn switching_toward_checkpoints(bus: &PrivateBus) -> Setup {
+    let mut s =
+        Setup::default()
+            .session_bus(bus)
+            .profile_key("64k", "kv_checkpoint", "{ dir: kv }");
+    s.default_profile = "320k".into();
+    s
+}
+
+/// A slot action sent while a switch drains toward a profile with checkpoints is judged
+/// against that profile, not the draining engine's.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_slot_action_during_a_switch_is_judged_by_the_profile_switched_to() {
+    let bus = PrivateBus::start();
+    let d = Daemon::start(&switching_toward_checkpoints(&bus).knob("token_ms", "50"));
+    let proxy = live_proxy(&bus, &d).await;
+    // A 5 s stream holds the 320k engine: the switch drains behind it.
+    let stream = d.post("/v1/chat/completions", chat(100, true)).await;
+    assert_eq!(stream.status(), 200);
+    proxy.set_profile("64k").await.unwrap();
+    d.wait_state(State::Draining, PATIENCE).await;
+    let (status, _, v) = body_json(
+        d.post("/slots/0?action=save", json!({"filename": "mine.bin"}))
+            .await,
+    )
+    .await;
+    assert_eq!(status, 403, "{v}");
+    assert_eq!(v["error"]["code"], "slots_managed", "{v}");
+    drop(stream);
+    d.wait_state(State::Ready, PATIENCE).await;
+    assert_eq!(d.status().await["engine_profile"], "64k");
+    assert!(
+        !d.fake_log().contains("slot 0 save mine.bin"),
+        "{}",
+        d.fake_log()
+    );
+}
+
+/// One that waits for an engine while the switch happens is judged against the engine that
+/// serves it once it has its lease.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_slot_action_is_judged_by_the_engine_that_serves_it() {
+    let bus = PrivateBus::start();
+    let d = Daemon::start(&switching_toward_checkpoints(&bus).knob("load_ms", "1500"));
+    let proxy = live_proxy(&bus, &d).await;
+    let request = async {
+        body_json(
+            d.post("/slots/0?action=save", json!({"filename": "mine.bin"}))
+                .await,
+        )
+        .await
+    };
+    let switch = async {
+        // It waits for the 320k engine it started to load (the state says so once it is a
+        // waiter), and the switch gives it a 64k engine, which keeps checkpoints.
+        d.wait_state(State::Starting, PATIENCE).await;
+        proxy.set_profile("64k").await.unwrap();
+    };
+    let ((status, _, v), ()) = tokio::join!(request, switch);
+    assert_eq!(status, 403, "{v}");
+    assert_eq!(v["error"]["code"], "slots_managed", "{v}");
+    assert!(
+        !d.fake_log().contains("slot 0 save mine.bin"),
+        "{}",
+        d.fake_log()
+    );
+    assert_eq!(d.status().await["engine_profile"], "64k");
 }

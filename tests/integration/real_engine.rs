@@ -193,3 +193,69 @@ async fn each_real_engine_start_gets_a_new_secret_and_the_old_file_goes() {
         .await;
     assert_eq!(status, 200, "{v}");
 }
+
+/// Every way of writing a slot action that llama-server's HTTP library decodes to
+/// `/slots/0` (or could), each refused by dsv4d: 403 where it decodes cleanly, 400 where
+/// another parser could read it another way.
+pub const ENCODED_SLOT_ACTIONS: [(&str, u16); 9] = [
+    ("/%73lots/0", 403),
+    ("/slots%2F0", 403),
+    ("/slots%2f0", 403),
+    ("/%73%6C%6f%74%73/0", 403),
+    ("/%2e%2e/slots/0", 400),
+    ("/x/%2E%2E/slots/0", 400),
+    ("/x/../slots/0", 400),
+    ("/%u0073lots/0", 400),
+    ("/slots/%30%", 400),
+];
+
+/// llama-server decodes the path before it routes: none of those reaches its slots. The slot
+/// stays as it was: a save straight to the engine before and after gives the same count,
+/// and no file of a client's naming lands in the managed folder.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn encoded_slot_actions_never_reach_the_real_engine() {
+    let mut s = setup().engine("idle_timeout", "10m");
+    if let Some(p) = s.custom_profiles.get_mut("tiny") {
+        p.push_str("kv_checkpoint: { dir: kv }\n");
+    }
+    let d = Daemon::start(&s);
+    let (status, _, v) = d
+        .send(
+            "POST",
+            "/completion",
+            &[],
+            Some(serde_json::json!({"prompt": "count 1", "n_predict": 8})),
+        )
+        .await;
+    assert_eq!(status, 200, "{v}");
+    let e = EngineSeen::of(&d).await;
+    let bearer = e.bearer();
+    let save = |name: &'static str| {
+        let (e, bearer) = (e.clone(), bearer.clone());
+        async move {
+            let (status, _, v) = e
+                .send(
+                    "POST",
+                    "/slots/0?action=save",
+                    &[("authorization", &bearer)],
+                    Some(serde_json::json!({ "filename": name })),
+                )
+                .await;
+            assert_eq!(status, 200, "{v}");
+            v["n_saved"].as_u64().unwrap()
+        }
+    };
+    let before = save("probe-before.bin").await;
+    assert!(before > 0, "the slot holds nothing to begin with");
+    for (path, want) in ENCODED_SLOT_ACTIONS {
+        for action in ["erase", "save"] {
+            let target = format!("{path}?action={action}");
+            let body = serde_json::json!({ "filename": "client.bin" });
+            let (status, _, v) = d.send("POST", &target, &[], Some(body)).await;
+            assert_eq!(status, want, "{target}: {v}");
+        }
+    }
+    assert_eq!(save("probe-after.bin").await, before);
+    let kv = d.dir().join("profiles/kv");
+    assert!(!kv.join("client.bin").exists(), "a client's file in {kv:?}");
+}

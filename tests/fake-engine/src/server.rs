@@ -519,7 +519,8 @@ async fn handle(
     conn: Arc<ConnState>,
     req: Request<Incoming>,
 ) -> Response<OnEnd<EngineBody, impl FnOnce(End) + Send>> {
-    let path = req.uri().path().to_string();
+    // Routed on the decoded path, as llama-server's HTTP library routes.
+    let path = decode_path_component(req.uri().path());
     let method = req.method().clone();
     // Health checks are not logged: a supervisor polls them, and their lines would crowd
     // the start-up messages out of the output tail that tests read.
@@ -644,6 +645,41 @@ async fn route(engine: &Arc<Engine>, req: Request<Incoming>, method: &Method, pa
     }
 }
 
+/// The path as cpp-httplib's `decode_path_component` decodes it before routing: `%XX` and
+/// `%uXXXX` (as UTF-8) are decoded, and an escape that is not one of those is kept as it is.
+fn decode_path_component(raw: &str) -> String {
+    let b = raw.as_bytes();
+    let hex = |at: usize, n: usize| -> Option<u32> {
+        let digits = b.get(at..at + n)?;
+        let text = std::str::from_utf8(digits).ok()?;
+        u32::from_str_radix(text, 16)
+            .ok()
+            .filter(|_| digits.iter().all(u8::is_ascii_hexdigit))
+    };
+    let mut out: Vec<u8> = Vec::with_capacity(b.len());
+    let mut i = 0;
+    while i < b.len() {
+        if b[i] == b'%' && i + 1 < b.len() {
+            if b[i + 1] == b'u' {
+                if let Some(v) = hex(i + 2, 4) {
+                    if let Some(c) = char::from_u32(v) {
+                        out.extend_from_slice(c.encode_utf8(&mut [0; 4]).as_bytes());
+                    }
+                    i += 6;
+                    continue;
+                }
+            } else if let Some(v) = hex(i + 1, 2) {
+                out.push(v as u8);
+                i += 3;
+                continue;
+            }
+        }
+        out.push(b[i]);
+        i += 1;
+    }
+    String::from_utf8_lossy(&out).into_owned()
+}
+
 /// `POST /slots/N?action=save|restore|erase` with `{"filename": NAME}`, as llama-server
 /// answers it: the file lives in `--slot-save-path` (without one: 501), a name with a path
 /// in it is refused, a save takes `--save-ms` first. A slot "holds" the tokens generated so
@@ -655,7 +691,8 @@ async fn slot_action(engine: &Arc<Engine>, req: Request<Incoming>) -> Resp {
             &json!({"error": {"code": status.as_u16(), "message": message, "type": "invalid_request_error"}}),
         )
     };
-    let id: Option<u64> = req.uri().path()["/slots/".len()..].parse().ok();
+    let path = decode_path_component(req.uri().path());
+    let id: Option<u64> = path.strip_prefix("/slots/").and_then(|id| id.parse().ok());
     let action = req
         .uri()
         .query()
