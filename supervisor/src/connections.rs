@@ -1,8 +1,13 @@
 //! Client connections against the open-file limit.
 //!
-//! Owns: raising the soft `RLIMIT_NOFILE` at start, the count of open client connections, the
-//! cap (`api.max_connections`, lowered to what the open-file limit covers), and the answer
-//! to a connection over it: a complete 503, written at once, and the connection closed.
+//! Owns: raising the soft `RLIMIT_NOFILE` at start, the open client connections (how many,
+//! which carry a request, which have shown an API key), the cap (`api.max_connections`,
+//! lowered to what the open-file limit covers), and what happens at the cap: the connection
+//! idle the longest (no request in flight) is closed to make room, as mature servers reuse
+//! idle keep-alive connections; when every one carries a request, the new one gets a
+//! complete 503, written at once, and is closed. With API keys configured, a connection that
+//! has not shown a valid key is kept alive only [`UNKEYED_KEEP_ALIVE`] between requests:
+//! anyone may poll `/health` without a key, and must not hold the door that way.
 //!
 //! Every client connection is a file descriptor, and so is the engine connection a request
 //! it carries holds while the engine answers: a client connection may cost two. The daemon's
@@ -10,13 +15,16 @@
 //! need [`RESERVE`] more. Past the open-file limit `accept` fails and clients wait in the
 //! kernel's backlog, unanswered; the cap keeps the daemon short of it and answers them.
 
+use std::collections::HashMap;
 use std::sync::atomic::{AtomicUsize, Ordering};
-use std::sync::Arc;
+use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
 use nix::sys::resource::{getrlimit, setrlimit, Resource, RLIM_INFINITY};
 use tokio::io::AsyncReadExt;
 use tokio::net::TcpStream;
+use tokio::sync::Notify;
+use tokio::time::Instant;
 
 use crate::http_error::ApiError;
 
@@ -27,6 +35,10 @@ pub const RESERVE: u64 = 64;
 /// the end of its previous exchange (keep-alive), or it is closed. hyper's default, written
 /// out: slow or idle clients give their slot back.
 pub const HEADER_TIMEOUT: Duration = Duration::from_secs(30);
+
+/// How long a connection that has not shown a valid API key stays open between requests,
+/// when keys are configured.
+pub const UNKEYED_KEEP_ALIVE: Duration = Duration::from_secs(5);
 
 /// Refused connections whose requests are read (and dropped) for a moment after the 503, so
 /// that closing them does not reset the answer away; past this many they close at once.
@@ -95,15 +107,127 @@ pub fn fd_cap() -> usize {
 pub struct Connections {
     open: Arc<AtomicUsize>,
     lingering: Arc<AtomicUsize>,
+    registry: Arc<Mutex<Registry>>,
 }
 
-/// One open client connection; dropping it (when its task ends) frees the slot.
+/// What is known of each open connection.
+#[derive(Debug, Default)]
+struct Registry {
+    next: u64,
+    entries: HashMap<u64, Entry>,
+}
+
 #[derive(Debug)]
-pub struct Slot(Arc<AtomicUsize>);
+struct Entry {
+    /// Requests in flight (their response bodies not ended).
+    busy: u32,
+    /// Since when no request has been in flight.
+    idle_since: Instant,
+    /// It has shown a valid API key.
+    keyed: bool,
+    /// Asked to close, to make room.
+    evict: bool,
+    wake: Arc<Notify>,
+}
+
+/// One open client connection: it frees its place when dropped (when its task ends), and
+/// tells the registry what the connection does.
+#[derive(Debug)]
+pub struct Slot {
+    open: Arc<AtomicUsize>,
+    registry: Arc<Mutex<Registry>>,
+    id: u64,
+    wake: Arc<Notify>,
+}
+
+/// What a connection's task is to do next.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Next {
+    /// Serve on, looking again at this instant (or when woken).
+    Serve(Option<Instant>),
+    /// Close: the room was needed.
+    Evicted,
+    /// Close: idle too long without having shown a key.
+    Unkeyed,
+}
 
 impl Drop for Slot {
     fn drop(&mut self) {
-        self.0.fetch_sub(1, Ordering::Relaxed);
+        lock(&self.registry).entries.remove(&self.id);
+        self.open.fetch_sub(1, Ordering::Relaxed);
+    }
+}
+
+fn lock(r: &Mutex<Registry>) -> std::sync::MutexGuard<'_, Registry> {
+    r.lock().unwrap_or_else(|p| p.into_inner())
+}
+
+impl Slot {
+    fn with<T>(&self, f: impl FnOnce(&mut Entry) -> T) -> Option<T> {
+        lock(&self.registry).entries.get_mut(&self.id).map(f)
+    }
+
+    /// A request begins; the guard ends it (drop it when its response body ends).
+    pub fn busy(&self) -> Busy {
+        self.with(|e| e.busy += 1);
+        Busy {
+            registry: self.registry.clone(),
+            id: self.id,
+            wake: self.wake.clone(),
+        }
+    }
+
+    /// The connection showed a valid API key.
+    pub fn keyed(&self) {
+        self.with(|e| e.keyed = true);
+    }
+
+    /// Wakes when the verdict may have changed (an eviction asked, the last request ended).
+    pub fn changed(&self) -> Arc<Notify> {
+        self.wake.clone()
+    }
+
+    /// What to do now; `unkeyed`: the keep-alive of connections without a key, when keys
+    /// are configured.
+    pub fn next(&self, unkeyed: Option<Duration>, now: Instant) -> Next {
+        self.with(|e| {
+            if e.busy > 0 {
+                e.evict = false;
+                return Next::Serve(None);
+            }
+            if e.evict {
+                return Next::Evicted;
+            }
+            match unkeyed.filter(|_| !e.keyed) {
+                Some(d) if now >= e.idle_since + d => Next::Unkeyed,
+                Some(d) => Next::Serve(Some(e.idle_since + d)),
+                None => Next::Serve(None),
+            }
+        })
+        .unwrap_or(Next::Evicted)
+    }
+}
+
+/// A request in flight on a connection; dropping it ends it.
+#[derive(Debug)]
+pub struct Busy {
+    registry: Arc<Mutex<Registry>>,
+    id: u64,
+    wake: Arc<Notify>,
+}
+
+impl Drop for Busy {
+    fn drop(&mut self) {
+        let idle = lock(&self.registry).entries.get_mut(&self.id).map(|e| {
+            e.busy = e.busy.saturating_sub(1);
+            if e.busy == 0 {
+                e.idle_since = Instant::now();
+            }
+            e.busy == 0
+        });
+        if idle == Some(true) {
+            self.wake.notify_one();
+        }
     }
 }
 
@@ -113,15 +237,40 @@ impl Connections {
         self.open.load(Ordering::Relaxed)
     }
 
-    /// A slot for one more connection, when fewer than `cap` are open.
+    /// A slot for one more connection: when fewer than `cap` are open, or else when one of
+    /// them carries no request (the one idle the longest is asked to close, and this one
+    /// takes its place).
     pub fn admit(&self, cap: usize) -> Option<Slot> {
-        let admitted = self
-            .open
-            .fetch_update(Ordering::Relaxed, Ordering::Relaxed, |n| {
-                (n < cap).then_some(n + 1)
-            })
-            .is_ok();
-        admitted.then(|| Slot(self.open.clone()))
+        let mut registry = lock(&self.registry);
+        if self.open.load(Ordering::Relaxed) >= cap {
+            let longest_idle = registry
+                .entries
+                .values_mut()
+                .filter(|e| e.busy == 0 && !e.evict)
+                .min_by_key(|e| e.idle_since)?;
+            longest_idle.evict = true;
+            longest_idle.wake.notify_one();
+        }
+        self.open.fetch_add(1, Ordering::Relaxed);
+        registry.next += 1;
+        let id = registry.next;
+        let wake = Arc::new(Notify::new());
+        registry.entries.insert(
+            id,
+            Entry {
+                busy: 0,
+                idle_since: Instant::now(),
+                keyed: false,
+                evict: false,
+                wake: wake.clone(),
+            },
+        );
+        Some(Slot {
+            open: self.open.clone(),
+            registry: self.registry.clone(),
+            id,
+            wake,
+        })
     }
 
     /// Answers `stream` with a 503 (`too_many_connections`) without reading its request, and
@@ -191,16 +340,67 @@ fn refusal(max_connections: usize, cap: usize) -> Vec<u8> {
 mod tests {
     use super::*;
 
-    #[test]
-    fn slots_are_counted_and_freed() {
+    #[tokio::test(start_paused = true)]
+    async fn slots_are_counted_and_freed() {
         let c = Connections::default();
         let a = c.admit(2).unwrap();
-        let _b = c.admit(2).unwrap();
+        let b = c.admit(2).unwrap();
+        let (_a, _b) = (a.busy(), b.busy());
+        // Both carry a request: no room.
         assert!(c.admit(2).is_none());
         assert_eq!(c.open(), 2);
         drop(a);
         assert_eq!(c.open(), 1);
         assert!(c.admit(2).is_some());
+    }
+
+    #[tokio::test(start_paused = true)]
+    async fn at_the_cap_the_connection_idle_the_longest_makes_room() {
+        let c = Connections::default();
+        let first = c.admit(3).unwrap();
+        tokio::time::advance(Duration::from_secs(1)).await;
+        let second = c.admit(3).unwrap();
+        let busy = c.admit(3).unwrap();
+        let _request = busy.busy();
+        // `first` has been idle the longest; `busy` is never chosen.
+        tokio::time::advance(Duration::from_secs(1)).await;
+        let now = Instant::now();
+        let fourth = c.admit(3).expect("room made");
+        assert_eq!(first.next(None, now), Next::Evicted);
+        assert_eq!(second.next(None, now), Next::Serve(None));
+        assert_eq!(busy.next(None, now), Next::Serve(None));
+        drop(first);
+        // Then `second`; a request that begins before its task looks calls it off.
+        let _fifth = c.admit(3).expect("room made");
+        let call_off = second.busy();
+        assert_eq!(second.next(None, now), Next::Serve(None));
+        drop(call_off);
+        assert_eq!(second.next(None, now), Next::Serve(None));
+        // second, busy, fourth and fifth: one over the cap until an evicted one closes.
+        assert_eq!(c.open(), 4);
+        drop(fourth);
+        assert_eq!(c.open(), 3);
+    }
+
+    #[tokio::test(start_paused = true)]
+    async fn without_a_key_a_connection_is_kept_alive_briefly() {
+        let c = Connections::default();
+        let (unkeyed, keyed) = (c.admit(8).unwrap(), c.admit(8).unwrap());
+        keyed.keyed();
+        let d = Some(UNKEYED_KEEP_ALIVE);
+        let t0 = Instant::now();
+        assert_eq!(
+            unkeyed.next(d, t0),
+            Next::Serve(Some(t0 + UNKEYED_KEEP_ALIVE))
+        );
+        let later = t0 + UNKEYED_KEEP_ALIVE;
+        assert_eq!(unkeyed.next(d, later), Next::Unkeyed);
+        assert_eq!(keyed.next(d, later), Next::Serve(None));
+        // No keys configured: no short keep-alive.
+        assert_eq!(unkeyed.next(None, later), Next::Serve(None));
+        // Busy: never closed.
+        let _r = unkeyed.busy();
+        assert_eq!(unkeyed.next(d, later), Next::Serve(None));
     }
 
     #[test]

@@ -285,19 +285,53 @@ pub async fn serve(
             continue;
         };
         let _ = stream.set_nodelay(true);
-        let ctx = ctx.clone();
-        let service = hyper::service::service_fn(move |req| {
-            let ctx = ctx.clone();
-            async move { Ok::<_, Infallible>(handle(&ctx, req).await) }
-        });
+        let slot = Arc::new(slot);
+        let service = {
+            let (ctx, slot) = (ctx.clone(), slot.clone());
+            hyper::service::service_fn(move |mut req| {
+                let (ctx, slot) = (ctx.clone(), slot.clone());
+                async move {
+                    // In flight until its response body ends.
+                    let busy = slot.busy();
+                    req.extensions_mut().insert(OnConnection(slot));
+                    let resp = handle(&ctx, req).await;
+                    Ok::<_, Infallible>(resp.map(|b| OnEnd::new(b, move |_: End| drop(busy))))
+                }
+            })
+        };
         let io = TokioIo::new(oversize::Guarded::new(stream, max_body));
-        let conn = http.serve_connection(io, service);
-        let conn = graceful.watch(conn);
+        let conn = graceful.watch(http.serve_connection(io, service));
+        let ctx = ctx.clone();
         tokio::spawn(async move {
-            if let Err(e) = conn.await {
-                tracing::debug!(%peer, "connection ended: {e}");
+            tokio::pin!(conn);
+            let changed = slot.changed();
+            loop {
+                // Keys configured: a connection without one is kept alive briefly.
+                let keys = ctx.api_keys.get(&ctx.config.borrow()).is_some();
+                let unkeyed = keys.then_some(connections::UNKEYED_KEEP_ALIVE);
+                let until = match slot.next(unkeyed, tokio::time::Instant::now()) {
+                    connections::Next::Serve(until) => until,
+                    connections::Next::Evicted => {
+                        tracing::debug!(%peer, "closed, idle the longest, to make room");
+                        break;
+                    }
+                    connections::Next::Unkeyed => {
+                        tracing::debug!(%peer, "closed: idle, and no API key shown");
+                        break;
+                    }
+                };
+                tokio::select! {
+                    ended = &mut conn => {
+                        if let Err(e) = ended {
+                            tracing::debug!(%peer, "connection ended: {e}");
+                        }
+                        break;
+                    }
+                    _ = changed.notified() => {}
+                    _ = tokio::time::sleep_until(until.unwrap_or_else(tokio::time::Instant::now)),
+                        if until.is_some() => {}
+                }
             }
-            drop(slot);
         });
     }
     drop(listener);
@@ -315,6 +349,10 @@ const ALLOWED_METHODS: [Method; 7] = [
     Method::OPTIONS,
 ];
 const ALLOW: &str = "GET, HEAD, POST, PUT, PATCH, DELETE, OPTIONS";
+
+/// The connection a request came on, for the front door to note what it showed.
+#[derive(Clone)]
+struct OnConnection(Arc<connections::Slot>);
 
 async fn handle(ctx: &Ctx, req: Request<Incoming>) -> Response<ProxyBody> {
     ctx.activity.touch();
@@ -363,7 +401,9 @@ async fn route(ctx: &Ctx, config: &Arc<Config>, mut req: Request<Incoming>) -> R
             json!({ "status": "ok", "engine": s.state, "profile": s.profile }),
         );
     }
-    if let Err(refused) = check_key(ctx.api_keys.get(config), req.headers_mut()) {
+    let keys = ctx.api_keys.get(config);
+    let keyed = matches!(keys, Some(Ok(_)));
+    if let Err(refused) = check_key(keys, req.headers_mut()) {
         let unauthorized = refused.status == StatusCode::UNAUTHORIZED;
         let mut r: Response<ProxyBody> = refused.into_response();
         if unauthorized {
@@ -371,6 +411,12 @@ async fn route(ctx: &Ctx, config: &Arc<Config>, mut req: Request<Incoming>) -> R
                 .insert(header::WWW_AUTHENTICATE, HeaderValue::from_static("Bearer"));
         }
         return r;
+    }
+    if let Some(OnConnection(slot)) = req.extensions_mut().remove::<OnConnection>() {
+        if keyed {
+            // Its connection is kept alive as long as any other.
+            slot.keyed();
+        }
     }
     match (own, req.uri().path()) {
         (true, "/status") => {

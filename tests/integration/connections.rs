@@ -1,6 +1,7 @@
 //! Client connections against the open-file limit: the daemon raises its soft
-//! `RLIMIT_NOFILE`, caps open connections (`api.max_connections`), and answers one over the cap
-//! at once with a 503 instead of leaving it in the backlog.
+//! `RLIMIT_NOFILE`, caps open connections (`api.max_connections`), makes room at the cap by
+//! closing the connection idle the longest, and answers one over the cap, when every open one
+//! carries a request, at once with a 503 instead of leaving it in the backlog.
 
 use std::net::SocketAddr;
 use std::time::{Duration, Instant};
@@ -63,16 +64,49 @@ async fn idle_connections_under_a_1024_soft_limit_leave_other_clients_served() {
     d.stop().await;
 }
 
+/// `n` connections, each sending a chat request.
+async fn busy_connections(d: &Daemon, n: usize) -> Vec<TcpStream> {
+    use tokio::io::AsyncWriteExt;
+    let body = chat(3, false).to_string();
+    let request = format!(
+        "POST /v1/chat/completions HTTP/1.1\r\nhost: {}\r\ncontent-type: application/json\r\n\
+         content-length: {}\r\n\r\n{body}",
+        d.addr,
+        body.len()
+    );
+    let mut held = idle_connections(d.addr, n).await;
+    for s in &mut held {
+        s.write_all(request.as_bytes()).await.unwrap();
+    }
+    held
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn connections_over_max_connections_get_503_at_once() {
     raise_own_nofile(4096);
+    let bus = PrivateBus::start();
     let setup = Setup::default()
         .listen_flag()
+        .session_bus(&bus)
         .api("max_connections", "50")
+        .engine("max_waiting", "100")
+        .knob("load_ms", "5000")
         .log_level("info");
     let d = Daemon::start(&setup);
-    let mut held = idle_connections(d.addr, 50).await;
-    tokio::time::sleep(Duration::from_millis(200)).await;
+    let proxy = live_proxy(&bus, &d).await;
+    // 50 connections carry a request each, waiting for the engine; counted over D-Bus, so
+    // that no HTTP connection of the test's own stays open.
+    let held = busy_connections(&d, 50).await;
+    let t = Instant::now();
+    loop {
+        let status: serde_json::Value =
+            serde_json::from_str(&proxy.status().await.unwrap()).unwrap();
+        if status["waiting"] == 50 {
+            break;
+        }
+        assert!(t.elapsed() < PATIENCE, "{status}");
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
     let t = Instant::now();
     for _ in 0..20 {
         let mut over = TcpStream::connect(d.addr).await.unwrap();
@@ -99,14 +133,77 @@ async fn connections_over_max_connections_get_503_at_once() {
         "20 connections over the cap answered 503 in {:?}",
         t.elapsed()
     );
-    // Refusals never start the engine.
-    assert_eq!(d.spawns(), 0);
-    // A connection that closes gives its slot back.
-    drop(held.pop());
-    tokio::time::sleep(Duration::from_millis(200)).await;
-    chat_served(&d).await;
+    // Refusals start no engine beyond the one the held requests wait for.
+    assert_eq!(d.spawns(), 1);
     drop(held);
     d.stop().await;
+}
+
+/// With API keys, `GET /health` needs none: a client that polls it on `max_connections`
+/// idle keep-alive connections must not lock keyed clients out. The one idle the longest
+/// makes room, and connections that showed no key are not kept alive long.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn idle_keep_alive_connections_make_room_for_a_keyed_client() {
+    use tokio::io::AsyncWriteExt;
+    raise_own_nofile(4096);
+    const KEY: &str = "sk-dsv4-test-0123456789abcdef";
+    let d = Daemon::start(
+        &Setup::default()
+            .listen_flag()
+            .api("max_connections", "64")
+            .api_keys_file(&format!("{KEY}\n"), 0o600)
+            .log_level("debug"),
+    );
+    let health = format!("GET /health HTTP/1.1\r\nhost: {}\r\n\r\n", d.addr);
+    let mut held = idle_connections(d.addr, 64).await;
+    for s in &mut held {
+        s.write_all(health.as_bytes()).await.unwrap();
+        let mut buf = [0u8; 1024];
+        let n = s.read(&mut buf).await.unwrap();
+        assert!(
+            buf[..n].starts_with(b"HTTP/1.1 200"),
+            "{:?}",
+            String::from_utf8_lossy(&buf[..n])
+        );
+    }
+    // All 64 are open and idle; a keyed client still gets in, at once.
+    let t = Instant::now();
+    let (status, _, v) = d
+        .send(
+            "GET",
+            "/v1/models",
+            &[("authorization", &format!("Bearer {KEY}"))],
+            None,
+        )
+        .await;
+    let took = t.elapsed();
+    assert_eq!(status, 200, "{v}");
+    eprintln!(
+        "64 idle keep-alive connections at max_connections 64: keyed client served in {took:?}"
+    );
+    assert!(took < Duration::from_millis(100) + LOAD_MARGIN, "{took:?}");
+    d.log_with(&["closed, idle the longest, to make room"])
+        .await;
+    // The first one (idle the longest) was closed to make room: it reads the end.
+    let mut buf = [0u8; 64];
+    let n = tokio::time::timeout(PATIENCE, held[0].read(&mut buf))
+        .await
+        .expect("the longest idle connection stays open")
+        .unwrap_or(0);
+    assert_eq!(n, 0);
+    // The others showed no key: they are closed once idle for 5 s, not 30.
+    let t = Instant::now();
+    let n = tokio::time::timeout(PATIENCE, held[63].read(&mut buf))
+        .await
+        .expect("an unkeyed idle connection kept open")
+        .unwrap_or(0);
+    assert_eq!(n, 0);
+    assert!(
+        t.elapsed() < Duration::from_secs(5) + LOAD_MARGIN,
+        "{:?}",
+        t.elapsed()
+    );
+    d.log_with(&["closed: idle, and no API key shown"]).await;
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -118,22 +215,29 @@ async fn a_limit_that_cannot_be_raised_lowers_the_cap() {
             .nofile(1024, 1024)
             .log_level("info"),
     );
-    // (1024 - 64) / 2 = 480 client connections; the 1,100 - 480 others are refused at once.
+    // (1024 - 64) / 2 = 480 client connections: of 1,100 idle ones, each past the 480th
+    // closes the one idle the longest, so the first 620 are closed and the last 480 open.
     let mut held = idle_connections(d.addr, 1100).await;
-    tokio::time::sleep(Duration::from_millis(300)).await;
-    let mut refused = 0;
-    for s in held.iter_mut().skip(400) {
+    let mut closed = 0;
+    for s in held.iter_mut().take(620) {
         let mut buf = [0u8; 64];
-        if let Ok(Ok(n)) = tokio::time::timeout(Duration::from_millis(20), s.read(&mut buf)).await {
-            if buf[..n].starts_with(b"HTTP/1.1 503") {
-                refused += 1;
-            }
+        match tokio::time::timeout(PATIENCE, s.read(&mut buf)).await {
+            Ok(Ok(0)) | Ok(Err(_)) => closed += 1,
+            other => panic!("an early connection not closed: {other:?}"),
         }
     }
-    assert_eq!(refused, 1100 - 480, "{}", d.log());
-    // Closing some leaves room for a client, with the descriptors to start the engine.
-    held.truncate(400);
-    tokio::time::sleep(Duration::from_millis(200)).await;
+    assert_eq!(closed, 620, "{}", d.log());
+    // The cap is what the limit covers: the last 480 are still open...
+    let reads = held.iter_mut().skip(620).map(|s| async move {
+        let mut buf = [0u8; 64];
+        tokio::time::timeout(Duration::from_millis(200), s.read(&mut buf))
+            .await
+            .is_err()
+    });
+    let open = futures_util::future::join_all(reads).await;
+    assert_eq!(open.iter().filter(|o| **o).count(), 480);
+    // ...and a client still gets in (the oldest idle one makes room), with the descriptors
+    // to start the engine.
     chat_served(&d).await;
     drop(held);
     d.stop().await;
