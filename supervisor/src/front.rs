@@ -264,7 +264,7 @@ pub fn admit<B>(api: &Api, req: &Request<B>) -> Result<Caller, ApiError> {
     let host = check_host(api, req)?;
     let mut origins = req.headers().get_all(header::ORIGIN).iter();
     let Some(origin) = origins.next() else {
-        return Ok(Caller::Tool);
+        return without_origin(api, req.headers());
     };
     let listed = |allow_origin: HeaderValue| Ok(Caller::Page { allow_origin });
     if origins.next().is_none() {
@@ -297,6 +297,56 @@ pub fn admit<B>(api: &Api, req: &Request<B>) -> Result<Caller, ApiError> {
              api.cors_origins to let its pages use this API"
         ),
     ))
+}
+
+/// The `Sec-Fetch-Site` header, which browsers send on every request (and no other client).
+const SEC_FETCH_SITE: &str = "sec-fetch-site";
+
+/// A request without an `Origin`: a tool (curl, the `openai` packages), the user's own
+/// navigation (`Sec-Fetch-Site: none`), a page dsv4d serves (`same-origin`), or a page of
+/// another site that embeds the API (an `<img>`, a `<script>`: `cross-site` or `same-site`,
+/// sent with no Origin and no preflight). The last is refused unless its page, as its
+/// `Referer` names it, is listed in `api.cors_origins`: each such request would load the
+/// engine.
+fn without_origin(api: &Api, headers: &HeaderMap) -> Result<Caller, ApiError> {
+    let site = headers.get(SEC_FETCH_SITE).map(HeaderValue::as_bytes);
+    if matches!(site, None | Some(b"none") | Some(b"same-origin"))
+        || api.cors_origins.iter().any(|o| o == "*")
+    {
+        return Ok(Caller::Tool);
+    }
+    let page = headers
+        .get(header::REFERER)
+        .and_then(|r| r.to_str().ok())
+        .and_then(origin_of_url);
+    if let Some(page) = &page {
+        if api.cors_origins.contains(&page.to_string()) {
+            return Ok(Caller::Tool);
+        }
+    }
+    let site = shown(site.unwrap_or_default());
+    let from = page.map_or_else(
+        || "an unnamed page".to_string(),
+        |p| format!("{:?}", p.to_string()),
+    );
+    tracing::debug!("refused a request from {from} of another site (Sec-Fetch-Site: {site})");
+    Err(ApiError::new(
+        StatusCode::FORBIDDEN,
+        "invalid_request_error",
+        "origin_not_allowed",
+        format!(
+            "requests embedded in web pages of other sites (Sec-Fetch-Site: {site}, from \
+             {from}) are not allowed: list the page's origin in api.cors_origins to let its \
+             pages use this API"
+        ),
+    ))
+}
+
+/// The origin of a URL (`http://127.0.0.2:9000/page.html` -> `http://127.0.0.2:9000`).
+fn origin_of_url(url: &str) -> Option<Origin> {
+    let (scheme, rest) = url.split_once("://")?;
+    let end = rest.find(['/', '?', '#']).unwrap_or(rest.len());
+    Origin::parse(&format!("{scheme}://{}", &rest[..end])).ok()
 }
 
 /// The host the request names (its URI's authority when it is in absolute form, and its
@@ -738,6 +788,66 @@ mod tests {
         // A bad Host is refused before the origin is looked at, even with `*`.
         let evil = get(&[("host", "evil.example"), ("origin", "http://evil.example")]);
         assert_eq!(outcome(&any, &evil), "403 host_not_allowed");
+    }
+
+    #[test]
+    fn embedded_requests_from_other_sites_need_their_page_listed() {
+        let none = api(&[], &[]);
+        let listed = api(&["http://127.0.0.3:9000"], &[]);
+        let any = api(&["*"], &[]);
+        let host = ("host", "127.0.0.1:8080");
+        let from = |site: &'static str, referer: Option<&'static str>| {
+            let mut h = vec![host, ("sec-fetch-site", site)];
+            h.extend(referer.map(|r| ("referer", r)));
+            h
+        };
+        for (headers, by_default, when_listed) in [
+            // Tools send no Sec-Fetch-Site; the user's own navigation says none; the pages
+            // dsv4d serves, same-origin.
+            (vec![host], true, true),
+            (from("none", None), true, true),
+            (
+                from("same-origin", Some("http://127.0.0.1:8080/")),
+                true,
+                true,
+            ),
+            // An <img> or <script> on another site's page.
+            (
+                from("cross-site", Some("http://127.0.0.2:9000/page.html")),
+                false,
+                false,
+            ),
+            (
+                from("cross-site", Some("http://127.0.0.3:9000/page.html")),
+                false,
+                true,
+            ),
+            (from("cross-site", None), false, false),
+            (
+                from("same-site", Some("http://localhost:3000/")),
+                false,
+                false,
+            ),
+            (from("cross-site", Some("not a url")), false, false),
+        ] {
+            let req = get(&headers);
+            assert_eq!(admit(&none, &req).is_ok(), by_default, "{headers:?}");
+            assert_eq!(admit(&listed, &req).is_ok(), when_listed, "{headers:?}");
+            assert!(admit(&any, &req).is_ok(), "{headers:?}");
+        }
+        let refused = admit(
+            &none,
+            &get(&from("cross-site", Some("http://127.0.0.2:9000/p"))),
+        )
+        .unwrap_err();
+        assert_eq!(refused.code, "origin_not_allowed");
+        assert!(
+            refused
+                .message
+                .contains("(Sec-Fetch-Site: cross-site, from \"http://127.0.0.2:9000\")"),
+            "{}",
+            refused.message
+        );
     }
 
     #[test]

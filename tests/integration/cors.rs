@@ -9,6 +9,7 @@
 
 use std::io::{Read, Write};
 use std::path::Path;
+use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
 use crate::support::real::LlamaServer;
@@ -555,4 +556,108 @@ async fn the_real_engines_cors_headers_give_way_to_dsv4ds() {
     assert_eq!(status, 200);
     assert_eq!(cors_headers(&h), Vec::<String>::new());
     assert_eq!(d.status().await["generation"], 1);
+}
+
+/// Serves `html` (as it is when asked) to any request on `ip`, on a port of its own: a web
+/// page of another site.
+async fn page_server(ip: [u8; 4], html: Arc<Mutex<String>>) -> std::net::SocketAddr {
+    use tokio::io::{AsyncReadExt, AsyncWriteExt};
+    let listener = tokio::net::TcpListener::bind((std::net::Ipv4Addr::from(ip), 0))
+        .await
+        .unwrap();
+    let addr = listener.local_addr().unwrap();
+    tokio::spawn(async move {
+        while let Ok((mut s, _)) = listener.accept().await {
+            let html = html.lock().unwrap().clone();
+            tokio::spawn(async move {
+                let mut buf = [0u8; 4096];
+                let _ = s.read(&mut buf).await;
+                let answer = format!(
+                    "HTTP/1.1 200 OK\r\ncontent-type: text/html\r\ncontent-length: {}\r\n\
+                     connection: close\r\n\r\n{html}",
+                    html.len()
+                );
+                let _ = s.write_all(answer.as_bytes()).await;
+            });
+        }
+    });
+    addr
+}
+
+/// A page that embeds dsv4d at `api` as a hostile site would: an image, a script and a form
+/// posted into a frame.
+fn hostile_page(api: std::net::SocketAddr) -> String {
+    format!(
+        r#"<!doctype html><html><body>
+<img src="http://{api}/props">
+<script src="http://{api}/v1/models"></script>
+<iframe name="sink"></iframe>
+<form id="f" method="POST" action="http://{api}/completion" enctype="text/plain" target="sink">
+<input name='{{"prompt": "x", "n_predict": 1, "pad": "' value='"}}'>
+</form>
+<script>document.getElementById("f").submit();</script>
+</body></html>"#
+    )
+}
+
+/// Loads `url` in Debian's Chromium, headless, and waits for it to be done with the page.
+fn chromium(url: &str) {
+    let profile = temp_dir("chromium");
+    let out = std::process::Command::new("chromium")
+        .args([
+            "--headless",
+            "--no-sandbox",
+            "--disable-gpu",
+            "--no-first-run",
+            "--virtual-time-budget=5000",
+            "--dump-dom",
+        ])
+        .arg(format!("--user-data-dir={}", profile.path().display()))
+        .arg(url)
+        .output()
+        .expect("chromium (Debian's package `chromium`; .ci/run installs it)");
+    assert!(
+        out.status.success(),
+        "chromium: {}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+}
+
+/// A page of another local site that embeds dsv4d (an image and a script, which a browser
+/// sends without an Origin, and a form post) never starts the engine, in a real browser. The
+/// same page from a listed origin does.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_real_browser_on_another_sites_page_never_starts_the_engine() {
+    // The pages' servers first (the listed origin's port is known then), the page itself
+    // once dsv4d's address is.
+    let page = Arc::new(Mutex::new(String::new()));
+    let hostile = page_server([127, 0, 0, 2], page.clone()).await;
+    let friendly = page_server([127, 0, 0, 3], page.clone()).await;
+    let d = Daemon::start(
+        &Setup::default()
+            .api("cors_origins", &yaml_list(&[&format!("http://{friendly}")]))
+            .log_level("debug"),
+    );
+    *page.lock().unwrap() = hostile_page(d.addr);
+    chromium(&format!("http://{hostile}/"));
+    // Each of the three was refused, and the engine never started.
+    let from = format!("\"http://{hostile}\"");
+    d.log_with(&[
+        &format!("refused a request from {from} of another site (Sec-Fetch-Site: cross-site)"),
+        &format!("refused a request from the web page origin {from}"),
+    ])
+    .await;
+    let log = d.log();
+    assert_eq!(
+        log.matches("of another site (Sec-Fetch-Site: cross-site)")
+            .count(),
+        2,
+        "{log}"
+    );
+    assert_no_engine(&d).await;
+    // The same page on the listed origin: its image starts the engine, and its form is served.
+    chromium(&format!("http://{friendly}/"));
+    d.wait_fake_log("request GET /props", PATIENCE).await;
+    d.wait_fake_log("request POST /completion", PATIENCE).await;
+    assert_eq!(d.spawns(), 1);
 }
