@@ -1,15 +1,16 @@
 //! API keys: who may use the HTTP front when `api.api_keys_file` is set.
 //!
-//! Owns: reading the key file (and refusing one that group or others may read or write),
-//! checking the key a request presents (`Authorization: Bearer KEY` or `x-api-key: KEY`), and
-//! the cache that ties the keys to the configuration in force. Must not: log, print or echo a
+//! Owns: reading the key file (and refusing one that group or others may read or write, that
+//! another user owns, or whose folder others may write), checking the key a request presents
+//! (`Authorization: Bearer KEY` or `x-api-key: KEY`, exactly one), and the cache that ties
+//! the keys to the configuration in force. Must not: log, print or echo a
 //! key, or let the time a check takes depend on which configured key matched or on how much
 //! of a key was right.
 
 use std::fmt;
 use std::fs::File;
 use std::io::Read;
-use std::os::unix::fs::PermissionsExt;
+use std::os::unix::fs::{MetadataExt, PermissionsExt};
 use std::path::Path;
 use std::sync::{Arc, Mutex};
 
@@ -21,9 +22,14 @@ use crate::config::Config;
 /// The header that carries a key without the `Bearer` scheme (as Anthropic-style clients send it).
 pub const X_API_KEY: &str = "x-api-key";
 
+/// Keys shorter than this are warned about at load: they can be guessed.
+pub const SHORT_KEY: usize = 16;
+
 /// The keys read from `api.api_keys_file`: at least one, none empty.
 pub struct ApiKeys {
     keys: Vec<Box<[u8]>>,
+    /// The lines (1-based) of keys shorter than [`SHORT_KEY`].
+    short: Vec<usize>,
 }
 
 impl fmt::Debug for ApiKeys {
@@ -41,6 +47,34 @@ pub enum AuthResult {
     Missing,
     /// A key was presented and none of the presented ones is configured.
     Invalid,
+    /// More than one credential (`Authorization` and `x-api-key` headers in all): refused,
+    /// so that one request cannot try many keys.
+    Several,
+}
+
+/// Whether the key file's owner and folder leave it to dsv4d's user: the file is that
+/// user's or root's, and its folder is that user's or root's and not writable by group or
+/// others (who could replace the file). `me` is dsv4d's effective uid.
+pub fn owner_problem(file_uid: u32, dir_uid: u32, dir_mode: u32, me: u32) -> Option<String> {
+    let ours = |uid: u32| uid == me || uid == 0;
+    if !ours(file_uid) {
+        return Some(format!(
+            "is owned by uid {file_uid}, not by dsv4d's user (uid {me}) or root"
+        ));
+    }
+    if !ours(dir_uid) {
+        return Some(format!(
+            "is in a folder owned by uid {dir_uid}, not by dsv4d's user (uid {me}) or root"
+        ));
+    }
+    if dir_mode & 0o022 != 0 {
+        return Some(format!(
+            "is in a folder that group or others may write (mode {:04o}), so they could \
+             replace it",
+            dir_mode & 0o7777
+        ));
+    }
+    None
 }
 
 impl ApiKeys {
@@ -65,6 +99,13 @@ impl ApiKeys {
                  (mode {mode:04o}); run chmod 600 {shown}"
             ));
         }
+        let dir = path.parent().filter(|d| !d.as_os_str().is_empty());
+        let dir = std::fs::metadata(dir.unwrap_or(Path::new(".")))
+            .map_err(|e| format!("cannot read the folder of the API key file {shown}: {e}"))?;
+        let me = nix::unistd::geteuid().as_raw();
+        if let Some(problem) = owner_problem(meta.uid(), dir.uid(), dir.mode(), me) {
+            return Err(format!("the API key file {shown} {problem}"));
+        }
         let mut text = String::new();
         file.read_to_string(&mut text)
             .map_err(|e| format!("cannot read the API key file {shown}: {e}"))?;
@@ -74,6 +115,7 @@ impl ApiKeys {
     /// Parses the text of a key file. Errors name lines, never their content.
     pub fn parse(text: &str) -> Result<ApiKeys, String> {
         let mut keys = Vec::new();
+        let mut short = Vec::new();
         for (n, line) in text.lines().enumerate() {
             let key = line.trim();
             if key.is_empty() || key.starts_with('#') {
@@ -85,6 +127,9 @@ impl ApiKeys {
                     n + 1
                 ));
             }
+            if key.chars().count() < SHORT_KEY {
+                short.push(n + 1);
+            }
             keys.push(Box::from(key.as_bytes()));
         }
         if keys.is_empty() {
@@ -94,7 +139,12 @@ impl ApiKeys {
                     .to_string(),
             );
         }
-        Ok(ApiKeys { keys })
+        Ok(ApiKeys { keys, short })
+    }
+
+    /// The lines (1-based) of keys shorter than [`SHORT_KEY`] characters.
+    pub fn short_lines(&self) -> &[usize] {
+        &self.short
     }
 
     /// How many keys there are.
@@ -102,10 +152,15 @@ impl ApiKeys {
         self.keys.len()
     }
 
-    /// Checks the key in `Authorization: Bearer KEY` and in `x-api-key: KEY`; one configured
-    /// key presented in either is enough. An `Authorization` header of another scheme, or an
-    /// empty key, counts as no key.
+    /// Checks the key in `Authorization: Bearer KEY` or in `x-api-key: KEY`. More than one
+    /// such header in all is refused ([`AuthResult::Several`]); an `Authorization` header of
+    /// another scheme, or an empty key, counts as no key.
     pub fn allows(&self, headers: &HeaderMap) -> AuthResult {
+        let credentials = headers.get_all(header::AUTHORIZATION).iter().count()
+            + headers.get_all(X_API_KEY).iter().count();
+        if credentials > 1 {
+            return AuthResult::Several;
+        }
         let bearer = headers
             .get_all(header::AUTHORIZATION)
             .iter()
@@ -181,11 +236,23 @@ impl KeyCache {
         }
         let keys = ApiKeys::load(path).map(Arc::new);
         match &keys {
-            Ok(k) => tracing::info!(
-                "API keys required: {} key(s) from {}",
-                k.count(),
-                path.display()
-            ),
+            Ok(k) => {
+                tracing::info!(
+                    "API keys required: {} key(s) from {}",
+                    k.count(),
+                    path.display()
+                );
+                if !k.short_lines().is_empty() {
+                    let lines: Vec<String> =
+                        k.short_lines().iter().map(|n| n.to_string()).collect();
+                    tracing::warn!(
+                        "the API key on line(s) {} of {} is shorter than {SHORT_KEY} characters \
+                         and could be guessed; use a long random key (openssl rand -hex 32)",
+                        lines.join(", "),
+                        path.display()
+                    );
+                }
+            }
             Err(e) => tracing::error!("{e}; every request but GET /health is refused with 503"),
         }
         *slot = Some((config.clone(), keys.clone()));
@@ -365,12 +432,50 @@ mod tests {
             headers(&[("authorization", "BEARER   sk-good  ")]),
             headers(&[("x-api-key", "sk-good")]),
             headers(&[("x-api-key", " sk-good ")]),
-            // One good key among several presented is enough.
-            headers(&[("authorization", "Bearer nope"), ("x-api-key", "sk-good")]),
-            headers(&[("x-api-key", "nope"), ("x-api-key", "sk-good")]),
         ] {
             assert_eq!(k.allows(&h), AuthResult::Ok, "{h:?}");
         }
+    }
+
+    #[test]
+    fn more_than_one_credential_is_refused_whatever_they_hold() {
+        let k = keys("sk-good\n");
+        for h in [
+            headers(&[("authorization", "Bearer nope"), ("x-api-key", "sk-good")]),
+            headers(&[("x-api-key", "nope"), ("x-api-key", "sk-good")]),
+            headers(&[
+                ("authorization", "Bearer sk-good"),
+                ("authorization", "Bearer sk-good"),
+            ]),
+            headers(&[("authorization", "Basic x"), ("x-api-key", "sk-bad")]),
+        ] {
+            assert_eq!(k.allows(&h), AuthResult::Several, "{h:?}");
+        }
+        let many: Vec<(&str, &str)> = (0..96).map(|_| ("x-api-key", "guess")).collect();
+        assert_eq!(k.allows(&headers(&many)), AuthResult::Several);
+    }
+
+    #[test]
+    fn short_keys_are_noted_by_line() {
+        let k = keys("# keys\nsk-short\n\n0123456789abcdef\nabc\n");
+        assert_eq!(k.short_lines(), [2, 5]);
+        assert!(keys("0123456789abcdef0123\n").short_lines().is_empty());
+    }
+
+    #[test]
+    fn the_file_and_its_folder_are_dsv4ds_users_or_roots() {
+        let me = 1000;
+        assert_eq!(owner_problem(me, me, 0o700, me), None);
+        assert_eq!(owner_problem(0, 0, 0o755, me), None);
+        assert_eq!(owner_problem(me, 0, 0o1755, me), None);
+        let problem = |f, d, m| owner_problem(f, d, m, me).unwrap();
+        assert_eq!(
+            problem(1001, me, 0o700),
+            "is owned by uid 1001, not by dsv4d's user (uid 1000) or root"
+        );
+        assert!(problem(me, 1001, 0o700).starts_with("is in a folder owned by uid 1001"));
+        assert!(problem(me, me, 0o775).contains("(mode 0775)"));
+        assert!(problem(me, 0, 0o1777).contains("(mode 1777)"));
     }
 
     #[test]
@@ -392,7 +497,6 @@ mod tests {
             headers(&[("authorization", "Bearer sk-good-and-more")]),
             headers(&[("x-api-key", "sk-goo")]),
             headers(&[("x-api-key", "Bearer sk-good")]),
-            headers(&[("authorization", "Basic x"), ("x-api-key", "sk-bad")]),
         ] {
             assert_eq!(k.allows(&h), AuthResult::Invalid, "{h:?}");
         }

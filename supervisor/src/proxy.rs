@@ -495,6 +495,14 @@ fn check_key(
         }
         AuthResult::Missing => "missing API key: send Authorization: Bearer <key> or x-api-key",
         AuthResult::Invalid => "invalid API key",
+        AuthResult::Several => {
+            return Err(ApiError::new(
+                StatusCode::BAD_REQUEST,
+                "invalid_request_error",
+                "several_credentials",
+                "send one credential: one Authorization or one x-api-key header, not more",
+            ))
+        }
     };
     Err(ApiError::new(
         StatusCode::UNAUTHORIZED,

@@ -176,6 +176,47 @@ async fn a_key_file_made_world_readable_refuses_every_request_with_503() {
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_key_file_of_another_user_refuses_every_request_with_503() {
+    let d = keys_config();
+    // Mode 600, but another user's (nobody's): that user could change the keys.
+    std::os::unix::fs::chown(key_file(&d), Some(65534), None)
+        .expect("chown the key file (the tests run as root)");
+    let why = format!(
+        "the API key file {} is owned by uid 65534, not by dsv4d's user",
+        key_file(&d).display()
+    );
+    assert_keys_unavailable(&d, &why).await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn more_than_one_credential_gets_400_even_with_the_right_key_among_them() {
+    let d = keys_config();
+    let bearer = format!("Bearer {KEY}");
+    let guesses: Vec<(&str, &str)> = (0..96).map(|_| ("x-api-key", "sk-guess")).collect();
+    for headers in [
+        vec![
+            ("authorization", bearer.as_str()),
+            ("x-api-key", "sk-guess"),
+        ],
+        vec![("x-api-key", "sk-guess"), ("x-api-key", KEY)],
+        [guesses.clone(), vec![("x-api-key", KEY)]].concat(),
+    ] {
+        let (status, _, v) = chat_with(&d, &headers).await;
+        assert_eq!(status, 400, "{v}");
+        assert_eq!(v["error"]["code"], "several_credentials", "{v}");
+    }
+    assert_eq!(d.spawns(), 0);
+    // A short key is accepted, and warned about at load, by line.
+    let (status, _, v) = chat_with(&d, &[("x-api-key", SECOND_KEY)]).await;
+    assert_eq!(status, 200, "{v}");
+    d.log_with(&[
+        "the API key on line(s) 4 of",
+        "is shorter than 16 characters",
+    ])
+    .await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_key_file_gone_after_start_refuses_every_request_with_503() {
     let d = keys_config();
     std::fs::remove_file(key_file(&d)).unwrap();
