@@ -210,10 +210,13 @@ impl EngineChild {
             .process_group(0);
         let parent = std::process::id() as libc::pid_t;
         // SAFETY: the closure runs in the forked child before exec and calls only
-        // async-signal-safe syscalls (prctl, getppid); it allocates nothing (the error is a
-        // raw OS error).
+        // async-signal-safe syscalls (umask, prctl, getppid); it allocates nothing (the error
+        // is a raw OS error).
         unsafe {
             cmd.pre_exec(move || {
+                // What the engine writes (llama-server's slot files: a conversation's KV
+                // cache) is private, whatever umask dsv4d was started with.
+                libc::umask(0o077);
                 if libc::prctl(
                     libc::PR_SET_PDEATHSIG,
                     libc::SIGKILL as libc::c_ulong,

@@ -34,7 +34,16 @@ pub fn write_atomic(path: &Path, bytes: &[u8]) -> io::Result<()> {
     std::fs::create_dir_all(dir)?;
     let name = path.file_name().map(|n| n.to_string_lossy().into_owned());
     let tmp = dir.join(format!(".{}.tmp", name.unwrap_or_default()));
-    let mut f = std::fs::File::create(&tmp)?;
+    // Owner only: state and checkpoints hold what was said to the model.
+    let mut f = {
+        use std::os::unix::fs::OpenOptionsExt;
+        std::fs::OpenOptions::new()
+            .write(true)
+            .create(true)
+            .truncate(true)
+            .mode(0o600)
+            .open(&tmp)?
+    };
     f.write_all(bytes)?;
     f.sync_all()?;
     drop(f);

@@ -652,3 +652,51 @@ async fn a_slot_action_is_judged_by_the_engine_that_serves_it() {
     );
     assert_eq!(d.status().await["engine_profile"], "64k");
 }
+
+/// The checkpoint folder and every file in it are private, whatever umask dsv4d is started
+/// with: a folder that exists open to others is made private when it is dsv4d's user's, and
+/// one of another user's is not used at all (a planted checkpoint would be restored).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_checkpoint_folder_and_its_files_are_private() {
+    use std::os::unix::fs::{MetadataExt, PermissionsExt};
+    let mode = |p: &Path| std::fs::metadata(p).unwrap().mode() & 0o7777;
+    let dir = temp_dir("daemon");
+    let kv = dir.path().join("profiles/kv");
+    std::fs::create_dir_all(&kv).unwrap();
+    std::fs::set_permissions(&kv, std::fs::Permissions::from_mode(0o777)).unwrap();
+    let mut s = Setup::default()
+        .engine("idle_timeout", "10m")
+        .profile_key("320k", "kv_checkpoint", "{ dir: kv }")
+        .wrapper(&["/bin/sh", "-c", "umask 000; exec \"$0\" \"$@\""]);
+    s.default_profile = "320k".into();
+    let d = Daemon::start_in(&s, dir);
+    let (status, _, v) = body_json(d.post("/v1/chat/completions", chat(4, false)).await).await;
+    assert_eq!(status, 200, "{v}");
+    d.log_with(&["was open to group or others (mode 0777): made private (0700)"])
+        .await;
+    assert_eq!(mode(&kv), 0o700);
+    let dir = d.stop().await;
+    let files: Vec<std::path::PathBuf> = ["bin", "json"]
+        .iter()
+        .flat_map(|ext| files_with_extension(&kv, ext))
+        .collect();
+    assert!(files.len() >= 2, "{files:?}");
+    for f in &files {
+        assert_eq!(mode(f), 0o600, "{}", f.display());
+    }
+
+    // Another user's folder, open to others: neither restored from nor saved to.
+    std::os::unix::fs::chown(&kv, Some(65534), None).expect("chown (the tests run as root)");
+    std::fs::set_permissions(&kv, std::fs::Permissions::from_mode(0o755)).unwrap();
+    let d = Daemon::start_in(&s, dir);
+    let (status, _, v) = body_json(d.post("/v1/chat/completions", chat(4, false)).await).await;
+    assert_eq!(status, 200, "{v}");
+    let restore = kv_of(&d, "320k").await["last_restore"].clone();
+    let why = restore["result"].as_str().unwrap_or_default().to_string();
+    assert!(
+        why.contains("is uid 65534's, not dsv4d's") && why.contains("chmod 700"),
+        "{restore}"
+    );
+    assert_eq!(std::fs::metadata(&kv).unwrap().uid(), 65534);
+    assert_eq!(mode(&kv), 0o755);
+}

@@ -94,6 +94,9 @@ fn main() -> std::process::ExitCode {
     // this is the only call.
     let activated = unsafe { listener::take_activation_fds() };
     let _log = init_logging();
+    // Everything dsv4d and its engine write (state, KV checkpoints, the engine's secret) is
+    // its user's alone, whatever umask it was started with (the unit sets the same).
+    nix::sys::stat::umask(nix::sys::stat::Mode::from_bits_truncate(0o077));
     // Each client connection is a file: the common default soft limit (1,024) is too low.
     dsv4::connections::raise_nofile_limit();
     let activated = match activated {

@@ -219,7 +219,16 @@ pub async fn restore(engine: Arc<EngineRef>, profile: Profile, book: Book) -> Kv
     };
     let store = Store::new(&kv.dir);
     let name = profile.name.clone();
-    let lookup = match on_disk(&store, move |s| s.lookup(&name, &key)).await {
+    let shown = kv.dir.display().to_string();
+    let lookup = on_disk(&store, move |s| {
+        // A folder others may write could hold a planted checkpoint: never restored from.
+        s.ensure()
+            .map_err(|e| format!("cannot use {shown}: {e}"))
+            .map(|()| s.lookup(&name, &key))
+    })
+    .await
+    .and_then(|r| r);
+    let lookup = match lookup {
         Ok(l) => l,
         Err(e) => return failed(started, e),
     };

@@ -122,13 +122,38 @@ impl Store {
         &self.dir
     }
 
-    /// Creates the folder (owner only: it holds what was said to the model).
+    /// Creates the folder, owner only: it holds what was said to the model, and a file
+    /// planted in it would be restored into the engine. A folder that exists with group or
+    /// other access is tightened to owner only when it is dsv4d's, and refused when it is
+    /// not.
     pub fn ensure(&self) -> io::Result<()> {
-        use std::os::unix::fs::DirBuilderExt;
+        use std::os::unix::fs::{DirBuilderExt, MetadataExt, PermissionsExt};
         fs::DirBuilder::new()
             .recursive(true)
             .mode(0o700)
-            .create(&self.dir)
+            .create(&self.dir)?;
+        let meta = fs::metadata(&self.dir)?;
+        let mode = meta.mode() & 0o7777;
+        if mode & 0o077 == 0 {
+            return Ok(());
+        }
+        let me = nix::unistd::geteuid().as_raw();
+        if meta.uid() != me {
+            return Err(io::Error::other(format!(
+                "{} may be used by group or others (mode {mode:04o}) and is uid {}'s, not \
+                 dsv4d's (uid {me}) to make private: chmod 700 it",
+                self.dir.display(),
+                meta.uid()
+            )));
+        }
+        let private = mode & !0o077;
+        fs::set_permissions(&self.dir, fs::Permissions::from_mode(private))?;
+        tracing::info!(
+            "KV checkpoint folder {} was open to group or others (mode {mode:04o}): made \
+             private ({private:04o})",
+            self.dir.display()
+        );
+        Ok(())
     }
 
     pub fn slot_file_name(id: &str, stamp: u64, slot: u32) -> String {
