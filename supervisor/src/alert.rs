@@ -29,11 +29,15 @@ impl Default for Alerts {
 
 impl Alerts {
     /// Sends the alert to whoever listens (the caller logs it as it sees fit).
+    /// Sends an alert. Its message may hold an engine's output, which can echo a client's
+    /// text: control characters are taken out before it goes on the bus.
     pub fn raise(&self, kind: AlertKind, message: impl Into<String>) {
-        let _ = self.0.send(Alert {
-            kind,
-            message: message.into(),
-        });
+        let message = message.into();
+        let message = match dsv4_client::text::printable(&message) {
+            std::borrow::Cow::Borrowed(_) => message,
+            std::borrow::Cow::Owned(clean) => clean,
+        };
+        let _ = self.0.send(Alert { kind, message });
     }
 
     pub fn subscribe(&self) -> broadcast::Receiver<Alert> {

@@ -941,7 +941,7 @@ mod tests {
         ]);
         let e = check_key(keys(), &mut h).unwrap_err();
         assert_eq!(
-            (e.status, e.code.as_ref()),
+            (e.status, e.code),
             (StatusCode::BAD_REQUEST, "several_credentials")
         );
     }

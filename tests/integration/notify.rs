@@ -336,3 +336,56 @@ async fn without_a_notification_server_the_agent_says_so_and_keeps_running() {
         "the agent exited"
     );
 }
+
+/// llama-server echoes a grammar it cannot parse into its output, and a crash's alert carries
+/// the output's last lines to the desktop: a client's markup and escape sequences arrive
+/// there as text (dunst reads markup), never as a link, an image or a terminal control.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_clients_text_in_the_engines_output_reaches_the_desktop_as_text() {
+    let desktop = Desktop::start();
+    let system = PrivateBus::start();
+    let d = Daemon::start(
+        &Setup::default()
+            .system_bus(&system)
+            .knob("die_after_tokens", "1"),
+    );
+    live_proxy(&system, &d).await;
+    let _agent = Agent::start(&system, &desktop.bus.address);
+    let hostile = "<a href=\"http://evil.example/\">click</a><img src=\"file:///etc/passwd\">\
+                   \u{1b}]8;;http://evil.example/\u{1b}\\link\u{1b}]8;;\u{1b}\\\u{8}OVER";
+    let grammar = serde_json::json!({ "prompt": "x", "grammar": hostile });
+    let (status, _, v) = d.send("POST", "/completion", &[], Some(grammar)).await;
+    assert_eq!(status, 400, "{v}");
+    // The next request kills the engine: its last lines go out in an alert.
+    let _ = d
+        .send(
+            "POST",
+            "/completion",
+            &[],
+            Some(serde_json::json!({ "prompt": "x" })),
+        )
+        .await;
+    desktop.wait(0, PATIENCE);
+    // dunst prints the body as it received it, over several lines.
+    let printed = desktop.printed.lock().unwrap().join("\n");
+    assert!(
+        printed.contains("summary: 'dsv4: the engine crashed'"),
+        "{printed}"
+    );
+    let echo = printed
+        .lines()
+        .find(|l| l.contains("expecting name at"))
+        .unwrap_or_else(|| panic!("the echo is not in the notification:\n{printed}"))
+        .to_string();
+    assert!(
+        echo.contains(
+            "&lt;a href=\"http://evil.example/\"&gt;click&lt;/a&gt;&lt;img src=\"file:///etc/passwd\"&gt;"
+        ),
+        "{echo:?}"
+    );
+    assert!(!echo.contains(['<', '\u{1b}', '\r']), "{echo:?}");
+    assert!(
+        echo.contains("]8;;http://evil.example/\\link]8;;\\OVER"),
+        "{echo:?}"
+    );
+}

@@ -53,6 +53,27 @@ impl Tmux {
             .expect("tmux (apt-get install tmux)")
     }
 
+    /// Runs `command` in a new session `top` of `width` x `height` cells.
+    fn start(&self, width: u16, height: u16, command: &str) {
+        let (w, h) = (width.to_string(), height.to_string());
+        let out = self.run(&[
+            "new-session",
+            "-d",
+            "-s",
+            "top",
+            "-x",
+            &w,
+            "-y",
+            &h,
+            command,
+        ]);
+        assert!(
+            out.status.success(),
+            "{}",
+            String::from_utf8_lossy(&out.stderr)
+        );
+    }
+
     fn screen(&self) -> String {
         String::from_utf8_lossy(&self.run(&["capture-pane", "-p", "-t", "top"]).stdout).into_owned()
     }
@@ -77,22 +98,7 @@ async fn top_in_a_terminal_shows_the_state_and_sparklines_and_q_quits() {
         "env DBUS_SESSION_BUS_ADDRESS='{}' TERM=xterm-256color {DSV4CTL} --bus session top",
         bus.address
     );
-    let out = tmux.run(&[
-        "new-session",
-        "-d",
-        "-s",
-        "top",
-        "-x",
-        "120",
-        "-y",
-        "36",
-        &command,
-    ]);
-    assert!(
-        out.status.success(),
-        "{}",
-        String::from_utf8_lossy(&out.stderr)
-    );
+    tmux.start(120, 36, &command);
     let t = Instant::now();
     let screen = loop {
         let screen = tmux.screen();
@@ -162,4 +168,46 @@ async fn top_through_a_pipe_prints_a_line_per_sample() {
         got.iter().any(|l| l.contains("GTT 20.0/112.0 GiB")),
         "{got:?}"
     );
+}
+
+/// An engine's output can hold a client's text (llama-server echoes a grammar it cannot
+/// parse). `dsv4ctl logs` in a real terminal shows it as text: a backspace does not
+/// overwrite, and an escape sequence neither clears the screen nor colors it.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn engine_output_reaches_the_terminal_as_text() {
+    let bus = PrivateBus::start();
+    let d = Daemon::start(&Setup::default().session_bus(&bus));
+    live_proxy(&bus, &d).await;
+    // (A carriage return is a progress bar's redraw to dsv4d's reader: the line is what
+    // follows it, as a terminal would show it.)
+    let hostile = "FIRST\u{1b}[2J\u{1b}[31mRED\u{1b}]0;title\u{7}AAAA\u{8}\u{8}BB";
+    let grammar = serde_json::json!({ "prompt": "x", "grammar": hostile });
+    let (status, _, v) = d.send("POST", "/completion", &[], Some(grammar)).await;
+    assert_eq!(status, 400, "{v}");
+    let tmux = Tmux::new();
+    let command = format!(
+        "env DBUS_SESSION_BUS_ADDRESS='{}' TERM=xterm-256color {DSV4CTL} --bus session logs; \
+         sleep 600",
+        bus.address
+    );
+    tmux.start(200, 40, &command);
+    let t = Instant::now();
+    let screen = loop {
+        let screen = tmux.screen();
+        if screen.contains("expecting name at") {
+            break screen;
+        }
+        assert!(t.elapsed() < PATIENCE, "no echo on the screen:\n{screen}");
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    };
+    // The lines before it are still there (no clear), and the echo is whole (no overwrite).
+    assert!(screen.contains("server is listening"), "{screen}");
+    assert!(
+        screen.contains("expecting name at FIRST[2J[31mRED]0;titleAAAABB"),
+        "{screen}"
+    );
+    // Nothing was colored.
+    let colors = tmux.run(&["capture-pane", "-p", "-e", "-t", "top"]);
+    let colored = String::from_utf8_lossy(&colors.stdout);
+    assert!(!colored.contains("\u{1b}[31m"), "{colored:?}");
 }

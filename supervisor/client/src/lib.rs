@@ -9,6 +9,7 @@
 pub mod duration;
 pub mod kv;
 pub mod telemetry;
+pub mod text;
 pub mod validate;
 
 use std::collections::BTreeMap;

@@ -625,7 +625,7 @@ async fn validate(
             Some(p) = progress.next() => {
                 if let Ok(p) = p.args().map(|a| a.progress.to_string()) {
                     if let Ok(p) = serde_json::from_str::<Progress>(&p) {
-                        eprintln!("dsv4ctl: {}", p.message);
+                        eprintln!("dsv4ctl: {}", dsv4_client::text::printable(&p.message));
                     }
                 }
             }
@@ -762,8 +762,11 @@ fn println_out(s: &str) -> Result<(), Failure> {
     print(&format!("{s}\n"))
 }
 
+/// Everything dsv4ctl prints for people goes through here: the daemon's text can hold an
+/// engine's output, which can echo a client's, so control characters (ESC sequences,
+/// carriage returns) never reach the terminal. (JSON output has them escaped already.)
 fn print(s: &str) -> Result<(), Failure> {
-    write_out(s.as_bytes())
+    write_out(dsv4_client::text::printable(s).as_bytes())
 }
 
 fn write_out(bytes: &[u8]) -> Result<(), Failure> {

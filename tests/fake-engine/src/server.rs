@@ -880,6 +880,12 @@ async fn generate(engine: &Arc<Engine>, req: Request<Incoming>, flavor: Flavor) 
         Ok(v) => v,
         Err(m) => return bad_request(&m),
     };
+    // As llama-server does with a grammar it cannot parse: the client's text goes to the
+    // engine's output as it is, and the request gets 400.
+    if let Some(grammar) = body.get("grammar").and_then(Value::as_str) {
+        eprintln!("parse: error parsing grammar: expecting name at {grammar}");
+        return bad_request("Failed to parse grammar");
+    }
     let job = match parse_job(flavor, &body) {
         Ok(j) => j,
         Err(m) => return bad_request(&m),

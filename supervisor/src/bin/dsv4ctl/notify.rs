@@ -142,7 +142,27 @@ pub fn state(state: State, profile: &str) -> Option<Note> {
 #[derive(Default)]
 struct Desktop {
     session: Option<zbus::Connection>,
+    /// Whether the notification server reads markup in bodies (`body-markup`), asked once
+    /// per connection.
+    markup: Option<bool>,
     shown: HashMap<String, u32>,
+}
+
+/// Whether the server on `conn` lists `body-markup` among its capabilities.
+async fn reads_markup(conn: &zbus::Connection) -> bool {
+    let reply = conn
+        .call_method(
+            Some("org.freedesktop.Notifications"),
+            "/org/freedesktop/Notifications",
+            Some("org.freedesktop.Notifications"),
+            "GetCapabilities",
+            &(),
+        )
+        .await;
+    // Unknown: escaped, which a server that shows text as it is shows with its entities.
+    reply
+        .and_then(|r| r.body().deserialize::<Vec<String>>())
+        .map_or(true, |caps| caps.iter().any(|c| c == "body-markup"))
 }
 
 impl Desktop {
@@ -162,6 +182,17 @@ impl Desktop {
         let Some(conn) = self.session.clone() else {
             return;
         };
+        // The body may hold an engine's output, which can echo a client's text: it is text,
+        // never markup (links, images) or control characters.
+        let markup = match self.markup {
+            Some(m) => m,
+            None => *self.markup.insert(reads_markup(&conn).await),
+        };
+        let text = match markup {
+            true => dsv4_client::text::markup_escaped(&note.body),
+            false => dsv4_client::text::printable(&note.body).into_owned(),
+        };
+        let summary = dsv4_client::text::printable(&note.summary).into_owned();
         let replaces = self.shown.get(&note.topic).copied().unwrap_or(0);
         let mut hints: HashMap<&str, Value> = HashMap::new();
         hints.insert("urgency", Value::U8(note.urgency));
@@ -169,8 +200,8 @@ impl Desktop {
             APP,
             replaces,
             note.icon,
-            note.summary.as_str(),
-            note.body.as_str(),
+            summary.as_str(),
+            text.as_str(),
             Vec::<&str>::new(),
             hints,
             -1i32,
@@ -198,6 +229,8 @@ impl Desktop {
                 if matches!(e, zbus::Error::InputOutput(_)) {
                     self.session = None;
                 }
+                // Another server may take the name: ask it again.
+                self.markup = None;
             }
         }
     }
