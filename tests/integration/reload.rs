@@ -204,3 +204,43 @@ async fn deleting_the_active_profile_falls_back_to_the_default_with_an_alert() {
     assert!(starts[0].contains(" -c 327680 "), "{}", starts[0]);
     assert_eq!(d.status().await["engine_profile"], "320k");
 }
+
+/// Files that would make the loader take minutes and gigabytes (aliases of aliases, deep
+/// nesting, a huge file) arrive by reload: each is refused at once with what is wrong, the
+/// last good configuration stays, and the daemon lives and serves.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_reload_of_a_file_that_would_exhaust_the_loader_keeps_the_last_good_config() {
+    let d = Daemon::start(&Setup::default().engine("idle_timeout", "1h"));
+    // Serving (and handling SIGHUP) first.
+    let (status, _, v) = body_json(d.post("/v1/chat/completions", chat(2, false)).await).await;
+    assert_eq!(status, 200, "{v}");
+    let profile = d.dir().join("profiles/320k.yaml");
+    let good = std::fs::read_to_string(&profile).unwrap();
+    let mut laughs = format!("{good}x0: &a0 [\"ha\"]\n");
+    for i in 1..10 {
+        let prev = format!("*a{}", i - 1);
+        laughs.push_str(&format!(
+            "x{i}: &a{i} [{}]\n",
+            [prev.as_str(); 10].join(", ")
+        ));
+    }
+    let deep = format!("{good}x: {}1{}\n", "[".repeat(100_000), "]".repeat(100_000));
+    let huge = format!("{good}description: {}\n", "x".repeat(4 << 20));
+    for (text, why) in [
+        (laughs, "its aliases expand to more than 100000 values"),
+        (deep, "nested more than 32 deep"),
+        (huge, "the file is larger than 256 KiB"),
+    ] {
+        editor_save(&profile, &text);
+        d.signal(Signal::SIGHUP);
+        // Refused, with what is wrong (the watcher may see the write too: then twice).
+        wait_log(&d, why, PATIENCE).await;
+        let (status, _, v) = body_json(d.post("/v1/chat/completions", chat(2, false)).await).await;
+        assert_eq!(status, 200, "{v}");
+    }
+    let s = d.status().await;
+    assert!(
+        s["idle_deadline"].as_f64().unwrap() - s["ready_since"].as_f64().unwrap() > 3000.0,
+        "{s}"
+    );
+}

@@ -55,9 +55,12 @@ pub(super) fn load(
     let dir = file.parent().map(Path::to_path_buf).unwrap_or_default();
     let shown = Shown(dir.clone());
     let mut problems = Vec::new();
-    let text = fs::read_to_string(&file);
+    let text = super::yaml::read_file(&file);
     if let Err(e) = &text {
-        let message = format!("cannot read {}: {e}", file.display());
+        let message = match e.strip_prefix("cannot read: ") {
+            Some(why) => format!("cannot read {}: {why}", file.display()),
+            None => format!("{}: {e}", file.display()),
+        };
         problems.push(Problem::new(&shown.path(&file), "", message));
     }
     let text = text.ok();
@@ -327,7 +330,7 @@ impl Check<'_> {
                     "invalid profile name {name:?}: use letters, digits, '.', '_' and '-' (not first)"
                 ))
             } else {
-                fs::read_to_string(&path).map_err(|e| format!("cannot read: {e}"))
+                super::yaml::read_file(&path)
             };
             found.entry(name.clone()).or_insert(path.clone());
             let text = match text {

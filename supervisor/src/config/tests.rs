@@ -1258,3 +1258,47 @@ fn aliases_and_deep_nesting_stop_at_the_first_mistake() {
     );
     assert!(got[1].starts_with("profiles/deep.yaml:1:"), "{got:#?}");
 }
+
+#[test]
+fn files_that_would_cost_the_loader_dearly_are_refused_quickly_and_clearly() {
+    let dir = TempDir::new("shape");
+    let file = dir.write("supervisor.yaml", "");
+    dir.write("profiles/320k.yaml", MINIMAL_PROFILE);
+    dir.engine_files("profiles");
+    assert!(Config::load(&file).is_ok());
+    // Aliases of aliases: nine levels of ten expand to a billion values.
+    let mut laughs = String::from("description: &a0 [\"ha\"]\n");
+    for i in 1..10 {
+        let prev = format!("*a{}", i - 1);
+        let list = [prev.as_str(); 10].join(", ");
+        laughs.push_str(&format!("x{i}: &a{i} [{list}]\n"));
+    }
+    dir.write("profiles/laughs.yaml", &laughs);
+    let e = errors(Config::load(&file));
+    assert!(
+        e.iter().any(|m| m.starts_with("profiles/laughs.yaml:")
+            && m.contains(": its aliases expand to more than 100000 values")),
+        "{e:?}"
+    );
+    fs::remove_file(dir.path().join("profiles/laughs.yaml")).unwrap();
+    // Nested deeper than any setting is.
+    let deep = format!("extra_args: {}1{}\n", "[".repeat(5000), "]".repeat(5000));
+    dir.write("profiles/deep.yaml", &deep);
+    let e = errors(Config::load(&file));
+    assert!(
+        e.iter()
+            .any(|m| m.starts_with("profiles/deep.yaml:1:")
+                && m.contains(": nested more than 32 deep")),
+        "{e:?}"
+    );
+    fs::remove_file(dir.path().join("profiles/deep.yaml")).unwrap();
+    // Larger than a configuration file may be.
+    let big = format!("description: {}\n", "x".repeat(300 << 10));
+    dir.write("profiles/big.yaml", &big);
+    let e = errors(Config::load(&file));
+    assert!(
+        e.iter()
+            .any(|m| m.contains("big.yaml") && m.contains("the file is larger than 256 KiB")),
+        "{e:?}"
+    );
+}

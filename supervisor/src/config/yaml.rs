@@ -20,8 +20,96 @@ use serde::de::DeserializeOwned;
 
 use super::error::Problem;
 
-/// Deeper nesting than this is not followed (no setting is nested more than three deep).
+/// Deeper nesting than this is refused (no setting is nested more than three deep).
 const MAX_DEPTH: usize = 32;
+
+/// The largest configuration file read, in bytes (the shipped one is a few KiB).
+pub(crate) const MAX_BYTES: u64 = 256 << 10;
+
+/// The most nodes a document may have once its aliases are expanded: a few aliases of
+/// aliases (a "billion laughs") would otherwise expand to more than memory holds.
+const MAX_NODES: u64 = 100_000;
+
+/// Reads the configuration file `path`, refusing one larger than [`MAX_BYTES`] before
+/// reading it whole.
+pub(crate) fn read_file(path: &std::path::Path) -> Result<String, String> {
+    use std::io::Read;
+    let file = std::fs::File::open(path).map_err(|e| format!("cannot read: {e}"))?;
+    let mut text = String::new();
+    file.take(MAX_BYTES + 1)
+        .read_to_string(&mut text)
+        .map_err(|e| format!("cannot read: {e}"))?;
+    if text.len() as u64 > MAX_BYTES {
+        return Err(format!(
+            "the file is larger than {} KiB, the most a configuration file may be",
+            MAX_BYTES >> 10
+        ));
+    }
+    Ok(text)
+}
+
+/// Refuses a document that nests deeper than [`MAX_DEPTH`] or whose aliases expand to more
+/// than [`MAX_NODES`] nodes, in one pass over the parser's events (before serde, whose
+/// work on such a document grows with the expansion). A YAML error ends the pass: the
+/// reading that follows reports it.
+fn check_shape(text: &str) -> Result<(), ((usize, usize), String)> {
+    // For each open collection: its anchor, and the count of nodes when it began.
+    let mut open: Vec<(usize, u64)> = Vec::new();
+    let mut sizes: HashMap<usize, u64> = HashMap::new();
+    let mut nodes: u64 = 0;
+    for item in Parser::new_from_str(text) {
+        let (event, span) = match item {
+            Ok(e) => e,
+            // The scanner's own limit on flow nesting, met before any event of that depth.
+            Err(e) if e.info().contains("recursion limit") => {
+                let at = (e.marker().line(), e.marker().col() + 1);
+                return Err((
+                    at,
+                    format!("nested more than {MAX_DEPTH} deep (no setting is)"),
+                ));
+            }
+            Err(_) => break,
+        };
+        let at = (span.start.line(), span.start.col() + 1);
+        match event {
+            Event::Scalar(_, _, anchor, _) => {
+                nodes += 1;
+                if anchor != 0 {
+                    sizes.insert(anchor, 1);
+                }
+            }
+            Event::Alias(anchor) => nodes += sizes.get(&anchor).copied().unwrap_or(1),
+            Event::SequenceStart(anchor, _) | Event::MappingStart(anchor, _) => {
+                nodes += 1;
+                open.push((anchor, nodes));
+                if open.len() > MAX_DEPTH {
+                    return Err((
+                        at,
+                        format!("nested more than {MAX_DEPTH} deep (no setting is)"),
+                    ));
+                }
+            }
+            Event::SequenceEnd | Event::MappingEnd => {
+                if let Some((anchor, began)) = open.pop() {
+                    if anchor != 0 {
+                        sizes.insert(anchor, nodes - began + 1);
+                    }
+                }
+            }
+            _ => {}
+        }
+        if nodes > MAX_NODES {
+            return Err((
+                at,
+                format!(
+                    "its aliases expand to more than {MAX_NODES} values; write the settings \
+                     out instead"
+                ),
+            ));
+        }
+    }
+    Ok(())
+}
 
 /// Where a mapping entry or a sequence item is written.
 #[derive(Debug, Clone)]
@@ -67,6 +155,10 @@ impl Doc {
             file,
             ..Doc::default()
         };
+        if let Err((at, message)) = check_shape(text) {
+            problems.push(Problem::new(&doc.file, "", message).at(Some(at)));
+            return (doc, None);
+        }
         // The entries of the first document, as far as it is YAML.
         let mut events = Parser::new_from_str(text).peekable();
         while let Some(Ok((event, _))) = events.next() {
