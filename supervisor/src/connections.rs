@@ -36,6 +36,10 @@ pub const RESERVE: u64 = 64;
 /// out: slow or idle clients give their slot back.
 pub const HEADER_TIMEOUT: Duration = Duration::from_secs(30);
 
+/// The most of a request head a connection buffers (hyper's read buffer): request heads are
+/// a few KiB; a longer one gets 431.
+pub const HEAD_BUFFER: usize = 16 * 1024;
+
 /// How long a connection that has not shown a valid API key stays open between requests,
 /// when keys are configured.
 pub const UNKEYED_KEEP_ALIVE: Duration = Duration::from_secs(5);

@@ -255,7 +255,11 @@ pub async fn serve(
     // new or kept alive between requests, is closed: idle and slow clients free their slot.
     http.timer(TokioTimer::new())
         .keep_alive(true)
-        .header_read_timeout(connections::HEADER_TIMEOUT);
+        .header_read_timeout(connections::HEADER_TIMEOUT)
+        // What one connection may hold of a request head it has not finished: hyper's
+        // default (about 400 KB) let 60 slow heads take 23 MB (api.max_buffered bounds
+        // bodies only). A longer head gets 431.
+        .max_buf_size(connections::HEAD_BUFFER);
     let connections = ctx.connections.clone();
     // The open-file limit was raised (or not) before the runtime started.
     let fd_cap = connections::fd_cap();

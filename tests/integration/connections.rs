@@ -242,3 +242,97 @@ async fn a_limit_that_cannot_be_raised_lowers_the_cap() {
     drop(held);
     d.stop().await;
 }
+
+/// The resident memory of process `pid`, in bytes.
+fn rss(pid: u32) -> u64 {
+    let status = std::fs::read_to_string(format!("/proc/{pid}/status")).unwrap();
+    let kb: u64 = status
+        .lines()
+        .find_map(|l| l.strip_prefix("VmRSS:"))
+        .and_then(|v| v.trim().trim_end_matches(" kB").trim().parse().ok())
+        .unwrap();
+    kb << 10
+}
+
+/// The bytes still queued for dsv4d on its connections at `port` (what it has not read),
+/// and how many such connections there are, from `/proc/net/tcp`.
+fn unread(port: u16) -> (u64, usize) {
+    let table = std::fs::read_to_string("/proc/net/tcp").unwrap();
+    let mut queued = 0;
+    let mut count = 0;
+    for line in table.lines().skip(1) {
+        let f: Vec<&str> = line.split_whitespace().collect();
+        let local_port = f[1]
+            .rsplit(':')
+            .next()
+            .and_then(|p| u16::from_str_radix(p, 16).ok());
+        // 01: ESTABLISHED; the field is tx_queue:rx_queue, in hex.
+        if local_port == Some(port) && f[3] == "01" {
+            let rx = f[4].rsplit(':').next().unwrap();
+            queued += u64::from_str_radix(rx, 16).unwrap();
+            count += 1;
+        }
+    }
+    (queued, count)
+}
+
+/// Request heads that never finish cost each connection at most its head buffer
+/// (`HEAD_BUFFER`, 16 KiB), outside `api.max_buffered`: 4,096 connections holding 15 KiB of
+/// an unfinished head each keep dsv4d within the README's figure, and a head past the
+/// buffer gets 431 instead of growing it.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn unfinished_request_heads_cost_a_bounded_buffer_each() {
+    use tokio::io::AsyncWriteExt;
+    raise_own_nofile(10_000);
+    let d = Daemon::start(
+        &Setup::default()
+            .listen_flag()
+            .nofile(10_000, 10_000)
+            .log_level("info"),
+    );
+    let (status, _) = d.get("/health").await;
+    assert_eq!(status, 200);
+    let before = rss(d.pid());
+    let mut head = format!("POST /v1/chat/completions HTTP/1.1\r\nhost: {}\r\n", d.addr);
+    while head.len() < 15 << 10 {
+        head.push_str(&format!("x-pad-{}: {}\r\n", head.len(), "p".repeat(100)));
+    }
+    let mut held = idle_connections(d.addr, 4096).await;
+    for s in &mut held {
+        s.write_all(head.as_bytes()).await.unwrap();
+    }
+    // Until dsv4d has read every byte of every head.
+    let t = Instant::now();
+    loop {
+        let (queued, count) = unread(d.addr.port());
+        if queued == 0 && count >= 4096 {
+            break;
+        }
+        assert!(
+            t.elapsed() < PATIENCE,
+            "{queued} bytes unread on {count} connections"
+        );
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+    let held_rss = rss(d.pid());
+    let grown = held_rss.saturating_sub(before);
+    eprintln!(
+        "4,096 unfinished 15 KiB heads: dsv4d RSS {} MiB -> {} MiB (+{} MiB, {} KiB a connection)",
+        before >> 20,
+        held_rss >> 20,
+        grown >> 20,
+        (grown >> 10) / 4096
+    );
+    // The README's bound: 40 KiB a connection (the head buffer, the first 8 KiB kept to
+    // answer an oversized Content-Length, the connection's own state).
+    assert!(grown < 4096 * (40 << 10), "+{} MiB", grown >> 20);
+    drop(held);
+    // A head that outgrows the buffer is answered 431 and closed.
+    let mut big = TcpStream::connect(d.addr).await.unwrap();
+    let mut long = format!("GET /health HTTP/1.1\r\nhost: {}\r\n", d.addr);
+    long.push_str(&format!("x-long: {}\r\n\r\n", "l".repeat(64 << 10)));
+    let _ = big.write_all(long.as_bytes()).await;
+    let mut answer = String::new();
+    let _ = tokio::time::timeout(PATIENCE, big.read_to_string(&mut answer)).await;
+    assert!(answer.starts_with("HTTP/1.1 431"), "{answer:?}");
+}
