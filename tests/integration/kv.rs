@@ -700,3 +700,28 @@ async fn the_checkpoint_folder_and_its_files_are_private() {
     assert_eq!(std::fs::metadata(&kv).unwrap().uid(), 65534);
     assert_eq!(mode(&kv), 0o755);
 }
+
+/// A request that arrives while the idle stop saves the KV cache calls the stop off: the
+/// save ends and the same engine serves it, with no reload (54 s on the target machine).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_request_during_the_idle_stops_save_is_served_by_the_same_engine() {
+    let mut s = Setup::default()
+        .engine("idle_timeout", "1s")
+        .profile_key("320k", "kv_checkpoint", "{ dir: kv }")
+        .knob("save_ms", "2000");
+    s.default_profile = "320k".into();
+    let d = Daemon::start(&s);
+    let (status, _, v) = body_json(d.post("/v1/chat/completions", chat(4, false)).await).await;
+    assert_eq!(status, 200, "{v}");
+    // The idle stop's save has begun (the engine takes 2 s over it).
+    d.wait_fake_log("slot 0 save", PATIENCE).await;
+    let (status, _, v) = body_json(d.post("/v1/chat/completions", chat(4, false)).await).await;
+    assert_eq!(status, 200, "{v}");
+    let st = d.status().await;
+    assert_eq!(st["generation"], 1, "{st}");
+    assert_eq!(d.spawns(), 1, "{}", d.log());
+    assert!(!d.fake_log().contains("SIGTERM"), "{}", d.fake_log());
+    // The save was kept.
+    let saved = wait_saved(&d, "320k", PATIENCE).await;
+    assert_eq!(saved["last_save"]["result"], "saved", "{saved}");
+}

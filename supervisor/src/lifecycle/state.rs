@@ -277,6 +277,9 @@ pub enum Then {
     Backoff,
     /// The daemon exits.
     Exit,
+    /// Called off while the save ran (a request came, or a start was asked): once the save
+    /// is over the engine serves again, no signal sent.
+    Serve,
 }
 
 #[derive(Debug, Clone, PartialEq)]
@@ -630,6 +633,8 @@ impl Machine {
                 }
             }
             Phase::Backoff { .. } => self.phase = Phase::Stopped,
+            // Too hot to serve: a stop called off for a request goes on.
+            Phase::Saving { then, .. } if *then == Then::Serve => *then = Then::Idle,
             Phase::Stopped | Phase::Saving { .. } | Phase::Stopping { .. } => {}
         }
     }
@@ -696,6 +701,13 @@ impl Machine {
             | Phase::Saving { .. }
             | Phase::Stopping { .. } => {
                 self.waiters.push_back(waiter);
+                if let Phase::Saving { then, .. } = &mut self.phase {
+                    // A stop whose save runs is called off: the save ends, and the same
+                    // engine serves this request (a restart would reload the model).
+                    if *then == Then::Idle {
+                        *then = Then::Serve;
+                    }
+                }
             }
         }
     }
@@ -788,7 +800,11 @@ impl Machine {
         {
             if *g == gen {
                 let (profile, then) = (profile.clone(), *then);
-                self.signal_stop(gen, profile, then, now, fx);
+                if then == Then::Serve {
+                    self.serve(gen, profile, now, fx);
+                } else {
+                    self.signal_stop(gen, profile, then, now, fx);
+                }
             }
         }
     }
@@ -957,9 +973,8 @@ impl Machine {
             Phase::Draining {
                 then: Then::Idle, ..
             } => self.call_off_drain(now, fx),
-            Phase::Saving { then, .. } | Phase::Stopping { then, .. } if *then == Then::Idle => {
-                *then = Then::Restart
-            }
+            Phase::Saving { then, .. } if *then == Then::Idle => *then = Then::Serve,
+            Phase::Stopping { then, .. } if *then == Then::Idle => *then = Then::Restart,
             _ => {}
         }
     }
@@ -998,7 +1013,7 @@ impl Machine {
             | Phase::Saving {
                 gen, profile, then, ..
             } => {
-                if *then == Then::Restart {
+                if matches!(*then, Then::Restart | Then::Serve) {
                     *then = Then::Idle;
                 }
                 if at_once {
@@ -1057,6 +1072,8 @@ impl Machine {
                     // Switched back before the drain ended: keep the running engine.
                     let (gen, profile) = (*gen, profile.clone());
                     self.back_to_ready(gen, profile, now, fx);
+                } else if *then == Then::Serve && *profile == profile_now {
+                    // The save called off for a request goes on to serve it.
                 } else if *then == Then::Idle {
                     // Stop requested: the new profile applies at the next start.
                 } else {
@@ -1213,8 +1230,8 @@ impl Machine {
         match then {
             Then::Exit => self.finish_exit(fx),
             Then::Restart => self.begin_start(now, fx),
-            Then::Idle if !self.waiters.is_empty() => self.begin_start(now, fx),
-            Then::Idle => {}
+            Then::Idle | Then::Serve if !self.waiters.is_empty() => self.begin_start(now, fx),
+            Then::Idle | Then::Serve => {}
             Then::Backoff => {
                 let retry_after = self.backoff_delay();
                 let last = self.last_failure.clone();

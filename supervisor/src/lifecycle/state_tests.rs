@@ -1136,14 +1136,39 @@ fn switching_back_during_the_save_keeps_the_engine() {
 }
 
 #[test]
-fn a_request_during_the_save_starts_the_next_engine_after_the_stop() {
+fn a_request_during_the_idle_stops_save_calls_the_stop_off() {
+    let mut t = kv_t();
+    t.ready_with(&[]);
+    assert_eq!(t.at(900).ev(Event::Tick), vec![save(1, "320k")]);
+    assert_eq!(t.ev(Event::Acquire { waiter: 1 }), vec![]);
+    assert_eq!(t.ev(Event::Acquire { waiter: 2 }), vec![]);
+    // The save ends and the same engine serves them: no signal, no reload.
+    assert_eq!(
+        t.at(902).ev(Event::KvSaved { gen: 1 }),
+        vec![grant(1, &[1, 2])]
+    );
+    assert_eq!(t.state(), State::Ready);
+    // Idle time counts from their end.
+    t.at(903).ev(Event::Release { gen: 1 });
+    t.at(904).ev(Event::Release { gen: 1 });
+    assert_eq!(t.m.idle_deadline(), Some(t.t0 + 1804 * S));
+    // A save that runs out its time ends the same way.
+    assert_eq!(t.at(1804).ev(Event::Tick), vec![save(1, "320k")]);
+    assert_eq!(t.ev(Event::Start), vec![]);
+    assert_eq!(t.at(1834).ev(Event::Tick), vec![]);
+    assert_eq!(t.state(), State::Ready);
+}
+
+#[test]
+fn a_stop_asked_after_the_call_off_stands() {
     let mut t = kv_t();
     t.ready_with(&[]);
     t.at(900).ev(Event::Tick);
     assert_eq!(t.ev(Event::Acquire { waiter: 1 }), vec![]);
+    assert_eq!(t.ev(Event::Stop { now: false }), vec![]);
     assert_eq!(t.ev(Event::KvSaved { gen: 1 }), vec![term(1)]);
+    // The request still waiting starts the next engine, which gets back what was saved.
     assert_eq!(t.ev(exited(1)), vec![spawn(2, "320k")]);
-    // ... which gets back what the first one saved.
     assert_eq!(t.ev(Event::Ready { gen: 2 }), vec![restore(2, "320k")]);
 }
 
