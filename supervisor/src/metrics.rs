@@ -157,7 +157,7 @@ fn kv_metrics(reg: &mut Registry, kv: &KvStatus) {
     add(
         reg,
         "dsv4_kv_restored_tokens",
-        "Prompt tokens that requests took from a restored KV cache instead of a prefill.",
+        "Tokens that KV checkpoint restores put back into engines (each restore counted once).",
         Counter::<u64>::default(),
     )
     .inc_by(kv.restored_tokens_total);

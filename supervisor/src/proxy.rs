@@ -215,9 +215,6 @@ pub struct Tapped {
     tap: Tap,
     stats: Stats,
     telemetry: Telemetry,
-    /// Where the tokens served from a restored KV cache are counted.
-    kv: crate::kv::Book,
-    gen: crate::lifecycle::state::Gen,
     profile: String,
     path: String,
     started: Instant,
@@ -229,7 +226,6 @@ impl Tapped {
             let wall = self.started.elapsed().as_secs_f64();
             let now = crate::monitor::unix_now();
             let resources = self.telemetry.resources(now - wall, now);
-            self.kv.served(self.gen, t.cache_n);
             self.stats.record(
                 &self.profile,
                 &self.path,
@@ -717,8 +713,6 @@ async fn proxy(ctx: &Ctx, config: &Config, req: Request<Incoming>) -> Response<P
                             tap,
                             stats: ctx.stats.clone(),
                             telemetry: ctx.telemetry.clone(),
-                            kv: ctx.lifecycle.kv().clone(),
-                            gen: engine.gen,
                             profile: engine.profile.clone(),
                             path,
                             started,

@@ -121,7 +121,14 @@ async fn an_idle_stop_keeps_the_long_prefix() {
 
     assert_prefix_kept(&d, prompt_n).await;
     let s = d.status().await;
+    // Counted exactly: the restore's own count, once, whatever the requests after it used.
     let restored = s["kv"]["restored_tokens_total"].as_u64().unwrap();
+    let kv = kv_of(&d, "tiny").await;
+    assert_eq!(
+        restored,
+        kv["last_restore"]["tokens"].as_u64().unwrap(),
+        "{kv}"
+    );
     assert!(restored >= prompt_n, "{}", s["kv"]);
     let (status, _, body) = d.send("GET", "/metrics", &[], None).await;
     assert_eq!(status, 200);

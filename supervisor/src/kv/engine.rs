@@ -288,7 +288,7 @@ pub async fn restore(engine: Arc<EngineRef>, profile: Profile, book: Book) -> Kv
     let id = m.id.clone();
     let _ = on_disk(&store, move |s| s.clear_restoring(&id)).await;
     let tokens: u64 = restored.iter().map(|(_, n)| n).sum();
-    book.credit(engine.gen, tokens);
+    book.credit(tokens);
     let done = step(started, tokens, m.bytes(), true, "restored".into());
     tracing::info!(
         profile = profile.name,

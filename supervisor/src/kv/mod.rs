@@ -52,9 +52,8 @@ struct Inner {
     key: Option<(Gen, key::Key)>,
     /// The checkpoint whose restore into the engine of `Gen` is under way.
     restoring: Option<(Gen, String)>,
-    /// Tokens given back to the engine of `Gen` that no request has used yet.
-    credit: Option<(Gen, u64)>,
-    restored_served: u64,
+    /// Tokens put back into engines by restores, all told.
+    restored: u64,
     /// The configuration in force (the actor replaces it on reloads).
     config: Option<Arc<Config>>,
     /// A profile whose engines neither restore nor save (a validation run's: its benchmark
@@ -119,28 +118,13 @@ impl Book {
             .map(|(_, id)| id.clone())
     }
 
-    /// `tokens` went back into the engine of `gen`.
-    pub fn credit(&self, gen: Gen, tokens: u64) {
-        self.lock().credit = Some((gen, tokens));
-    }
-
-    /// A request on the engine of `gen` reused `cache_n` prompt tokens from its cache: those
-    /// that came from the restore count as served from it (once each).
-    pub fn served(&self, gen: Gen, cache_n: u64) {
-        let mut g = self.lock();
-        let Some((g_gen, left)) = g.credit.as_mut() else {
-            return;
-        };
-        if *g_gen != gen {
-            return;
-        }
-        let used = cache_n.min(*left);
-        *left -= used;
-        g.restored_served += used;
+    /// A restore put `tokens` back into an engine: counted once, exactly.
+    pub fn credit(&self, tokens: u64) {
+        self.lock().restored += tokens;
     }
 
     pub fn restored_tokens_total(&self) -> u64 {
-        self.lock().restored_served
+        self.lock().restored
     }
 
     pub fn last_save(&self, profile: &str) -> Option<KvStep> {
@@ -374,14 +358,11 @@ mod tests {
     }
 
     #[test]
-    fn only_restored_tokens_of_the_running_engine_count_once() {
+    fn restored_tokens_are_each_restores_own_count() {
         let book = Book::default();
-        book.credit(3, 1000);
-        book.served(2, 500); // another engine's request
-        assert_eq!(book.restored_tokens_total(), 0);
-        book.served(3, 600);
-        book.served(3, 600);
-        book.served(3, 600);
+        book.credit(1000);
         assert_eq!(book.restored_tokens_total(), 1000);
+        book.credit(2802);
+        assert_eq!(book.restored_tokens_total(), 3802);
     }
 }
