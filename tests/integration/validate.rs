@@ -376,3 +376,51 @@ async fn a_validation_leaves_the_kv_checkpoints_alone() {
     assert!(of("64k")["last_restore"].is_null(), "{kv}");
     assert!(of("64k")["checkpoint"].is_null(), "{kv}");
 }
+
+/// The files of a checkpoint folder, by name, with their bytes.
+fn folder(dir: &Path) -> std::collections::BTreeMap<String, Vec<u8>> {
+    std::fs::read_dir(dir)
+        .unwrap()
+        .flatten()
+        .filter(|e| e.path().is_file())
+        .map(|e| {
+            let name = e.file_name().to_string_lossy().into_owned();
+            (name, std::fs::read(e.path()).unwrap())
+        })
+        .collect()
+}
+
+/// Validating the active profile while its engine runs reuses that engine: it must never save
+/// its KV cache afterwards (its slots hold the benchmark's prompts), so the user's checkpoint
+/// is byte for byte what it was.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn validating_the_running_profile_never_replaces_its_checkpoint() {
+    let bus = PrivateBus::start();
+    let mut s = fake_setup(&bus, "1").profile_key("320k", "kv_checkpoint", "{ dir: kv }");
+    s.default_profile = "320k".into();
+    let d = Daemon::start(&s);
+    wait_bus_name(&d, &bus).await;
+    let (status, _, _) = body_json(d.post("/v1/chat/completions", chat(4, false)).await).await;
+    assert_eq!(status, 200);
+    // The user's checkpoint, made by a planned stop.
+    let out = ctl(&bus, &["stop"]);
+    assert_eq!(out.status.code(), Some(0), "{}", text(&out.stderr));
+    d.wait_state(dsv4_client::State::Stopped, PATIENCE).await;
+    let kv = d.dir().join("profiles/kv");
+    let users = folder(&kv);
+    assert!(users.keys().any(|n| n.ends_with(".json")), "{users:?}");
+    // The engine serves again (restoring it), and the validation runs on that same engine.
+    let (status, _, _) = body_json(d.post("/v1/chat/completions", chat(4, false)).await).await;
+    assert_eq!(status, 200);
+    let generation = d.status().await["generation"].clone();
+    let out = ctl(&bus, &["validate", "--profile", "320k", "--runs", "1"]);
+    assert_eq!(out.status.code(), Some(0), "{}", text(&out.stderr));
+    assert_eq!(d.status().await["generation"], generation);
+    // Its stop saves nothing: the folder is as the user's stop left it.
+    let out = ctl(&bus, &["stop"]);
+    assert_eq!(out.status.code(), Some(0), "{}", text(&out.stderr));
+    d.wait_state(dsv4_client::State::Stopped, PATIENCE).await;
+    assert_eq!(folder(&kv), users);
+    d.log_with(&["a validation runs on this engine: it will not save its KV cache"])
+        .await;
+}

@@ -343,6 +343,9 @@ struct Engine {
     probe: tokio::task::JoinHandle<()>,
     /// The KV restore or save running for it, if one does.
     kv_task: Option<KvTask>,
+    /// A validation ran on it (its profile's checkpoints were suspended while it lived): its
+    /// slots hold the benchmark's prompts, so it neither restores nor saves, ever.
+    validated: bool,
     /// When it was sent SIGTERM (how long ds4-server's save took is measured from it).
     term_at: Option<Instant>,
     ready_at: Option<SystemTime>,
@@ -742,6 +745,18 @@ impl Actor {
 
     /// Runs one event (and those its effects cause at once) through the rules.
     async fn handle(&mut self, first: Event) {
+        // An engine a validation uses (its requests come as events) is marked for good: the
+        // suspension may be lifted before it stops, and its save would replace the real
+        // checkpoint with the benchmark's slots.
+        if let Some(e) = self.engine.as_mut() {
+            if !e.validated && self.kv.suspended(&e.spawned.name) {
+                e.validated = true;
+                tracing::info!(
+                    pid = e.shared.pid,
+                    "a validation runs on this engine: it will not save its KV cache"
+                );
+            }
+        }
         let was_held = self.machine.held_for_memory();
         let mut queue = VecDeque::from([first]);
         while let Some(event) = queue.pop_front() {
@@ -1037,6 +1052,7 @@ impl Actor {
             shared,
             probe,
             kv_task: None,
+            validated: false,
             term_at: None,
             ready_at: None,
             memory_before: before,
@@ -1056,7 +1072,7 @@ impl Actor {
         let Some(e) = self.engine.as_mut().filter(|e| e.shared.gen == gen) else {
             return Some(done);
         };
-        if e.spawned.kv_checkpoint.is_none() || self.kv.suspended(&e.spawned.name) {
+        if e.spawned.kv_checkpoint.is_none() || e.validated || self.kv.suspended(&e.spawned.name) {
             return Some(done);
         }
         let (engine, profile, book) = (e.shared.clone(), e.spawned.clone(), self.kv.clone());
