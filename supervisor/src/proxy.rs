@@ -659,21 +659,27 @@ async fn proxy(ctx: &Ctx, config: &Config, req: Request<Incoming>) -> Response<P
         .admit(config.supervisor.engine.max_waiting)
         .await
     {
-        return ApiError::new(
-            StatusCode::SERVICE_UNAVAILABLE,
-            "server_error",
-            "queue_full",
-            format!(
-                "a validation run holds the engine and {max_waiting} requests (engine.max_waiting) \
-                 already wait for its end; try again later"
-            ),
-        )
-        .retry_after(Duration::from_secs(30))
-        .into_response();
+        return validation_queue_full(max_waiting);
     }
-    let lease = match ctx.lifecycle.acquire().await {
-        Ok(lease) => lease,
-        Err(refusal) => return ApiError::from(refusal).into_response(),
+    let lease = loop {
+        let lease = match ctx.lifecycle.acquire().await {
+            Ok(lease) => lease,
+            Err(refusal) => return ApiError::from(refusal).into_response(),
+        };
+        if !ctx.validator.running() {
+            break lease;
+        }
+        // A validation began while this request waited for an engine: that engine is the
+        // validation's, never a client's. Back to the gate, then wait for the profile it
+        // restores (or 503 past max_waiting, as any request during a validation).
+        drop(lease);
+        if let Err(max_waiting) = ctx
+            .validator
+            .admit(config.supervisor.engine.max_waiting)
+            .await
+        {
+            return validation_queue_full(max_waiting);
+        }
     };
     if slot_action {
         // The engine that will serve it, which a switch may have changed meanwhile.
@@ -737,6 +743,21 @@ async fn proxy(ctx: &Ctx, config: &Config, req: Request<Incoming>) -> Response<P
             engine_error(&engine, &e).await.into_response()
         }
     }
+}
+
+/// The 503 for a request over `max_waiting` while a validation holds the engine.
+fn validation_queue_full(max_waiting: usize) -> Response<ProxyBody> {
+    ApiError::new(
+        StatusCode::SERVICE_UNAVAILABLE,
+        "server_error",
+        "queue_full",
+        format!(
+            "a validation run holds the engine and {max_waiting} requests (engine.max_waiting) \
+             already wait for its end; try again later"
+        ),
+    )
+    .retry_after(Duration::from_secs(30))
+    .into_response()
 }
 
 /// The answer to a request whose body was not read whole.

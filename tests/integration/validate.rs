@@ -424,3 +424,42 @@ async fn validating_the_running_profile_never_replaces_its_checkpoint() {
     d.log_with(&["a validation runs on this engine: it will not save its KV cache"])
         .await;
 }
+
+/// Requests that already wait for an engine when a validation begins (here, during a cold
+/// start of the service profile) are never served by the validation's engine: they wait, and
+/// the service profile answers them once it is back.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn requests_queued_when_a_validation_begins_get_the_service_profile() {
+    let bus = PrivateBus::start();
+    let mut s = fake_setup(&bus, "1");
+    s.profiles
+        .get_mut("320k")
+        .unwrap()
+        .insert("load_ms", "1500".to_string());
+    let d = Daemon::start(&s);
+    wait_bus_name(&d, &bus).await;
+    let requests = async {
+        futures_util::future::join_all((0..3).map(|_| async {
+            body_json(d.post("/v1/chat/completions", chat(2, false)).await).await
+        }))
+        .await
+    };
+    let validation = async {
+        // Once the three wait for the service engine's cold start.
+        let t = Instant::now();
+        while d.status().await["waiting"] != 3 {
+            assert!(t.elapsed() < PATIENCE, "{}", d.status().await);
+            tokio::time::sleep(Duration::from_millis(10)).await;
+        }
+        let run = validate_in_background(&bus, &["--runs", "1"]);
+        tokio::task::spawn_blocking(move || run.join().unwrap())
+            .await
+            .unwrap()
+    };
+    let (answers, out) = tokio::join!(requests, validation);
+    assert_eq!(out.status.code(), Some(0), "{}", text(&out.stderr));
+    for (status, _, v) in answers {
+        assert_eq!(status, 200, "{v}");
+        assert_eq!(v["model"], "320k.gguf", "{v}");
+    }
+}
