@@ -732,3 +732,65 @@ async fn a_request_during_the_idle_stops_save_is_served_by_the_same_engine() {
     let saved = wait_saved(&d, "320k", PATIENCE).await;
     assert_eq!(saved["last_save"]["result"], "saved", "{saved}");
 }
+
+/// On the real llama-server: validating the active profile reuses its running engine, and
+/// the user's checkpoint of a 2,800-token prompt is byte for byte the same afterwards; the
+/// next start gives the user's prompt back (its `cache_n` covers it), not the benchmark's.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn validating_the_active_profile_keeps_the_users_checkpoint_on_the_real_engine() {
+    let files = |dir: &Path| -> std::collections::BTreeMap<String, Vec<u8>> {
+        std::fs::read_dir(dir)
+            .unwrap()
+            .flatten()
+            .filter(|e| e.path().is_file())
+            .map(|e| {
+                (
+                    e.file_name().to_string_lossy().into_owned(),
+                    std::fs::read(e.path()).unwrap(),
+                )
+            })
+            .collect()
+    };
+    let bus = PrivateBus::start();
+    // Room for the suite's 4,096-token prefill beside what the user's prompt holds.
+    let mut s = real_setup("10m").session_bus(&bus);
+    let dir = temp_dir("daemon");
+    let model = crate::validate::tiny_16k(dir.path());
+    s.custom_profiles
+        .insert("tiny".into(), real_profile(&model, 8192, "{ dir: kv }"));
+    let d = Daemon::start_in(&s, dir);
+    wait_bus_name(&d, &bus).await;
+    let (_, _, prompt_n) = complete(&d, &long_prompt(), true).await;
+    assert!(prompt_n > 2000, "{prompt_n}");
+    let stop = || {
+        let out = ctl(&bus.address, &["stop"], None);
+        assert_eq!(
+            out.status.code(),
+            Some(0),
+            "{}",
+            String::from_utf8_lossy(&out.stderr)
+        );
+    };
+    stop();
+    d.wait_state(State::Stopped, PATIENCE).await;
+    let kv = d.dir().join("profiles/kv");
+    let users = files(&kv);
+    assert!(users.keys().any(|n| n.ends_with(".bin")), "{users:?}");
+    // The engine again (the user's cache restored), and the validation on it.
+    complete(&d, "count 1", true).await;
+    let out = ctl(
+        &bus.address,
+        &["validate", "--profile", "tiny", "--runs", "1"],
+        None,
+    );
+    assert_eq!(
+        out.status.code(),
+        Some(0),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    stop();
+    d.wait_state(State::Stopped, PATIENCE).await;
+    assert_eq!(files(&kv), users, "the user's checkpoint changed");
+    assert_prefix_kept(&d, prompt_n).await;
+}

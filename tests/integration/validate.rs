@@ -55,7 +55,7 @@ fn kept(d: &Daemon) -> Vec<ValidationResult> {
 
 /// The tiny model declaring a 16K training context (llama-server caps a slot's context at
 /// it), so that a 4,096-token prompt fits.
-fn tiny_16k(dir: &Path) -> std::path::PathBuf {
+pub(crate) fn tiny_16k(dir: &Path) -> std::path::PathBuf {
     let out = dir.join("tiny-16k.gguf");
     let python = crate::support::real::cache_dir().join("venv/bin/python");
     let generator = Path::new(env!("CARGO_MANIFEST_DIR")).join("engine/make_tiny_gguf.py");
