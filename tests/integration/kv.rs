@@ -762,15 +762,16 @@ async fn validating_the_active_profile_keeps_the_users_checkpoint_on_the_real_en
     wait_bus_name(&d, &bus).await;
     let (_, _, prompt_n) = complete(&d, &long_prompt(), true).await;
     assert!(prompt_n > 2000, "{prompt_n}");
-    let stop = || {
-        let out = ctl(&bus.address, &["stop"], None);
+    let run = |args: &[&str]| {
+        let out = ctl(&bus.address, args, None);
         assert_eq!(
             out.status.code(),
             Some(0),
-            "{}",
+            "{args:?}: {}",
             String::from_utf8_lossy(&out.stderr)
         );
     };
+    let stop = || run(&["stop"]);
     stop();
     d.wait_state(State::Stopped, PATIENCE).await;
     let kv = d.dir().join("profiles/kv");
@@ -778,17 +779,7 @@ async fn validating_the_active_profile_keeps_the_users_checkpoint_on_the_real_en
     assert!(users.keys().any(|n| n.ends_with(".bin")), "{users:?}");
     // The engine again (the user's cache restored), and the validation on it.
     complete(&d, "count 1", true).await;
-    let out = ctl(
-        &bus.address,
-        &["validate", "--profile", "tiny", "--runs", "1"],
-        None,
-    );
-    assert_eq!(
-        out.status.code(),
-        Some(0),
-        "{}",
-        String::from_utf8_lossy(&out.stderr)
-    );
+    run(&["validate", "--profile", "tiny", "--runs", "1"]);
     stop();
     d.wait_state(State::Stopped, PATIENCE).await;
     assert_eq!(files(&kv), users, "the user's checkpoint changed");
