@@ -92,6 +92,18 @@ fn plain(b: u8) -> bool {
         )
 }
 
+/// The path `raw` as dsv4d sends it on: [`encode`] of [`decode`], borrowed when `raw` is
+/// written that way already (no escape, nothing to escape), as nearly every path is.
+pub fn canonical(raw: &str) -> Result<std::borrow::Cow<'_, str>, PathError> {
+    let plain_already = raw.starts_with('/')
+        && raw.bytes().all(plain)
+        && !raw.split('/').any(|s| s == "." || s == "..");
+    if plain_already {
+        return Ok(std::borrow::Cow::Borrowed(raw));
+    }
+    decode(raw).map(|p| std::borrow::Cow::Owned(encode(&p)))
+}
+
 /// `path` (decoded) written so that one decoding gives it back: every other byte escaped.
 pub fn encode(path: &str) -> String {
     let mut out = String::with_capacity(path.len());
@@ -159,7 +171,28 @@ mod tests {
         assert_eq!(encode("/a b?#%"), "/a%20b%3F%23%25");
     }
 
+    #[test]
+    fn a_path_written_canonically_is_borrowed_and_the_rest_agree_with_decode() {
+        use std::borrow::Cow;
+        assert!(matches!(
+            canonical("/v1/chat/completions"),
+            Ok(Cow::Borrowed(_))
+        ));
+        assert_eq!(canonical("/%73lots/0").as_deref(), Ok("/slots/0"));
+        assert_eq!(canonical("/x/../slots/0"), Err(PathError::DotSegment));
+        assert_eq!(canonical("slots"), Err(PathError::NotAbsolute));
+    }
+
     proptest! {
+        /// What `canonical` gives is `encode` of `decode`, or the same refusal.
+        #[test]
+        fn canonical_is_encode_of_decode(raw in "/[ -~]{0,40}") {
+            prop_assert_eq!(
+                canonical(&raw).map(|c| c.into_owned()),
+                decode(&raw).map(|p| encode(&p))
+            );
+        }
+
         /// Whatever decodes, its encoding decodes to the same path: dsv4d and the engine see
         /// one path.
         #[test]

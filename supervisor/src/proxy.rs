@@ -306,8 +306,9 @@ pub async fn serve(
             tokio::pin!(conn);
             let changed = slot.changed();
             loop {
-                // Keys configured: a connection without one is kept alive briefly.
-                let keys = ctx.api_keys.get(&ctx.config.borrow()).is_some();
+                // Keys configured: a connection without one is kept alive briefly. (Only
+                // whether they are: the keys themselves are read where a request shows one.)
+                let keys = ctx.config.borrow().supervisor.api.api_keys_file.is_some();
                 let unkeyed = keys.then_some(connections::UNKEYED_KEEP_ALIVE);
                 let until = match slot.next(unkeyed, tokio::time::Instant::now()) {
                     connections::Next::Serve(until) => until,
@@ -577,16 +578,19 @@ fn judge_path(req: &mut Request<Incoming>) -> Result<(), Response<ProxyBody>> {
         )
         .into_response()
     };
-    let decoded = crate::path::decode(req.uri().path()).map_err(|e| bad(e.to_string()))?;
-    let mut target = crate::path::encode(&decoded);
+    let canonical = crate::path::canonical(req.uri().path()).map_err(|e| bad(e.to_string()))?;
+    let std::borrow::Cow::Owned(mut target) = canonical else {
+        // Written as the engine will read it already: only an absolute form changes.
+        if req.uri().scheme().is_none() {
+            return Ok(());
+        }
+        let origin_form = req.uri().path_and_query().map_or("/", |p| p.as_str());
+        *req.uri_mut() = Uri::try_from(origin_form).map_err(|e| bad(e.to_string()))?;
+        return Ok(());
+    };
     if let Some(q) = req.uri().query() {
         target.push('?');
         target.push_str(q);
-    }
-    if req.uri().scheme().is_none()
-        && req.uri().path_and_query().map(|p| p.as_str()) == Some(&target)
-    {
-        return Ok(());
     }
     *req.uri_mut() = Uri::try_from(target).map_err(|e| bad(e.to_string()))?;
     Ok(())
