@@ -8,7 +8,6 @@
 //! runs the real llama-server, after checking that it really does so.
 
 use std::io::{Read, Write};
-use std::path::Path;
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
@@ -396,16 +395,9 @@ async fn loopback_names_and_listed_hosts_are_served() {
     assert_eq!(status, 200, "{v}");
 }
 
-/// Replaces a file the way editors save: write a temporary file, rename it over the old one.
-fn editor_save(path: &Path, text: &str) {
-    let tmp = path.with_extension("yaml.tmp-save");
-    std::fs::write(&tmp, text).unwrap();
-    std::fs::rename(&tmp, path).unwrap();
-}
-
 /// Saves `setup`'s supervisor.yaml and waits until the daemon has reloaded it `times` times.
 async fn reload(d: &Daemon, setup: &Setup, times: usize) {
-    editor_save(
+    replace_file(
         &d.dir().join("supervisor.yaml"),
         &d.config_text(setup, "supervisor.yaml"),
     );

@@ -738,19 +738,6 @@ async fn a_request_during_the_idle_stops_save_is_served_by_the_same_engine() {
 /// next start gives the user's prompt back (its `cache_n` covers it), not the benchmark's.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn validating_the_active_profile_keeps_the_users_checkpoint_on_the_real_engine() {
-    let files = |dir: &Path| -> std::collections::BTreeMap<String, Vec<u8>> {
-        std::fs::read_dir(dir)
-            .unwrap()
-            .flatten()
-            .filter(|e| e.path().is_file())
-            .map(|e| {
-                (
-                    e.file_name().to_string_lossy().into_owned(),
-                    std::fs::read(e.path()).unwrap(),
-                )
-            })
-            .collect()
-    };
     let bus = PrivateBus::start();
     // Room for the suite's 4,096-token prefill beside what the user's prompt holds.
     let mut s = real_setup("10m").session_bus(&bus);
@@ -775,13 +762,13 @@ async fn validating_the_active_profile_keeps_the_users_checkpoint_on_the_real_en
     stop();
     d.wait_state(State::Stopped, PATIENCE).await;
     let kv = d.dir().join("profiles/kv");
-    let users = files(&kv);
+    let users = files_in(&kv);
     assert!(users.keys().any(|n| n.ends_with(".bin")), "{users:?}");
     // The engine again (the user's cache restored), and the validation on it.
     complete(&d, "count 1", true).await;
     run(&["validate", "--profile", "tiny", "--runs", "1"]);
     stop();
     d.wait_state(State::Stopped, PATIENCE).await;
-    assert_eq!(files(&kv), users, "the user's checkpoint changed");
+    assert_eq!(files_in(&kv), users, "the user's checkpoint changed");
     assert_prefix_kept(&d, prompt_n).await;
 }

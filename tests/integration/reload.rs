@@ -2,20 +2,12 @@
 //! write-then-rename) and SIGHUP; a valid change applies without restarting the engine, an
 //! invalid one is rejected whole with an `Alert`, and the daemon keeps serving.
 
-use std::path::Path;
 use std::time::{Duration, Instant};
 
 use crate::support::*;
 use dsv4_client::State;
 use futures_util::StreamExt;
 use nix::sys::signal::Signal;
-
-/// Replaces a file the way editors save: write a temporary file, rename it over the old one.
-fn editor_save(path: &Path, text: &str) {
-    let tmp = path.with_extension("yaml.tmp-save");
-    std::fs::write(&tmp, text).unwrap();
-    std::fs::rename(&tmp, path).unwrap();
-}
 
 async fn wait_log(d: &Daemon, needle: &str, within: Duration) {
     let t = Instant::now();
@@ -38,7 +30,7 @@ async fn a_new_idle_timeout_applies_to_the_running_engine() {
     let s = d.status().await;
     let deadline_before = s["idle_deadline"].as_f64().unwrap();
     let new = setup.engine("idle_timeout", "1s");
-    editor_save(
+    replace_file(
         &d.dir().join("supervisor.yaml"),
         &d.config_text(&new, "supervisor.yaml"),
     );
@@ -72,7 +64,7 @@ async fn an_invalid_edit_is_rejected_whole_with_an_alert() {
         .engine("idle_timeout", "banana")
         .engine("stop_timeout", "5s")
         .engine("max_wating", "3");
-    editor_save(
+    replace_file(
         &d.dir().join("supervisor.yaml"),
         &d.config_text(&bad, "supervisor.yaml"),
     );
@@ -109,7 +101,7 @@ async fn a_changed_active_profile_applies_at_the_next_start() {
     assert_eq!(d.status().await["restart_pending"], false);
     let new = setup.profile_key("320k", "context", "200000");
     let file = "profiles/320k.yaml";
-    editor_save(&d.dir().join(file), &d.config_text(&new, file));
+    replace_file(&d.dir().join(file), &d.config_text(&new, file));
     let t = Instant::now();
     while d.status().await["restart_pending"] != true {
         assert!(t.elapsed() < PATIENCE, "restart never pending\n{}", d.log());
@@ -231,7 +223,7 @@ async fn a_reload_of_a_file_that_would_exhaust_the_loader_keeps_the_last_good_co
         (deep, "nested more than 32 deep"),
         (huge, "the file is larger than 256 KiB"),
     ] {
-        editor_save(&profile, &text);
+        replace_file(&profile, &text);
         d.signal(Signal::SIGHUP);
         // Refused, with what is wrong (the watcher may see the write too: then twice).
         wait_log(&d, why, PATIENCE).await;

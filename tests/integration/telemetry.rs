@@ -308,14 +308,6 @@ async fn memory_that_comes_back_raises_no_alert() {
     }
 }
 
-/// Replaces a fixture file whole, as sysfs changes a value: a reader never sees it half
-/// written.
-fn replace(path: &std::path::Path, text: &str) {
-    let tmp = path.with_extension("dsv4-test-new");
-    std::fs::write(&tmp, text).unwrap();
-    std::fs::rename(&tmp, path).unwrap();
-}
-
 /// amdgpu frees a process's GTT some time after the process is gone. Here the fixture's GTT
 /// use drops 2 s after the old engine has exited: the profile switch's start waits for it,
 /// and the request that came meanwhile is served, with no 503 and no alert.
@@ -339,7 +331,7 @@ async fn a_switch_waits_for_the_old_engines_gtt_to_come_back() {
     // The engine holds 81.4 GiB of the 112 GiB of GTT: 60 GiB more would not fit.
     let gtt = tree.path().join(DEVICE).join("mem_info_gtt_used");
     let before = std::fs::read_to_string(&gtt).unwrap();
-    replace(&gtt, "87389609984\n");
+    replace_file(&gtt, "87389609984\n");
     proxy.set_profile("64k").await.unwrap();
     let freed = tokio::spawn(async move {
         let proc = std::path::PathBuf::from(format!("/proc/{old}"));
@@ -349,7 +341,7 @@ async fn a_switch_waits_for_the_old_engines_gtt_to_come_back() {
             tokio::time::sleep(Duration::from_millis(20)).await;
         }
         tokio::time::sleep(2 * SEC).await;
-        replace(&gtt, &before);
+        replace_file(&gtt, &before);
         Instant::now()
     });
     let (status, _, v) = d
@@ -423,9 +415,9 @@ async fn with_a_large_vram_carve_out_admission_and_status_count_vram() {
     let tree = fixture_copy("strix-halo");
     let dev = tree.path().join(DEVICE);
     let gib = |n: u64| format!("{}\n", n << 30);
-    replace(&dev.join("mem_info_vram_total"), &gib(96));
-    replace(&dev.join("mem_info_vram_used"), "322961408\n");
-    replace(&dev.join("mem_info_gtt_total"), &gib(16));
+    replace_file(&dev.join("mem_info_vram_total"), &gib(96));
+    replace_file(&dev.join("mem_info_vram_used"), "322961408\n");
+    replace_file(&dev.join("mem_info_gtt_total"), &gib(16));
     set_available(tree.path(), 25);
     let d = Daemon::start(
         &sampled(tree.path())
@@ -442,7 +434,7 @@ async fn with_a_large_vram_carve_out_admission_and_status_count_vram() {
     let s = d.status().await;
     assert_eq!(s["telemetry"]["gpu"]["pool"], "vram", "{s}");
     // The engine holds 81 GiB of VRAM and keeps it after its idle stop.
-    replace(&dev.join("mem_info_vram_used"), &gib(81));
+    replace_file(&dev.join("mem_info_vram_used"), &gib(81));
     d.wait_state(dsv4_client::State::Stopped, PATIENCE).await;
     d.log_with(&["VRAM in use is 81.0 GiB, 0.3 GiB before it started"])
         .await;

@@ -377,19 +377,6 @@ async fn a_validation_leaves_the_kv_checkpoints_alone() {
     assert!(of("64k")["checkpoint"].is_null(), "{kv}");
 }
 
-/// The files of a checkpoint folder, by name, with their bytes.
-fn folder(dir: &Path) -> std::collections::BTreeMap<String, Vec<u8>> {
-    std::fs::read_dir(dir)
-        .unwrap()
-        .flatten()
-        .filter(|e| e.path().is_file())
-        .map(|e| {
-            let name = e.file_name().to_string_lossy().into_owned();
-            (name, std::fs::read(e.path()).unwrap())
-        })
-        .collect()
-}
-
 /// Validating the active profile while its engine runs reuses that engine: it must never save
 /// its KV cache afterwards (its slots hold the benchmark's prompts), so the user's checkpoint
 /// is byte for byte what it was.
@@ -407,7 +394,7 @@ async fn validating_the_running_profile_never_replaces_its_checkpoint() {
     assert_eq!(out.status.code(), Some(0), "{}", text(&out.stderr));
     d.wait_state(dsv4_client::State::Stopped, PATIENCE).await;
     let kv = d.dir().join("profiles/kv");
-    let users = folder(&kv);
+    let users = files_in(&kv);
     assert!(users.keys().any(|n| n.ends_with(".json")), "{users:?}");
     // The engine serves again (restoring it), and the validation runs on that same engine.
     let (status, _, _) = body_json(d.post("/v1/chat/completions", chat(4, false)).await).await;
@@ -420,7 +407,7 @@ async fn validating_the_running_profile_never_replaces_its_checkpoint() {
     let out = ctl(&bus, &["stop"]);
     assert_eq!(out.status.code(), Some(0), "{}", text(&out.stderr));
     d.wait_state(dsv4_client::State::Stopped, PATIENCE).await;
-    assert_eq!(folder(&kv), users);
+    assert_eq!(files_in(&kv), users);
     d.log_with(&["a validation runs on this engine: it will not save its KV cache"])
         .await;
 }

@@ -80,6 +80,27 @@ pub fn files_with_extension(dir: &Path, ext: &str) -> Vec<PathBuf> {
         .collect()
 }
 
+/// Replaces a file whole, as editors save and as sysfs changes a value: a temporary file
+/// renamed over it, so that a reader never sees it half written.
+pub fn replace_file(path: &Path, text: &str) {
+    let tmp = path.with_extension("tmp-save");
+    std::fs::write(&tmp, text).unwrap();
+    std::fs::rename(&tmp, path).unwrap();
+}
+
+/// The files of a folder (not its subfolders), by name, with their bytes.
+pub fn files_in(dir: &Path) -> std::collections::BTreeMap<String, Vec<u8>> {
+    std::fs::read_dir(dir)
+        .unwrap_or_else(|e| panic!("cannot read {}: {e}", dir.display()))
+        .flatten()
+        .filter(|e| e.path().is_file())
+        .map(|e| {
+            let name = e.file_name().to_string_lossy().into_owned();
+            (name, std::fs::read(e.path()).unwrap())
+        })
+        .collect()
+}
+
 /// A fresh folder under the system temp dir, `dsv4-test-TAG-…`, removed on drop.
 pub fn temp_dir(tag: &str) -> TempDir {
     tempfile::Builder::new()
