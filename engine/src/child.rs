@@ -113,7 +113,8 @@ pub struct OutputTail {
 #[derive(Debug, Default)]
 struct Tail {
     cap: usize,
-    lines: VecDeque<String>,
+    /// Shared with the log batch and the second tail: one allocation per line.
+    lines: VecDeque<Arc<str>>,
     /// Lines pushed so far: the number of the next line.
     total: u64,
 }
@@ -130,7 +131,7 @@ impl OutputTail {
         }
     }
 
-    pub fn push(&self, line: String) {
+    pub fn push(&self, line: Arc<str>) {
         let mut t = self.inner.lock().unwrap_or_else(|p| p.into_inner());
         if t.lines.len() == t.cap {
             t.lines.pop_front();
@@ -149,7 +150,10 @@ impl OutputTail {
         let from = since.max(first_kept).min(t.total);
         let available = (t.total - from) as usize;
         let skip = t.lines.len() - available + available.saturating_sub(max);
-        (t.total, t.lines.iter().skip(skip).cloned().collect())
+        (
+            t.total,
+            t.lines.iter().skip(skip).map(|l| l.to_string()).collect(),
+        )
     }
 
     /// Resolves at the next line the engine writes.
@@ -182,7 +186,7 @@ impl OutputTail {
     pub fn last(&self, n: usize) -> Vec<String> {
         let t = self.inner.lock().unwrap_or_else(|p| p.into_inner());
         let skip = t.lines.len().saturating_sub(n);
-        t.lines.iter().skip(skip).cloned().collect()
+        t.lines.iter().skip(skip).map(|l| l.to_string()).collect()
     }
 }
 
@@ -437,7 +441,7 @@ fn pump(
                 } else {
                     &buf
                 };
-                let line = String::from_utf8_lossy(kept).into_owned();
+                let line: Arc<str> = String::from_utf8_lossy(kept).into();
                 has_redrawn = false;
                 if let Some(also) = &also {
                     also.push(line.clone());
@@ -449,7 +453,7 @@ fn pump(
     }
     // An engine that ended while drawing a progress bar: its last state belongs in the tail.
     if has_redrawn && !redrawn.is_empty() {
-        let line = String::from_utf8_lossy(&redrawn).into_owned();
+        let line: Arc<str> = String::from_utf8_lossy(&redrawn).into();
         if let Some(also) = &also {
             also.push(line.clone());
         }
@@ -504,7 +508,7 @@ fn read_line_bounded(
 struct LogBatch {
     pid: u32,
     which: &'static str,
-    lines: Vec<String>,
+    lines: Vec<Arc<str>>,
     since: Option<std::time::Instant>,
 }
 
@@ -518,7 +522,7 @@ impl LogBatch {
         }
     }
 
-    fn push(&mut self, line: String) {
+    fn push(&mut self, line: Arc<str>) {
         self.since.get_or_insert_with(std::time::Instant::now);
         self.lines.push(line);
         if self.lines.len() >= LOG_BATCH_LINES {
@@ -708,7 +712,7 @@ mod tests {
         let t = OutputTail::new(3);
         assert_eq!(t.since(0, 10), (0, vec![]));
         for i in 0..5 {
-            t.push(format!("l{i}"));
+            t.push(format!("l{i}").into());
         }
         // l0 and l1 fell out of the ring
         assert_eq!(

@@ -29,6 +29,9 @@ const LEFTOVER_GRACE: std::time::Duration = std::time::Duration::from_secs(5);
 
 /// Log lines that may wait for the log writer.
 const LOG_QUEUE_LINES: usize = 4096;
+/// Bytes the log writer gathers before it must write (it writes sooner, once its queue is
+/// empty); a longer line goes out on its own.
+const LOG_WRITE_BUFFER: usize = 64 * 1024;
 
 /// `--bus`: a bus, or `none` for no control interface.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -169,7 +172,12 @@ fn init_logging() -> tracing_appender::non_blocking::WorkerGuard {
         .buffered_lines_limit(LOG_QUEUE_LINES)
         .lossy(false)
         .thread_name("dsv4d-log")
-        .finish(std::io::stderr());
+        // Buffered: the writer thread flushes once it has emptied its queue, so a batch of
+        // engine lines (see dsv4-engine's pump) costs one write instead of one per line.
+        .finish(std::io::BufWriter::with_capacity(
+            LOG_WRITE_BUFFER,
+            std::io::stderr(),
+        ));
     tracing_subscriber::fmt()
         .with_env_filter(filter)
         .with_writer(writer)

@@ -15,10 +15,15 @@
 /// `eprintln!` that never panics. The engine's stderr is a pipe to dsv4d; once dsv4d is gone
 /// (killed, in a test of what it leaves behind) a write fails, and a real engine goes on
 /// until it is signalled, so this one must not die inside a task over a log line either.
+/// Each line goes out in one write, as llama-server's logger writes it (one `fprintf` of the
+/// whole message to unbuffered stderr): `writeln!` on Rust's unbuffered stderr would write
+/// each piece of the format on its own, a pipe reader woken several times per line.
 macro_rules! say {
     ($($arg:tt)*) => {{
         use std::io::Write as _;
-        let _ = writeln!(std::io::stderr(), $($arg)*);
+        let mut line = format!($($arg)*);
+        line.push('\n');
+        let _ = std::io::stderr().write_all(line.as_bytes());
     }};
 }
 
