@@ -586,6 +586,7 @@ async fn announce_changes(
         }
     }
     let mut rx = lifecycle.watch_status();
+    let mut figures = lifecycle.watch_figures();
     let mut old: Status = rx.borrow_and_update().clone();
     let mut figures_sent: Option<Instant> = None;
     // When held-back figures go out.
@@ -600,6 +601,7 @@ async fn announce_changes(
         };
         tokio::select! {
             changed = rx.changed() => if changed.is_err() { return },
+            changed = figures.changed() => if changed.is_err() { return },
             () = hold => figures_due = None,
             changed = config.changed() => {
                 if changed.is_err() {
@@ -640,10 +642,11 @@ async fn announce_changes(
                 continue;
             }
         }
+        figures.borrow_and_update();
         let new = rx.borrow_and_update().clone();
-        let figures = figures_change(&old, &new);
+        let figures_moved = figures_change(&old, &new);
         if !discrete_change(&old, &new) {
-            if !figures || figures_due.is_some() {
+            if !figures_moved || figures_due.is_some() {
                 continue;
             }
             if let Some(next) = figures_sent.map(|t| t + FIGURES_GAP) {
@@ -654,7 +657,7 @@ async fn announce_changes(
             }
         }
         figures_due = None;
-        if figures {
+        if figures_moved {
             figures_sent = Some(Instant::now());
         }
         let e = iface.signal_emitter();

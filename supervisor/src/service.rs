@@ -115,11 +115,13 @@ pub fn stopping(budget: Duration) -> tokio::task::JoinHandle<()> {
 /// lifecycle actor answered.
 pub fn spawn(lifecycle: Handle, telemetry: Telemetry) {
     let mut status = lifecycle.watch_status();
+    let mut figures = lifecycle.watch_figures();
     let mut samples = telemetry.watch();
     tokio::spawn(async move {
         let mut last = String::new();
         loop {
             let line = {
+                figures.borrow_and_update();
                 let sample = samples.borrow_and_update().clone();
                 status_line(&status.borrow_and_update(), sample.as_deref())
             };
@@ -130,6 +132,7 @@ pub fn spawn(lifecycle: Handle, telemetry: Telemetry) {
             tokio::time::sleep(STATUS_GAP).await;
             tokio::select! {
                 r = status.changed() => if r.is_err() { return },
+                r = figures.changed() => if r.is_err() { return },
                 r = samples.changed() => if r.is_err() { return },
             }
         }
