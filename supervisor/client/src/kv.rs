@@ -67,4 +67,8 @@ pub struct KvStep {
     /// What the engine said about it (ds4-server's log line), when it says something.
     #[serde(default)]
     pub engine_said: Option<String>,
+    /// Why the engine saved (ds4-server's `reason=`: `shutdown`, `cold`, `continued`,
+    /// `evict`), when it says.
+    #[serde(default)]
+    pub reason: Option<String>,
 }

@@ -203,6 +203,7 @@ fn step(started: Instant, tokens: u64, bytes: u64, ok: bool, result: String) -> 
         result,
         ok,
         engine_said: None,
+        reason: None,
     }
 }
 

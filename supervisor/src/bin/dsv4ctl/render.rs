@@ -393,6 +393,9 @@ fn kv_step(step: &KvStep, now: f64) -> String {
         elapsed(Duration::from_secs_f64(step.seconds.max(0.0))),
         duration(now - step.at)
     ));
+    if let Some(reason) = &step.reason {
+        s.push_str(&format!(" (reason: {reason})"));
+    }
     s
 }
 
@@ -704,6 +707,7 @@ mod tests {
                     result: "saved".into(),
                     ok: true,
                     engine_said: None,
+                    reason: Some("shutdown".into()),
                 }),
                 last_restore: None,
             }],
@@ -715,7 +719,9 @@ mod tests {
             "{text}"
         );
         assert!(
-            text.contains("last save: saved 262144 tokens, 3.0 GiB in 4.2s, 5m ago"),
+            text.contains(
+                "last save: saved 262144 tokens, 3.0 GiB in 4.2s, 5m ago (reason: shutdown)"
+            ),
             "{text}"
         );
         let aside = KvCheckpoint {
