@@ -92,6 +92,30 @@ pub struct EngineStream {
     sse: Option<OutputTail>,
     /// The break, held back while its error event goes out.
     broken: Option<Broken>,
+    /// An OpenAI event stream the engine ends by closing its connection (ds4-server: no
+    /// chunked framing, so its end and a cut look alike): the last bytes seen, to tell
+    /// whether it ended with `data: [DONE]`. `None` once told, or where a cut shows as one.
+    unframed: Option<LastBytes>,
+}
+
+/// The last few bytes of a stream.
+#[derive(Default)]
+pub struct LastBytes(Vec<u8>);
+
+impl LastBytes {
+    const KEEP: usize = 32;
+
+    fn push(&mut self, data: &[u8]) {
+        self.0
+            .extend_from_slice(&data[data.len().saturating_sub(Self::KEEP)..]);
+        let extra = self.0.len().saturating_sub(Self::KEEP);
+        self.0.drain(..extra);
+    }
+
+    /// Whether the stream ended with its `[DONE]` event.
+    fn done(&self) -> bool {
+        self.0.trim_ascii_end().ends_with(b"data: [DONE]")
+    }
 }
 
 /// A stream the engine broke off, between its error event and the failure after it.
@@ -181,6 +205,24 @@ impl Body for EngineStream {
                 if let (Some(t), Some(d)) = (this.tap.as_mut(), frame.data_ref()) {
                     t.tap.push(d);
                 }
+                if let (Some(last), Some(d)) = (this.unframed.as_mut(), frame.data_ref()) {
+                    last.push(d);
+                }
+            }
+            Poll::Ready(None) if this.unframed.as_ref().is_some_and(|l| !l.done()) => {
+                // Stopped (or crashed) mid-answer: told as llama-server's breaks are, then the
+                // end. (There is no failure to break the connection with: the engine's close
+                // was the end of its body.)
+                this.unframed = None;
+                this.tap = None;
+                let tail = this.sse.as_ref().map(|o| o.last(ERROR_TAIL_LINES));
+                let event = api_error_event(
+                    "the engine ended the answer before its end ([DONE]): it was stopped or \
+                     failed"
+                        .to_string(),
+                    tail.as_deref().unwrap_or_default(),
+                );
+                return Poll::Ready(Some(Ok(Frame::data(event))));
             }
             Poll::Ready(Some(Err(e))) => {
                 this.tap = None;
@@ -692,6 +734,7 @@ async fn proxy(ctx: &Ctx, config: &Config, req: Request<Incoming>) -> Response<P
         }
     }
     let tap_path = (parts.method == Method::POST).then(|| parts.uri.path().to_string());
+    let ends_with_done = ends_with_done(parts.uri.path());
     // The target is in origin form already (`judge_path`), as an HTTP/1.1 client sends it to
     // a server it talks to directly.
     parts.version = http::Version::HTTP_11;
@@ -710,6 +753,9 @@ async fn proxy(ctx: &Ctx, config: &Config, req: Request<Incoming>) -> Response<P
     match answer {
         Ok(resp) => {
             let (mut parts, inner) = resp.into_parts();
+            // A body that only the connection's close ends.
+            let unframed = !parts.headers.contains_key(header::CONTENT_LENGTH)
+                && !parts.headers.contains_key(header::TRANSFER_ENCODING);
             strip_hop_by_hop(&mut parts.headers);
             let content_type = parts
                 .headers
@@ -736,6 +782,7 @@ async fn proxy(ctx: &Ctx, config: &Config, req: Request<Incoming>) -> Response<P
                 tap,
                 sse: sse.then(|| engine.output.clone()),
                 broken: None,
+                unframed: (sse && unframed && ends_with_done).then(LastBytes::default),
             };
             Response::from_parts(
                 parts,
@@ -841,10 +888,22 @@ fn describe(err: &dyn std::error::Error) -> String {
 /// The SSE event that tells a streaming client why its answer broke off, in OpenAI's error
 /// shape (the `openai` packages raise it as an `APIError` with this message).
 fn error_event(err: &hyper::Error, tail: &[String]) -> Bytes {
-    let message = with_tail(
+    api_error_event(
         format!("the engine broke off the answer: {}", describe(err)),
         tail,
-    );
+    )
+}
+
+/// The OpenAI paths whose event streams end with `data: [DONE]`.
+fn ends_with_done(path: &str) -> bool {
+    matches!(
+        path,
+        "/v1/chat/completions" | "/chat/completions" | "/v1/completions" | "/completions"
+    )
+}
+
+fn api_error_event(what: String, tail: &[String]) -> Bytes {
+    let message = with_tail(what, tail);
     let v = json!({
         "error": { "message": message, "type": "server_error", "code": "engine_failed" }
     });
@@ -916,6 +975,26 @@ mod tests {
         let mut left: Vec<_> = h.keys().map(|k| k.as_str().to_string()).collect();
         left.sort();
         assert_eq!(left, ["authorization", "content-type"]);
+    }
+
+    #[test]
+    fn an_event_stream_ends_with_done_only_when_its_last_event_is_done() {
+        let ended = |pieces: &[&str]| {
+            let mut last = LastBytes::default();
+            for p in pieces {
+                last.push(p.as_bytes());
+            }
+            last.done()
+        };
+        let chunk = "data: {\"choices\":[{\"delta\":{\"content\":\"x\"}}]}\n\n";
+        assert!(ended(&[chunk, "data: [DONE]\n\n"]));
+        // Split anywhere, in pieces of any size.
+        assert!(ended(&[chunk, "data: [DO", "NE]", "\n", "\n"]));
+        assert!(ended(&["data: [DONE]"]));
+        assert!(!ended(&[chunk]));
+        assert!(!ended(&[]));
+        // A [DONE] somewhere before the end is not the end.
+        assert!(!ended(&["data: [DONE]\n\n", chunk]));
     }
 
     #[test]

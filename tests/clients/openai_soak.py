@@ -1,12 +1,16 @@
-"""openai_soak.py BASE_URL ITERATIONS - the official `openai` client against an OpenAI-compatible
-endpoint serving the tiny test model (tests/engine/make_tiny_gguf.py), ITERATIONS times:
+"""openai_soak.py BASE_URL ITERATIONS [ds4] - the official `openai` client against an
+OpenAI-compatible endpoint serving the tiny test model (tests/engine/make_tiny_gguf.py),
+ITERATIONS times:
 
     models.list
     chat.completions.create             max_tokens 8          -> "abcdefgh"
     chat.completions.create stream=True max_tokens 8          -> deltas "abcdefgh"
     completions.create                  "count 5", max_tokens 8 -> "6789"
 
-all on ONE client, so that its connection pool (httpx) reuses the connections as a real
+With `ds4`, the endpoint serves ds4-server's tiny model (../shared/rigs/ds4/gen_ds4_gguf.py),
+which answers every chat "Hi!" (finish_reason "stop"); it has no completions.create step.
+
+All on ONE client, so that its connection pool (httpx) reuses the connections as a real
 application does. Every request is bounded to 5 s and never retried (max_retries=0: a retry
 would hide a broken connection). BASE_URL is the API root, e.g. http://127.0.0.1:8080/v1.
 
@@ -41,10 +45,12 @@ def fail(message):
 
 
 def main():
-    if len(sys.argv) != 3 or not sys.argv[2].isdigit():
-        print(f"usage: {sys.argv[0]} BASE_URL ITERATIONS", file=sys.stderr)
+    if len(sys.argv) not in (3, 4) or not sys.argv[2].isdigit() or sys.argv[3:] not in ([], ["ds4"]):
+        print(f"usage: {sys.argv[0]} BASE_URL ITERATIONS [ds4]", file=sys.stderr)
         sys.exit(2)
     base_url, iterations = sys.argv[1], int(sys.argv[2])
+    ds4 = sys.argv[3:] == ["ds4"]
+    answer, finished = ("Hi!", "stop") if ds4 else (CHAT, "length")
     try:
         import openai
     except ImportError as e:
@@ -77,8 +83,8 @@ def main():
             model=model, messages=MESSAGES, max_tokens=8, temperature=0
         )
         got = r.choices[0].message.content
-        if got != CHAT:
-            raise AssertionError(f"content {got!r}, expected {CHAT!r}")
+        if got != answer:
+            raise AssertionError(f"content {got!r}, expected {answer!r}")
         return got
 
     def chat_stream():
@@ -90,10 +96,10 @@ def main():
                 parts.append(choice.delta.content or "")
                 finish = choice.finish_reason or finish
         got = "".join(parts)
-        if got != CHAT:
-            raise AssertionError(f"streamed content {got!r}, expected {CHAT!r}")
-        if finish != "length":
-            raise AssertionError(f"finish_reason {finish!r}, expected 'length'")
+        if got != answer:
+            raise AssertionError(f"streamed content {got!r}, expected {answer!r}")
+        if finish != finished:
+            raise AssertionError(f"finish_reason {finish!r}, expected {finished!r}")
         return got
 
     def completion():
@@ -111,6 +117,8 @@ def main():
         ("chat.completions.create(stream=True)", chat_stream),
         ("completions.create", completion),
     ]
+    if ds4:
+        steps = steps[:3]
     started = time.monotonic()
     slowest = (0.0, "")
     for i in range(1, iterations + 1):

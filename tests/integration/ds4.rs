@@ -89,3 +89,57 @@ async fn sigterm_gives_ds4_its_grace_to_save_the_kv_cache() {
     let log = d.log_with(&["the engine stopped (exit code 0)"]).await;
     assert!(!log.contains("SIGKILL") && !log.contains("SIGINT"), "{log}");
 }
+
+/// ds4-server ends a stream by closing its connection (no chunked framing), so a stop in the
+/// middle of an answer looks to a proxy like its end, minus the `[DONE]`. The client must not
+/// take the cut answer for a whole one: it gets the error event that llama-server's breaks
+/// get.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_ds4_stream_cut_by_a_stop_ends_with_an_error_event() {
+    let d = Daemon::start(&Setup::default().ds4().knob("token_ms", "200"));
+    let resp = d.post("/v1/chat/completions", chat(20, true)).await;
+    assert_eq!(resp.status(), 200);
+    let mut s = Stream::new(resp.into_body());
+    let first = s.next_event().await.expect("a first event");
+    assert!(first.starts_with("data: {"), "{first}");
+    // The engine is stopped (a `stop --now`, a systemd stop, a crash): it writes no more.
+    let pid = d.status().await["engine_pid"].as_i64().unwrap();
+    nix::sys::signal::kill(nix::unistd::Pid::from_raw(pid as i32), Signal::SIGTERM).unwrap();
+    let mut rest = Vec::new();
+    while let Some(ev) = s.next_event().await {
+        rest.push(ev);
+    }
+    assert!(!rest.iter().any(|e| e == "data: [DONE]"), "{rest:?}");
+    let last = rest.last().expect("an event after the cut");
+    let v: serde_json::Value = serde_json::from_str(last.strip_prefix("data: ").unwrap()).unwrap();
+    assert_eq!(v["error"]["code"], "engine_failed", "{v}");
+    assert!(
+        v["error"]["message"]
+            .as_str()
+            .unwrap()
+            .contains("before its end ([DONE])"),
+        "{v}"
+    );
+}
+
+/// A cold prefill on ds4-server's CPU path sends nothing, not even the head, until it ends
+/// (on the real box a 256K prompt reads for two hours). dsv4d has no timer on an engine's
+/// answer: the request is still served after a silence longer than every timer dsv4d has
+/// (the longest, a client's 30 s to send a request head).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_silent_prefill_longer_than_every_dsv4d_timer_is_still_answered() {
+    let setup = Setup::default()
+        .ds4()
+        .knob("prefill_ms", "35000")
+        .knob("prefill_comment_ms", "0");
+    let d = Daemon::start(&setup);
+    let t0 = Instant::now();
+    let resp = d.post("/v1/chat/completions", chat(3, true)).await;
+    assert!(
+        t0.elapsed() >= Duration::from_secs(35),
+        "the head came early"
+    );
+    assert_eq!(resp.status(), 200);
+    let (content, done, _) = Stream::new(resp.into_body()).collect_chat().await;
+    assert_eq!((content.as_str(), done), ("abc", true));
+}

@@ -52,7 +52,7 @@ async fn complete(d: &Daemon, prompt: &str, cache: bool) -> (String, u64, u64) {
 }
 
 /// The `kv` part of the status for `profile`.
-async fn kv_of(d: &Daemon, profile: &str) -> Value {
+pub(crate) async fn kv_of(d: &Daemon, profile: &str) -> Value {
     let s = d.status().await;
     s["kv"]["profiles"]
         .as_array()
@@ -64,7 +64,7 @@ async fn kv_of(d: &Daemon, profile: &str) -> Value {
 }
 
 /// Waits until the last save of `profile` has a result.
-async fn wait_saved(d: &Daemon, profile: &str, within: Duration) -> Value {
+pub(crate) async fn wait_saved(d: &Daemon, profile: &str, within: Duration) -> Value {
     let t = Instant::now();
     loop {
         let kv = kv_of(d, profile).await;

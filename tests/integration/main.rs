@@ -13,6 +13,7 @@ mod connections;
 mod control;
 mod cors;
 mod ds4;
+mod ds4_real;
 mod engine_connections;
 mod engine_key;
 mod idle_exit;

@@ -59,7 +59,7 @@ const CHAT: &str = "abcdefgh";
 const COUNT_PROMPT: &str = "count 5";
 const COUNTED: &str = "6789";
 
-const OPENAI_SOAK: &str = concat!(env!("CARGO_MANIFEST_DIR"), "/clients/openai_soak.py");
+pub const OPENAI_SOAK: &str = concat!(env!("CARGO_MANIFEST_DIR"), "/clients/openai_soak.py");
 
 /// The engine computes on one thread: ggml's threads wait for each other spinning, and on a
 /// busy machine one that is not scheduled stalls a token for many milliseconds. What the soak
@@ -495,7 +495,7 @@ fn engine_port(pid: i64) -> u16 {
 
 /// The python that runs openai_soak.py: `DSV4_PYTHON`, or the venv `tests/clients/prepare`
 /// makes. Fails, with how to get one, when it has no openai package.
-fn python() -> PathBuf {
+pub fn python() -> PathBuf {
     let python = std::env::var_os("DSV4_PYTHON")
         .map(PathBuf::from)
         .unwrap_or_else(|| real::cache_dir_of("clients").join("venv/bin/python"));
@@ -514,7 +514,7 @@ fn python() -> PathBuf {
 }
 
 /// Fails, with how to install it, when there is no curl.
-fn need_curl() {
+pub fn need_curl() {
     let ok = std::process::Command::new("curl")
         .arg("--version")
         .stdout(Stdio::null())
@@ -527,14 +527,14 @@ fn need_curl() {
 }
 
 /// What a client process did.
-struct ClientRun {
-    status: std::process::ExitStatus,
-    stdout: String,
-    stderr: String,
+pub struct ClientRun {
+    pub status: std::process::ExitStatus,
+    pub stdout: String,
+    pub stderr: String,
 }
 
 impl ClientRun {
-    fn explain(&self) -> String {
+    pub fn explain(&self) -> String {
         format!(
             "{}\n--- stdout ---\n{}\n--- stderr ---\n{}",
             self.status,
@@ -545,7 +545,7 @@ impl ClientRun {
 }
 
 /// Runs a client process to its end, killing it after `within`.
-async fn run_client(
+pub async fn run_client(
     mut cmd: tokio::process::Command,
     within: Duration,
 ) -> Result<ClientRun, String> {

@@ -171,6 +171,9 @@ struct Args {
     /// ds4: KV checkpoint space budget (accepted, ignored).
     #[arg(long = "kv-disk-space-mb")]
     kv_disk_space_mb: Option<u64>,
+    /// ds4: the fewest tokens a checkpoint is written for [default 512].
+    #[arg(long = "kv-cache-min-tokens")]
+    kv_cache_min_tokens: Option<u64>,
 
     // ----- knobs (each also FAKE_ENGINE_<NAME>; the flag wins) -----
     /// Engine to imitate: llama or ds4 [env FAKE_ENGINE_MODE; default llama].
@@ -263,6 +266,7 @@ pub struct Config {
     pub save_ms: u64,
     pub slot_save_path: Option<PathBuf>,
     pub kv_disk_dir: Option<PathBuf>,
+    pub kv_cache_min_tokens: u64,
     pub restore_abort: bool,
     pub save_abort: bool,
     pub ignore_sigterm: bool,
@@ -403,6 +407,7 @@ fn build_config(args: &Args) -> Result<Config, String> {
         save_ms: knob(args.save_ms, "SAVE_MS")?.unwrap_or(0),
         slot_save_path: args.slot_save_path.clone(),
         kv_disk_dir: args.kv_disk_dir.clone(),
+        kv_cache_min_tokens: args.kv_cache_min_tokens.unwrap_or(512),
         restore_abort: args.restore_abort
             || env_knob::<Truthy>("RESTORE_ABORT")?.is_some_and(|t| t.0),
         save_abort: args.save_abort || env_knob::<Truthy>("SAVE_ABORT")?.is_some_and(|t| t.0),
@@ -416,6 +421,11 @@ fn build_config(args: &Args) -> Result<Config, String> {
 
 /// SIGTERM: log, optionally linger (ds4 writes its KV checkpoint), exit 0 —
 /// or ignore it with `--ignore-sigterm`. SIGINT: exit 1 at once.
+///
+/// In ds4 mode, as ds4-server does: the first SIGTERM or SIGINT closes the listening socket
+/// at once and ends every stream once its prefill is over, with no `[DONE]`; the requests
+/// under way end, then the checkpoint is written (after `--sigterm-ms`) and the engine exits
+/// 0. A second signal exits 130 there and then.
 async fn handle_signals(engine: Arc<Engine>) {
     let (mut term, mut int) = match (
         signal(SignalKind::terminate()),
@@ -427,20 +437,34 @@ async fn handle_signals(engine: Arc<Engine>) {
             std::process::exit(1);
         }
     };
+    let ds4 = engine.cfg.mode == Mode::Ds4;
     let mut deadline: Option<tokio::time::Instant> = None;
     loop {
         let linger = async {
             match deadline {
-                Some(d) => tokio::time::sleep_until(d).await,
+                Some(d) => {
+                    tokio::time::sleep_until(d).await;
+                    // ds4-server waits for its clients before it saves.
+                    while ds4 && engine.active.load(std::sync::atomic::Ordering::SeqCst) > 0 {
+                        tokio::time::sleep(Duration::from_millis(10)).await;
+                    }
+                }
                 None => std::future::pending::<()>().await,
             }
         };
+        let first = deadline.is_none();
         tokio::select! {
             _ = term.recv() => {
                 engine.log.line("sigterm");
                 if engine.cfg.ignore_sigterm {
                     say!("fake-engine: SIGTERM received, ignoring it");
-                } else if deadline.is_none() {
+                } else if ds4 && !first {
+                    std::process::exit(130);
+                } else if ds4 {
+                    engine.stop_serving();
+                    say!("{}", ds4_line("shutdown requested, draining requests"));
+                    deadline = Some(tokio::time::Instant::now() + Duration::from_millis(engine.cfg.sigterm_ms));
+                } else if first {
                     let ms = engine.cfg.sigterm_ms;
                     if ms > 0 {
                         say!("fake-engine: SIGTERM received, writing KV checkpoint ({ms} ms)");
@@ -451,6 +475,15 @@ async fn handle_signals(engine: Arc<Engine>) {
                 }
             }
             _ = int.recv() => {
+                if ds4 && first {
+                    engine.stop_serving();
+                    say!("{}", ds4_line("shutdown requested, draining requests"));
+                    deadline = Some(tokio::time::Instant::now() + Duration::from_millis(engine.cfg.sigterm_ms));
+                    continue;
+                }
+                if ds4 {
+                    std::process::exit(130);
+                }
                 say!("fake-engine: SIGINT received, exiting");
                 std::process::exit(1);
             }
@@ -465,14 +498,53 @@ async fn handle_signals(engine: Arc<Engine>) {
     }
 }
 
+/// A line as ds4-server logs it: `MMDD HH:MM:SS ds4-server: TEXT` (UTC here).
+pub fn ds4_line(text: &str) -> String {
+    let secs = std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .map(|d| d.as_secs())
+        .unwrap_or(0);
+    let (day, hms) = (secs / 86_400, secs % 86_400);
+    // Civil date from days since 1970-01-01 (Howard Hinnant's algorithm).
+    let z = day as i64 + 719_468;
+    let era = z.div_euclid(146_097);
+    let doe = z - era * 146_097;
+    let yoe = (doe - doe / 1460 + doe / 36_524 - doe / 146_096) / 365;
+    let doy = doe - (365 * yoe + yoe / 4 - yoe / 100);
+    let mp = (5 * doy + 2) / 153;
+    let d = doy - (153 * mp + 2) / 5 + 1;
+    let m = if mp < 10 { mp + 3 } else { mp - 9 };
+    format!(
+        "{m:02}{d:02} {:02}:{:02}:{:02} ds4-server: {text}",
+        hms / 3600,
+        hms % 3600 / 60,
+        hms % 60
+    )
+}
+
+/// ds4-server's prefill progress, as it prints it: one piece per layer, each ended by a
+/// carriage return and none by a line end (the next line it logs follows the last one).
+pub fn ds4_progress() {
+    use std::io::Write as _;
+    let pieces: String = (1..=4)
+        .map(|l| format!("ds4: prefill layer {l}/4\r"))
+        .collect();
+    let _ = std::io::stderr().write_all(pieces.as_bytes());
+}
+
 /// ds4-server at shutdown: it writes the live session to `<sha1>.kv` in its folder when it
-/// holds at least 512 tokens, and logs it in its words.
+/// holds at least `--kv-cache-min-tokens` tokens, and logs it in its words.
 fn ds4_checkpoint(engine: &Engine, dir: &Path) {
     let tokens = engine.tokens_served();
-    if tokens < 512 {
+    if tokens < engine.cfg.kv_cache_min_tokens {
         return;
     }
-    say!("ds4-server: persisting current KV cache before shutdown tokens={tokens}");
+    say!(
+        "{}",
+        ds4_line(&format!(
+            "persisting resident KV cache before shutdown slot=0 tokens={tokens}"
+        ))
+    );
     let bytes = tokens * 1024;
     let file = dir.join(format!("{:040x}.kv", tokens));
     let started = std::time::Instant::now();
@@ -481,11 +553,19 @@ fn ds4_checkpoint(engine: &Engine, dir: &Path) {
     let ms = started.elapsed().as_secs_f64() * 1000.0;
     match written {
         Ok(()) => say!(
-            "ds4-server: kv cache stored tokens={tokens} trimmed=0 reason=shutdown \
-             key=token-text size={:.2} MiB save={ms:.1} ms",
-            bytes as f64 / 1048576.0
+            "{}",
+            ds4_line(&format!(
+                "kv cache stored tokens={tokens} trimmed=0 reason=shutdown \
+                 key=token-text size={:.2} MiB save={ms:.1} ms",
+                bytes as f64 / 1048576.0
+            ))
         ),
-        Err(e) => say!("ds4-server: kv cache store failed (shutdown): {e} save={ms:.1} ms"),
+        Err(e) => say!(
+            "{}",
+            ds4_line(&format!(
+                "kv cache store failed (shutdown): {e} save={ms:.1} ms"
+            ))
+        ),
     }
 }
 
@@ -499,6 +579,9 @@ async fn bind(cfg: &Config) -> Result<TcpListener, String> {
             )
         })?;
     match listener.local_addr() {
+        Ok(addr) if cfg.mode == Mode::Ds4 => {
+            say!("{}", ds4_line(&format!("listening on http://{addr}")))
+        }
         Ok(addr) => say!("main: server is listening on http://{addr}"),
         Err(e) => return Err(format!("cannot read bound address: {e}")),
     }
@@ -542,6 +625,7 @@ async fn run(engine: Arc<Engine>) -> ExitCode {
                 std::future::pending::<()>().await;
             }
             tokio::time::sleep(Duration::from_millis(cfg.load_ms)).await;
+            ds4_progress();
             match bind(&cfg).await {
                 Ok(l) => {
                     engine.set_ready();
@@ -555,7 +639,9 @@ async fn run(engine: Arc<Engine>) -> ExitCode {
         }
     };
     server::serve(engine, listener).await;
-    ExitCode::SUCCESS
+    // Only a ds4 engine stops serving on its own (a signal): the signal handler ends the
+    // process once the requests under way are over.
+    std::future::pending::<ExitCode>().await
 }
 
 fn main() -> ExitCode {

@@ -79,8 +79,11 @@ pub struct Engine {
     pub rng: Rng,
     ready: AtomicBool,
     tokens_total: AtomicU64,
-    active: AtomicU64,
+    pub active: AtomicU64,
     next_id: AtomicU64,
+    /// ds4 after its first signal: no more connections, no more bytes of any answer.
+    stopping: AtomicBool,
+    stop: tokio::sync::Notify,
 }
 
 impl Engine {
@@ -93,7 +96,20 @@ impl Engine {
             tokens_total: AtomicU64::new(0),
             active: AtomicU64::new(0),
             next_id: AtomicU64::new(1),
+            stopping: AtomicBool::new(false),
+            stop: tokio::sync::Notify::new(),
         }
+    }
+
+    /// ds4-server's shutdown: the listening socket closes at once, and the answers under way
+    /// stop once their prefill is over.
+    pub fn stop_serving(&self) {
+        self.stopping.store(true, Ordering::SeqCst);
+        self.stop.notify_waiters();
+    }
+
+    fn stopping(&self) -> bool {
+        self.stopping.load(Ordering::SeqCst)
     }
 
     /// Tokens generated so far (what a ds4 checkpoint of this engine would hold).
@@ -433,7 +449,17 @@ fn sse_response(rx: mpsc::Receiver<Bytes>) -> Resp {
 /// (closed as `--connections` says, by `conn::run`).
 pub async fn serve(engine: Arc<Engine>, listener: TcpListener) {
     loop {
-        let (stream, peer) = match listener.accept().await {
+        let stop = engine.stop.notified();
+        if engine.stopping() {
+            // Closed now: a client connecting from here on is refused.
+            drop(listener);
+            return;
+        }
+        let accepted = tokio::select! {
+            a = listener.accept() => a,
+            () = stop => continue,
+        };
+        let (stream, peer) = match accepted {
             Ok(x) => x,
             Err(e) => {
                 say!("fake-engine: accept failed: {e}");
@@ -519,8 +545,13 @@ async fn handle(
     conn: Arc<ConnState>,
     req: Request<Incoming>,
 ) -> Response<OnEnd<EngineBody, impl FnOnce(End) + Send>> {
-    // Routed on the decoded path, as llama-server's HTTP library routes.
-    let path = decode_path_component(req.uri().path());
+    let ds4 = engine.cfg.mode == Mode::Ds4;
+    // Routed on the decoded path, as llama-server's HTTP library routes; ds4-server compares
+    // the path as sent (its query cut off), with no decoding.
+    let path = match ds4 {
+        true => req.uri().path().to_string(),
+        false => decode_path_component(req.uri().path()),
+    };
     let method = req.method().clone();
     // Health checks are not logged: a supervisor polls them, and their lines would crowd
     // the start-up messages out of the output tail that tests read.
@@ -550,8 +581,20 @@ async fn handle(
     let answered = refused.is_none();
     let mut resp = match refused {
         Some(r) => r,
+        None if ds4 => route_ds4(&engine, req, &method, &path).await,
         None => route(&engine, req, &method, &path).await,
     };
+    if ds4 {
+        // One request per connection, every answer says so; a stream's end is the end of
+        // the connection (no chunked framing: hyper writes a body of unknown length
+        // close-delimited only in an HTTP/1.0 answer, so such an answer says 1.0 here where
+        // ds4-server says 1.1).
+        resp.headers_mut()
+            .insert(CONNECTION, HeaderValue::from_static("close"));
+        if resp.body().size_hint().exact().is_none() {
+            *resp.version_mut() = hyper::Version::HTTP_10;
+        }
+    }
     if engine.cfg.mode == Mode::Llama {
         // As llama-server does: every answer allows the origin that asked, and an empty one
         // when none did.
@@ -642,6 +685,39 @@ async fn route(engine: &Arc<Engine>, req: Request<Incoming>, method: &Method, pa
             }),
         ),
         _ => not_found(),
+    }
+}
+
+/// ds4-server's routes (`client_main` in `ds4_server.c`): exact paths, anything else 404
+/// `unknown endpoint`; a chunked request body is a bad request. `/echo` is the test hook.
+async fn route_ds4(
+    engine: &Arc<Engine>,
+    req: Request<Incoming>,
+    method: &Method,
+    path: &str,
+) -> Resp {
+    let ds4_error = |status: StatusCode, message: &str| {
+        json_response(
+            status,
+            &json!({"error": {"message": message, "type": "invalid_request_error"}}),
+        )
+    };
+    if req.headers().contains_key(hyper::header::TRANSFER_ENCODING) {
+        return ds4_error(StatusCode::BAD_REQUEST, "bad HTTP request");
+    }
+    match (method, path) {
+        (&Method::OPTIONS, _) => {
+            let mut r = Response::new(EngineBody::full(Bytes::new()));
+            *r.status_mut() = StatusCode::NO_CONTENT;
+            r
+        }
+        (&Method::GET, "/v1/models") => {
+            json_response(StatusCode::OK, &gen::models_list(&engine.cfg.model_name))
+        }
+        (&Method::POST, "/v1/chat/completions") => generate(engine, req, Flavor::Chat).await,
+        (&Method::POST, "/v1/completions") => generate(engine, req, Flavor::Text).await,
+        (&Method::POST, "/echo") => echo(req),
+        _ => ds4_error(StatusCode::NOT_FOUND, "unknown endpoint"),
     }
 }
 
@@ -892,6 +968,21 @@ async fn generate(engine: &Arc<Engine>, req: Request<Incoming>, flavor: Flavor) 
     };
     let meta = engine.meta(flavor);
     if job.stream {
+        if engine.cfg.mode == Mode::Ds4 {
+            // ds4-server sends a stream's head at the first prefill progress callback, or
+            // after the prefill when none fires (a short or a CPU-path prefill): until then
+            // the client has nothing, not even the status.
+            let every = engine.cfg.prefill_comment_ms;
+            let head_after = match every {
+                0 => engine.cfg.prefill_ms,
+                every => every.min(engine.cfg.prefill_ms),
+            };
+            tokio::time::sleep_until((t0 + Duration::from_millis(head_after)).into()).await;
+            if engine.stopping() {
+                // Stopped before the head went: not a byte of answer; the process exits.
+                return std::future::pending().await;
+            }
+        }
         let (tx, rx) = mpsc::channel(STREAM_CHANNEL_DEPTH);
         tokio::spawn(stream_job(engine.clone(), job, meta, tx, t0));
         return sse_response(rx);
@@ -899,6 +990,13 @@ async fn generate(engine: &Arc<Engine>, req: Request<Incoming>, flavor: Flavor) 
 
     let _busy = Busy::new(engine);
     sleep_ms(engine.cfg.prefill_ms).await;
+    if engine.cfg.mode == Mode::Ds4 {
+        crate::ds4_progress();
+        if engine.stopping() {
+            // Stopped during the prefill: not a byte of answer; the process exits.
+            return std::future::pending().await;
+        }
+    }
     let prompt_ms = ms_since(t0);
     let t1 = Instant::now();
     let mut pace = Pace::new();
@@ -935,11 +1033,19 @@ async fn stream_job(
     if !prefill(&engine, &tx, t0).await {
         return;
     }
+    let ds4 = engine.cfg.mode == Mode::Ds4;
+    if ds4 {
+        crate::ds4_progress();
+    }
     let prompt_ms = ms_since(t0);
     let t1 = Instant::now();
     let mut pace = Pace::new();
     for i in 0..job.plan.len() {
         engine.before_token(i, &mut pace).await;
+        if ds4 && engine.stopping() {
+            // ds4-server writes nothing more once stopping: the stream ends, no [DONE].
+            return;
+        }
         let event = gen::sse_data(&job.flavor.chunk(&meta, job.plan.token(i)));
         if tx.send(event).await.is_err() {
             return;

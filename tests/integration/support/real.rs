@@ -161,3 +161,74 @@ impl Drop for LlamaServer {
         let _ = self.child.wait();
     }
 }
+
+/// The real ds4-server (antirez's DwarfStar 4 on its CPU path) and its tiny generated model,
+/// which answers every chat "Hi!" (reasoning "ok"): from `DSV4_DS4_SERVER` and
+/// `DSV4_DS4_MODEL`, else from the cache that `../shared/rigs/ds4/build.sh` fills (`.ci/run`
+/// runs it when that rig is there). `None` when neither names one: the real-ds4 tier is then
+/// skipped, and `test` says so and why. Named but missing files fail the test.
+pub fn ds4_engine(test: &str) -> Option<(PathBuf, PathBuf)> {
+    let named = |var: &str| std::env::var_os(var).map(PathBuf::from);
+    let (server, model) = match (named("DSV4_DS4_SERVER"), named("DSV4_DS4_MODEL")) {
+        (Some(s), Some(m)) => (s, m),
+        _ => {
+            let dir = cache_dir_of("ds4");
+            (dir.join("ds4-server"), dir.join("tiny.gguf"))
+        }
+    };
+    if std::env::var_os("DSV4_DS4_SERVER").is_some() {
+        assert!(
+            server.is_file() && model.is_file(),
+            "DSV4_DS4_SERVER/DSV4_DS4_MODEL name {} and {}, which are not both files",
+            server.display(),
+            model.display()
+        );
+    }
+    if server.is_file() && model.is_file() {
+        return Some((server, model));
+    }
+    eprintln!(
+        "SKIPPED {test} (real-ds4 tier): no ds4-server at {} or no model at {}; set \
+         DSV4_DS4_SERVER and DSV4_DS4_MODEL, or run ../shared/rigs/ds4/build.sh (which .ci/run \
+         does when that folder exists)",
+        server.display(),
+        model.display()
+    );
+    None
+}
+
+/// The environment a ds4-server needs here: the tiny model's shape allowed, and a lock file
+/// of its own in `dir` (it takes a machine-wide one at /tmp/ds4.lock otherwise).
+pub fn ds4_env(dir: &Path) -> Vec<(String, String)> {
+    vec![
+        ("DS4_ALLOW_TEST_SHAPE".into(), "1".into()),
+        (
+            "DS4_LOCK_FILE".into(),
+            dir.join("ds4.lock").display().to_string(),
+        ),
+    ]
+}
+
+/// A daemon setup, to be started in `dir`, whose only profile, `ds4`, runs the real
+/// ds4-server on its tiny model (context 4096) with its checkpoints in `profiles/kv` from 16
+/// tokens on; its engine stops after `idle` idle.
+pub fn ds4_setup(server: &Path, model: &Path, dir: &Path, idle: &str) -> Setup {
+    let env: String = ds4_env(dir)
+        .iter()
+        .map(|(k, v)| format!("  {k}: {v:?}\n"))
+        .collect();
+    let mut s = Setup::default()
+        .engine("idle_timeout", idle)
+        .engine("stop_timeout", "30s");
+    s.custom_profiles.insert(
+        "ds4".into(),
+        format!(
+            "description: tiny ds4 model\nengine: ds4\ncommand: {}\nmodel: {}\ncontext: 4096\n\
+             kv_disk_dir: kv\nextra_args: [--kv-cache-min-tokens, \"16\"]\nenv:\n{env}",
+            server.display(),
+            model.display(),
+        ),
+    );
+    s.default_profile = "ds4".into();
+    s
+}
