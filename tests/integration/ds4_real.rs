@@ -88,7 +88,7 @@ async fn real_ds4_serves_the_openai_package_and_curl_200_times_in_a_row() {
     // Readiness: the first request starts it; ds4 has no /health, so dsv4d waits for its port
     // and then for GET /v1/models.
     answered(&d, "hello").await;
-    assert_eq!(d.status().await["state"], "ready");
+    assert_eq!(d.status().await["state"], State::Ready.as_str());
     assert_eq!(generation(&d).await, 1);
 
     // The official client: 34 x (models.list, chat, streamed chat) on one connection pool.
