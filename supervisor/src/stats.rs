@@ -228,7 +228,9 @@ pub fn find_timings(buf: &[u8]) -> Option<Timings> {
 }
 
 fn rfind(hay: &[u8], needle: &[u8]) -> Option<usize> {
-    hay.windows(needle.len()).rposition(|w| w == needle)
+    // Vectorized: the slice-by-slice compare took 9,000 instructions of the ~100,000 dsv4d
+    // spends on a small proxied request (callgrind).
+    memchr::memmem::rfind(hay, needle)
 }
 
 /// `: {...}` right after a key: the object's bytes, braces included, if it is complete.
