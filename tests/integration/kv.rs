@@ -372,6 +372,7 @@ async fn ds4_gets_the_time_its_shutdown_save_needs_and_its_words_are_reported() 
     assert_eq!(kv["engine"], "ds4");
     assert!(save["seconds"].as_f64().unwrap() >= 1.5, "{save}");
     assert_eq!(save["tokens"], 600, "{save}");
+    assert_eq!(save["reason"], "shutdown", "{save}");
     assert!(
         save["engine_said"]
             .as_str()
