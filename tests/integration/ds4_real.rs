@@ -252,8 +252,10 @@ async fn real_ds4_dsv4ctl_stop_lets_the_stream_end_and_stop_now_answers_with_an_
     wait_bus_name(&d, &bus).await;
     answered(&d, "hello").await;
     for now in [false, true] {
-        // A stream whose prompt takes a few seconds to read, in flight when the stop comes.
-        let task = post_in_background(&d, chat_of(&prompt(60), true));
+        // A stream whose prompt takes a few seconds to read, in flight when the stop comes:
+        // a text of its own each round, so that no cache of ds4's shortens its prefill.
+        let text = if now { "alpha " } else { "beta " }.repeat(12);
+        let task = post_in_background(&d, chat_of(&text, true));
         let t = Instant::now();
         while d.status().await["in_flight"] != 1 {
             assert!(t.elapsed() < PATIENCE, "{}", d.status().await);
