@@ -507,6 +507,9 @@ enum Reply {
         oneshot::Sender<Result<(), ControlError>>,
         Result<(), ControlError>,
     ),
+    /// An alert about a change the status shows: raised once that status is out, so that a
+    /// client that reads the status on the alert sees the change.
+    Alert(AlertKind, String),
 }
 
 impl Actor {
@@ -666,7 +669,7 @@ impl Actor {
                 state_dir.display()
             );
         }
-        self.alerts.raise(AlertKind::Config, message);
+        self.outbox.push(Reply::Alert(AlertKind::Config, message));
         Some(Event::SetProfile { profile: default })
     }
 
@@ -808,6 +811,10 @@ impl Actor {
             let _ = match reply {
                 Reply::Lease(tx, r) => tx.send(r).map_err(drop),
                 Reply::Control(tx, r) => tx.send(r).map_err(drop),
+                Reply::Alert(kind, message) => {
+                    self.alerts.raise(kind, message);
+                    Ok(())
+                }
             };
         }
     }
