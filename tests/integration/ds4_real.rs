@@ -13,7 +13,7 @@ use std::time::{Duration, Instant};
 
 use crate::control::{ctl, wait_bus_name};
 use crate::kv::wait_saved;
-use crate::soak::{need_curl, python, run_client, OPENAI_SOAK};
+use crate::soak::{need_curl, openai_soak_with, python, run_client};
 use crate::support::real::{ds4_engine, ds4_env, ds4_setup};
 use crate::support::*;
 use dsv4_client::State;
@@ -92,21 +92,12 @@ async fn real_ds4_serves_the_openai_package_and_curl_200_times_in_a_row() {
     assert_eq!(generation(&d).await, 1);
 
     // The official client: 34 x (models.list, chat, streamed chat) on one connection pool.
-    let python = python();
     let base = d.url("");
     let base = base.trim_end_matches('/');
-    let mut cmd = tokio::process::Command::new(&python);
-    cmd.arg("-B")
-        .arg(OPENAI_SOAK)
-        .arg(format!("{base}/v1"))
-        .arg("34")
-        .arg("ds4");
-    let run = run_client(cmd, Duration::from_secs(300)).await.unwrap();
-    assert!(
-        run.status.success(),
-        "openai_soak.py ds4: {}",
-        run.explain()
-    );
+    if let Err(e) = openai_soak_with(&python(), base, 34, &["ds4"], Duration::from_secs(300)).await
+    {
+        panic!("openai_soak.py ds4: {e}");
+    }
 
     // curl: 100 chats in one process, plain and streamed in turn, every one complete.
     need_curl();

@@ -59,7 +59,7 @@ const CHAT: &str = "abcdefgh";
 const COUNT_PROMPT: &str = "count 5";
 const COUNTED: &str = "6789";
 
-pub const OPENAI_SOAK: &str = concat!(env!("CARGO_MANIFEST_DIR"), "/clients/openai_soak.py");
+const OPENAI_SOAK: &str = concat!(env!("CARGO_MANIFEST_DIR"), "/clients/openai_soak.py");
 
 /// The engine computes on one thread: ggml's threads wait for each other spinning, and on a
 /// busy machine one that is not scheduled stalls a token for many milliseconds. What the soak
@@ -567,13 +567,33 @@ pub async fn run_client(
 
 /// openai_soak.py against `base` (`http://HOST:PORT`): its summary line, or why it failed.
 async fn openai_soak(python: &Path, base: &str) -> Result<String, String> {
+    openai_soak_with(
+        python,
+        base,
+        OPENAI_ITERATIONS,
+        &[],
+        Duration::from_secs(120),
+    )
+    .await
+}
+
+/// openai_soak.py against `base` for `iterations`, with `more` arguments (`ds4`), killed
+/// after `within`: its summary line, or why it failed.
+pub async fn openai_soak_with(
+    python: &Path,
+    base: &str,
+    iterations: usize,
+    more: &[&str],
+    within: Duration,
+) -> Result<String, String> {
     let mut cmd = tokio::process::Command::new(python);
     cmd.arg("-B")
         .arg(OPENAI_SOAK)
         .arg(format!("{base}/v1"))
-        .arg(OPENAI_ITERATIONS.to_string());
+        .arg(iterations.to_string())
+        .args(more);
     // Every request is bounded to 5 s and the script stops at the first failure.
-    let run = run_client(cmd, Duration::from_secs(120)).await?;
+    let run = run_client(cmd, within).await?;
     match run.status.success() {
         true => Ok(run.stdout.trim().to_string()),
         false => Err(run.explain()),
