@@ -139,10 +139,13 @@ fn host_name(name: &str) -> Result<String, String> {
     }
     if name.bytes().all(|b| b.is_ascii_digit() || b == b'.') {
         // Digits alone would be read as an address by a browser, which writes it in full.
-        let v4: Ipv4Addr = name
+        // The parser takes only the canonical form (four numbers, no leading zeros), so the
+        // text is already as a browser writes it (and formatting it again cost more than the
+        // rest of the Host check).
+        let _: Ipv4Addr = name
             .parse()
             .map_err(|_| "not an IPv4 address (write all four numbers, e.g. 127.0.0.1)")?;
-        return Ok(v4.to_string());
+        return Ok(name.to_owned());
     }
     let label = |l: &str| {
         !l.is_empty()
@@ -554,6 +557,9 @@ mod tests {
             (":8080", "the host name is missing"),
             ("127.1", "not an IPv4 address"),
             ("300.0.0.1", "not an IPv4 address"),
+            // Leading zeros: octal to some resolvers, so no spelling of an address but one.
+            ("127.0.0.01", "not an IPv4 address"),
+            ("0127.0.0.1:80", "not an IPv4 address"),
             ("[::1", "lacks its closing ]"),
             ("[::1]8080", "expected :port after ]"),
             ("[dsv4.lan]", "not an IPv6 address"),

@@ -131,7 +131,7 @@ pub struct Release {
 }
 
 impl Settle<EngineStream> for Release {
-    fn settle(self, how: End, body: &mut EngineStream) {
+    fn settle(mut self, how: End, body: &mut EngineStream) {
         if how == End::Completed {
             self.lease.served();
         }

@@ -1,5 +1,6 @@
-//! The proxies section: `wrk` against the same fake engine direct, through dsv4d, through nginx
-//! (a plain keep-alive reverse proxy) and through systemd-socket-proxyd, interleaved by round.
+//! The proxies section: `wrk` against the same fake engine direct, through dsv4d, through a
+//! bare hyper proxy (the floor of dsv4d's stack), through nginx (a plain keep-alive reverse
+//! proxy) and through systemd-socket-proxyd, interleaved by round.
 //! Latency at concurrency 1, throughput at 64, and per request the CPU each proxy spent itself
 //! and the CPU the engine spent behind it (from /proc, around each wrk run).
 //!
@@ -424,6 +425,15 @@ fn start_nginx(
     Ok((p, addr))
 }
 
+fn start_bare(engine: SocketAddr) -> Result<(Started, SocketAddr), String> {
+    let addr = SocketAddr::from(([127, 0, 0, 1], free_port()));
+    let mut cmd = Command::new(env!("CARGO_BIN_EXE_bare-proxy"));
+    cmd.arg(addr.to_string()).arg(engine.to_string());
+    let mut p = Started::spawn(cmd, temp_dir("bare"))?;
+    wait_listening(addr, &mut p)?;
+    Ok((p, addr))
+}
+
 fn start_proxyd(activate: &Path, engine: SocketAddr) -> Result<(Started, SocketAddr), String> {
     let addr = SocketAddr::from(([127, 0, 0, 1], free_port()));
     let mut cmd = Command::new(activate);
@@ -533,6 +543,20 @@ pub async fn run() {
         },
     ];
     let mut started = Vec::new();
+    // The floor of dsv4d's own stack: hyper's server and client on one tokio thread, nothing
+    // else (tests/bare-proxy).
+    match start_bare(engine) {
+        Ok((p, addr)) => {
+            routes.push(Route {
+                name: "hyper, bare".into(),
+                slug: "hyper-bare".into(),
+                addr,
+                own: Own::Tree(p.pid()),
+            });
+            started.push(p);
+        }
+        Err(e) => skipped.push(format!("hyper, bare: did not start: {e}")),
+    }
     match find_tool("nginx") {
         Some(bin) => {
             for w in &workers {

@@ -8,6 +8,7 @@ mod support;
 
 mod actor;
 mod api_access;
+mod architecture;
 mod bodies;
 mod connections;
 mod control;

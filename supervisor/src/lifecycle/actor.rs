@@ -78,14 +78,14 @@ impl EngineRef {
 pub struct Lease {
     pub engine: Arc<EngineRef>,
     release: mpsc::UnboundedSender<Internal>,
+    served: bool,
 }
 
 impl Lease {
-    /// The response went out whole: the engine serves (see `Event::Served`).
-    pub fn served(&self) {
-        let _ = self.release.send(Internal::Served {
-            gen: self.engine.gen,
-        });
+    /// The response went out whole: the engine serves (see `Event::Served`). Told to the
+    /// actor with the release, in one message.
+    pub fn served(&mut self) {
+        self.served = true;
     }
 }
 
@@ -93,6 +93,7 @@ impl Drop for Lease {
     fn drop(&mut self) {
         let _ = self.release.send(Internal::Release {
             gen: self.engine.gen,
+            served: self.served,
         });
     }
 }
@@ -152,11 +153,10 @@ enum Command {
 
 #[derive(Debug)]
 enum Internal {
+    /// A lease given back; `served` when its response went out whole first.
     Release {
         gen: Gen,
-    },
-    Served {
-        gen: Gen,
+        served: bool,
     },
     Cancel {
         waiter: WaiterId,
@@ -678,8 +678,18 @@ impl Actor {
 
     fn internal_event(&mut self, i: Internal) -> Option<Event> {
         match i {
-            Internal::Release { gen } => Some(Event::Release { gen }),
-            Internal::Served { gen } => Some(Event::Served { gen }),
+            Internal::Release { gen, served } => {
+                if served {
+                    // Before the release, as when they were two messages.
+                    let effects = self.machine.step(Event::Served { gen }, Instant::now());
+                    for fx in effects {
+                        if let Some(follow) = self.perform(fx) {
+                            tracing::warn!("an event after Served was dropped: {follow:?}");
+                        }
+                    }
+                }
+                Some(Event::Release { gen })
+            }
             Internal::Cancel { waiter } => {
                 self.waiters.remove(&waiter);
                 Some(Event::Cancel { waiter })
@@ -853,7 +863,7 @@ impl Actor {
                 for w in waiters {
                     let Some(reply) = self.waiters.remove(&w) else {
                         // Cancelled in the meantime: give the lease back at once.
-                        let _ = self.internal.send(Internal::Release { gen });
+                        let _ = self.internal.send(Internal::Release { gen, served: false });
                         continue;
                     };
                     match &engine {
@@ -861,12 +871,13 @@ impl Actor {
                             let lease = Lease {
                                 engine: engine.clone(),
                                 release: self.internal.clone(),
+                                served: false,
                             };
                             // A failed send drops the lease, which releases it.
                             self.outbox.push(Reply::Lease(reply, Ok(lease)));
                         }
                         None => {
-                            let _ = self.internal.send(Internal::Release { gen });
+                            let _ = self.internal.send(Internal::Release { gen, served: false });
                             self.outbox
                                 .push(Reply::Lease(reply, Err(Refusal::ShuttingDown)));
                         }

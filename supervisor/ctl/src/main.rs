@@ -7,16 +7,10 @@
 //! Exit codes: 0 ok; 1 the daemon refused or failed (its message is printed); 2 a usage
 //! error or a daemon that cannot be reached. Errors are one line on stderr, `dsv4ctl: ...`.
 
-// A binary's root module looks for modules next to it: point into dsv4ctl/.
-#[path = "dsv4ctl/bus.rs"]
 mod bus;
-#[path = "dsv4ctl/error.rs"]
 mod error;
-#[path = "dsv4ctl/notify.rs"]
 mod notify;
-#[path = "dsv4ctl/render.rs"]
 mod render;
-#[path = "dsv4ctl/top.rs"]
 mod top;
 
 use std::io::{IsTerminal, Write};
