@@ -278,7 +278,7 @@ fn unread(port: u16) -> (u64, usize) {
 
 /// Request heads that never finish cost each connection at most its head buffer
 /// (`HEAD_BUFFER`, 16 KiB), outside `api.max_buffered`: 4,096 connections holding 15 KiB of
-/// an unfinished head each keep dsv4d within the README's figure, and a head past the
+/// an unfinished head each keep dsv4d within the figure docs/security.md states, and a head past the
 /// buffer gets 431 instead of growing it.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn unfinished_request_heads_cost_a_bounded_buffer_each() {
@@ -323,7 +323,7 @@ async fn unfinished_request_heads_cost_a_bounded_buffer_each() {
         grown >> 20,
         (grown >> 10) / 4096
     );
-    // The README's bound: 40 KiB a connection (the head buffer, the first 8 KiB kept to
+    // The bound docs/security.md states: 40 KiB a connection (the head buffer, the first 8 KiB kept to
     // answer an oversized Content-Length, the connection's own state).
     assert!(grown < 4096 * (40 << 10), "+{} MiB", grown >> 20);
     drop(held);

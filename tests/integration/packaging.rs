@@ -32,6 +32,9 @@ const EXPECTED: &[&str] = &[
     "./usr/share/zsh/vendor-completions/_dsv4ctl",
     "./usr/share/fish/vendor_completions.d/dsv4ctl.fish",
     "./usr/share/doc/dsv4/copyright",
+    "./usr/share/doc/dsv4/README.md",
+    "./usr/share/doc/dsv4/docs/configuration.md",
+    "./usr/share/doc/dsv4/docs/security.md",
 ];
 
 #[test]

@@ -1302,3 +1302,90 @@ fn files_that_would_cost_the_loader_dearly_are_refused_quickly_and_clearly() {
         "{e:?}"
     );
 }
+
+/// The keys serde reads in a struct, as it lists them to the deserializer: a deserializer
+/// that only records the field list of `deserialize_struct` and stops there.
+fn struct_fields<'de, T: serde::Deserialize<'de>>() -> &'static [&'static str] {
+    struct Fields(Option<&'static [&'static str]>);
+    #[derive(Debug)]
+    struct Stop;
+    impl std::fmt::Display for Stop {
+        fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+            f.write_str("stop")
+        }
+    }
+    impl std::error::Error for Stop {}
+    impl serde::de::Error for Stop {
+        fn custom<M: std::fmt::Display>(_: M) -> Self {
+            Stop
+        }
+    }
+    impl<'de> serde::Deserializer<'de> for &mut Fields {
+        type Error = Stop;
+        fn deserialize_any<V: serde::de::Visitor<'de>>(self, _: V) -> Result<V::Value, Stop> {
+            Err(Stop)
+        }
+        fn deserialize_struct<V: serde::de::Visitor<'de>>(
+            self,
+            _name: &'static str,
+            fields: &'static [&'static str],
+            _: V,
+        ) -> Result<V::Value, Stop> {
+            self.0 = Some(fields);
+            Err(Stop)
+        }
+        serde::forward_to_deserialize_any! {
+            bool i8 i16 i32 i64 i128 u8 u16 u32 u64 u128 f32 f64 char str string bytes
+            byte_buf option unit unit_struct newtype_struct seq tuple tuple_struct map enum
+            identifier ignored_any
+        }
+    }
+    let mut probe = Fields(None);
+    let _ = T::deserialize(&mut probe);
+    probe
+        .0
+        .expect("a struct that serde reads with deserialize_struct")
+}
+
+/// Every key a configuration file may hold is in `docs/configuration.md`, by its full name
+/// in backquotes (`api.listen`, `kv_checkpoint.dir`), so the reference cannot drift from
+/// what the loader reads.
+#[test]
+fn every_config_key_is_documented() {
+    let doc_path = Path::new(env!("CARGO_MANIFEST_DIR")).join("../docs/configuration.md");
+    let doc = fs::read_to_string(&doc_path).expect("docs/configuration.md");
+    let mut keys = Vec::new();
+    let mut add = |prefix: &str, fields: &[&str]| {
+        keys.extend(fields.iter().map(|f| format!("{prefix}{f}")));
+    };
+    let sections: [(&str, &[&str]); 6] = [
+        ("api", struct_fields::<Api>()),
+        ("engine", struct_fields::<EngineLimits>()),
+        ("power", struct_fields::<Power>()),
+        ("monitor", struct_fields::<Monitor>()),
+        ("thermal", struct_fields::<Thermal>()),
+        ("memory", struct_fields::<Memory>()),
+    ];
+    for field in struct_fields::<Supervisor>() {
+        match sections.iter().find(|(name, _)| name == field) {
+            Some((name, fields)) => add(&format!("{name}."), fields),
+            None => add("", &[field]),
+        }
+    }
+    for field in struct_fields::<raw::RawProfile>() {
+        match *field {
+            "kv_checkpoint" => add("kv_checkpoint.", struct_fields::<raw::RawKvCheckpoint>()),
+            f => add("", &[f]),
+        }
+    }
+    assert!(keys.len() > 40, "too few keys found: {keys:?}");
+    let missing: Vec<&String> = keys
+        .iter()
+        .filter(|k| !doc.contains(&format!("`{k}`")))
+        .collect();
+    assert!(
+        missing.is_empty(),
+        "not in {}: {missing:?}",
+        doc_path.display()
+    );
+}
