@@ -1,33 +1,26 @@
 //! dsv4: the on-demand supervisor for a local LLM engine.
+//!
+//! The subsystems, from the bottom up. A module imports only from its own subsystem and from
+//! those below it; `tests/integration/architecture.rs` reads every `crate::` path and fails on
+//! an import that runs upward (the table there is this list):
+//!
+//! 1. [`config`]: the settings, their files, their checks, the profiles.
+//! 2. [`host`]: the machine as files: hardware readers, the sysfs root, the daemon's state files.
+//! 3. [`kv`]: the KV checkpoints on disk and their book.
+//! 4. [`lifecycle`]: the engine: the rules, the actor that carries them out, its spawn, its
+//!    key, its connections, the KV steps, leftover engines, alerts.
+//! 5. [`observe`]: what is measured: the host's samples, request statistics, `/metrics`.
+//! 6. [`policy`]: what the machine's state changes: power settings, thermal rules.
+//! 7. [`validate`]: validation runs.
+//! 8. [`http`]: the API: listener, front door, keys, bodies, the proxy, its errors.
+//! 9. [`control`]: D-Bus, systemd, reloads, exit when idle.
 
-pub mod alert;
-pub mod auth;
-pub mod body;
 pub mod config;
-pub mod connections;
-pub mod dbus;
-pub mod engine_key;
-pub mod front;
-pub mod http_error;
-pub mod hw;
-pub mod idle_exit;
-pub mod intake;
+pub mod control;
+pub mod host;
+pub mod http;
 pub mod kv;
-pub mod leftover;
 pub mod lifecycle;
-pub mod listener;
-pub mod metrics;
-pub mod monitor;
-pub mod oversize;
-pub mod path;
-pub mod power;
-pub mod profiles;
-pub mod proxy;
-pub mod reload;
-pub mod service;
-pub mod state_file;
-pub mod stats;
-pub mod sysroot;
-pub mod thermal;
-pub mod upstream;
+pub mod observe;
+pub mod policy;
 pub mod validate;

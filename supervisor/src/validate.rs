@@ -29,9 +29,10 @@ use tokio::sync::{broadcast, watch};
 use tokio::time::Instant;
 
 use crate::config::Config;
-use crate::lifecycle::actor::{EngineRef, Handle, Lease};
-use crate::monitor::Telemetry;
-use crate::sysroot::SysRoot;
+use crate::host::sysroot::SysRoot;
+use crate::lifecycle::actor::{Handle, Lease};
+use crate::lifecycle::engine_ref::EngineRef;
+use crate::observe::monitor::Telemetry;
 
 /// The validation profile when none is named.
 pub const DEFAULT_PROFILE: &str = "64k";
@@ -264,7 +265,8 @@ impl Validator {
                 .unwrap_or(Value::Null),
             ..ValidationResult::default()
         };
-        let _ = crate::state_file::write_atomic(&state_dir.join(RUNNING), previous.as_bytes());
+        let _ =
+            crate::host::state_file::write_atomic(&state_dir.join(RUNNING), previous.as_bytes());
         // Its engine neither restores nor saves a KV checkpoint: the benchmark prompts must
         // not replace the profile's real one, or push others out of the folder.
         lifecycle.kv().suspend(Some(profile));
@@ -399,7 +401,7 @@ impl Validator {
                 .lifecycle
                 .start_and_acquire()
                 .await
-                .map_err(|r| crate::http_error::ApiError::from(r).message)?;
+                .map_err(|r| r.message())?;
             if lease.engine.profile == profile {
                 return Ok(lease);
             }
@@ -514,7 +516,7 @@ async fn chat(engine: &EngineRef, body: Value) -> Result<Done, String> {
 /// A request whose answer carries llama-server's `timings`.
 async fn timed(engine: &EngineRef, path: &str, body: Value) -> Result<Done, String> {
     let v: Value =
-        crate::kv::engine::call_json(engine, http::Method::POST, path, Some(body)).await?;
+        crate::lifecycle::kv_steps::call_json(engine, http::Method::POST, path, Some(body)).await?;
     let t = &v["timings"];
     let n = |k: &str| t[k].as_u64().unwrap_or(0);
     let f = |k: &str| t[k].as_f64().unwrap_or(0.0);
@@ -580,7 +582,8 @@ fn vision_request(image: &str, decode: bool) -> Value {
 }
 
 async fn build_info(engine: &EngineRef) -> Result<String, String> {
-    let v: Value = crate::kv::engine::call_json(engine, http::Method::GET, "/props", None).await?;
+    let v: Value =
+        crate::lifecycle::kv_steps::call_json(engine, http::Method::GET, "/props", None).await?;
     Ok(v["build_info"].as_str().unwrap_or_default().to_string())
 }
 
@@ -590,7 +593,7 @@ async fn exact_prompt(engine: &EngineRef, n: u64) -> Result<Vec<u64>, String> {
                         wizards jump quickly and a sphinx of black quartz judges my vow. ";
     let mut text = TEXT.repeat(64);
     loop {
-        let v: Value = crate::kv::engine::call_json(
+        let v: Value = crate::lifecycle::kv_steps::call_json(
             engine,
             http::Method::POST,
             "/tokenize",
@@ -624,7 +627,7 @@ fn save(state_dir: &Path, result: &mut ValidationResult) -> std::io::Result<()> 
         result.profile
     ));
     result.file = Some(path.display().to_string());
-    crate::state_file::write_atomic(&path, &serde_json::to_vec_pretty(result)?)
+    crate::host::state_file::write_atomic(&path, &serde_json::to_vec_pretty(result)?)
 }
 
 /// At start-up: a validation that a dead daemon left running is undone, so the next start
@@ -637,7 +640,7 @@ pub fn recover(state_dir: &Path) -> Option<String> {
     if previous.is_empty() {
         return None;
     }
-    match crate::state_file::save_profile(state_dir, &previous) {
+    match crate::host::state_file::save_profile(state_dir, &previous) {
         Ok(()) => {
             tracing::warn!(
                 "a validation did not finish (the daemon stopped during it): back to profile \
@@ -674,12 +677,12 @@ mod tests {
     #[test]
     fn a_validation_left_running_is_undone_at_the_next_start() {
         let dir = tempfile::tempdir().unwrap();
-        crate::state_file::save_profile(dir.path(), "64k").unwrap();
+        crate::host::state_file::save_profile(dir.path(), "64k").unwrap();
         assert_eq!(recover(dir.path()), None, "nothing ran");
         std::fs::write(dir.path().join(RUNNING), "320k\n").unwrap();
         assert_eq!(recover(dir.path()).as_deref(), Some("320k"));
         assert_eq!(
-            crate::state_file::load_profile(dir.path()).as_deref(),
+            crate::host::state_file::load_profile(dir.path()).as_deref(),
             Some("320k")
         );
         assert!(!dir.path().join(RUNNING).exists());

@@ -16,8 +16,8 @@ mod support;
 use std::path::{Path, PathBuf};
 use std::time::{Duration, Instant};
 
-use dsv4::hw::Sampler;
-use dsv4::sysroot::SysRoot;
+use dsv4::host::hw::Sampler;
+use dsv4::host::sysroot::SysRoot;
 use support::{env_or, fixture_tree, Daemon, Setup};
 
 fn percentile(sorted: &[f64], p: f64) -> f64 {

@@ -8,8 +8,9 @@ use std::time::{Duration, Instant};
 use crate::support::*;
 use bytes::Bytes;
 use dsv4::config::Config;
-use dsv4::lifecycle::actor::{self, ControlError, EngineRef, Handle, Lease, Status};
+use dsv4::lifecycle::actor::{self, ControlError, Handle, Lease, Status};
 use dsv4::lifecycle::state::{Refusal, State};
+use dsv4::lifecycle::EngineRef;
 use http_body_util::{BodyExt, Full};
 use hyper::body::Incoming;
 

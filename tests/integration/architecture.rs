@@ -126,3 +126,252 @@ async fn every_dbus_member_is_documented() {
         doc_path.display()
     );
 }
+
+/// The daemon's subsystems from the bottom up (the list in `supervisor/src/lib.rs`): a module
+/// may import from its own subsystem and from those before it, never from one after it.
+const LAYERS: &[&str] = &[
+    "config",
+    "host",
+    "kv",
+    "lifecycle",
+    "observe",
+    "policy",
+    "validate",
+    "http",
+    "control",
+];
+
+/// The daemon library's source files (not its binaries), as paths below `supervisor/src`.
+fn library_files() -> Vec<std::path::PathBuf> {
+    let root = std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("../supervisor/src");
+    let mut out = Vec::new();
+    let mut dirs = vec![root.clone()];
+    while let Some(dir) = dirs.pop() {
+        for entry in std::fs::read_dir(&dir).unwrap() {
+            let path = entry.unwrap().path();
+            let rel = path.strip_prefix(&root).unwrap().to_path_buf();
+            if rel.starts_with("bin") {
+                continue;
+            }
+            if path.is_dir() {
+                dirs.push(path);
+            } else if path.extension().is_some_and(|e| e == "rs") {
+                out.push(rel);
+            }
+        }
+    }
+    out.sort();
+    out
+}
+
+/// The module path of a file (`lifecycle/actor.rs` is `["lifecycle", "actor"]`, a `mod.rs`
+/// its folder's).
+fn module_of(file: &std::path::Path) -> Vec<String> {
+    let mut parts: Vec<String> = file
+        .with_extension("")
+        .iter()
+        .map(|p| p.to_string_lossy().into_owned())
+        .collect();
+    if parts.last().is_some_and(|p| p == "mod" || p == "lib") {
+        parts.pop();
+    }
+    parts
+}
+
+/// Every path that starts at the crate root or a parent module, in code (comments left out),
+/// with its line: `crate::kv::Book` as `["kv", "Book"]`, `super::actor::X` as `actor`'s path
+/// made absolute. `crate::{a, b::c}` gives one path per item.
+fn paths_in(text: &str, module: &[String]) -> Vec<(usize, Vec<String>)> {
+    let ident = |c: char| c.is_ascii_alphanumeric() || c == '_';
+    let mut out = Vec::new();
+    let lines: Vec<&str> = text.lines().collect();
+    let mut in_tests = false;
+    for (n, line) in lines.iter().enumerate() {
+        // An inline `#[cfg(test)] mod tests { ... }` is not the daemon: to its closing brace.
+        if *line == "#[cfg(test)]" && lines.get(n + 1).is_some_and(|l| l.ends_with(" {")) {
+            in_tests = true;
+        }
+        if in_tests {
+            in_tests = *line != "}";
+            continue;
+        }
+        let code = line.split("//").next().unwrap_or("");
+        for anchor in ["crate::", "super::"] {
+            for (at, _) in code.match_indices(anchor) {
+                if code[..at].ends_with(ident) || code[..at].ends_with("::") {
+                    continue;
+                }
+                let mut base: Vec<String> = match anchor {
+                    "crate::" => Vec::new(),
+                    _ => {
+                        let mut b = module.to_vec();
+                        b.pop();
+                        b
+                    }
+                };
+                let mut rest = &code[at + anchor.len()..];
+                while let Some(r) = rest.strip_prefix("super::") {
+                    base.pop();
+                    rest = r;
+                }
+                let groups: Vec<&str> = match rest.strip_prefix('{') {
+                    Some(inner) => inner
+                        .split('}')
+                        .next()
+                        .unwrap_or("")
+                        .split(',')
+                        .map(str::trim)
+                        .collect(),
+                    None => vec![rest],
+                };
+                for g in groups {
+                    let mut path = base.clone();
+                    let segs = g.split("::").map(|s| s.trim_matches(|c: char| !ident(c)));
+                    for seg in segs {
+                        let seg: String = seg.chars().take_while(|c| ident(*c)).collect();
+                        if seg.is_empty() || seg == "self" {
+                            break;
+                        }
+                        path.push(seg);
+                    }
+                    if !path.is_empty() {
+                        out.push((n + 1, path));
+                    }
+                }
+            }
+        }
+    }
+    out
+}
+
+/// Files that are test modules (`#[cfg(test)] mod tests;`, with or without `#[path]`).
+fn test_files(files: &[std::path::PathBuf], root: &std::path::Path) -> Vec<std::path::PathBuf> {
+    let mut out = Vec::new();
+    for file in files {
+        let text = std::fs::read_to_string(root.join(file)).unwrap();
+        let lines: Vec<&str> = text.lines().map(str::trim).collect();
+        // A module's children live in its folder: `a/mod.rs` and `a.rs` both own `a/`.
+        let folder = match file
+            .file_name()
+            .is_some_and(|n| n == "mod.rs" || n == "lib.rs")
+        {
+            true => file.parent().unwrap().to_path_buf(),
+            false => file.with_extension(""),
+        };
+        for (n, line) in lines.iter().enumerate() {
+            if *line != "#[cfg(test)]" {
+                continue;
+            }
+            let mut next = n + 1;
+            let mut named = None;
+            if let Some(p) = lines.get(next).and_then(|l| l.strip_prefix("#[path = \"")) {
+                named = p.split('"').next().map(|p| file.parent().unwrap().join(p));
+                next += 1;
+            }
+            if let Some(m) = lines.get(next).and_then(|l| l.strip_prefix("mod ")) {
+                if let Some(name) = m.strip_suffix(';') {
+                    out.push(named.unwrap_or_else(|| folder.join(format!("{name}.rs"))));
+                }
+            }
+        }
+    }
+    out
+}
+
+/// The imports between the daemon's subsystems run only downward, and no file imports
+/// (through a chain of files) one that imports it back: read from the source itself.
+#[test]
+fn imports_run_only_downward_and_in_no_circle() {
+    let root = std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("../supervisor/src");
+    let mut files = library_files();
+    assert!(files.len() > 40, "too few source files found: {files:?}");
+    let tests = test_files(&files, &root);
+    assert!(tests.len() > 3, "too few test modules found: {tests:?}");
+    files.retain(|f| !tests.contains(f));
+    let modules: std::collections::BTreeMap<Vec<String>, std::path::PathBuf> =
+        files.iter().map(|f| (module_of(f), f.clone())).collect();
+    let layer = |name: &str| LAYERS.iter().position(|l| *l == name);
+    let mut wrong = Vec::new();
+    let mut edges: std::collections::BTreeMap<usize, std::collections::BTreeSet<usize>> =
+        Default::default();
+    let index = |f: &std::path::PathBuf| files.iter().position(|g| g == f).unwrap();
+    for file in &files {
+        let module = module_of(file);
+        let Some(own) = module.first() else {
+            continue; // lib.rs: the list of subsystems
+        };
+        let Some(own_layer) = layer(own) else {
+            wrong.push(format!(
+                "supervisor/src/{}: the subsystem `{own}` is in no layer (add it to LAYERS \
+                 here and to the list in lib.rs)",
+                file.display()
+            ));
+            continue;
+        };
+        let text = std::fs::read_to_string(root.join(file)).unwrap();
+        for (line, path) in paths_in(&text, &module) {
+            let target = &path[0];
+            match layer(target) {
+                Some(l) if l > own_layer => wrong.push(format!(
+                    "supervisor/src/{}:{line}: `{own}` (layer {}) imports crate::{} from `{target}` \
+                     (layer {}), which is above it",
+                    file.display(),
+                    own_layer + 1,
+                    path.join("::"),
+                    l + 1
+                )),
+                Some(_) => {}
+                None => continue,
+            }
+            // The file the path leads to: its longest prefix that is a module. A module's
+            // own folder (declarations, re-exports) is not an edge of the circle check.
+            let found = (1..=path.len())
+                .rev()
+                .find_map(|k| modules.get(&path[..k]).map(|f| (k, f)));
+            if let Some((k, to)) = found {
+                let into_own_folder = module.len() < k && path[..module.len()] == module[..];
+                if to != file && !into_own_folder {
+                    edges.entry(index(file)).or_default().insert(index(to));
+                }
+            }
+        }
+    }
+    // A circle: a depth-first search that meets a file still on its stack.
+    fn circle(
+        at: usize,
+        edges: &std::collections::BTreeMap<usize, std::collections::BTreeSet<usize>>,
+        state: &mut Vec<u8>,
+        stack: &mut Vec<usize>,
+    ) -> Option<Vec<usize>> {
+        state[at] = 1;
+        stack.push(at);
+        for &next in edges.get(&at).into_iter().flatten() {
+            if state[next] == 1 {
+                let from = stack.iter().position(|&s| s == next).unwrap();
+                let mut c = stack[from..].to_vec();
+                c.push(next);
+                return Some(c);
+            }
+            if state[next] == 0 {
+                if let Some(c) = circle(next, edges, state, stack) {
+                    return Some(c);
+                }
+            }
+        }
+        stack.pop();
+        state[at] = 2;
+        None
+    }
+    let mut state = vec![0u8; files.len()];
+    for start in 0..files.len() {
+        if state[start] == 0 {
+            if let Some(c) = circle(start, &edges, &mut state, &mut Vec::new()) {
+                let shown: Vec<String> =
+                    c.iter().map(|&i| files[i].display().to_string()).collect();
+                wrong.push(format!("an import circle: {}", shown.join(" -> ")));
+                break;
+            }
+        }
+    }
+    assert!(wrong.is_empty(), "\n{}", wrong.join("\n"));
+}

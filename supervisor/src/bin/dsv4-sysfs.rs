@@ -9,8 +9,8 @@
 //! scaling_governor or energy_performance_preference). Exit status: 0 written, 64 refused
 //! (a request of another shape, or a value the machine does not list), 74 the write failed.
 
-use dsv4::power::sysfs::{Request, EXIT_REFUSED, EXIT_WRITE_FAILED};
-use dsv4::sysroot::SysRoot;
+use dsv4::host::sysroot::SysRoot;
+use dsv4::policy::power::sysfs::{Request, EXIT_REFUSED, EXIT_WRITE_FAILED};
 
 const USAGE: &str = "usage: dsv4-sysfs [--sysroot DIR] KIND:NAME:VALUE\n  \
     gpu:cardN:LEVEL | governor:policyN:GOVERNOR | epp:policyN:PREFERENCE";

@@ -9,17 +9,17 @@ use std::sync::Arc;
 
 use anyhow::{Context, Result};
 use clap::Parser;
-use dsv4::alert::Alerts;
 use dsv4::config::Config;
-use dsv4::dbus;
-use dsv4::engine_key::KeyFolder;
+use dsv4::control::dbus;
+use dsv4::control::reload::Reloader;
+use dsv4::host::state_file;
+use dsv4::host::sysroot::SysRoot;
+use dsv4::http::listener::{self, Origin};
+use dsv4::http::proxy::{self, Ctx};
+use dsv4::lifecycle::alert::Alerts;
+use dsv4::lifecycle::engine_key::KeyFolder;
 use dsv4::lifecycle::Services;
-use dsv4::listener::{self, Origin};
-use dsv4::proxy::{self, Ctx};
-use dsv4::reload::Reloader;
-use dsv4::state_file;
-use dsv4::stats::Stats;
-use dsv4::sysroot::SysRoot;
+use dsv4::observe::stats::Stats;
 use dsv4_client::Bus;
 use tokio::signal::unix::{signal, SignalKind};
 
@@ -101,7 +101,7 @@ fn main() -> std::process::ExitCode {
     // its user's alone, whatever umask it was started with (the unit sets the same).
     nix::sys::stat::umask(nix::sys::stat::Mode::from_bits_truncate(0o077));
     // Each client connection is a file: the common default soft limit (1,024) is too low.
-    dsv4::connections::raise_nofile_limit();
+    dsv4::http::connections::raise_nofile_limit();
     let activated = match activated {
         Ok(fds) => fds,
         Err(e) => return fail(e),
@@ -243,7 +243,7 @@ async fn run(args: Args, activated: Vec<(std::os::fd::OwnedFd, String)>) -> Resu
 
     // Before any engine of ours exists: what a killed dsv4d left running goes first, so
     // that its memory is free for ours.
-    let reaped = dsv4::leftover::reap(
+    let reaped = dsv4::lifecycle::leftover::reap(
         &config.supervisor.state_dir,
         std::path::Path::new("/proc"),
         LEFTOVER_GRACE,
@@ -270,19 +270,20 @@ async fn run(args: Args, activated: Vec<(std::os::fd::OwnedFd, String)>) -> Resu
         dsv4::lifecycle::actor::spawn(config.clone(), profile.clone(), services);
     // The configuration in force, replaced by reloads (SIGHUP, or an edited file).
     let (config_tx, config_rx) = tokio::sync::watch::channel(config.clone());
-    let telemetry = dsv4::monitor::spawn(
-        dsv4::hw::Sampler::new(sysroot.clone()),
+    let telemetry = dsv4::observe::monitor::spawn(
+        dsv4::host::hw::Sampler::new(sysroot.clone()),
         config_rx.clone(),
         lifecycle.watch_status(),
     );
-    let thermal = dsv4::thermal::spawn(config_rx.clone(), telemetry.clone(), lifecycle.clone());
+    let thermal =
+        dsv4::policy::thermal::spawn(config_rx.clone(), telemetry.clone(), lifecycle.clone());
     let validator = dsv4::validate::Validator::new(
         lifecycle.clone(),
         telemetry.clone(),
         config_rx.clone(),
         sysroot.clone(),
     );
-    let power = dsv4::power::spawn(dsv4::power::Parts {
+    let power = dsv4::policy::power::spawn(dsv4::policy::power::Parts {
         config: config_rx.clone(),
         lifecycle: lifecycle.watch_status(),
         telemetry: telemetry.clone(),
@@ -291,8 +292,8 @@ async fn run(args: Args, activated: Vec<(std::os::fd::OwnedFd, String)>) -> Resu
     });
     tracing::info!(profile, "ready; the engine starts on the first request");
     let stats = Stats::default();
-    let activity = dsv4::idle_exit::Activity::default();
-    let connections = dsv4::connections::Connections::default();
+    let activity = dsv4::http::connections::Activity::default();
+    let connections = dsv4::http::connections::Connections::default();
     // Kept for the daemon's life: dropping it leaves the bus.
     let _control = match args.bus.0 {
         Some(bus) => {
@@ -349,7 +350,7 @@ async fn run(args: Args, activated: Vec<(std::os::fd::OwnedFd, String)>) -> Resu
     let idle = async move {
         match idle_after.filter(|_| activated) {
             Some(after) => {
-                dsv4::idle_exit::due(after, lifecycle_status, activity, connections).await;
+                dsv4::control::idle_exit::due(after, lifecycle_status, activity, connections).await;
                 after
             }
             None => std::future::pending().await,
@@ -378,8 +379,8 @@ async fn run(args: Args, activated: Vec<(std::os::fd::OwnedFd, String)>) -> Resu
         });
     }
     // The listener, the configuration and the bus name are in place: ready.
-    dsv4::service::ready(&lifecycle.status());
-    dsv4::service::spawn(lifecycle.clone(), ctx.telemetry.clone());
+    dsv4::control::service::ready(&lifecycle.status());
+    dsv4::control::service::spawn(lifecycle.clone(), ctx.telemetry.clone());
     let config_in_force = ctx.config.clone();
     let connections_closed = proxy::serve(listener, ctx, shutdown).await;
     // A drain of in-flight requests, the KV checkpoint's save, then the engine's own stop.
@@ -393,7 +394,7 @@ async fn run(args: Args, activated: Vec<(std::os::fd::OwnedFd, String)>) -> Resu
             .unwrap_or_default();
         2 * config.supervisor.engine.stop_timeout + save + std::time::Duration::from_secs(10)
     };
-    let extending = dsv4::service::stopping(budget);
+    let extending = dsv4::control::service::stopping(budget);
     // In-flight streams finish (bounded by engine.stop_timeout), then the engine stops.
     lifecycle.shutdown().await;
     let _ = actor.await;

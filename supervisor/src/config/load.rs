@@ -16,6 +16,7 @@ use dsv4_engine::{EngineKind, EngineParams};
 
 use super::error::Problem;
 use super::files::{self, Shown};
+use super::names;
 use super::raw::RawProfile;
 use super::rules;
 use super::yaml::Doc;
@@ -173,12 +174,12 @@ impl Check<'_> {
         self.canonical(
             "api.cors_origins",
             &mut api.cors_origins,
-            crate::front::origin_entry,
+            names::origin_entry,
         );
         self.canonical(
             "api.allowed_hosts",
             &mut api.allowed_hosts,
-            crate::front::host_entry,
+            names::host_entry,
         );
         for (path, zero) in [
             ("api.max_body", s.api.max_body == 0),

@@ -29,6 +29,8 @@
 mod error;
 mod files;
 mod load;
+pub mod names;
+pub mod profiles;
 mod raw;
 mod rules;
 mod units;
@@ -181,7 +183,7 @@ pub struct Api {
     pub max_body: u64,
     /// How long a request's body may take to arrive in full, from the end of its head. dsv4d
     /// reads every body whole before the request takes a lease or reaches the engine (see
-    /// [`crate::intake`]); a client slower than this gets 408.
+    /// [`crate::http::intake`]); a client slower than this gets 408.
     #[serde(deserialize_with = "raw::duration")]
     #[default(Duration::from_secs(30))]
     pub body_timeout: Duration,
@@ -192,13 +194,13 @@ pub struct Api {
     pub max_buffered: u64,
     /// Web pages whose scripts may use the API from a browser: origins
     /// (`scheme://host[:port]`), or `*` for any. The loader writes each in its canonical form
-    /// (lowercase, without the scheme's default port); see [`crate::front`].
+    /// (lowercase, without the scheme's default port); see [`names`].
     pub cors_origins: Vec<String>,
     /// Names (`host` or `host:port`) that requests may give in `Host` besides the loopback
     /// ones, which are always allowed. Canonical, as `cors_origins`.
     pub allowed_hosts: Vec<String>,
     /// Client connections open at once; one more is answered 503 and closed. The daemon caps
-    /// it lower when its open-file limit would not cover it (see [`crate::connections`]).
+    /// it lower when its open-file limit would not cover it (see [`crate::http::connections`]).
     #[default = 4096]
     pub max_connections: usize,
 }

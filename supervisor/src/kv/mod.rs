@@ -18,7 +18,6 @@
 //! given back, the tokens served from it). The layout on disk is `store.rs`'s, the engine
 //! calls `engine.rs`'s; the actor runs them as tasks.
 
-pub mod engine;
 pub mod key;
 pub mod store;
 
@@ -30,7 +29,9 @@ use dsv4_client::kv::{KvProfile, KvStatus, KvStep};
 use dsv4_engine::EngineKind;
 
 use crate::config::Config;
-use crate::lifecycle::state::Gen;
+
+/// An engine generation's number, as the lifecycle counts them (`lifecycle::state::Gen`).
+pub type Gen = u64;
 
 pub fn unix_now() -> f64 {
     SystemTime::now()

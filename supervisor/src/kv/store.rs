@@ -307,7 +307,7 @@ impl Store {
             Some(m) => {
                 let mut m = m.clone();
                 m.aside = Some(reason.to_string());
-                crate::state_file::write_atomic(&target, &serde_json::to_vec_pretty(&m)?)?;
+                crate::host::state_file::write_atomic(&target, &serde_json::to_vec_pretty(&m)?)?;
                 fs::remove_file(manifest).or_else(ignore_missing)
             }
             // Unreadable: kept as it is, for whoever wants to look.
@@ -330,7 +330,7 @@ impl Store {
         let old = fs::read(&path)
             .ok()
             .and_then(|b| serde_json::from_slice::<Manifest>(&b).ok());
-        crate::state_file::write_atomic(&path, &serde_json::to_vec_pretty(m)?)?;
+        crate::host::state_file::write_atomic(&path, &serde_json::to_vec_pretty(m)?)?;
         self.clear_restoring(&m.id);
         if let Some(old) = old {
             for s in old.slots.iter().filter(|s| !m.slots.contains(s)) {

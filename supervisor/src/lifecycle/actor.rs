@@ -1,7 +1,7 @@
 //! The lifecycle actor: the one owner of the engine child and of the lifecycle state.
 //!
 //! Owns: the [`Machine`], the engine process of the current generation, its key (see
-//! [`crate::engine_key`]), its readiness probe, and the oneshot replies of waiting requests.
+//! [`crate::lifecycle::engine_key`]), its readiness probe, and the oneshot replies of waiting requests.
 //! Everything else talks to it through a [`Handle`] (commands on a bounded channel, lease
 //! releases and engine events on an unbounded one, since a `Drop` cannot wait) and reads its
 //! state from a `watch`.
@@ -20,15 +20,16 @@ use tokio::sync::{mpsc, oneshot, watch};
 // The clock tests can pause; the std clock is banned in this crate (supervisor/clippy.toml).
 use tokio::time::Instant;
 
+use super::engine_ref::EngineRef;
 use super::state::{
     EngineFailure, Event, Gen, KvSteps, Limits, Machine, MemoryCheck, Phase, Refusal, Sig, WaiterId,
 };
-use crate::alert::Alerts;
 use crate::config::{Config, EngineLimits};
-use crate::engine_key::{EngineKey, KeyFolder};
-use crate::leftover;
-use crate::sysroot::SysRoot;
-use crate::upstream::Upstream;
+use crate::host::sysroot::SysRoot;
+use crate::lifecycle::alert::Alerts;
+use crate::lifecycle::engine_key::{EngineKey, KeyFolder};
+use crate::lifecycle::leftover;
+use crate::lifecycle::upstream::Upstream;
 
 /// How many lines of one engine's output are kept (for its error messages).
 const TAIL_LINES: usize = 200;
@@ -46,31 +47,6 @@ const PROBE_ATTEMPT: Duration = Duration::from_secs(5);
 
 /// The lifecycle state as others see it: the engine part of `GET /status` and `Status()`.
 pub type Status = dsv4_client::EngineStatus;
-
-/// A running engine, as a granted request sees it.
-#[derive(Debug)]
-pub struct EngineRef {
-    pub gen: Gen,
-    /// The profile this engine runs.
-    pub profile: String,
-    pub pid: u32,
-    pub upstream: SocketAddr,
-    /// The connections to this engine (a fresh pool per generation).
-    pub connections: Arc<Upstream>,
-    pub output: OutputTail,
-    pub exit: watch::Receiver<Option<ExitReport>>,
-}
-
-impl EngineRef {
-    /// Whether the engine has exited, or does within `within` (its exit is seen a moment
-    /// after its connections break).
-    pub async fn gone_within(&self, within: Duration) -> bool {
-        let mut exit = self.exit.clone();
-        tokio::time::timeout(within, exit.wait_for(Option::is_some))
-            .await
-            .is_ok_and(|r| r.is_ok())
-    }
-}
 
 /// The right to send one request to the engine; the engine is not stopped while any lease is
 /// held. Dropping it tells the actor, so idle time counts from the last lease released.
@@ -359,7 +335,7 @@ struct Engine {
     term_at: Option<Instant>,
     ready_at: Option<SystemTime>,
     /// The memory figures just before it started, to check that they come back after it.
-    memory_before: crate::hw::MemoryNow,
+    memory_before: crate::host::hw::MemoryNow,
     /// The OOM killer's count in dsv4d's cgroup just before it started (see
     /// `hw::cgroup`): a higher one at its exit names the cause.
     oom_kills_before: Option<u64>,
@@ -438,7 +414,7 @@ pub fn spawn(
         outbox: Vec::new(),
         exited: false,
         stalled: false,
-        memory_read: crate::hw::MemoryNow::default(),
+        memory_read: crate::host::hw::MemoryNow::default(),
         next_spawned: None,
         not_admitted_said: None,
     };
@@ -494,7 +470,7 @@ struct Actor {
     /// A test's fault switch: the actor stops answering, as a hung one would.
     stalled: bool,
     /// The memory figures read before the event being handled (off the runtime's thread).
-    memory_read: crate::hw::MemoryNow,
+    memory_read: crate::host::hw::MemoryNow,
     /// Tells the check of the last engine's memory that the next engine is spawned.
     next_spawned: Option<watch::Sender<bool>>,
     /// When a start refused for memory was last logged and alerted.
@@ -613,7 +589,7 @@ impl Actor {
                     return None;
                 }
                 let state_dir = &self.config.supervisor.state_dir;
-                if let Err(e) = crate::state_file::save_profile(state_dir, &name) {
+                if let Err(e) = crate::host::state_file::save_profile(state_dir, &name) {
                     // A switch that a restart would quietly undo is refused whole.
                     let err = ControlError::NotSaved {
                         name,
@@ -665,7 +641,7 @@ impl Actor {
              using default_profile {default}"
         );
         tracing::warn!("{message}");
-        if let Err(e) = crate::state_file::save_profile(state_dir, &default) {
+        if let Err(e) = crate::host::state_file::save_profile(state_dir, &default) {
             // A restart also falls back, since the remembered profile is not configured.
             tracing::warn!(
                 "cannot remember profile {default} in {}: {e}",
@@ -727,7 +703,7 @@ impl Actor {
                 // Killed while the OOM killer's count in our cgroup went up: say so.
                 let oom = engine.as_ref().and_then(|e| {
                     let before = e.oom_kills_before?;
-                    let (file, now) = crate::hw::cgroup::oom_kills(&self.sysroot)?;
+                    let (file, now) = crate::host::hw::cgroup::oom_kills(&self.sysroot)?;
                     (report.signal.is_some() && now > before).then(|| {
                         format!(
                             "out of memory: the kernel's OOM killer ended it ({} in {file} went \
@@ -978,7 +954,7 @@ impl Actor {
             .engine
             .argv(&profile.params, "127.0.0.1", port, key_file);
         // Every process of this engine carries the mark, whatever it starts: a next dsv4d
-        // ends what is left of it only by the mark (see `crate::leftover`).
+        // ends what is left of it only by the mark (see `crate::lifecycle::leftover`).
         let tag = match leftover::new_tag() {
             Ok(tag) => tag,
             Err(e) => return fail(format!("cannot make the engine's process mark: {e}")),
@@ -1015,7 +991,7 @@ impl Actor {
             ),
             None => tracing::debug!(
                 "memory available before the start: unknown (no {})",
-                self.sysroot.path(crate::hw::meminfo::PATH).display()
+                self.sysroot.path(crate::host::hw::meminfo::PATH).display()
             ),
         }
         if let Some(kv) = &profile.kv_checkpoint {
@@ -1095,7 +1071,7 @@ impl Actor {
             term_at: None,
             ready_at: None,
             memory_before: before,
-            oom_kills_before: crate::hw::cgroup::oom_kills(&self.sysroot).map(|(_, n)| n),
+            oom_kills_before: crate::host::hw::cgroup::oom_kills(&self.sysroot).map(|(_, n)| n),
             _key: key,
             _group: group,
         });
@@ -1124,10 +1100,10 @@ impl Actor {
         let handle = tokio::spawn(async move {
             let name = profile.name.clone();
             if restore {
-                let step = crate::kv::engine::restore(engine, profile, book.clone()).await;
+                let step = super::kv_steps::restore(engine, profile, book.clone()).await;
                 book.restored(&name, step);
             } else {
-                let step = crate::kv::engine::save(engine, profile, book.clone()).await;
+                let step = super::kv_steps::save(engine, profile, book.clone()).await;
                 book.saved(&name, step);
             }
             let _ = internal.send(Internal::KvDone { gen, restore });
@@ -1451,7 +1427,7 @@ const MEMORY_RETURN_MARGIN: u64 = 2 << 30;
 /// spawned: that engine's allocations are never counted as this one's.
 async fn memory_comes_back(
     sysroot: SysRoot,
-    before: crate::hw::MemoryNow,
+    before: crate::host::hw::MemoryNow,
     profile: String,
     within: Duration,
     alerts: Alerts,
@@ -1536,11 +1512,11 @@ async fn memory_comes_back(
 /// How often [`memory_comes_back`] looks.
 const MEMORY_LOOK_EVERY: Duration = Duration::from_millis(250);
 
-/// [`crate::hw::memory_now`] on a blocking worker: sysfs reads may stall (the SMU), and the
+/// [`crate::host::hw::memory_now`] on a blocking worker: sysfs reads may stall (the SMU), and the
 /// runtime's one thread carries every stream.
-async fn memory_now_off_thread(sysroot: &SysRoot) -> crate::hw::MemoryNow {
+async fn memory_now_off_thread(sysroot: &SysRoot) -> crate::host::hw::MemoryNow {
     let root = sysroot.clone();
-    tokio::task::spawn_blocking(move || crate::hw::memory_now(&root))
+    tokio::task::spawn_blocking(move || crate::host::hw::memory_now(&root))
         .await
         .unwrap_or_default()
 }

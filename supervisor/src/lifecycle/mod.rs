@@ -1,8 +1,18 @@
-//! The engine lifecycle: the pure rules (`state`) and the actor that carries them out.
+//! The engine lifecycle: the pure rules (`state`) and the actor that carries them out, with
+//! what the actor owns: the engine's key (`engine_key`), its connections (`upstream`), its KV
+//! steps (`kv_steps`), the engines a crashed daemon left (`leftover`), the words of a refusal
+//! (`refusal`) and the alerts it raises (`alert`).
 
 pub mod actor;
+pub mod alert;
+pub mod engine_key;
+pub mod engine_ref;
+pub mod kv_steps;
+pub mod leftover;
+pub mod refusal;
 pub mod state;
+pub mod upstream;
 
-pub use actor::{
-    ControlError, EngineRef, Handle, Lease, Refused, Services, Status, ERROR_TAIL_LINES,
-};
+pub use engine_ref::EngineRef;
+
+pub use actor::{ControlError, Handle, Lease, Refused, Services, Status, ERROR_TAIL_LINES};

@@ -34,7 +34,7 @@ use tokio::time::Instant;
 pub use dsv4_client::telemetry::MemoryPool;
 pub use dsv4_client::State;
 
-pub type Gen = u64;
+pub use crate::kv::Gen;
 pub type WaiterId = u64;
 
 /// The limits the rules use (from `engine.*` in the config).

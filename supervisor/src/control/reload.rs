@@ -1,0 +1,252 @@
+//! Configuration reload, on SIGHUP and when a YAML file in the config or profiles folder
+//! changes.
+//!
+//! Owns: the file watcher and the decision to accept a new configuration. Must not: apply
+//! settings itself; a valid configuration is handed to the lifecycle actor (timeouts and
+//! limits apply at once, a changed profile at the engine's next start) and published on the
+//! config watch (the proxy reads limits and keys from it per request). An invalid one is
+//! rejected whole: the last good configuration stays, the problems are logged with the
+//! loader's precise messages, and an `Alert` goes out. The API key file is the exception:
+//! every reload reads it again, whatever the YAML, and one that cannot be used (missing,
+//! unreadable, open to group or others, empty) refuses every keyed request with 503, with an
+//! `Alert`, until a reload finds it good: the last good keys never outlive a revocation.
+//!
+//! Folders are watched, not files: editors save by writing a new file and renaming it over
+//! the old one, which a watch on the file itself would lose. Events are debounced, so a
+//! save that touches several files is one reload.
+
+use std::path::{Path, PathBuf};
+use std::sync::Arc;
+use std::time::Duration;
+
+use dsv4_client::AlertKind;
+use notify::{EventKind, RecursiveMode, Watcher};
+use tokio::signal::unix::{signal, SignalKind};
+use tokio::sync::{mpsc, watch};
+
+use crate::config::Config;
+use crate::http::auth::ApiKeys;
+use crate::lifecycle::alert::Alerts;
+use crate::lifecycle::Handle;
+
+/// Quiet time after the last file event before reloading.
+const DEBOUNCE: Duration = Duration::from_millis(250);
+
+pub struct Reloader {
+    pub path: PathBuf,
+    pub config: watch::Sender<Arc<Config>>,
+    pub lifecycle: Handle,
+    pub alerts: Alerts,
+}
+
+/// Whether a file event can change the configuration: a YAML file (or the config file
+/// itself) created, written, renamed or removed. Reads are not (the loader's own reads
+/// would otherwise trigger it again).
+fn relevant(ev: &notify::Event, config_file: &Path) -> bool {
+    if matches!(ev.kind, EventKind::Access(_)) {
+        return false;
+    }
+    ev.paths.iter().any(|p| {
+        p == config_file || matches!(p.extension().and_then(|e| e.to_str()), Some("yaml" | "yml"))
+    })
+}
+
+impl Reloader {
+    /// Runs until the config watch has no receivers left.
+    pub async fn run(self) {
+        let mut hup = match signal(SignalKind::hangup()) {
+            Ok(s) => Some(s),
+            Err(e) => {
+                tracing::warn!("cannot handle SIGHUP, reload on file changes only: {e}");
+                None
+            }
+        };
+        let (tx, mut rx) = mpsc::unbounded_channel::<()>();
+        let config_file = self.config.borrow().file.clone();
+        let file = config_file.clone();
+        let watcher = notify::recommended_watcher(move |res: notify::Result<notify::Event>| {
+            if res.is_ok_and(|ev| relevant(&ev, &file)) {
+                let _ = tx.send(());
+            }
+        });
+        let mut watcher = match watcher {
+            Ok(w) => Some(w),
+            Err(e) => {
+                tracing::warn!("cannot watch the configuration files, reload on SIGHUP only: {e}");
+                None
+            }
+        };
+        let mut watched: Vec<PathBuf> = Vec::new();
+        loop {
+            if let Some(w) = watcher.as_mut() {
+                self.watch_folders(w, &mut watched);
+            }
+            let why = tokio::select! {
+                _ = async { hup.as_mut().unwrap().recv().await }, if hup.is_some() => "SIGHUP",
+                Some(()) = rx.recv() => {
+                    while let Ok(Some(())) = tokio::time::timeout(DEBOUNCE, rx.recv()).await {}
+                    "a configuration file changed"
+                }
+                _ = self.config.closed() => return,
+            };
+            self.reload(why).await;
+        }
+    }
+
+    /// Watches the config file's folder and the profiles folder (again, if it moved).
+    fn watch_folders(&self, w: &mut notify::RecommendedWatcher, watched: &mut Vec<PathBuf>) {
+        let c = self.config.borrow().clone();
+        let mut want: Vec<PathBuf> = c.file.parent().map(Path::to_path_buf).into_iter().collect();
+        want.push(c.supervisor.profiles_dir.clone());
+        want.dedup();
+        if *watched == want {
+            return;
+        }
+        for old in watched.drain(..) {
+            let _ = w.unwatch(&old);
+        }
+        for dir in want {
+            match w.watch(&dir, RecursiveMode::NonRecursive) {
+                Ok(()) => watched.push(dir),
+                Err(e) => tracing::warn!("cannot watch {}: {e}", dir.display()),
+            }
+        }
+    }
+
+    async fn reload(&self, why: &str) {
+        let old = self.config.borrow().clone();
+        let path = self.path.clone();
+        let loaded = tokio::task::spawn_blocking(move || Config::load_for_reload(&path)).await;
+        let in_force = match loaded {
+            Ok(Ok(new)) => self.apply(why, &old, new).await,
+            Ok(Err(problems)) => {
+                tracing::error!("{why}: the new configuration is rejected, the last good one stays:\n{problems}");
+                self.alerts.raise(
+                    AlertKind::Config,
+                    format!("configuration change rejected; the last good configuration stays:\n{problems}"),
+                );
+                // Not its keys: they are read again, as after any reload, so that a key
+                // file made unusable refuses requests instead of the old keys staying good.
+                old.supervisor.api.api_keys_file.is_some().then(|| {
+                    let again = Arc::new((*old).clone());
+                    self.config.send_replace(again.clone());
+                    again
+                })
+            }
+            Err(e) => {
+                tracing::error!("{why}: loading the configuration failed: {e}");
+                None
+            }
+        };
+        if let Some(config) = in_force {
+            self.check_keys(why, &config).await;
+        }
+    }
+
+    /// Hands a loaded configuration on; returns it when it is now in force.
+    async fn apply(&self, why: &str, old: &Config, new: Config) -> Option<Arc<Config>> {
+        // SIGHUP always republishes, and so does any reload when API keys are configured,
+        // so that the key file, which the YAML only names, is read again.
+        let keyed = new.supervisor.api.api_keys_file.is_some();
+        if new == *old && why != "SIGHUP" && !keyed {
+            tracing::debug!("{why}: the configuration is unchanged");
+            return None;
+        }
+        for (what, changed) in [
+            (
+                "api.listen",
+                new.supervisor.api.listen != old.supervisor.api.listen,
+            ),
+            (
+                "state_dir",
+                new.supervisor.state_dir != old.supervisor.state_dir,
+            ),
+        ] {
+            if changed {
+                tracing::warn!("{what} changed: it takes effect when dsv4d restarts");
+            }
+        }
+        let new = Arc::new(new);
+        self.lifecycle.reload(new.clone()).await;
+        self.config.send_replace(new.clone());
+        tracing::info!("{why}: configuration reloaded");
+        Some(new)
+    }
+
+    /// Reads the key file `config` names: one that cannot be used (missing, unreadable, open
+    /// to group or others, without a key) refuses every keyed request with 503 from now on
+    /// (the proxy reads the same file for the configuration just published), which is
+    /// alerted.
+    async fn check_keys(&self, why: &str, config: &Config) {
+        let Some(path) = config.supervisor.api.api_keys_file.clone() else {
+            return;
+        };
+        let read = tokio::task::spawn_blocking(move || ApiKeys::load(&path).map(|_| ())).await;
+        if let Ok(Err(e)) = read {
+            tracing::error!(
+                "{why}: {e}; every request but GET /health now gets 503 api_keys_unavailable"
+            );
+            self.alerts.raise(
+                AlertKind::Config,
+                format!(
+                    "API keys unavailable, every request but GET /health is refused until \
+                     the key file is fixed and dsv4d reloaded: {e}"
+                ),
+            );
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use notify::event::{AccessKind, CreateKind, ModifyKind};
+
+    fn ev(kind: EventKind, path: &str) -> notify::Event {
+        notify::Event::new(kind).add_path(path.into())
+    }
+
+    #[test]
+    fn only_changes_to_yaml_files_count() {
+        let cfg = Path::new("/etc/dsv4/supervisor.yaml");
+        assert!(relevant(
+            &ev(
+                EventKind::Modify(ModifyKind::Any),
+                "/etc/dsv4/profiles/64k.yaml"
+            ),
+            cfg
+        ));
+        assert!(relevant(
+            &ev(
+                EventKind::Create(CreateKind::File),
+                "/etc/dsv4/profiles/x.yml"
+            ),
+            cfg
+        ));
+        assert!(relevant(
+            &ev(
+                EventKind::Modify(ModifyKind::Any),
+                "/etc/dsv4/supervisor.yaml"
+            ),
+            cfg
+        ));
+        assert!(!relevant(
+            &ev(
+                EventKind::Access(AccessKind::Any),
+                "/etc/dsv4/supervisor.yaml"
+            ),
+            cfg
+        ));
+        assert!(!relevant(
+            &ev(
+                EventKind::Create(CreateKind::File),
+                "/etc/dsv4/.supervisor.yaml.swp"
+            ),
+            cfg
+        ));
+        assert!(!relevant(
+            &ev(EventKind::Modify(ModifyKind::Any), "/etc/dsv4/keys"),
+            cfg
+        ));
+    }
+}

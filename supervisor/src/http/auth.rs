@@ -1,0 +1,532 @@
+//! API keys: who may use the HTTP front when `api.api_keys_file` is set.
+//!
+//! Owns: reading the key file (and refusing one that group or others may read or write, that
+//! another user owns, or whose folder others may write), checking the key a request presents
+//! (`Authorization: Bearer KEY` or `x-api-key: KEY`, exactly one), and the cache that ties
+//! the keys to the configuration in force. Must not: log, print or echo a
+//! key, or let the time a check takes depend on which configured key matched or on how much
+//! of a key was right.
+
+use std::fmt;
+use std::fs::File;
+use std::io::Read;
+use std::os::unix::fs::{MetadataExt, PermissionsExt};
+use std::path::Path;
+use std::sync::{Arc, Mutex};
+
+use http::header::{self, HeaderMap};
+use subtle::{Choice, ConstantTimeEq};
+
+use crate::config::Config;
+
+pub use crate::lifecycle::upstream::X_API_KEY;
+
+/// Keys shorter than this are warned about at load: they can be guessed.
+pub const SHORT_KEY: usize = 16;
+
+/// The keys read from `api.api_keys_file`: at least one, none empty.
+pub struct ApiKeys {
+    keys: Vec<Box<[u8]>>,
+    /// The lines (1-based) of keys shorter than [`SHORT_KEY`].
+    short: Vec<usize>,
+}
+
+impl fmt::Debug for ApiKeys {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        write!(f, "ApiKeys({} redacted)", self.keys.len())
+    }
+}
+
+/// What a request's headers say about its key.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum AuthResult {
+    /// A presented key is one of the configured ones.
+    Ok,
+    /// No key was presented.
+    Missing,
+    /// A key was presented and none of the presented ones is configured.
+    Invalid,
+    /// More than one credential (`Authorization` and `x-api-key` headers in all): refused,
+    /// so that one request cannot try many keys.
+    Several,
+}
+
+/// Whether the key file's owner and folder leave it to dsv4d's user: the file is that
+/// user's or root's, and its folder is that user's or root's and not writable by group or
+/// others (who could replace the file). `me` is dsv4d's effective uid.
+pub fn owner_problem(file_uid: u32, dir_uid: u32, dir_mode: u32, me: u32) -> Option<String> {
+    let ours = |uid: u32| uid == me || uid == 0;
+    if !ours(file_uid) {
+        return Some(format!(
+            "is owned by uid {file_uid}, not by dsv4d's user (uid {me}) or root"
+        ));
+    }
+    if !ours(dir_uid) {
+        return Some(format!(
+            "is in a folder owned by uid {dir_uid}, not by dsv4d's user (uid {me}) or root"
+        ));
+    }
+    if dir_mode & 0o022 != 0 {
+        return Some(format!(
+            "is in a folder that group or others may write (mode {:04o}), so they could \
+             replace it",
+            dir_mode & 0o7777
+        ));
+    }
+    None
+}
+
+impl ApiKeys {
+    /// Reads the key file at `path`: one key per line, blank lines and lines starting with `#`
+    /// ignored, surrounding whitespace trimmed. The file must not be open to group or others
+    /// (no bit of `0o077` set in its mode).
+    pub fn load(path: &Path) -> Result<ApiKeys, String> {
+        let shown = path.display();
+        let mut file =
+            File::open(path).map_err(|e| format!("cannot open the API key file {shown}: {e}"))?;
+        // The mode of the file that was opened, not of whatever the path names a moment later.
+        let meta = file
+            .metadata()
+            .map_err(|e| format!("cannot read the API key file {shown}: {e}"))?;
+        if !meta.is_file() {
+            return Err(format!("the API key file {shown} is not a regular file"));
+        }
+        let mode = meta.permissions().mode() & 0o7777;
+        if mode & 0o077 != 0 {
+            return Err(format!(
+                "the API key file {shown} may be read or written by group or others \
+                 (mode {mode:04o}); run chmod 600 {shown}"
+            ));
+        }
+        let dir = path.parent().filter(|d| !d.as_os_str().is_empty());
+        let dir = std::fs::metadata(dir.unwrap_or(Path::new(".")))
+            .map_err(|e| format!("cannot read the folder of the API key file {shown}: {e}"))?;
+        let me = nix::unistd::geteuid().as_raw();
+        if let Some(problem) = owner_problem(meta.uid(), dir.uid(), dir.mode(), me) {
+            return Err(format!("the API key file {shown} {problem}"));
+        }
+        let mut text = String::new();
+        file.read_to_string(&mut text)
+            .map_err(|e| format!("cannot read the API key file {shown}: {e}"))?;
+        ApiKeys::parse(&text).map_err(|e| format!("the API key file {shown}: {e}"))
+    }
+
+    /// Parses the text of a key file. Errors name lines, never their content.
+    pub fn parse(text: &str) -> Result<ApiKeys, String> {
+        let mut keys = Vec::new();
+        let mut short = Vec::new();
+        for (n, line) in text.lines().enumerate() {
+            let key = line.trim();
+            if key.is_empty() || key.starts_with('#') {
+                continue;
+            }
+            if key.chars().any(char::is_control) {
+                return Err(format!(
+                    "line {}: the key holds a control character, which no HTTP header can carry",
+                    n + 1
+                ));
+            }
+            if key.chars().count() < SHORT_KEY {
+                short.push(n + 1);
+            }
+            keys.push(Box::from(key.as_bytes()));
+        }
+        if keys.is_empty() {
+            return Err(
+                "holds no key (one key per line; blank lines and lines starting \
+                        with # are ignored)"
+                    .to_string(),
+            );
+        }
+        Ok(ApiKeys { keys, short })
+    }
+
+    /// The lines (1-based) of keys shorter than [`SHORT_KEY`] characters.
+    pub fn short_lines(&self) -> &[usize] {
+        &self.short
+    }
+
+    /// How many keys there are.
+    pub fn count(&self) -> usize {
+        self.keys.len()
+    }
+
+    /// Checks the key in `Authorization: Bearer KEY` or in `x-api-key: KEY`. More than one
+    /// such header in all is refused ([`AuthResult::Several`]); an `Authorization` header of
+    /// another scheme, or an empty key, counts as no key.
+    pub fn allows(&self, headers: &HeaderMap) -> AuthResult {
+        let credentials = headers.get_all(header::AUTHORIZATION).iter().count()
+            + headers.get_all(X_API_KEY).iter().count();
+        if credentials > 1 {
+            return AuthResult::Several;
+        }
+        let bearer = headers
+            .get_all(header::AUTHORIZATION)
+            .iter()
+            .filter_map(|v| bearer_token(v.as_bytes()));
+        let plain = headers
+            .get_all(X_API_KEY)
+            .iter()
+            .map(|v| v.as_bytes().trim_ascii());
+        let mut presented = false;
+        let mut ok = Choice::from(0);
+        for key in bearer.chain(plain).filter(|k| !k.is_empty()) {
+            presented = true;
+            ok |= self.matches(key);
+        }
+        match (presented, bool::from(ok)) {
+            (false, _) => AuthResult::Missing,
+            (true, true) => AuthResult::Ok,
+            (true, false) => AuthResult::Invalid,
+        }
+    }
+
+    /// Whether `candidate` is one of the keys. Every key is compared, each in time that
+    /// depends only on the lengths (subtle's slice comparison returns at once when the
+    /// lengths differ, which tells a caller no more than that no key has this length), and
+    /// the results are combined without a branch: the time does not tell which key matched,
+    /// or whether one did.
+    fn matches(&self, candidate: &[u8]) -> Choice {
+        let mut found = Choice::from(0);
+        for key in &self.keys {
+            found |= key.ct_eq(candidate);
+        }
+        found
+    }
+}
+
+/// The token of `Bearer TOKEN` (the scheme's case does not matter, RFC 9110 11.1).
+fn bearer_token(value: &[u8]) -> Option<&[u8]> {
+    let value = value.trim_ascii();
+    let (scheme, rest) = value.split_at_checked(6)?;
+    if !scheme.eq_ignore_ascii_case(b"bearer") || !rest.first()?.is_ascii_whitespace() {
+        return None;
+    }
+    Some(rest.trim_ascii())
+}
+
+/// The keys of the configuration in force, read when first asked for and read again when a
+/// reload replaces the configuration (the cache is keyed by the `Arc`, which it holds, so
+/// the pointer cannot be reused by another configuration while it is cached).
+#[derive(Default)]
+pub struct KeyCache {
+    slot: Mutex<Option<Cached>>,
+}
+
+type Cached = (Arc<Config>, Result<Arc<ApiKeys>, String>);
+
+impl fmt::Debug for KeyCache {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str("KeyCache")
+    }
+}
+
+impl KeyCache {
+    /// The keys `config` asks for: `None` when it sets no `api.api_keys_file` (no key
+    /// needed), else the keys or why they cannot be had. A failure is logged once per
+    /// configuration.
+    pub fn get(&self, config: &Arc<Config>) -> Option<Result<Arc<ApiKeys>, String>> {
+        let path = config.supervisor.api.api_keys_file.as_deref()?;
+        let mut slot = self.slot.lock().unwrap_or_else(|p| p.into_inner());
+        if let Some((cached, keys)) = slot.as_ref() {
+            if Arc::ptr_eq(cached, config) {
+                return Some(keys.clone());
+            }
+        }
+        let keys = ApiKeys::load(path).map(Arc::new);
+        match &keys {
+            Ok(k) => {
+                tracing::info!(
+                    "API keys required: {} key(s) from {}",
+                    k.count(),
+                    path.display()
+                );
+                if !k.short_lines().is_empty() {
+                    let lines: Vec<String> =
+                        k.short_lines().iter().map(|n| n.to_string()).collect();
+                    tracing::warn!(
+                        "the API key on line(s) {} of {} is shorter than {SHORT_KEY} characters \
+                         and could be guessed; use a long random key (openssl rand -hex 32)",
+                        lines.join(", "),
+                        path.display()
+                    );
+                }
+            }
+            Err(e) => tracing::error!("{e}; every request but GET /health is refused with 503"),
+        }
+        *slot = Some((config.clone(), keys.clone()));
+        Some(keys)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use http::HeaderValue;
+    use std::io::Write;
+    use std::os::unix::fs::OpenOptionsExt;
+    use std::path::PathBuf;
+    use std::sync::atomic::{AtomicU32, Ordering};
+
+    /// A file with `text` and `mode` in a fresh folder, removed on drop.
+    struct KeyFile(PathBuf);
+
+    impl KeyFile {
+        fn new(text: &str, mode: u32) -> KeyFile {
+            static N: AtomicU32 = AtomicU32::new(0);
+            let dir = std::env::temp_dir().join(format!(
+                "dsv4-auth-{}-{}",
+                std::process::id(),
+                N.fetch_add(1, Ordering::Relaxed)
+            ));
+            std::fs::create_dir_all(&dir).unwrap();
+            let path = dir.join("api-keys");
+            let mut f = std::fs::OpenOptions::new()
+                .write(true)
+                .create_new(true)
+                .mode(0o600)
+                .open(&path)
+                .unwrap();
+            f.write_all(text.as_bytes()).unwrap();
+            // Set after creation: the umask does not apply to chmod.
+            std::fs::set_permissions(&path, std::fs::Permissions::from_mode(mode)).unwrap();
+            KeyFile(path)
+        }
+    }
+
+    impl Drop for KeyFile {
+        fn drop(&mut self) {
+            let _ = std::fs::remove_dir_all(self.0.parent().unwrap());
+        }
+    }
+
+    fn keys(text: &str) -> ApiKeys {
+        ApiKeys::parse(text).unwrap()
+    }
+
+    fn headers(pairs: &[(&str, &str)]) -> HeaderMap {
+        let mut h = HeaderMap::new();
+        for (k, v) in pairs {
+            h.append(
+                http::HeaderName::from_bytes(k.as_bytes()).unwrap(),
+                HeaderValue::from_str(v).unwrap(),
+            );
+        }
+        h
+    }
+
+    fn is(keys: &ApiKeys, candidate: &str) -> bool {
+        bool::from(keys.matches(candidate.as_bytes()))
+    }
+
+    #[test]
+    fn parsing_skips_blanks_and_comments_and_trims() {
+        let k = keys("# team keys\n\n  sk-one  \n\t# indented comment\nsk-two\r\n   \n");
+        assert_eq!(k.count(), 2);
+        assert!(is(&k, "sk-one"));
+        assert!(is(&k, "sk-two"));
+        assert!(!is(&k, "  sk-one  "));
+        assert!(!is(&k, "# team keys"));
+    }
+
+    #[test]
+    fn a_file_without_keys_is_refused() {
+        for text in ["", "\n\n", "# only a comment\n   \n#another\n"] {
+            let e = ApiKeys::parse(text).unwrap_err();
+            assert!(e.contains("holds no key"), "{e}");
+        }
+    }
+
+    #[test]
+    fn a_key_with_a_control_character_is_refused_without_showing_it() {
+        let e = ApiKeys::parse("good\nsecret\x01part\n").unwrap_err();
+        assert!(e.starts_with("line 2:"), "{e}");
+        assert!(!e.contains("secret"), "{e}");
+    }
+
+    #[test]
+    fn debug_does_not_print_keys() {
+        let k = keys("sk-very-secret\nsk-other\n");
+        let shown = format!("{k:?}");
+        assert_eq!(shown, "ApiKeys(2 redacted)");
+    }
+
+    #[test]
+    fn a_private_file_loads() {
+        let f = KeyFile::new("# keys\nsk-a\nsk-b\n", 0o600);
+        let k = ApiKeys::load(&f.0).unwrap();
+        assert_eq!(k.count(), 2);
+        assert!(is(&k, "sk-b"));
+        // Read-only for the owner is fine too.
+        let f = KeyFile::new("sk-a\n", 0o400);
+        assert_eq!(ApiKeys::load(&f.0).unwrap().count(), 1);
+    }
+
+    #[test]
+    fn a_file_open_to_group_or_others_is_refused_with_the_fix() {
+        for mode in [0o644, 0o640, 0o604, 0o620, 0o602, 0o660] {
+            let f = KeyFile::new("sk-a\n", mode);
+            let e = ApiKeys::load(&f.0).unwrap_err();
+            let path = f.0.display().to_string();
+            assert!(e.contains(&format!("chmod 600 {path}")), "{mode:o}: {e}");
+            assert!(e.contains(&format!("(mode {mode:04o})")), "{e}");
+            assert!(!e.contains("sk-a"), "{e}");
+        }
+    }
+
+    #[test]
+    fn a_missing_file_is_named() {
+        let f = KeyFile::new("sk-a\n", 0o600);
+        let gone = f.0.with_file_name("nope");
+        let e = ApiKeys::load(&gone).unwrap_err();
+        assert!(
+            e.contains(&format!("cannot open the API key file {}", gone.display())),
+            "{e}"
+        );
+    }
+
+    #[test]
+    fn a_folder_is_not_a_key_file() {
+        let f = KeyFile::new("sk-a\n", 0o600);
+        let dir = f.0.parent().unwrap();
+        std::fs::set_permissions(dir, std::fs::Permissions::from_mode(0o700)).unwrap();
+        let e = ApiKeys::load(dir).unwrap_err();
+        assert!(e.contains("not a regular file"), "{e}");
+    }
+
+    #[test]
+    fn an_empty_private_file_names_the_file() {
+        let f = KeyFile::new("\n# nothing yet\n", 0o600);
+        let e = ApiKeys::load(&f.0).unwrap_err();
+        assert!(e.contains(&f.0.display().to_string()), "{e}");
+        assert!(e.contains("holds no key"), "{e}");
+    }
+
+    #[test]
+    fn every_key_matches_and_nothing_near_one_does() {
+        let k = keys("first-key\nsecond\nthe-third-and-longest-key\n");
+        assert!(is(&k, "first-key"));
+        assert!(is(&k, "second"));
+        assert!(is(&k, "the-third-and-longest-key"));
+        for near in [
+            "",
+            "first-ke",
+            "first-key ",
+            "first-kez",
+            "First-key",
+            "secondsecond",
+            "the-third-and-longest-kex",
+            "x",
+        ] {
+            assert!(!is(&k, near), "{near:?} matched");
+        }
+    }
+
+    #[test]
+    fn bearer_and_x_api_key_are_both_accepted() {
+        let k = keys("sk-good\n");
+        for h in [
+            headers(&[("authorization", "Bearer sk-good")]),
+            headers(&[("authorization", "bearer sk-good")]),
+            headers(&[("authorization", "BEARER   sk-good  ")]),
+            headers(&[("x-api-key", "sk-good")]),
+            headers(&[("x-api-key", " sk-good ")]),
+        ] {
+            assert_eq!(k.allows(&h), AuthResult::Ok, "{h:?}");
+        }
+    }
+
+    #[test]
+    fn more_than_one_credential_is_refused_whatever_they_hold() {
+        let k = keys("sk-good\n");
+        for h in [
+            headers(&[("authorization", "Bearer nope"), ("x-api-key", "sk-good")]),
+            headers(&[("x-api-key", "nope"), ("x-api-key", "sk-good")]),
+            headers(&[
+                ("authorization", "Bearer sk-good"),
+                ("authorization", "Bearer sk-good"),
+            ]),
+            headers(&[("authorization", "Basic x"), ("x-api-key", "sk-bad")]),
+        ] {
+            assert_eq!(k.allows(&h), AuthResult::Several, "{h:?}");
+        }
+        let many: Vec<(&str, &str)> = (0..96).map(|_| ("x-api-key", "guess")).collect();
+        assert_eq!(k.allows(&headers(&many)), AuthResult::Several);
+    }
+
+    #[test]
+    fn short_keys_are_noted_by_line() {
+        let k = keys("# keys\nsk-short\n\n0123456789abcdef\nabc\n");
+        assert_eq!(k.short_lines(), [2, 5]);
+        assert!(keys("0123456789abcdef0123\n").short_lines().is_empty());
+    }
+
+    #[test]
+    fn the_file_and_its_folder_are_dsv4ds_users_or_roots() {
+        let me = 1000;
+        assert_eq!(owner_problem(me, me, 0o700, me), None);
+        assert_eq!(owner_problem(0, 0, 0o755, me), None);
+        assert_eq!(owner_problem(me, 0, 0o1755, me), None);
+        let problem = |f, d, m| owner_problem(f, d, m, me).unwrap();
+        assert_eq!(
+            problem(1001, me, 0o700),
+            "is owned by uid 1001, not by dsv4d's user (uid 1000) or root"
+        );
+        assert!(problem(me, 1001, 0o700).starts_with("is in a folder owned by uid 1001"));
+        assert!(problem(me, me, 0o775).contains("(mode 0775)"));
+        assert!(problem(me, 0, 0o1777).contains("(mode 1777)"));
+    }
+
+    #[test]
+    fn no_key_is_missing_and_a_wrong_one_invalid() {
+        let k = keys("sk-good\n");
+        for h in [
+            headers(&[]),
+            headers(&[("authorization", "Basic c2stZ29vZDo=")]),
+            headers(&[("authorization", "Bearer")]),
+            headers(&[("authorization", "Bearer   ")]),
+            headers(&[("authorization", "Bearersk-good")]),
+            headers(&[("x-api-key", "")]),
+            headers(&[("api-key", "sk-good")]),
+        ] {
+            assert_eq!(k.allows(&h), AuthResult::Missing, "{h:?}");
+        }
+        for h in [
+            headers(&[("authorization", "Bearer sk-bad")]),
+            headers(&[("authorization", "Bearer sk-good-and-more")]),
+            headers(&[("x-api-key", "sk-goo")]),
+            headers(&[("x-api-key", "Bearer sk-good")]),
+        ] {
+            assert_eq!(k.allows(&h), AuthResult::Invalid, "{h:?}");
+        }
+    }
+
+    #[test]
+    fn the_cache_follows_the_configuration_in_force() {
+        let f = KeyFile::new("sk-a\n", 0o600);
+        let mut config = Config {
+            file: PathBuf::from("/nonexistent/supervisor.yaml"),
+            supervisor: Default::default(),
+            profiles: Default::default(),
+        };
+        let cache = KeyCache::default();
+        assert!(cache.get(&Arc::new(config.clone())).is_none());
+
+        config.supervisor.api.api_keys_file = Some(f.0.clone());
+        let first = Arc::new(config.clone());
+        let a = cache.get(&first).unwrap().unwrap();
+        assert_eq!(a.count(), 1);
+        // Same configuration: the same keys, not read again.
+        std::fs::write(&f.0, "sk-a\nsk-b\n").unwrap();
+        let again = cache.get(&first).unwrap().unwrap();
+        assert!(Arc::ptr_eq(&a, &again));
+        // A reload (a new Arc) reads the file again.
+        let second = Arc::new(config.clone());
+        assert_eq!(cache.get(&second).unwrap().unwrap().count(), 2);
+        // and a broken file then fails closed.
+        std::fs::set_permissions(&f.0, std::fs::Permissions::from_mode(0o644)).unwrap();
+        let third = Arc::new(config);
+        let e = cache.get(&third).unwrap().unwrap_err();
+        assert!(e.contains("chmod 600"), "{e}");
+    }
+}

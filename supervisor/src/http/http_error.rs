@@ -1,0 +1,194 @@
+//! Errors the supervisor itself answers over HTTP, in the OpenAI error shape
+//! `{"error":{"message":..., "type":..., "code":...}}`.
+//!
+//! Owns: the mapping from a refusal or a proxy failure to a status code, `Retry-After`, and a
+//! message that names the cause (with the tail of the engine's output where there is one).
+
+use std::time::Duration;
+
+use bytes::Bytes;
+use http::{header, HeaderValue, Response, StatusCode};
+use serde_json::json;
+
+use crate::lifecycle::state::Refusal;
+
+/// An error response about to be sent.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct ApiError {
+    pub status: StatusCode,
+    pub kind: &'static str,
+    pub code: &'static str,
+    pub message: String,
+    pub retry_after: Option<Duration>,
+}
+
+impl ApiError {
+    pub fn new(
+        status: StatusCode,
+        kind: &'static str,
+        code: &'static str,
+        message: impl Into<String>,
+    ) -> Self {
+        ApiError {
+            status,
+            kind,
+            code,
+            message: message.into(),
+            retry_after: None,
+        }
+    }
+
+    pub fn retry_after(mut self, d: Duration) -> Self {
+        self.retry_after = Some(d);
+        self
+    }
+
+    pub fn body(&self) -> Bytes {
+        let v =
+            json!({ "error": { "message": self.message, "type": self.kind, "code": self.code } });
+        Bytes::from(v.to_string())
+    }
+
+    /// The response, with a body of any type that can be made from bytes.
+    pub fn into_response<B: From<Bytes>>(self) -> Response<B> {
+        let mut r = Response::new(B::from(self.body()));
+        *r.status_mut() = self.status;
+        r.headers_mut().insert(
+            header::CONTENT_TYPE,
+            HeaderValue::from_static("application/json"),
+        );
+        if let Some(d) = self.retry_after {
+            // Whole seconds, rounded up, at least 1.
+            let secs = d.as_secs() + u64::from(d.subsec_nanos() > 0);
+            r.headers_mut()
+                .insert(header::RETRY_AFTER, HeaderValue::from(secs.max(1)));
+        }
+        r
+    }
+}
+
+pub use crate::lifecycle::refusal::with_tail;
+
+impl From<Refusal> for ApiError {
+    fn from(r: Refusal) -> Self {
+        let unavailable = StatusCode::SERVICE_UNAVAILABLE;
+        let message = r.message();
+        let (status, kind, code, retry) = match r {
+            Refusal::QueueFull { .. } => (
+                unavailable,
+                "unavailable_error",
+                "queue_full",
+                Some(Duration::from_secs(5)),
+            ),
+            Refusal::StartFailed(_) => (
+                unavailable,
+                "unavailable_error",
+                "engine_start_failed",
+                Some(Duration::from_secs(1)),
+            ),
+            Refusal::StartTimeout { .. } => (
+                StatusCode::GATEWAY_TIMEOUT,
+                "timeout_error",
+                "engine_start_timeout",
+                None,
+            ),
+            Refusal::Backoff { retry_after, .. } => (
+                unavailable,
+                "unavailable_error",
+                "engine_backoff",
+                Some(retry_after),
+            ),
+            Refusal::StartCancelled => (
+                unavailable,
+                "unavailable_error",
+                "engine_stopped",
+                Some(Duration::from_secs(1)),
+            ),
+            Refusal::NotEnoughMemory { .. } => (
+                unavailable,
+                "unavailable_error",
+                "insufficient_memory",
+                Some(Duration::from_secs(10)),
+            ),
+            Refusal::TooHot { .. } => (
+                unavailable,
+                "unavailable_error",
+                "too_hot",
+                Some(Duration::from_secs(60)),
+            ),
+            Refusal::ShuttingDown => (
+                unavailable,
+                "unavailable_error",
+                "shutting_down",
+                Some(Duration::from_secs(5)),
+            ),
+        };
+        let e = ApiError::new(status, kind, code, message);
+        match retry {
+            Some(d) => e.retry_after(d),
+            None => e,
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::lifecycle::state::EngineFailure;
+    use http_body_util::{BodyExt, Full};
+
+    async fn parts(e: ApiError) -> (StatusCode, Option<String>, serde_json::Value) {
+        let r: Response<Full<Bytes>> = e.into_response();
+        let status = r.status();
+        let ra = r
+            .headers()
+            .get(header::RETRY_AFTER)
+            .map(|v| v.to_str().unwrap().to_string());
+        let body = r.into_body().collect().await.unwrap().to_bytes();
+        (status, ra, serde_json::from_slice(&body).unwrap())
+    }
+
+    #[tokio::test]
+    async fn start_failure_carries_the_engine_tail_in_openai_shape() {
+        let f = EngineFailure {
+            summary: "the engine exited before it was ready (exit code 1)".into(),
+            tail: vec!["error: failed to load model".into()],
+        };
+        let (status, ra, v) = parts(Refusal::StartFailed(f).into()).await;
+        assert_eq!(status, 503);
+        assert_eq!(ra.as_deref(), Some("1"));
+        assert_eq!(v["error"]["type"], "unavailable_error");
+        assert_eq!(v["error"]["code"], "engine_start_failed");
+        assert_eq!(
+            v["error"]["message"],
+            "engine failed to start: the engine exited before it was ready (exit code 1); \
+             engine output (last 1 lines):\nerror: failed to load model"
+        );
+    }
+
+    #[tokio::test]
+    async fn timeout_is_504_and_names_the_setting() {
+        let r = Refusal::StartTimeout {
+            timeout: Duration::from_secs(600),
+            tail: vec![],
+        };
+        let (status, ra, v) = parts(r.into()).await;
+        assert_eq!(status, 504);
+        assert_eq!(ra, None);
+        assert_eq!(
+            v["error"]["message"],
+            "engine was not ready within engine.start_timeout (10m)"
+        );
+    }
+
+    #[tokio::test]
+    async fn backoff_rounds_retry_after_up() {
+        let r = Refusal::Backoff {
+            retry_after: Duration::from_millis(1500),
+            last: None,
+        };
+        let (status, ra, _) = parts(r.into()).await;
+        assert_eq!(status, 503);
+        assert_eq!(ra.as_deref(), Some("2"));
+    }
+}

@@ -1,0 +1,466 @@
+//! The save and the restore, as llama-server's slot endpoints do them.
+//!
+//! `GET /props` gives the engine build, slot count and per-slot context (the key's figures
+//! the profile cannot tell for sure); `GET /slots` which slots are busy; `POST
+//! /slots/N?action=save|restore|erase` with `{"filename": ...}` does the work, answering
+//! `n_saved`/`n_written` or `n_restored`/`n_read`. Found on llama-server (llama.cpp b0-0c1e57098):
+//! a full disk answers 500 and leaves a partial file; a slot file from another slot count
+//! answers 400; a truncated slot file aborts the engine (so a checkpoint is checked against
+//! its manifest before it is offered, and one whose restore never ended is set aside).
+
+use std::sync::Arc;
+use std::time::Duration;
+
+use bytes::Bytes;
+use dsv4_client::kv::KvStep;
+use http_body_util::BodyExt;
+use serde::Deserialize;
+use serde_json::json;
+use tokio::time::Instant;
+
+use super::engine_ref::EngineRef;
+use crate::config::Profile;
+use crate::kv::key::{FileId, Key};
+use crate::kv::store::{Manifest, SlotFile, Store, FORMAT};
+use crate::kv::Book;
+
+/// One answer of the engine is awaited this long at most (a slot of a 320K context is tens
+/// of GiB to write; the step's own timeout bounds the whole anyway).
+const CALL_TIMEOUT: Duration = Duration::from_secs(3600);
+/// Checkpoints one failed save may remove to make room.
+const MAX_EVICTIONS: u32 = 16;
+
+#[derive(Debug, Deserialize)]
+struct Props {
+    #[serde(default)]
+    build_info: String,
+    #[serde(default)]
+    total_slots: u32,
+    #[serde(default)]
+    default_generation_settings: Option<GenerationSettings>,
+}
+
+#[derive(Debug, Deserialize)]
+struct GenerationSettings {
+    #[serde(default)]
+    n_ctx: u64,
+}
+
+#[derive(Debug, Deserialize)]
+struct Slot {
+    id: u32,
+    #[serde(default)]
+    is_processing: bool,
+}
+
+#[derive(Debug, Deserialize)]
+struct Saved {
+    n_saved: u64,
+    n_written: u64,
+}
+
+#[derive(Debug, Deserialize)]
+struct Restored {
+    n_restored: u64,
+}
+
+/// Sends one request to the engine (with its key) and returns the status and body.
+async fn call(
+    engine: &EngineRef,
+    method: http::Method,
+    path: &str,
+    body: Option<serde_json::Value>,
+) -> Result<(http::StatusCode, Bytes), String> {
+    let req = http::Request::builder()
+        .method(method)
+        .uri(path)
+        .header(http::header::HOST, engine.connections.host().clone())
+        .header(http::header::CONTENT_TYPE, "application/json")
+        .body(())
+        .map_err(|e| e.to_string())?;
+    let (parts, ()) = req.into_parts();
+    let bytes = body.map(|b| Bytes::from(b.to_string())).unwrap_or_default();
+    let work = async {
+        let resp = engine
+            .connections
+            .request(parts, bytes)
+            .await
+            .map_err(|e| e.to_string())?;
+        let status = resp.status();
+        let body = resp
+            .into_body()
+            .collect()
+            .await
+            .map_err(|e| format!("the engine's answer broke off: {e}"))?
+            .to_bytes();
+        Ok((status, body))
+    };
+    tokio::time::timeout(CALL_TIMEOUT, work)
+        .await
+        .map_err(|_| "the engine did not answer".to_string())?
+}
+
+/// `call`, expecting 200 and JSON of type `T`.
+pub(crate) async fn call_json<T: serde::de::DeserializeOwned>(
+    engine: &EngineRef,
+    method: http::Method,
+    path: &str,
+    body: Option<serde_json::Value>,
+) -> Result<T, String> {
+    let (status, bytes) = call(engine, method, path, body).await?;
+    if status != http::StatusCode::OK {
+        let text = String::from_utf8_lossy(&bytes);
+        let message = serde_json::from_slice::<serde_json::Value>(&bytes)
+            .ok()
+            .and_then(|v| v["error"]["message"].as_str().map(String::from))
+            .unwrap_or_else(|| text.chars().take(200).collect());
+        return Err(format!("{path}: {status}: {message}"));
+    }
+    serde_json::from_slice(&bytes).map_err(|e| format!("{path}: unexpected answer: {e}"))
+}
+
+/// The key of the running engine of `profile`.
+pub async fn engine_key(engine: &EngineRef, profile: &Profile) -> Result<Key, String> {
+    let props: Props = call_json(engine, http::Method::GET, "/props", None).await?;
+    let model = profile.params.model.clone();
+    let mmproj = profile.params.mmproj.clone();
+    let (model, mmproj) = tokio::task::spawn_blocking(move || {
+        let model = model.as_deref().map(FileId::of).transpose();
+        let mmproj = mmproj.as_deref().map(FileId::of).transpose();
+        (model, mmproj)
+    })
+    .await
+    .map_err(|e| e.to_string())?;
+    let model = model
+        .map_err(|e| format!("cannot read the model file: {e}"))?
+        .ok_or("the profile names no model file")?;
+    let mmproj = mmproj.map_err(|e| format!("cannot read the mmproj file: {e}"))?;
+    Ok(Key {
+        model,
+        mmproj,
+        n_ctx: props.default_generation_settings.map_or(0, |g| g.n_ctx),
+        slots: props.total_slots,
+        cache_type: profile
+            .params
+            .kv_cache
+            .clone()
+            .unwrap_or_else(|| "default".into()),
+        flash_attn: profile
+            .params
+            .flash_attn
+            .map_or("default", |f| f.as_str())
+            .to_string(),
+        build: props.build_info,
+    })
+}
+
+/// Runs `f` on the folder off the runtime's thread (file work may block).
+async fn on_disk<T: Send + 'static>(
+    store: &Store,
+    f: impl FnOnce(&Store) -> T + Send + 'static,
+) -> Result<T, String> {
+    let store = store.clone();
+    tokio::task::spawn_blocking(move || f(&store))
+        .await
+        .map_err(|e| format!("a file task failed: {e}"))
+}
+
+/// Removes slot files off the runtime's thread (a checkpoint's files are GiB: unlinking
+/// them takes time).
+async fn remove_files(store: &Store, files: Vec<String>) {
+    let _ = on_disk(store, move |s| {
+        for f in &files {
+            s.remove_slot_file(f);
+        }
+    })
+    .await;
+}
+
+/// The key of the engine of `engine`: the one its restore worked out, else read now (and
+/// kept for its save).
+async fn key_of(engine: &EngineRef, profile: &Profile, book: &Book) -> Result<Key, String> {
+    if let Some(key) = book.key_of(engine.gen) {
+        return Ok(key);
+    }
+    let key = engine_key(engine, profile)
+        .await
+        .map_err(|e| format!("cannot tell the engine's key: {e}"))?;
+    book.set_key(engine.gen, key.clone());
+    Ok(key)
+}
+
+/// A step that did nothing, and why.
+fn failed(started: Instant, why: String) -> KvStep {
+    step(started, 0, 0, false, why)
+}
+
+fn step(started: Instant, tokens: u64, bytes: u64, ok: bool, result: String) -> KvStep {
+    KvStep {
+        at: crate::kv::unix_now(),
+        seconds: started.elapsed().as_secs_f64(),
+        tokens,
+        bytes,
+        result,
+        ok,
+        engine_said: None,
+        reason: None,
+    }
+}
+
+/// Puts the checkpoint that fits the engine of `engine` back into its slots. Never fails the
+/// start: whatever goes wrong, the engine serves with a cold cache and the step says why.
+pub async fn restore(engine: Arc<EngineRef>, profile: Profile, book: Book) -> KvStep {
+    let started = Instant::now();
+    let Some(kv) = profile.kv_checkpoint.clone() else {
+        return failed(started, "checkpoints are off".into());
+    };
+    let key = match key_of(&engine, &profile, &book).await {
+        Ok(key) => key,
+        Err(e) => return failed(started, e),
+    };
+    let store = Store::new(&kv.dir);
+    let name = profile.name.clone();
+    let shown = kv.dir.display().to_string();
+    let lookup = on_disk(&store, move |s| {
+        // A folder others may write could hold a planted checkpoint: never restored from.
+        s.ensure()
+            .map_err(|e| format!("cannot use {shown}: {e}"))
+            .map(|()| s.lookup(&name, &key))
+    })
+    .await
+    .and_then(|r| r);
+    let lookup = match lookup {
+        Ok(l) => l,
+        Err(e) => return failed(started, e),
+    };
+    for line in &lookup.set_aside {
+        tracing::warn!(
+            "KV checkpoint set aside, not restored: {line}; the engine starts without it"
+        );
+    }
+    let Some(m) = lookup.found else {
+        return failed(started, "nothing to restore".into());
+    };
+    book.set_restoring(engine.gen, &m.id);
+    let id = m.id.clone();
+    let marked = on_disk(&store, move |s| {
+        s.mark_restoring(&id).map_err(|e| e.to_string())
+    })
+    .await;
+    if let Err(e) = marked.and_then(|r| r) {
+        // Without the mark, a file that kills the engine would be offered again at every
+        // start: no restore then.
+        let why = format!(
+            "cannot mark the restore in {} ({e}); not restored",
+            kv.dir.display()
+        );
+        tracing::warn!("{why}");
+        return failed(started, why);
+    }
+    let mut restored = Vec::new();
+    for s in &m.slots {
+        let path = format!("/slots/{}?action=restore", s.slot);
+        let body = Some(json!({ "filename": s.file }));
+        match call_json::<Restored>(&engine, http::Method::POST, &path, body).await {
+            Ok(r) => restored.push((s.slot, r.n_restored)),
+            Err(e) => {
+                // What went in is taken out again: a half-restored engine is worse than a
+                // cold one.
+                for (slot, _) in &restored {
+                    let path = format!("/slots/{slot}?action=erase");
+                    let _ = call(&engine, http::Method::POST, &path, None).await;
+                }
+                // An engine that aborts on the file (llama-server does on some damage) breaks
+                // the connection: tell that from a refusal.
+                let why = match engine.gone_within(Duration::from_millis(100)).await {
+                    true => format!("the engine died restoring it ({e})"),
+                    false => format!("the engine refused it: {e}"),
+                };
+                tracing::warn!(
+                    "KV checkpoint {} set aside, not restored: {why}; the engine serves without it",
+                    m.id
+                );
+                let (aside, reason) = (m.clone(), why.clone());
+                let _ = on_disk(&store, move |s| s.set_aside(&aside, &reason)).await;
+                return failed(started, why);
+            }
+        }
+    }
+    let id = m.id.clone();
+    let _ = on_disk(&store, move |s| s.clear_restoring(&id)).await;
+    let tokens: u64 = restored.iter().map(|(_, n)| n).sum();
+    book.credit(tokens);
+    let done = step(started, tokens, m.bytes(), true, "restored".into());
+    tracing::info!(
+        profile = profile.name,
+        "KV checkpoint {} restored: {tokens} tokens, {} bytes in {:.2} s (saved {} by profile {})",
+        m.id,
+        m.bytes(),
+        done.seconds,
+        ago(m.saved_at),
+        m.profile
+    );
+    done
+}
+
+fn ago(at: f64) -> String {
+    let s = (crate::kv::unix_now() - at).max(0.0);
+    crate::config::format_duration(Duration::from_secs(s as u64)) + " ago"
+}
+
+/// Saves every slot that holds tokens, as the checkpoint of the engine's key, and keeps the
+/// folder within `max_size` (the oldest go first; on a full disk too).
+pub async fn save(engine: Arc<EngineRef>, profile: Profile, book: Book) -> KvStep {
+    let started = Instant::now();
+    let Some(kv) = profile.kv_checkpoint.clone() else {
+        return failed(started, "checkpoints are off".into());
+    };
+    let key = match key_of(&engine, &profile, &book).await {
+        Ok(key) => key,
+        Err(e) => return failed(started, e),
+    };
+    let store = Store::new(&kv.dir);
+    let shown = kv.dir.display().to_string();
+    let prepared = on_disk(&store, move |s| {
+        s.ensure()
+            .map(|()| s.sweep())
+            .map_err(|e| format!("cannot use {shown}: {e}"))
+    })
+    .await;
+    if let Err(why) = prepared.and_then(|r| r) {
+        return failed(started, why);
+    }
+    let slots: Vec<Slot> = match call_json(&engine, http::Method::GET, "/slots", None).await {
+        Ok(s) => s,
+        Err(e) => return failed(started, format!("cannot list the slots: {e}")),
+    };
+    let id = key.id();
+    let stamp = crate::kv::unix_millis();
+    let mut files: Vec<SlotFile> = Vec::new();
+    let mut failure = None;
+    'slots: for slot in &slots {
+        if slot.is_processing {
+            tracing::info!("slot {} is busy: not saved", slot.id);
+            continue;
+        }
+        let file = Store::slot_file_name(&id, stamp, slot.id);
+        let mut evictions = 0;
+        loop {
+            let path = format!("/slots/{}?action=save", slot.id);
+            let body = Some(json!({ "filename": file }));
+            match call_json::<Saved>(&engine, http::Method::POST, &path, body).await {
+                Ok(r) if r.n_saved == 0 => {
+                    remove_files(&store, vec![file.clone()]).await;
+                    break;
+                }
+                Ok(r) => {
+                    let name = file.clone();
+                    let written = on_disk(&store, move |s| s.slot_file_len(&name))
+                        .await
+                        .ok()
+                        .flatten();
+                    if written != Some(r.n_written) {
+                        remove_files(&store, vec![file.clone()]).await;
+                        failure = Some(format!(
+                            "slot {} was written short ({written:?} of {} bytes)",
+                            slot.id, r.n_written
+                        ));
+                        break 'slots;
+                    }
+                    files.push(SlotFile {
+                        slot: slot.id,
+                        file: file.clone(),
+                        tokens: r.n_saved,
+                        bytes: r.n_written,
+                    });
+                    break;
+                }
+                Err(e) => {
+                    // A full disk (llama-server: 500 "Unable to save slot", and a partial
+                    // file) makes room: the partial file goes, and so does the oldest other
+                    // checkpoint, before one more try. Nothing else evicts anything.
+                    remove_files(&store, vec![file.clone()]).await;
+                    let full = e.contains(": 500 ") && engine.exit.borrow().is_none();
+                    evictions += 1;
+                    let gone = match full && evictions <= MAX_EVICTIONS {
+                        true => {
+                            let keep = id.clone();
+                            on_disk(&store, move |s| s.evict_oldest(&keep))
+                                .await
+                                .ok()
+                                .flatten()
+                        }
+                        false => None,
+                    };
+                    let Some(gone) = gone else {
+                        failure = Some(format!("the engine could not save slot {}: {e}", slot.id));
+                        break 'slots;
+                    };
+                    tracing::info!(
+                        "the save of slot {} failed ({e}): removed the oldest checkpoint, \
+                         {gone}, to make room, and trying again",
+                        slot.id
+                    );
+                }
+            }
+        }
+    }
+    if let Some(why) = failure {
+        remove_files(&store, files.iter().map(|f| f.file.clone()).collect()).await;
+        tracing::warn!(
+            profile = profile.name,
+            "KV checkpoint not saved: {why}; the next start is cold"
+        );
+        return failed(started, why);
+    }
+    if files.is_empty() {
+        return step(started, 0, 0, true, "nothing to save".into());
+    }
+    let manifest = Manifest {
+        format: FORMAT,
+        id: id.clone(),
+        profile: profile.name.clone(),
+        key,
+        saved_at: crate::kv::unix_now(),
+        save_seconds: started.elapsed().as_secs_f64(),
+        slots: files,
+        aside: None,
+    };
+    let (tokens, bytes) = (manifest.tokens(), manifest.bytes());
+    let max = kv.max_size;
+    let m = manifest.clone();
+    let committed = on_disk(&store, move |s| -> Result<Vec<String>, String> {
+        if let Some(max) = max.filter(|max| m.bytes() > *max) {
+            // Not committed (its files go below): the previous checkpoint stays.
+            return Err(format!(
+                "not kept: its {} bytes are more than kv_checkpoint.max_size ({max} bytes)",
+                m.bytes()
+            ));
+        }
+        s.commit(&m)
+            .map_err(|e| format!("cannot write its manifest: {e}"))?;
+        Ok(max.map(|max| s.evict_to(max, &m.id)).unwrap_or_default())
+    })
+    .await
+    .and_then(|r| r);
+    match committed {
+        Ok(evicted) => {
+            for gone in evicted {
+                tracing::info!("KV checkpoint {gone} removed: kv_checkpoint.max_size reached");
+            }
+            let done = step(started, tokens, bytes, true, "saved".into());
+            tracing::info!(
+                profile = profile.name,
+                "KV checkpoint {id} saved: {tokens} tokens, {bytes} bytes in {:.2} s",
+                done.seconds
+            );
+            done
+        }
+        Err(why) => {
+            let files = manifest.slots.iter().map(|f| f.file.clone()).collect();
+            remove_files(&store, files).await;
+            tracing::warn!(profile = profile.name, "KV checkpoint {id}: {why}");
+            failed(started, why)
+        }
+    }
+}

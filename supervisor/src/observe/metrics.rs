@@ -1,0 +1,657 @@
+//! `GET /metrics`: the supervisor's own figures and the host's latest sample, in the
+//! OpenMetrics text format (which Prometheus reads), through `prometheus-client`.
+//!
+//! Owns: the metric names and what each is drawn from. Must not: reach the engine; a scraper
+//! polling every few seconds must neither start an idle engine nor keep it running. Each
+//! scrape builds its registry from snapshots (the lifecycle's status, the request
+//! statistics, the monitor's latest sample), so that nothing here holds state of its own.
+//! A figure the host does not report has no line.
+
+use dsv4_client::kv::KvStatus;
+use dsv4_client::telemetry::{Sample, ThrottleKind};
+use dsv4_client::{PowerStatus, State, ThermalStatus};
+use prometheus_client::encoding::EncodeLabelSet;
+use prometheus_client::metrics::counter::Counter;
+use prometheus_client::metrics::family::Family;
+use prometheus_client::metrics::gauge::Gauge;
+use prometheus_client::registry::Registry;
+use std::sync::atomic::AtomicU64;
+
+use crate::lifecycle::Status;
+use crate::observe::stats::Report;
+
+/// What `GET /metrics` answers with.
+pub const CONTENT_TYPE: &str = "application/openmetrics-text; version=1.0.0; charset=utf-8";
+
+type FloatGauge = Gauge<f64, AtomicU64>;
+type FloatCounter = Counter<f64, AtomicU64>;
+
+#[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
+struct StateLabel {
+    state: &'static str,
+}
+
+#[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
+struct ProfileLabel {
+    profile: String,
+}
+
+#[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
+struct SensorLabel {
+    sensor: &'static str,
+}
+
+#[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
+struct SourceLabel {
+    source: &'static str,
+}
+
+#[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
+struct SensorName {
+    sensor: String,
+}
+
+#[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
+struct LevelLabel {
+    level: String,
+}
+
+#[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
+struct KindLabel {
+    kind: &'static str,
+}
+
+/// Registers `metric` under `name` and hands it back to be set.
+fn add<
+    M: prometheus_client::metrics::TypedMetric
+        + prometheus_client::encoding::EncodeMetric
+        + Clone
+        + Send
+        + Sync
+        + std::fmt::Debug
+        + 'static,
+>(
+    reg: &mut Registry,
+    name: &str,
+    help: &str,
+    metric: M,
+) -> M {
+    // prometheus-client ends each help text with a full stop of its own.
+    reg.register(name, help.trim_end_matches('.'), metric.clone());
+    metric
+}
+
+pub fn render(
+    status: &Status,
+    requests: &Report,
+    sample: Option<&Sample>,
+    power: &PowerStatus,
+    thermal: &ThermalStatus,
+    kv: &KvStatus,
+) -> String {
+    let mut reg = Registry::default();
+    engine(&mut reg, status);
+    request_metrics(&mut reg, requests);
+    host(&mut reg, sample);
+    power_metrics(&mut reg, power);
+    kv_metrics(&mut reg, kv);
+    let levels = add(
+        &mut reg,
+        "dsv4_thermal_level",
+        "Thermal level per sensor: 0 normal, 1 warn, 2 critical.",
+        Family::<SensorName, Gauge>::default(),
+    );
+    for s in &thermal.sensors {
+        let n = match s.level.as_str() {
+            "critical" => 2,
+            "warn" => 1,
+            _ => 0,
+        };
+        levels
+            .get_or_create(&SensorName {
+                sensor: s.sensor.clone(),
+            })
+            .set(n);
+    }
+    let mut out = String::with_capacity(4096);
+    // Writing to a String cannot fail.
+    let _ = prometheus_client::encoding::text::encode(&mut out, &reg);
+    out
+}
+
+fn kv_metrics(reg: &mut Registry, kv: &KvStatus) {
+    let bytes = add(
+        reg,
+        "dsv4_kv_checkpoint_bytes",
+        "Bytes of the newest KV checkpoint each profile saved.",
+        Family::<ProfileLabel, Gauge>::default(),
+    );
+    let save = add(
+        reg,
+        "dsv4_kv_save_seconds",
+        "How long the last KV checkpoint save of each profile took.",
+        Family::<ProfileLabel, FloatGauge>::default(),
+    );
+    let restore = add(
+        reg,
+        "dsv4_kv_restore_seconds",
+        "How long the last KV checkpoint restore of each profile took.",
+        Family::<ProfileLabel, FloatGauge>::default(),
+    );
+    for p in &kv.profiles {
+        let label = ProfileLabel {
+            profile: p.profile.clone(),
+        };
+        let on_disk = p.checkpoint.as_ref().map_or(p.dir_bytes, |c| c.bytes);
+        bytes
+            .get_or_create(&label)
+            .set(i64::try_from(on_disk).unwrap_or(i64::MAX));
+        if let Some(step) = &p.last_save {
+            save.get_or_create(&label).set(step.seconds);
+        }
+        if let Some(step) = &p.last_restore {
+            restore.get_or_create(&label).set(step.seconds);
+        }
+    }
+    // OpenMetrics adds `_total` to a counter's samples.
+    add(
+        reg,
+        "dsv4_kv_restored_tokens",
+        "Tokens that KV checkpoint restores put back into engines (each restore counted once).",
+        Counter::<u64>::default(),
+    )
+    .inc_by(kv.restored_tokens_total);
+}
+
+fn power_metrics(reg: &mut Registry, power: &PowerStatus) {
+    add(
+        reg,
+        "dsv4_power_profile_held",
+        "1 while dsv4d holds a power-profiles-daemon profile for the engine.",
+        Gauge::<i64>::default(),
+    )
+    .set(i64::from(power.held));
+    let levels = add(
+        reg,
+        "dsv4_gpu_performance_level",
+        "The GPU's power_dpm_force_performance_level: 1 for the current one.",
+        Family::<LevelLabel, Gauge>::default(),
+    );
+    if let Some(level) = &power.gpu_level {
+        levels
+            .get_or_create(&LevelLabel {
+                level: level.clone(),
+            })
+            .set(1);
+    }
+}
+
+fn engine(reg: &mut Registry, status: &Status) {
+    let states = add(
+        reg,
+        "dsv4_engine_state",
+        "Engine lifecycle state: 1 for the current one.",
+        Family::<StateLabel, Gauge>::default(),
+    );
+    for s in State::ALL {
+        states
+            .get_or_create(&StateLabel { state: s.as_str() })
+            .set(i64::from(status.state == s));
+    }
+    let profile = add(
+        reg,
+        "dsv4_active_profile",
+        "The active profile: 1 for it.",
+        Family::<ProfileLabel, Gauge>::default(),
+    );
+    profile
+        .get_or_create(&ProfileLabel {
+            profile: status.profile.clone(),
+        })
+        .set(1);
+    let int = |reg: &mut Registry, name: &str, help: &str, v: u64| {
+        add(reg, name, help, Gauge::<i64>::default()).set(i64::try_from(v).unwrap_or(i64::MAX));
+    };
+    int(
+        reg,
+        "dsv4_in_flight_requests",
+        "Requests holding a lease on the engine.",
+        u64::from(status.in_flight),
+    );
+    int(
+        reg,
+        "dsv4_waiting_requests",
+        "Requests waiting for the engine to be ready.",
+        status.waiting as u64,
+    );
+    int(
+        reg,
+        "dsv4_start_failures",
+        "Consecutive failed engine starts.",
+        u64::from(status.failures),
+    );
+    int(
+        reg,
+        "dsv4_engine_generation",
+        "Engines started since the daemon started.",
+        status.generation.unwrap_or(0),
+    );
+}
+
+fn request_metrics(reg: &mut Registry, requests: &Report) {
+    // Counters: OpenMetrics names them without `_total` and adds it to each sample.
+    let counters = [
+        ("dsv4_requests", "Finished requests with engine timings."),
+        ("dsv4_prompt_tokens", "New (uncached) prompt tokens."),
+        (
+            "dsv4_cached_prompt_tokens",
+            "Prompt tokens served from the engine's cache.",
+        ),
+        ("dsv4_generated_tokens", "Generated tokens."),
+    ];
+    for (which, (name, help)) in counters.into_iter().enumerate() {
+        let family = add(reg, name, help, Family::<ProfileLabel, Counter>::default());
+        for (profile, t) in &requests.by_profile {
+            let v = [
+                t.requests,
+                t.prompt_tokens,
+                t.cached_tokens,
+                t.generated_tokens,
+            ][which];
+            family
+                .get_or_create(&ProfileLabel {
+                    profile: profile.clone(),
+                })
+                .inc_by(v);
+        }
+    }
+    let rates = [
+        (
+            "dsv4_decode_tokens_per_second",
+            "Token-weighted decode rate over all requests.",
+        ),
+        (
+            "dsv4_prefill_tokens_per_second",
+            "Token-weighted prefill rate over all requests.",
+        ),
+        (
+            "dsv4_long_prompt_prefill_tokens_per_second",
+            "Token-weighted prefill rate, prompts of 1024+ new tokens.",
+        ),
+    ];
+    for (i, (name, help)) in rates.into_iter().enumerate() {
+        let family = add(
+            reg,
+            name,
+            help,
+            Family::<ProfileLabel, FloatGauge>::default(),
+        );
+        for (profile, t) in &requests.by_profile {
+            let v = [t.decode_tok_s, t.prefill_tok_s, t.long_prompt_prefill_tok_s][i];
+            if let Some(v) = v {
+                family
+                    .get_or_create(&ProfileLabel {
+                        profile: profile.clone(),
+                    })
+                    .set(v);
+            }
+        }
+    }
+}
+
+/// A gauge without labels, registered only when `value` is known: a figure the host does
+/// not report has no family at all (an unset gauge would read 0, a false figure).
+fn gauge_opt(reg: &mut Registry, name: &str, help: &str, value: Option<f64>) {
+    if let Some(v) = value {
+        add(reg, name, help, FloatGauge::default()).set(v);
+    }
+}
+
+fn host(reg: &mut Registry, sample: Option<&Sample>) {
+    let none = Sample::default();
+    let s = sample.unwrap_or(&none);
+    let gpu = s.gpu.as_ref();
+    let bytes = |v: Option<u64>| v.map(|b| b as f64);
+    let figures = [
+        (
+            "dsv4_gtt_used_bytes",
+            "GPU memory in GTT (system RAM mapped for the GPU) in use.",
+            bytes(gpu.and_then(|g| g.gtt_used)),
+        ),
+        (
+            "dsv4_gtt_total_bytes",
+            "GTT the GPU may use (ttm.pages_limit x 4096 on an APU).",
+            bytes(gpu.and_then(|g| g.gtt_total)),
+        ),
+        (
+            "dsv4_vram_used_bytes",
+            "GPU memory in VRAM (on an APU, the firmware's carve-out) in use.",
+            bytes(gpu.and_then(|g| g.vram_used)),
+        ),
+        (
+            "dsv4_vram_total_bytes",
+            "VRAM of the GPU.",
+            bytes(gpu.and_then(|g| g.vram_total)),
+        ),
+        (
+            "dsv4_memory_total_bytes",
+            "MemTotal of /proc/meminfo.",
+            bytes(s.memory.map(|m| m.total)),
+        ),
+        (
+            "dsv4_memory_available_bytes",
+            "MemAvailable of /proc/meminfo: what a new workload can take without swapping.",
+            bytes(s.memory.map(|m| m.available)),
+        ),
+        (
+            "dsv4_swap_total_bytes",
+            "SwapTotal of /proc/meminfo.",
+            bytes(s.memory.map(|m| m.swap_total)),
+        ),
+        (
+            "dsv4_swap_free_bytes",
+            "SwapFree of /proc/meminfo.",
+            bytes(s.memory.map(|m| m.swap_free)),
+        ),
+        (
+            "dsv4_gpu_busy_ratio",
+            "gpu_busy_percent as a ratio (0 to 1).",
+            gpu.and_then(|g| g.busy_percent).map(|p| p / 100.0),
+        ),
+        (
+            "dsv4_engine_rss_bytes",
+            "Resident memory of the engine process (its GTT is counted above).",
+            bytes(s.engine.map(|e| e.rss_bytes)),
+        ),
+        (
+            "dsv4_throttling",
+            "1 when the hardware throttled in the last sampling interval.",
+            s.throttle
+                .supported
+                .then_some(f64::from(u8::from(s.throttle.active))),
+        ),
+        (
+            "dsv4_sample_timestamp_seconds",
+            "Unix time of the latest sample of the host.",
+            sample.map(|s| s.at),
+        ),
+    ];
+    for (name, help, value) in figures {
+        gauge_opt(reg, name, help, value);
+    }
+    let t = &s.temperatures;
+    let temperatures = add(
+        reg,
+        "dsv4_temperature_celsius",
+        "Temperatures: edge (GPU), tctl (CPU control), ccd_max (hottest CCD), gfx and soc \
+         (gpu_metrics).",
+        Family::<SensorLabel, FloatGauge>::default(),
+    );
+    for (sensor, v) in [
+        ("edge", t.edge),
+        ("tctl", t.tctl),
+        ("ccd_max", t.ccd_max),
+        ("gfx", t.gfx),
+        ("soc", t.soc),
+    ] {
+        if let Some(v) = v {
+            temperatures.get_or_create(&SensorLabel { sensor }).set(v);
+        }
+    }
+    let p = &s.power;
+    let power = add(
+        reg,
+        "dsv4_power_watts",
+        "Power: soc (amdgpu hwmon; on an APU the whole chip), socket, apu and gfx \
+         (gpu_metrics).",
+        Family::<SourceLabel, FloatGauge>::default(),
+    );
+    for (source, v) in [
+        ("soc", p.soc),
+        ("socket", p.socket),
+        ("apu", p.apu),
+        ("gfx", p.gfx),
+    ] {
+        if let Some(v) = v {
+            power.get_or_create(&SourceLabel { source }).set(v);
+        }
+    }
+    let pressure = add(
+        reg,
+        "dsv4_memory_pressure_ratio",
+        "Share of the last 10 s in which some (or all) tasks waited for memory (PSI avg10).",
+        Family::<KindLabel, FloatGauge>::default(),
+    );
+    if let Some(psi) = s.pressure {
+        for (kind, v) in [("some", psi.some_avg10), ("full", psi.full_avg10)] {
+            pressure.get_or_create(&KindLabel { kind }).set(v / 100.0);
+        }
+    }
+    let throttle = add(
+        reg,
+        "dsv4_throttle_seconds",
+        "Seconds in which the hardware throttled, by kind, since the daemon started.",
+        Family::<KindLabel, FloatCounter>::default(),
+    );
+    if s.throttle.supported {
+        for kind in ThrottleKind::ALL {
+            throttle
+                .get_or_create(&KindLabel {
+                    kind: kind.as_str(),
+                })
+                .inc_by(s.throttle.seconds.get(kind));
+        }
+    }
+    let cpu = add(
+        reg,
+        "dsv4_engine_cpu_seconds",
+        "CPU time (user and system) of the engine process.",
+        Family::<KindLabel, FloatCounter>::default(),
+    );
+    if let Some(e) = s.engine {
+        cpu.get_or_create(&KindLabel { kind: "all" })
+            .inc_by(e.cpu_ms as f64 / 1000.0);
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::observe::stats::{Stats, Timings};
+    use dsv4_client::telemetry::*;
+
+    #[test]
+    fn kv_checkpoint_figures_are_exported() {
+        use dsv4_client::kv::{KvCheckpoint, KvProfile, KvStep};
+        let kv = KvStatus {
+            profiles: vec![KvProfile {
+                profile: "320k".into(),
+                checkpoint: Some(KvCheckpoint {
+                    bytes: 1234,
+                    ..KvCheckpoint::default()
+                }),
+                last_save: Some(KvStep {
+                    seconds: 2.5,
+                    ..KvStep::default()
+                }),
+                last_restore: Some(KvStep {
+                    seconds: 0.75,
+                    ..KvStep::default()
+                }),
+                ..KvProfile::default()
+            }],
+            restored_tokens_total: 2802,
+        };
+        let text = render(
+            &Status::stopped("320k"),
+            &Stats::default().report(0),
+            None,
+            &PowerStatus::default(),
+            &ThermalStatus::default(),
+            &kv,
+        );
+        let got = lines(&text);
+        for line in [
+            "dsv4_kv_checkpoint_bytes{profile=\"320k\"} 1234",
+            "dsv4_kv_save_seconds{profile=\"320k\"} 2.5",
+            "dsv4_kv_restore_seconds{profile=\"320k\"} 0.75",
+            "dsv4_kv_restored_tokens_total 2802",
+        ] {
+            assert!(got.contains(&line), "no {line} in\n{text}");
+        }
+    }
+
+    fn lines(text: &str) -> Vec<&str> {
+        text.lines().collect()
+    }
+
+    #[test]
+    fn renders_state_and_per_profile_counters() {
+        let stats = Stats::default();
+        let t = Timings {
+            cache_n: 5,
+            prompt_n: 2000,
+            prompt_ms: 10_000.0,
+            predicted_n: 100,
+            predicted_ms: 10_000.0,
+        };
+        stats.record("320k", "/v1/chat/completions", &t, 20_000.0, None);
+        let mut status = Status::stopped("320k");
+        status.state = State::Ready;
+        status.engine_profile = Some("320k".into());
+        status.engine_pid = Some(7);
+        status.generation = Some(2);
+        status.in_flight = 1;
+        let text = render(
+            &status,
+            &stats.report(0),
+            None,
+            &PowerStatus::default(),
+            &ThermalStatus::default(),
+            &KvStatus::default(),
+        );
+        let got = lines(&text);
+        for line in [
+            "dsv4_engine_state{state=\"ready\"} 1",
+            "dsv4_engine_state{state=\"stopped\"} 0",
+            "dsv4_active_profile{profile=\"320k\"} 1",
+            "dsv4_in_flight_requests 1",
+            "dsv4_engine_generation 2",
+            "dsv4_requests_total{profile=\"320k\"} 1",
+            "dsv4_prompt_tokens_total{profile=\"320k\"} 2000",
+            "dsv4_cached_prompt_tokens_total{profile=\"320k\"} 5",
+            "dsv4_generated_tokens_total{profile=\"320k\"} 100",
+            "dsv4_decode_tokens_per_second{profile=\"320k\"} 10.0",
+            "dsv4_long_prompt_prefill_tokens_per_second{profile=\"320k\"} 200.0",
+            "# TYPE dsv4_generated_tokens counter",
+            "# EOF",
+        ] {
+            assert!(got.contains(&line), "missing {line:?} in\n{text}");
+        }
+        assert!(
+            got.contains(&"# HELP dsv4_in_flight_requests Requests holding a lease on the engine."),
+            "{text}"
+        );
+        // No sample of the host yet: no figures of it.
+        assert!(!text.contains("dsv4_gtt_used_bytes"), "{text}");
+        assert!(!text.contains("dsv4_throttle_seconds_total{"), "{text}");
+    }
+
+    #[test]
+    fn renders_the_hosts_figures() {
+        let sample = Sample {
+            at: 1_700_000_000.5,
+            memory: Some(Memory {
+                total: 128,
+                available: 37,
+                swap_total: 8,
+                swap_free: 7,
+            }),
+            pressure: Some(Pressure {
+                some_avg10: 1.25,
+                full_avg10: 0.5,
+                ..Pressure::default()
+            }),
+            gpu: Some(Gpu {
+                card: "card1".into(),
+                gtt_used: Some(81),
+                gtt_total: Some(112),
+                busy_percent: Some(97.0),
+                ..Gpu::default()
+            }),
+            temperatures: Temperatures {
+                edge: Some(73.0),
+                tctl: Some(74.25),
+                ..Temperatures::default()
+            },
+            power: Power {
+                soc: Some(69.6),
+                ..Power::default()
+            },
+            throttle: Throttle {
+                supported: true,
+                active: true,
+                kinds: vec![ThrottleKind::Thermal],
+                since: None,
+                seconds: ThrottleSeconds {
+                    thermal: 3.0,
+                    ..ThrottleSeconds::default()
+                },
+            },
+            engine: Some(EngineProcess {
+                pid: 9,
+                rss_bytes: 20 << 20,
+                cpu_ms: 1500,
+            }),
+        };
+        let power = PowerStatus {
+            held: true,
+            gpu_level: Some("auto".into()),
+            ..PowerStatus::default()
+        };
+        let text = render(
+            &Status::stopped("320k"),
+            &Stats::default().report(0),
+            Some(&sample),
+            &power,
+            &ThermalStatus {
+                level: "warn".into(),
+                sensors: vec![dsv4_client::SensorThermal {
+                    sensor: "edge".into(),
+                    level: "warn".into(),
+                    since: None,
+                    peak: Some(86.0),
+                }],
+                ..ThermalStatus::default()
+            },
+            &KvStatus::default(),
+        );
+        let got = lines(&text);
+        for line in [
+            "dsv4_gtt_used_bytes 81.0",
+            "dsv4_gtt_total_bytes 112.0",
+            "dsv4_memory_available_bytes 37.0",
+            "dsv4_swap_free_bytes 7.0",
+            "dsv4_temperature_celsius{sensor=\"edge\"} 73.0",
+            "dsv4_temperature_celsius{sensor=\"tctl\"} 74.25",
+            "dsv4_power_watts{source=\"soc\"} 69.6",
+            "dsv4_gpu_busy_ratio 0.97",
+            "dsv4_throttle_seconds_total{kind=\"thermal\"} 3.0",
+            "dsv4_throttle_seconds_total{kind=\"power\"} 0.0",
+            "dsv4_throttling 1.0",
+            "dsv4_memory_pressure_ratio{kind=\"some\"} 0.0125",
+            "dsv4_memory_pressure_ratio{kind=\"full\"} 0.005",
+            "dsv4_engine_rss_bytes 20971520.0",
+            "dsv4_engine_cpu_seconds_total{kind=\"all\"} 1.5",
+            "# TYPE dsv4_throttle_seconds counter",
+            "dsv4_power_profile_held 1",
+            "dsv4_thermal_level{sensor=\"edge\"} 1",
+            "dsv4_gpu_performance_level{level=\"auto\"} 1",
+        ] {
+            assert!(got.contains(&line), "missing {line:?} in\n{text}");
+        }
+        // Absent figures have no line.
+        assert!(!text.contains("sensor=\"gfx\""), "{text}");
+        assert!(!text.contains("dsv4_vram_used_bytes"), "{text}");
+    }
+}

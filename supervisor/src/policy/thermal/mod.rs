@@ -1,0 +1,226 @@
+//! The thermal policy: follows the monitor's samples through the rules (`rules.rs`), and for
+//! each event logs it, sends it out as the D-Bus signal `ThermalEvent`, shows it in the
+//! status, and acts as `thermal.on_critical` says.
+//!
+//! Owns: the rules' state and the status it publishes. Must not: refuse requests or stop the
+//! engine itself: it tells the lifecycle (`Heat`, `Cooled`), whose rules do both.
+
+pub mod rules;
+
+use std::collections::BTreeMap;
+use std::sync::{Arc, Mutex};
+use std::time::Duration;
+
+use dsv4_client::{SensorThermal, ThermalStatus};
+use tokio::sync::{broadcast, watch};
+
+use crate::config::{Config, OnCritical, Thermal as ThermalConfig};
+use crate::lifecycle::Handle;
+use crate::observe::monitor::Telemetry;
+
+pub use rules::{Level, ThermalEvent, Thresholds};
+
+/// With `on_critical: stop`, how long in-flight requests may go on before the engine stops.
+pub const STOP_DRAIN: Duration = Duration::from_secs(10);
+
+/// Events not yet taken by a slow listener.
+const BACKLOG: usize = 32;
+
+/// One event as it goes out on D-Bus.
+#[derive(Debug, Clone, PartialEq)]
+pub struct Signal {
+    pub level: String,
+    pub sensor: String,
+    pub celsius: f64,
+    pub message: String,
+}
+
+/// The policy's outputs: its status and its signals. Cheap to clone.
+#[derive(Clone)]
+pub struct Thermal {
+    status: watch::Receiver<ThermalStatus>,
+    signals: broadcast::Sender<Signal>,
+    /// The events that still stand (a sensor above normal, throttling under way), by what
+    /// they are about: a listener that comes later (the D-Bus interface, once the daemon has
+    /// its name) hears them first, so a machine hot at the daemon's start is announced.
+    standing: Arc<Mutex<BTreeMap<&'static str, Signal>>>,
+}
+
+impl Thermal {
+    /// A policy that never sees a sample (for tests and tools that need a handle).
+    pub fn none() -> Thermal {
+        let (_, status) = watch::channel(ThermalStatus::default());
+        Thermal {
+            status,
+            signals: broadcast::channel(1).0,
+            standing: Default::default(),
+        }
+    }
+
+    pub fn status(&self) -> ThermalStatus {
+        self.status.borrow().clone()
+    }
+
+    /// The events that still stand, then every event from now on: nothing is missed
+    /// between the two, since events are recorded and sent under the same lock.
+    pub fn subscribe(&self) -> (Vec<Signal>, broadcast::Receiver<Signal>) {
+        let standing = self.standing.lock().unwrap_or_else(|p| p.into_inner());
+        (
+            standing.values().cloned().collect(),
+            self.signals.subscribe(),
+        )
+    }
+}
+
+fn thresholds(t: &ThermalConfig) -> Thresholds {
+    Thresholds {
+        warn: t.warn,
+        critical: t.critical,
+        hysteresis: t.hysteresis,
+    }
+}
+
+/// The signal for an event.
+fn signal(e: &ThermalEvent, t: &Thresholds) -> Signal {
+    let (level, sensor, celsius) = match e {
+        ThermalEvent::Level {
+            sensor,
+            level,
+            celsius,
+            ..
+        } => (level.as_str(), *sensor, *celsius),
+        ThermalEvent::StillCritical { sensor, celsius } => ("critical", *sensor, *celsius),
+        ThermalEvent::ThrottleStart { .. } => ("throttling", "throttle", f64::NAN),
+        ThermalEvent::ThrottleEnd { .. } => ("throttling-ended", "throttle", f64::NAN),
+        ThermalEvent::Lost { sensor, .. } => ("normal", *sensor, f64::NAN),
+    };
+    Signal {
+        level: level.into(),
+        sensor: sensor.into(),
+        celsius,
+        message: rules::describe(e, t),
+    }
+}
+
+/// What `on_critical` does, in words, for the status and the messages.
+fn action(on: OnCritical) -> &'static str {
+    match on {
+        OnCritical::Notify => "only notifies (thermal.on_critical: notify)",
+        OnCritical::StopWhenIdle => {
+            "new requests refused, the engine stopped once no request is in flight"
+        }
+        OnCritical::Stop => {
+            "requests refused, the engine stopped (in-flight requests cut after 10 s)"
+        }
+    }
+}
+
+/// Starts the policy on the current runtime.
+pub fn spawn(
+    config: watch::Receiver<Arc<Config>>,
+    telemetry: Telemetry,
+    lifecycle: Handle,
+) -> Thermal {
+    let (status_tx, status) = watch::channel(ThermalStatus {
+        level: Level::Normal.as_str().into(),
+        ..ThermalStatus::default()
+    });
+    let signals = broadcast::channel(BACKLOG).0;
+    let out = signals.clone();
+    let standing: Arc<Mutex<BTreeMap<&'static str, Signal>>> = Default::default();
+    let record = standing.clone();
+    tokio::spawn(async move {
+        let mut samples = telemetry.watch();
+        let mut state = rules::Thermal::default();
+        // Whether the lifecycle was told it is too hot.
+        let mut hot = false;
+        while samples.changed().await.is_ok() {
+            let Some(sample) = samples.borrow_and_update().clone() else {
+                continue;
+            };
+            let cfg = config.borrow().supervisor.thermal.clone();
+            let t = thresholds(&cfg);
+            let temps = [sample.temperatures.edge, sample.temperatures.tctl];
+            let kinds: Vec<String> = sample
+                .throttle
+                .kinds
+                .iter()
+                .map(|k| k.as_str().to_string())
+                .collect();
+            let throttled = sample.throttle.active.then_some(kinds.as_slice());
+            for e in state.step(&t, temps, throttled, sample.at) {
+                let s = signal(&e, &t);
+                match e {
+                    ThermalEvent::Level {
+                        level: Level::Normal,
+                        ..
+                    }
+                    | ThermalEvent::ThrottleEnd { .. } => tracing::info!("thermal: {}", s.message),
+                    _ => tracing::warn!("thermal: {}", s.message),
+                }
+                let mut now = record.lock().unwrap_or_else(|p| p.into_inner());
+                match &e {
+                    ThermalEvent::Level {
+                        sensor,
+                        level: Level::Normal,
+                        ..
+                    }
+                    | ThermalEvent::Lost { sensor, .. } => {
+                        now.remove(sensor);
+                    }
+                    ThermalEvent::Level { sensor, .. }
+                    | ThermalEvent::StillCritical { sensor, .. } => {
+                        now.insert(sensor, s.clone());
+                    }
+                    ThermalEvent::ThrottleStart { .. } => {
+                        now.insert("throttle", s.clone());
+                    }
+                    ThermalEvent::ThrottleEnd { .. } => {
+                        now.remove("throttle");
+                    }
+                }
+                let _ = out.send(s);
+            }
+            let critical = state.level() == Level::Critical;
+            let acts = cfg.on_critical != OnCritical::Notify;
+            if critical && acts && !hot {
+                hot = true;
+                let (sensor, peak) = state.hottest().unwrap_or(("edge", f64::NAN));
+                let message = format!("{sensor} at {peak:.1} C, critical at {:.0} C", t.critical);
+                let drain = (cfg.on_critical == OnCritical::Stop).then_some(STOP_DRAIN);
+                tracing::warn!("thermal: {message}: {}", action(cfg.on_critical));
+                lifecycle.heat(Some((message, drain))).await;
+            } else if hot && (!critical || !acts) {
+                hot = false;
+                if critical {
+                    // A reload made on_critical notify: nothing is refused any more.
+                    tracing::info!("thermal: on_critical is notify now: requests are served again");
+                } else {
+                    tracing::info!("thermal: cooled down: requests are served again");
+                }
+                lifecycle.heat(None).await;
+            }
+            let sensors = rules::SENSORS
+                .iter()
+                .zip(&state.sensors)
+                .map(|(name, s)| SensorThermal {
+                    sensor: name.to_string(),
+                    level: s.level.as_str().into(),
+                    since: s.since,
+                    peak: s.peak,
+                })
+                .collect();
+            status_tx.send_replace(ThermalStatus {
+                level: state.level().as_str().into(),
+                sensors,
+                throttling_since: state.throttling_since,
+                action: critical.then(|| action(cfg.on_critical).to_string()),
+            });
+        }
+    });
+    Thermal {
+        status,
+        signals,
+        standing,
+    }
+}
