@@ -1,0 +1,216 @@
+//! The actor's inbox: commands from handles and internal messages, turned into events for the
+//! rules.
+
+use super::*;
+
+impl Actor {
+    pub(super) async fn command(&mut self, c: Command) -> Option<Event> {
+        match c {
+            Command::Acquire { waiter, reply } => {
+                if reply.is_closed() {
+                    return None; // the client left while the command was queued
+                }
+                self.waiters.insert(waiter, reply);
+                Some(Event::Acquire { waiter })
+            }
+            Command::StartAndAcquire { waiter, reply } => {
+                if reply.is_closed() {
+                    return None;
+                }
+                self.handle(Event::Start).await;
+                self.waiters.insert(waiter, reply);
+                Some(Event::Acquire { waiter })
+            }
+            Command::Start => Some(Event::Start),
+            Command::Stop { now } => Some(Event::Stop { now }),
+            Command::Ping { reply } => {
+                let _ = reply.send(());
+                None
+            }
+            Command::Stall => {
+                self.stalled = true;
+                None
+            }
+            Command::Heat { hot } => Some(match hot {
+                Some((message, drain)) => Event::Heat { message, drain },
+                None => Event::Cooled,
+            }),
+            Command::SetProfile { name, reply } => {
+                if self.config.profile(&name).is_none() {
+                    let known = self
+                        .config
+                        .profile_names()
+                        .into_iter()
+                        .map(String::from)
+                        .collect();
+                    self.outbox.push(Reply::Control(
+                        reply,
+                        Err(ControlError::UnknownProfile { name, known }),
+                    ));
+                    return None;
+                }
+                let state_dir = &self.config.supervisor.state_dir;
+                if let Err(e) = crate::host::state_file::save_profile(state_dir, &name) {
+                    // A switch that a restart would quietly undo is refused whole.
+                    let err = ControlError::NotSaved {
+                        name,
+                        dir: state_dir.display().to_string(),
+                        why: e.to_string(),
+                    };
+                    tracing::warn!("{err}");
+                    self.outbox.push(Reply::Control(reply, Err(err)));
+                    return None;
+                }
+                tracing::info!("profile set to {name}");
+                self.outbox.push(Reply::Control(reply, Ok(())));
+                Some(Event::SetProfile { profile: name })
+            }
+            Command::Shutdown { done } => {
+                self.shutdown_done.push(done);
+                Some(Event::Shutdown)
+            }
+            Command::Reload { config } => {
+                self.machine.set_limits(limits(&config.supervisor.engine));
+                self.machine
+                    .set_memory_return(config.supervisor.memory.return_timeout);
+                self.kv.set_config(config.clone());
+                self.config = config;
+                if let Some(event) = self.fall_back_if_gone() {
+                    return Some(event);
+                }
+                // No event: nothing changes state, but the status (restart pending) may.
+                self.publish();
+                None
+            }
+        }
+    }
+
+    /// When the active profile is no longer configured (its file was deleted or renamed),
+    /// `default_profile` becomes the active one, as at start-up, remembered in `state_dir`
+    /// as `SetProfile` does, with an alert: else every later start would fail until someone
+    /// picked a profile. A running engine of the old profile is drained and replaced, as
+    /// after `SetProfile`.
+    pub(super) fn fall_back_if_gone(&mut self) -> Option<Event> {
+        let gone = self.machine.profile();
+        if self.config.profile(gone).is_some() {
+            return None;
+        }
+        let default = self.config.supervisor.default_profile.clone();
+        let state_dir = &self.config.supervisor.state_dir;
+        let message = format!(
+            "the active profile {gone} is not configured any more; \
+             using default_profile {default}"
+        );
+        tracing::warn!("{message}");
+        if let Err(e) = crate::host::state_file::save_profile(state_dir, &default) {
+            // A restart also falls back, since the remembered profile is not configured.
+            tracing::warn!(
+                "cannot remember profile {default} in {}: {e}",
+                state_dir.display()
+            );
+        }
+        self.outbox.push(Reply::Alert(AlertKind::Config, message));
+        Some(Event::SetProfile { profile: default })
+    }
+
+    pub(super) fn internal_event(&mut self, i: Internal) -> Option<Event> {
+        match i {
+            Internal::Release { gen, served } => {
+                if served {
+                    // Before the release, as when they were two messages.
+                    let effects = self.machine.step(Event::Served { gen }, Instant::now());
+                    for fx in effects {
+                        if let Some(follow) = self.perform(fx) {
+                            tracing::warn!("an event after Served was dropped: {follow:?}");
+                        }
+                    }
+                }
+                Some(Event::Release { gen })
+            }
+            Internal::Cancel { waiter } => {
+                self.waiters.remove(&waiter);
+                Some(Event::Cancel { waiter })
+            }
+            Internal::Ready { gen } => Some(Event::Ready { gen }),
+            Internal::MemorySettled => Some(Event::MemorySettled),
+            Internal::KvDone { gen, restore } => {
+                if let Some(e) = self.engine.as_mut().filter(|e| e.shared.gen == gen) {
+                    e.kv_task = None;
+                }
+                Some(match restore {
+                    true => Event::KvRestored { gen },
+                    false => Event::KvSaved { gen },
+                })
+            }
+            Internal::Exited { gen, report } => {
+                let engine = self.engine.take_if(|e| e.shared.gen == gen);
+                if let Some(e) = &engine {
+                    self.ds4_save_report(e);
+                    let (sysroot, alerts) = (self.sysroot.clone(), self.alerts.clone());
+                    let (before, profile) = (e.memory_before, e.shared.profile.clone());
+                    let within = self.config.supervisor.memory.return_timeout;
+                    let settled = self.internal.clone();
+                    let (next_tx, next) = watch::channel(false);
+                    self.next_spawned = Some(next_tx);
+                    tokio::spawn(memory_comes_back(
+                        sysroot, before, profile, within, alerts, settled, next,
+                    ));
+                }
+                let tail = engine
+                    .as_ref()
+                    .map(|e| e.shared.output.last(ERROR_TAIL_LINES))
+                    .unwrap_or_default();
+                let pid = engine.as_ref().map(|e| e.shared.pid).unwrap_or(0);
+                // Killed while the OOM killer's count in our cgroup went up: say so.
+                let oom = engine.as_ref().and_then(|e| {
+                    let before = e.oom_kills_before?;
+                    let (file, now) = crate::host::hw::cgroup::oom_kills(&self.sysroot)?;
+                    (report.signal.is_some() && now > before).then(|| {
+                        format!(
+                            "out of memory: the kernel's OOM killer ended it ({} in {file} went \
+                             from {before} to {now})",
+                            "oom_kill"
+                        )
+                    })
+                });
+                let report = match &oom {
+                    Some(why) => format!("{report}; {why}"),
+                    None => report.to_string(),
+                };
+                let summary = match self.machine.phase() {
+                    Phase::Starting { .. } => {
+                        format!("the engine exited before it was ready ({report})")
+                    }
+                    Phase::Restoring { .. }
+                    | Phase::Ready { .. }
+                    | Phase::Draining { .. }
+                    | Phase::Saving { .. } => {
+                        format!("the engine exited unexpectedly ({report})")
+                    }
+                    _ => format!("the engine stopped ({report})"),
+                };
+                match self.machine.phase() {
+                    Phase::Starting { .. } => tracing::warn!(pid, "{summary}"),
+                    // It was serving (or finishing what it served): someone should hear of it.
+                    Phase::Restoring { profile, .. }
+                    | Phase::Ready { profile, .. }
+                    | Phase::Draining { profile, .. }
+                    | Phase::Saving { profile, .. } => {
+                        tracing::warn!(pid, "{summary}");
+                        let mut message = format!("engine (profile {profile}) crashed: {report}");
+                        if !tail.is_empty() {
+                            message.push_str("; its last lines:\n");
+                            message.push_str(&tail.join("\n"));
+                        }
+                        self.alerts.raise(AlertKind::Engine, message);
+                    }
+                    _ => tracing::info!(pid, "{summary}"),
+                }
+                Some(Event::Exited {
+                    gen,
+                    failure: EngineFailure { summary, tail },
+                })
+            }
+        }
+    }
+}

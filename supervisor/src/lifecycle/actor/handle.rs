@@ -1,0 +1,135 @@
+//! The way in to the actor: what the rest of the daemon calls.
+
+use super::*;
+
+impl Handle {
+    /// The KV checkpoint steps' record.
+    pub fn kv(&self) -> &crate::kv::Book {
+        &self.kv
+    }
+
+    /// Waits until the engine is ready (starting it if needed) and takes a lease on it.
+    pub async fn acquire(&self) -> Result<Lease, Refused> {
+        self.wait_for_lease(|waiter, reply| Command::Acquire { waiter, reply })
+            .await
+    }
+
+    /// Starts the engine now (a backoff after a failed start is skipped, as with
+    /// [`start`](Self::start)) and waits for it like a request: the answer is a lease once it
+    /// is ready, or the refusal that ended the start.
+    pub async fn start_and_acquire(&self) -> Result<Lease, Refused> {
+        self.wait_for_lease(|waiter, reply| Command::StartAndAcquire { waiter, reply })
+            .await
+    }
+
+    async fn wait_for_lease(
+        &self,
+        command: impl FnOnce(WaiterId, oneshot::Sender<Result<Lease, Refused>>) -> Command,
+    ) -> Result<Lease, Refused> {
+        let waiter = self.next_waiter.fetch_add(1, Ordering::Relaxed);
+        let (reply, rx) = oneshot::channel();
+        if self.commands.send(command(waiter, reply)).await.is_err() {
+            return Err(Refusal::ShuttingDown);
+        }
+        // If this future is dropped (the client went away), free the place in the queue.
+        let guard = CancelOnDrop {
+            waiter,
+            internal: &self.internal,
+            armed: true,
+        };
+        let answer = rx.await;
+        guard.disarm();
+        answer.unwrap_or(Err(Refusal::ShuttingDown))
+    }
+
+    pub async fn start(&self) -> Result<(), ControlError> {
+        self.commands
+            .send(Command::Start)
+            .await
+            .map_err(|_| ControlError::Gone)
+    }
+
+    /// Stops the engine: after in-flight requests finish, or at once with `now`.
+    pub async fn stop(&self, now: bool) -> Result<(), ControlError> {
+        self.commands
+            .send(Command::Stop { now })
+            .await
+            .map_err(|_| ControlError::Gone)
+    }
+
+    /// Makes `name` the active profile; a running engine is drained and restarted with it.
+    pub async fn set_profile(&self, name: &str) -> Result<(), ControlError> {
+        let (reply, rx) = oneshot::channel();
+        self.commands
+            .send(Command::SetProfile {
+                name: name.to_string(),
+                reply,
+            })
+            .await
+            .map_err(|_| ControlError::Gone)?;
+        rx.await.map_err(|_| ControlError::Gone)?
+    }
+
+    /// Resolves once the actor has handled a command: what the watchdog checks before it
+    /// tells systemd that the daemon is alive. `false` when the actor is gone.
+    pub async fn ping(&self) -> bool {
+        let (reply, rx) = oneshot::channel();
+        if self.commands.send(Command::Ping { reply }).await.is_err() {
+            return false;
+        }
+        rx.await.is_ok()
+    }
+
+    /// Test-only fault switch: the actor stops handling anything, as if hung (the watchdog
+    /// must then let systemd restart the daemon). dsv4d offers it only when told to by
+    /// `DSV4_TEST_FAULTS`.
+    pub async fn stall(&self) {
+        let _ = self.commands.send(Command::Stall).await;
+    }
+
+    /// Too hot to serve (`thermal.on_critical`: new requests refused with `message`, the
+    /// engine stopped when idle, or after at most `drain`), or cool again with `None`.
+    pub async fn heat(&self, hot: Option<(String, Option<Duration>)>) {
+        let _ = self.commands.send(Command::Heat { hot }).await;
+    }
+
+    /// Replaces the configuration: limits apply at once, profile settings at the next start.
+    pub async fn reload(&self, config: Arc<Config>) {
+        let _ = self.commands.send(Command::Reload { config }).await;
+    }
+
+    /// Drains (bounded by `stop_timeout`), stops the engine, and resolves once it is gone.
+    pub async fn shutdown(&self) {
+        let (done, rx) = oneshot::channel();
+        if self.commands.send(Command::Shutdown { done }).await.is_ok() {
+            let _ = rx.await;
+        }
+    }
+
+    pub fn status(&self) -> Status {
+        self.status.borrow().clone()
+    }
+
+    /// The status, its watchers woken when anything but the per-request figures changes
+    /// (`borrow` always gives the latest figures; see [`watch_figures`](Self::watch_figures)).
+    pub fn watch_status(&self) -> watch::Receiver<Status> {
+        self.status.clone()
+    }
+
+    /// Changes when the per-request figures of the status (`in_flight`, `waiting`,
+    /// `idle_deadline`) changed and nothing else did.
+    pub fn watch_figures(&self) -> watch::Receiver<u64> {
+        self.figures.clone()
+    }
+
+    /// Engine output lines numbered `since` on (at most the last `max`), across engine
+    /// restarts, and the number of the next line.
+    pub fn logs(&self, since: u64, max: usize) -> (u64, Vec<String>) {
+        self.log.since(since, max)
+    }
+
+    /// As [`logs`](Self::logs), waiting up to `wait` for a line when there is none yet.
+    pub async fn wait_logs(&self, since: u64, max: usize, wait: Duration) -> (u64, Vec<String>) {
+        self.log.since_or_wait(since, max, wait).await
+    }
+}

@@ -1,0 +1,148 @@
+//! The KV steps of an engine generation: started, cut at their deadline, reported.
+
+use super::*;
+
+impl Actor {
+    /// Runs the KV restore or save of generation `gen` as a task that reports back.
+    pub(super) fn start_kv_task(&mut self, gen: Gen, restore: bool) -> Option<Event> {
+        let done = match restore {
+            true => Event::KvRestored { gen },
+            false => Event::KvSaved { gen },
+        };
+        let Some(e) = self.engine.as_mut().filter(|e| e.shared.gen == gen) else {
+            return Some(done);
+        };
+        if e.spawned.kv_checkpoint.is_none() || e.validated || self.kv.suspended(&e.spawned.name) {
+            return Some(done);
+        }
+        let (engine, profile, book) = (e.shared.clone(), e.spawned.clone(), self.kv.clone());
+        let internal = self.internal.clone();
+        tracing::info!(
+            profile = profile.name,
+            "{} the KV checkpoint",
+            if restore { "restoring" } else { "saving" }
+        );
+        let handle = tokio::spawn(async move {
+            let name = profile.name.clone();
+            if restore {
+                let step = crate::lifecycle::kv_steps::restore(engine, profile, book.clone()).await;
+                book.restored(&name, step);
+            } else {
+                let step = crate::lifecycle::kv_steps::save(engine, profile, book.clone()).await;
+                book.saved(&name, step);
+            }
+            let _ = internal.send(Internal::KvDone { gen, restore });
+        });
+        let deadline = match self.machine.phase() {
+            Phase::Restoring { deadline, .. } | Phase::Saving { deadline, .. } => Some(*deadline),
+            _ => None,
+        };
+        e.kv_task = Some(KvTask {
+            restore,
+            handle,
+            started: Instant::now(),
+            deadline,
+        });
+        None
+    }
+
+    /// A KV step whose phase the rules have left (its timeout, a stop) is ended, and said so.
+    pub(super) fn end_stale_kv_task(&mut self) {
+        let phase = self.machine.phase();
+        let Some(e) = self.engine.as_mut() else {
+            return;
+        };
+        let Some(task) = &e.kv_task else { return };
+        let current = match phase {
+            Phase::Restoring { gen, .. } => task.restore && *gen == e.shared.gen,
+            Phase::Saving { gen, .. } => !task.restore && *gen == e.shared.gen,
+            _ => false,
+        };
+        if current {
+            return;
+        }
+        let Some(task) = e.kv_task.take() else { return };
+        task.handle.abort();
+        let Some(kv) = &e.spawned.kv_checkpoint else {
+            return;
+        };
+        let seconds = task.started.elapsed().as_secs_f64();
+        let (what, timeout) = match task.restore {
+            true => ("restore", kv.restore_timeout),
+            false => ("save", kv.save_timeout),
+        };
+        // Judged by the phase's deadline, which passes a moment before `timeout` has gone by
+        // since the task started (it started after the phase): by the task's own clock a
+        // step cut at its timeout read as "cut off by a stop" (seen: 0.997 s of 1 s).
+        let timed_out = match task.deadline {
+            Some(deadline) => Instant::now() >= deadline,
+            None => task.started.elapsed() >= timeout,
+        };
+        let result = match timed_out {
+            true => format!(
+                "cut off by kv_checkpoint.{what}_timeout ({})",
+                crate::config::format_duration(timeout)
+            ),
+            false => "cut off by a stop".to_string(),
+        };
+        match task.restore {
+            true => tracing::warn!(
+                "the KV checkpoint restore was {result}; the engine serves without it"
+            ),
+            false => tracing::warn!("the KV checkpoint save was {result}; nothing was kept"),
+        }
+        let step = dsv4_client::kv::KvStep {
+            at: crate::kv::unix_now(),
+            seconds,
+            result,
+            ..Default::default()
+        };
+        if task.restore {
+            // Cut by a stop, the engine did not die on the checkpoint, which stays usable.
+            // Cut by its timeout, the restore may still go on inside the engine: the mark
+            // stays (the engine's next save replaces the checkpoint and clears it).
+            if let Some(id) = self.kv.restoring(e.shared.gen).filter(|_| !timed_out) {
+                let store = crate::kv::store::Store::new(&kv.dir);
+                tokio::task::spawn_blocking(move || store.clear_restoring(&id));
+            }
+            self.kv.restored(&e.spawned.name, step);
+        } else {
+            self.kv.saved(&e.spawned.name, step);
+        }
+    }
+
+    /// ds4-server saves its KV cache after SIGTERM: how long it took to exit, and what it said.
+    pub(super) fn ds4_save_report(&self, e: &Engine) {
+        if e.spawned.engine != dsv4_engine::EngineKind::Ds4
+            || e.spawned.params.kv_disk_dir.is_none()
+        {
+            return;
+        }
+        let Some(term_at) = e.term_at else { return };
+        let seconds = term_at.elapsed().as_secs_f64();
+        let lines = e.shared.output.last(TAIL_LINES);
+        let step = match crate::kv::ds4_saved(&lines) {
+            Some((mut step, said)) => {
+                tracing::info!(
+                    profile = e.spawned.name,
+                    "ds4-server stopped {seconds:.1} s after SIGTERM; it said: {said}"
+                );
+                step.seconds = seconds;
+                step
+            }
+            None => {
+                tracing::info!(
+                    profile = e.spawned.name,
+                    "ds4-server stopped {seconds:.1} s after SIGTERM and said nothing of a KV checkpoint (it saves none under 512 tokens)"
+                );
+                dsv4_client::kv::KvStep {
+                    at: crate::kv::unix_now(),
+                    seconds,
+                    result: "nothing said".into(),
+                    ..Default::default()
+                }
+            }
+        };
+        self.kv.saved(&e.spawned.name, step);
+    }
+}

@@ -1,0 +1,115 @@
+//! The memory an engine leaves behind: waiting for it to come back after an exit.
+
+use super::*;
+
+/// The least time between two alerts for starts refused for memory.
+pub(super) const NOT_ADMITTED_GAP: Duration = Duration::from_secs(60);
+
+/// How far below its level before the start available memory may stay, and how far above
+/// GTT use, once the engine has stopped: the rest of the machine moves meanwhile.
+pub(super) const MEMORY_RETURN_MARGIN: u64 = 2 << 30;
+
+/// After an engine has exited: waits (up to `within`) for available memory and GTT to come
+/// back to where they were before it started, and raises an alert if they do not (ROCm has
+/// been seen to keep GTT after its process exited).
+///
+/// The next start waits for GTT, or VRAM where the model lives in a large carve-out (amdgpu
+/// frees it some time after the exit): `settled` is told once it is back, or at once where
+/// the GPU reports none, or when the alert is raised. Available memory moves with the rest of the machine as well, so it only ever
+/// raises the alert, and its check ends, silently, when `next` says a next engine is
+/// spawned: that engine's allocations are never counted as this one's.
+pub(super) async fn memory_comes_back(
+    sysroot: SysRoot,
+    before: crate::host::hw::MemoryNow,
+    profile: String,
+    within: Duration,
+    alerts: Alerts,
+    settled: mpsc::UnboundedSender<Internal>,
+    mut next: watch::Receiver<bool>,
+) {
+    let gib = |b: u64| b as f64 / (1u64 << 30) as f64;
+    let started = Instant::now();
+    let mut told = false;
+    let tell = |told: &mut bool| {
+        if !std::mem::replace(told, true) {
+            let _ = settled.send(Internal::MemorySettled);
+        }
+    };
+    loop {
+        let now = memory_now_off_thread(&sysroot).await;
+        if *next.borrow() {
+            tracing::debug!(
+                "the next engine is starting: the last one's memory is not looked at any more"
+            );
+            return;
+        }
+        let available_back = match (before.available, now.available) {
+            (Some(b), Some(n)) => n + MEMORY_RETURN_MARGIN >= b,
+            _ => true,
+        };
+        // GTT, or VRAM where the model lives in a large carve-out.
+        let gpu_back = match (before.pool_used(), now.pool_used()) {
+            (Some(b), Some(n)) => n <= b + MEMORY_RETURN_MARGIN,
+            _ => true,
+        };
+        if gpu_back {
+            tell(&mut told);
+        }
+        if available_back && gpu_back {
+            tracing::debug!(
+                "the engine's memory came back within {:.1} s",
+                started.elapsed().as_secs_f64()
+            );
+            return;
+        }
+        // The last look is taken before `within` has passed: a start that waits for this
+        // (no longer than `within`) never overlaps it.
+        if started.elapsed() + MEMORY_LOOK_EVERY >= within {
+            let mut parts = Vec::new();
+            if let (false, Some(b), Some(n)) = (gpu_back, before.pool_used(), now.pool_used()) {
+                let pool =
+                    dsv4_client::telemetry::MemoryPool::of(before.vram_total, before.gtt_total)
+                        .map_or("GPU memory", |p| p.name());
+                parts.push(format!(
+                    "{pool} in use is {:.1} GiB, {:.1} GiB before it started",
+                    gib(n),
+                    gib(b)
+                ));
+            }
+            if let (false, Some(b), Some(n)) = (available_back, before.available, now.available) {
+                parts.push(format!(
+                    "available memory is {:.1} GiB, {:.1} GiB before it started",
+                    gib(n),
+                    gib(b)
+                ));
+            }
+            let message = format!(
+                "the memory of the engine (profile {profile}) did not come back within {} of \
+                 its stop: {}; a process may still hold it (ROCm has kept GTT after exit \
+                 before), and the next start may be refused",
+                crate::config::format_duration(within),
+                parts.join("; ")
+            );
+            tracing::warn!("{message}");
+            alerts.raise(AlertKind::Memory, message);
+            tell(&mut told);
+            return;
+        }
+        tokio::select! {
+            _ = tokio::time::sleep(MEMORY_LOOK_EVERY) => {}
+            _ = next.changed() => {}
+        }
+    }
+}
+
+/// How often [`memory_comes_back`] looks.
+pub(super) const MEMORY_LOOK_EVERY: Duration = Duration::from_millis(250);
+
+/// [`crate::host::hw::memory_now`] on a blocking worker: sysfs reads may stall (the SMU), and the
+/// runtime's one thread carries every stream.
+pub(super) async fn memory_now_off_thread(sysroot: &SysRoot) -> crate::host::hw::MemoryNow {
+    let root = sysroot.clone();
+    tokio::task::spawn_blocking(move || crate::host::hw::memory_now(&root))
+        .await
+        .unwrap_or_default()
+}

@@ -1,0 +1,591 @@
+//! The lifecycle actor: the one owner of the engine child and of the lifecycle state.
+//!
+//! Owns: the [`Machine`], the engine process of the current generation, its key (see
+//! [`crate::lifecycle::engine_key`]), its readiness probe, and the oneshot replies of waiting requests.
+//! Everything else talks to it through a [`Handle`] (commands on a bounded channel, lease
+//! releases and engine events on an unbounded one, since a `Drop` cannot wait) and reads its
+//! state from a `watch`.
+//! Must not: decide anything itself; the rules are in `state.rs`.
+//!
+//! Its parts: the way in ([`Handle`], `handle.rs`), the inbox (`events.rs`), starting an
+//! engine (`spawn.rs`) and probing it (`probe.rs`), the KV steps (`kv.rs`), the memory an
+//! engine leaves behind (`memory.rs`), and what it publishes (`publish.rs`).
+
+mod events;
+mod handle;
+mod kv;
+mod memory;
+mod probe;
+mod publish;
+mod spawn;
+
+use memory::{memory_comes_back, memory_now_off_thread, NOT_ADMITTED_GAP};
+use probe::probe_ready;
+
+use std::collections::{HashMap, VecDeque};
+use std::net::{Ipv4Addr, SocketAddr, TcpListener};
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::Arc;
+use std::time::{Duration, SystemTime};
+
+use dsv4_client::AlertKind;
+use dsv4_engine::{EngineChild, ExitReport, OutputTail, Readiness, SpawnSpec};
+use nix::sys::signal::Signal;
+use tokio::sync::{mpsc, oneshot, watch};
+// The clock tests can pause; the std clock is banned in this crate (supervisor/clippy.toml).
+use tokio::time::Instant;
+
+use super::engine_ref::EngineRef;
+use super::state::{
+    EngineFailure, Event, Gen, KvSteps, Limits, Machine, MemoryCheck, Phase, Refusal, Sig, WaiterId,
+};
+use crate::config::{Config, EngineLimits};
+use crate::host::sysroot::SysRoot;
+use crate::lifecycle::alert::Alerts;
+use crate::lifecycle::engine_key::{EngineKey, KeyFolder};
+use crate::lifecycle::leftover;
+use crate::lifecycle::upstream::Upstream;
+
+/// How many lines of one engine's output are kept (for its error messages).
+const TAIL_LINES: usize = 200;
+/// How many lines of engine output, across restarts, are kept for `dsv4ctl logs`.
+const LOG_LINES: usize = 2000;
+/// How many of those go into an error message.
+pub const ERROR_TAIL_LINES: usize = 12;
+/// Readiness polling: first interval, and the cap it backs off to.
+const PROBE_FIRST: Duration = Duration::from_millis(5);
+const PROBE_MAX: Duration = Duration::from_millis(40);
+/// Checks triggered by engine output are at least this far apart, whatever the engine logs.
+const PROBE_MIN_GAP: Duration = Duration::from_millis(5);
+/// One probe attempt that hangs longer than this counts as "not ready yet".
+const PROBE_ATTEMPT: Duration = Duration::from_secs(5);
+
+/// The lifecycle state as others see it: the engine part of `GET /status` and `Status()`.
+pub type Status = dsv4_client::EngineStatus;
+
+/// The right to send one request to the engine; the engine is not stopped while any lease is
+/// held. Dropping it tells the actor, so idle time counts from the last lease released.
+#[derive(Debug)]
+pub struct Lease {
+    pub engine: Arc<EngineRef>,
+    release: mpsc::UnboundedSender<Internal>,
+    served: bool,
+}
+
+impl Lease {
+    /// The response went out whole: the engine serves (see `Event::Served`). Told to the
+    /// actor with the release, in one message.
+    pub fn served(&mut self) {
+        self.served = true;
+    }
+}
+
+impl Drop for Lease {
+    fn drop(&mut self) {
+        let _ = self.release.send(Internal::Release {
+            gen: self.engine.gen,
+            served: self.served,
+        });
+    }
+}
+
+/// A request was not let through; maps to an HTTP error.
+pub type Refused = Refusal;
+
+#[derive(Debug, thiserror::Error, PartialEq, Eq)]
+pub enum ControlError {
+    #[error("unknown profile `{name}`; profiles: {}", known.join(", "))]
+    UnknownProfile { name: String, known: Vec<String> },
+    #[error("cannot remember profile {name} in {dir}: {why}; nothing changed (state_dir must be writable by dsv4d)")]
+    NotSaved {
+        name: String,
+        dir: String,
+        why: String,
+    },
+    #[error("the supervisor is shutting down")]
+    Gone,
+}
+
+enum Command {
+    Acquire {
+        waiter: WaiterId,
+        reply: oneshot::Sender<Result<Lease, Refused>>,
+    },
+    /// `Start`, then `Acquire` for `waiter`: one command, so nothing can come between.
+    StartAndAcquire {
+        waiter: WaiterId,
+        reply: oneshot::Sender<Result<Lease, Refused>>,
+    },
+    Start,
+    Stop {
+        now: bool,
+    },
+    SetProfile {
+        name: String,
+        reply: oneshot::Sender<Result<(), ControlError>>,
+    },
+    Shutdown {
+        done: oneshot::Sender<()>,
+    },
+    Reload {
+        config: Arc<Config>,
+    },
+    /// Too hot, or cool again (`None`): see [`Event::Heat`].
+    Heat {
+        hot: Option<(String, Option<Duration>)>,
+    },
+    /// Answered at once: the watchdog's proof that the actor turns.
+    Ping {
+        reply: oneshot::Sender<()>,
+    },
+    /// Test-only: the actor stops turning (see `Handle::stall`).
+    Stall,
+}
+
+#[derive(Debug)]
+enum Internal {
+    /// A lease given back; `served` when its response went out whole first.
+    Release {
+        gen: Gen,
+        served: bool,
+    },
+    Cancel {
+        waiter: WaiterId,
+    },
+    Ready {
+        gen: Gen,
+    },
+    Exited {
+        gen: Gen,
+        report: ExitReport,
+    },
+    /// The KV restore (`restore`) or save of generation `gen` is over.
+    KvDone {
+        gen: Gen,
+        restore: bool,
+    },
+    /// The memory of the engine that exited last came back, or will not (said already).
+    MemorySettled,
+}
+
+/// The way in to the actor; cheap to clone.
+#[derive(Clone)]
+pub struct Handle {
+    commands: mpsc::Sender<Command>,
+    internal: mpsc::UnboundedSender<Internal>,
+    status: watch::Receiver<Status>,
+    figures: watch::Receiver<u64>,
+    next_waiter: Arc<AtomicU64>,
+    log: OutputTail,
+    kv: crate::kv::Book,
+}
+
+struct CancelOnDrop<'a> {
+    waiter: WaiterId,
+    internal: &'a mpsc::UnboundedSender<Internal>,
+    armed: bool,
+}
+
+impl CancelOnDrop<'_> {
+    fn disarm(mut self) {
+        self.armed = false;
+    }
+}
+
+impl Drop for CancelOnDrop<'_> {
+    fn drop(&mut self) {
+        if self.armed {
+            let _ = self.internal.send(Internal::Cancel {
+                waiter: self.waiter,
+            });
+        }
+    }
+}
+
+/// The engine process the actor owns, with what a lease needs to reach it.
+struct Engine {
+    child: EngineChild,
+    /// The profile as it was when this engine started.
+    spawned: crate::config::Profile,
+    shared: Arc<EngineRef>,
+    probe: tokio::task::JoinHandle<()>,
+    /// The KV restore or save running for it, if one does.
+    kv_task: Option<KvTask>,
+    /// A validation ran on it (its profile's checkpoints were suspended while it lived): its
+    /// slots hold the benchmark's prompts, so it neither restores nor saves, ever.
+    validated: bool,
+    /// When it was sent SIGTERM (how long ds4-server's save took is measured from it).
+    term_at: Option<Instant>,
+    ready_at: Option<SystemTime>,
+    /// The memory figures just before it started, to check that they come back after it.
+    memory_before: crate::host::hw::MemoryNow,
+    /// The OOM killer's count in dsv4d's cgroup just before it started (see
+    /// `hw::cgroup`): a higher one at its exit names the cause.
+    oom_kills_before: Option<u64>,
+    /// Its key, when the engine takes one: the file goes when this engine is dropped, that
+    /// is once it has exited (or with the actor, which kills it).
+    _key: Option<EngineKey>,
+    /// The record of its process group in `state_dir`, gone with it likewise.
+    _group: Option<leftover::Guard>,
+}
+
+impl Drop for Engine {
+    fn drop(&mut self) {
+        self.probe.abort();
+        if let Some(task) = &self.kv_task {
+            task.handle.abort();
+        }
+    }
+}
+
+/// A KV checkpoint step in progress.
+struct KvTask {
+    restore: bool,
+    handle: tokio::task::JoinHandle<()>,
+    started: Instant,
+    /// When the rules end its phase: `save_timeout` or `restore_timeout` from the phase's
+    /// start, a moment before the task's own start.
+    deadline: Option<Instant>,
+}
+
+/// What the actor uses from the rest of the daemon.
+#[derive(Debug, Clone, Default)]
+pub struct Services {
+    /// Gets an alert when an engine dies while it serves.
+    pub alerts: Alerts,
+    /// Where the host's memory figures are read before each start.
+    pub sysroot: SysRoot,
+    /// Where each engine's key is written; `None`: `engine-keys` below `state_dir`.
+    pub key_folder: Option<KeyFolder>,
+}
+
+/// Starts the actor on the current tokio runtime.
+pub fn spawn(
+    config: Arc<Config>,
+    profile: String,
+    services: Services,
+) -> (Handle, tokio::task::JoinHandle<()>) {
+    let Services {
+        alerts,
+        sysroot,
+        key_folder,
+    } = services;
+    let key_folder = key_folder.unwrap_or_else(|| KeyFolder::below(&config.supervisor.state_dir));
+    let (cmd_tx, cmd_rx) = mpsc::channel(1024);
+    let (int_tx, int_rx) = mpsc::unbounded_channel();
+    let mut machine = Machine::new(profile, limits(&config.supervisor.engine), Instant::now());
+    machine.set_memory_return(config.supervisor.memory.return_timeout);
+    let (status_tx, status_rx) = watch::channel(Status::stopped(machine.profile()));
+    let (figures_tx, figures_rx) = watch::channel(0);
+    let log = OutputTail::new(LOG_LINES);
+    let kv = crate::kv::Book::default();
+    kv.set_config(config.clone());
+    let mut actor = Actor {
+        kv: kv.clone(),
+        log: log.clone(),
+        config,
+        machine,
+        engine: None,
+        waiters: HashMap::new(),
+        internal: int_tx.clone(),
+        status: status_tx,
+        figures: figures_tx,
+        shutdown_done: Vec::new(),
+        alerts,
+        sysroot,
+        key_folder,
+        outbox: Vec::new(),
+        exited: false,
+        stalled: false,
+        memory_read: crate::host::hw::MemoryNow::default(),
+        next_spawned: None,
+        not_admitted_said: None,
+    };
+    // What a stopped engine's status can say from the configuration (its key, say).
+    actor.publish();
+    let task = tokio::spawn(actor.run(cmd_rx, int_rx));
+    let handle = Handle {
+        commands: cmd_tx,
+        internal: int_tx,
+        status: status_rx,
+        figures: figures_rx,
+        next_waiter: Arc::new(AtomicU64::new(1)),
+        log,
+        kv,
+    };
+    (handle, task)
+}
+
+fn limits(e: &EngineLimits) -> Limits {
+    Limits {
+        start_timeout: e.start_timeout,
+        idle_timeout: e.idle_timeout,
+        stop_timeout: e.stop_timeout,
+        max_waiting: e.max_waiting,
+    }
+}
+
+struct Actor {
+    config: Arc<Config>,
+    /// What the KV checkpoint steps did.
+    kv: crate::kv::Book,
+    /// Every engine's output, across restarts.
+    log: OutputTail,
+    machine: Machine,
+    engine: Option<Engine>,
+    waiters: HashMap<WaiterId, oneshot::Sender<Result<Lease, Refused>>>,
+    internal: mpsc::UnboundedSender<Internal>,
+    /// The status, told to its watchers when anything but the per-request figures changes.
+    status: watch::Sender<Status>,
+    /// Counts the changes of the per-request figures alone (`in_flight`, `waiting`,
+    /// `idle_deadline`), which `status` holds without waking its watchers: every request
+    /// changes them twice, and waking the half-dozen tasks that follow the state (power,
+    /// monitor, idle exit...) for each one was a large share of dsv4d's CPU per request.
+    figures: watch::Sender<u64>,
+    shutdown_done: Vec<oneshot::Sender<()>>,
+    alerts: Alerts,
+    sysroot: SysRoot,
+    key_folder: KeyFolder,
+    /// Answers held back until the status they imply is published, so a caller that reads
+    /// the status right after its answer sees its own change.
+    outbox: Vec<Reply>,
+    exited: bool,
+    /// A test's fault switch: the actor stops answering, as a hung one would.
+    stalled: bool,
+    /// The memory figures read before the event being handled (off the runtime's thread).
+    memory_read: crate::host::hw::MemoryNow,
+    /// Tells the check of the last engine's memory that the next engine is spawned.
+    next_spawned: Option<watch::Sender<bool>>,
+    /// When a start refused for memory was last logged and alerted.
+    not_admitted_said: Option<Instant>,
+}
+
+enum Reply {
+    Lease(
+        oneshot::Sender<Result<Lease, Refused>>,
+        Result<Lease, Refused>,
+    ),
+    Control(
+        oneshot::Sender<Result<(), ControlError>>,
+        Result<(), ControlError>,
+    ),
+    /// An alert about a change the status shows: raised once that status is out, so that a
+    /// client that reads the status on the alert sees the change.
+    Alert(AlertKind, String),
+}
+
+impl Actor {
+    async fn run(
+        mut self,
+        mut commands: mpsc::Receiver<Command>,
+        mut internal: mpsc::UnboundedReceiver<Internal>,
+    ) {
+        let mut commands_open = true;
+        // One timer for the actor's life, moved only to an earlier deadline. Each request
+        // takes the idle deadline away and its release brings a later one back: re-arming
+        // for that would wake the runtime's driver twice per request (measured: an eventfd
+        // write and an extra epoll_wait each). A tick that comes early changes nothing: the
+        // rules look at the time.
+        let timer = tokio::time::sleep(Duration::ZERO);
+        tokio::pin!(timer);
+        let mut armed: Option<Instant> = None;
+        while !self.exited {
+            if self.stalled {
+                tracing::warn!("the lifecycle actor stalls (a test's fault switch)");
+                std::future::pending::<()>().await;
+            }
+            if let Some(due) = self.machine.next_deadline() {
+                if armed.is_none_or(|a| due < a) {
+                    timer.as_mut().reset(due);
+                    armed = Some(due);
+                }
+            }
+            let event = tokio::select! {
+                biased;
+                Some(i) = internal.recv() => self.internal_event(i),
+                c = commands.recv(), if commands_open => match c {
+                    Some(c) => self.command(c).await,
+                    // Every handle is gone: nobody can use the engine any more.
+                    None => {
+                        commands_open = false;
+                        Some(Event::Shutdown)
+                    }
+                },
+                _ = &mut timer, if armed.is_some() => {
+                    armed = None;
+                    Some(Event::Tick)
+                }
+            };
+            match event {
+                Some(event) => self.handle(event).await,
+                None => self.flush_outbox(),
+            }
+        }
+        for done in self.shutdown_done.drain(..) {
+            let _ = done.send(());
+        }
+    }
+
+    /// Runs one event (and those its effects cause at once) through the rules.
+    async fn handle(&mut self, first: Event) {
+        // An engine a validation uses (its requests come as events) is marked for good: the
+        // suspension may be lifted before it stops, and its save would replace the real
+        // checkpoint with the benchmark's slots.
+        if let Some(e) = self.engine.as_mut() {
+            if !e.validated && self.kv.suspended(&e.spawned.name) {
+                e.validated = true;
+                tracing::info!(
+                    pid = e.shared.pid,
+                    "a validation runs on this engine: it will not save its KV cache"
+                );
+            }
+        }
+        let was_held = self.machine.held_for_memory();
+        let mut queue = VecDeque::from([first]);
+        while let Some(event) = queue.pop_front() {
+            if self.machine.could_start() {
+                // Fresh figures for the admission rule, should this event start an engine,
+                // read on a blocking worker (sysfs reads may stall).
+                self.memory_read = memory_now_off_thread(&self.sysroot).await;
+                self.machine.set_memory(self.memory_check());
+            }
+            let effects = self.machine.step(event, Instant::now());
+            for fx in effects {
+                if let Some(follow) = self.perform(fx) {
+                    queue.push_back(follow);
+                }
+            }
+        }
+        if self.machine.held_for_memory() && !was_held {
+            tracing::info!(
+                "the start waits for the last engine's memory to come back (at most {})",
+                crate::config::format_duration(self.config.supervisor.memory.return_timeout)
+            );
+        }
+        self.end_stale_kv_task();
+        self.publish();
+        self.flush_outbox();
+    }
+
+    fn flush_outbox(&mut self) {
+        for reply in self.outbox.drain(..) {
+            // A failed send drops the lease inside, which releases it.
+            let _ = match reply {
+                Reply::Lease(tx, r) => tx.send(r).map_err(drop),
+                Reply::Control(tx, r) => tx.send(r).map_err(drop),
+                Reply::Alert(kind, message) => {
+                    self.alerts.raise(kind, message);
+                    Ok(())
+                }
+            };
+        }
+    }
+
+    fn perform(&mut self, fx: super::state::Effect) -> Option<Event> {
+        use super::state::Effect;
+        match fx {
+            Effect::Spawn { gen, profile } => return self.spawn_engine(gen, &profile),
+            Effect::Signal { gen, sig } => {
+                if let Some(e) = self.engine.as_ref().filter(|e| e.shared.gen == gen) {
+                    let signal = match sig {
+                        Sig::Term => Signal::SIGTERM,
+                        Sig::Int => Signal::SIGINT,
+                        Sig::Kill => Signal::SIGKILL,
+                    };
+                    tracing::info!(
+                        pid = e.shared.pid,
+                        "sending {} to the engine",
+                        signal.as_str()
+                    );
+                    e.child.signal(signal);
+                }
+                if let (Sig::Term, Some(e)) = (sig, self.engine.as_mut()) {
+                    e.term_at.get_or_insert_with(Instant::now);
+                }
+            }
+            Effect::Grant { gen, waiters } => {
+                let engine = self
+                    .engine
+                    .as_ref()
+                    .filter(|e| e.shared.gen == gen)
+                    .map(|e| e.shared.clone());
+                for w in waiters {
+                    let Some(reply) = self.waiters.remove(&w) else {
+                        // Cancelled in the meantime: give the lease back at once.
+                        let _ = self.internal.send(Internal::Release { gen, served: false });
+                        continue;
+                    };
+                    match &engine {
+                        Some(engine) => {
+                            let lease = Lease {
+                                engine: engine.clone(),
+                                release: self.internal.clone(),
+                                served: false,
+                            };
+                            // A failed send drops the lease, which releases it.
+                            self.outbox.push(Reply::Lease(reply, Ok(lease)));
+                        }
+                        None => {
+                            let _ = self.internal.send(Internal::Release { gen, served: false });
+                            self.outbox
+                                .push(Reply::Lease(reply, Err(Refusal::ShuttingDown)));
+                        }
+                    }
+                }
+            }
+            Effect::Refuse { waiters, mut why } => {
+                if let Refusal::StartTimeout { tail, .. } = &mut why {
+                    if let Some(e) = &self.engine {
+                        *tail = e.shared.output.last(ERROR_TAIL_LINES);
+                    }
+                }
+                for w in waiters {
+                    if let Some(reply) = self.waiters.remove(&w) {
+                        self.outbox.push(Reply::Lease(reply, Err(why.clone())));
+                    }
+                }
+            }
+            Effect::Exit => {
+                self.exited = true;
+            }
+            Effect::RestoreKv { gen, .. } => return self.start_kv_task(gen, true),
+            Effect::SaveKv { gen, .. } => return self.start_kv_task(gen, false),
+            Effect::NotAdmitted { profile, short } => {
+                let message = format!("{}; nothing was started", short.describe(&profile));
+                // Each refused request would say it again: once a minute is enough.
+                let now = Instant::now();
+                if self
+                    .not_admitted_said
+                    .is_none_or(|t| now.duration_since(t) >= NOT_ADMITTED_GAP)
+                {
+                    self.not_admitted_said = Some(now);
+                    tracing::warn!("{message}");
+                    self.alerts.raise(AlertKind::Memory, message);
+                } else {
+                    tracing::debug!("{message}");
+                }
+            }
+        }
+        None
+    }
+
+    /// What a start of the active profile would need, and what the machine had when
+    /// [`Actor::memory_read`] was read.
+    fn memory_check(&self) -> MemoryCheck {
+        let planned = self
+            .config
+            .profile(self.machine.profile())
+            .and_then(|p| p.planned_memory);
+        let reserve = self.config.supervisor.memory.reserve;
+        let now = self.memory_read;
+        MemoryCheck {
+            planned,
+            reserve,
+            available: now.available,
+            gtt_used: now.gtt_used,
+            gtt_total: now.gtt_total,
+            vram_used: now.vram_used,
+            vram_total: now.vram_total,
+        }
+    }
+}

@@ -1,0 +1,97 @@
+//! The state as others see it: the status watch, the figures, the log line of a change.
+
+use super::*;
+
+impl Actor {
+    pub(super) fn publish(&mut self) {
+        let m = &self.machine;
+        if let (Phase::Ready { .. }, Some(e)) = (m.phase(), self.engine.as_mut()) {
+            e.ready_at.get_or_insert_with(SystemTime::now);
+        }
+        let unix = |t: SystemTime| {
+            t.duration_since(SystemTime::UNIX_EPOCH)
+                .map(|d| d.as_secs_f64())
+                .ok()
+        };
+        let idle_deadline = m.idle_deadline().and_then(|d| {
+            let left = d.saturating_duration_since(Instant::now());
+            unix(SystemTime::now() + left)
+        });
+        // Everything but the figures, borrowed: compared with what stands before anything is
+        // allocated (every request publishes twice, and mostly only the figures moved).
+        let engine_pid = self.engine.as_ref().map(|e| e.shared.pid);
+        let ready_since = self.engine.as_ref().and_then(|e| e.ready_at).and_then(unix);
+        let last_error = m.last_failure().map(|f| f.summary.as_str());
+        let restart_pending = self
+            .engine
+            .as_ref()
+            .is_some_and(|e| self.config.profile(&e.shared.profile) != Some(&e.spawned));
+        // The running engine's, else the one the next start would run.
+        let engine_key = match &self.engine {
+            Some(e) => Some(e.spawned.engine),
+            None => self.config.profile(m.profile()).map(|p| p.engine),
+        }
+        .map(|kind| kind.key_protection());
+        let kv_step = match m.phase() {
+            Phase::Restoring { .. } => Some("restoring"),
+            Phase::Saving { .. } => Some("saving"),
+            _ => None,
+        };
+        let same_but_figures = {
+            let old = self.status.borrow();
+            old.state == m.state()
+                && old.profile == m.profile()
+                && old.engine_profile.as_deref() == m.phase().engine_profile()
+                && old.engine_pid == engine_pid
+                && old.generation == m.phase().gen()
+                && old.ready_since == ready_since
+                && old.failures == m.failures()
+                && old.last_error.as_deref() == last_error
+                && old.restart_pending == restart_pending
+                && old.engine_key.as_deref() == engine_key
+                && old.kv_step.as_deref() == kv_step
+        };
+        if same_but_figures {
+            let (in_flight, waiting) = (m.leases(), m.waiting());
+            let mut moved = false;
+            // Held without waking the state's watchers (see `figures`).
+            self.status.send_if_modified(|s| {
+                moved = (s.in_flight, s.waiting, s.idle_deadline)
+                    != (in_flight, waiting, idle_deadline);
+                s.in_flight = in_flight;
+                s.waiting = waiting;
+                s.idle_deadline = idle_deadline;
+                false
+            });
+            if moved {
+                self.figures.send_modify(|n| *n = n.wrapping_add(1));
+            }
+            return;
+        }
+        let status = Status {
+            state: m.state(),
+            profile: m.profile().to_string(),
+            engine_profile: m.phase().engine_profile().map(String::from),
+            engine_pid,
+            generation: m.phase().gen(),
+            in_flight: m.leases(),
+            waiting: m.waiting(),
+            idle_deadline,
+            ready_since,
+            failures: m.failures(),
+            last_error: last_error.map(String::from),
+            restart_pending,
+            engine_key: engine_key.map(String::from),
+            kv_step: kv_step.map(String::from),
+        };
+        let state = status.state;
+        let mut state_changed = false;
+        self.status.send_modify(|old| {
+            state_changed = old.state != status.state;
+            *old = status;
+        });
+        if state_changed {
+            tracing::info!("engine state: {state}");
+        }
+    }
+}

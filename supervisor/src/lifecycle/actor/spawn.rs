@@ -1,0 +1,175 @@
+//! Starting an engine: its port, its key, its process, its readiness probe.
+
+use super::*;
+
+impl Actor {
+    pub(super) fn spawn_engine(&mut self, gen: Gen, profile_name: &str) -> Option<Event> {
+        let fail = |summary: String| {
+            tracing::error!("{summary}");
+            Some(Event::Exited {
+                gen,
+                failure: EngineFailure {
+                    summary,
+                    tail: Vec::new(),
+                },
+            })
+        };
+        let Some(profile) = self.config.profile(profile_name) else {
+            return fail(format!(
+                "profile `{profile_name}` is not in the configuration any more"
+            ));
+        };
+        let port = match free_port() {
+            Ok(p) => p,
+            Err(e) => {
+                return fail(format!(
+                    "cannot find a free loopback port for the engine: {e}"
+                ))
+            }
+        };
+        // A fresh secret for each engine that can require one: a key that outlived its engine
+        // (read from a file of the old generation, say) opens nothing.
+        let key = match profile.engine.key_file_flag() {
+            Some(_) => match self.key_folder.issue(gen) {
+                Ok(key) => Some(key),
+                Err(e) => return fail(e.to_string()),
+            },
+            None => None,
+        };
+        let key_file = key.as_ref().map(EngineKey::path);
+        let args = profile
+            .engine
+            .argv(&profile.params, "127.0.0.1", port, key_file);
+        // Every process of this engine carries the mark, whatever it starts: a next dsv4d
+        // ends what is left of it only by the mark (see `crate::lifecycle::leftover`).
+        let tag = match leftover::new_tag() {
+            Ok(tag) => tag,
+            Err(e) => return fail(format!("cannot make the engine's process mark: {e}")),
+        };
+        let mut env: Vec<(std::ffi::OsString, std::ffi::OsString)> = profile
+            .env
+            .iter()
+            .map(|(k, v)| (k.into(), v.into()))
+            .collect();
+        env.push((leftover::TAG_VAR.into(), tag.clone().into()));
+        let spec = SpawnSpec {
+            program: profile.command.clone(),
+            args,
+            env,
+            tail_lines: TAIL_LINES,
+            also: Some(self.log.clone()),
+        };
+        let shown: Vec<_> = spec.args.iter().map(|a| a.to_string_lossy()).collect();
+        tracing::info!(
+            profile = profile_name,
+            "starting engine: {} {}",
+            spec.program.display(),
+            shown.join(" ")
+        );
+        // Read just before the step that spawns (see `handle`).
+        let before = self.memory_read;
+        if let Some(next) = self.next_spawned.take() {
+            next.send_replace(true);
+        }
+        match before.available {
+            Some(bytes) => tracing::info!(
+                "memory available before the start: {:.1} GiB",
+                bytes as f64 / (1u64 << 30) as f64
+            ),
+            None => tracing::debug!(
+                "memory available before the start: unknown (no {})",
+                self.sysroot.path(crate::host::hw::meminfo::PATH).display()
+            ),
+        }
+        if let Some(kv) = &profile.kv_checkpoint {
+            // llama-server saves only into a folder that exists.
+            if let Err(e) = crate::kv::store::Store::new(&kv.dir).ensure() {
+                tracing::warn!(
+                    "cannot create the KV checkpoint folder {}: {e}; saves will fail",
+                    kv.dir.display()
+                );
+            }
+        }
+        let child = match EngineChild::spawn(&spec) {
+            Ok(c) => c,
+            Err(e) => return fail(e.to_string()),
+        };
+        let state_dir = &self.config.supervisor.state_dir;
+        let group = match leftover::Guard::write(state_dir, child.pid(), &tag) {
+            Ok(g) => Some(g),
+            Err(e) => {
+                // The engine runs all the same; only a crash of dsv4d could leave it behind.
+                tracing::warn!(
+                    "cannot write {}: {e}; an engine left running by a killed dsv4d would not \
+                     be ended at its next start",
+                    leftover::record_path(state_dir).display()
+                );
+                None
+            }
+        };
+        self.machine
+            .set_interrupt_grace(profile.engine.interrupt_grace());
+        self.machine.set_kv_steps(
+            profile
+                .kv_checkpoint
+                .as_ref()
+                .filter(|_| !self.kv.suspended(profile_name))
+                .map(|kv| KvSteps {
+                    save_timeout: kv.save_timeout,
+                    restore_timeout: kv.restore_timeout,
+                }),
+        );
+        let upstream = SocketAddr::from((Ipv4Addr::LOCALHOST, port));
+        let shared = Arc::new(EngineRef {
+            gen,
+            profile: profile_name.to_string(),
+            pid: child.pid(),
+            upstream,
+            connections: Upstream::new(upstream, key.as_ref().map(|k| k.authorization().clone())),
+            output: child.output().clone(),
+            exit: child.exit_watch(),
+        });
+        let probe = tokio::spawn(probe_ready(
+            profile.engine.readiness(),
+            shared.clone(),
+            self.internal.clone(),
+        ));
+        let internal = self.internal.clone();
+        let exit = child.exit_watch();
+        tokio::spawn(async move {
+            let mut exit = exit;
+            let report = match exit.wait_for(Option::is_some).await {
+                Ok(r) => r.clone(),
+                Err(_) => None,
+            };
+            let report = report.unwrap_or(ExitReport {
+                code: None,
+                signal: None,
+            });
+            let _ = internal.send(Internal::Exited { gen, report });
+        });
+        self.engine = Some(Engine {
+            spawned: profile.clone(),
+            child,
+            shared,
+            probe,
+            kv_task: None,
+            validated: false,
+            term_at: None,
+            ready_at: None,
+            memory_before: before,
+            oom_kills_before: crate::host::hw::cgroup::oom_kills(&self.sysroot).map(|(_, n)| n),
+            _key: key,
+            _group: group,
+        });
+        None
+    }
+}
+
+/// A loopback port that was free a moment ago. Engines cannot take an open socket (llama-server
+/// binds its own), so the port is handed over by number; if another process takes it first the
+/// engine fails to bind, which is a start failure like any other.
+pub(super) fn free_port() -> std::io::Result<u16> {
+    let l = TcpListener::bind((Ipv4Addr::LOCALHOST, 0))?;
+    Ok(l.local_addr()?.port())
+}
