@@ -387,10 +387,27 @@ async fn slow_bodies_leave_the_real_engine_serving_others() {
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn the_largest_content_lengths_get_413_like_any_body_over_the_limit() {
+async fn the_largest_content_lengths_are_refused_before_any_byte_of_body() {
     let d = Daemon::start(&Setup::default().api("max_body", "1KiB"));
-    // hyper keeps the two largest values for itself and refuses them while parsing.
-    for len in [u64::MAX, u64::MAX - 1, u64::MAX - 2, 5000] {
+    // hyper keeps the two largest values for itself and refuses them while parsing, with
+    // its own 431 (a hostile head), and closes the connection.
+    for len in [u64::MAX, u64::MAX - 1] {
+        let head = format!(
+            "POST /v1/chat/completions HTTP/1.1\r\nHost: {}\r\ncontent-length: {len}\r\n\r\n",
+            d.addr
+        );
+        let mut s = send_raw(d.addr, &head, b"").await;
+        let (status, h, body) = read_response(&mut s, PATIENCE).await;
+        assert_eq!(status, 431, "{len}: {h}{body}");
+        let mut rest = Vec::new();
+        let closed = tokio::time::timeout(PATIENCE, s.read_to_end(&mut rest)).await;
+        assert!(
+            matches!(closed, Ok(Ok(_))),
+            "{len}: the connection stayed open"
+        );
+    }
+    // Every other length over api.max_body gets dsv4d's 413.
+    for len in [u64::MAX - 2, 5000] {
         let head = format!(
             "POST /v1/chat/completions HTTP/1.1\r\nHost: {}\r\ncontent-length: {len}\r\n\r\n",
             d.addr

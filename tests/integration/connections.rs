@@ -323,8 +323,8 @@ async fn unfinished_request_heads_cost_a_bounded_buffer_each() {
         grown >> 20,
         (grown >> 10) / 4096
     );
-    // The bound docs/security.md states: 40 KiB a connection (the head buffer, the first 8 KiB kept to
-    // answer an oversized Content-Length, the connection's own state).
+    // The bound docs/security.md states: 40 KiB a connection (the head buffer and the
+    // connection's own state).
     assert!(grown < 4096 * (40 << 10), "+{} MiB", grown >> 20);
     drop(held);
     // A head that outgrows the buffer is answered 431 and closed.

@@ -1,5 +1,5 @@
 //! The API: the listener, the front door (`front`: Host and web pages; `auth`: keys), request
-//! bodies (`intake`, `body`, `oversize`), client connections, the path rules, the proxy, and
+//! bodies (`intake`, `body`), client connections, the path rules, the proxy, and
 //! the errors dsv4d itself answers with.
 
 pub mod auth;
@@ -9,6 +9,5 @@ pub mod front;
 pub mod http_error;
 pub mod intake;
 pub mod listener;
-pub mod oversize;
 pub mod path;
 pub mod proxy;

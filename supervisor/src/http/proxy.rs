@@ -42,7 +42,6 @@ use crate::http::connections::{self, Connections};
 use crate::http::front;
 use crate::http::http_error::{with_tail, ApiError};
 use crate::http::intake::{self, IntakeError};
-use crate::http::oversize;
 use crate::lifecycle::upstream::{UpstreamBody, UpstreamError};
 use crate::lifecycle::{Handle, Lease, ERROR_TAIL_LINES};
 use crate::observe::monitor::Telemetry;
@@ -316,10 +315,7 @@ pub async fn serve(
             },
         };
         ctx.activity.touch();
-        let (max_connections, max_body) = {
-            let api = &ctx.config.borrow().supervisor.api;
-            (api.max_connections, api.max_body)
-        };
+        let max_connections = ctx.config.borrow().supervisor.api.max_connections;
         let cap = max_connections.min(fd_cap);
         let Some(slot) = connections.admit(cap) else {
             tracing::debug!(%peer, "refused: {cap} client connections open");
@@ -341,7 +337,7 @@ pub async fn serve(
                 }
             })
         };
-        let io = TokioIo::new(oversize::Guarded::new(stream, max_body));
+        let io = TokioIo::new(stream);
         let conn = graceful.watch(http.serve_connection(io, service));
         let ctx = ctx.clone();
         tokio::spawn(async move {
