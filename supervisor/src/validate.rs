@@ -227,8 +227,8 @@ impl Validator {
         ValidationResult {
             profile: profile.to_string(),
             previous_profile: previous.to_string(),
-            started: crate::kv::unix_now(),
-            finished: crate::kv::unix_now(),
+            started: dsv4_client::clock::unix_now(),
+            finished: dsv4_client::clock::unix_now(),
             error: Some(format!("the validation failed inside dsv4d: {why}")),
             ..ValidationResult::default()
         }
@@ -253,7 +253,7 @@ impl Validator {
         let state_dir = config.supervisor.state_dir.clone();
         let mut result = ValidationResult {
             profile: profile.to_string(),
-            started: crate::kv::unix_now(),
+            started: dsv4_client::clock::unix_now(),
             previous_profile: previous.clone(),
             kernel: std::fs::read_to_string(self.0.sysroot.path("/proc/sys/kernel/osrelease"))
                 .map(|s| s.trim().to_string())
@@ -295,7 +295,7 @@ impl Validator {
         let _ = std::fs::remove_file(state_dir.join(RUNNING));
         lifecycle.kv().suspend(None);
         self.0.gate.send_replace(false);
-        result.finished = crate::kv::unix_now();
+        result.finished = dsv4_client::clock::unix_now();
         if let Err(e) = save(&state_dir, &mut result) {
             tracing::warn!("cannot keep the validation's result: {e}");
             result.file = None;
@@ -424,7 +424,7 @@ impl Validator {
         Fut: std::future::Future<Output = Result<RunDetail, String>>,
     {
         let before = self.0.telemetry.latest();
-        let from = crate::kv::unix_now();
+        let from = dsv4_client::clock::unix_now();
         let mut details = Vec::new();
         for run in 1..=runs {
             let t = Instant::now();
@@ -449,7 +449,7 @@ impl Validator {
             });
             details.push(d);
         }
-        let to = crate::kv::unix_now();
+        let to = dsv4_client::clock::unix_now();
         let after = self.0.telemetry.latest();
         let span = self.0.telemetry.resources(from, to);
         let gtt = |s: &Option<Arc<dsv4_client::telemetry::Sample>>| {

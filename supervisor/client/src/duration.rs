@@ -167,7 +167,7 @@ pub fn format(d: Duration) -> String {
 
 /// Splits the number `digits[.digits]` off the front of `s`: (whole digits, fraction digits,
 /// rest). `None` when `s` does not start with one.
-fn split_number(s: &str) -> Option<(&str, &str, &str)> {
+pub(crate) fn split_number(s: &str) -> Option<(&str, &str, &str)> {
     let digits = |s: &str| s.find(|c: char| !c.is_ascii_digit()).unwrap_or(s.len());
     let whole_end = digits(s);
     if whole_end == 0 {

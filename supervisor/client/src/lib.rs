@@ -6,10 +6,12 @@
 //! `dsv4ctl` parses them, so the two cannot drift apart. Must not: depend on the daemon's
 //! internals; `dsv4ctl` links this crate only.
 
+pub mod clock;
 pub mod duration;
 pub mod kv;
 pub mod telemetry;
 pub mod text;
+pub mod units;
 pub mod validate;
 
 use std::collections::BTreeMap;

@@ -15,9 +15,10 @@ mod top;
 
 use std::io::{IsTerminal, Write};
 use std::process::ExitCode;
-use std::time::{Duration, SystemTime, UNIX_EPOCH};
+use std::time::Duration;
 
 use clap::{CommandFactory, Parser, Subcommand, ValueEnum};
+use dsv4_client::clock::unix_now;
 use dsv4_client::{Bus, EngineStatus, State};
 use futures_util::StreamExt;
 use tokio::time::Instant;
@@ -768,12 +769,6 @@ fn write_out(bytes: &[u8]) -> Result<(), Failure> {
     out.write_all(bytes)
         .and_then(|()| out.flush())
         .map_err(error::output)
-}
-
-fn unix_now() -> f64 {
-    SystemTime::now()
-        .duration_since(UNIX_EPOCH)
-        .map_or(0.0, |d| d.as_secs_f64())
 }
 
 #[cfg(test)]

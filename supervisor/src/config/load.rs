@@ -196,7 +196,7 @@ impl Check<'_> {
         let small = s.api.max_buffered < s.api.max_body;
         let message = format!(
             "must be at least api.max_body ({})",
-            crate::config::units::format_size(s.api.max_body)
+            dsv4_client::units::format_size(s.api.max_body)
         );
         self.when(small, "api.max_buffered", message);
         // The engine needs time to drain and exit; ds4-server also writes its KV cache.

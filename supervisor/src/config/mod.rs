@@ -33,7 +33,6 @@ pub mod names;
 pub mod profiles;
 mod raw;
 mod rules;
-mod units;
 mod yaml;
 
 #[cfg(test)]
@@ -48,8 +47,8 @@ use serde::Deserialize;
 use smart_default::SmartDefault;
 
 pub use dsv4_client::duration::{format as format_duration, parse as parse_duration};
+pub use dsv4_client::units::{format_size, format_temperature, parse_size, parse_temperature};
 pub use error::{ConfigError, Problem};
-pub use units::{format_size, format_temperature, parse_size, parse_temperature};
 
 /// The whole configuration: the supervisor settings and every profile, by name.
 #[derive(Debug, Clone, PartialEq)]

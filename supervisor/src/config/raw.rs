@@ -12,7 +12,7 @@ use dsv4_client::duration;
 use dsv4_engine::{EngineKind, FlashAttn, GpuLayers};
 use serde::{de, Deserialize, Deserializer};
 
-use super::units::{parse_size, parse_temperature};
+use dsv4_client::units::{parse_size, parse_temperature};
 
 /// `profiles/<name>.yaml`. `engine` and `command` are required, but optional here so that a
 /// profile missing both reports both.

@@ -265,7 +265,7 @@ impl Tapped {
     fn finish(self) {
         if let Some(t) = self.tap.timings() {
             let wall = self.started.elapsed().as_secs_f64();
-            let now = crate::observe::monitor::unix_now();
+            let now = dsv4_client::clock::unix_now();
             let resources = self.telemetry.resources(now - wall, now);
             self.stats.record(
                 &self.profile,

@@ -23,7 +23,6 @@ pub mod store;
 
 use std::collections::BTreeMap;
 use std::sync::{Arc, Mutex};
-use std::time::{SystemTime, UNIX_EPOCH};
 
 use dsv4_client::kv::{KvProfile, KvStatus, KvStep};
 use dsv4_engine::EngineKind;
@@ -33,17 +32,7 @@ use crate::config::Config;
 /// An engine generation's number, as the lifecycle counts them (`lifecycle::state::Gen`).
 pub type Gen = u64;
 
-pub fn unix_now() -> f64 {
-    SystemTime::now()
-        .duration_since(UNIX_EPOCH)
-        .map_or(0.0, |d| d.as_secs_f64())
-}
-
-pub fn unix_millis() -> u64 {
-    SystemTime::now()
-        .duration_since(UNIX_EPOCH)
-        .map_or(0, |d| d.as_millis() as u64)
-}
+use dsv4_client::clock::unix_now;
 
 #[derive(Debug, Default)]
 struct Inner {

@@ -301,7 +301,7 @@ impl Store {
             .file_stem()
             .and_then(|s| s.to_str())
             .unwrap_or("unknown");
-        let stamp = super::unix_millis();
+        let stamp = dsv4_client::clock::unix_millis();
         let target = aside.join(format!("{stem}-{stamp}.json"));
         match m {
             Some(m) => {

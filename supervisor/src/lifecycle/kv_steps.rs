@@ -196,7 +196,7 @@ fn failed(started: Instant, why: String) -> KvStep {
 
 fn step(started: Instant, tokens: u64, bytes: u64, ok: bool, result: String) -> KvStep {
     KvStep {
-        at: crate::kv::unix_now(),
+        at: dsv4_client::clock::unix_now(),
         seconds: started.elapsed().as_secs_f64(),
         tokens,
         bytes,
@@ -304,7 +304,7 @@ pub async fn restore(engine: Arc<EngineRef>, profile: Profile, book: Book) -> Kv
 }
 
 fn ago(at: f64) -> String {
-    let s = (crate::kv::unix_now() - at).max(0.0);
+    let s = (dsv4_client::clock::unix_now() - at).max(0.0);
     crate::config::format_duration(Duration::from_secs(s as u64)) + " ago"
 }
 
@@ -335,7 +335,7 @@ pub async fn save(engine: Arc<EngineRef>, profile: Profile, book: Book) -> KvSte
         Err(e) => return failed(started, format!("cannot list the slots: {e}")),
     };
     let id = key.id();
-    let stamp = crate::kv::unix_millis();
+    let stamp = dsv4_client::clock::unix_millis();
     let mut files: Vec<SlotFile> = Vec::new();
     let mut failure = None;
     'slots: for slot in &slots {
@@ -421,7 +421,7 @@ pub async fn save(engine: Arc<EngineRef>, profile: Profile, book: Book) -> KvSte
         id: id.clone(),
         profile: profile.name.clone(),
         key,
-        saved_at: crate::kv::unix_now(),
+        saved_at: dsv4_client::clock::unix_now(),
         save_seconds: started.elapsed().as_secs_f64(),
         slots: files,
         aside: None,

@@ -11,7 +11,7 @@
 
 use std::collections::VecDeque;
 use std::sync::{Arc, Mutex};
-use std::time::{Duration, SystemTime};
+use std::time::Duration;
 
 use dsv4_client::telemetry::{Resources, Sample};
 use tokio::sync::{oneshot, watch};
@@ -116,12 +116,7 @@ fn summarize(samples: &[&Sample], before: Option<&Arc<Sample>>) -> Resources {
     }
 }
 
-pub fn unix_now() -> f64 {
-    SystemTime::now()
-        .duration_since(SystemTime::UNIX_EPOCH)
-        .map(|d| d.as_secs_f64())
-        .unwrap_or(0.0)
-}
+use dsv4_client::clock::unix_now;
 
 /// How long a sample may take before the log says that a hardware read hangs.
 const STALLED: Duration = Duration::from_secs(5);

@@ -12,7 +12,6 @@
 
 use std::collections::{BTreeMap, VecDeque};
 use std::sync::{Arc, Mutex};
-use std::time::SystemTime;
 
 use bytes::Bytes;
 // The document types are the client's own: what the daemon serves is by construction what
@@ -111,10 +110,7 @@ impl Stats {
         wall_ms: f64,
         resources: Option<Resources>,
     ) {
-        let at = SystemTime::now()
-            .duration_since(SystemTime::UNIX_EPOCH)
-            .map(|d| d.as_secs_f64())
-            .unwrap_or(0.0);
+        let at = dsv4_client::clock::unix_now();
         let record = Record {
             profile: profile.to_string(),
             path: path.to_string(),

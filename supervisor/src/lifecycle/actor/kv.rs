@@ -92,7 +92,7 @@ impl Actor {
             false => tracing::warn!("the KV checkpoint save was {result}; nothing was kept"),
         }
         let step = dsv4_client::kv::KvStep {
-            at: crate::kv::unix_now(),
+            at: dsv4_client::clock::unix_now(),
             seconds,
             result,
             ..Default::default()
@@ -136,7 +136,7 @@ impl Actor {
                     "ds4-server stopped {seconds:.1} s after SIGTERM and said nothing of a KV checkpoint (it saves none under 512 tokens)"
                 );
                 dsv4_client::kv::KvStep {
-                    at: crate::kv::unix_now(),
+                    at: dsv4_client::clock::unix_now(),
                     seconds,
                     result: "nothing said".into(),
                     ..Default::default()

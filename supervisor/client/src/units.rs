@@ -1,6 +1,6 @@
-//! The units written in `supervisor.yaml` and the profiles besides durations (which
-//! `dsv4_client::duration` reads): byte sizes (`87.82GiB`, `64MiB`, `1048576`) and
-//! temperatures (`85C`, `85.5°C`).
+//! Byte sizes (`87.82GiB`, `64MiB`, `1048576`) and temperatures (`85C`, `85.5°C`), as the
+//! configuration writes them and messages show them; durations are [`crate::duration`]'s,
+//! with the same number grammar.
 //!
 //! The parsers are strict: a value must carry a unit where one is needed, negative or empty
 //! values are refused, and every error message repeats the offending text.
@@ -21,14 +21,11 @@ const SIZE_UNITS: [(&str, u64); 10] = [
 
 const SIZE_HINT: &str = "B, KiB, MiB, GiB, TiB, KB, MB, GB, TB";
 
-/// Splits `s` into a leading unsigned decimal number (`digits[.digits]`) and the rest; `None`
-/// when it does not start with one.
+/// Splits `s` into a leading unsigned decimal number (`digits[.digits]`, as durations read
+/// it) and the rest; `None` when it does not start with one.
 fn split_number(s: &str) -> Option<(&str, &str)> {
-    let end = s.find(|c: char| !c.is_ascii_digit() && c != '.');
-    let (number, rest) = s.split_at(end.unwrap_or(s.len()));
-    let (whole, fraction) = number.split_once('.').unwrap_or((number, "0"));
-    let digits = |p: &str| !p.is_empty() && !p.contains('.');
-    (digits(whole) && digits(fraction)).then_some((number, rest))
+    let (_, _, rest) = crate::duration::split_number(s)?;
+    Some(s.split_at(s.len() - rest.len()))
 }
 
 /// Parses a byte size such as `87.82GiB`, `64MiB`, `8 GiB`, `20GB` or `1048576` (bytes).
