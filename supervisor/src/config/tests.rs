@@ -1021,16 +1021,64 @@ fn good_fixtures_load() {
     assert!(failures.is_empty(), "\n{}", failures.join("\n\n"));
 }
 
-/// YAML-ish text built from real keys, so that the fuzzing reaches the checks.
-/// The keys serde accepts in a `T`, as its message for an unknown key lists them.
-fn keys_of<T: serde::de::DeserializeOwned + std::fmt::Debug>() -> Vec<&'static str> {
-    let message = serde_yaml_ng::from_str::<T>("not-a-key: 1")
-        .unwrap_err()
-        .to_string();
-    let keys = message.split('`').skip(3).step_by(2);
-    keys.map(|k| &*String::leak(k.to_string())).collect()
+/// The keys serde reads in a `T`: the field list it hands to `deserialize_struct`, recorded
+/// by a deserializer that stops there (no error text is read).
+fn keys_of<T: serde::de::DeserializeOwned>() -> Vec<&'static str> {
+    struct Fields(Option<&'static [&'static str]>);
+    #[derive(Debug)]
+    struct Stop;
+    impl std::fmt::Display for Stop {
+        fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+            f.write_str("stop")
+        }
+    }
+    impl std::error::Error for Stop {}
+    impl serde::de::Error for Stop {
+        fn custom<M: std::fmt::Display>(_: M) -> Self {
+            Stop
+        }
+    }
+    impl<'de> serde::Deserializer<'de> for &mut Fields {
+        type Error = Stop;
+        fn deserialize_any<V: serde::de::Visitor<'de>>(self, _: V) -> Result<V::Value, Stop> {
+            Err(Stop)
+        }
+        fn deserialize_struct<V: serde::de::Visitor<'de>>(
+            self,
+            _name: &'static str,
+            fields: &'static [&'static str],
+            _: V,
+        ) -> Result<V::Value, Stop> {
+            self.0 = Some(fields);
+            Err(Stop)
+        }
+        serde::forward_to_deserialize_any! {
+            bool i8 i16 i32 i64 i128 u8 u16 u32 u64 u128 f32 f64 char str string bytes
+            byte_buf option unit unit_struct newtype_struct seq tuple tuple_struct map enum
+            identifier ignored_any
+        }
+    }
+    let mut probe = Fields(None);
+    let _ = T::deserialize(&mut probe);
+    probe
+        .0
+        .expect("a struct that serde reads with deserialize_struct")
+        .to_vec()
 }
 
+/// The sections of `supervisor.yaml` and the keys of each.
+fn sections() -> [(&'static str, Vec<&'static str>); 6] {
+    [
+        ("api", keys_of::<Api>()),
+        ("engine", keys_of::<EngineLimits>()),
+        ("power", keys_of::<Power>()),
+        ("monitor", keys_of::<Monitor>()),
+        ("thermal", keys_of::<Thermal>()),
+        ("memory", keys_of::<Memory>()),
+    ]
+}
+
+/// YAML-ish text built from real keys, so that the fuzzing reaches the checks.
 fn yamlish(keys: Vec<&'static str>) -> impl Strategy<Value = String> {
     let value = prop_oneof![
         Just(String::new()),
@@ -1157,21 +1205,14 @@ where
 
 /// `supervisor.yaml` with known keys: sections hold known keys with any values.
 fn supervisor_values() -> impl Strategy<Value = serde_yaml_ng::Value> {
-    let sections: Vec<BoxedStrategy<(String, serde_yaml_ng::Value)>> = [
-        ("api", keys_of::<Api>()),
-        ("engine", keys_of::<EngineLimits>()),
-        ("power", keys_of::<Power>()),
-        ("monitor", keys_of::<Monitor>()),
-        ("thermal", keys_of::<Thermal>()),
-        ("memory", keys_of::<Memory>()),
-    ]
-    .into_iter()
-    .map(|(section, keys)| {
-        mapping_of(keys, yaml_value())
-            .prop_map(move |m| (section.to_string(), m))
-            .boxed()
-    })
-    .collect();
+    let sections: Vec<BoxedStrategy<(String, serde_yaml_ng::Value)>> = sections()
+        .into_iter()
+        .map(|(section, keys)| {
+            mapping_of(keys, yaml_value())
+                .prop_map(move |m| (section.to_string(), m))
+                .boxed()
+        })
+        .collect();
     let section = prop::strategy::Union::new(sections);
     let scalar = (prop::sample::select(keys_of::<Supervisor>()), yaml_value())
         .prop_map(|(k, v)| (k.to_string(), v));
@@ -1303,50 +1344,6 @@ fn files_that_would_cost_the_loader_dearly_are_refused_quickly_and_clearly() {
     );
 }
 
-/// The keys serde reads in a struct, as it lists them to the deserializer: a deserializer
-/// that only records the field list of `deserialize_struct` and stops there.
-fn struct_fields<'de, T: serde::Deserialize<'de>>() -> &'static [&'static str] {
-    struct Fields(Option<&'static [&'static str]>);
-    #[derive(Debug)]
-    struct Stop;
-    impl std::fmt::Display for Stop {
-        fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-            f.write_str("stop")
-        }
-    }
-    impl std::error::Error for Stop {}
-    impl serde::de::Error for Stop {
-        fn custom<M: std::fmt::Display>(_: M) -> Self {
-            Stop
-        }
-    }
-    impl<'de> serde::Deserializer<'de> for &mut Fields {
-        type Error = Stop;
-        fn deserialize_any<V: serde::de::Visitor<'de>>(self, _: V) -> Result<V::Value, Stop> {
-            Err(Stop)
-        }
-        fn deserialize_struct<V: serde::de::Visitor<'de>>(
-            self,
-            _name: &'static str,
-            fields: &'static [&'static str],
-            _: V,
-        ) -> Result<V::Value, Stop> {
-            self.0 = Some(fields);
-            Err(Stop)
-        }
-        serde::forward_to_deserialize_any! {
-            bool i8 i16 i32 i64 i128 u8 u16 u32 u64 u128 f32 f64 char str string bytes
-            byte_buf option unit unit_struct newtype_struct seq tuple tuple_struct map enum
-            identifier ignored_any
-        }
-    }
-    let mut probe = Fields(None);
-    let _ = T::deserialize(&mut probe);
-    probe
-        .0
-        .expect("a struct that serde reads with deserialize_struct")
-}
-
 /// Every key a configuration file may hold is in `docs/configuration.md`, by its full name
 /// in backquotes (`api.listen`, `kv_checkpoint.dir`), so the reference cannot drift from
 /// what the loader reads.
@@ -1358,23 +1355,16 @@ fn every_config_key_is_documented() {
     let mut add = |prefix: &str, fields: &[&str]| {
         keys.extend(fields.iter().map(|f| format!("{prefix}{f}")));
     };
-    let sections: [(&str, &[&str]); 6] = [
-        ("api", struct_fields::<Api>()),
-        ("engine", struct_fields::<EngineLimits>()),
-        ("power", struct_fields::<Power>()),
-        ("monitor", struct_fields::<Monitor>()),
-        ("thermal", struct_fields::<Thermal>()),
-        ("memory", struct_fields::<Memory>()),
-    ];
-    for field in struct_fields::<Supervisor>() {
-        match sections.iter().find(|(name, _)| name == field) {
+    let sections = sections();
+    for field in keys_of::<Supervisor>() {
+        match sections.iter().find(|(name, _)| *name == field) {
             Some((name, fields)) => add(&format!("{name}."), fields),
             None => add("", &[field]),
         }
     }
-    for field in struct_fields::<raw::RawProfile>() {
-        match *field {
-            "kv_checkpoint" => add("kv_checkpoint.", struct_fields::<raw::RawKvCheckpoint>()),
+    for field in keys_of::<raw::RawProfile>() {
+        match field {
+            "kv_checkpoint" => add("kv_checkpoint.", &keys_of::<raw::RawKvCheckpoint>()),
             f => add("", &[f]),
         }
     }
