@@ -227,6 +227,16 @@ pub enum Event {
     /// A response of generation `gen` was delivered whole: the engine serves (a death after
     /// it is not a crash loop).
     Served { gen: Gen },
+    /// What the gate did while it was open on the ready engine of `gen` (see
+    /// [`Machine::grants_at_once`]): `held` leases it gave are still out and count here from
+    /// now on; the last of those it got back came back at `idle_from`; `served`: one of them
+    /// delivered its response whole.
+    Passed {
+        gen: Gen,
+        held: u32,
+        idle_from: Option<Instant>,
+        served: bool,
+    },
     /// The engine of `gen` answered its readiness probe.
     Ready { gen: Gen },
     /// The engine of `gen` ended (or could not be spawned).
@@ -511,6 +521,20 @@ impl Machine {
         self.kv = kv;
     }
 
+    /// The generation an [`Event::Acquire`] would be granted on at once, with nothing else
+    /// to do (no waiter, no start, no refusal): while this holds, leases may be given
+    /// without asking the rules each time, and reported after as one [`Event::Passed`].
+    pub fn grants_at_once(&self) -> Option<Gen> {
+        match self.phase {
+            Phase::Ready { gen, .. }
+                if !self.shutting_down && self.hot.is_none() && self.waiters.is_empty() =>
+            {
+                Some(gen)
+            }
+            _ => None,
+        }
+    }
+
     /// When the engine will be stopped for idleness, if it is ready and idle.
     pub fn idle_deadline(&self) -> Option<Instant> {
         match self.phase {
@@ -549,11 +573,22 @@ impl Machine {
             Event::Acquire { waiter } => self.acquire(waiter, now, &mut fx),
             Event::Cancel { waiter } => self.waiters.retain(|w| *w != waiter),
             Event::Release { gen } => self.release(gen, now, &mut fx),
-            Event::Served { .. } => {
-                if self.unserved_death.is_some() {
-                    self.unserved_death = None;
-                    self.failures = 0;
-                    self.last_failure = None;
+            Event::Served { .. } => self.served(),
+            Event::Passed {
+                gen,
+                held,
+                idle_from,
+                served,
+            } => {
+                if self.phase.gen() != Some(gen) {
+                    return fx; // the gate opens on a ready engine only, and closes first
+                }
+                self.leases += held;
+                if served {
+                    self.served();
+                }
+                if let Some(t) = idle_from.filter(|_| self.leases == 0) {
+                    self.idle_since = self.idle_since.max(t);
                 }
             }
             Event::Ready { gen } => self.ready(gen, now, &mut fx),
@@ -636,6 +671,14 @@ impl Machine {
             // Too hot to serve: a stop called off for a request goes on.
             Phase::Saving { then, .. } if *then == Then::Serve => *then = Then::Idle,
             Phase::Stopped | Phase::Saving { .. } | Phase::Stopping { .. } => {}
+        }
+    }
+
+    fn served(&mut self) {
+        if self.unserved_death.is_some() {
+            self.unserved_death = None;
+            self.failures = 0;
+            self.last_failure = None;
         }
     }
 

@@ -1208,6 +1208,8 @@ fn an_engine_that_dies_on_its_restore_is_started_again_for_the_waiters() {
 #[derive(Debug, Clone)]
 enum Op {
     Acquire,
+    /// A request takes a lease through the gate when it is open, else asks as `Acquire`.
+    GateAcquire,
     Cancel(usize),
     /// A lease ends; its response went out whole (`true`) or not.
     Release(usize, bool),
@@ -1231,7 +1233,8 @@ enum Op {
 
 fn op(forcing: bool) -> impl Strategy<Value = Op> {
     let mut ops = vec![
-        (6, Just(Op::Acquire).boxed()),
+        (4, Just(Op::Acquire).boxed()),
+        (4, Just(Op::GateAcquire).boxed()),
         (2, (0usize..64).prop_map(Op::Cancel).boxed()),
         (
             5,
@@ -1258,12 +1261,28 @@ fn op(forcing: bool) -> impl Strategy<Value = Op> {
     proptest::strategy::Union::new_weighted(ops)
 }
 
+/// The gate as the actor keeps it: open on the ready engine `gen` while the rules grant at
+/// once, closed (its figures told as one `Passed`) before any event reaches them.
+struct GateModel {
+    gen: Gen,
+    epoch: u64,
+    held: u32,
+    idle_from: Option<Instant>,
+    served: bool,
+}
+
 /// A model of the world around the machine: the child process, the leases, the waiters.
 struct World {
     m: Machine,
     now: Instant,
     child: Option<Gen>,
     leases: Vec<Gen>,
+    /// For each lease in `leases`, the gate's epoch it was taken in, if it was.
+    via_gate: Vec<Option<u64>>,
+    gate: Option<GateModel>,
+    epochs: u64,
+    /// When a lease last ended, by either way.
+    last_release: Option<Instant>,
     next_waiter: WaiterId,
     pending: BTreeSet<WaiterId>,
     answered: BTreeMap<WaiterId, u32>,
@@ -1289,6 +1308,10 @@ impl World {
             now,
             child: None,
             leases: vec![],
+            via_gate: vec![],
+            gate: None,
+            epochs: 0,
+            last_release: None,
             next_waiter: 1,
             pending: BTreeSet::new(),
             answered: BTreeMap::new(),
@@ -1298,7 +1321,53 @@ impl World {
         }
     }
 
+    /// Closes the gate, telling the rules what it did (nothing else may come of it), as the
+    /// actor does before each event; its leases count with the rules' from now on.
+    fn close_gate(&mut self) -> Result<(), TestCaseError> {
+        let Some(g) = self.gate.take() else {
+            return Ok(());
+        };
+        for via in &mut self.via_gate {
+            if *via == Some(g.epoch) {
+                *via = None;
+            }
+        }
+        let fx = self.m.step(
+            Event::Passed {
+                gen: g.gen,
+                held: g.held,
+                idle_from: g.idle_from,
+                served: g.served,
+            },
+            self.now,
+        );
+        prop_assert!(fx.is_empty(), "the gate's report asked for {fx:?}");
+        Ok(())
+    }
+
+    /// Opens the gate when the rules would grant a lease at once, as the actor does after
+    /// each event.
+    fn open_gate(&mut self) {
+        if let Some(gen) = self.m.grants_at_once() {
+            self.epochs += 1;
+            self.gate = Some(GateModel {
+                gen,
+                epoch: self.epochs,
+                held: 0,
+                idle_from: None,
+                served: false,
+            });
+        }
+    }
+
     fn apply(&mut self, e: Event) -> Result<(), TestCaseError> {
+        self.close_gate()?;
+        self.apply_to_rules(e)?;
+        self.open_gate();
+        Ok(())
+    }
+
+    fn apply_to_rules(&mut self, e: Event) -> Result<(), TestCaseError> {
         let forced = matches!(e, Event::Stop { now: true } | Event::Tick | Event::Shutdown);
         match &e {
             Event::Exited { gen, .. } if self.m.phase().gen() == Some(*gen) => {
@@ -1308,7 +1377,17 @@ impl World {
             _ => {}
         }
         let was_starting = matches!(self.m.phase(), Phase::Starting { .. });
+        let idle_check = matches!(e, Event::Tick) && matches!(self.m.phase(), Phase::Ready { .. });
         let effects = self.m.step(e, self.now);
+        if idle_check && !matches!(self.m.phase(), Phase::Ready { .. }) && self.m.hot().is_none() {
+            // Stopped for idleness: a full idle_timeout after the last lease ended.
+            let idle = limits().idle_timeout;
+            prop_assert!(
+                self.last_release.is_none_or(|t| self.now >= t + idle),
+                "stopped for idleness {:?} after the last lease ended",
+                self.now - self.last_release.unwrap()
+            );
+        }
         let leases_after = self.m.leases();
         for fx in effects {
             match fx {
@@ -1344,6 +1423,7 @@ impl World {
                     for w in waiters {
                         self.answer(w)?;
                         self.leases.push(gen);
+                        self.via_gate.push(None);
                     }
                 }
                 Effect::Refuse { waiters, .. } => {
@@ -1382,7 +1462,10 @@ impl World {
         }
         prop_assert!(self.m.waiting() <= limits().max_waiting);
         if let Phase::Ready { gen, .. } = self.m.phase() {
-            let held = self.leases.iter().filter(|g| *g == gen).count() as u32;
+            // The rules count every lease on their engine but those the open gate holds.
+            let held = (self.leases.iter().zip(&self.via_gate))
+                .filter(|(g, via)| *g == gen && via.is_none())
+                .count() as u32;
             prop_assert_eq!(held, self.m.leases(), "lease count drifted");
         }
         Ok(())
@@ -1405,6 +1488,15 @@ impl World {
                 self.pending.insert(w);
                 self.apply(Event::Acquire { waiter: w })
             }
+            Op::GateAcquire => match &mut self.gate {
+                Some(g) => {
+                    g.held += 1;
+                    self.leases.push(g.gen);
+                    self.via_gate.push(Some(g.epoch));
+                    Ok(())
+                }
+                None => self.run(Op::Acquire),
+            },
             Op::Cancel(i) => {
                 if let Some(w) = self
                     .pending
@@ -1420,14 +1512,7 @@ impl World {
             }
             Op::Release(i, served) => {
                 if !self.leases.is_empty() {
-                    let at = i % self.leases.len();
-                    if served {
-                        // Told while the lease is still held, as the proxy does.
-                        let gen = self.leases[at];
-                        self.apply(Event::Served { gen })?;
-                    }
-                    let gen = self.leases.remove(at);
-                    self.apply(Event::Release { gen })?;
+                    self.release(i % self.leases.len(), served)?;
                 }
                 Ok(())
             }
@@ -1437,7 +1522,16 @@ impl World {
             },
             Op::Exit => match self.child.take() {
                 Some(gen) => {
-                    self.leases.retain(|g| *g != gen); // its connections fail
+                    // Its connections fail; their leases end after its exit is told.
+                    let mut at = 0;
+                    while at < self.leases.len() {
+                        if self.leases[at] == gen {
+                            self.leases.remove(at);
+                            self.via_gate.remove(at);
+                        } else {
+                            at += 1;
+                        }
+                    }
                     self.apply(Event::Exited {
                         gen,
                         failure: fail("gone"),
@@ -1470,12 +1564,36 @@ impl World {
         }
     }
 
+    /// The lease at `at` ends: given back to the gate it came through if that is still
+    /// open, else told to the rules (after `Served` when its response went out whole).
+    fn release(&mut self, at: usize, served: bool) -> Result<(), TestCaseError> {
+        let (gen, via) = (self.leases[at], self.via_gate[at]);
+        self.last_release = Some(self.now);
+        if let Some(g) = self.gate.as_mut().filter(|g| via == Some(g.epoch)) {
+            g.held -= 1;
+            g.served |= served;
+            if g.held == 0 {
+                g.idle_from = Some(self.now);
+            }
+            self.leases.remove(at);
+            self.via_gate.remove(at);
+            return Ok(());
+        }
+        if served {
+            // Told while the lease is still held, as the proxy does.
+            self.apply(Event::Served { gen })?;
+        }
+        self.leases.remove(at);
+        self.via_gate.remove(at);
+        self.apply(Event::Release { gen })
+    }
+
     /// Lets the world settle: engines become ready or exit when signalled, leases end,
     /// time passes. Afterwards no waiter may be left unanswered.
     fn settle(&mut self) -> Result<(), TestCaseError> {
         for _ in 0..50 {
-            while let Some(gen) = self.leases.pop() {
-                self.apply(Event::Release { gen })?;
+            while !self.leases.is_empty() {
+                self.release(self.leases.len() - 1, false)?;
             }
             match (self.m.phase().clone(), self.child) {
                 (Phase::Starting { .. }, Some(gen)) => self.apply(Event::Ready { gen })?,
@@ -1532,4 +1650,32 @@ proptest! {
         }
         w.settle()?;
     }
+}
+
+/// Leases the gate gave and got back push the idle stop as leases from the rules do: the
+/// engine stops a whole idle_timeout after the last one ended, not after it became ready.
+#[test]
+fn leases_through_the_gate_count_for_idleness() {
+    let mut w = World::new();
+    for op in [Op::Acquire, Op::Ready, Op::KvDone, Op::Release(0, true)] {
+        w.run(op).unwrap();
+    }
+    assert!(w.gate.is_some(), "the gate opens on the ready engine");
+    w.run(Op::Advance(600)).unwrap();
+    w.run(Op::GateAcquire).unwrap();
+    assert_eq!(w.via_gate, [w.gate.as_ref().map(|g| g.epoch)]);
+    w.run(Op::Release(0, true)).unwrap();
+    // 1,100 s after ready, 500 s after the gate's lease ended: it serves on.
+    w.run(Op::Advance(500)).unwrap();
+    assert!(
+        matches!(w.m.phase(), Phase::Ready { .. }),
+        "{:?}",
+        w.m.phase()
+    );
+    w.run(Op::Advance(400)).unwrap();
+    assert!(
+        matches!(w.m.phase(), Phase::Saving { .. }),
+        "{:?}",
+        w.m.phase()
+    );
 }

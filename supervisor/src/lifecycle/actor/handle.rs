@@ -10,6 +10,15 @@ impl Handle {
 
     /// Waits until the engine is ready (starting it if needed) and takes a lease on it.
     pub async fn acquire(&self) -> Result<Lease, Refused> {
+        // While the engine serves and nobody waits, through the gate, without the actor.
+        if let Some((engine, ticket)) = self.gate.enter() {
+            return Ok(Lease {
+                engine,
+                release: self.internal.clone(),
+                ticket: Some(ticket),
+                served: false,
+            });
+        }
         self.wait_for_lease(|waiter, reply| Command::Acquire { waiter, reply })
             .await
     }

@@ -36,6 +36,7 @@ use tokio::sync::{mpsc, oneshot, watch};
 use tokio::time::Instant;
 
 use super::engine_ref::EngineRef;
+use super::gate::{Gate, Ticket};
 use super::state::{
     EngineFailure, Event, Gen, KvSteps, Limits, Machine, MemoryCheck, Phase, Refusal, Sig, WaiterId,
 };
@@ -69,6 +70,8 @@ pub type Status = dsv4_client::EngineStatus;
 pub struct Lease {
     pub engine: Arc<EngineRef>,
     release: mpsc::UnboundedSender<Internal>,
+    /// Given by the gate (see [`crate::lifecycle::gate`]): given back there while it is open.
+    ticket: Option<Ticket>,
     served: bool,
 }
 
@@ -82,6 +85,11 @@ impl Lease {
 
 impl Drop for Lease {
     fn drop(&mut self) {
+        if let Some(ticket) = &self.ticket {
+            if ticket.give_back(self.served) {
+                return;
+            }
+        }
         let _ = self.release.send(Internal::Release {
             gen: self.engine.gen,
             served: self.served,
@@ -178,6 +186,7 @@ pub struct Handle {
     next_waiter: Arc<AtomicU64>,
     log: OutputTail,
     kv: crate::kv::Book,
+    gate: Arc<Gate>,
 }
 
 struct CancelOnDrop<'a> {
@@ -277,6 +286,7 @@ pub fn spawn(
     machine.set_memory_return(config.supervisor.memory.return_timeout);
     let (status_tx, status_rx) = watch::channel(Status::stopped(machine.profile()));
     let (figures_tx, figures_rx) = watch::channel(0);
+    let gate = Arc::new(Gate::new(status_tx.clone(), figures_tx.clone()));
     let log = OutputTail::new(LOG_LINES);
     let kv = crate::kv::Book::default();
     kv.set_config(config.clone());
@@ -300,6 +310,7 @@ pub fn spawn(
         memory_read: crate::host::hw::MemoryNow::default(),
         next_spawned: None,
         not_admitted_said: None,
+        gate: gate.clone(),
     };
     // What a stopped engine's status can say from the configuration (its key, say).
     actor.publish();
@@ -312,6 +323,7 @@ pub fn spawn(
         next_waiter: Arc::new(AtomicU64::new(1)),
         log,
         kv,
+        gate,
     };
     (handle, task)
 }
@@ -358,6 +370,8 @@ struct Actor {
     next_spawned: Option<watch::Sender<bool>>,
     /// When a start refused for memory was last logged and alerted.
     not_admitted_said: Option<Instant>,
+    /// Open between the actor's turns while the rules grant at once; closed during each.
+    gate: Arc<Gate>,
 }
 
 enum Reply {
@@ -400,18 +414,26 @@ impl Actor {
                     armed = Some(due);
                 }
             }
+            // Each turn first closes the gate, so the rules see every lease it gave.
             let event = tokio::select! {
                 biased;
-                Some(i) = internal.recv() => self.internal_event(i),
-                c = commands.recv(), if commands_open => match c {
-                    Some(c) => self.command(c).await,
-                    // Every handle is gone: nobody can use the engine any more.
-                    None => {
-                        commands_open = false;
-                        Some(Event::Shutdown)
+                Some(i) = internal.recv() => {
+                    self.close_gate();
+                    self.internal_event(i)
+                }
+                c = commands.recv(), if commands_open => {
+                    self.close_gate();
+                    match c {
+                        Some(c) => self.command(c).await,
+                        // Every handle is gone: nobody can use the engine any more.
+                        None => {
+                            commands_open = false;
+                            Some(Event::Shutdown)
+                        }
                     }
-                },
+                }
                 _ = &mut timer, if armed.is_some() => {
+                    self.close_gate();
                     armed = None;
                     Some(Event::Tick)
                 }
@@ -420,6 +442,7 @@ impl Actor {
                 Some(event) => self.handle(event).await,
                 None => self.flush_outbox(),
             }
+            self.open_gate();
         }
         for done in self.shutdown_done.drain(..) {
             let _ = done.send(());
@@ -465,6 +488,32 @@ impl Actor {
         self.end_stale_kv_task();
         self.publish();
         self.flush_outbox();
+    }
+
+    /// Closes the gate and tells the rules what it did while open (no effect can follow:
+    /// they count its leases and move the idle time on).
+    fn close_gate(&mut self) {
+        if let Some(passed) = self.gate.close() {
+            let effects = self.machine.step(passed, Instant::now());
+            debug_assert!(
+                effects.is_empty(),
+                "the gate's report asked for {effects:?}"
+            );
+        }
+    }
+
+    /// Opens the gate on the ready engine when the rules would grant any request at once.
+    fn open_gate(&mut self) {
+        if self.stalled || self.exited {
+            return;
+        }
+        let m = &self.machine;
+        let shared = self.engine.as_ref().map(|e| &e.shared);
+        if let Some(engine) = super::gate::opens_on(m.grants_at_once(), shared) {
+            let idle_timeout = m.limits().idle_timeout;
+            self.gate
+                .open(engine, m.leases(), m.idle_deadline(), idle_timeout);
+        }
     }
 
     fn flush_outbox(&mut self) {
@@ -520,6 +569,7 @@ impl Actor {
                             let lease = Lease {
                                 engine: engine.clone(),
                                 release: self.internal.clone(),
+                                ticket: None,
                                 served: false,
                             };
                             // A failed send drops the lease, which releases it.
