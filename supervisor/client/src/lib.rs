@@ -13,6 +13,7 @@ pub mod telemetry;
 pub mod text;
 pub mod units;
 pub mod validate;
+pub mod words;
 
 use std::collections::BTreeMap;
 use std::fmt;
@@ -345,7 +346,7 @@ pub struct EngineStatus {
     /// The KV checkpoint step under way: `restoring` (the last part of `starting`) or
     /// `saving` (the first part of `stopping`).
     #[serde(default)]
-    pub kv_step: Option<String>,
+    pub kv_step: Option<words::KvActivity>,
 }
 
 impl EngineStatus {
@@ -408,8 +409,8 @@ pub struct Limits {
 /// The thermal policy's part of [`Status`].
 #[derive(Debug, Clone, Default, PartialEq, Serialize, Deserialize)]
 pub struct ThermalStatus {
-    /// The highest level of any sensor: `normal`, `warn` or `critical`.
-    pub level: String,
+    /// The highest level of any sensor.
+    pub level: words::ThermalLevel,
     pub sensors: Vec<SensorThermal>,
     /// Unix time (s) since which the hardware has been throttling, while it does.
     pub throttling_since: Option<f64>,
@@ -421,7 +422,7 @@ pub struct ThermalStatus {
 pub struct SensorThermal {
     /// `edge` (GPU) or `tctl` (CPU).
     pub sensor: String,
-    pub level: String,
+    pub level: words::ThermalLevel,
     /// Unix time (s) since when it is at this level.
     pub since: Option<f64>,
     /// The hottest it was at this level.
@@ -431,9 +432,10 @@ pub struct SensorThermal {
 /// The power policy's part of [`Status`]: what dsv4d changed on the machine for the engine.
 #[derive(Debug, Clone, Default, PartialEq, Serialize, Deserialize)]
 pub struct PowerStatus {
-    /// How the CPU's profile is set: `ppd`, `cpufreq` or `none`; empty before the first
-    /// engine start decided it.
-    pub method: String,
+    /// How the CPU's profile is set: `ppd`, `cpufreq` or `none`; `""` (`None`) before the
+    /// first engine start decided it.
+    #[serde(with = "words::method_or_empty")]
+    pub method: Option<words::PowerMethod>,
     /// Why that method (what was found on the machine).
     pub why: String,
     /// What is applied now, in words (`power-saver held through net.hadess.PowerProfiles`,
@@ -445,7 +447,7 @@ pub struct PowerStatus {
     /// chose another profile while it was held (shown until the next start).
     pub cpu_note: Option<String>,
     /// The GPU's performance level, as last read.
-    pub gpu_level: Option<String>,
+    pub gpu_level: Option<words::GpuLevel>,
     /// What was done about it, or why nothing could be.
     pub gpu_note: Option<String>,
     /// SoC power just before the engine started, and now (W).

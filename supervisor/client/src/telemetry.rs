@@ -67,7 +67,7 @@ pub struct Gpu {
     pub pool: Option<MemoryPool>,
     pub busy_percent: Option<f64>,
     /// `power_dpm_force_performance_level`: auto, low, high, manual, profile_*.
-    pub performance_level: Option<String>,
+    pub performance_level: Option<crate::words::GpuLevel>,
 }
 
 /// The GPU memory an engine's model is allocated from.

@@ -64,15 +64,21 @@ pub fn parse_size(s: &str) -> Result<u64, String> {
     bytes.ok_or_else(|| bad("too large"))
 }
 
-/// Formats a byte size with the largest binary unit it reaches and at most two decimals:
-/// `87.82GiB`, `8GiB`, `64MiB`, `512B`. Meant for messages; it may round.
+/// Formats a byte size in the project's one size format: one decimal, a space, the largest
+/// binary unit it reaches: `87.8 GiB`, `8.0 GiB`, `64.0 MiB`, `512 B`. Meant for people; it
+/// rounds (`parse_size` reads it back within that rounding).
 pub fn format_size(bytes: u64) -> String {
     let units = [("TiB", 40), ("GiB", 30), ("MiB", 20), ("KiB", 10)];
-    let Some((name, shift)) = units.into_iter().find(|(_, shift)| bytes >> shift > 0) else {
-        return format!("{bytes}B");
-    };
-    let text = format!("{:.2}", bytes as f64 / (1u64 << shift) as f64);
-    format!("{}{name}", text.trim_end_matches('0').trim_end_matches('.'))
+    match units.into_iter().find(|(_, shift)| bytes >> shift > 0) {
+        Some((name, shift)) => format!("{:.1} {name}", bytes as f64 / (1u64 << shift) as f64),
+        None => format!("{bytes} B"),
+    }
+}
+
+/// A size in GiB whatever its size, in the same format: for figures read side by side
+/// (`81.4 GiB in use, 0.6 GiB before it started`).
+pub fn format_gib(bytes: u64) -> String {
+    format!("{:.1} GiB", bytes as f64 / (1u64 << 30) as f64)
 }
 
 /// Parses a temperature in degrees Celsius: `85C`, `85.5C`, `85°C`, `85 °C`, `-5C`.
@@ -181,12 +187,21 @@ mod tests {
 
     #[test]
     fn sizes_format() {
-        assert_eq!(format_size(512), "512B");
-        assert_eq!(format_size(1024), "1KiB");
-        assert_eq!(format_size(64 << 20), "64MiB");
-        assert_eq!(format_size(8 << 30), "8GiB");
-        assert_eq!(format_size(94_296_006_984), "87.82GiB");
-        assert_eq!(format_size(1536), "1.5KiB");
+        assert_eq!(format_size(512), "512 B");
+        assert_eq!(format_size(1024), "1.0 KiB");
+        assert_eq!(format_size(64 << 20), "64.0 MiB");
+        assert_eq!(format_size(8 << 30), "8.0 GiB");
+        assert_eq!(format_size(94_296_006_984), "87.8 GiB");
+        assert_eq!(format_size(1536), "1.5 KiB");
+        assert_eq!(format_gib(644_245_094), "0.6 GiB");
+        // What it writes, the config reads back (within its rounding).
+        for bytes in [512, 1536, 64 << 20, 94_296_006_984] {
+            let back = parse_size(&format_size(bytes)).unwrap() as f64;
+            assert!(
+                (back - bytes as f64).abs() / (bytes as f64) < 0.001,
+                "{bytes}"
+            );
+        }
     }
 
     #[test]

@@ -12,6 +12,7 @@
 
 use std::collections::HashMap;
 
+use dsv4_client::words::ThermalSignal;
 use dsv4_client::{AlertKind, Bus, State};
 use futures_util::StreamExt;
 use zbus::zvariant::Value;
@@ -50,35 +51,36 @@ pub fn thermal(
     action: Option<&str>,
 ) -> Note {
     let what = part(sensor);
-    let (summary, icon, urgency) = match level {
-        "warn" => (format!("{what} hot: {celsius:.0} C"), "dialog-warning", 1),
-        "critical" => (
+    // A word from a newer daemon is shown as it came.
+    let (summary, icon, urgency) = match level.parse::<ThermalSignal>() {
+        Ok(ThermalSignal::Warn) => (format!("{what} hot: {celsius:.0} C"), "dialog-warning", 1),
+        Ok(ThermalSignal::Critical) => (
             format!("{what} critically hot: {celsius:.0} C"),
             "dialog-error",
             2,
         ),
         // A sensor that stopped reading is dropped to normal without a temperature.
-        "normal" if !celsius.is_finite() => (
+        Ok(ThermalSignal::Normal) if !celsius.is_finite() => (
             format!("{what} temperature: no reading"),
             "dialog-warning",
             1,
         ),
-        "normal" => (
+        Ok(ThermalSignal::Normal) => (
             format!("{what} temperature back to normal: {celsius:.0} C"),
             "dialog-information",
             0,
         ),
-        "throttling" => (
+        Ok(ThermalSignal::Throttling) => (
             "the hardware is throttling".to_string(),
             "dialog-warning",
             1,
         ),
-        "throttling-ended" => (
+        Ok(ThermalSignal::ThrottlingEnded) => (
             "the hardware stopped throttling".to_string(),
             "dialog-information",
             0,
         ),
-        other => (format!("thermal event: {other}"), "dialog-information", 1),
+        Err(_) => (format!("thermal event: {level}"), "dialog-information", 1),
     };
     let mut body = capitalized(message);
     if !body.ends_with('.') {
@@ -278,8 +280,8 @@ pub async fn run(bus: Bus, states: bool) -> Result<(), Failure> {
             Some(e) = thermal_events.next() => {
                 let Ok(a) = e.args() else { continue };
                 // What dsv4d does about it, from its status (absent from an older daemon).
-                let action = match a.level {
-                    "critical" => proxy
+                let action = match a.level.parse() {
+                    Ok(ThermalSignal::Critical) => proxy
                         .status()
                         .await
                         .ok()

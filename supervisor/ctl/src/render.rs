@@ -6,6 +6,7 @@ use std::time::Duration;
 use dsv4_client::kv::{KvCheckpoint, KvProfile, KvStep};
 use dsv4_client::telemetry::{Memory, Sample};
 use dsv4_client::validate::{Comparison, ValidationResult};
+use dsv4_client::words::{GpuLevel, ThermalLevel};
 use dsv4_client::{
     EngineStatus, PowerStatus, ProfileInfo, RequestRecord, Status, ThermalStatus, Totals,
 };
@@ -61,7 +62,7 @@ pub fn status_table(doc: &Status, now: f64) -> String {
     } else {
         s.state.to_string()
     };
-    let state = match s.kv_step.as_deref() {
+    let state = match s.kv_step {
         Some(step) => format!("{state} ({step} the KV checkpoint)"),
         None => state,
     };
@@ -123,7 +124,7 @@ pub fn status_table(doc: &Status, now: f64) -> String {
         Some(sample) => hardware_rows(&mut rows, sample, now),
         None => rows.push(("hardware", "- (no sample yet)".into())),
     }
-    if let Some(t) = doc.thermal.as_ref().filter(|t| !t.level.is_empty()) {
+    if let Some(t) = &doc.thermal {
         rows.push(("thermal", thermal(t, now)));
     }
     if let Some(p) = &doc.power {
@@ -148,10 +149,7 @@ pub fn status_table(doc: &Status, now: f64) -> String {
     table(&rows)
 }
 
-/// Bytes in GiB, one decimal.
-fn gib(bytes: u64) -> String {
-    format!("{:.1} GiB", bytes as f64 / (1u64 << 30) as f64)
-}
+use dsv4_client::units::format_gib as gib;
 
 fn celsius(v: f64) -> String {
     format!("{v:.1} C")
@@ -237,7 +235,7 @@ fn thermal(t: &ThermalStatus, now: f64) -> String {
     let hot: Vec<String> = t
         .sensors
         .iter()
-        .filter(|s| s.level != "normal")
+        .filter(|s| s.level != ThermalLevel::Normal)
         .map(|s| {
             let peak = s
                 .peak
@@ -251,7 +249,7 @@ fn thermal(t: &ThermalStatus, now: f64) -> String {
         })
         .collect();
     let mut text = if hot.is_empty() {
-        t.level.clone()
+        t.level.to_string()
     } else {
         format!("{} ({})", t.level, hot.join("; "))
     };
@@ -264,13 +262,13 @@ fn thermal(t: &ThermalStatus, now: f64) -> String {
 /// What the power policy did: the method, the CPU's profile (or why none), the GPU level,
 /// and SoC power now against before the engine started.
 fn power_rows(rows: &mut Vec<(&str, String)>, p: &PowerStatus) {
-    if p.method.is_empty() {
+    let Some(method) = p.method else {
         rows.push((
             "power policy",
             "- (decided at the first engine start)".into(),
         ));
         return;
-    }
+    };
     let mut cpu = p
         .cpu
         .clone()
@@ -278,8 +276,8 @@ fn power_rows(rows: &mut Vec<(&str, String)>, p: &PowerStatus) {
     if let Some(note) = &p.cpu_note {
         cpu.push_str(&format!("; {note}"));
     }
-    rows.push(("power policy", format!("{} ({}): {cpu}", p.method, p.why)));
-    let mut gpu = p.gpu_level.clone().unwrap_or_else(dash);
+    rows.push(("power policy", format!("{method} ({}): {cpu}", p.why)));
+    let mut gpu = p.gpu_level.as_ref().map_or_else(dash, GpuLevel::to_string);
     if let Some(note) = &p.gpu_note {
         gpu.push_str(&format!(" ({note})"));
     }
@@ -373,14 +371,7 @@ fn table(rows: &[(&str, String)]) -> String {
 }
 
 /// The profiles as a table, `*` marking the active one.
-/// Bytes in MiB below a GiB, else in GiB.
-fn size(bytes: u64) -> String {
-    if bytes < 1 << 30 {
-        format!("{:.1} MiB", bytes as f64 / (1u64 << 20) as f64)
-    } else {
-        gib(bytes)
-    }
-}
+use dsv4_client::units::format_size as size;
 
 /// A save or restore: what it did, how much and how long.
 fn kv_step(step: &KvStep, now: f64) -> String {
@@ -588,6 +579,7 @@ pub fn active_profile(s: &EngineStatus) -> String {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use dsv4_client::words::{KvActivity, PowerMethod};
     use dsv4_client::{Requests, State};
 
     #[test]
@@ -738,7 +730,7 @@ mod tests {
         );
         assert_eq!(kv_table(&[], now), "no KV checkpoints\n");
         s.engine.state = State::Starting;
-        s.engine.kv_step = Some("restoring".into());
+        s.engine.kv_step = Some(KvActivity::Restoring);
         let text = status_table(&s, now);
         assert!(
             text.contains("state          starting (restoring the KV checkpoint)"),
@@ -883,21 +875,21 @@ hardware    - (no sample yet)
             "{table}"
         );
         s.power = Some(PowerStatus {
-            method: "ppd".into(),
+            method: Some(PowerMethod::Ppd),
             why: "power-profiles-daemon is on the system bus as net.hadess.PowerProfiles".into(),
             cpu: Some("power-saver held through net.hadess.PowerProfiles".into()),
             held: true,
             cpu_note: None,
-            gpu_level: Some("auto".into()),
+            gpu_level: Some(GpuLevel::Auto),
             gpu_note: Some("set to auto (it was low)".into()),
             soc_watts_before: Some(86.6),
             soc_watts_now: Some(69.6),
         });
         s.thermal = Some(ThermalStatus {
-            level: "critical".into(),
+            level: ThermalLevel::Critical,
             sensors: vec![dsv4_client::SensorThermal {
                 sensor: "edge".into(),
-                level: "critical".into(),
+                level: ThermalLevel::Critical,
                 since: Some(999_940.0),
                 peak: Some(96.5),
             }],

@@ -81,8 +81,8 @@ impl Config {
     ///
     /// ```text
     /// supervisor.yaml OK: 2 profiles in profiles, default 320k
-    ///   320k: llama-server, context 327680, planned memory 87.82GiB (320K service profile)
-    ///   64k: llama-server, context 65536, planned memory 86GiB (64K validation profile)
+    ///   320k: llama-server, context 327680, planned memory 87.8 GiB (320K service profile)
+    ///   64k: llama-server, context 65536, planned memory 86.0 GiB (64K validation profile)
     /// ```
     pub fn summary(&self) -> String {
         let name = self.file.file_name().unwrap_or(self.file.as_os_str());

@@ -277,7 +277,7 @@ kv_checkpoint: {{ dir: kv, max_size: 40GiB, save_timeout: 90s }}
         config.summary(),
         "supervisor.yaml OK: 2 profiles in my-profiles, default small\n  \
          disk: ds4, context 327680\n  \
-         small: llama-server, context 4096, planned memory 10GiB (small test profile)"
+         small: llama-server, context 4096, planned memory 10.0 GiB (small test profile)"
     );
 }
 
@@ -591,7 +591,7 @@ fn the_body_budget_must_hold_one_largest_body() {
     dir.engine_files("profiles");
     assert_eq!(
         errors(Config::load(&file)),
-        ["supervisor.yaml:3:17: api.max_buffered: must be at least api.max_body (8MiB)"]
+        ["supervisor.yaml:3:17: api.max_buffered: must be at least api.max_body (8.0 MiB)"]
     );
     dir.write(
         "supervisor.yaml",
@@ -858,8 +858,8 @@ fn shipped_policies_fail_only_on_the_example_paths() {
     assert_eq!(
         config.summary(),
         "supervisor.yaml OK: 2 profiles in profiles, default 320k\n  \
-         320k: llama-server, context 327680, planned memory 87.82GiB (320K service profile)\n  \
-         64k: llama-server, context 65536, planned memory 86GiB (64K validation profile)"
+         320k: llama-server, context 327680, planned memory 87.8 GiB (320K service profile)\n  \
+         64k: llama-server, context 65536, planned memory 86.0 GiB (64K validation profile)"
     );
 }
 

@@ -580,7 +580,8 @@ async fn announce_changes(
         tracing::debug!("thermal: announcing what stands: {}", t.message);
         let e = iface.signal_emitter();
         let sent =
-            ControlObject::thermal_event(e, &t.level, &t.sensor, t.celsius, &t.message).await;
+            ControlObject::thermal_event(e, t.level.as_str(), &t.sensor, t.celsius, &t.message)
+                .await;
         if let Err(err) = sent {
             tracing::debug!("sending a ThermalEvent on D-Bus failed: {err}");
         }
@@ -633,7 +634,7 @@ async fn announce_changes(
                 if let Ok(t) = event {
                     let e = iface.signal_emitter();
                     let sent =
-                        ControlObject::thermal_event(e, &t.level, &t.sensor, t.celsius, &t.message)
+                        ControlObject::thermal_event(e, t.level.as_str(), &t.sensor, t.celsius, &t.message)
                             .await;
                     if let Err(err) = sent {
                         tracing::debug!("sending a ThermalEvent on D-Bus failed: {err}");

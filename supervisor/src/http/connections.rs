@@ -26,7 +26,7 @@ use tokio::net::TcpStream;
 use tokio::sync::Notify;
 use tokio::time::Instant;
 
-use crate::http::http_error::ApiError;
+use crate::http::http_error::{ApiError, ErrorCode, ErrorType};
 
 /// File descriptors kept for the daemon itself, beyond what the client connections use.
 pub const RESERVE: u64 = 64;
@@ -325,8 +325,8 @@ fn refusal(max_connections: usize, cap: usize) -> Vec<u8> {
     };
     let body = ApiError::new(
         http::StatusCode::SERVICE_UNAVAILABLE,
-        "unavailable_error",
-        "too_many_connections",
+        ErrorType::Unavailable,
+        ErrorCode::TooManyConnections,
         message,
     )
     .body();

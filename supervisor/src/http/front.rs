@@ -21,7 +21,7 @@ use http::{Method, Request, Response, StatusCode, Version};
 
 use crate::config::names::{Authority, Origin};
 use crate::config::Api;
-use crate::http::http_error::ApiError;
+use crate::http::http_error::{ApiError, ErrorCode, ErrorType};
 
 /// What a listed origin's preflight is allowed: every method the engines serve.
 const ALLOW_METHODS: &str = "GET, HEAD, POST, PUT, PATCH, DELETE";
@@ -78,8 +78,8 @@ pub fn admit<B>(api: &Api, req: &Request<B>) -> Result<Caller, ApiError> {
     tracing::debug!("refused a request from the web page origin {shown:?}");
     Err(ApiError::new(
         StatusCode::FORBIDDEN,
-        "invalid_request_error",
-        "origin_not_allowed",
+        ErrorType::InvalidRequest,
+        ErrorCode::OriginNotAllowed,
         format!(
             "requests from web pages at {shown:?} are not allowed: list the origin in \
              api.cors_origins to let its pages use this API"
@@ -120,8 +120,8 @@ fn without_origin(api: &Api, headers: &HeaderMap) -> Result<Caller, ApiError> {
     tracing::debug!("refused a request from {from} of another site (Sec-Fetch-Site: {site})");
     Err(ApiError::new(
         StatusCode::FORBIDDEN,
-        "invalid_request_error",
-        "origin_not_allowed",
+        ErrorType::InvalidRequest,
+        ErrorCode::OriginNotAllowed,
         format!(
             "requests embedded in web pages of other sites (Sec-Fetch-Site: {site}, from \
              {from}) are not allowed: list the page's origin in api.cors_origins to let its \
@@ -172,8 +172,8 @@ fn check_host<B>(api: &Api, req: &Request<B>) -> Result<Option<Authority>, ApiEr
     let bad_request = |message: &str| {
         ApiError::new(
             StatusCode::BAD_REQUEST,
-            "invalid_request_error",
-            "invalid_host",
+            ErrorType::InvalidRequest,
+            ErrorCode::InvalidHost,
             message,
         )
     };
@@ -196,8 +196,8 @@ fn check_host<B>(api: &Api, req: &Request<B>) -> Result<Option<Authority>, ApiEr
                 tracing::debug!("refused a request for the host {shown:?}");
                 return Err(ApiError::new(
                     StatusCode::FORBIDDEN,
-                    "invalid_request_error",
-                    "host_not_allowed",
+                    ErrorType::InvalidRequest,
+                    ErrorCode::HostNotAllowed,
                     format!(
                         "the host {shown:?} is not allowed: add it to api.allowed_hosts if \
                          clients reach dsv4d by this name. Only loopback names are allowed \
@@ -656,7 +656,7 @@ mod tests {
             &get(&from("cross-site", Some("http://127.0.0.2:9000/p"))),
         )
         .unwrap_err();
-        assert_eq!(refused.code, "origin_not_allowed");
+        assert_eq!(refused.code, ErrorCode::OriginNotAllowed);
         assert!(
             refused
                 .message

@@ -10,14 +10,16 @@ use bytes::Bytes;
 use http::{header, HeaderValue, Response, StatusCode};
 use serde_json::json;
 
+pub use dsv4_client::words::{ErrorCode, ErrorType};
+
 use crate::lifecycle::state::Refusal;
 
 /// An error response about to be sent.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct ApiError {
     pub status: StatusCode,
-    pub kind: &'static str,
-    pub code: &'static str,
+    pub kind: ErrorType,
+    pub code: ErrorCode,
     pub message: String,
     pub retry_after: Option<Duration>,
 }
@@ -25,8 +27,8 @@ pub struct ApiError {
 impl ApiError {
     pub fn new(
         status: StatusCode,
-        kind: &'static str,
-        code: &'static str,
+        kind: ErrorType,
+        code: ErrorCode,
         message: impl Into<String>,
     ) -> Self {
         ApiError {
@@ -76,50 +78,50 @@ impl From<Refusal> for ApiError {
         let (status, kind, code, retry) = match r {
             Refusal::QueueFull { .. } => (
                 unavailable,
-                "unavailable_error",
-                "queue_full",
+                ErrorType::Unavailable,
+                ErrorCode::QueueFull,
                 Some(Duration::from_secs(5)),
             ),
             Refusal::StartFailed(_) => (
                 unavailable,
-                "unavailable_error",
-                "engine_start_failed",
+                ErrorType::Unavailable,
+                ErrorCode::EngineStartFailed,
                 Some(Duration::from_secs(1)),
             ),
             Refusal::StartTimeout { .. } => (
                 StatusCode::GATEWAY_TIMEOUT,
-                "timeout_error",
-                "engine_start_timeout",
+                ErrorType::Timeout,
+                ErrorCode::EngineStartTimeout,
                 None,
             ),
             Refusal::Backoff { retry_after, .. } => (
                 unavailable,
-                "unavailable_error",
-                "engine_backoff",
+                ErrorType::Unavailable,
+                ErrorCode::EngineBackoff,
                 Some(retry_after),
             ),
             Refusal::StartCancelled => (
                 unavailable,
-                "unavailable_error",
-                "engine_stopped",
+                ErrorType::Unavailable,
+                ErrorCode::EngineStopped,
                 Some(Duration::from_secs(1)),
             ),
             Refusal::NotEnoughMemory { .. } => (
                 unavailable,
-                "unavailable_error",
-                "insufficient_memory",
+                ErrorType::Unavailable,
+                ErrorCode::InsufficientMemory,
                 Some(Duration::from_secs(10)),
             ),
             Refusal::TooHot { .. } => (
                 unavailable,
-                "unavailable_error",
-                "too_hot",
+                ErrorType::Unavailable,
+                ErrorCode::TooHot,
                 Some(Duration::from_secs(60)),
             ),
             Refusal::ShuttingDown => (
                 unavailable,
-                "unavailable_error",
-                "shutting_down",
+                ErrorType::Unavailable,
+                ErrorCode::ShuttingDown,
                 Some(Duration::from_secs(5)),
             ),
         };
@@ -136,6 +138,22 @@ mod tests {
     use super::*;
     use crate::lifecycle::state::EngineFailure;
     use http_body_util::{BodyExt, Full};
+
+    /// Every error code dsv4d can answer has its row in docs/http-api.md (status, code,
+    /// when), so the reference cannot drift from the words.
+    #[test]
+    fn every_error_code_is_documented() {
+        let doc = concat!(env!("CARGO_MANIFEST_DIR"), "/../docs/http-api.md");
+        let doc = std::fs::read_to_string(doc).unwrap();
+        let rows: Vec<&str> = doc.lines().filter(|l| l.starts_with("| ")).collect();
+        for code in ErrorCode::ALL {
+            let cell = format!("| `{code}` |");
+            assert!(
+                rows.iter().any(|r| r.contains(&cell)),
+                "docs/http-api.md has no row for the error code {code}"
+            );
+        }
+    }
 
     async fn parts(e: ApiError) -> (StatusCode, Option<String>, serde_json::Value) {
         let r: Response<Full<Bytes>> = e.into_response();

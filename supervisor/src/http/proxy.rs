@@ -40,7 +40,7 @@ use crate::http::body::{End, OnEnd, Settle};
 use crate::http::connections::Activity;
 use crate::http::connections::{self, Connections};
 use crate::http::front;
-use crate::http::http_error::{with_tail, ApiError};
+use crate::http::http_error::{with_tail, ApiError, ErrorCode, ErrorType};
 use crate::http::intake::{self, IntakeError};
 use crate::lifecycle::upstream::{UpstreamBody, UpstreamError};
 use crate::lifecycle::{Handle, Lease, ERROR_TAIL_LINES};
@@ -416,8 +416,8 @@ async fn route(ctx: &Ctx, config: &Arc<Config>, mut req: Request<Incoming>) -> R
         // are answered here and never start the engine.
         let mut r: Response<ProxyBody> = ApiError::new(
             StatusCode::METHOD_NOT_ALLOWED,
-            "invalid_request_error",
-            "method_not_allowed",
+            ErrorType::InvalidRequest,
+            ErrorCode::MethodNotAllowed,
             format!("method {} is not supported; use {ALLOW}", req.method()),
         )
         .into_response();
@@ -471,8 +471,8 @@ async fn route(ctx: &Ctx, config: &Arc<Config>, mut req: Request<Incoming>) -> R
                 Ok(v) => json_response(StatusCode::OK, v),
                 Err(e) => ApiError::new(
                     StatusCode::INTERNAL_SERVER_ERROR,
-                    "server_error",
-                    "internal",
+                    ErrorType::Server,
+                    ErrorCode::Internal,
                     e.to_string(),
                 )
                 .into_response(),
@@ -515,8 +515,8 @@ fn check_key(
         Some(Err(why)) => {
             return Err(ApiError::new(
                 StatusCode::SERVICE_UNAVAILABLE,
-                "unavailable_error",
-                "api_keys_unavailable",
+                ErrorType::Unavailable,
+                ErrorCode::ApiKeysUnavailable,
                 format!(
                     "the API keys cannot be loaded, so every request is refused until the \
                      key file is fixed and dsv4d reloaded (SIGHUP, systemctl reload) or \
@@ -537,16 +537,16 @@ fn check_key(
         AuthResult::Several => {
             return Err(ApiError::new(
                 StatusCode::BAD_REQUEST,
-                "invalid_request_error",
-                "several_credentials",
+                ErrorType::InvalidRequest,
+                ErrorCode::SeveralCredentials,
                 "send one credential: one Authorization or one x-api-key header, not more",
             ))
         }
     };
     Err(ApiError::new(
         StatusCode::UNAUTHORIZED,
-        "invalid_request_error",
-        "invalid_api_key",
+        ErrorType::InvalidRequest,
+        ErrorCode::InvalidApiKey,
         message,
     ))
 }
@@ -610,8 +610,8 @@ fn judge_path(req: &mut Request<Incoming>) -> Result<(), Response<ProxyBody>> {
     let bad = |why: String| {
         ApiError::new(
             StatusCode::BAD_REQUEST,
-            "invalid_request_error",
-            "bad_path",
+            ErrorType::InvalidRequest,
+            ErrorCode::BadPath,
             why,
         )
         .into_response()
@@ -652,8 +652,8 @@ fn slots_kept_by_dsv4d(config: &Config, profile: &str) -> Option<Response<ProxyB
     Some(
         ApiError::new(
             StatusCode::FORBIDDEN,
-            "invalid_request_error",
-            "slots_managed",
+            ErrorType::InvalidRequest,
+            ErrorCode::SlotsManaged,
             format!(
                 "profile {profile} keeps KV checkpoints (kv_checkpoint): dsv4d saves and \
                  restores the engine's slots itself, so slot actions are not forwarded; see \
@@ -797,8 +797,8 @@ async fn proxy(ctx: &Ctx, config: &Config, req: Request<Incoming>) -> Response<P
 fn validation_queue_full(max_waiting: usize) -> Response<ProxyBody> {
     ApiError::new(
         StatusCode::SERVICE_UNAVAILABLE,
-        "server_error",
-        "queue_full",
+        ErrorType::Server,
+        ErrorCode::QueueFull,
         format!(
             "a validation run holds the engine and {max_waiting} requests (engine.max_waiting) \
              already wait for its end; try again later"
@@ -813,20 +813,24 @@ fn intake_refusal(e: &IntakeError) -> Response<ProxyBody> {
     let (status, kind, code) = match e {
         IntakeError::TooLarge { .. } => (
             StatusCode::PAYLOAD_TOO_LARGE,
-            "invalid_request_error",
-            "body_too_large",
+            ErrorType::InvalidRequest,
+            ErrorCode::BodyTooLarge,
         ),
         IntakeError::TimedOut { .. } => (
             StatusCode::REQUEST_TIMEOUT,
-            "invalid_request_error",
-            "body_timeout",
+            ErrorType::InvalidRequest,
+            ErrorCode::BodyTimeout,
         ),
         IntakeError::OverBudget { .. } => (
             StatusCode::SERVICE_UNAVAILABLE,
-            "unavailable_error",
-            "bodies_over_budget",
+            ErrorType::Unavailable,
+            ErrorCode::BodiesOverBudget,
         ),
-        IntakeError::Client(_) => (StatusCode::BAD_REQUEST, "invalid_request_error", "bad_body"),
+        IntakeError::Client(_) => (
+            StatusCode::BAD_REQUEST,
+            ErrorType::InvalidRequest,
+            ErrorCode::BadBody,
+        ),
     };
     tracing::debug!("refused a request: {e}");
     let mut error = ApiError::new(status, kind, code, e.to_string());
@@ -861,8 +865,8 @@ async fn engine_error(engine: &crate::lifecycle::EngineRef, err: &UpstreamError)
     tracing::warn!("{message}");
     ApiError::new(
         StatusCode::BAD_GATEWAY,
-        "server_error",
-        "engine_failed",
+        ErrorType::Server,
+        ErrorCode::EngineFailed,
         message,
     )
 }
@@ -902,7 +906,7 @@ fn ends_with_done(path: &str) -> bool {
 fn api_error_event(what: String, tail: &[String]) -> Bytes {
     let message = with_tail(what, tail);
     let v = json!({
-        "error": { "message": message, "type": "server_error", "code": "engine_failed" }
+        "error": { "message": message, "type": ErrorType::Server, "code": ErrorCode::EngineFailed }
     });
     Bytes::from(format!("data: {v}\n\n"))
 }
@@ -1049,7 +1053,7 @@ mod tests {
         let e = check_key(keys(), &mut h).unwrap_err();
         assert_eq!(
             (e.status, e.code),
-            (StatusCode::BAD_REQUEST, "several_credentials")
+            (StatusCode::BAD_REQUEST, ErrorCode::SeveralCredentials)
         );
     }
 
@@ -1073,8 +1077,8 @@ mod tests {
             let mut h = headers(pairs);
             let e = check_key(keys(), &mut h).unwrap_err();
             assert_eq!(e.status, StatusCode::UNAUTHORIZED);
-            assert_eq!(e.kind, "invalid_request_error");
-            assert_eq!(e.code, "invalid_api_key");
+            assert_eq!(e.kind, ErrorType::InvalidRequest);
+            assert_eq!(e.code, ErrorCode::InvalidApiKey);
             assert_eq!(e.message, message);
             // A refused request is not touched further.
             assert_eq!(h.len(), pairs.len());
@@ -1088,7 +1092,7 @@ mod tests {
         let mut h = headers(&[("authorization", "Bearer sk-right")]);
         let e = check_key(Some(Err(why.into())), &mut h).unwrap_err();
         assert_eq!(e.status, StatusCode::SERVICE_UNAVAILABLE);
-        assert_eq!(e.code, "api_keys_unavailable");
+        assert_eq!(e.code, ErrorCode::ApiKeysUnavailable);
         assert!(e.message.ends_with(why), "{}", e.message);
         assert!(e.retry_after.is_some());
     }

@@ -94,7 +94,7 @@ pub struct MemoryShort {
 impl MemoryShort {
     /// The refusal in words, with its figures.
     pub fn describe(&self, profile: &str) -> String {
-        let gib = |b: u64| format!("{:.1} GiB", b as f64 / (1u64 << 30) as f64);
+        let gib = dsv4_client::units::format_gib;
         let needs = gib(self.profile_planned);
         match self.gpu {
             Some((pool, free, total)) => format!(

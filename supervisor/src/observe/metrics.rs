@@ -102,11 +102,7 @@ pub fn render(
         Family::<SensorName, Gauge>::default(),
     );
     for s in &thermal.sensors {
-        let n = match s.level.as_str() {
-            "critical" => 2,
-            "warn" => 1,
-            _ => 0,
-        };
+        let n = i64::from(s.level.number());
         levels
             .get_or_create(&SensorName {
                 sensor: s.sensor.clone(),
@@ -180,7 +176,7 @@ fn power_metrics(reg: &mut Registry, power: &PowerStatus) {
     if let Some(level) = &power.gpu_level {
         levels
             .get_or_create(&LevelLabel {
-                level: level.clone(),
+                level: level.to_string(),
             })
             .set(1);
     }
@@ -459,6 +455,7 @@ mod tests {
     use super::*;
     use crate::observe::stats::{Stats, Timings};
     use dsv4_client::telemetry::*;
+    use dsv4_client::words::ThermalLevel;
 
     #[test]
     fn kv_checkpoint_figures_are_exported() {
@@ -606,7 +603,7 @@ mod tests {
         };
         let power = PowerStatus {
             held: true,
-            gpu_level: Some("auto".into()),
+            gpu_level: Some(dsv4_client::words::GpuLevel::Auto),
             ..PowerStatus::default()
         };
         let text = render(
@@ -615,10 +612,10 @@ mod tests {
             Some(&sample),
             &power,
             &ThermalStatus {
-                level: "warn".into(),
+                level: ThermalLevel::Warn,
                 sensors: vec![dsv4_client::SensorThermal {
                     sensor: "edge".into(),
-                    level: "warn".into(),
+                    level: ThermalLevel::Warn,
                     since: None,
                     peak: Some(86.0),
                 }],

@@ -94,7 +94,7 @@ impl Card {
                 .number(root, "gpu_busy_percent")
                 .filter(|p| *p <= 100)
                 .map(|p| p as f64),
-            performance_level: level,
+            performance_level: level.map(|l| dsv4_client::words::GpuLevel::read(&l)),
         }
     }
 

@@ -49,7 +49,10 @@ fn strix_point_v3_0() {
         (gpu.gtt_used, gpu.gtt_total),
         (Some(3_946_811_392), Some(16_441_004_032))
     );
-    assert_eq!(gpu.performance_level.as_deref(), Some("auto"));
+    assert_eq!(
+        gpu.performance_level,
+        Some(dsv4_client::words::GpuLevel::Auto)
+    );
     assert_eq!(sample.temperatures.edge, Some(38.0));
     assert_eq!(sample.power.soc, Some(9.087));
     assert_eq!(sample.power.socket, Some(9.839));
@@ -116,5 +119,8 @@ fn discrete_cards_v1_3() {
         .gpu
         .unwrap();
     assert_eq!(g.vram_total, Some(17_163_091_968));
-    assert_eq!(g.performance_level.as_deref(), Some("auto"));
+    assert_eq!(
+        g.performance_level,
+        Some(dsv4_client::words::GpuLevel::Auto)
+    );
 }

@@ -1,6 +1,7 @@
 //! The state as others see it: the status watch, the figures, the log line of a change.
 
 use super::*;
+use dsv4_client::words::KvActivity;
 
 impl Actor {
     pub(super) fn publish(&mut self) {
@@ -33,8 +34,8 @@ impl Actor {
         }
         .map(|kind| kind.key_protection());
         let kv_step = match m.phase() {
-            Phase::Restoring { .. } => Some("restoring"),
-            Phase::Saving { .. } => Some("saving"),
+            Phase::Restoring { .. } => Some(KvActivity::Restoring),
+            Phase::Saving { .. } => Some(KvActivity::Saving),
             _ => None,
         };
         let same_but_figures = {
@@ -49,7 +50,7 @@ impl Actor {
                 && old.last_error.as_deref() == last_error
                 && old.restart_pending == restart_pending
                 && old.engine_key.as_deref() == engine_key
-                && old.kv_step.as_deref() == kv_step
+                && old.kv_step == kv_step
         };
         if same_but_figures {
             let (in_flight, waiting) = (m.leases(), m.waiting());
@@ -82,7 +83,7 @@ impl Actor {
             last_error: last_error.map(String::from),
             restart_pending,
             engine_key: engine_key.map(String::from),
-            kv_step: kv_step.map(String::from),
+            kv_step,
         };
         let state = status.state;
         let mut state_changed = false;

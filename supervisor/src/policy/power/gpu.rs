@@ -8,16 +8,18 @@
 //! decode speed), and back at the stop unless the user changed it meanwhile. Must not:
 //! touch anything but that one file.
 
+use dsv4_client::words::GpuLevel;
+
 use super::sysfs::{Request, Writer};
 use crate::config::GpuPolicy;
 use crate::host::sysroot::SysRoot;
 
 /// The level a policy asks for; `None` for `keep`.
-pub fn wanted(gpu: GpuPolicy) -> Option<&'static str> {
+pub fn wanted(gpu: GpuPolicy) -> Option<GpuLevel> {
     match gpu {
-        GpuPolicy::Auto => Some("auto"),
-        GpuPolicy::Low => Some("low"),
-        GpuPolicy::High => Some("high"),
+        GpuPolicy::Auto => Some(GpuLevel::Auto),
+        GpuPolicy::Low => Some(GpuLevel::Low),
+        GpuPolicy::High => Some(GpuLevel::High),
         GpuPolicy::Keep => None,
     }
 }
@@ -28,9 +30,9 @@ pub fn level_file(root: &SysRoot) -> Option<String> {
     Some(format!("{}/power_dpm_force_performance_level", card.device))
 }
 
-pub fn read(root: &SysRoot, file: &str) -> Option<String> {
-    let level = root.read(file).ok()?.trim().to_string();
-    (!level.is_empty()).then_some(level)
+pub fn read(root: &SysRoot, file: &str) -> Option<GpuLevel> {
+    let text = root.read(file).ok()?;
+    (!text.trim().is_empty()).then(|| GpuLevel::read(&text))
 }
 
 /// The card a level file belongs to: `card1` of
@@ -43,21 +45,25 @@ pub fn card_of(file: &str) -> Option<&str> {
 
 /// Writes `level` to the card's file: itself, or through the `dsv4-sysfs@` unit where dsv4d
 /// may not (see [`super::sysfs`]); the error says what was tried and what is missing.
-pub async fn write(writer: &Writer, file: &str, level: &str) -> Result<(), String> {
+pub async fn write(writer: &Writer, file: &str, level: &GpuLevel) -> Result<(), String> {
     let Some(card) = card_of(file) else {
         return Err(format!(
             "cannot set the GPU's performance level to {level}: {file} is not a card's level file"
         ));
     };
     writer
-        .write(&Request::gpu_level(card, level))
+        .write(&Request::gpu_level(card, level.as_str()))
         .await
         .map_err(|e| format!("cannot set the GPU's performance level to {level}: {e}"))
 }
 
 /// What to do at the stop: restore `found` (the level at the start) when the level is
 /// still the one dsv4d set; leave it when the user (or something else) changed it since.
-pub fn restore_at_stop<'a>(found: &'a str, set: &str, now: Option<&str>) -> Option<&'a str> {
+pub fn restore_at_stop<'a>(
+    found: &'a GpuLevel,
+    set: &GpuLevel,
+    now: Option<&GpuLevel>,
+) -> Option<&'a GpuLevel> {
     (now == Some(set) && found != set).then_some(found)
 }
 
@@ -82,20 +88,21 @@ mod tests {
     #[test]
     fn a_stop_restores_only_what_dsv4d_set() {
         // (found at the start, set by dsv4d, now) -> what to write back
+        use GpuLevel::{Auto, High, Low};
         for (found, set, now, want) in [
-            ("low", "auto", Some("auto"), Some("low")),
-            ("auto", "auto", Some("auto"), None),
+            (Low, Auto, Some(Auto), Some(Low)),
+            (Auto, Auto, Some(Auto), None),
             // The user chose high meanwhile: left alone.
-            ("low", "auto", Some("high"), None),
-            ("low", "auto", None, None),
+            (Low, Auto, Some(High), None),
+            (Low, Auto, None, None),
         ] {
             assert_eq!(
-                restore_at_stop(found, set, now),
-                want,
+                restore_at_stop(&found, &set, now.as_ref()),
+                want.as_ref(),
                 "{found} {set} {now:?}"
             );
         }
-        assert_eq!(wanted(GpuPolicy::Auto), Some("auto"));
+        assert_eq!(wanted(GpuPolicy::Auto), Some(GpuLevel::Auto));
         assert_eq!(wanted(GpuPolicy::Keep), None);
     }
 }

@@ -61,8 +61,8 @@ pub struct Restore {
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
 pub struct GpuRestore {
     pub file: String,
-    pub found: String,
-    pub set: String,
+    pub found: GpuLevel,
+    pub set: GpuLevel,
 }
 
 impl Restore {
@@ -110,7 +110,7 @@ impl Restore {
         let mut problems = cpufreq::apply(writer, &ours).await;
         if let Some(g) = &self.gpu {
             let now = gpu::read(root, &g.file);
-            if let Some(level) = gpu::restore_at_stop(&g.found, &g.set, now.as_deref()) {
+            if let Some(level) = gpu::restore_at_stop(&g.found, &g.set, now.as_ref()) {
                 if let Err(e) = gpu::write(writer, &g.file, level).await {
                     problems.push(e);
                 }
@@ -209,22 +209,8 @@ struct Applied {
     state_dir: PathBuf,
 }
 
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-enum Method {
-    Ppd,
-    Cpufreq,
-    None,
-}
-
-impl Method {
-    fn name(self) -> &'static str {
-        match self {
-            Method::Ppd => "ppd",
-            Method::Cpufreq => "cpufreq",
-            Method::None => "none",
-        }
-    }
-}
+/// The method decided on: the client's word, which the status carries.
+use dsv4_client::words::{GpuLevel, PowerMethod as Method};
 
 struct Task {
     parts: Parts,
@@ -377,11 +363,11 @@ impl Task {
         let soc_before = self.parts.telemetry.latest().and_then(|s| s.power.soc);
         let (method, why, ppd) = self.choose(power.method).await;
         if self.last_choice.as_ref() != Some(&(method, why.clone())) {
-            tracing::info!("power: method {} ({why})", method.name());
+            tracing::info!("power: method {} ({why})", method.as_str());
             self.last_choice = Some((method, why.clone()));
         }
         self.update(|s| {
-            s.method = method.name().into();
+            s.method = Some(method);
             s.why = why.clone();
             s.soc_watts_before = soc_before;
             s.cpu = None;
@@ -417,7 +403,7 @@ impl Task {
             restore.gpu = Some(GpuRestore {
                 file: file.clone(),
                 found: found.clone(),
-                set: set.to_string(),
+                set,
             });
         }
         let something = !restore.cpufreq.is_empty() || restore.gpu.is_some();
@@ -517,16 +503,16 @@ impl Task {
 
     /// Sets the GPU's level back to the wanted one if it is not (at the start, or when it
     /// drifted while the engine runs), with an alert that names the cause.
-    async fn check_gpu(&mut self, level: Option<&str>, at_start: bool) {
+    async fn check_gpu(&mut self, level: Option<&GpuLevel>, at_start: bool) {
         let Some(applied) = &self.applied else {
             return;
         };
         let Some(g) = applied.restore.gpu.clone() else {
-            self.update(|s| s.gpu_level = level.map(String::from));
+            self.update(|s| s.gpu_level = level.cloned());
             return;
         };
         let root = &self.parts.sysroot;
-        let level = level.map(String::from).or_else(|| gpu::read(root, &g.file));
+        let level = level.cloned().or_else(|| gpu::read(root, &g.file));
         let Some(level) = level else {
             return;
         };

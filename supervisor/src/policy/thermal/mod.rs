@@ -11,6 +11,7 @@ use std::collections::BTreeMap;
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
+use dsv4_client::words::ThermalSignal;
 use dsv4_client::{SensorThermal, ThermalStatus};
 use tokio::sync::{broadcast, watch};
 
@@ -29,7 +30,7 @@ const BACKLOG: usize = 32;
 /// One event as it goes out on D-Bus.
 #[derive(Debug, Clone, PartialEq)]
 pub struct Signal {
-    pub level: String,
+    pub level: ThermalSignal,
     pub sensor: String,
     pub celsius: f64,
     pub message: String,
@@ -88,14 +89,16 @@ fn signal(e: &ThermalEvent, t: &Thresholds) -> Signal {
             level,
             celsius,
             ..
-        } => (level.as_str(), *sensor, *celsius),
-        ThermalEvent::StillCritical { sensor, celsius } => ("critical", *sensor, *celsius),
-        ThermalEvent::ThrottleStart { .. } => ("throttling", "throttle", f64::NAN),
-        ThermalEvent::ThrottleEnd { .. } => ("throttling-ended", "throttle", f64::NAN),
-        ThermalEvent::Lost { sensor, .. } => ("normal", *sensor, f64::NAN),
+        } => (ThermalSignal::from(*level), *sensor, *celsius),
+        ThermalEvent::StillCritical { sensor, celsius } => {
+            (ThermalSignal::Critical, *sensor, *celsius)
+        }
+        ThermalEvent::ThrottleStart { .. } => (ThermalSignal::Throttling, "throttle", f64::NAN),
+        ThermalEvent::ThrottleEnd { .. } => (ThermalSignal::ThrottlingEnded, "throttle", f64::NAN),
+        ThermalEvent::Lost { sensor, .. } => (ThermalSignal::Normal, *sensor, f64::NAN),
     };
     Signal {
-        level: level.into(),
+        level,
         sensor: sensor.into(),
         celsius,
         message: rules::describe(e, t),
@@ -122,7 +125,7 @@ pub fn spawn(
     lifecycle: Handle,
 ) -> Thermal {
     let (status_tx, status) = watch::channel(ThermalStatus {
-        level: Level::Normal.as_str().into(),
+        level: Level::Normal,
         ..ThermalStatus::default()
     });
     let signals = broadcast::channel(BACKLOG).0;
@@ -205,13 +208,13 @@ pub fn spawn(
                 .zip(&state.sensors)
                 .map(|(name, s)| SensorThermal {
                     sensor: name.to_string(),
-                    level: s.level.as_str().into(),
+                    level: s.level,
                     since: s.since,
                     peak: s.peak,
                 })
                 .collect();
             status_tx.send_replace(ThermalStatus {
-                level: state.level().as_str().into(),
+                level: state.level(),
                 sensors,
                 throttling_since: state.throttling_since,
                 action: critical.then(|| action(cfg.on_critical).to_string()),

@@ -24,28 +24,8 @@ pub const LOST: f64 = 60.0;
 /// The sensors watched, as named in events and metrics.
 pub const SENSORS: [&str; 2] = ["edge", "tctl"];
 
-#[derive(Debug, Clone, Copy, PartialEq, Eq, PartialOrd, Ord, Serialize, Deserialize, Default)]
-#[serde(rename_all = "lowercase")]
-pub enum Level {
-    #[default]
-    Normal,
-    Warn,
-    Critical,
-}
-
-impl Level {
-    pub fn as_str(self) -> &'static str {
-        match self {
-            Level::Normal => "normal",
-            Level::Warn => "warn",
-            Level::Critical => "critical",
-        }
-    }
-
-    pub fn number(self) -> u8 {
-        self as u8
-    }
-}
+/// A sensor's level: the client crate's word, which the status and the signals carry.
+pub use dsv4_client::words::ThermalLevel as Level;
 
 /// The thresholds, from `thermal:`.
 #[derive(Debug, Clone, Copy, PartialEq)]
