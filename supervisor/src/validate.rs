@@ -217,7 +217,7 @@ impl Validator {
     /// After a run that did not end by itself: back to `previous`, the gate open.
     async fn aborted(&self, profile: &str, previous: &str, why: String) -> ValidationResult {
         tracing::error!("the validation of profile {profile} failed: {why}");
-        self.0.lifecycle.kv().suspend(None);
+        self.0.lifecycle.suspend_kv(None).await;
         if self.0.lifecycle.status().profile == profile && profile != previous {
             let _ = self.0.lifecycle.set_profile(previous).await;
         }
@@ -269,7 +269,7 @@ impl Validator {
             crate::host::state_file::write_atomic(&state_dir.join(RUNNING), previous.as_bytes());
         // Its engine neither restores nor saves a KV checkpoint: the benchmark prompts must
         // not replace the profile's real one, or push others out of the folder.
-        lifecycle.kv().suspend(Some(profile));
+        lifecycle.suspend_kv(Some(profile)).await;
         let outcome = tokio::select! {
             r = self.suite(profile, req, &mut result) => r,
             _ = cancel.wait_for(|c| *c) => Err("cancelled (CancelValidation)".to_string()),
@@ -293,7 +293,7 @@ impl Validator {
             }
         }
         let _ = std::fs::remove_file(state_dir.join(RUNNING));
-        lifecycle.kv().suspend(None);
+        lifecycle.suspend_kv(None).await;
         self.0.gate.send_replace(false);
         result.finished = dsv4_client::clock::unix_now();
         if let Err(e) = save(&state_dir, &mut result) {

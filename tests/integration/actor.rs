@@ -38,8 +38,9 @@ impl Rig {
         let path = setup.write(dir.path(), &fake_log);
         extra(dir.path(), &fake_log);
         let config = Config::load(&path).unwrap_or_else(|e| panic!("config: {e}"));
-        let (handle, task) =
-            actor::spawn(Arc::new(config), profile.to_string(), Default::default());
+        // The configuration as dsv4d publishes it; never reloaded here.
+        let (_, config) = tokio::sync::watch::channel(Arc::new(config));
+        let (handle, task) = actor::spawn(config, profile.to_string(), Default::default());
         Rig {
             handle,
             task,

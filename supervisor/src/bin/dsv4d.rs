@@ -266,10 +266,11 @@ async fn run(args: Args, activated: Vec<(std::os::fd::OwnedFd, String)>) -> Resu
         sysroot: sysroot.clone(),
         key_folder: Some(key_folder),
     };
-    let (lifecycle, actor) =
-        dsv4::lifecycle::actor::spawn(config.clone(), profile.clone(), services);
-    // The configuration in force, replaced by reloads (SIGHUP, or an edited file).
+    // The configuration in force, in one place: replaced by reloads (SIGHUP, or an edited
+    // file), read from here by everything that uses it.
     let (config_tx, config_rx) = tokio::sync::watch::channel(config.clone());
+    let (lifecycle, actor) =
+        dsv4::lifecycle::actor::spawn(config_rx.clone(), profile.clone(), services);
     let telemetry = dsv4::observe::monitor::spawn(
         dsv4::host::hw::Sampler::new(sysroot.clone()),
         config_rx.clone(),
@@ -318,7 +319,6 @@ async fn run(args: Args, activated: Vec<(std::os::fd::OwnedFd, String)>) -> Resu
         Reloader {
             path: args.config.clone(),
             config: config_tx,
-            lifecycle: lifecycle.clone(),
             alerts,
         }
         .run(),

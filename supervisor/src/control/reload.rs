@@ -2,9 +2,10 @@
 //! changes.
 //!
 //! Owns: the file watcher and the decision to accept a new configuration. Must not: apply
-//! settings itself; a valid configuration is handed to the lifecycle actor (timeouts and
-//! limits apply at once, a changed profile at the engine's next start) and published on the
-//! config watch (the proxy reads limits and keys from it per request). An invalid one is
+//! settings itself; a valid configuration is published on the config watch, the one place
+//! the configuration in force lives: the lifecycle actor takes it in at its next turn
+//! (timeouts and limits apply at once, a changed profile at the engine's next start), the
+//! proxy reads limits and keys from it per request, the KV book its folders. An invalid one is
 //! rejected whole: the last good configuration stays, the problems are logged with the
 //! loader's precise messages, and an `Alert` goes out. The API key file is the exception:
 //! every reload reads it again, whatever the YAML, and one that cannot be used (missing,
@@ -27,7 +28,6 @@ use tokio::sync::{mpsc, watch};
 use crate::config::Config;
 use crate::http::auth::ApiKeys;
 use crate::lifecycle::alert::Alerts;
-use crate::lifecycle::Handle;
 
 /// Quiet time after the last file event before reloading.
 const DEBOUNCE: Duration = Duration::from_millis(250);
@@ -35,7 +35,6 @@ const DEBOUNCE: Duration = Duration::from_millis(250);
 pub struct Reloader {
     pub path: PathBuf,
     pub config: watch::Sender<Arc<Config>>,
-    pub lifecycle: Handle,
     pub alerts: Alerts,
 }
 
@@ -167,7 +166,7 @@ impl Reloader {
             }
         }
         let new = Arc::new(new);
-        self.lifecycle.reload(new.clone()).await;
+        // The lifecycle actor takes it from there too, before its next command.
         self.config.send_replace(new.clone());
         tracing::info!("{why}: configuration reloaded");
         Some(new)

@@ -27,6 +27,8 @@ use std::sync::{Arc, Mutex};
 use dsv4_client::kv::{KvProfile, KvStatus, KvStep};
 use dsv4_engine::EngineKind;
 
+use tokio::sync::watch;
+
 use crate::config::Config;
 
 /// An engine generation's number, as the lifecycle counts them (`lifecycle::state::Gen`).
@@ -38,40 +40,29 @@ use dsv4_client::clock::unix_now;
 struct Inner {
     last_save: BTreeMap<String, KvStep>,
     last_restore: BTreeMap<String, KvStep>,
-    /// The key of the running engine, once its restore step worked it out.
-    key: Option<(Gen, key::Key)>,
-    /// The checkpoint whose restore into the engine of `Gen` is under way.
-    restoring: Option<(Gen, String)>,
     /// Tokens put back into engines by restores, all told.
     restored: u64,
-    /// The configuration in force (the actor replaces it on reloads).
-    config: Option<Arc<Config>>,
-    /// A profile whose engines neither restore nor save (a validation run's: its benchmark
-    /// prompts must not replace the real checkpoints).
-    suspended: Option<String>,
 }
 
 /// What the checkpoint steps did; shared by the actor (which writes) and the status and
 /// metrics (which read).
-#[derive(Debug, Clone, Default)]
-pub struct Book(Arc<Mutex<Inner>>);
+#[derive(Debug, Clone)]
+pub struct Book {
+    inner: Arc<Mutex<Inner>>,
+    /// The configuration in force, as the reloads publish it (the profiles and their folders).
+    config: watch::Receiver<Arc<Config>>,
+}
 
 impl Book {
+    pub fn new(config: watch::Receiver<Arc<Config>>) -> Self {
+        Book {
+            inner: Arc::default(),
+            config,
+        }
+    }
+
     fn lock(&self) -> std::sync::MutexGuard<'_, Inner> {
-        self.0.lock().unwrap_or_else(|p| p.into_inner())
-    }
-
-    /// Engines of `profile` started from now on skip both steps; `None` ends that.
-    pub fn suspend(&self, profile: Option<&str>) {
-        self.lock().suspended = profile.map(String::from);
-    }
-
-    pub fn suspended(&self, profile: &str) -> bool {
-        self.lock().suspended.as_deref() == Some(profile)
-    }
-
-    pub fn set_config(&self, config: Arc<Config>) {
-        self.lock().config = Some(config);
+        self.inner.lock().unwrap_or_else(|p| p.into_inner())
     }
 
     pub fn saved(&self, profile: &str, step: KvStep) {
@@ -80,32 +71,6 @@ impl Book {
 
     pub fn restored(&self, profile: &str, step: KvStep) {
         self.lock().last_restore.insert(profile.to_string(), step);
-    }
-
-    pub fn set_key(&self, gen: Gen, key: key::Key) {
-        self.lock().key = Some((gen, key));
-    }
-
-    pub fn key_of(&self, gen: Gen) -> Option<key::Key> {
-        self.lock()
-            .key
-            .as_ref()
-            .filter(|(g, _)| *g == gen)
-            .map(|(_, k)| k.clone())
-    }
-
-    /// The restore of checkpoint `id` into the engine of `gen` begins.
-    pub fn set_restoring(&self, gen: Gen, id: &str) {
-        self.lock().restoring = Some((gen, id.to_string()));
-    }
-
-    /// The checkpoint being restored into the engine of `gen`, if one is.
-    pub fn restoring(&self, gen: Gen) -> Option<String> {
-        self.lock()
-            .restoring
-            .as_ref()
-            .filter(|(g, _)| *g == gen)
-            .map(|(_, id)| id.clone())
     }
 
     /// A restore put `tokens` back into an engine: counted once, exactly.
@@ -160,9 +125,7 @@ impl Book {
 
     /// [`Book::status`], here and now: reads the folders.
     fn status_now(&self) -> KvStatus {
-        let Some(config) = self.lock().config.clone() else {
-            return KvStatus::default();
-        };
+        let config = self.config.borrow().clone();
         let mut profiles = Vec::new();
         for p in config.profiles.values() {
             let (engine, dir) = match (&p.kv_checkpoint, &p.params.kv_disk_dir) {
@@ -203,9 +166,7 @@ impl Book {
 impl Book {
     /// The checkpoint folders of the profiles that keep checkpoints, each once.
     fn stores(&self) -> Vec<store::Store> {
-        let Some(config) = self.lock().config.clone() else {
-            return Vec::new();
-        };
+        let config = self.config.borrow().clone();
         let mut dirs: Vec<std::path::PathBuf> = config
             .profiles
             .values()
@@ -472,7 +433,13 @@ mod tests {
 
     #[test]
     fn restored_tokens_are_each_restores_own_count() {
-        let book = Book::default();
+        let config = Config {
+            file: "supervisor.yaml".into(),
+            supervisor: crate::config::Supervisor::defaults(std::path::Path::new("/")),
+            profiles: Default::default(),
+        };
+        let (_, config) = watch::channel(Arc::new(config));
+        let book = Book::new(config);
         book.credit(1000);
         assert_eq!(book.restored_tokens_total(), 1000);
         book.credit(2802);

@@ -24,6 +24,23 @@ use crate::kv::key::{FileId, Key};
 use crate::kv::store::{Manifest, SlotFile, Store, FORMAT};
 use crate::kv::Book;
 
+/// What the KV steps learn about one engine generation, kept in the actor's record of that
+/// engine (so it goes with it): its key, worked out by the restore and used again by the
+/// save, and the checkpoint a restore is putting back (the mark to clear if the actor cuts
+/// the restore off).
+#[derive(Debug, Default)]
+pub struct EngineKv {
+    key: std::sync::OnceLock<Key>,
+    restoring: std::sync::OnceLock<String>,
+}
+
+impl EngineKv {
+    /// The checkpoint a restore began to put back into this engine, if one did.
+    pub fn restoring(&self) -> Option<&str> {
+        self.restoring.get().map(String::as_str)
+    }
+}
+
 /// One answer of the engine is awaited this long at most (a slot of a 320K context is tens
 /// of GiB to write; the step's own timeout bounds the whole anyway).
 const CALL_TIMEOUT: Duration = Duration::from_secs(3600);
@@ -178,15 +195,14 @@ async fn remove_files(store: &Store, files: Vec<String>) {
 
 /// The key of the engine of `engine`: the one its restore worked out, else read now (and
 /// kept for its save).
-async fn key_of(engine: &EngineRef, profile: &Profile, book: &Book) -> Result<Key, String> {
-    if let Some(key) = book.key_of(engine.gen) {
-        return Ok(key);
+async fn key_of(engine: &EngineRef, profile: &Profile, facts: &EngineKv) -> Result<Key, String> {
+    if let Some(key) = facts.key.get() {
+        return Ok(key.clone());
     }
     let key = engine_key(engine, profile)
         .await
         .map_err(|e| format!("cannot tell the engine's key: {e}"))?;
-    book.set_key(engine.gen, key.clone());
-    Ok(key)
+    Ok(facts.key.get_or_init(|| key).clone())
 }
 
 /// A step that did nothing, and why.
@@ -209,12 +225,17 @@ fn step(started: Instant, tokens: u64, bytes: u64, ok: bool, result: String) -> 
 
 /// Puts the checkpoint that fits the engine of `engine` back into its slots. Never fails the
 /// start: whatever goes wrong, the engine serves with a cold cache and the step says why.
-pub async fn restore(engine: Arc<EngineRef>, profile: Profile, book: Book) -> KvStep {
+pub async fn restore(
+    engine: Arc<EngineRef>,
+    profile: Profile,
+    facts: Arc<EngineKv>,
+    book: Book,
+) -> KvStep {
     let started = Instant::now();
     let Some(kv) = profile.kv_checkpoint.clone() else {
         return failed(started, "checkpoints are off".into());
     };
-    let key = match key_of(&engine, &profile, &book).await {
+    let key = match key_of(&engine, &profile, &facts).await {
         Ok(key) => key,
         Err(e) => return failed(started, e),
     };
@@ -241,7 +262,7 @@ pub async fn restore(engine: Arc<EngineRef>, profile: Profile, book: Book) -> Kv
     let Some(m) = lookup.found else {
         return failed(started, "nothing to restore".into());
     };
-    book.set_restoring(engine.gen, &m.id);
+    let _ = facts.restoring.set(m.id.clone());
     let id = m.id.clone();
     let marked = on_disk(&store, move |s| {
         s.mark_restoring(&id).map_err(|e| e.to_string())
@@ -310,12 +331,12 @@ fn ago(at: f64) -> String {
 
 /// Saves every slot that holds tokens, as the checkpoint of the engine's key, and keeps the
 /// folder within `max_size` (the oldest go first; on a full disk too).
-pub async fn save(engine: Arc<EngineRef>, profile: Profile, book: Book) -> KvStep {
+pub async fn save(engine: Arc<EngineRef>, profile: Profile, facts: Arc<EngineKv>) -> KvStep {
     let started = Instant::now();
     let Some(kv) = profile.kv_checkpoint.clone() else {
         return failed(started, "checkpoints are off".into());
     };
-    let key = match key_of(&engine, &profile, &book).await {
+    let key = match key_of(&engine, &profile, &facts).await {
         Ok(key) => key,
         Err(e) => return failed(started, e),
     };

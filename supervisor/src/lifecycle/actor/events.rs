@@ -31,6 +31,22 @@ impl Actor {
                 self.stalled = true;
                 None
             }
+            Command::SuspendKv { profile, reply } => {
+                // The engine that runs now, if it is of that profile, is marked at once (see
+                // `Actor::handle`): nothing a validation does reaches a checkpoint.
+                if let Some(e) = self.engine.as_mut() {
+                    if profile.as_ref() == Some(&e.spawned.name) && !e.validated {
+                        e.validated = true;
+                        tracing::info!(
+                            pid = e.shared.pid,
+                            "a validation runs on this engine: it will not save its KV cache"
+                        );
+                    }
+                }
+                self.kv_suspended = profile;
+                let _ = reply.send(());
+                None
+            }
             Command::Heat { hot } => Some(match hot {
                 Some((message, drain)) => Event::Heat { message, drain },
                 None => Event::Cooled,
@@ -68,19 +84,6 @@ impl Actor {
             Command::Shutdown { done } => {
                 self.shutdown_done.push(done);
                 Some(Event::Shutdown)
-            }
-            Command::Reload { config } => {
-                self.machine.set_limits(limits(&config.supervisor.engine));
-                self.machine
-                    .set_memory_return(config.supervisor.memory.return_timeout);
-                self.kv.set_config(config.clone());
-                self.config = config;
-                if let Some(event) = self.fall_back_if_gone() {
-                    return Some(event);
-                }
-                // No event: nothing changes state, but the status (restart pending) may.
-                self.publish();
-                None
             }
         }
     }

@@ -89,6 +89,21 @@ impl Handle {
         rx.await.is_ok()
     }
 
+    /// Engines of `profile` (a validation's) neither restore nor save a KV checkpoint from
+    /// now on, the one running included; `None` ends that. Resolves once it is in force.
+    pub async fn suspend_kv(&self, profile: Option<&str>) {
+        let (reply, rx) = oneshot::channel();
+        let profile = profile.map(String::from);
+        if self
+            .commands
+            .send(Command::SuspendKv { profile, reply })
+            .await
+            .is_ok()
+        {
+            let _ = rx.await;
+        }
+    }
+
     /// Test-only fault switch: the actor stops handling anything, as if hung (the watchdog
     /// must then let systemd restart the daemon). dsv4d offers it only when told to by
     /// `DSV4_TEST_FAULTS`.
@@ -100,11 +115,6 @@ impl Handle {
     /// engine stopped when idle, or after at most `drain`), or cool again with `None`.
     pub async fn heat(&self, hot: Option<(String, Option<Duration>)>) {
         let _ = self.commands.send(Command::Heat { hot }).await;
-    }
-
-    /// Replaces the configuration: limits apply at once, profile settings at the next start.
-    pub async fn reload(&self, config: Arc<Config>) {
-        let _ = self.commands.send(Command::Reload { config }).await;
     }
 
     /// Drains (bounded by `stop_timeout`), stops the engine, and resolves once it is gone.

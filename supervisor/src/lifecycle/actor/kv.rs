@@ -12,10 +12,12 @@ impl Actor {
         let Some(e) = self.engine.as_mut().filter(|e| e.shared.gen == gen) else {
             return Some(done);
         };
-        if e.spawned.kv_checkpoint.is_none() || e.validated || self.kv.suspended(&e.spawned.name) {
+        let suspended = self.kv_suspended.as_ref() == Some(&e.spawned.name);
+        if e.spawned.kv_checkpoint.is_none() || e.validated || suspended {
             return Some(done);
         }
         let (engine, profile, book) = (e.shared.clone(), e.spawned.clone(), self.kv.clone());
+        let facts = e.kv.clone();
         let internal = self.internal.clone();
         tracing::info!(
             profile = profile.name,
@@ -25,10 +27,11 @@ impl Actor {
         let handle = tokio::spawn(async move {
             let name = profile.name.clone();
             if restore {
-                let step = crate::lifecycle::kv_steps::restore(engine, profile, book.clone()).await;
+                let step =
+                    crate::lifecycle::kv_steps::restore(engine, profile, facts, book.clone()).await;
                 book.restored(&name, step);
             } else {
-                let step = crate::lifecycle::kv_steps::save(engine, profile, book.clone()).await;
+                let step = crate::lifecycle::kv_steps::save(engine, profile, facts).await;
                 book.saved(&name, step);
             }
             let _ = internal.send(Internal::KvDone { gen, restore });
@@ -101,8 +104,9 @@ impl Actor {
             // Cut by a stop, the engine did not die on the checkpoint, which stays usable.
             // Cut by its timeout, the restore may still go on inside the engine: the mark
             // stays (the engine's next save replaces the checkpoint and clears it).
-            if let Some(id) = self.kv.restoring(e.shared.gen).filter(|_| !timed_out) {
+            if let Some(id) = e.kv.restoring().filter(|_| !timed_out) {
                 let store = crate::kv::store::Store::new(&kv.dir);
+                let id = id.to_string();
                 tokio::task::spawn_blocking(move || store.clear_restoring(&id));
             }
             self.kv.restored(&e.spawned.name, step);

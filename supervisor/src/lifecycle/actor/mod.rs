@@ -135,9 +135,6 @@ enum Command {
     Shutdown {
         done: oneshot::Sender<()>,
     },
-    Reload {
-        config: Arc<Config>,
-    },
     /// Too hot, or cool again (`None`): see [`Event::Heat`].
     Heat {
         hot: Option<(String, Option<Duration>)>,
@@ -148,6 +145,11 @@ enum Command {
     },
     /// Test-only: the actor stops turning (see `Handle::stall`).
     Stall,
+    /// Engines of this profile (a validation's) neither restore nor save; `None` ends that.
+    SuspendKv {
+        profile: Option<String>,
+        reply: oneshot::Sender<()>,
+    },
 }
 
 #[derive(Debug)]
@@ -220,6 +222,8 @@ struct Engine {
     probe: tokio::task::JoinHandle<()>,
     /// The KV restore or save running for it, if one does.
     kv_task: Option<KvTask>,
+    /// What its KV steps learned: its key, the checkpoint being restored.
+    kv: Arc<crate::lifecycle::kv_steps::EngineKv>,
     /// A validation ran on it (its profile's checkpoints were suspended while it lived): its
     /// slots hold the benchmark's prompts, so it neither restores nor saves, ever.
     validated: bool,
@@ -270,10 +274,11 @@ pub struct Services {
 
 /// Starts the actor on the current tokio runtime.
 pub fn spawn(
-    config: Arc<Config>,
+    config_rx: watch::Receiver<Arc<Config>>,
     profile: String,
     services: Services,
 ) -> (Handle, tokio::task::JoinHandle<()>) {
+    let config = config_rx.borrow().clone();
     let Services {
         alerts,
         sysroot,
@@ -288,12 +293,12 @@ pub fn spawn(
     let (figures_tx, figures_rx) = watch::channel(0);
     let gate = Arc::new(Gate::new(status_tx.clone(), figures_tx.clone()));
     let log = OutputTail::new(LOG_LINES);
-    let kv = crate::kv::Book::default();
-    kv.set_config(config.clone());
+    let kv = crate::kv::Book::new(config_rx.clone());
     let mut actor = Actor {
         kv: kv.clone(),
         log: log.clone(),
         config,
+        config_rx,
         machine,
         engine: None,
         waiters: HashMap::new(),
@@ -311,6 +316,7 @@ pub fn spawn(
         next_spawned: None,
         not_admitted_said: None,
         gate: gate.clone(),
+        kv_suspended: None,
     };
     // What a stopped engine's status can say from the configuration (its key, say).
     actor.publish();
@@ -338,7 +344,10 @@ fn limits(e: &EngineLimits) -> Limits {
 }
 
 struct Actor {
+    /// The configuration in force as last seen in `config_rx`, which the reloads publish
+    /// to: looked at again at the start of every turn.
     config: Arc<Config>,
+    config_rx: watch::Receiver<Arc<Config>>,
     /// What the KV checkpoint steps did.
     kv: crate::kv::Book,
     /// Every engine's output, across restarts.
@@ -372,6 +381,9 @@ struct Actor {
     not_admitted_said: Option<Instant>,
     /// Open between the actor's turns while the rules grant at once; closed during each.
     gate: Arc<Gate>,
+    /// A profile whose engines neither restore nor save a KV checkpoint: a validation's
+    /// (its benchmark prompts must not replace the real checkpoint).
+    kv_suspended: Option<String>,
 }
 
 enum Reply {
@@ -395,6 +407,7 @@ impl Actor {
         mut internal: mpsc::UnboundedReceiver<Internal>,
     ) {
         let mut commands_open = true;
+        let mut config_open = true;
         // One timer for the actor's life, moved only to an earlier deadline. Each request
         // takes the idle deadline away and its release brings a later one back: re-arming
         // for that would wake the runtime's driver twice per request (measured: an eventfd
@@ -414,15 +427,21 @@ impl Actor {
                     armed = Some(due);
                 }
             }
-            // Each turn first closes the gate, so the rules see every lease it gave.
+            // Each turn first closes the gate, so the rules see every lease it gave, and takes
+            // in a reload published meanwhile, so a command sent after it was seen sees it.
             let event = tokio::select! {
                 biased;
                 Some(i) = internal.recv() => {
-                    self.close_gate();
+                    self.begin_turn().await;
                     self.internal_event(i)
                 }
+                changed = self.config_rx.changed(), if config_open => {
+                    config_open = changed.is_ok();
+                    self.begin_turn().await;
+                    None
+                }
                 c = commands.recv(), if commands_open => {
-                    self.close_gate();
+                    self.begin_turn().await;
                     match c {
                         Some(c) => self.command(c).await,
                         // Every handle is gone: nobody can use the engine any more.
@@ -433,7 +452,7 @@ impl Actor {
                     }
                 }
                 _ = &mut timer, if armed.is_some() => {
-                    self.close_gate();
+                    self.begin_turn().await;
                     armed = None;
                     Some(Event::Tick)
                 }
@@ -455,7 +474,7 @@ impl Actor {
         // suspension may be lifted before it stops, and its save would replace the real
         // checkpoint with the benchmark's slots.
         if let Some(e) = self.engine.as_mut() {
-            if !e.validated && self.kv.suspended(&e.spawned.name) {
+            if !e.validated && self.kv_suspended.as_ref() == Some(&e.spawned.name) {
                 e.validated = true;
                 tracing::info!(
                     pid = e.shared.pid,
@@ -488,6 +507,27 @@ impl Actor {
         self.end_stale_kv_task();
         self.publish();
         self.flush_outbox();
+    }
+
+    /// What every turn begins with: the gate closed (see `close_gate`), and the configuration
+    /// in force taken in if a reload changed it: limits at once, profile settings at the
+    /// next start; an active profile gone from it falls back to the default.
+    async fn begin_turn(&mut self) {
+        self.close_gate();
+        // Compared, not asked `has_changed`: the select's `changed()` marks it seen.
+        let config = self.config_rx.borrow_and_update().clone();
+        if Arc::ptr_eq(&config, &self.config) {
+            return;
+        }
+        self.machine.set_limits(limits(&config.supervisor.engine));
+        self.machine
+            .set_memory_return(config.supervisor.memory.return_timeout);
+        self.config = config;
+        match self.fall_back_if_gone() {
+            Some(event) => Box::pin(self.handle(event)).await,
+            // Nothing changes state, but the status (restart pending) may.
+            None => self.publish(),
+        }
     }
 
     /// Closes the gate and tells the rules what it did while open (no effect can follow:

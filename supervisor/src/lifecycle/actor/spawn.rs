@@ -113,7 +113,7 @@ impl Actor {
             profile
                 .kv_checkpoint
                 .as_ref()
-                .filter(|_| !self.kv.suspended(profile_name))
+                .filter(|_| self.kv_suspended.as_deref() != Some(profile_name))
                 .map(|kv| KvSteps {
                     save_timeout: kv.save_timeout,
                     restore_timeout: kv.restore_timeout,
@@ -154,6 +154,7 @@ impl Actor {
             shared,
             probe,
             kv_task: None,
+            kv: Default::default(),
             validated: false,
             term_at: None,
             ready_at: None,
