@@ -33,6 +33,7 @@ pub mod names;
 pub mod profiles;
 mod raw;
 mod rules;
+mod schema;
 mod yaml;
 
 #[cfg(test)]

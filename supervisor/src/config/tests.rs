@@ -1021,49 +1021,9 @@ fn good_fixtures_load() {
     assert!(failures.is_empty(), "\n{}", failures.join("\n\n"));
 }
 
-/// The keys serde reads in a `T`: the field list it hands to `deserialize_struct`, recorded
-/// by a deserializer that stops there (no error text is read).
+/// The keys serde reads in a `T` (see `schema`: no error text is read).
 fn keys_of<T: serde::de::DeserializeOwned>() -> Vec<&'static str> {
-    struct Fields(Option<&'static [&'static str]>);
-    #[derive(Debug)]
-    struct Stop;
-    impl std::fmt::Display for Stop {
-        fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-            f.write_str("stop")
-        }
-    }
-    impl std::error::Error for Stop {}
-    impl serde::de::Error for Stop {
-        fn custom<M: std::fmt::Display>(_: M) -> Self {
-            Stop
-        }
-    }
-    impl<'de> serde::Deserializer<'de> for &mut Fields {
-        type Error = Stop;
-        fn deserialize_any<V: serde::de::Visitor<'de>>(self, _: V) -> Result<V::Value, Stop> {
-            Err(Stop)
-        }
-        fn deserialize_struct<V: serde::de::Visitor<'de>>(
-            self,
-            _name: &'static str,
-            fields: &'static [&'static str],
-            _: V,
-        ) -> Result<V::Value, Stop> {
-            self.0 = Some(fields);
-            Err(Stop)
-        }
-        serde::forward_to_deserialize_any! {
-            bool i8 i16 i32 i64 i128 u8 u16 u32 u64 u128 f32 f64 char str string bytes
-            byte_buf option unit unit_struct newtype_struct seq tuple tuple_struct map enum
-            identifier ignored_any
-        }
-    }
-    let mut probe = Fields(None);
-    let _ = T::deserialize(&mut probe);
-    probe
-        .0
-        .expect("a struct that serde reads with deserialize_struct")
-        .to_vec()
+    super::schema::Shape::of::<T>().keys()
 }
 
 /// The sections of `supervisor.yaml` and the keys of each.
@@ -1283,7 +1243,8 @@ fn aliases_and_deep_nesting_stop_at_the_first_mistake() {
     let dir = TempDir::new("odd");
     let file = dir.write("supervisor.yaml", "");
     dir.engine_files("profiles");
-    // Setting an entry aside could break an alias to it: only the first mistake is certain.
+    // Setting an entry aside could break an alias to it: only serde's first mistake is
+    // certain. An unknown key is found in the parsed document itself, so it is reported too.
     dir.write(
         "profiles/320k.yaml",
         "engine: &e llama-server\ncommand: bin/engine\nmodel: m.gguf\ncontext: lots\n\
@@ -1292,12 +1253,16 @@ fn aliases_and_deep_nesting_stop_at_the_first_mistake() {
     let deep = format!("context: {}{}\n", "[".repeat(300), "]".repeat(300));
     dir.write("profiles/deep.yaml", &deep);
     let got = errors(Config::load(&file));
-    assert_eq!(got.len(), 2, "{got:#?}");
+    assert_eq!(got.len(), 3, "{got:#?}");
     assert_eq!(
         got[0],
         "profiles/320k.yaml:4:10: context: invalid type: string \"lots\", expected u32"
     );
-    assert!(got[1].starts_with("profiles/deep.yaml:1:"), "{got:#?}");
+    assert!(
+        got[1].starts_with("profiles/320k.yaml:5:1: paralel: unknown key `paralel`"),
+        "{got:#?}"
+    );
+    assert!(got[2].starts_with("profiles/deep.yaml:1:"), "{got:#?}");
 }
 
 #[test]

@@ -19,6 +19,7 @@ use saphyr_parser::{Event, Marker, Parser, ScalarStyle, StrInput};
 use serde::de::DeserializeOwned;
 
 use super::error::Problem;
+use super::schema::{self, Shape};
 
 /// Deeper nesting than this is refused (no setting is nested more than three deep).
 const MAX_DEPTH: usize = 32;
@@ -178,6 +179,16 @@ impl Doc {
                 blank(&mut text, &entry.range);
             }
         }
+        // Unknown keys, from the parsed entries and the keys the type reads; each is set
+        // aside, so serde never meets one.
+        let shape = Shape::of::<T>();
+        for (path, problem) in doc.unknown_keys(&shape, null_is_value) {
+            if let Some(entry) = doc.entries.get(&path) {
+                blank(&mut text, &entry.range);
+            }
+            doc.dropped.insert(path);
+            problems.push(problem);
+        }
         let before = problems.len();
         loop {
             let source: String = text.iter().collect();
@@ -292,6 +303,47 @@ impl Doc {
         self.dropped.contains(path)
     }
 
+    /// Every key written where the type has no such key (null ones, which count as not
+    /// written, aside), with its problem: serde's wording, the keys there are, and the
+    /// nearest of them when it looks like a typo (then marked dropped: checks about the key
+    /// meant would only repeat the problem).
+    fn unknown_keys(
+        &mut self,
+        shape: &Shape,
+        null_is_value: fn(&str) -> bool,
+    ) -> Vec<(String, Problem)> {
+        let mut found = Vec::new();
+        for (path, entry) in &self.entries {
+            if entry.null && !null_is_value(path) {
+                continue;
+            }
+            let mut at = shape;
+            let mut parent = String::new();
+            for key in schema::keys_of_path(path) {
+                let Some(next) = at.get(key) else {
+                    // Only the entry's own key: a parent unknown is reported for itself.
+                    if parent.len() + key.len() == path.len() {
+                        found.push((path.clone(), parent.clone(), key.to_string(), at.keys()));
+                    }
+                    break;
+                };
+                at = next;
+                parent.push_str(key);
+                parent.push('.');
+            }
+        }
+        let mut problems = Vec::new();
+        for (path, parent, key, keys) in found {
+            let mut message = schema::unknown_key(&key, &keys);
+            if let Some(meant) = schema::meant(&key, &keys) {
+                message.push_str(&format!("; did you mean `{meant}`?"));
+                self.dropped.insert(format!("{parent}{meant}"));
+            }
+            problems.push((path.clone(), self.at(&path, &path, true, message)));
+        }
+        problems
+    }
+
     /// The problem serde found, and the path of the entry to set aside for it.
     fn serde_problem(
         &mut self,
@@ -299,7 +351,7 @@ impl Doc {
     ) -> (Problem, String) {
         let path = Some(error.path().to_string()).filter(|p| p != ".");
         let path = path.unwrap_or_default();
-        let mut message = message(error.inner()).replacen("duplicate field", "duplicate key", 1);
+        let mut message = message(error.inner());
         // serde_yaml_ng starts with the path of what it was reading: the error's own path or
         // one of its parents.
         let parents = path.rmatch_indices(['.', '[']).map(|(i, _)| &path[..i]);
@@ -310,21 +362,6 @@ impl Doc {
             message.drain(..prefix.len() + 2);
         }
         let mut problem = self.problem(&path, &message);
-        // An unknown key: its path ends with it.
-        let unknown = message.strip_prefix("unknown field `");
-        if let Some((key, expected)) = unknown.and_then(|rest| rest.split_once('`')) {
-            let mut message = format!("unknown key `{key}`{expected}");
-            // The nearest known key by edit distance, when it is near enough to be a typo.
-            let limit = (key.chars().count() / 3).max(1);
-            let known = expected.split('`').skip(1).step_by(2);
-            let near = known.map(|c| (strsim::osa_distance(key, c), c));
-            if let Some((_, meant)) = near.filter(|(d, _)| *d <= limit).min_by_key(|(d, _)| *d) {
-                message.push_str(&format!("; did you mean `{meant}`?"));
-                let parent = path.strip_suffix(key).unwrap_or_default();
-                self.dropped.insert(format!("{parent}{meant}"));
-            }
-            problem = self.at(&path, &path, true, message);
-        }
         if problem.line.is_none() {
             let location = error.inner().location();
             problem = problem.at(location.map(|l| (l.line(), l.column())));
