@@ -13,6 +13,7 @@ mod bodies;
 mod connections;
 mod control;
 mod cors;
+mod dashboard;
 mod ds4;
 mod ds4_real;
 mod engine_connections;

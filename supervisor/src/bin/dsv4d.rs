@@ -335,6 +335,7 @@ async fn run(args: Args, activated: Vec<(std::os::fd::OwnedFd, String)>) -> Resu
         bodies: Default::default(),
         connections: connections.clone(),
         activity: activity.clone(),
+        closing: Default::default(),
     });
 
     let lifecycle_status = lifecycle.watch_status();

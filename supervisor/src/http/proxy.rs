@@ -71,6 +71,8 @@ pub struct Ctx {
     pub activity: Activity,
     /// Validation runs: while one holds the engine, requests wait at its gate.
     pub validator: crate::validate::Validator,
+    /// Set once dsv4d stops serving: event streams end (their exchanges would never).
+    pub closing: watch::Sender<bool>,
 }
 
 /// The response body: a small body of our own, or the engine's, streamed with its lease.
@@ -79,6 +81,8 @@ pub struct Ctx {
 pub enum ProxyBody {
     Full(Option<Bytes>),
     Upstream(OnEnd<EngineStream, Release>),
+    /// An event stream of dsv4d's own (`GET /events`).
+    Events(crate::http::dashboard::Events),
 }
 
 /// The engine's body on its way to the client: its bytes shown to the statistics tap, and a
@@ -158,6 +162,7 @@ impl Body for ProxyBody {
         match &mut *self {
             ProxyBody::Full(b) => Poll::Ready(b.take().map(|b| Ok(Frame::data(b)))),
             ProxyBody::Upstream(body) => Pin::new(body).poll_frame(cx),
+            ProxyBody::Events(events) => Pin::new(events).poll_frame(cx),
         }
     }
 
@@ -165,6 +170,7 @@ impl Body for ProxyBody {
         match self {
             ProxyBody::Full(b) => b.is_none(),
             ProxyBody::Upstream(body) => body.is_end_stream(),
+            ProxyBody::Events(_) => false,
         }
     }
 
@@ -173,6 +179,7 @@ impl Body for ProxyBody {
             ProxyBody::Full(Some(b)) => SizeHint::with_exact(b.len() as u64),
             ProxyBody::Full(None) => SizeHint::with_exact(0),
             ProxyBody::Upstream(body) => body.size_hint(),
+            ProxyBody::Events(_) => SizeHint::default(),
         }
     }
 }
@@ -374,6 +381,7 @@ pub async fn serve(
         });
     }
     drop(listener);
+    ctx.closing.send_replace(true);
     graceful.shutdown()
 }
 
@@ -393,7 +401,7 @@ const ALLOW: &str = "GET, HEAD, POST, PUT, PATCH, DELETE, OPTIONS";
 #[derive(Clone)]
 struct OnConnection(Arc<connections::Slot>);
 
-async fn handle(ctx: &Ctx, req: Request<Incoming>) -> Response<ProxyBody> {
+async fn handle(ctx: &Arc<Ctx>, req: Request<Incoming>) -> Response<ProxyBody> {
     ctx.activity.touch();
     let config = ctx.config.borrow().clone();
     // Browsers first, on every path: a request for a host that is not ours (DNS rebinding)
@@ -410,7 +418,11 @@ async fn handle(ctx: &Ctx, req: Request<Incoming>) -> Response<ProxyBody> {
     response
 }
 
-async fn route(ctx: &Ctx, config: &Arc<Config>, mut req: Request<Incoming>) -> Response<ProxyBody> {
+async fn route(
+    ctx: &Arc<Ctx>,
+    config: &Arc<Config>,
+    mut req: Request<Incoming>,
+) -> Response<ProxyBody> {
     if !ALLOWED_METHODS.contains(req.method()) {
         // CONNECT, TRACE and the like: nothing here or in the engine serves them, so they
         // are answered here and never start the engine.
@@ -431,6 +443,12 @@ async fn route(ctx: &Ctx, config: &Arc<Config>, mut req: Request<Incoming>) -> R
         return refused;
     }
     let own = matches!(*req.method(), Method::GET | Method::HEAD);
+    if own {
+        // The dashboard's files hold no data: open like /health.
+        if let Some(page) = crate::http::dashboard::asset(req.uri().path()) {
+            return page;
+        }
+    }
     if own && req.uri().path() == "/health" {
         // Open to every caller the front admits: it is what a load balancer or a watchdog
         // polls.
@@ -479,6 +497,7 @@ async fn route(ctx: &Ctx, config: &Arc<Config>, mut req: Request<Incoming>) -> R
             }
         }
         (true, "/v1/models") => json_response(StatusCode::OK, models(ctx)),
+        (true, "/events") => crate::http::dashboard::events(ctx),
         (true, "/metrics") => {
             let sample = ctx.telemetry.latest();
             let kv = ctx.lifecycle.kv().status().await;

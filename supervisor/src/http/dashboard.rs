@@ -1,0 +1,154 @@
+//! The dashboard: `GET /ui`, a page built into dsv4d, and `GET /events`, what it shows as
+//! server-sent events.
+//!
+//! The page and its script are compiled in (nothing is fetched from anywhere at run time)
+//! and need no key: they hold no data. `/events` is an API path like any other (it needs a
+//! key when keys are configured). It starts with the last hour of the monitor's samples and
+//! the thermal thresholds (`hello`), then sends the whole status document when anything in
+//! it moved (state, requests, a new sample), at most twice a second, and new engine output
+//! lines (`log`). Neither ever starts the engine.
+//!
+//! Owns: the page's assets and the event streams. Must not: act on anything (the page is
+//! read-only: it says which `dsv4ctl` command does each action).
+
+use std::pin::Pin;
+use std::task::{Context, Poll};
+use std::time::Duration;
+
+use bytes::Bytes;
+use http::{header, HeaderValue, Response, StatusCode};
+use http_body::Frame;
+use serde_json::json;
+use tokio::sync::mpsc;
+
+use super::proxy::{status_document, Ctx, ProxyBody};
+
+/// The page, its script and its style, as served.
+const PAGE: &str = include_str!("ui/index.html");
+const SCRIPT: &str = include_str!("ui/app.js");
+const STYLE: &str = include_str!("ui/app.css");
+
+/// The most status documents sent a second.
+const STATUS_GAP: Duration = Duration::from_millis(500);
+/// The history the page starts with.
+const HISTORY_SECONDS: f64 = 3600.0;
+/// Engine output lines sent at once, at most.
+const LOG_LINES: usize = 200;
+
+/// The page's own files (`/ui`, `/ui/app.js`, `/ui/app.css`), when `path` is one.
+pub fn asset(path: &str) -> Option<Response<ProxyBody>> {
+    let (body, kind) = match path {
+        "/ui" | "/ui/" => (PAGE, "text/html; charset=utf-8"),
+        "/ui/app.js" => (SCRIPT, "text/javascript; charset=utf-8"),
+        "/ui/app.css" => (STYLE, "text/css; charset=utf-8"),
+        _ => return None,
+    };
+    let mut r = Response::new(ProxyBody::from(Bytes::from_static(body.as_bytes())));
+    let h = r.headers_mut();
+    h.insert(header::CONTENT_TYPE, HeaderValue::from_static(kind));
+    // Its own files and its own API only; no frame may hold it.
+    h.insert(
+        header::CONTENT_SECURITY_POLICY,
+        HeaderValue::from_static(
+            "default-src 'none'; script-src 'self'; style-src 'self'; connect-src 'self'; \
+             img-src 'self' data:; frame-ancestors 'none'; base-uri 'none'; form-action 'none'",
+        ),
+    );
+    h.insert(
+        header::X_CONTENT_TYPE_OPTIONS,
+        HeaderValue::from_static("nosniff"),
+    );
+    h.insert(header::CACHE_CONTROL, HeaderValue::from_static("no-cache"));
+    Some(r)
+}
+
+/// `GET /events`: the stream, fed by a task that ends when the client goes or dsv4d stops.
+pub fn events(ctx: &std::sync::Arc<Ctx>) -> Response<ProxyBody> {
+    let (tx, rx) = mpsc::channel(16);
+    tokio::spawn(feed(ctx.clone(), tx));
+    let mut r = Response::new(ProxyBody::Events(Events(rx)));
+    *r.status_mut() = StatusCode::OK;
+    let h = r.headers_mut();
+    h.insert(
+        header::CONTENT_TYPE,
+        HeaderValue::from_static("text/event-stream"),
+    );
+    h.insert(header::CACHE_CONTROL, HeaderValue::from_static("no-cache"));
+    r
+}
+
+/// One server-sent event.
+fn event(name: &str, data: &serde_json::Value) -> Bytes {
+    Bytes::from(format!("event: {name}\ndata: {data}\n\n"))
+}
+
+async fn feed(ctx: std::sync::Arc<Ctx>, tx: mpsc::Sender<Bytes>) {
+    let now = dsv4_client::clock::unix_now();
+    let history = ctx.telemetry.history(now - HISTORY_SECONDS, 3600);
+    let thermal = ctx.config.borrow().supervisor.thermal.clone();
+    let hello = json!({
+        "history": history.iter().map(|s| &**s).collect::<Vec<_>>(),
+        "thresholds": {
+            "warn_c": thermal.warn,
+            "critical_c": thermal.critical,
+        },
+    });
+    if tx.send(event("hello", &hello)).await.is_err() {
+        return;
+    }
+    let mut status = ctx.lifecycle.watch_status();
+    let mut figures = ctx.lifecycle.watch_figures();
+    let mut samples = ctx.telemetry.watch();
+    let mut closing = ctx.closing.subscribe();
+    let (mut next_line, _) = ctx.lifecycle.logs(0, 0);
+    next_line = next_line.saturating_sub(LOG_LINES as u64);
+    loop {
+        status.borrow_and_update();
+        figures.borrow_and_update();
+        samples.borrow_and_update();
+        let doc = status_document(
+            &ctx.lifecycle,
+            &ctx.stats,
+            &ctx.telemetry,
+            &ctx.power,
+            &ctx.thermal,
+        )
+        .await;
+        let doc = serde_json::to_value(doc).unwrap_or_default();
+        if tx.send(event("status", &doc)).await.is_err() {
+            return;
+        }
+        let (next, lines) = ctx.lifecycle.logs(next_line, LOG_LINES);
+        next_line = next;
+        if !lines.is_empty() && tx.send(event("log", &json!(lines))).await.is_err() {
+            return;
+        }
+        tokio::select! {
+            _ = tokio::time::sleep(STATUS_GAP) => {}
+            _ = tx.closed() => return,
+            _ = closing.wait_for(|c| *c) => return,
+        }
+        tokio::select! {
+            r = status.changed() => if r.is_err() { return },
+            r = figures.changed() => if r.is_err() { return },
+            r = samples.changed() => if r.is_err() { return },
+            _ = tx.closed() => return,
+            _ = closing.wait_for(|c| *c) => return,
+        }
+    }
+}
+
+/// The body of an event stream: what the feeding task sends, until it ends.
+pub struct Events(mpsc::Receiver<Bytes>);
+
+impl Events {
+    pub fn poll_frame(
+        self: Pin<&mut Self>,
+        cx: &mut Context<'_>,
+    ) -> Poll<Option<Result<Frame<Bytes>, hyper::Error>>> {
+        self.get_mut()
+            .0
+            .poll_recv(cx)
+            .map(|b| b.map(|b| Ok(Frame::data(b))))
+    }
+}

@@ -1,0 +1,299 @@
+// dsv4's dashboard: follows GET /events (server-sent events, read with fetch so that an API
+// key can go with it) and draws what it says. Everything from the daemon is written as
+// text (textContent), never as markup.
+"use strict";
+
+const HOUR = 3600;
+const KEY = "dsv4.key";
+const $ = (id) => document.getElementById(id);
+const SVG = "http://www.w3.org/2000/svg";
+
+let samples = [];
+let thresholds = { warn_c: null, critical_c: null };
+let logLines = [];
+
+function gib(bytes) {
+  return bytes == null ? null : bytes / 2 ** 30;
+}
+
+function fixed(x, digits) {
+  return x == null ? "-" : Number(x).toFixed(digits);
+}
+
+function size(bytes) {
+  if (bytes == null) return "-";
+  const units = [["TiB", 40], ["GiB", 30], ["MiB", 20], ["KiB", 10]];
+  for (const [name, shift] of units) {
+    if (bytes >= 2 ** shift) return (bytes / 2 ** shift).toFixed(1) + " " + name;
+  }
+  return bytes + " B";
+}
+
+function ago(at) {
+  if (at == null) return "-";
+  const s = Math.max(0, Date.now() / 1000 - at);
+  if (s < 60) return Math.round(s) + " s ago";
+  if (s < 3600) return Math.round(s / 60) + " min ago";
+  return (s / 3600).toFixed(1) + " h ago";
+}
+
+function cell(row, text) {
+  const td = document.createElement("td");
+  td.textContent = text;
+  row.appendChild(td);
+}
+
+// One chart: series of [t, value] in `lines`, dashed limits, shaded spans.
+function chart(svg, lines, limits, spans) {
+  const now = Date.now() / 1000;
+  const t0 = now - HOUR;
+  const values = lines.flatMap((l) => l.points.map((p) => p[1])).concat(limits);
+  let lo = Math.min(...values);
+  let hi = Math.max(...values);
+  if (!isFinite(lo) || !isFinite(hi)) {
+    lo = 0;
+    hi = 1;
+  }
+  if (hi - lo < 1e-9) hi = lo + 1;
+  const pad = (hi - lo) * 0.08;
+  lo -= pad;
+  hi += pad;
+  const x = (t) => ((t - t0) / HOUR) * 600;
+  const y = (v) => 140 - ((v - lo) / (hi - lo)) * 140;
+  svg.replaceChildren();
+  for (const [from, to] of spans) {
+    const r = document.createElementNS(SVG, "rect");
+    r.setAttribute("class", "throttle");
+    r.setAttribute("x", x(Math.max(from, t0)));
+    r.setAttribute("width", Math.max(1, x(to) - x(Math.max(from, t0))));
+    r.setAttribute("y", 0);
+    r.setAttribute("height", 140);
+    svg.appendChild(r);
+  }
+  for (const v of limits) {
+    const l = document.createElementNS(SVG, "line");
+    l.setAttribute("class", "limit");
+    l.setAttribute("x1", 0);
+    l.setAttribute("x2", 600);
+    l.setAttribute("y1", y(v));
+    l.setAttribute("y2", y(v));
+    svg.appendChild(l);
+  }
+  let count = 0;
+  for (const line of lines) {
+    const pts = line.points.filter((p) => p[0] >= t0);
+    count += pts.length;
+    if (pts.length === 0) continue;
+    const path = document.createElementNS(SVG, "polyline");
+    path.setAttribute("class", "line " + line.cls);
+    path.setAttribute("points", pts.map((p) => x(p[0]).toFixed(1) + "," + y(p[1]).toFixed(1)).join(" "));
+    svg.appendChild(path);
+  }
+  const label = document.createElementNS(SVG, "text");
+  label.setAttribute("class", "label");
+  label.setAttribute("x", 2);
+  label.setAttribute("y", 10);
+  label.textContent = fixed(hi - pad, 1);
+  svg.appendChild(label);
+  svg.dataset.points = count;
+}
+
+function series(get) {
+  const out = [];
+  for (const s of samples) {
+    const v = get(s);
+    if (v != null && isFinite(v)) out.push([s.at, v]);
+  }
+  return out;
+}
+
+// Spans of time the hardware throttled, from the samples.
+function throttleSpans() {
+  const spans = [];
+  let from = null;
+  for (const s of samples) {
+    const on = s.throttle && s.throttle.active;
+    if (on && from == null) from = s.at;
+    if (!on && from != null) {
+      spans.push([from, s.at]);
+      from = null;
+    }
+  }
+  if (from != null) spans.push([from, Date.now() / 1000]);
+  return spans;
+}
+
+function drawCharts() {
+  chart($("chart-gtt"), [
+    { cls: "a", points: series((s) => s.gpu && gib(s.gpu.gtt_used)) },
+    { cls: "b", points: series((s) => s.gpu && gib(s.gpu.gtt_total)) },
+  ], [], []);
+  chart($("chart-memory"), [
+    { cls: "a", points: series((s) => s.memory && gib(s.memory.available)) },
+  ], [], []);
+  const limits = [thresholds.warn_c, thresholds.critical_c].filter((v) => v != null);
+  chart($("chart-temperature"), [
+    { cls: "a", points: series((s) => s.temperatures && s.temperatures.edge) },
+    { cls: "b", points: series((s) => s.temperatures && s.temperatures.tctl) },
+  ], limits, throttleSpans());
+  chart($("chart-power"), [
+    { cls: "a", points: series((s) => s.power && s.power.soc) },
+  ], [], []);
+  const last = samples[samples.length - 1];
+  if (last) {
+    const t = last.temperatures || {};
+    $("now").textContent =
+      "now: GTT " + size(last.gpu && last.gpu.gtt_used) + " of " + size(last.gpu && last.gpu.gtt_total) +
+      ", available " + size(last.memory && last.memory.available) +
+      ", edge " + fixed(t.edge, 1) + " C, Tctl " + fixed(t.tctl, 1) + " C" +
+      ", SoC " + fixed(last.power && last.power.soc, 1) + " W";
+  }
+}
+
+function addSample(s) {
+  if (!s || (samples.length && samples[samples.length - 1].at >= s.at)) return;
+  samples.push(s);
+  const t0 = Date.now() / 1000 - HOUR;
+  while (samples.length && samples[0].at < t0) samples.shift();
+}
+
+function showStatus(doc) {
+  const state = $("state");
+  state.textContent = doc.state + (doc.kv_step ? " (" + doc.kv_step + ")" : "");
+  state.dataset.state = doc.state;
+  $("profile").textContent = doc.engine_profile && doc.engine_profile !== doc.profile
+    ? doc.profile + " (running: " + doc.engine_profile + ")"
+    : doc.profile;
+  $("in-flight").textContent = doc.in_flight;
+  $("waiting").textContent = doc.waiting;
+  const err = $("error");
+  err.hidden = !doc.last_error;
+  err.textContent = doc.last_error ? "last error: " + doc.last_error : "";
+
+  const all = doc.requests;
+  $("totals").textContent = all.requests === 0 ? "none yet" :
+    all.requests + " requests: " + all.prompt_tokens + " prompt tokens (" + all.cached_tokens +
+    " cached), " + all.generated_tokens + " generated; prefill " + fixed(all.prefill_tok_s, 1) +
+    " tok/s, decode " + fixed(all.decode_tok_s, 1) + " tok/s (token-weighted)";
+  const body = $("requests").tBodies[0];
+  body.replaceChildren();
+  for (const r of [...doc.requests.recent].reverse()) {
+    const row = body.insertRow();
+    cell(row, ago(r.at));
+    cell(row, r.profile);
+    cell(row, r.path);
+    cell(row, r.prompt_tokens);
+    cell(row, r.cached_tokens);
+    cell(row, r.generated_tokens);
+    cell(row, fixed(r.prefill_tok_s, 1));
+    cell(row, fixed(r.decode_tok_s, 1));
+  }
+
+  const kv = $("kv").tBodies[0];
+  kv.replaceChildren();
+  for (const p of (doc.kv && doc.kv.profiles) || []) {
+    const row = kv.insertRow();
+    const c = p.checkpoint;
+    cell(row, p.profile);
+    cell(row, c ? c.tokens : "-");
+    cell(row, c ? size(c.bytes) : "-");
+    cell(row, c ? ago(c.saved_at) : "-");
+    cell(row, p.last_save ? p.last_save.result + ", " + ago(p.last_save.at) : "-");
+    cell(row, p.last_restore ? p.last_restore.result + ", " + ago(p.last_restore.at) : "-");
+  }
+
+  const th = doc.thermal;
+  $("thermal").textContent = th
+    ? "thermal: " + th.level + th.sensors.filter((s) => s.level !== "normal")
+      .map((s) => "; " + s.sensor + " " + s.level + (s.peak != null ? " (peak " + fixed(s.peak, 1) + " C)" : ""))
+      .join("") + (th.action ? "; " + th.action : "")
+    : "-";
+  const pw = doc.power;
+  $("power").textContent = pw && pw.method
+    ? "power: " + pw.method + " (" + pw.why + "): " + (pw.cpu || "nothing applied now") +
+      "; GPU level " + (pw.gpu_level || "-")
+    : "power: decided at the first engine start";
+
+  addSample(doc.telemetry);
+  drawCharts();
+}
+
+function showLog(lines) {
+  logLines = logLines.concat(lines).slice(-200);
+  const pre = $("log");
+  pre.textContent = logLines.join("\n");
+  pre.scrollTop = pre.scrollHeight;
+}
+
+function handle(name, data) {
+  const v = JSON.parse(data);
+  if (name === "hello") {
+    samples = v.history || [];
+    thresholds = v.thresholds || thresholds;
+    drawCharts();
+  } else if (name === "status") {
+    showStatus(v);
+  } else if (name === "log") {
+    showLog(v);
+  }
+}
+
+async function follow() {
+  const key = sessionStorage.getItem(KEY);
+  const headers = key ? { Authorization: "Bearer " + key } : {};
+  let resp;
+  try {
+    resp = await fetch("/events", { headers, cache: "no-store" });
+  } catch (e) {
+    return false;
+  }
+  if (resp.status === 401) {
+    sessionStorage.removeItem(KEY);
+    $("key-form").hidden = false;
+    return "key";
+  }
+  if (!resp.ok || !resp.body) return false;
+  $("key-form").hidden = true;
+  $("live").textContent = "live";
+  $("live").classList.add("on");
+  const reader = resp.body.getReader();
+  const decoder = new TextDecoder();
+  let buffer = "";
+  for (;;) {
+    const { value, done } = await reader.read();
+    if (done) break;
+    buffer += decoder.decode(value, { stream: true });
+    let end;
+    while ((end = buffer.indexOf("\n\n")) >= 0) {
+      const block = buffer.slice(0, end);
+      buffer = buffer.slice(end + 2);
+      let name = "message";
+      const data = [];
+      for (const line of block.split("\n")) {
+        if (line.startsWith("event: ")) name = line.slice(7);
+        else if (line.startsWith("data: ")) data.push(line.slice(6));
+      }
+      if (data.length) handle(name, data.join("\n"));
+    }
+  }
+  return false;
+}
+
+async function run() {
+  for (;;) {
+    const how = await follow();
+    $("live").textContent = "offline";
+    $("live").classList.remove("on");
+    if (how === "key") return;
+    await new Promise((r) => setTimeout(r, 2000));
+  }
+}
+
+$("key-form").addEventListener("submit", (e) => {
+  e.preventDefault();
+  sessionStorage.setItem(KEY, $("key").value);
+  $("key").value = "";
+  run();
+});
+
+run();
