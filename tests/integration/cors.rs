@@ -592,29 +592,6 @@ fn hostile_page(api: std::net::SocketAddr) -> String {
     )
 }
 
-/// Loads `url` in Debian's Chromium, headless, and waits for it to be done with the page.
-fn chromium(url: &str) {
-    let profile = temp_dir("chromium");
-    let out = std::process::Command::new("chromium")
-        .args([
-            "--headless",
-            "--no-sandbox",
-            "--disable-gpu",
-            "--no-first-run",
-            "--virtual-time-budget=5000",
-            "--dump-dom",
-        ])
-        .arg(format!("--user-data-dir={}", profile.path().display()))
-        .arg(url)
-        .output()
-        .expect("chromium (Debian's package `chromium`; .ci/run installs it)");
-    assert!(
-        out.status.success(),
-        "chromium: {}",
-        String::from_utf8_lossy(&out.stderr)
-    );
-}
-
 /// A page of another local site that embeds dsv4d (an image and a script, which a browser
 /// sends without an Origin, and a form post) never starts the engine, in a real browser. The
 /// same page from a listed origin does.

@@ -93,31 +93,6 @@ async fn the_page_is_open_the_events_are_keyed_and_nothing_starts_the_engine() {
     assert_eq!(d.get("/health").await.1["engine"], "stopped");
 }
 
-/// Loads `url` in Debian's Chromium, headless, and returns the page as it stands once the
-/// browser is done with it.
-fn chromium_dom(url: &str) -> String {
-    let profile = temp_dir("chromium");
-    let out = std::process::Command::new("chromium")
-        .args([
-            "--headless",
-            "--no-sandbox",
-            "--disable-gpu",
-            "--no-first-run",
-            "--virtual-time-budget=3000",
-            "--dump-dom",
-        ])
-        .arg(format!("--user-data-dir={}", profile.path().display()))
-        .arg(url)
-        .output()
-        .expect("chromium (Debian's package `chromium`; .ci/run installs it)");
-    assert!(
-        out.status.success(),
-        "chromium: {}",
-        String::from_utf8_lossy(&out.stderr)
-    );
-    String::from_utf8_lossy(&out.stdout).into_owned()
-}
-
 /// The number in `data-points="N"` of the chart `id`.
 fn points(dom: &str, id: &str) -> usize {
     let at = dom
@@ -151,7 +126,7 @@ async fn a_real_browser_shows_the_state_the_charts_and_the_requests() {
         assert!(t.elapsed() < PATIENCE, "no sample");
         tokio::time::sleep(Duration::from_millis(50)).await;
     }
-    let dom = chromium_dom(&format!("http://{}/ui", d.addr));
+    let dom = chromium(&format!("http://{}/ui", d.addr));
     assert!(
         dom.contains("data-state=\"ready\">ready<"),
         "the state is not shown:\n{dom}"

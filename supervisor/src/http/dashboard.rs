@@ -21,7 +21,7 @@ use http_body::Frame;
 use serde_json::json;
 use tokio::sync::mpsc;
 
-use super::proxy::{status_document, Ctx, ProxyBody};
+use super::proxy::{Ctx, ProxyBody};
 
 /// The page, its script and its style, as served.
 const PAGE: &str = include_str!("ui/index.html");
@@ -106,15 +106,7 @@ async fn feed(ctx: std::sync::Arc<Ctx>, tx: mpsc::Sender<Bytes>) {
         status.borrow_and_update();
         figures.borrow_and_update();
         samples.borrow_and_update();
-        let doc = status_document(
-            &ctx.lifecycle,
-            &ctx.stats,
-            &ctx.telemetry,
-            &ctx.power,
-            &ctx.thermal,
-        )
-        .await;
-        let doc = serde_json::to_value(doc).unwrap_or_default();
+        let doc = serde_json::to_value(ctx.status_document().await).unwrap_or_default();
         if tx.send(event("status", &doc)).await.is_err() {
             return;
         }

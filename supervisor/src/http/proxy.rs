@@ -75,6 +75,20 @@ pub struct Ctx {
     pub closing: watch::Sender<bool>,
 }
 
+impl Ctx {
+    /// The `GET /status` document, as it stands.
+    pub async fn status_document(&self) -> Status {
+        status_document(
+            &self.lifecycle,
+            &self.stats,
+            &self.telemetry,
+            &self.power,
+            &self.thermal,
+        )
+        .await
+    }
+}
+
 /// The response body: a small body of our own, or the engine's, streamed with its lease.
 // The engine's variant is the common one; boxing it would cost an allocation per request.
 #[allow(clippy::large_enum_variant)]
@@ -476,26 +490,16 @@ async fn route(
         }
     }
     match (own, req.uri().path()) {
-        (true, "/status") => {
-            let doc = status_document(
-                &ctx.lifecycle,
-                &ctx.stats,
-                &ctx.telemetry,
-                &ctx.power,
-                &ctx.thermal,
+        (true, "/status") => match serde_json::to_value(ctx.status_document().await) {
+            Ok(v) => json_response(StatusCode::OK, v),
+            Err(e) => ApiError::new(
+                StatusCode::INTERNAL_SERVER_ERROR,
+                ErrorType::Server,
+                ErrorCode::Internal,
+                e.to_string(),
             )
-            .await;
-            match serde_json::to_value(doc) {
-                Ok(v) => json_response(StatusCode::OK, v),
-                Err(e) => ApiError::new(
-                    StatusCode::INTERNAL_SERVER_ERROR,
-                    ErrorType::Server,
-                    ErrorCode::Internal,
-                    e.to_string(),
-                )
-                .into_response(),
-            }
-        }
+            .into_response(),
+        },
         (true, "/v1/models") => json_response(StatusCode::OK, models(ctx)),
         (true, "/events") => crate::http::dashboard::events(ctx),
         (true, "/metrics") => {

@@ -1116,3 +1116,28 @@ pub async fn live_proxy(bus: &PrivateBus, d: &Daemon) -> dsv4_client::Supervisor
 pub async fn alert_stream(bus: &PrivateBus, d: &Daemon) -> dsv4_client::AlertStream {
     live_proxy(bus, d).await.receive_alert().await.unwrap()
 }
+
+/// Loads `url` in Debian's Chromium, headless, lets it run until it is done with the page
+/// (5 s of the browser's virtual time at most), and returns the page as it then stands.
+pub fn chromium(url: &str) -> String {
+    let profile = temp_dir("chromium");
+    let out = std::process::Command::new("chromium")
+        .args([
+            "--headless",
+            "--no-sandbox",
+            "--disable-gpu",
+            "--no-first-run",
+            "--virtual-time-budget=5000",
+            "--dump-dom",
+        ])
+        .arg(format!("--user-data-dir={}", profile.path().display()))
+        .arg(url)
+        .output()
+        .expect("chromium (Debian's package `chromium`; .ci/run installs it)");
+    assert!(
+        out.status.success(),
+        "chromium: {}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    String::from_utf8_lossy(&out.stdout).into_owned()
+}
