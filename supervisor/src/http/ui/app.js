@@ -43,10 +43,13 @@ function cell(row, text) {
   row.appendChild(td);
 }
 
-// One chart: series of [t, value] in `lines`, dashed limits, shaded spans.
+// One chart: series of [t, value] in `lines`, dashed limits, shaded spans. Time runs over
+// the last hour, or from the first sample when there is less (5 s at least).
 function chart(svg, lines, limits, spans) {
   const now = Date.now() / 1000;
-  const t0 = now - HOUR;
+  const first = samples.length ? samples[0].at : now;
+  const t0 = Math.max(now - HOUR, Math.min(first, now - 5));
+  const width = now - t0;
   const values = lines.flatMap((l) => l.points.map((p) => p[1])).concat(limits);
   let lo = Math.min(...values);
   let hi = Math.max(...values);
@@ -58,7 +61,7 @@ function chart(svg, lines, limits, spans) {
   const pad = (hi - lo) * 0.08;
   lo -= pad;
   hi += pad;
-  const x = (t) => ((t - t0) / HOUR) * 600;
+  const x = (t) => ((t - t0) / width) * 600;
   const y = (v) => 140 - ((v - lo) / (hi - lo)) * 140;
   svg.replaceChildren();
   for (const [from, to] of spans) {
