@@ -84,10 +84,10 @@ async fn the_page_is_open_the_events_are_keyed_and_nothing_starts_the_engine() {
     .await;
     assert!(events.starts_with("HTTP/1.1 200"), "{events}");
     assert!(events.contains("text/event-stream"), "{events}");
-    assert!(
-        events.contains("event: hello\ndata: {\"history\":"),
-        "{events}"
-    );
+    assert!(events.contains("event: hello\ndata: {"), "{events}");
+    for part in ["\"history\":[", "\"alerts\":[", "\"validations\":["] {
+        assert!(events.contains(part), "no {part} in {events}");
+    }
     assert!(events.contains("\"thresholds\":{\"critical_c\":95.0,\"warn_c\":85.0}"));
     assert_eq!(d.spawns(), 0, "the dashboard started the engine");
     assert_eq!(d.get("/health").await.1["engine"], "stopped");
@@ -343,4 +343,70 @@ async fn a_request_made_while_the_page_is_open_shows_up_in_it_within_2_s() {
         );
     });
     println!("the request showed up in the open page {took:?} after its answer");
+}
+
+/// Alerts raised while the page is open show up in it as they come, and a page opened later
+/// lists the latest ones; saved validation runs are listed with their decode and prefill
+/// trend.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn alerts_and_validation_runs_show_up_in_the_page() {
+    let d = Daemon::start(&Setup::default());
+    // Two saved validation runs, as `dsv4ctl validate` leaves them.
+    let runs = d.dir().join("state/validations");
+    std::fs::create_dir_all(&runs).unwrap();
+    for (i, decode) in [38.5, 41.0].into_iter().enumerate() {
+        let test = |name: &str, mean: f64| dsv4_client::validate::TestResult {
+            name: name.into(),
+            unit: "tok/s".into(),
+            runs: vec![mean],
+            mean,
+            ..Default::default()
+        };
+        let run = dsv4_client::validate::ValidationResult {
+            profile: "64k".into(),
+            started: 1_790_000_000.0 + i as f64 * 3600.0,
+            finished: 1_790_000_100.0 + i as f64 * 3600.0,
+            tests: vec![test("decode", decode), test("prefill", 240.0 + i as f64)],
+            ..Default::default()
+        };
+        let file = runs.join(format!("run-{i}.json"));
+        std::fs::write(file, serde_json::to_vec(&run).unwrap()).unwrap();
+    }
+    let url = format!("http://{}/ui", d.addr);
+    let mut browser = tokio::task::block_in_place(|| {
+        let mut b = Browser::start();
+        b.open(&url);
+        b.wait_for(
+            "document.getElementById('live').textContent === 'live'",
+            PATIENCE,
+        );
+        b
+    });
+    let shown = tokio::task::block_in_place(|| {
+        browser.eval(
+            "[document.querySelectorAll('#validations tbody tr').length, \
+              document.getElementById('chart-validation').dataset.points, \
+              document.querySelector('#validations tbody td:nth-child(3)').textContent]",
+        )
+    });
+    assert_eq!(shown[0], 2, "{shown}");
+    assert_eq!(shown[1], "4", "{shown}");
+    assert_eq!(
+        shown[2], "decode 41.0 tok/s; prefill 241.0 tok/s",
+        "{shown}"
+    );
+    // A rejected configuration raises an alert.
+    replace_file(&d.dir().join("supervisor.yaml"), "api: [not, a, mapping]\n");
+    tokio::task::block_in_place(|| {
+        browser.wait_for(
+            "document.getElementById('alerts').textContent.includes('configuration change rejected')",
+            PATIENCE,
+        )
+    });
+    // A page opened afterwards lists it too.
+    let dom = chromium(&url);
+    assert!(
+        dom.contains("configuration change rejected"),
+        "the alert is not listed in a new page:\n{dom}"
+    );
 }

@@ -319,7 +319,7 @@ async fn run(args: Args, activated: Vec<(std::os::fd::OwnedFd, String)>) -> Resu
         Reloader {
             path: args.config.clone(),
             config: config_tx,
-            alerts,
+            alerts: alerts.clone(),
         }
         .run(),
     );
@@ -336,6 +336,7 @@ async fn run(args: Args, activated: Vec<(std::os::fd::OwnedFd, String)>) -> Resu
         connections: connections.clone(),
         activity: activity.clone(),
         closing: Default::default(),
+        alerts: alerts.clone(),
     });
 
     let lifecycle_status = lifecycle.watch_status();

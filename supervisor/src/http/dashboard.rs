@@ -3,10 +3,12 @@
 //!
 //! The page and its script are compiled in (nothing is fetched from anywhere at run time)
 //! and need no key: they hold no data. `/events` is an API path like any other (it needs a
-//! key when keys are configured). It starts with the last hour of the monitor's samples and
-//! the thermal thresholds (`hello`), then sends the whole status document when anything in
-//! it moved (state, requests, a new sample), at most twice a second, and new engine output
-//! lines (`log`). Neither ever starts the engine.
+//! key when keys are configured). It starts with the last hour of the monitor's samples, the
+//! thermal thresholds, the latest alerts, the thermal events that stand and the saved
+//! validation runs (`hello`), then sends the whole status document when anything in it
+//! moved (state, requests, a new sample), at most twice a second, new engine output lines
+//! (`log`), each alert (`alert`) and thermal event (`thermal`) as it comes, and the
+//! validation runs again when one ends (`validations`). Neither ever starts the engine.
 //!
 //! Owns: the page's assets and the event streams. Must not: act on anything (the page is
 //! read-only: it says which `dsv4ctl` command does each action).
@@ -19,7 +21,9 @@ use bytes::Bytes;
 use http::{header, HeaderValue, Response, StatusCode};
 use http_body::Frame;
 use serde_json::json;
-use tokio::sync::mpsc;
+use tokio::sync::{broadcast, mpsc};
+
+use crate::validate::ValidationEvent;
 
 use super::proxy::{Ctx, ProxyBody};
 
@@ -34,6 +38,8 @@ const STATUS_GAP: Duration = Duration::from_millis(500);
 const HISTORY_SECONDS: f64 = 3600.0;
 /// Engine output lines sent at once, at most.
 const LOG_LINES: usize = 200;
+/// Validation runs sent, at most (newest first).
+const VALIDATIONS: usize = 20;
 
 /// The page's own files (`/ui`, `/ui/app.js`, `/ui/app.css`), when `path` is one.
 pub fn asset(path: &str) -> Option<Response<ProxyBody>> {
@@ -82,16 +88,46 @@ fn event(name: &str, data: &serde_json::Value) -> Bytes {
     Bytes::from(format!("event: {name}\ndata: {data}\n\n"))
 }
 
+/// The saved validation runs, newest first, without what the page does not show.
+fn validations(ctx: &Ctx) -> serde_json::Value {
+    let runs = ctx.validator.saved(None);
+    let runs: Vec<_> = runs
+        .iter()
+        .take(VALIDATIONS)
+        .map(|r| {
+            let tests: Vec<_> = r
+                .tests
+                .iter()
+                .map(|t| json!({ "name": t.name, "unit": t.unit, "mean": t.mean, "sd": t.sd }))
+                .collect();
+            json!({
+                "profile": r.profile,
+                "started": r.started,
+                "finished": r.finished,
+                "error": r.error,
+                "tests": tests,
+            })
+        })
+        .collect();
+    json!(runs)
+}
+
 async fn feed(ctx: std::sync::Arc<Ctx>, tx: mpsc::Sender<Bytes>) {
     let now = dsv4_client::clock::unix_now();
     let history = ctx.telemetry.history(now - HISTORY_SECONDS, 3600);
     let thermal = ctx.config.borrow().supervisor.thermal.clone();
+    let (recent_alerts, mut alerts) = ctx.alerts.recent_and_subscribe();
+    let (standing, mut thermal_events) = ctx.thermal.subscribe();
+    let mut validation_events = ctx.validator.subscribe();
     let hello = json!({
         "history": history.iter().map(|s| &**s).collect::<Vec<_>>(),
         "thresholds": {
             "warn_c": thermal.warn,
             "critical_c": thermal.critical,
         },
+        "alerts": recent_alerts,
+        "thermal": standing,
+        "validations": validations(&ctx),
     });
     if tx.send(event("hello", &hello)).await.is_err() {
         return;
@@ -115,17 +151,46 @@ async fn feed(ctx: std::sync::Arc<Ctx>, tx: mpsc::Sender<Bytes>) {
         if !lines.is_empty() && tx.send(event("log", &json!(lines))).await.is_err() {
             return;
         }
-        tokio::select! {
-            _ = tokio::time::sleep(STATUS_GAP) => {}
-            _ = tx.closed() => return,
-            _ = closing.wait_for(|c| *c) => return,
-        }
-        tokio::select! {
-            r = status.changed() => if r.is_err() { return },
-            r = figures.changed() => if r.is_err() { return },
-            r = samples.changed() => if r.is_err() { return },
-            _ = tx.closed() => return,
-            _ = closing.wait_for(|c| *c) => return,
+        let gap = tokio::time::sleep(STATUS_GAP);
+        tokio::pin!(gap);
+        let mut moved = false;
+        // Alerts, thermal and validation events go out as they come; the status once it
+        // moved, and the gap since the last has passed.
+        loop {
+            let news = tokio::select! {
+                r = status.changed(), if !moved => { moved = true; r.is_ok().then_some(None) }
+                r = figures.changed(), if !moved => { moved = true; r.is_ok().then_some(None) }
+                r = samples.changed(), if !moved => { moved = true; r.is_ok().then_some(None) }
+                () = &mut gap, if moved => break,
+                a = alerts.recv() => match a {
+                    Ok(a) => Some(Some(event("alert", &json!(a)))),
+                    Err(broadcast::error::RecvError::Lagged(_)) => Some(None),
+                    Err(broadcast::error::RecvError::Closed) => None,
+                },
+                t = thermal_events.recv() => match t {
+                    Ok(t) => Some(Some(event("thermal", &json!(t)))),
+                    Err(broadcast::error::RecvError::Lagged(_)) => Some(None),
+                    Err(broadcast::error::RecvError::Closed) => None,
+                },
+                v = validation_events.recv() => match v {
+                    Ok(ValidationEvent::Done(_)) => {
+                        Some(Some(event("validations", &validations(&ctx))))
+                    }
+                    Ok(_) | Err(broadcast::error::RecvError::Lagged(_)) => Some(None),
+                    Err(broadcast::error::RecvError::Closed) => None,
+                },
+                _ = tx.closed() => return,
+                _ = closing.wait_for(|c| *c) => return,
+            };
+            match news {
+                None => return,
+                Some(Some(bytes)) => {
+                    if tx.send(bytes).await.is_err() {
+                        return;
+                    }
+                }
+                Some(None) => {}
+            }
         }
     }
 }

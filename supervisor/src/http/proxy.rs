@@ -73,6 +73,8 @@ pub struct Ctx {
     pub validator: crate::validate::Validator,
     /// Set once dsv4d stops serving: event streams end (their exchanges would never).
     pub closing: watch::Sender<bool>,
+    /// The alerts raised, for the dashboard.
+    pub alerts: crate::lifecycle::alert::Alerts,
 }
 
 impl Ctx {

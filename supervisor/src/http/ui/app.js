@@ -228,16 +228,86 @@ function showLog(lines) {
   pre.scrollTop = pre.scrollHeight;
 }
 
+// One line in the alerts list, newest on top (at most 50 kept).
+function addEvent(kind, message, at) {
+  const list = $("alerts");
+  const none = list.querySelector(".none");
+  if (none) none.remove();
+  const li = document.createElement("li");
+  const k = document.createElement("span");
+  k.className = "kind";
+  k.textContent = kind;
+  li.appendChild(k);
+  li.appendChild(document.createTextNode(message + " (" + ago(at) + ")"));
+  list.prepend(li);
+  while (list.children.length > 50) list.lastChild.remove();
+}
+
+function thermalEvent(t) {
+  const temp = t.celsius != null && isFinite(t.celsius) ? " " + fixed(t.celsius, 1) + " C" : "";
+  addEvent("thermal " + t.level, t.sensor + temp + ": " + t.message, Date.now() / 1000);
+}
+
+function showValidations(runs) {
+  const body = $("validations").tBodies[0];
+  body.replaceChildren();
+  for (const r of runs) {
+    const row = body.insertRow();
+    cell(row, ago(r.started));
+    cell(row, r.profile);
+    cell(row, r.tests.map((t) => t.name + " " + fixed(t.mean, 1) + " " + t.unit).join("; ") || "-");
+    cell(row, r.error || "");
+  }
+  // The trend: oldest left, one step per run.
+  const ordered = [...runs].reverse();
+  const trend = (name) => ordered
+    .map((r, i) => [i, (r.tests.find((t) => t.name === name) || {}).mean])
+    .filter((p) => p[1] != null);
+  trendChart($("chart-validation"), [
+    { cls: "a", points: trend("decode") },
+    { cls: "b", points: trend("prefill") },
+  ], Math.max(1, ordered.length - 1));
+}
+
+// A chart over run numbers 0..last rather than time.
+function trendChart(svg, lines, last) {
+  const values = lines.flatMap((l) => l.points.map((p) => p[1]));
+  let lo = Math.min(...values, 0);
+  let hi = Math.max(...values, 1);
+  const x = (i) => (i / last) * 600;
+  const y = (v) => 140 - ((v - lo) / (hi - lo)) * 140;
+  svg.replaceChildren();
+  let count = 0;
+  for (const line of lines) {
+    count += line.points.length;
+    if (!line.points.length) continue;
+    const path = document.createElementNS(SVG, "polyline");
+    path.setAttribute("class", "line " + line.cls);
+    path.setAttribute("points", line.points.map((p) => x(p[0]).toFixed(1) + "," + y(p[1]).toFixed(1)).join(" "));
+    svg.appendChild(path);
+  }
+  svg.dataset.points = count;
+}
+
 function handle(name, data) {
   const v = JSON.parse(data);
   if (name === "hello") {
     samples = v.history || [];
     thresholds = v.thresholds || thresholds;
+    for (const a of v.alerts || []) addEvent(a.kind, a.message, a.at);
+    for (const t of v.thermal || []) thermalEvent(t);
+    showValidations(v.validations || []);
     drawCharts();
   } else if (name === "status") {
     showStatus(v);
   } else if (name === "log") {
     showLog(v);
+  } else if (name === "alert") {
+    addEvent(v.kind, v.message, v.at);
+  } else if (name === "thermal") {
+    thermalEvent(v);
+  } else if (name === "validations") {
+    showValidations(v);
   }
 }
 

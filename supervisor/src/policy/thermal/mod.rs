@@ -27,8 +27,8 @@ pub const STOP_DRAIN: Duration = Duration::from_secs(10);
 /// Events not yet taken by a slow listener.
 const BACKLOG: usize = 32;
 
-/// One event as it goes out on D-Bus.
-#[derive(Debug, Clone, PartialEq)]
+/// One event as it goes out on D-Bus (and to the dashboard).
+#[derive(Debug, Clone, PartialEq, serde::Serialize)]
 pub struct Signal {
     pub level: ThermalSignal,
     pub sensor: String,
