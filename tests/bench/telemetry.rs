@@ -4,11 +4,12 @@
 //! - one full sample (every reader, as the monitor takes it) against the Strix Halo fixture
 //!   tree, beside the same files merely read (the floor any sampler pays), in microseconds;
 //! - the daemon's own CPU and resident memory while the engine is stopped and it samples at
-//!   `monitor.idle_interval` (its default, 10 s), over `BENCH_IDLE_SECONDS` (default 60).
+//!   `monitor.idle_interval` (its default, 10 s), over `BENCH_IDLE_SECONDS` (default 60);
+//! - what one open dashboard (`GET /events`) costs the daemon, engine ready and idle.
 //!
 //! Run: `cargo bench -p dsv4-tests --bench telemetry` (env `BENCH_SAMPLES`,
-//! `BENCH_IDLE_SECONDS`). Targets: a sample under 100 us; idle CPU under 0.05% of a core and
-//! RSS under 10 MiB.
+//! `BENCH_IDLE_SECONDS`, `BENCH_DASHBOARD_SECONDS`). Targets: a sample under 100 us; idle CPU
+//! under 0.05% of a core and RSS under 10 MiB; an open dashboard under 1% of a core.
 
 #[path = "../integration/support/mod.rs"]
 mod support;
@@ -174,6 +175,81 @@ async fn idle_daemon() {
     );
 }
 
+/// Reads `GET /events` until `stop`; the bytes and status events it got.
+async fn follow_events(
+    addr: std::net::SocketAddr,
+    stop: tokio::sync::watch::Receiver<bool>,
+) -> (usize, usize) {
+    use tokio::io::{AsyncReadExt, AsyncWriteExt};
+    let mut s = tokio::net::TcpStream::connect(addr).await.unwrap();
+    let req = format!("GET /events HTTP/1.1\r\nHost: {addr}\r\n\r\n");
+    s.write_all(req.as_bytes()).await.unwrap();
+    let (mut bytes, mut events) = (0, 0);
+    let mut buf = vec![0u8; 64 << 10];
+    let mut stop = stop;
+    loop {
+        tokio::select! {
+            n = s.read(&mut buf) => match n {
+                Ok(0) | Err(_) => break,
+                Ok(n) => {
+                    bytes += n;
+                    events += buf[..n].windows(13).filter(|w| w == b"event: status").count();
+                }
+            },
+            _ = stop.wait_for(|s| *s) => break,
+        }
+    }
+    (bytes, events)
+}
+
+/// What one open dashboard costs the daemon: its CPU with the engine ready and idle (the
+/// monitor sampling every second), without and then with one `/events` stream open, over
+/// `BENCH_DASHBOARD_SECONDS` (default 30) each.
+async fn dashboard() {
+    let seconds = env_or::<u64>("BENCH_DASHBOARD_SECONDS", 30);
+    let fixture = fixture_tree("strix-halo");
+    let d = Daemon::start(
+        &Setup::default()
+            .args(&["--sysroot", fixture.to_str().unwrap()])
+            .engine("idle_timeout", "1h")
+            .log_level("warn"),
+    );
+    let resp = d
+        .post("/v1/chat/completions", support::chat(2, false))
+        .await;
+    assert_eq!(resp.status(), 200);
+    let _ = http_body_util::BodyExt::collect(resp.into_body()).await;
+    tokio::time::sleep(Duration::from_secs(2)).await;
+    let pid = d.child.id();
+    let measure = |label: &'static str| async move {
+        let cpu0 = cpu_ns(pid);
+        let t0 = Instant::now();
+        tokio::time::sleep(Duration::from_secs(seconds)).await;
+        let share = (cpu_ns(pid) - cpu0) as f64 / 1e9 / t0.elapsed().as_secs_f64() * 100.0;
+        println!("  {label}: {share:.3}% of a core");
+        share
+    };
+    println!("dashboard (engine ready and idle, a sample a second, {seconds} s each):");
+    let without = measure("no page open").await;
+    let (stop_tx, stop_rx) = tokio::sync::watch::channel(false);
+    let reader = tokio::spawn(follow_events(d.addr, stop_rx));
+    tokio::time::sleep(Duration::from_secs(1)).await;
+    let with = measure("one /events stream open").await;
+    stop_tx.send_replace(true);
+    let (bytes, events) = reader.await.unwrap();
+    let cost = with - without;
+    println!(
+        "  one open page costs dsv4d {cost:.3}% of a core ({events} status events, {} KiB) \
+         (target < 1%: {})",
+        bytes >> 10,
+        if cost < 1.0 { "met" } else { "MISSED" }
+    );
+    println!(
+        "BENCH section=dashboard seconds={seconds} without_pct={without:.4} with_pct={with:.4} \
+         cost_pct={cost:.4} status_events={events} bytes={bytes}"
+    );
+}
+
 fn main() {
     sample_cost();
     let rt = tokio::runtime::Builder::new_multi_thread()
@@ -182,4 +258,5 @@ fn main() {
         .build()
         .unwrap();
     rt.block_on(idle_daemon());
+    rt.block_on(dashboard());
 }
