@@ -7,6 +7,7 @@ use std::time::{Duration, Instant};
 use tokio::io::{AsyncReadExt, AsyncWriteExt};
 
 use crate::support::*;
+use dsv4_client::State;
 
 const KEY: &str = "sk-dsv4-test-0123456789abcdef";
 
@@ -90,7 +91,7 @@ async fn the_page_is_open_the_events_are_keyed_and_nothing_starts_the_engine() {
     }
     assert!(events.contains("\"thresholds\":{\"critical_c\":95.0,\"warn_c\":85.0}"));
     assert_eq!(d.spawns(), 0, "the dashboard started the engine");
-    assert_eq!(d.get("/health").await.1["engine"], "stopped");
+    assert_eq!(d.get("/health").await.1["engine"], State::Stopped.as_str());
 }
 
 /// Opening the page in a real browser, which loads all it asks for (an icon too, were one
@@ -100,7 +101,12 @@ async fn opening_the_page_in_a_browser_never_starts_the_engine() {
     let d = Daemon::start(&Setup::default());
     let dom = chromium(&format!("http://{}/ui", d.addr));
     assert!(dom.contains("data-state=\"stopped\">stopped<"), "{dom}");
-    assert_eq!(d.status().await["state"], "stopped", "{}", d.log());
+    assert_eq!(
+        d.status().await["state"],
+        State::Stopped.as_str(),
+        "{}",
+        d.log()
+    );
     assert_eq!(d.spawns(), 0, "opening the page started the engine");
 }
 
