@@ -326,7 +326,7 @@ impl ControlObject {
 
     /// The status JSON, the same document as `GET /status`.
     async fn status(&self) -> Result<String, Fault> {
-        let doc = crate::http::proxy::status_document(
+        let doc = crate::http::ctx::status_document(
             &self.lifecycle,
             &self.stats,
             &self.telemetry,

@@ -25,7 +25,7 @@ use tokio::sync::{broadcast, mpsc};
 
 use crate::validate::ValidationEvent;
 
-use super::proxy::{Ctx, ProxyBody};
+use super::ctx::Ctx;
 
 /// The page, its script and its style, as served.
 const PAGE: &str = include_str!("ui/index.html");
@@ -42,14 +42,14 @@ const LOG_LINES: usize = 200;
 const VALIDATIONS: usize = 20;
 
 /// The page's own files (`/ui`, `/ui/app.js`, `/ui/app.css`), when `path` is one.
-pub fn asset(path: &str) -> Option<Response<ProxyBody>> {
+pub fn asset<B: From<Bytes>>(path: &str) -> Option<Response<B>> {
     let (body, kind) = match path {
         "/ui" | "/ui/" => (PAGE, "text/html; charset=utf-8"),
         "/ui/app.js" => (SCRIPT, "text/javascript; charset=utf-8"),
         "/ui/app.css" => (STYLE, "text/css; charset=utf-8"),
         _ => return None,
     };
-    let mut r = Response::new(ProxyBody::from(Bytes::from_static(body.as_bytes())));
+    let mut r = Response::new(B::from(Bytes::from_static(body.as_bytes())));
     let h = r.headers_mut();
     h.insert(header::CONTENT_TYPE, HeaderValue::from_static(kind));
     // Its own files and its own API only; no frame may hold it.
@@ -69,10 +69,10 @@ pub fn asset(path: &str) -> Option<Response<ProxyBody>> {
 }
 
 /// `GET /events`: the stream, fed by a task that ends when the client goes or dsv4d stops.
-pub fn events(ctx: &std::sync::Arc<Ctx>) -> Response<ProxyBody> {
+pub fn events(ctx: &std::sync::Arc<Ctx>) -> Response<Events> {
     let (tx, rx) = mpsc::channel(16);
     tokio::spawn(feed(ctx.clone(), tx));
-    let mut r = Response::new(ProxyBody::Events(Events(rx)));
+    let mut r = Response::new(Events(rx));
     *r.status_mut() = StatusCode::OK;
     let h = r.headers_mut();
     h.insert(

@@ -5,6 +5,7 @@
 pub mod auth;
 pub mod body;
 pub mod connections;
+pub mod ctx;
 pub mod dashboard;
 pub mod front;
 pub mod http_error;

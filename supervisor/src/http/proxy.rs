@@ -22,7 +22,6 @@ use std::task::{Context, Poll};
 use std::time::Duration;
 
 use bytes::Bytes;
-use dsv4_client::Status;
 use dsv4_engine::OutputTail;
 use http::header::{self, HeaderMap, HeaderName, HeaderValue};
 use http::{Method, Request, Response, StatusCode, Uri};
@@ -31,65 +30,20 @@ use hyper::body::Incoming;
 use hyper_util::rt::{TokioIo, TokioTimer};
 use serde_json::json;
 use tokio::net::TcpListener;
-use tokio::sync::watch;
 use tokio::time::Instant;
 
 use crate::config::Config;
-use crate::http::auth::{ApiKeys, AuthResult, KeyCache, X_API_KEY};
+use crate::http::auth::{ApiKeys, AuthResult, X_API_KEY};
 use crate::http::body::{End, OnEnd, Settle};
-use crate::http::connections::Activity;
-use crate::http::connections::{self, Connections};
+use crate::http::connections;
+pub use crate::http::ctx::{status_document, Ctx};
 use crate::http::front;
 use crate::http::http_error::{with_tail, ApiError, ErrorCode, ErrorType};
 use crate::http::intake::{self, IntakeError};
 use crate::lifecycle::upstream::{UpstreamBody, UpstreamError};
-use crate::lifecycle::{Handle, Lease, ERROR_TAIL_LINES};
+use crate::lifecycle::{Lease, ERROR_TAIL_LINES};
 use crate::observe::monitor::Telemetry;
 use crate::observe::stats::{Stats, Tap};
-use crate::policy::power::Power;
-use crate::policy::thermal::Thermal;
-
-/// What every request handler needs.
-pub struct Ctx {
-    pub lifecycle: Handle,
-    /// The configuration in force; a reload replaces it (read it per request).
-    pub config: watch::Receiver<Arc<Config>>,
-    pub stats: Stats,
-    /// The monitor's samples of the host.
-    pub telemetry: Telemetry,
-    /// The power policy's status.
-    pub power: Power,
-    /// The thermal policy's status.
-    pub thermal: Thermal,
-    /// The API keys of the configuration in force (`api.api_keys_file`), read on first use.
-    pub api_keys: KeyCache,
-    /// The request bodies held at once (`api.max_buffered`).
-    pub bodies: Arc<intake::Budget>,
-    /// The open client connections.
-    pub connections: Connections,
-    /// When a connection or request last came in (`exit_when_idle`).
-    pub activity: Activity,
-    /// Validation runs: while one holds the engine, requests wait at its gate.
-    pub validator: crate::validate::Validator,
-    /// Set once dsv4d stops serving: event streams end (their exchanges would never).
-    pub closing: watch::Sender<bool>,
-    /// The alerts raised, for the dashboard.
-    pub alerts: crate::lifecycle::alert::Alerts,
-}
-
-impl Ctx {
-    /// The `GET /status` document, as it stands.
-    pub async fn status_document(&self) -> Status {
-        status_document(
-            &self.lifecycle,
-            &self.stats,
-            &self.telemetry,
-            &self.power,
-            &self.thermal,
-        )
-        .await
-    }
-}
 
 /// The response body: a small body of our own, or the engine's, streamed with its lease.
 // The engine's variant is the common one; boxing it would cost an allocation per request.
@@ -503,7 +457,7 @@ async fn route(
             .into_response(),
         },
         (true, "/v1/models") => json_response(StatusCode::OK, models(ctx)),
-        (true, "/events") => crate::http::dashboard::events(ctx),
+        (true, "/events") => crate::http::dashboard::events(ctx).map(ProxyBody::Events),
         (true, "/metrics") => {
             let sample = ctx.telemetry.latest();
             let kv = ctx.lifecycle.kv().status().await;
@@ -574,26 +528,6 @@ fn check_key(
         ErrorCode::InvalidApiKey,
         message,
     ))
-}
-
-/// The status document (`GET /status`, D-Bus `Status()`): the lifecycle's status with the
-/// request statistics (the last few requests in full).
-pub async fn status_document(
-    lifecycle: &Handle,
-    stats: &Stats,
-    telemetry: &Telemetry,
-    power: &Power,
-    thermal: &Thermal,
-) -> Status {
-    Status {
-        engine: lifecycle.status(),
-        requests: stats.report(5),
-        telemetry: telemetry.latest().map(|s| (*s).clone()),
-        power: Some(power.status()),
-        thermal: Some(thermal.status()),
-        kv: Some(lifecycle.kv().status().await),
-        limits: Some(crate::http::connections::limits()),
-    }
 }
 
 fn json_response(status: StatusCode, v: serde_json::Value) -> Response<ProxyBody> {
