@@ -142,13 +142,7 @@ impl Gate {
             (0, base, _) => base,
             _ => None,
         };
-        let idle_deadline = idle.and_then(|d| {
-            let left = d.saturating_duration_since(Instant::now());
-            (SystemTime::now() + left)
-                .duration_since(SystemTime::UNIX_EPOCH)
-                .ok()
-                .map(|d| d.as_secs_f64())
-        });
+        let idle_deadline = idle.and_then(unix_time);
         // Held without waking the state's watchers; the figures' watchers are told.
         self.status.send_if_modified(|s| {
             s.in_flight = in_flight;
@@ -176,6 +170,15 @@ impl Ticket {
         self.gate.show(open);
         true
     }
+}
+
+/// A deadline on the lifecycle's clock as unix time (s), as the status says it.
+pub fn unix_time(deadline: Instant) -> Option<f64> {
+    let left = deadline.saturating_duration_since(Instant::now());
+    (SystemTime::now() + left)
+        .duration_since(SystemTime::UNIX_EPOCH)
+        .ok()
+        .map(|d| d.as_secs_f64())
 }
 
 /// Which engine the gate would open on now: the rules' answer, checked against the engine

@@ -32,18 +32,10 @@ impl Actor {
                 None
             }
             Command::SuspendKv { profile, reply } => {
-                // The engine that runs now, if it is of that profile, is marked at once (see
-                // `Actor::handle`): nothing a validation does reaches a checkpoint.
-                if let Some(e) = self.engine.as_mut() {
-                    if profile.as_ref() == Some(&e.spawned.name) && !e.validated {
-                        e.validated = true;
-                        tracing::info!(
-                            pid = e.shared.pid,
-                            "a validation runs on this engine: it will not save its KV cache"
-                        );
-                    }
-                }
                 self.kv_suspended = profile;
+                // The engine that runs now, if it is of that profile, is marked at once:
+                // nothing a validation does reaches a checkpoint.
+                self.mark_validated();
                 let _ = reply.send(());
                 None
             }

@@ -3,6 +3,22 @@
 use super::*;
 
 impl Actor {
+    /// Marks the running engine for good when its profile's checkpoints are suspended (a
+    /// validation runs on it): its slots hold the benchmark's prompts, so it never saves,
+    /// even once the suspension is lifted.
+    pub(super) fn mark_validated(&mut self) {
+        let Some(e) = self.engine.as_mut() else {
+            return;
+        };
+        if !e.validated && self.kv_suspended.as_ref() == Some(&e.spawned.name) {
+            e.validated = true;
+            tracing::info!(
+                pid = e.shared.pid,
+                "a validation runs on this engine: it will not save its KV cache"
+            );
+        }
+    }
+
     /// Runs the KV restore or save of generation `gen` as a task that reports back.
     pub(super) fn start_kv_task(&mut self, gen: Gen, restore: bool) -> Option<Event> {
         let done = match restore {

@@ -473,15 +473,7 @@ impl Actor {
         // An engine a validation uses (its requests come as events) is marked for good: the
         // suspension may be lifted before it stops, and its save would replace the real
         // checkpoint with the benchmark's slots.
-        if let Some(e) = self.engine.as_mut() {
-            if !e.validated && self.kv_suspended.as_ref() == Some(&e.spawned.name) {
-                e.validated = true;
-                tracing::info!(
-                    pid = e.shared.pid,
-                    "a validation runs on this engine: it will not save its KV cache"
-                );
-            }
-        }
+        self.mark_validated();
         let was_held = self.machine.held_for_memory();
         let mut queue = VecDeque::from([first]);
         while let Some(event) = queue.pop_front() {

@@ -14,10 +14,9 @@ impl Actor {
                 .map(|d| d.as_secs_f64())
                 .ok()
         };
-        let idle_deadline = m.idle_deadline().and_then(|d| {
-            let left = d.saturating_duration_since(Instant::now());
-            unix(SystemTime::now() + left)
-        });
+        let idle_deadline = m
+            .idle_deadline()
+            .and_then(crate::lifecycle::gate::unix_time);
         // Everything but the figures, borrowed: compared with what stands before anything is
         // allocated (every request publishes twice, and mostly only the figures moved).
         let engine_pid = self.engine.as_ref().map(|e| e.shared.pid);
