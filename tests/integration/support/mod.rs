@@ -40,6 +40,79 @@ pub const LOAD_MARGIN: Duration = Duration::from_secs(2);
 /// never came: a wait ends as soon as its condition holds, so only a failing test pays it.
 pub const PATIENCE: Duration = Duration::from_secs(30);
 
+/// How long a child process that does real work (a validation on the real engine, a browser
+/// loading a page) may run before the test calls it hung: a guard against a test run that
+/// never ends, not a figure of speed. Work that takes a minute on one machine takes three on
+/// a slower one.
+pub const HANG: Duration = Duration::from_secs(600);
+
+/// `Command::output` with a bound.
+pub trait OutputWithin {
+    /// Runs the command to its end, as `output` does (stdin empty), but kills it (by its own PID) and fails
+    /// the test with what it printed when it runs past `limit`.
+    fn output_within(&mut self, limit: Duration) -> Output;
+}
+
+impl OutputWithin for Command {
+    fn output_within(&mut self, limit: Duration) -> Output {
+        output_within(self, limit)
+    }
+}
+
+fn output_within(cmd: &mut Command, limit: Duration) -> Output {
+    use std::io::Read;
+    let mut child = cmd
+        .stdin(Stdio::null())
+        .stdout(Stdio::piped())
+        .stderr(Stdio::piped())
+        .spawn()
+        .unwrap_or_else(|e| panic!("run {:?}: {e}", cmd.get_program()));
+    let drain = |pipe: Option<Box<dyn Read + Send>>| {
+        std::thread::spawn(move || {
+            let mut buf = Vec::new();
+            if let Some(mut p) = pipe {
+                let _ = p.read_to_end(&mut buf);
+            }
+            buf
+        })
+    };
+    let stdout = drain(
+        child
+            .stdout
+            .take()
+            .map(|p| Box::new(p) as Box<dyn Read + Send>),
+    );
+    let stderr = drain(
+        child
+            .stderr
+            .take()
+            .map(|p| Box::new(p) as Box<dyn Read + Send>),
+    );
+    let t = Instant::now();
+    let status = loop {
+        if let Some(st) = child.try_wait().expect("wait for a child") {
+            break st;
+        }
+        if t.elapsed() > limit {
+            let _ = child.kill();
+            let _ = child.wait();
+            let err = stderr.join().unwrap_or_default();
+            panic!(
+                "{:?} {:?} still ran after {limit:?}: killed\n{}",
+                cmd.get_program(),
+                cmd.get_args().collect::<Vec<_>>(),
+                String::from_utf8_lossy(&err)
+            );
+        }
+        std::thread::sleep(Duration::from_millis(20));
+    };
+    Output {
+        status,
+        stdout: stdout.join().unwrap_or_default(),
+        stderr: stderr.join().unwrap_or_default(),
+    }
+}
+
 /// Held by a test that installs the package on this machine, or runs its units under a real
 /// systemd (which makes `/etc/dsv4`): one at a time, in this test process and in any other
 /// (two checkouts tested at once share the machine's /etc and dpkg). An exclusive `flock` on
@@ -145,8 +218,7 @@ pub fn run_dsv4d<S: AsRef<OsStr>>(args: impl IntoIterator<Item = S>) -> Output {
         .args(args)
         .env("DSV4_LOG", "off")
         .stdin(Stdio::null())
-        .output()
-        .expect("run dsv4d")
+        .output_within(HANG)
 }
 
 /// A private D-Bus bus daemon (session type, allow-all policy), reachable by every user so
@@ -1132,8 +1204,7 @@ pub fn chromium(url: &str) -> String {
         ])
         .arg(format!("--user-data-dir={}", profile.path().display()))
         .arg(url)
-        .output()
-        .expect("chromium (Debian's package `chromium`; .ci/run installs it)");
+        .output_within(HANG);
     assert!(
         out.status.success(),
         "chromium: {}",

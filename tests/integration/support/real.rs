@@ -46,15 +46,26 @@ pub fn engine() -> (PathBuf, PathBuf) {
     (server, model)
 }
 
+/// Arguments every test engine gets: no web page, and one thread. The tests run many engines
+/// at once on a small machine, and llama.cpp's threads wait for each other by spinning, which
+/// makes an engine with more threads than free cores many times slower.
+const TEST_ARGS: [&str; 5] = ["--no-webui", "--threads", "1", "--threads-batch", "1"];
+
+/// `args` as YAML strings.
+fn quoted(args: &[&str]) -> Vec<String> {
+    args.iter().map(|a| format!("{a:?}")).collect()
+}
+
 /// A profile of the real engine on `model` with one slot of `context` tokens, with the
 /// YAML lines `more` (each ending in a newline).
 pub fn profile(model: &Path, context: u32, more: &str) -> String {
     let (server, _) = engine();
     format!(
         "engine: llama-server\ncommand: {}\nmodel: {}\ncontext: {context}\nparallel: 1\n\
-         {more}extra_args: [--no-webui]\n",
+         {more}extra_args: [{}]\n",
         server.display(),
-        model.display()
+        model.display(),
+        quoted(&TEST_ARGS).join(", ")
     )
 }
 
@@ -67,11 +78,7 @@ pub fn setup() -> Setup {
 /// `setup()`, with more llama-server arguments in the profile's `extra_args`.
 pub fn setup_with_args(extra_args: &[&str]) -> Setup {
     let (server, model) = engine();
-    let extra_args: Vec<String> = ["--no-webui"]
-        .iter()
-        .chain(extra_args)
-        .map(|a| format!("{a:?}"))
-        .collect();
+    let extra_args = quoted(&[&TEST_ARGS[..], extra_args].concat());
     let mut s = Setup::default()
         .engine("idle_timeout", "1s")
         .engine("stop_timeout", "5s");
@@ -116,7 +123,8 @@ impl LlamaServer {
             .arg("-m")
             .arg(&model)
             .args(["--host", "127.0.0.1", "--port", "0"])
-            .args(["-c", "1024", "-np", "1", "--no-webui"])
+            .args(["-c", "1024", "-np", "1"])
+            .args(TEST_ARGS)
             .args(extra_args)
             .stdin(Stdio::null())
             .stdout(out.try_clone().unwrap())
