@@ -12,9 +12,12 @@
 //! 5. [`observe`]: what is measured: the host's samples, request statistics, `/metrics`.
 //! 6. [`policy`]: what the machine's state changes: power settings, thermal rules.
 //! 7. [`validate`]: validation runs.
-//! 8. [`http`]: the API: listener, front door, keys, bodies, the proxy, its errors.
-//! 9. [`control`]: D-Bus, systemd, reloads, exit when idle.
+//! 8. [`actions`]: what an operator may do (start, stop, profile, KV, validation): one path
+//!    for D-Bus and the dashboard.
+//! 9. [`http`]: the API: listener, front door, keys, bodies, the proxy, its errors.
+//! 10. [`control`]: D-Bus, systemd, reloads, exit when idle.
 
+pub mod actions;
 pub mod config;
 pub mod control;
 pub mod host;

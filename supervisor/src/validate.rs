@@ -71,6 +71,17 @@ struct Inner {
 #[derive(Clone)]
 pub struct Validator(Arc<Inner>);
 
+/// Why a validation did not start.
+#[derive(Debug, thiserror::Error)]
+pub enum StartError {
+    #[error("a validation is already running")]
+    Running,
+    #[error("unknown profile `{name}`; profiles: {}", known.join(", "))]
+    UnknownProfile { name: String, known: Vec<String> },
+    #[error("{0}")]
+    Invalid(String),
+}
+
 /// A request waiting at the gate, counted while it waits.
 struct Waiting<'a>(&'a AtomicUsize);
 impl Drop for Waiting<'_> {
@@ -126,34 +137,40 @@ impl Validator {
 
     /// Starts a validation; its progress and result come as [`ValidationEvent`]s. Refused
     /// while one runs, or for a profile that does not exist.
-    pub fn start(&self, req: ValidateRequest) -> Result<String, String> {
+    pub fn start(&self, req: ValidateRequest) -> Result<String, StartError> {
         let config = self.0.config.borrow().clone();
         let profile = req
             .profile
             .clone()
             .unwrap_or_else(|| DEFAULT_PROFILE.to_string());
         if config.profile(&profile).is_none() {
-            return Err(format!(
-                "unknown profile `{profile}`; profiles: {}",
-                config.profile_names().join(", ")
-            ));
+            return Err(StartError::UnknownProfile {
+                name: profile,
+                known: config
+                    .profile_names()
+                    .into_iter()
+                    .map(String::from)
+                    .collect(),
+            });
         }
         if req.runs == 0 || req.runs > MAX_RUNS {
-            return Err(format!("runs must be between 1 and {MAX_RUNS}"));
+            return Err(StartError::Invalid(format!(
+                "runs must be between 1 and {MAX_RUNS}"
+            )));
         }
         let context = config.profile(&profile).and_then(|p| p.context());
         if let Some(n) = req.long {
             let most = context.map_or(10_000_000, u64::from);
             if n == 0 || n >= most {
-                return Err(format!(
+                return Err(StartError::Invalid(format!(
                     "--long must be at least 1 token and fewer than the profile's context \
                      ({most})"
-                ));
+                )));
             }
         }
         let mut slot = self.0.cancel.lock().unwrap_or_else(|p| p.into_inner());
         if slot.is_some() {
-            return Err("a validation is already running".into());
+            return Err(StartError::Running);
         }
         let (cancel_tx, cancel_rx) = watch::channel(false);
         *slot = Some(cancel_tx);

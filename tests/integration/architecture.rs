@@ -137,6 +137,7 @@ const LAYERS: &[&str] = &[
     "observe",
     "policy",
     "validate",
+    "actions",
     "http",
     "control",
 ];

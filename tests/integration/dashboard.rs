@@ -99,7 +99,12 @@ async fn the_page_is_open_the_events_are_keyed_and_nothing_starts_the_engine() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn opening_the_page_in_a_browser_never_starts_the_engine() {
     let d = Daemon::start(&Setup::default());
-    let dom = chromium(&format!("http://{}/ui", d.addr));
+    let dom = page_once(
+        &format!("http://{}/ui", d.addr),
+        "document.readyState === 'complete' && \
+         document.getElementById('live').textContent === 'live' && \
+         document.getElementById('state').textContent === 'stopped'",
+    );
     assert!(dom.contains("data-state=\"stopped\">stopped<"), "{dom}");
     assert_eq!(
         d.status().await["state"],
@@ -108,6 +113,19 @@ async fn opening_the_page_in_a_browser_never_starts_the_engine() {
         d.log()
     );
     assert_eq!(d.spawns(), 0, "opening the page started the engine");
+}
+
+/// The page at `url` in a real browser once `condition` (JavaScript) holds in it, as HTML:
+/// the page fills itself from an event stream, so it is read when what the test looks for
+/// has come, not after a fixed time.
+fn page_once(url: &str, condition: &str) -> String {
+    tokio::task::block_in_place(|| {
+        Browser::opened(url, condition)
+            .eval("document.documentElement.outerHTML")
+            .as_str()
+            .unwrap_or_default()
+            .to_string()
+    })
 }
 
 /// The number in `data-points="N"` of the chart `id`.
@@ -143,7 +161,14 @@ async fn a_real_browser_shows_the_state_the_charts_and_the_requests() {
         assert!(t.elapsed() < PATIENCE, "no sample");
         tokio::time::sleep(Duration::from_millis(50)).await;
     }
-    let dom = chromium(&format!("http://{}/ui", d.addr));
+    let dom = page_once(
+        &format!("http://{}/ui", d.addr),
+        "document.getElementById('state').textContent === 'ready' && \
+         document.getElementById('live').textContent === 'live' && \
+         ['gtt', 'memory', 'temperature', 'power'].every(c => \
+           document.getElementById('chart-' + c).dataset.points > 0) && \
+         document.querySelectorAll('#requests tbody tr').length === 1",
+    );
     assert!(
         dom.contains("data-state=\"ready\">ready<"),
         "the state is not shown:\n{dom}"
@@ -246,6 +271,14 @@ impl Browser {
         }
     }
 
+    /// A browser with `url` open, once `condition` (JavaScript) holds in the page.
+    fn opened(url: &str, condition: &str) -> Browser {
+        let mut b = Browser::start();
+        b.open(url);
+        b.wait_for(condition, PATIENCE);
+        b
+    }
+
     /// Opens `url` in a new page and talks to that page from then on.
     fn open(&mut self, url: &str) {
         let target = self.call("Target.createTarget", serde_json::json!({ "url": url }));
@@ -261,6 +294,19 @@ impl Browser {
         let r = self.call(
             "Runtime.evaluate",
             serde_json::json!({ "expression": expression, "returnByValue": true }),
+        );
+        r["result"]["value"].clone()
+    }
+
+    /// The value of a JavaScript expression that gives a promise, once it settles.
+    fn eval_await(&mut self, expression: &str) -> serde_json::Value {
+        let r = self.call(
+            "Runtime.evaluate",
+            serde_json::json!({
+                "expression": expression,
+                "returnByValue": true,
+                "awaitPromise": true,
+            }),
         );
         r["result"]["value"].clone()
     }
@@ -309,14 +355,11 @@ async fn a_request_made_while_the_page_is_open_shows_up_in_it_within_2_s() {
     );
     let url = format!("http://{}/ui", d.addr);
     let mut browser = tokio::task::block_in_place(|| {
-        let mut b = Browser::start();
-        b.open(&url);
-        b.wait_for(
+        Browser::opened(
+            &url,
             "document.getElementById('live').textContent === 'live' && \
              document.getElementById('state').textContent === 'stopped'",
-            PATIENCE,
-        );
-        b
+        )
     });
     let rows = "document.querySelectorAll('#requests tbody tr').length";
     assert_eq!(tokio::task::block_in_place(|| browser.eval(rows)), 0);
@@ -380,13 +423,10 @@ async fn alerts_and_validation_runs_show_up_in_the_page() {
     }
     let url = format!("http://{}/ui", d.addr);
     let mut browser = tokio::task::block_in_place(|| {
-        let mut b = Browser::start();
-        b.open(&url);
-        b.wait_for(
+        Browser::opened(
+            &url,
             "document.getElementById('live').textContent === 'live'",
-            PATIENCE,
-        );
-        b
+        )
     });
     let shown = tokio::task::block_in_place(|| {
         browser.eval(
@@ -410,9 +450,287 @@ async fn alerts_and_validation_runs_show_up_in_the_page() {
         )
     });
     // A page opened afterwards lists it too.
-    let dom = chromium(&url);
+    let dom = page_once(
+        &url,
+        "document.getElementById('alerts').textContent.includes('configuration change rejected')",
+    );
     assert!(
         dom.contains("configuration change rejected"),
         "the alert is not listed in a new page:\n{dom}"
     );
+}
+
+const ADMIN: &str = "sk-dsv4-admin-fedcba9876543210";
+
+/// POSTs the dashboard action `name` with `headers` and a JSON `body`.
+async fn action(
+    d: &Daemon,
+    name: &str,
+    headers: &[(&str, &str)],
+    body: serde_json::Value,
+) -> (u16, serde_json::Value) {
+    let (status, _, v) = d
+        .send("POST", &format!("/ui/actions/{name}"), headers, Some(body))
+        .await;
+    (status, v)
+}
+
+/// Headers of a request, as pairs.
+type Headers<'a> = &'a [(&'a str, &'a str)];
+
+/// POSTs the dashboard action `name` and checks that it is refused with `status` and
+/// `code`; the error's message.
+async fn refused(
+    d: &Daemon,
+    name: &str,
+    headers: Headers<'_>,
+    body: serde_json::Value,
+    (status, code): (u16, &str),
+) -> String {
+    let (got, v) = action(d, name, headers, body).await;
+    assert_eq!(
+        (got, v["error"]["code"].as_str()),
+        (status, Some(code)),
+        "{name} {headers:?}: {v}"
+    );
+    v["error"]["message"]
+        .as_str()
+        .unwrap_or_default()
+        .to_string()
+}
+
+/// The dashboard's actions: off without admin keys; with them, only with an admin key (an
+/// API key is not one) and only from dsv4d's own page, whatever `api.cors_origins` says;
+/// and then they act, through the same path as D-Bus, and the log says who asked. Nothing
+/// under /ui reaches the engine.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_dashboards_actions_need_an_admin_key_and_its_own_page() {
+    let d = Daemon::start(
+        &Setup::default()
+            .api_keys_file(&format!("{KEY}\n"), 0o600)
+            .admin_keys_file(&format!("{ADMIN}\n")),
+    );
+    let own = format!("http://{}", d.addr);
+    let admin = format!("Bearer {ADMIN}");
+    let api = format!("Bearer {KEY}");
+    let switch = serde_json::json!({ "profile": "64k" });
+    let refusals: [(Headers, u16, &str); 7] = [
+        // A tool, without the page.
+        (&[("authorization", &admin)], 403, "not_same_origin"),
+        // Another page.
+        (
+            &[("authorization", &admin), ("origin", "http://127.0.0.2:9")],
+            403,
+            "origin_not_allowed",
+        ),
+        (
+            &[
+                ("authorization", &admin),
+                ("origin", &own),
+                ("sec-fetch-site", "cross-site"),
+            ],
+            403,
+            "not_same_origin",
+        ),
+        // The page, without the admin key.
+        (&[("origin", &own)], 401, "invalid_admin_key"),
+        (
+            &[("origin", &own), ("authorization", &api)],
+            401,
+            "invalid_admin_key",
+        ),
+        (
+            &[
+                ("origin", &own),
+                ("authorization", "Bearer sk-dsv4-admin-guess-000000"),
+            ],
+            401,
+            "invalid_admin_key",
+        ),
+        (
+            &[
+                ("origin", &own),
+                ("authorization", &admin),
+                ("x-api-key", ADMIN),
+            ],
+            400,
+            "several_credentials",
+        ),
+    ];
+    for (headers, status, code) in refusals {
+        refused(&d, "profile", headers, switch.clone(), (status, code)).await;
+    }
+    let page = [("origin", own.as_str()), ("authorization", admin.as_str())];
+    let same = [
+        ("origin", own.as_str()),
+        ("authorization", admin.as_str()),
+        ("sec-fetch-site", "same-origin"),
+    ];
+    for (name, body, status, code) in [
+        (
+            "profile",
+            serde_json::json!({ "profile": "1m" }),
+            404,
+            "unknown_profile",
+        ),
+        ("profile", serde_json::json!({}), 400, "bad_body"),
+        (
+            "profile",
+            serde_json::json!({ "profile": "64k", "now": true }),
+            400,
+            "bad_body",
+        ),
+        (
+            "validate",
+            serde_json::json!({ "runs": 0 }),
+            400,
+            "bad_body",
+        ),
+        ("reboot", serde_json::json!({}), 404, "not_found"),
+    ] {
+        refused(&d, name, &page, body, (status, code)).await;
+    }
+    let (got, _, v) = d.send("GET", "/ui/actions/start", &page, None).await;
+    assert_eq!(got, 405, "{v}");
+    let (got, _, v) = d.send("POST", "/ui/other", &page, None).await;
+    assert_eq!(
+        (got, v["error"]["code"].as_str()),
+        (404, Some("not_found")),
+        "{v}"
+    );
+    let keyed = [("authorization", api.as_str())];
+    let (_, _, st) = d.send("GET", "/status", &keyed, None).await;
+    assert_eq!(st["profile"], "320k", "{st}");
+    assert_eq!(
+        d.spawns(),
+        0,
+        "a refused action or a /ui path reached the engine"
+    );
+
+    // From the page, with the admin key: it acts.
+    let (got, v) = action(&d, "profile", &same, switch.clone()).await;
+    assert_eq!(got, 200, "{v}");
+    assert_eq!(
+        v,
+        serde_json::json!({ "action": "profile", "profile": "64k" })
+    );
+    let (_, _, st) = d.send("GET", "/status", &keyed, None).await;
+    assert_eq!(st["profile"], "64k", "{st}");
+    let state_is = |want: State| {
+        let (d, keyed) = (&d, &keyed);
+        async move {
+            let t = Instant::now();
+            loop {
+                let (_, _, st) = d.send("GET", "/status", keyed, None).await;
+                if st["state"] == want.as_str() {
+                    return;
+                }
+                assert!(t.elapsed() < PATIENCE, "never {want:?}: {st}\n{}", d.log());
+                tokio::time::sleep(Duration::from_millis(20)).await;
+            }
+        }
+    };
+    let (got, v) = action(&d, "start", &page, serde_json::json!({})).await;
+    assert_eq!(got, 200, "{v}");
+    state_is(State::Ready).await;
+    assert!(d.starts()[0].contains("64k"), "{:?}", d.starts());
+    let (got, v) = action(&d, "stop-now", &page, serde_json::json!({})).await;
+    assert_eq!(got, 200, "{v}");
+    state_is(State::Stopped).await;
+    d.log_with(&[
+        "profile \"64k\", asked by the dashboard (admin key)",
+        "start, asked by the dashboard (admin key)",
+        "stop now, asked by the dashboard (admin key)",
+    ])
+    .await;
+
+    // `*` in cors_origins lets other pages use the API, never the actions.
+    let open = Daemon::start(
+        &Setup::default()
+            .admin_keys_file(&format!("{ADMIN}\n"))
+            .api("cors_origins", "[\"*\"]"),
+    );
+    let other_page = [("origin", "http://127.0.0.2:9"), ("authorization", &admin)];
+    let start = serde_json::json!({});
+    refused(
+        &open,
+        "start",
+        &other_page,
+        start.clone(),
+        (403, "not_same_origin"),
+    )
+    .await;
+    // Without admin keys there are no actions, and the page says so.
+    let off = Daemon::start(&Setup::default());
+    let own = format!("http://{}", off.addr);
+    let message = refused(
+        &off,
+        "start",
+        &[("origin", &own), ("authorization", &admin)],
+        start,
+        (403, "actions_off"),
+    )
+    .await;
+    assert!(message.contains("api.admin_keys_file"), "{message}");
+    assert_eq!(open.spawns() + off.spawns(), 0);
+}
+
+/// In a real browser: the page shows its actions once admin keys are configured; a wrong
+/// admin key typed in is refused and changes nothing; the right one switches the profile.
+/// A page of another origin (the same daemon named `localhost`) cannot act with the key.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_admin_key_in_the_page_switches_the_profile_and_without_one_it_is_refused() {
+    let d = Daemon::start(&Setup::default().admin_keys_file(&format!("{ADMIN}\n")));
+    let url = format!("http://{}/ui", d.addr);
+    let mut browser = tokio::task::block_in_place(|| {
+        Browser::opened(
+            &url,
+            "document.getElementById('live').textContent === 'live' && \
+             !document.getElementById('actions-on').hidden && \
+             document.getElementById('profile-choice').options.length === 2",
+        )
+    });
+    let switch = |b: &mut Browser, key: &str| {
+        b.eval(&format!(
+            "document.getElementById('admin-key').value = {key:?}; \
+             document.getElementById('profile-choice').value = '64k'; \
+             document.querySelector('#profile-form button').click(); true"
+        ));
+    };
+    let result = "document.getElementById('action-result').textContent";
+    tokio::task::block_in_place(|| {
+        switch(&mut browser, "sk-dsv4-admin-wrong-0000000000");
+        browser.wait_for(&format!("{result}.includes('invalid admin key')"), PATIENCE);
+    });
+    assert_eq!(d.status().await["profile"], "320k");
+    tokio::task::block_in_place(|| {
+        switch(&mut browser, ADMIN);
+        browser.wait_for(&format!("{result} === 'profile 64k: done'"), PATIENCE);
+        browser.wait_for(
+            "document.getElementById('profile').textContent === '64k'",
+            PATIENCE,
+        );
+    });
+    assert_eq!(d.status().await["profile"], "64k");
+    // Another origin's page, with the key: the browser asks first (the key is a header),
+    // dsv4d refuses, and the request itself is never sent.
+    let other = format!("http://localhost:{}/ui", d.addr.port());
+    let outcome = tokio::task::block_in_place(|| {
+        browser.open(&other);
+        browser.wait_for("document.readyState === 'complete'", PATIENCE);
+        browser.eval_await(&format!(
+            "fetch('http://{}/ui/actions/profile', {{ method: 'POST', \
+               headers: {{ Authorization: 'Bearer {ADMIN}', 'Content-Type': 'application/json' }}, \
+               body: JSON.stringify({{ profile: '320k' }}) }}) \
+             .then(r => 'answered ' + r.status, e => 'refused: ' + e)",
+            d.addr
+        ))
+    });
+    assert!(
+        outcome.as_str().unwrap().starts_with("refused"),
+        "{outcome}"
+    );
+    assert_eq!(d.status().await["profile"], "64k");
+    assert!(!d.log().contains("\"320k\", asked by"), "{}", d.log());
+    assert_eq!(d.spawns(), 0);
 }

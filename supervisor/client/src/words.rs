@@ -190,6 +190,14 @@ words! {
         TooHot = "too_hot",
         ShuttingDown = "shutting_down",
         EngineFailed = "engine_failed",
+        // The dashboard's actions.
+        NotFound = "not_found",
+        ActionsOff = "actions_off",
+        NotSameOrigin = "not_same_origin",
+        InvalidAdminKey = "invalid_admin_key",
+        UnknownProfile = "unknown_profile",
+        Busy = "busy",
+        ActionFailed = "action_failed",
         Internal = "internal",
     }
 }

@@ -332,6 +332,8 @@ async fn run(args: Args, activated: Vec<(std::os::fd::OwnedFd, String)>) -> Resu
         power: power.clone(),
         thermal,
         api_keys: Default::default(),
+        admin_keys: dsv4::http::auth::KeyCache::new(dsv4::http::auth::KeyFile::Admin),
+        actions: dsv4::actions::Actions::new(lifecycle.clone(), validator.clone()),
         bodies: Default::default(),
         connections: connections.clone(),
         activity: activity.clone(),

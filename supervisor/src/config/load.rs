@@ -40,7 +40,8 @@ struct Check<'a> {
     shown: &'a Shown,
     /// Whether the files and programs the configuration names must exist.
     check_files: bool,
-    /// Whether `api.api_keys_file` is checked on disk too (a reload leaves it to the keys).
+    /// Whether the key files (`api.api_keys_file`, `api.admin_keys_file`) are checked on disk
+    /// too (a reload leaves it to the keys).
     check_key_file: bool,
     doc: &'a Doc,
     problems: &'a mut Vec<Problem>,
@@ -158,17 +159,22 @@ impl Check<'_> {
             "invalid address {listen:?}: expected IP:port, e.g. 127.0.0.1:8080 or [::1]:8080"
         );
         self.when(listen.parse::<SocketAddr>().is_err(), "api.listen", message);
-        if let Some(keys) = &mut s.api.api_keys_file {
+        let api = &mut s.api;
+        for (path, file) in [
+            ("api.api_keys_file", &mut api.api_keys_file),
+            ("api.admin_keys_file", &mut api.admin_keys_file),
+        ] {
+            let Some(keys) = file else { continue };
             let written = keys.to_string_lossy().into_owned();
             *keys = base.join(&*keys);
             let message = match written.is_empty() {
-                true => Some("must not be empty (use null for no API keys)".to_string()),
+                true => Some("must not be empty (use null for no keys)".to_string()),
                 false if self.check_key_file => {
                     self.on_disk(&written, |shown| files::check_secret_file(shown, keys))
                 }
                 false => text_problem(&written),
             };
-            self.add("api.api_keys_file", message);
+            self.add(path, message);
         }
         let api = &mut s.api;
         self.canonical(

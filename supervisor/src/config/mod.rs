@@ -7,7 +7,8 @@
 //! with binary or decimal units (`64MiB`, `87.82GiB`, `20GB`) and temperatures in Celsius
 //! (`85C`); see [`parse_duration`], [`parse_size`] and [`parse_temperature`].
 //!
-//! Relative paths in `supervisor.yaml` (`profiles_dir`, `state_dir`, `api_keys_file`)
+//! Relative paths in `supervisor.yaml` (`profiles_dir`, `state_dir`, `api_keys_file`,
+//! `admin_keys_file`)
 //! resolve against the folder of `supervisor.yaml`; relative paths in a profile (`command`
 //! when it contains a `/`, `model`, `mmproj`, `kv_disk_dir`) resolve against the profiles
 //! folder. A bare `command` such as `llama-server` is kept as is and looked up in `PATH` when
@@ -177,6 +178,9 @@ pub struct Api {
     pub listen: String,
     /// One key per line; `None` = no authentication. Resolved against the config folder.
     pub api_keys_file: Option<PathBuf>,
+    /// Keys for the dashboard's actions (start, stop, profile, KV, validation), one per
+    /// line, under the same rules as `api_keys_file`; `None` = the dashboard only looks.
+    pub admin_keys_file: Option<PathBuf>,
     /// Largest accepted request body, in bytes.
     #[serde(deserialize_with = "raw::size")]
     #[default(64 << 20)]

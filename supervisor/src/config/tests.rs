@@ -85,6 +85,7 @@ fn full_config_round_trip() {
     let dir = TempDir::new("full");
     let base = dir.path();
     dir.write_mode("keys.txt", "secret\n", 0o600);
+    dir.write_mode("admin-keys.txt", "admin secret\n", 0o600);
     dir.program("bin/llama-server");
     dir.write("mm.gguf", "");
     dir.write("m.gguf", "");
@@ -94,6 +95,7 @@ fn full_config_round_trip() {
 api:
   listen: "[::1]:9090"
   api_keys_file: keys.txt
+  admin_keys_file: admin-keys.txt
   max_body: 1MiB
   body_timeout: 5s
   max_buffered: 16MiB
@@ -160,6 +162,7 @@ kv_checkpoint: {{ dir: kv, max_size: 40GiB, save_timeout: 90s }}
             api: Api {
                 listen: "[::1]:9090".into(),
                 api_keys_file: Some(base.join("keys.txt")),
+                admin_keys_file: Some(base.join("admin-keys.txt")),
                 max_body: 1 << 20,
                 body_timeout: Duration::from_secs(5),
                 max_buffered: 16 << 20,

@@ -26,6 +26,7 @@ use zbus::names::ErrorName;
 use zbus::object_server::SignalEmitter;
 use zbus::Connection;
 
+use crate::actions::{ActionError, Actions};
 use crate::config::Config;
 use crate::http::http_error::ApiError;
 use crate::lifecycle::alert::Alert;
@@ -130,6 +131,8 @@ pub struct ControlObject {
     thermal: Thermal,
     group: ControlGroup,
     validator: crate::validate::Validator,
+    /// What the methods that change something call (the dashboard's actions call the same).
+    actions: Actions,
 }
 
 /// What the control interface is made of.
@@ -151,14 +154,14 @@ pub struct Parts {
 }
 
 impl ControlObject {
-    /// Lets root and members of the control group through; everyone else gets AccessDenied
-    /// with a message that says what to do.
+    /// Lets root and members of the control group through (and says who asked, for the log);
+    /// everyone else gets AccessDenied with a message that says what to do.
     async fn authorize(
         &self,
         header: &Header<'_>,
         conn: &Connection,
         action: &str,
-    ) -> Result<(), Fault> {
+    ) -> Result<String, Fault> {
         let sender = header
             .sender()
             .ok_or_else(|| Fault::access_denied("the call has no sender".into()))?;
@@ -173,7 +176,10 @@ impl ControlObject {
             .map(|g| g.to_vec())
             .unwrap_or_default();
         if uid == Some(0) || self.group.gid.is_some_and(|gid| groups.contains(&gid)) {
-            return Ok(());
+            return Ok(format!(
+                "uid {} over D-Bus",
+                uid.map_or_else(|| "?".to_string(), |u| u.to_string())
+            ));
         }
         let who = uid
             .map(|u| format!("uid {u}"))
@@ -194,6 +200,18 @@ impl ControlObject {
     }
 }
 
+impl From<ActionError> for Fault {
+    fn from(e: ActionError) -> Fault {
+        match e {
+            ActionError::Control(e) => e.into(),
+            ActionError::Refused(r) => r.into(),
+            e @ (ActionError::Busy(_) | ActionError::Invalid(_) | ActionError::Failed(_)) => {
+                Fault::failed(e.to_string())
+            }
+        }
+    }
+}
+
 impl From<Refused> for Fault {
     fn from(r: Refused) -> Fault {
         // The same words as the HTTP error a waiting request gets.
@@ -211,8 +229,8 @@ impl ControlObject {
         #[zbus(header)] header: Header<'_>,
         #[zbus(connection)] conn: &Connection,
     ) -> Result<(), Fault> {
-        self.authorize(&header, conn, "Start").await?;
-        Ok(self.lifecycle.start().await?)
+        let by = self.authorize(&header, conn, "Start").await?;
+        Ok(self.actions.start(&by).await?)
     }
 
     /// Waits like a request: the lease is let go at once, so the idle time counts from now.
@@ -221,9 +239,8 @@ impl ControlObject {
         #[zbus(header)] header: Header<'_>,
         #[zbus(connection)] conn: &Connection,
     ) -> Result<String, Fault> {
-        self.authorize(&header, conn, "StartAndWait").await?;
-        let lease = self.lifecycle.start_and_acquire().await?;
-        Ok(lease.engine.profile.clone())
+        let by = self.authorize(&header, conn, "StartAndWait").await?;
+        Ok(self.actions.start_and_wait(&by).await?)
     }
 
     async fn stop(
@@ -231,8 +248,8 @@ impl ControlObject {
         #[zbus(header)] header: Header<'_>,
         #[zbus(connection)] conn: &Connection,
     ) -> Result<(), Fault> {
-        self.authorize(&header, conn, "Stop").await?;
-        Ok(self.lifecycle.stop(false).await?)
+        let by = self.authorize(&header, conn, "Stop").await?;
+        Ok(self.actions.stop(false, &by).await?)
     }
 
     async fn stop_now(
@@ -240,8 +257,8 @@ impl ControlObject {
         #[zbus(header)] header: Header<'_>,
         #[zbus(connection)] conn: &Connection,
     ) -> Result<(), Fault> {
-        self.authorize(&header, conn, "StopNow").await?;
-        Ok(self.lifecycle.stop(true).await?)
+        let by = self.authorize(&header, conn, "StopNow").await?;
+        Ok(self.actions.stop(true, &by).await?)
     }
 
     async fn set_profile(
@@ -250,8 +267,8 @@ impl ControlObject {
         #[zbus(header)] header: Header<'_>,
         #[zbus(connection)] conn: &Connection,
     ) -> Result<(), Fault> {
-        self.authorize(&header, conn, "SetProfile").await?;
-        Ok(self.lifecycle.set_profile(&name).await?)
+        let by = self.authorize(&header, conn, "SetProfile").await?;
+        Ok(self.actions.set_profile(&name, &by).await?)
     }
 
     /// Starts a validation run (`dsv4ctl validate`): `request` is a `ValidateRequest` as
@@ -263,10 +280,10 @@ impl ControlObject {
         #[zbus(header)] header: Header<'_>,
         #[zbus(connection)] conn: &Connection,
     ) -> Result<String, Fault> {
-        self.authorize(&header, conn, "Validate").await?;
+        let by = self.authorize(&header, conn, "Validate").await?;
         let req: dsv4_client::validate::ValidateRequest = serde_json::from_str(&request)
             .map_err(|e| Fault::failed(format!("not a validation request: {e}")))?;
-        self.validator.start(req).map_err(Fault::failed)
+        Ok(self.actions.validate(req, &by)?)
     }
 
     /// Ends the running validation (it switches back to the previous profile).
@@ -275,8 +292,8 @@ impl ControlObject {
         #[zbus(header)] header: Header<'_>,
         #[zbus(connection)] conn: &Connection,
     ) -> Result<bool, Fault> {
-        self.authorize(&header, conn, "CancelValidation").await?;
-        Ok(self.validator.cancel())
+        let by = self.authorize(&header, conn, "CancelValidation").await?;
+        Ok(self.actions.cancel_validation(&by))
     }
 
     /// The kept validation results of `profile` (every profile's when empty), newest first,
@@ -309,18 +326,8 @@ impl ControlObject {
         #[zbus(header)] header: Header<'_>,
         #[zbus(connection)] conn: &Connection,
     ) -> Result<String, Fault> {
-        self.authorize(&header, conn, "DropKv").await?;
-        if let Some(step) = self.lifecycle.status().kv_step {
-            return Err(Fault::failed(format!(
-                "the engine is {step} its KV checkpoint: try again once it is done"
-            )));
-        }
-        let gone = self
-            .lifecycle
-            .kv()
-            .drop_matching(&what)
-            .await
-            .map_err(Fault::failed)?;
+        let by = self.authorize(&header, conn, "DropKv").await?;
+        let gone = self.actions.drop_kv(&what, &by).await?;
         serde_json::to_string(&gone).map_err(|e| Fault::failed(e.to_string()))
     }
 
@@ -458,6 +465,7 @@ pub async fn serve(bus: Bus, parts: Parts) -> anyhow::Result<Connection> {
         thermal: thermal.clone(),
         group,
         validator: validator.clone(),
+        actions: Actions::new(lifecycle.clone(), validator.clone()),
     };
     let conn = builder
         .serve_at(OBJECT_PATH, object)

@@ -26,7 +26,7 @@ use tokio::signal::unix::{signal, SignalKind};
 use tokio::sync::{mpsc, watch};
 
 use crate::config::Config;
-use crate::http::auth::ApiKeys;
+use crate::http::auth::{ApiKeys, KeyFile};
 use crate::lifecycle::alert::Alerts;
 
 /// Quiet time after the last file event before reloading.
@@ -126,7 +126,7 @@ impl Reloader {
                 );
                 // Not its keys: they are read again, as after any reload, so that a key
                 // file made unusable refuses requests instead of the old keys staying good.
-                old.supervisor.api.api_keys_file.is_some().then(|| {
+                keyed(&old).then(|| {
                     let again = Arc::new((*old).clone());
                     self.config.send_replace(again.clone());
                     again
@@ -146,8 +146,7 @@ impl Reloader {
     async fn apply(&self, why: &str, old: &Config, new: Config) -> Option<Arc<Config>> {
         // SIGHUP always republishes, and so does any reload when API keys are configured,
         // so that the key file, which the YAML only names, is read again.
-        let keyed = new.supervisor.api.api_keys_file.is_some();
-        if new == *old && why != "SIGHUP" && !keyed {
+        if new == *old && why != "SIGHUP" && !keyed(&new) {
             tracing::debug!("{why}: the configuration is unchanged");
             return None;
         }
@@ -177,23 +176,37 @@ impl Reloader {
     /// (the proxy reads the same file for the configuration just published), which is
     /// alerted.
     async fn check_keys(&self, why: &str, config: &Config) {
-        let Some(path) = config.supervisor.api.api_keys_file.clone() else {
-            return;
-        };
-        let read = tokio::task::spawn_blocking(move || ApiKeys::load(&path).map(|_| ())).await;
-        if let Ok(Err(e)) = read {
-            tracing::error!(
-                "{why}: {e}; every request but GET /health now gets 503 api_keys_unavailable"
-            );
+        for file in [KeyFile::Api, KeyFile::Admin] {
+            let Some(path) = file.path(config).map(Path::to_path_buf) else {
+                continue;
+            };
+            let what = file.what();
+            let read =
+                tokio::task::spawn_blocking(move || ApiKeys::load_as(&path, what).map(|_| ()))
+                    .await;
+            let Ok(Err(e)) = read else { continue };
+            let refused = match file {
+                KeyFile::Api => "every request but GET /health",
+                KeyFile::Admin => "every action of the dashboard",
+            };
+            tracing::error!("{why}: {e}; {refused} now gets 503 api_keys_unavailable");
             self.alerts.raise(
                 AlertKind::Config,
                 format!(
-                    "API keys unavailable, every request but GET /health is refused until \
-                     the key file is fixed and dsv4d reloaded: {e}"
+                    "{what}s unavailable, {refused} is refused until the key file is fixed \
+                     and dsv4d reloaded: {e}"
                 ),
             );
         }
     }
+}
+
+/// Whether `config` names a key file: a reload then publishes it even unchanged, so that the
+/// keys, which the YAML only names, are read again.
+fn keyed(config: &Config) -> bool {
+    [KeyFile::Api, KeyFile::Admin]
+        .iter()
+        .any(|f| f.path(config).is_some())
 }
 
 #[cfg(test)]

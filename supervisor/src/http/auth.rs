@@ -14,10 +14,14 @@ use std::os::unix::fs::{MetadataExt, PermissionsExt};
 use std::path::Path;
 use std::sync::{Arc, Mutex};
 
+use std::time::Duration;
+
 use http::header::{self, HeaderMap};
+use http::StatusCode;
 use subtle::{Choice, ConstantTimeEq};
 
 use crate::config::Config;
+use crate::http::http_error::{ApiError, ErrorCode, ErrorType};
 
 pub use crate::lifecycle::upstream::X_API_KEY;
 
@@ -81,34 +85,39 @@ impl ApiKeys {
     /// ignored, surrounding whitespace trimmed. The file must not be open to group or others
     /// (no bit of `0o077` set in its mode).
     pub fn load(path: &Path) -> Result<ApiKeys, String> {
+        ApiKeys::load_as(path, KeyFile::Api.what())
+    }
+
+    /// [`load`](Self::load), for keys that messages call `what` (`admin key`).
+    pub fn load_as(path: &Path, what: &str) -> Result<ApiKeys, String> {
         let shown = path.display();
         let mut file =
-            File::open(path).map_err(|e| format!("cannot open the API key file {shown}: {e}"))?;
+            File::open(path).map_err(|e| format!("cannot open the {what} file {shown}: {e}"))?;
         // The mode of the file that was opened, not of whatever the path names a moment later.
         let meta = file
             .metadata()
-            .map_err(|e| format!("cannot read the API key file {shown}: {e}"))?;
+            .map_err(|e| format!("cannot read the {what} file {shown}: {e}"))?;
         if !meta.is_file() {
-            return Err(format!("the API key file {shown} is not a regular file"));
+            return Err(format!("the {what} file {shown} is not a regular file"));
         }
         let mode = meta.permissions().mode() & 0o7777;
         if mode & 0o077 != 0 {
             return Err(format!(
-                "the API key file {shown} may be read or written by group or others \
+                "the {what} file {shown} may be read or written by group or others \
                  (mode {mode:04o}); run chmod 600 {shown}"
             ));
         }
         let dir = path.parent().filter(|d| !d.as_os_str().is_empty());
         let dir = std::fs::metadata(dir.unwrap_or(Path::new(".")))
-            .map_err(|e| format!("cannot read the folder of the API key file {shown}: {e}"))?;
+            .map_err(|e| format!("cannot read the folder of the {what} file {shown}: {e}"))?;
         let me = nix::unistd::geteuid().as_raw();
         if let Some(problem) = owner_problem(meta.uid(), dir.uid(), dir.mode(), me) {
-            return Err(format!("the API key file {shown} {problem}"));
+            return Err(format!("the {what} file {shown} {problem}"));
         }
         let mut text = String::new();
         file.read_to_string(&mut text)
-            .map_err(|e| format!("cannot read the API key file {shown}: {e}"))?;
-        ApiKeys::parse(&text).map_err(|e| format!("the API key file {shown}: {e}"))
+            .map_err(|e| format!("cannot read the {what} file {shown}: {e}"))?;
+        ApiKeys::parse(&text).map_err(|e| format!("the {what} file {shown}: {e}"))
     }
 
     /// Parses the text of a key file. Errors name lines, never their content.
@@ -195,6 +204,67 @@ impl ApiKeys {
     }
 }
 
+/// Checks the request's key against `keys`, the keys of `file` (`None`: the configuration
+/// names no such file, so no key is asked for); on success removes it from the headers. (No
+/// client credential reaches the engine either way: the upstream puts the engine's own key
+/// in their place.) Fails closed: keys that cannot be read refuse every request with 503.
+pub fn require(
+    file: KeyFile,
+    keys: Option<Result<Arc<ApiKeys>, String>>,
+    headers: &mut HeaderMap,
+) -> Result<(), ApiError> {
+    let what = file.what();
+    let keys = match keys {
+        None => return Ok(()),
+        Some(Ok(keys)) => keys,
+        Some(Err(why)) => {
+            let refused = match file {
+                KeyFile::Api => "every request",
+                KeyFile::Admin => "every action",
+            };
+            return Err(ApiError::new(
+                StatusCode::SERVICE_UNAVAILABLE,
+                ErrorType::Unavailable,
+                ErrorCode::ApiKeysUnavailable,
+                format!(
+                    "the {what}s cannot be loaded, so {refused} is refused until the key file \
+                     is fixed and dsv4d reloaded (SIGHUP, systemctl reload) or restarted: {why}"
+                ),
+            )
+            .retry_after(Duration::from_secs(30)));
+        }
+    };
+    let message = match keys.allows(headers) {
+        AuthResult::Ok => {
+            headers.remove(header::AUTHORIZATION);
+            headers.remove(X_API_KEY);
+            return Ok(());
+        }
+        AuthResult::Missing => {
+            format!("missing {what}: send Authorization: Bearer <key> or x-api-key")
+        }
+        AuthResult::Invalid => format!("invalid {what}"),
+        AuthResult::Several => {
+            return Err(ApiError::new(
+                StatusCode::BAD_REQUEST,
+                ErrorType::InvalidRequest,
+                ErrorCode::SeveralCredentials,
+                "send one credential: one Authorization or one x-api-key header, not more",
+            ))
+        }
+    };
+    let code = match file {
+        KeyFile::Api => ErrorCode::InvalidApiKey,
+        KeyFile::Admin => ErrorCode::InvalidAdminKey,
+    };
+    Err(ApiError::new(
+        StatusCode::UNAUTHORIZED,
+        ErrorType::InvalidRequest,
+        code,
+        message,
+    ))
+}
+
 /// The token of `Bearer TOKEN` (the scheme's case does not matter, RFC 9110 11.1).
 fn bearer_token(value: &[u8]) -> Option<&[u8]> {
     let value = value.trim_ascii();
@@ -205,11 +275,41 @@ fn bearer_token(value: &[u8]) -> Option<&[u8]> {
     Some(rest.trim_ascii())
 }
 
+/// Which key file a [`KeyCache`] reads.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub enum KeyFile {
+    /// `api.api_keys_file`: the keys of the API.
+    #[default]
+    Api,
+    /// `api.admin_keys_file`: the keys of the dashboard's actions.
+    Admin,
+}
+
+impl KeyFile {
+    /// The file `config` names for these keys, if any.
+    pub fn path(self, config: &Config) -> Option<&Path> {
+        let api = &config.supervisor.api;
+        match self {
+            KeyFile::Api => api.api_keys_file.as_deref(),
+            KeyFile::Admin => api.admin_keys_file.as_deref(),
+        }
+    }
+
+    /// What the keys are, in messages.
+    pub fn what(self) -> &'static str {
+        match self {
+            KeyFile::Api => "API key",
+            KeyFile::Admin => "admin key",
+        }
+    }
+}
+
 /// The keys of the configuration in force, read when first asked for and read again when a
 /// reload replaces the configuration (the cache is keyed by the `Arc`, which it holds, so
 /// the pointer cannot be reused by another configuration while it is cached).
 #[derive(Default)]
 pub struct KeyCache {
+    file: KeyFile,
     slot: Mutex<Option<Cached>>,
 }
 
@@ -222,22 +322,31 @@ impl fmt::Debug for KeyCache {
 }
 
 impl KeyCache {
-    /// The keys `config` asks for: `None` when it sets no `api.api_keys_file` (no key
-    /// needed), else the keys or why they cannot be had. A failure is logged once per
-    /// configuration.
+    /// A cache of the keys in `file`.
+    pub fn new(file: KeyFile) -> KeyCache {
+        KeyCache {
+            file,
+            slot: Mutex::default(),
+        }
+    }
+
+    /// The keys `config` asks for: `None` when it names no such key file (no key needed, or
+    /// for admin keys no action allowed), else the keys or why they cannot be had. A failure
+    /// is logged once per configuration.
     pub fn get(&self, config: &Arc<Config>) -> Option<Result<Arc<ApiKeys>, String>> {
-        let path = config.supervisor.api.api_keys_file.as_deref()?;
+        let path = self.file.path(config)?;
         let mut slot = self.slot.lock().unwrap_or_else(|p| p.into_inner());
         if let Some((cached, keys)) = slot.as_ref() {
             if Arc::ptr_eq(cached, config) {
                 return Some(keys.clone());
             }
         }
-        let keys = ApiKeys::load(path).map(Arc::new);
+        let what = self.file.what();
+        let keys = ApiKeys::load_as(path, what).map(Arc::new);
         match &keys {
             Ok(k) => {
                 tracing::info!(
-                    "API keys required: {} key(s) from {}",
+                    "{what}s required: {} key(s) from {}",
                     k.count(),
                     path.display()
                 );
@@ -245,14 +354,21 @@ impl KeyCache {
                     let lines: Vec<String> =
                         k.short_lines().iter().map(|n| n.to_string()).collect();
                     tracing::warn!(
-                        "the API key on line(s) {} of {} is shorter than {SHORT_KEY} characters \
+                        "the {what} on line(s) {} of {} is shorter than {SHORT_KEY} characters \
                          and could be guessed; use a long random key (openssl rand -hex 32)",
                         lines.join(", "),
                         path.display()
                     );
                 }
             }
-            Err(e) => tracing::error!("{e}; every request but GET /health is refused with 503"),
+            Err(e) => match self.file {
+                KeyFile::Api => {
+                    tracing::error!("{e}; every request but GET /health is refused with 503")
+                }
+                KeyFile::Admin => {
+                    tracing::error!("{e}; every action of the dashboard is refused with 503")
+                }
+            },
         }
         *slot = Some((config.clone(), keys.clone()));
         Some(keys)

@@ -30,6 +30,10 @@ pub struct Ctx {
     pub thermal: Thermal,
     /// The API keys of the configuration in force (`api.api_keys_file`), read on first use.
     pub api_keys: KeyCache,
+    /// The keys of the dashboard's actions (`api.admin_keys_file`), read on first use.
+    pub admin_keys: KeyCache,
+    /// What the dashboard's actions call: the same as the D-Bus methods.
+    pub actions: crate::actions::Actions,
     /// The request bodies held at once (`api.max_buffered`).
     pub bodies: Arc<intake::Budget>,
     /// The open client connections.

@@ -10,8 +10,8 @@
 //! (`log`), each alert (`alert`) and thermal event (`thermal`) as it comes, and the
 //! validation runs again when one ends (`validations`). Neither ever starts the engine.
 //!
-//! Owns: the page's assets and the event streams. Must not: act on anything (the page is
-//! read-only: it says which `dsv4ctl` command does each action).
+//! Owns: the page's assets and the event streams. Must not: act on anything (the actions are
+//! `ui_actions`'; without admin keys the page says which `dsv4ctl` command does each).
 
 use std::pin::Pin;
 use std::task::{Context, Poll};
@@ -112,10 +112,31 @@ fn validations(ctx: &Ctx) -> serde_json::Value {
     json!(runs)
 }
 
+/// Whether the page may act: admin keys are configured and readable (read off the runtime's
+/// threads: it may be the first read of the file).
+async fn actions_allowed(ctx: &std::sync::Arc<Ctx>) -> bool {
+    let ctx = ctx.clone();
+    tokio::task::spawn_blocking(move || {
+        let config = ctx.config.borrow().clone();
+        matches!(ctx.admin_keys.get(&config), Some(Ok(_)))
+    })
+    .await
+    .unwrap_or(false)
+}
+
+/// [`validations`], read off the runtime's threads (it reads the saved runs' files).
+async fn saved_validations(ctx: &std::sync::Arc<Ctx>) -> serde_json::Value {
+    let ctx = ctx.clone();
+    tokio::task::spawn_blocking(move || validations(&ctx))
+        .await
+        .unwrap_or_default()
+}
+
 async fn feed(ctx: std::sync::Arc<Ctx>, tx: mpsc::Sender<Bytes>) {
     let now = dsv4_client::clock::unix_now();
     let history = ctx.telemetry.history(now - HISTORY_SECONDS, 3600);
-    let thermal = ctx.config.borrow().supervisor.thermal.clone();
+    let config = ctx.config.borrow().clone();
+    let thermal = config.supervisor.thermal.clone();
     let (recent_alerts, mut alerts) = ctx.alerts.recent_and_subscribe();
     let (standing, mut thermal_events) = ctx.thermal.subscribe();
     let mut validation_events = ctx.validator.subscribe();
@@ -127,7 +148,10 @@ async fn feed(ctx: std::sync::Arc<Ctx>, tx: mpsc::Sender<Bytes>) {
         },
         "alerts": recent_alerts,
         "thermal": standing,
-        "validations": validations(&ctx),
+        "validations": saved_validations(&ctx).await,
+        "actions": actions_allowed(&ctx).await,
+        "profiles": config.profile_names(),
+        "validation_profile": crate::validate::DEFAULT_PROFILE,
     });
     if tx.send(event("hello", &hello)).await.is_err() {
         return;
@@ -154,6 +178,7 @@ async fn feed(ctx: std::sync::Arc<Ctx>, tx: mpsc::Sender<Bytes>) {
         let gap = tokio::time::sleep(STATUS_GAP);
         tokio::pin!(gap);
         let mut moved = false;
+        let mut runs_ended = false;
         // Alerts, thermal and validation events go out as they come; the status once it
         // moved, and the gap since the last has passed.
         loop {
@@ -174,7 +199,9 @@ async fn feed(ctx: std::sync::Arc<Ctx>, tx: mpsc::Sender<Bytes>) {
                 },
                 v = validation_events.recv() => match v {
                     Ok(ValidationEvent::Done(_)) => {
-                        Some(Some(event("validations", &validations(&ctx))))
+                        // Read below, out of the select (its waits hold borrows).
+                        runs_ended = true;
+                        Some(None)
                     }
                     Ok(_) | Err(broadcast::error::RecvError::Lagged(_)) => Some(None),
                     Err(broadcast::error::RecvError::Closed) => None,
@@ -190,6 +217,12 @@ async fn feed(ctx: std::sync::Arc<Ctx>, tx: mpsc::Sender<Bytes>) {
                     }
                 }
                 Some(None) => {}
+            }
+            if std::mem::take(&mut runs_ended) {
+                let runs = event("validations", &saved_validations(&ctx).await);
+                if tx.send(runs).await.is_err() {
+                    return;
+                }
             }
         }
     }

@@ -61,12 +61,7 @@ pub fn admit<B>(api: &Api, req: &Request<B>) -> Result<Caller, ApiError> {
         }
         if let Some(parsed) = origin.to_str().ok().and_then(|o| Origin::parse(o).ok()) {
             // The same origin: a page dsv4d serves (over plain HTTP, at the Host just checked).
-            let own = host.is_some_and(|h| {
-                let port = h.port.filter(|p| *p != 80);
-                parsed.scheme == "http"
-                    && parsed.authority.host == h.host
-                    && parsed.authority.port == port
-            });
+            let own = host.as_ref().is_some_and(|h| is_own(&parsed, h));
             let canonical = parsed.to_string();
             if own || api.cors_origins.contains(&canonical) {
                 // As the browser sent it: it compares the answer byte for byte.
@@ -85,6 +80,55 @@ pub fn admit<B>(api: &Api, req: &Request<B>) -> Result<Caller, ApiError> {
              api.cors_origins to let its pages use this API"
         ),
     ))
+}
+
+/// Whether the request comes from a page dsv4d itself serves: one `Origin`, naming the host
+/// the request is for over plain HTTP, and `Sec-Fetch-Site: same-origin` if the header is
+/// there. Stricter than [`admit`]: neither `api.cors_origins` (even `*`) nor a missing
+/// `Origin` passes. What the dashboard's actions need, so that no other page and no tool
+/// can use them.
+pub fn same_origin<B>(api: &Api, req: &Request<B>) -> Result<(), ApiError> {
+    let refused = |why: &str| {
+        Err(ApiError::new(
+            StatusCode::FORBIDDEN,
+            ErrorType::InvalidRequest,
+            ErrorCode::NotSameOrigin,
+            format!(
+                "{why}: the dashboard's actions are taken only from its own page (/ui); \
+                 dsv4ctl does each of them over D-Bus"
+            ),
+        ))
+    };
+    let host = check_host(api, req)?;
+    let mut origins = req.headers().get_all(header::ORIGIN).iter();
+    let (Some(origin), None) = (origins.next(), origins.next()) else {
+        return refused("the request has no single Origin header");
+    };
+    let site = req.headers().get(SEC_FETCH_SITE).map(HeaderValue::as_bytes);
+    if site.is_some_and(|s| s != b"same-origin") {
+        return refused("the request comes from another site");
+    }
+    let own = origin
+        .to_str()
+        .ok()
+        .and_then(|o| Origin::parse(o).ok())
+        .zip(host)
+        .is_some_and(|(o, h)| is_own(&o, &h));
+    match own {
+        true => Ok(()),
+        false => refused(&format!(
+            "the request comes from the page origin {:?}",
+            shown(origin.as_bytes())
+        )),
+    }
+}
+
+/// Whether `origin` is dsv4d's own for a request to `host`: its pages are served over plain
+/// HTTP at the host the request names.
+fn is_own(origin: &Origin, host: &Authority) -> bool {
+    origin.scheme == "http"
+        && origin.authority.host == host.host
+        && origin.authority.port == host.port.filter(|p| *p != 80)
 }
 
 /// The `Sec-Fetch-Site` header, which browsers send on every request (and no other client).
@@ -330,6 +374,103 @@ mod tests {
 
     fn get(headers: &[(&str, &str)]) -> Request<()> {
         request(Version::HTTP_11, headers)
+    }
+
+    #[test]
+    fn only_dsv4ds_own_page_is_the_same_origin() {
+        let listed = api(&["*"], &["dsv4.lan"]);
+        for (headers, same) in [
+            (
+                &[
+                    ("host", "127.0.0.1:8080"),
+                    ("origin", "http://127.0.0.1:8080"),
+                ][..],
+                true,
+            ),
+            (
+                &[
+                    ("host", "127.0.0.1:8080"),
+                    ("origin", "http://127.0.0.1:8080"),
+                    ("sec-fetch-site", "same-origin"),
+                ],
+                true,
+            ),
+            (
+                &[("host", "localhost"), ("origin", "http://LOCALHOST:80")],
+                true,
+            ),
+            (
+                &[
+                    ("host", "dsv4.lan:8080"),
+                    ("origin", "http://dsv4.lan:8080"),
+                ],
+                true,
+            ),
+            // No Origin: a tool, or a navigation.
+            (&[("host", "127.0.0.1:8080")], false),
+            (
+                &[
+                    ("host", "127.0.0.1:8080"),
+                    ("sec-fetch-site", "same-origin"),
+                ],
+                false,
+            ),
+            // Another port, host or scheme is another origin, listed or not.
+            (
+                &[
+                    ("host", "127.0.0.1:8080"),
+                    ("origin", "http://127.0.0.1:8081"),
+                ],
+                false,
+            ),
+            (
+                &[
+                    ("host", "127.0.0.1:8080"),
+                    ("origin", "http://localhost:8080"),
+                ],
+                false,
+            ),
+            (
+                &[
+                    ("host", "127.0.0.1:8080"),
+                    ("origin", "https://127.0.0.1:8080"),
+                ],
+                false,
+            ),
+            (&[("host", "127.0.0.1:8080"), ("origin", "null")], false),
+            // The browser says the page is of another site.
+            (
+                &[
+                    ("host", "127.0.0.1:8080"),
+                    ("origin", "http://127.0.0.1:8080"),
+                    ("sec-fetch-site", "same-site"),
+                ],
+                false,
+            ),
+            // Two origins.
+            (
+                &[
+                    ("host", "127.0.0.1:8080"),
+                    ("origin", "http://127.0.0.1:8080"),
+                    ("origin", "http://127.0.0.1:8080"),
+                ],
+                false,
+            ),
+        ] {
+            let r = same_origin(&listed, &get(headers));
+            assert_eq!(r.is_ok(), same, "{headers:?}: {r:?}");
+            if let Err(e) = r {
+                assert_eq!(e.code, ErrorCode::NotSameOrigin, "{headers:?}");
+                assert_eq!(e.status, StatusCode::FORBIDDEN);
+            }
+        }
+        // A host that is not allowed is refused as ever.
+        let e = same_origin(
+            &listed,
+            &get(&[("host", "evil.example"), ("origin", "http://evil.example")]),
+        )
+        .unwrap_err();
+        assert_eq!(e.code, ErrorCode::HostNotAllowed);
     }
 
     #[test]

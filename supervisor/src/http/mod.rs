@@ -1,6 +1,6 @@
 //! The API: the listener, the front door (`front`: Host and web pages; `auth`: keys), request
-//! bodies (`intake`, `body`), client connections, the path rules, the proxy, and
-//! the errors dsv4d itself answers with.
+//! bodies (`intake`, `body`), client connections, the path rules, the proxy, the dashboard
+//! (`dashboard`, `ui_actions`), and the errors dsv4d itself answers with.
 
 pub mod auth;
 pub mod body;
@@ -13,3 +13,4 @@ pub mod intake;
 pub mod listener;
 pub mod path;
 pub mod proxy;
+pub mod ui_actions;

@@ -33,13 +33,14 @@ use tokio::net::TcpListener;
 use tokio::time::Instant;
 
 use crate::config::Config;
-use crate::http::auth::{ApiKeys, AuthResult, X_API_KEY};
+use crate::http::auth::KeyFile;
 use crate::http::body::{End, OnEnd, Settle};
 use crate::http::connections;
 pub use crate::http::ctx::{status_document, Ctx};
 use crate::http::front;
 use crate::http::http_error::{with_tail, ApiError, ErrorCode, ErrorType};
 use crate::http::intake::{self, IntakeError};
+use crate::http::ui_actions;
 use crate::lifecycle::upstream::{UpstreamBody, UpstreamError};
 use crate::lifecycle::{Lease, ERROR_TAIL_LINES};
 use crate::observe::monitor::Telemetry;
@@ -419,6 +420,21 @@ async fn route(
             return page;
         }
     }
+    // The rest of /ui is the dashboard's too, never the engine's: its actions (with their
+    // own keys and checks), and nothing else.
+    if let Some(action) = req.uri().path().strip_prefix(ui_actions::PREFIX) {
+        let action = action.to_string();
+        let connection = req.extensions_mut().remove::<OnConnection>();
+        let done = ui_actions::act(ctx, config, &action, req).await;
+        if let (Ok(_), Some(OnConnection(slot))) = (&done, connection) {
+            // It showed an admin key: kept alive as long as any other.
+            slot.keyed();
+        }
+        return ui_actions::answer(done);
+    }
+    if req.uri().path() == "/ui" || req.uri().path().starts_with("/ui/") {
+        return ui_actions::not_found(req.uri().path()).into_response();
+    }
     if own && req.uri().path() == "/health" {
         // Open to every caller the front admits: it is what a load balancer or a watchdog
         // polls.
@@ -430,7 +446,7 @@ async fn route(
     }
     let keys = ctx.api_keys.get(config);
     let keyed = matches!(keys, Some(Ok(_)));
-    if let Err(refused) = check_key(keys, req.headers_mut()) {
+    if let Err(refused) = crate::http::auth::require(KeyFile::Api, keys, req.headers_mut()) {
         let unauthorized = refused.status == StatusCode::UNAUTHORIZED;
         let mut r: Response<ProxyBody> = refused.into_response();
         if unauthorized {
@@ -478,56 +494,6 @@ async fn route(
         }
         _ => proxy(ctx, config, req).await,
     }
-}
-
-/// Checks the request's API key against `keys` (`None`: the configuration asks for none);
-/// on success removes it from the headers. (No client credential reaches the engine either
-/// way: the upstream puts the engine's own key in their place.) Fails closed: keys that
-/// cannot be read refuse every request. A 401 needs `WWW-Authenticate: Bearer` added.
-fn check_key(
-    keys: Option<Result<Arc<ApiKeys>, String>>,
-    headers: &mut HeaderMap,
-) -> Result<(), ApiError> {
-    let keys = match keys {
-        None => return Ok(()),
-        Some(Ok(keys)) => keys,
-        Some(Err(why)) => {
-            return Err(ApiError::new(
-                StatusCode::SERVICE_UNAVAILABLE,
-                ErrorType::Unavailable,
-                ErrorCode::ApiKeysUnavailable,
-                format!(
-                    "the API keys cannot be loaded, so every request is refused until the \
-                     key file is fixed and dsv4d reloaded (SIGHUP, systemctl reload) or \
-                     restarted: {why}"
-                ),
-            )
-            .retry_after(Duration::from_secs(30)))
-        }
-    };
-    let message = match keys.allows(headers) {
-        AuthResult::Ok => {
-            headers.remove(header::AUTHORIZATION);
-            headers.remove(X_API_KEY);
-            return Ok(());
-        }
-        AuthResult::Missing => "missing API key: send Authorization: Bearer <key> or x-api-key",
-        AuthResult::Invalid => "invalid API key",
-        AuthResult::Several => {
-            return Err(ApiError::new(
-                StatusCode::BAD_REQUEST,
-                ErrorType::InvalidRequest,
-                ErrorCode::SeveralCredentials,
-                "send one credential: one Authorization or one x-api-key header, not more",
-            ))
-        }
-    };
-    Err(ApiError::new(
-        StatusCode::UNAUTHORIZED,
-        ErrorType::InvalidRequest,
-        ErrorCode::InvalidApiKey,
-        message,
-    ))
 }
 
 fn json_response(status: StatusCode, v: serde_json::Value) -> Response<ProxyBody> {
@@ -918,6 +884,7 @@ fn strip_hop_by_hop(h: &mut HeaderMap) {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::http::auth::ApiKeys;
 
     #[test]
     fn hop_by_hop_headers_go_and_end_to_end_ones_stay() {
@@ -975,6 +942,13 @@ mod tests {
 
     fn keys() -> Option<Result<Arc<ApiKeys>, String>> {
         Some(Ok(Arc::new(ApiKeys::parse("sk-right\n").unwrap())))
+    }
+
+    fn check_key(
+        keys: Option<Result<Arc<ApiKeys>, String>>,
+        headers: &mut HeaderMap,
+    ) -> Result<(), ApiError> {
+        crate::http::auth::require(KeyFile::Api, keys, headers)
     }
 
     fn headers(pairs: &[(&'static str, &'static str)]) -> HeaderMap {

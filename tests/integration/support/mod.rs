@@ -291,6 +291,9 @@ pub enum Listen {
 /// The API key file `Setup::api_keys_file` writes beside supervisor.yaml.
 pub const API_KEYS_FILE: &str = "api-keys";
 
+/// The admin key file `Setup::admin_keys_file` writes beside supervisor.yaml.
+pub const ADMIN_KEYS_FILE: &str = "admin-keys";
+
 /// What the daemon under test is configured with, and how it is started.
 #[derive(Clone)]
 pub struct Setup {
@@ -311,6 +314,9 @@ pub struct Setup {
     pub custom_profiles: BTreeMap<String, String>,
     /// The API key file (text, mode), written beside supervisor.yaml as `API_KEYS_FILE`.
     pub api_keys: Option<(String, u32)>,
+    /// The admin key file's text (mode 600), written beside supervisor.yaml as
+    /// `ADMIN_KEYS_FILE`.
+    pub admin_keys: Option<String>,
     /// Serve the control interface on this (private) session bus; `--bus none` without.
     pub session_bus: Option<String>,
     /// Serve it on this private bus as the system bus (`--bus system`,
@@ -356,6 +362,7 @@ impl Default for Setup {
             engine_kind: "llama-server",
             custom_profiles: BTreeMap::new(),
             api_keys: None,
+            admin_keys: None,
             session_bus: None,
             system_bus: None,
             listen: Listen::Activated,
@@ -417,6 +424,12 @@ impl Setup {
     pub fn api_keys_file(mut self, text: &str, mode: u32) -> Self {
         self.api_keys = Some((text.to_string(), mode));
         self.api("api_keys_file", API_KEYS_FILE)
+    }
+
+    /// Admin keys for the dashboard's actions: `text` in the admin key file (mode 600).
+    pub fn admin_keys_file(mut self, text: &str) -> Self {
+        self.admin_keys = Some(text.to_string());
+        self.api("admin_keys_file", ADMIN_KEYS_FILE)
     }
 
     /// The control interface on `bus`.
@@ -566,6 +579,11 @@ impl Setup {
             let path = dir.join(API_KEYS_FILE);
             std::fs::write(&path, text).unwrap();
             std::fs::set_permissions(&path, std::fs::Permissions::from_mode(*mode)).unwrap();
+        }
+        if let Some(text) = &self.admin_keys {
+            let path = dir.join(ADMIN_KEYS_FILE);
+            std::fs::write(&path, text).unwrap();
+            std::fs::set_permissions(&path, std::fs::Permissions::from_mode(0o600)).unwrap();
         }
         dir.join("supervisor.yaml")
     }

@@ -5,6 +5,7 @@
 
 const HOUR = 3600;
 const KEY = "dsv4.key";
+const ADMIN = "dsv4.admin";
 const $ = (id) => document.getElementById(id);
 const SVG = "http://www.w3.org/2000/svg";
 
@@ -297,6 +298,7 @@ function handle(name, data) {
     for (const a of v.alerts || []) addEvent(a.kind, a.message, a.at);
     for (const t of v.thermal || []) thermalEvent(t);
     showValidations(v.validations || []);
+    showActions(v);
     drawCharts();
   } else if (name === "status") {
     showStatus(v);
@@ -361,6 +363,91 @@ async function run() {
     await new Promise((r) => setTimeout(r, 2000));
   }
 }
+
+// The actions, when the daemon allows them (api.admin_keys_file): each is a POST to
+// /ui/actions/NAME with the admin key, which is kept for the tab only.
+function options(select, names) {
+  const keep = select.value;
+  select.replaceChildren();
+  for (const n of names) {
+    const o = document.createElement("option");
+    o.value = n;
+    o.textContent = n;
+    select.appendChild(o);
+  }
+  if (names.includes(keep)) select.value = keep;
+}
+
+function showActions(v) {
+  $("actions-on").hidden = !v.actions;
+  $("actions-off").hidden = !!v.actions;
+  const profiles = v.profiles || [];
+  options($("profile-choice"), profiles);
+  options($("drop-choice"), ["all"].concat(profiles));
+  options($("validate-choice"), profiles);
+  if (profiles.includes(v.validation_profile)) $("validate-choice").value = v.validation_profile;
+}
+
+function said(text, bad) {
+  const p = $("action-result");
+  p.textContent = text;
+  p.classList.toggle("error", !!bad);
+}
+
+async function act(name, body) {
+  const input = $("admin-key");
+  if (input.value) {
+    sessionStorage.setItem(ADMIN, input.value);
+    input.value = "";
+  }
+  const key = sessionStorage.getItem(ADMIN);
+  if (!key) {
+    said("enter the admin key first", true);
+    return;
+  }
+  said(name + "...");
+  let resp;
+  try {
+    resp = await fetch("/ui/actions/" + name, {
+      method: "POST",
+      headers: { Authorization: "Bearer " + key, "Content-Type": "application/json" },
+      body: JSON.stringify(body || {}),
+      cache: "no-store",
+    });
+  } catch (e) {
+    said(name + ": " + e, true);
+    return;
+  }
+  let v = {};
+  try {
+    v = await resp.json();
+  } catch (e) {
+    v = {};
+  }
+  if (resp.ok) {
+    const more = v.profile ? " " + v.profile : v.dropped ? ": " + v.dropped.length + " dropped" : "";
+    said(name + more + ": done");
+    return;
+  }
+  if (resp.status === 401) sessionStorage.removeItem(ADMIN);
+  said(name + ": " + (v.error ? v.error.message : "HTTP " + resp.status), true);
+}
+
+for (const b of document.querySelectorAll("button[data-action]")) {
+  b.addEventListener("click", () => act(b.dataset.action));
+}
+$("profile-form").addEventListener("submit", (e) => {
+  e.preventDefault();
+  act("profile", { profile: $("profile-choice").value });
+});
+$("drop-form").addEventListener("submit", (e) => {
+  e.preventDefault();
+  act("drop-checkpoint", { what: $("drop-choice").value });
+});
+$("validate-form").addEventListener("submit", (e) => {
+  e.preventDefault();
+  act("validate", { profile: $("validate-choice").value, runs: Number($("validate-runs").value) });
+});
 
 $("key-form").addEventListener("submit", (e) => {
   e.preventDefault();
