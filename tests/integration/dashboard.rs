@@ -375,7 +375,7 @@ async fn a_request_made_while_the_page_is_open_shows_up_in_it_within_2_s() {
             "document.querySelectorAll('#requests tbody tr').length === 1 && \
              document.querySelector('#requests tbody td:nth-child(3)').textContent === \
              '/v1/chat/completions'",
-            Duration::from_secs(2),
+            Duration::from_secs(2) + LOAD_MARGIN,
         )
     });
     tokio::task::block_in_place(|| {

@@ -196,7 +196,8 @@ async fn another_local_user_can_neither_read_the_secret_nor_use_the_port() {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_new_engine_gets_a_new_secret_and_the_old_file_goes_with_the_old_engine() {
-    let d = Daemon::start(&Setup::default().engine("idle_timeout", "1s"));
+    let setup = Setup::default().engine("idle_timeout", "1s");
+    let d = Daemon::start(&setup);
     let (status, _, _) = body_json(d.post("/v1/chat/completions", chat(1, false)).await).await;
     assert_eq!(status, 200);
     let first = EngineSeen::of(&d).await;
@@ -216,6 +217,8 @@ async fn a_new_engine_gets_a_new_secret_and_the_old_file_goes_with_the_old_engin
     let folder = old_file.parent().unwrap();
     assert_eq!(std::fs::read_dir(folder).unwrap().count(), 0);
 
+    // The second engine stays while it is tried directly (those requests are not leases).
+    d.reconfigure(&setup.engine("idle_timeout", "1h")).await;
     let (status, _, _) = body_json(d.post("/v1/chat/completions", chat(1, false)).await).await;
     assert_eq!(status, 200);
     let second = EngineSeen::of(&d).await;

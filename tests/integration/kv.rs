@@ -716,7 +716,7 @@ async fn a_request_during_the_idle_stops_save_is_served_by_the_same_engine() {
     let mut s = Setup::default()
         .engine("idle_timeout", "1s")
         .profile_key("320k", "kv_checkpoint", "{ dir: kv }")
-        .knob("save_ms", "2000");
+        .knob("save_ms", "5000");
     s.default_profile = "320k".into();
     let d = Daemon::start(&s);
     let (status, _, v) = body_json(d.post("/v1/chat/completions", chat(4, false)).await).await;

@@ -226,7 +226,8 @@ async fn wait_power(d: &Daemon, what: &str, ok: impl Fn(&serde_json::Value) -> b
 async fn power_saver_is_held_while_the_engine_runs_and_given_back_at_the_idle_stop() {
     let bus = SystemBus::start().await;
     assert_eq!(bus.active().await, "balanced");
-    let d = Daemon::start(&on_system_bus(&bus).engine("idle_timeout", "2s"));
+    // The default idle timeout: the engine stays while the hold is checked.
+    let d = Daemon::start(&on_system_bus(&bus));
     chat_ok(&d).await;
     bus.wait_active("power-saver", PATIENCE).await;
     assert_eq!(
@@ -249,7 +250,7 @@ async fn power_saver_is_held_while_the_engine_runs_and_given_back_at_the_idle_st
         "{metrics}"
     );
     // The idle stop gives the user's profile back.
-    d.wait_state(State::Stopped, PATIENCE).await;
+    live_stop(&d).await;
     bus.wait_active("balanced", PATIENCE).await;
     assert!(bus.holds().await.is_empty());
     wait_power(&d, "released", |p| p["held"] == false).await;
@@ -499,11 +500,11 @@ async fn a_gpu_level_that_cannot_be_written_is_said_clearly_and_the_engine_serve
     std::fs::write(&level, "low\n").unwrap();
     std::fs::set_permissions(&level, std::os::unix::fs::PermissionsExt::from_mode(0o444)).unwrap();
     // Root without CAP_DAC_OVERRIDE, as a service user would be: the file is read-only.
-    let setup = cpufreq_setup(tree.path()).listen_flag().wrapper(&[
-        "setpriv",
-        "--bounding-set=-dac_override",
-        "--inh-caps=-all",
-    ]);
+    // One engine run throughout: the note is said once in it.
+    let setup = cpufreq_setup(tree.path())
+        .engine("idle_timeout", "10m")
+        .listen_flag()
+        .wrapper(&["setpriv", "--bounding-set=-dac_override", "--inh-caps=-all"]);
     let d = Daemon::start(&setup);
     chat_ok(&d).await;
     wait_power(&d, "the GPU's note", |p| p["gpu_note"].is_string()).await;

@@ -94,12 +94,13 @@ async fn an_invalid_edit_is_rejected_whole_with_an_alert() {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_changed_active_profile_applies_at_the_next_start() {
-    let setup = Setup::default().engine("idle_timeout", "2s");
+    // An engine that stays until the test says: the checks below take what they take.
+    let setup = Setup::default().engine("idle_timeout", "1h");
     let d = Daemon::start(&setup);
     let (status, _, _) = body_json(d.post("/v1/chat/completions", chat(2, false)).await).await;
     assert_eq!(status, 200);
     assert_eq!(d.status().await["restart_pending"], false);
-    let new = setup.profile_key("320k", "context", "200000");
+    let new = setup.clone().profile_key("320k", "context", "200000");
     let file = "profiles/320k.yaml";
     replace_file(&d.dir().join(file), &d.config_text(&new, file));
     let t = Instant::now();
@@ -110,7 +111,11 @@ async fn a_changed_active_profile_applies_at_the_next_start() {
     // The running engine is left alone...
     assert_eq!(d.spawns(), 1);
     assert_eq!(d.status().await["state"], State::Ready.as_str());
-    // ...and once it has stopped (idle), the next one gets the new context.
+    // ...and once it has stopped (idle: a second, from another edit), the next one gets
+    // the new context.
+    let short = new.engine("idle_timeout", "1s");
+    let file = "supervisor.yaml";
+    replace_file(&d.dir().join(file), &d.config_text(&short, file));
     d.wait_state(State::Stopped, PATIENCE).await;
     let (status, _, _) = body_json(d.post("/v1/chat/completions", chat(2, false)).await).await;
     assert_eq!(status, 200);

@@ -14,8 +14,6 @@ use crate::support::*;
 use dsv4_client::validate::{mean_sd, ValidationResult};
 use serde_json::Value;
 
-const SEC: Duration = Duration::from_secs(1);
-
 /// Runs dsv4ctl on `bus` (killed if it hangs).
 fn ctl(bus: &PrivateBus, args: &[&str]) -> Output {
     Command::new(DSV4CTL)
@@ -170,9 +168,7 @@ fn validate_in_background(bus: &PrivateBus, args: &[&str]) -> std::thread::JoinH
             .args(["--bus", "session", "validate"])
             .args(&args)
             .env("DBUS_SESSION_BUS_ADDRESS", address)
-            .stdin(Stdio::null())
-            .output()
-            .unwrap()
+            .output_within(HANG)
     })
 }
 
@@ -190,7 +186,7 @@ async fn a_stopped_validation_switches_back_and_the_waiting_client_is_served() {
     let d = Daemon::start(&fake_setup(&bus, "20"));
     wait_bus_name(&d, &bus).await;
     let run = validate_in_background(&bus, &["--runs", "3"]);
-    wait_log(&d, "validation: decode run 1/3", 20 * SEC).await;
+    wait_log(&d, "validation: decode run 1/3", PATIENCE).await;
     // A client request during the run waits for it.
     let addr = d.addr;
     let client = tokio::task::spawn_blocking(move || chat_on_fresh_connection(addr));
@@ -291,7 +287,7 @@ async fn a_daemon_killed_during_a_validation_comes_back_on_the_previous_profile(
     let d = Daemon::start(&s);
     wait_bus_name(&d, &bus).await;
     let run = validate_in_background(&bus, &["--runs", "3"]);
-    wait_log(&d, "validation: decode run 1/3", 20 * SEC).await;
+    wait_log(&d, "validation: decode run 1/3", PATIENCE).await;
     let dir = d.kill_and_keep_dir().await;
     // Another dsv4d takes the name at once: the waiting dsv4ctl must not wait for ever for
     // a result this one will never send.

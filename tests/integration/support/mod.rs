@@ -765,6 +765,20 @@ impl Daemon {
         }
     }
 
+    /// Writes `setup`'s supervisor.yaml over this daemon's and waits until the daemon has it
+    /// in force (it logs `configuration reloaded` once the new one is published).
+    pub async fn reconfigure(&self, setup: &Setup) {
+        const RELOADED: &str = "configuration reloaded";
+        let before = self.log().matches(RELOADED).count();
+        let file = "supervisor.yaml";
+        replace_file(&self.dir().join(file), &self.config_text(setup, file));
+        let t = Instant::now();
+        while self.log().matches(RELOADED).count() == before {
+            assert!(t.elapsed() < PATIENCE, "never reloaded:\n{}", self.log());
+            tokio::time::sleep(Duration::from_millis(20)).await;
+        }
+    }
+
     pub fn url(&self, path: &str) -> String {
         format!("http://{}{path}", self.addr)
     }
