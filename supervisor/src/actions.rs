@@ -10,6 +10,7 @@
 
 use dsv4_client::validate::ValidateRequest;
 
+use crate::kv::DropError;
 use crate::lifecycle::{ControlError, Handle, Refused};
 use crate::validate::Validator;
 
@@ -25,6 +26,8 @@ pub enum ActionError {
     Busy(String),
     /// The request itself is wrong (a validation's runs out of range, say).
     Invalid(String),
+    /// What it names is not there (no KV checkpoint matches).
+    NotFound(String),
     /// It was tried and failed.
     Failed(String),
 }
@@ -34,9 +37,10 @@ impl std::fmt::Display for ActionError {
         match self {
             ActionError::Control(e) => write!(f, "{e}"),
             ActionError::Refused(r) => write!(f, "{}", r.message()),
-            ActionError::Busy(m) | ActionError::Invalid(m) | ActionError::Failed(m) => {
-                f.write_str(m)
-            }
+            ActionError::Busy(m)
+            | ActionError::Invalid(m)
+            | ActionError::NotFound(m)
+            | ActionError::Failed(m) => f.write_str(m),
         }
     }
 }
@@ -109,15 +113,19 @@ impl Actions {
             .kv()
             .drop_matching(what)
             .await
-            .map_err(ActionError::Failed)
+            .map_err(|e| match e {
+                DropError::NoWhat => ActionError::Invalid(e.to_string()),
+                DropError::NoMatch(m) => ActionError::NotFound(m),
+                DropError::Failed(m) => ActionError::Failed(m),
+            })
     }
 
     /// Starts a validation run: the profile it validates, at once (it runs on).
     pub fn validate(&self, req: ValidateRequest, by: &str) -> Result<String, ActionError> {
-        tracing::info!(
-            "validation of {}, asked by {by}",
-            req.profile.as_deref().unwrap_or("the validation profile")
-        );
+        match &req.profile {
+            Some(p) => tracing::info!("validation of {p:?}, asked by {by}"),
+            None => tracing::info!("validation of the validation profile, asked by {by}"),
+        }
         self.validator.start(req).map_err(|e| match e {
             crate::validate::StartError::Running => ActionError::Busy(e.to_string()),
             crate::validate::StartError::UnknownProfile { name, known } => {

@@ -590,8 +590,44 @@ async fn the_dashboards_actions_need_an_admin_key_and_its_own_page() {
     ] {
         refused(&d, name, &page, body, (status, code)).await;
     }
-    let (got, _, v) = d.send("GET", "/ui/actions/start", &page, None).await;
+    let (got, headers, v) = d.send("GET", "/ui/actions/start", &page, None).await;
     assert_eq!(got, 405, "{v}");
+    assert_eq!(headers["allow"], "POST");
+    let (got, headers, v) = d
+        .send("POST", "/ui/actions/start", &[("origin", &own)], None)
+        .await;
+    assert_eq!(got, 401, "{v}");
+    assert_eq!(headers["www-authenticate"], "Bearer");
+    // Encoded, the path is judged as decoded: still the actions, never the engine.
+    for path in [
+        "/%75i/actions/start",
+        "/ui%2Factions%2Fstart",
+        "/UI/../ui/actions/start",
+    ] {
+        let (got, _, v) = d.send("POST", path, &[("origin", &own)], None).await;
+        assert!(got == 401 || got == 400, "{path}: {got} {v}");
+    }
+    for (name, body) in [
+        ("start", serde_json::json!({ "profile": "64k" })),
+        ("cancel-validation", serde_json::json!({ "now": true })),
+    ] {
+        refused(&d, name, &page, body, (400, "bad_body")).await;
+    }
+    let message = refused(
+        &d,
+        "drop-checkpoint",
+        &page,
+        serde_json::json!({ "what": "320k" }),
+        (404, "not_found"),
+    )
+    .await;
+    assert!(
+        message.contains("no KV checkpoint matches `320k`"),
+        "{message}"
+    );
+    let (got, v) = action(&d, "cancel-validation", &page, serde_json::json!({})).await;
+    assert_eq!(got, 200, "{v}");
+    assert_eq!(v["cancelled"], false, "{v}");
     let (got, _, v) = d.send("POST", "/ui/other", &page, None).await;
     assert_eq!(
         (got, v["error"]["code"].as_str()),
@@ -643,6 +679,48 @@ async fn the_dashboards_actions_need_an_admin_key_and_its_own_page() {
         "stop now, asked by the dashboard (admin key)",
     ])
     .await;
+
+    // A validation from the page runs, and is kept.
+    let (got, v) = action(
+        &d,
+        "validate",
+        &page,
+        serde_json::json!({ "profile": "64k", "runs": 1, "prefill": 64 }),
+    )
+    .await;
+    assert_eq!(got, 200, "{v}");
+    assert_eq!(v["profile"], "64k", "{v}");
+    let runs = d.dir().join("state/validations");
+    let t = Instant::now();
+    while !runs.is_dir() || files_with_extension(&runs, "json").is_empty() {
+        assert!(t.elapsed() < PATIENCE, "no validation kept\n{}", d.log());
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+    d.log_with(&["validation of \"64k\", asked by the dashboard (admin key)"])
+        .await;
+    // An admin key file made unusable (open to others) refuses every action at the next
+    // reload, with 503 and the reason, until it is fixed.
+    let admin_file = d.dir().join(ADMIN_KEYS_FILE);
+    std::fs::set_permissions(
+        &admin_file,
+        std::os::unix::fs::PermissionsExt::from_mode(0o644),
+    )
+    .unwrap();
+    d.signal(nix::sys::signal::Signal::SIGHUP);
+    d.log_with(&["every action of the dashboard now gets 503"])
+        .await;
+    let message = refused(
+        &d,
+        "start",
+        &page,
+        serde_json::json!({}),
+        (503, "api_keys_unavailable"),
+    )
+    .await;
+    assert!(
+        message.contains("the admin keys cannot be loaded"),
+        "{message}"
+    );
 
     // `*` in cors_origins lets other pages use the API, never the actions.
     let open = Daemon::start(
@@ -712,25 +790,25 @@ async fn an_admin_key_in_the_page_switches_the_profile_and_without_one_it_is_ref
         );
     });
     assert_eq!(d.status().await["profile"], "64k");
-    // Another origin's page, with the key: the browser asks first (the key is a header),
-    // dsv4d refuses, and the request itself is never sent.
-    let other = format!("http://localhost:{}/ui", d.addr.port());
+    assert_eq!(d.spawns(), 0);
+    // Another page, on a daemon whose API any page may use (`cors_origins: ["*"]`), with
+    // the key: the browser's preflight passes, and the action itself is refused.
+    let open = Daemon::start(
+        &Setup::default()
+            .admin_keys_file(&format!("{ADMIN}\n"))
+            .api("cors_origins", "[\"*\"]"),
+    );
     let outcome = tokio::task::block_in_place(|| {
-        browser.open(&other);
-        browser.wait_for("document.readyState === 'complete'", PATIENCE);
+        browser.open("about:blank");
         browser.eval_await(&format!(
             "fetch('http://{}/ui/actions/profile', {{ method: 'POST', \
                headers: {{ Authorization: 'Bearer {ADMIN}', 'Content-Type': 'application/json' }}, \
-               body: JSON.stringify({{ profile: '320k' }}) }}) \
-             .then(r => 'answered ' + r.status, e => 'refused: ' + e)",
-            d.addr
+               body: JSON.stringify({{ profile: '64k' }}) }}) \
+             .then(async r => r.status + ' ' + (await r.json()).error.code, e => 'failed: ' + e)",
+            open.addr
         ))
     });
-    assert!(
-        outcome.as_str().unwrap().starts_with("refused"),
-        "{outcome}"
-    );
-    assert_eq!(d.status().await["profile"], "64k");
-    assert!(!d.log().contains("\"320k\", asked by"), "{}", d.log());
-    assert_eq!(d.spawns(), 0);
+    assert_eq!(outcome, "403 not_same_origin", "{}", open.log());
+    assert_eq!(open.status().await["profile"], "320k");
+    assert_eq!(open.spawns(), 0);
 }

@@ -610,3 +610,52 @@ fn the_fake_ds4_mode_matches_the_real_ds4_server_where_dsv4d_looks() {
         "the fake's ds4 mode differs from the real one: {fake:#?}"
     );
 }
+
+/// `dsv4ctl validate` on the real ds4-server: its figures come from streamed completions
+/// (it has no timings and no tokenizer), and they are real ones.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn real_ds4_is_validated_from_its_stream() {
+    let bus = PrivateBus::start();
+    let Some(d) = daemon("real_ds4_is_validated", "10m", Some(&bus)) else {
+        return;
+    };
+    wait_bus_name(&d, &bus).await;
+    let address = bus.address.clone();
+    // A short prefill: the tiny model on the CPU reads a few dozen tokens a second.
+    let args = [
+        "--json",
+        "validate",
+        "--profile",
+        "ds4",
+        "--runs",
+        "1",
+        "--prefill",
+        "160",
+    ];
+    let out = tokio::task::spawn_blocking(move || ctl(&address, &args, None))
+        .await
+        .unwrap();
+    assert!(
+        out.status.success(),
+        "{}\n{}",
+        String::from_utf8_lossy(&out.stderr),
+        d.log()
+    );
+    let r: dsv4_client::validate::ValidationResult = serde_json::from_slice(&out.stdout).unwrap();
+    let names: Vec<&str> = r.tests.iter().map(|t| t.name.as_str()).collect();
+    assert_eq!(names, ["decode", "prefill"]);
+    let decode = &r.tests[0].details[0];
+    assert!(decode.predicted_n >= 2 && decode.value > 0.0, "{decode:?}");
+    let prefill = &r.tests[1].details[0];
+    assert!(
+        prefill.prompt_n.abs_diff(160) <= 3 && prefill.value > 0.0,
+        "{prefill:?}"
+    );
+    // Cold: nothing of the earlier prompts served it but the chat template's opening, which
+    // ds4-server renders every prompt in (and which is not counted in the rate).
+    assert!(prefill.cache_n < 40, "{prefill:?}");
+    println!(
+        "real ds4: decode {:.1} tok/s ({} tokens), prefill {:.1} tok/s ({} tokens)",
+        decode.value, decode.predicted_n, prefill.value, prefill.prompt_n
+    );
+}

@@ -438,3 +438,65 @@ async fn requests_queued_when_a_validation_begins_get_the_service_profile() {
         assert_eq!(v["model"], "320k.gguf", "{v}");
     }
 }
+
+/// A ds4-server profile (the fake engine in its ds4 mode: the OpenAI API only, no timings,
+/// no tokenizer) is validated from streamed completions: the decode rate from the time
+/// between its first and last tokens, the prefill rate from the time to the first, the
+/// counts from its `usage`, and a prefill prompt within 2% of the tokens asked for.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_ds4_profile_is_validated_from_its_stream() {
+    let bus = PrivateBus::start();
+    let mut s = Setup::default()
+        .ds4()
+        .engine("idle_timeout", "10m")
+        .session_bus(&bus);
+    let knobs = s.profiles.get_mut("64k").unwrap();
+    knobs.insert("token_ms", "5".to_string());
+    knobs.insert("prefill_ms", "100".to_string());
+    let d = Daemon::start(&s);
+    wait_bus_name(&d, &bus).await;
+    let out = ctl(
+        &bus,
+        &["--json", "validate", "--runs", "2", "--long", "2000"],
+    );
+    assert_eq!(
+        out.status.code(),
+        Some(0),
+        "{}\n{}",
+        text(&out.stderr),
+        d.log()
+    );
+    let r: ValidationResult = serde_json::from_slice(&out.stdout).unwrap();
+    let names: Vec<&str> = r.tests.iter().map(|t| t.name.as_str()).collect();
+    assert_eq!(names, ["decode", "prefill", "long_prefill"]);
+    // 256 tokens 5 ms apart: 200 tok/s at most (a loaded machine only slows it).
+    for run in &r.tests[0].details {
+        assert_eq!(run.predicted_n, 256, "{run:?}");
+        assert!(run.value > 20.0 && run.value <= 201.0, "decode {run:?}");
+    }
+    for (test, asked) in [(&r.tests[1], 4096.0), (&r.tests[2], 2000.0)] {
+        for run in &test.details {
+            let n = run.prompt_n as f64;
+            assert!((n - asked).abs() <= asked * 0.02, "{} {run:?}", test.name);
+            // The prompt in 100 ms at the fastest.
+            assert!(run.value > 0.0 && run.value <= n * 10.0 * 1.01, "{run:?}");
+        }
+    }
+    // Only what ds4-server serves was asked for.
+    let log = d.fake_log();
+    let asked: Vec<&str> = log
+        .lines()
+        .filter_map(|l| l.strip_prefix("request "))
+        .collect();
+    assert!(
+        asked.iter().any(|l| l.starts_with("POST /v1/completions")),
+        "{log}"
+    );
+    for l in &asked {
+        assert!(
+            !l.starts_with("POST /completion ") && !l.contains("/tokenize"),
+            "{l}"
+        );
+    }
+    assert_eq!(d.status().await["profile"], "320k");
+}

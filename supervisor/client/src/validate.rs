@@ -13,6 +13,9 @@ pub struct ValidateRequest {
     /// One more cold prefill of exactly this many tokens, with its wall time.
     #[serde(default)]
     pub long: Option<u64>,
+    /// Tokens of the prefill test (4,096 when not given).
+    #[serde(default)]
+    pub prefill: Option<u64>,
 }
 
 /// One line of progress (`ValidationProgress` signal).

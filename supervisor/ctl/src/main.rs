@@ -166,6 +166,10 @@ enum Command {
         /// Also one cold prefill of exactly N tokens (e.g. 262144), with its wall time
         #[arg(long, value_name = "N")]
         long: Option<u64>,
+        /// Tokens of the prefill test [default: 4096]; shorter for a quick check on a slow
+        /// engine, where its figure is less steady
+        #[arg(long, value_name = "N")]
+        prefill: Option<u64>,
         /// Compare with an earlier run: `last` (the daemon's previous run of the profile) or
         /// a result file
         #[arg(long, value_name = "PATH|last")]
@@ -277,12 +281,14 @@ async fn run(cli: Cli) -> Result<(), Failure> {
             profile,
             runs,
             long,
+            prefill,
             compare,
         } => {
             let req = dsv4_client::validate::ValidateRequest {
                 profile: Some(profile),
                 runs,
                 long,
+                prefill,
             };
             validate(&daemon, json, req, compare).await
         }

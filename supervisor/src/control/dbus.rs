@@ -205,9 +205,10 @@ impl From<ActionError> for Fault {
         match e {
             ActionError::Control(e) => e.into(),
             ActionError::Refused(r) => r.into(),
-            e @ (ActionError::Busy(_) | ActionError::Invalid(_) | ActionError::Failed(_)) => {
-                Fault::failed(e.to_string())
-            }
+            e @ (ActionError::Busy(_)
+            | ActionError::Invalid(_)
+            | ActionError::NotFound(_)
+            | ActionError::Failed(_)) => Fault::failed(e.to_string()),
         }
     }
 }

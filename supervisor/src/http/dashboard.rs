@@ -112,16 +112,20 @@ fn validations(ctx: &Ctx) -> serde_json::Value {
     json!(runs)
 }
 
-/// Whether the page may act: admin keys are configured and readable (read off the runtime's
-/// threads: it may be the first read of the file).
-async fn actions_allowed(ctx: &std::sync::Arc<Ctx>) -> bool {
+/// Whether the page may act: admin keys are configured and readable, or why they cannot be
+/// read (read off the runtime's threads: it may be the first read of the file).
+async fn actions_allowed(ctx: &std::sync::Arc<Ctx>) -> (bool, Option<String>) {
     let ctx = ctx.clone();
     tokio::task::spawn_blocking(move || {
         let config = ctx.config.borrow().clone();
-        matches!(ctx.admin_keys.get(&config), Some(Ok(_)))
+        match ctx.admin_keys.get(&config) {
+            None => (false, None),
+            Some(Ok(_)) => (true, None),
+            Some(Err(e)) => (false, Some(e)),
+        }
     })
     .await
-    .unwrap_or(false)
+    .unwrap_or((false, None))
 }
 
 /// [`validations`], read off the runtime's threads (it reads the saved runs' files).
@@ -140,6 +144,7 @@ async fn feed(ctx: std::sync::Arc<Ctx>, tx: mpsc::Sender<Bytes>) {
     let (recent_alerts, mut alerts) = ctx.alerts.recent_and_subscribe();
     let (standing, mut thermal_events) = ctx.thermal.subscribe();
     let mut validation_events = ctx.validator.subscribe();
+    let (actions, actions_error) = actions_allowed(&ctx).await;
     let hello = json!({
         "history": history.iter().map(|s| &**s).collect::<Vec<_>>(),
         "thresholds": {
@@ -149,7 +154,8 @@ async fn feed(ctx: std::sync::Arc<Ctx>, tx: mpsc::Sender<Bytes>) {
         "alerts": recent_alerts,
         "thermal": standing,
         "validations": saved_validations(&ctx).await,
-        "actions": actions_allowed(&ctx).await,
+        "actions": actions,
+        "actions_error": actions_error,
         "profiles": config.profile_names(),
         "validation_profile": crate::validate::DEFAULT_PROFILE,
     });

@@ -74,11 +74,20 @@ pub async fn act(
     let body = read_body(req.into_body(), timeout).await?;
     let actions = &ctx.actions;
     let done = match name {
-        "start" => actions.start(BY).await.map(|()| json!({})),
-        "stop" => actions.stop(false, BY).await.map(|()| json!({})),
-        "stop-now" => actions.stop(true, BY).await.map(|()| json!({})),
+        "start" => {
+            args(&body, &[], &[])?;
+            actions.start(BY).await.map(|()| json!({}))
+        }
+        "stop" => {
+            args(&body, &[], &[])?;
+            actions.stop(false, BY).await.map(|()| json!({}))
+        }
+        "stop-now" => {
+            args(&body, &[], &[])?;
+            actions.stop(true, BY).await.map(|()| json!({}))
+        }
         "profile" => {
-            let Args { profile, .. } = args(&body, &["profile"])?;
+            let Args { profile, .. } = args(&body, &["profile"], &["profile"])?;
             let profile = profile.unwrap_or_default();
             actions
                 .set_profile(&profile, BY)
@@ -86,7 +95,7 @@ pub async fn act(
                 .map(|()| json!({ "profile": profile }))
         }
         "drop-checkpoint" => {
-            let Args { what, .. } = args(&body, &["what"])?;
+            let Args { what, .. } = args(&body, &["what"], &["what"])?;
             actions
                 .drop_kv(&what.unwrap_or_default(), BY)
                 .await
@@ -97,18 +106,23 @@ pub async fn act(
                 profile,
                 runs,
                 long,
+                prefill,
                 ..
-            } = args(&body, &[])?;
+            } = args(&body, &[], &["profile", "runs", "long", "prefill"])?;
             let req = dsv4_client::validate::ValidateRequest {
                 profile,
                 runs: runs.unwrap_or(1),
                 long,
+                prefill,
             };
             actions
                 .validate(req, BY)
                 .map(|profile| json!({ "profile": profile }))
         }
-        "cancel-validation" => Ok(json!({ "cancelled": actions.cancel_validation(BY) })),
+        "cancel-validation" => {
+            args(&body, &[], &[])?;
+            Ok(json!({ "cancelled": actions.cancel_validation(BY) }))
+        }
         _ => return Err(not_found(&format!("{PREFIX}{name}"))),
     };
     match done {
@@ -135,16 +149,17 @@ pub fn not_found(path: &str) -> ApiError {
 
 /// What an action's body may say.
 #[derive(Debug, Default, Deserialize)]
-#[serde(deny_unknown_fields)]
 struct Args {
     profile: Option<String>,
     what: Option<String>,
     runs: Option<u32>,
     long: Option<u64>,
+    prefill: Option<u64>,
 }
 
-/// The body as [`Args`], with `needed` fields there and not empty.
-fn args(body: &Bytes, needed: &[&str]) -> Result<Args, ApiError> {
+/// The body as [`Args`]: a JSON object (or nothing) with no field but the `allowed`, and the
+/// `needed` ones there and not empty.
+fn args(body: &Bytes, needed: &[&str], allowed: &[&str]) -> Result<Args, ApiError> {
     let bad = |why: String| {
         ApiError::new(
             StatusCode::BAD_REQUEST,
@@ -153,11 +168,26 @@ fn args(body: &Bytes, needed: &[&str]) -> Result<Args, ApiError> {
             why,
         )
     };
-    let args: Args = match body.is_empty() {
-        true => Args::default(),
+    let object: serde_json::Map<String, Value> = match body.is_empty() {
+        true => Default::default(),
         false => serde_json::from_slice(body)
-            .map_err(|e| bad(format!("the action's body is not what it takes: {e}")))?,
+            .map_err(|e| bad(format!("the action's body is not a JSON object: {e}")))?,
     };
+    if let Some(other) = object.keys().find(|k| !allowed.contains(&k.as_str())) {
+        return Err(bad(match allowed.is_empty() {
+            true => format!("the action takes no field, and the body has `{other}`"),
+            false => format!(
+                "the action takes {}, not `{other}`",
+                allowed
+                    .iter()
+                    .map(|a| format!("`{a}`"))
+                    .collect::<Vec<_>>()
+                    .join(", ")
+            ),
+        }));
+    }
+    let args: Args = serde_json::from_value(Value::Object(object))
+        .map_err(|e| bad(format!("the action's body is not what it takes: {e}")))?;
     for field in needed {
         let given = match *field {
             "profile" => args.profile.as_deref(),
@@ -212,10 +242,13 @@ fn refusal(e: ActionError) -> ApiError {
             ErrorType::InvalidRequest,
             ErrorCode::UnknownProfile,
         ),
-        ActionError::Control(ControlError::Gone) => (
-            StatusCode::SERVICE_UNAVAILABLE,
-            ErrorType::Unavailable,
-            ErrorCode::ShuttingDown,
+        ActionError::Control(ControlError::Gone) => {
+            return ApiError::from(crate::lifecycle::state::Refusal::ShuttingDown)
+        }
+        ActionError::NotFound(_) => (
+            StatusCode::NOT_FOUND,
+            ErrorType::InvalidRequest,
+            ErrorCode::NotFound,
         ),
         ActionError::Control(ControlError::NotSaved { .. }) | ActionError::Failed(_) => (
             StatusCode::INTERNAL_SERVER_ERROR,
@@ -247,6 +280,20 @@ pub fn answer<B: From<Bytes>>(done: Result<Value, ApiError>) -> Response<B> {
             );
             r
         }
-        Err(e) => e.into_response(),
+        Err(e) => {
+            let code = e.code;
+            let mut r: Response<B> = e.into_response();
+            let h = r.headers_mut();
+            match code {
+                ErrorCode::MethodNotAllowed => {
+                    h.insert(header::ALLOW, HeaderValue::from_static("POST"));
+                }
+                ErrorCode::InvalidAdminKey => {
+                    h.insert(header::WWW_AUTHENTICATE, HeaderValue::from_static("Bearer"));
+                }
+                _ => {}
+            }
+            r
+        }
     }
 }

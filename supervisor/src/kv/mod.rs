@@ -46,6 +46,18 @@ struct Inner {
 
 /// What the checkpoint steps did; shared by the actor (which writes) and the status and
 /// metrics (which read).
+/// Why a drop removed nothing.
+#[derive(Debug, thiserror::Error)]
+pub enum DropError {
+    #[error("say what to drop: all, a profile name or a checkpoint id")]
+    NoWhat,
+    /// Nothing matches (the message lists what there is).
+    #[error("{0}")]
+    NoMatch(String),
+    #[error("{0}")]
+    Failed(String),
+}
+
 #[derive(Debug, Clone)]
 pub struct Book {
     inner: Arc<Mutex<Inner>>,
@@ -116,10 +128,11 @@ impl Book {
 
     /// Removes the checkpoints `what` names (`all`, a profile, an id), on a blocking worker;
     /// the ids removed, or why nothing was.
-    pub async fn drop_matching(&self, what: &str) -> Result<Vec<String>, String> {
+    pub async fn drop_matching(&self, what: &str) -> Result<Vec<String>, DropError> {
         let what = what.to_string();
         self.off_thread(move |b| b.drop_matching_now(&what))
             .await
+            .map_err(DropError::Failed)
             .and_then(|r| r)
     }
 
@@ -187,9 +200,9 @@ impl Book {
         all.iter().map(store::Manifest::shown).collect()
     }
 
-    fn drop_matching_now(&self, what: &str) -> Result<Vec<String>, String> {
+    fn drop_matching_now(&self, what: &str) -> Result<Vec<String>, DropError> {
         if what.is_empty() {
-            return Err("say what to drop: all, a profile name or a checkpoint id".into());
+            return Err(DropError::NoWhat);
         }
         let gone: Vec<String> = self
             .stores()
@@ -202,13 +215,13 @@ impl Book {
                 .into_iter()
                 .map(|c| format!("{} (profile {})", c.id, c.profile))
                 .collect();
-            return Err(match known.is_empty() {
+            return Err(DropError::NoMatch(match known.is_empty() {
                 true => format!("no KV checkpoint matches `{what}`: there are none"),
                 false => format!(
                     "no KV checkpoint matches `{what}`; there are: {}",
                     known.join(", ")
                 ),
-            });
+            }));
         }
         for id in &gone {
             tracing::info!("KV checkpoint {id} dropped on request");

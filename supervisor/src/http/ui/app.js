@@ -5,7 +5,9 @@
 
 const HOUR = 3600;
 const KEY = "dsv4.key";
-const ADMIN = "dsv4.admin";
+// The admin key lives in this page's memory only: pages of the engine's own web UI share
+// dsv4d's origin, and its storage with it.
+let adminKey = null;
 const $ = (id) => document.getElementById(id);
 const SVG = "http://www.w3.org/2000/svg";
 
@@ -381,6 +383,10 @@ function options(select, names) {
 function showActions(v) {
   $("actions-on").hidden = !v.actions;
   $("actions-off").hidden = !!v.actions;
+  if (v.actions_error) {
+    $("actions-why").textContent =
+      "The admin keys cannot be read, so this page only looks: " + v.actions_error;
+  }
   const profiles = v.profiles || [];
   options($("profile-choice"), profiles);
   options($("drop-choice"), ["all"].concat(profiles));
@@ -397,10 +403,10 @@ function said(text, bad) {
 async function act(name, body) {
   const input = $("admin-key");
   if (input.value) {
-    sessionStorage.setItem(ADMIN, input.value);
+    adminKey = input.value;
     input.value = "";
   }
-  const key = sessionStorage.getItem(ADMIN);
+  const key = adminKey;
   if (!key) {
     said("enter the admin key first", true);
     return;
@@ -425,11 +431,15 @@ async function act(name, body) {
     v = {};
   }
   if (resp.ok) {
+    if (v.cancelled === false) {
+      said(name + ": no validation was running");
+      return;
+    }
     const more = v.profile ? " " + v.profile : v.dropped ? ": " + v.dropped.length + " dropped" : "";
     said(name + more + ": done");
     return;
   }
-  if (resp.status === 401) sessionStorage.removeItem(ADMIN);
+  if (resp.status === 401) adminKey = null;
   said(name + ": " + (v.error ? v.error.message : "HTTP " + resp.status), true);
 }
 

@@ -2,15 +2,17 @@
 //!
 //! A run switches to the validation profile by drain and restart, holds one lease on its
 //! engine for the whole suite (so it is never stopped for idleness in between), runs each
-//! test `runs` times on the native `/completion` endpoint with `cache_prompt: false` (every
-//! run cold), and switches back to the profile that was active, whatever happened: a failed
+//! test `runs` times, every run cold (llama-server's native `/completion` with
+//! `cache_prompt: false`; for ds4-server a streamed `/v1/completions`, see [`measure`]), and
+//! switches back to the profile that was active, whatever happened: a failed
 //! test, an engine that died, `dsv4ctl stop --now`, a cancel. Client requests that arrive
 //! meanwhile wait at the [`Validator::admit`] gate (or get a 503 when `max_waiting` of them
 //! already wait) and are served once the old profile is back.
 //!
 //! The suite: `decode` (a fixed short prompt, 256 generated tokens), `prefill` (a prompt of
-//! exactly 4,096 tokens, built from `/tokenize`'s ids), and with `--long N` one
-//! `long_prefill` of exactly N tokens. Each test gets the host's figures over its span from
+//! 4,096 tokens: exactly, from llama-server's `/tokenize`; within 2% for ds4-server, text
+//! measured by its own count), with an mmproj the vision tests (llama-server), and with
+//! `--long N` one `long_prefill` of N tokens. Each test gets the host's figures over its span from
 //! the monitor's ring. The result is kept as JSON in `state_dir/validations/`.
 //!
 //! Owns: the one validation that may run, its gate, and its progress stream. Must not:
@@ -24,7 +26,7 @@ use std::time::Duration;
 use dsv4_client::validate::{
     mean_sd, Progress, RunDetail, TestResult, TestTelemetry, ValidateRequest, ValidationResult,
 };
-use serde_json::{json, Value};
+use serde_json::Value;
 use tokio::sync::{broadcast, watch};
 use tokio::time::Instant;
 
@@ -34,13 +36,18 @@ use crate::lifecycle::actor::{Handle, Lease};
 use crate::lifecycle::engine_ref::EngineRef;
 use crate::observe::monitor::Telemetry;
 
+mod measure;
+
+use dsv4_engine::EngineKind;
+use measure::{build_info, chat, rate, test_image_uri, vision_request, Api, Prompt};
+
 /// The validation profile when none is named.
 pub const DEFAULT_PROFILE: &str = "64k";
 /// Tokens of the cold prefill test.
 pub const PREFILL_TOKENS: u64 = 4096;
 /// Tokens the decode test generates.
 pub const DECODE_TOKENS: u64 = 256;
-const DECODE_PROMPT: &str = "Write the alphabet, then keep going:";
+pub(crate) const DECODE_PROMPT: &str = "Write the alphabet, then keep going:";
 /// Most runs a request may ask for.
 pub const MAX_RUNS: u32 = 100;
 /// The file that names the profile to go back to while a validation runs: a daemon that
@@ -158,12 +165,14 @@ impl Validator {
                 "runs must be between 1 and {MAX_RUNS}"
             )));
         }
-        let context = config.profile(&profile).and_then(|p| p.context());
-        if let Some(n) = req.long {
-            let most = context.map_or(10_000_000, u64::from);
-            if n == 0 || n >= most {
+        let most = config
+            .profile(&profile)
+            .and_then(|p| p.context())
+            .map_or(10_000_000, u64::from);
+        for (flag, asked) in [("--prefill", req.prefill), ("--long", req.long)] {
+            if asked.is_some_and(|n| n == 0 || n >= most) {
                 return Err(StartError::Invalid(format!(
-                    "--long must be at least 1 token and fewer than the profile's context \
+                    "{flag} must be at least 1 token and fewer than the profile's context \
                      ({most})"
                 )));
             }
@@ -337,50 +346,49 @@ impl Validator {
             .await
             .map_err(|e| e.to_string())?;
         let lease = self.lease_on(profile).await?;
-        let engine = lease.engine.clone();
-        result.engine_build = build_info(&engine).await.unwrap_or_default();
+        let engine = &lease.engine.clone();
+        let (api, has_mmproj) = {
+            let config = self.0.config.borrow();
+            let p = config.profile(profile);
+            let api = Api::of(p.map_or(EngineKind::LlamaServer, |p| p.engine));
+            (api, p.is_some_and(|p| p.params.mmproj.is_some()))
+        };
+        result.engine_build = build_info(engine).await.unwrap_or_default();
         let runs = req.runs;
+        // Each run's number, for the streamed API's marks.
+        let mut run = 0;
         let decode = self
-            .test("decode", runs, &engine, || async {
-                let body = json!({
-                    "prompt": DECODE_PROMPT,
-                    "n_predict": DECODE_TOKENS,
-                    "ignore_eos": true,
-                    "cache_prompt": false,
-                });
-                let d = complete(&engine, body).await?;
-                Ok(RunDetail {
-                    value: rate(d.predicted_n, d.predicted_ms),
-                    ..d.detail
-                })
+            .test("decode", runs, engine, || {
+                run += 1;
+                let this = run;
+                async move {
+                    let d = api.decode(engine, this).await?;
+                    Ok(RunDetail {
+                        value: rate(d.predicted_n, d.predicted_ms),
+                        ..d.detail
+                    })
+                }
             })
             .await;
         result.tests.push(decode?);
-        let prompt = exact_prompt(&engine, PREFILL_TOKENS).await?;
+        let prompt = api
+            .prompt(engine, req.prefill.unwrap_or(PREFILL_TOKENS))
+            .await?;
         let prefill = self
-            .test("prefill", runs, &engine, || async {
-                let body = json!({"prompt": prompt, "n_predict": 1, "cache_prompt": false});
-                let d = complete(&engine, body).await?;
-                Ok(RunDetail {
-                    value: rate(d.detail.prompt_n, d.prompt_ms),
-                    ..d.detail
-                })
+            .test("prefill", runs, engine, || {
+                run += 1;
+                prefill_run(api, engine, &prompt, 1, run)
             })
             .await;
         result.tests.push(prefill?);
-        let has_mmproj = self
-            .0
-            .config
-            .borrow()
-            .profile(profile)
-            .is_some_and(|p| p.params.mmproj.is_some());
-        if has_mmproj {
+        // The vision projector is llama-server's (ds4-server has none).
+        if has_mmproj && api == Api::Native {
             let image = test_image_uri().map_err(|e| format!("cannot make the test image: {e}"))?;
             for (name, decode) in [("vision_prefill", false), ("vision_decode", true)] {
                 let vision = self
-                    .test(name, runs, &engine, || async {
+                    .test(name, runs, engine, || async {
                         let body = vision_request(&image, decode);
-                        let d = chat(&engine, body).await?;
+                        let d = chat(engine, body).await?;
                         let value = match decode {
                             true => rate(d.predicted_n, d.predicted_ms),
                             false => rate(d.detail.prompt_n, d.prompt_ms),
@@ -392,15 +400,11 @@ impl Validator {
             }
         }
         if let Some(n) = req.long {
-            let prompt = exact_prompt(&engine, n).await?;
+            let prompt = api.prompt(engine, n).await?;
             let long = self
-                .test("long_prefill", 1, &engine, || async {
-                    let body = json!({"prompt": prompt, "n_predict": 32, "cache_prompt": false});
-                    let d = complete(&engine, body).await?;
-                    Ok(RunDetail {
-                        value: rate(d.detail.prompt_n, d.prompt_ms),
-                        ..d.detail
-                    })
+                .test("long_prefill", 1, engine, || {
+                    run += 1;
+                    prefill_run(api, engine, &prompt, 32, run)
                 })
                 .await;
             result.tests.push(long?);
@@ -506,132 +510,22 @@ impl Validator {
     }
 }
 
-fn rate(tokens: u64, ms: f64) -> f64 {
-    if ms > 0.0 {
-        tokens as f64 * 1000.0 / ms
-    } else {
-        0.0
-    }
-}
-
-/// One completion's figures.
-struct Done {
-    detail: RunDetail,
-    prompt_ms: f64,
-    predicted_n: u64,
-    predicted_ms: f64,
-}
-
-async fn complete(engine: &EngineRef, body: Value) -> Result<Done, String> {
-    timed(engine, "/completion", body).await
-}
-
-async fn chat(engine: &EngineRef, body: Value) -> Result<Done, String> {
-    timed(engine, "/v1/chat/completions", body).await
-}
-
-/// A request whose answer carries llama-server's `timings`.
-async fn timed(engine: &EngineRef, path: &str, body: Value) -> Result<Done, String> {
-    let v: Value =
-        crate::lifecycle::kv_steps::call_json(engine, http::Method::POST, path, Some(body)).await?;
-    let t = &v["timings"];
-    let n = |k: &str| t[k].as_u64().unwrap_or(0);
-    let f = |k: &str| t[k].as_f64().unwrap_or(0.0);
-    if t.is_null() {
-        return Err("the engine's answer has no timings".into());
-    }
-    Ok(Done {
-        detail: RunDetail {
-            prompt_n: n("prompt_n"),
-            cache_n: n("cache_n"),
-            predicted_n: n("predicted_n"),
-            ..RunDetail::default()
-        },
-        prompt_ms: f("prompt_ms"),
-        predicted_n: n("predicted_n"),
-        predicted_ms: f("predicted_ms"),
+/// One cold run of `prompt`: its prefill rate, over the tokens the engine evaluated (ds4-server
+/// renders every prompt in its chat template and keeps the template's opening from the last
+/// request: those few are in `cache_n` and not counted).
+async fn prefill_run(
+    api: Api,
+    engine: &EngineRef,
+    prompt: &Prompt,
+    n_predict: u64,
+    run: u32,
+) -> Result<RunDetail, String> {
+    let d = api.prefill(engine, prompt, n_predict, run).await?;
+    let evaluated = d.detail.prompt_n.saturating_sub(d.detail.cache_n);
+    Ok(RunDetail {
+        value: rate(evaluated, d.prompt_ms),
+        ..d.detail
     })
-}
-
-/// The vision test's image: 512 x 512 pixels of colour gradients and a grid, as a PNG in a
-/// data URI (a photo-like image of the size a vision projector tiles).
-fn test_image_uri() -> Result<String, String> {
-    use base64::Engine as _;
-    const SIDE: u32 = 512;
-    let mut pixels = Vec::with_capacity((SIDE * SIDE * 3) as usize);
-    for y in 0..SIDE {
-        for x in 0..SIDE {
-            let grid = x % 64 < 2 || y % 64 < 2;
-            let (r, g, b) = match grid {
-                true => (255, 255, 255),
-                false => ((x / 2) as u8, (y / 2) as u8, ((x + y) / 4) as u8),
-            };
-            pixels.extend_from_slice(&[r, g, b]);
-        }
-    }
-    let mut png = Vec::new();
-    {
-        let mut encoder = png::Encoder::new(&mut png, SIDE, SIDE);
-        encoder.set_color(png::ColorType::Rgb);
-        encoder.set_depth(png::BitDepth::Eight);
-        let mut writer = encoder.write_header().map_err(|e| e.to_string())?;
-        writer
-            .write_image_data(&pixels)
-            .map_err(|e| e.to_string())?;
-    }
-    Ok(format!(
-        "data:image/png;base64,{}",
-        base64::engine::general_purpose::STANDARD.encode(&png)
-    ))
-}
-
-/// One image and a question, cold; `decode`: 256 tokens generated, else one.
-fn vision_request(image: &str, decode: bool) -> Value {
-    json!({
-        "messages": [{"role": "user", "content": [
-            {"type": "text", "text": "Describe this picture in detail."},
-            {"type": "image_url", "image_url": {"url": image}},
-        ]}],
-        "max_tokens": if decode { DECODE_TOKENS } else { 1 },
-        "ignore_eos": decode,
-        "cache_prompt": false,
-    })
-}
-
-async fn build_info(engine: &EngineRef) -> Result<String, String> {
-    let v: Value =
-        crate::lifecycle::kv_steps::call_json(engine, http::Method::GET, "/props", None).await?;
-    Ok(v["build_info"].as_str().unwrap_or_default().to_string())
-}
-
-/// Exactly `n` token ids of ordinary text, from the engine's own tokenizer.
-async fn exact_prompt(engine: &EngineRef, n: u64) -> Result<Vec<u64>, String> {
-    const TEXT: &str = "The quick brown fox jumps over the lazy dog while the five boxing \
-                        wizards jump quickly and a sphinx of black quartz judges my vow. ";
-    let mut text = TEXT.repeat(64);
-    loop {
-        let v: Value = crate::lifecycle::kv_steps::call_json(
-            engine,
-            http::Method::POST,
-            "/tokenize",
-            Some(json!({"content": text, "add_special": false})),
-        )
-        .await?;
-        let tokens: Vec<u64> = v["tokens"]
-            .as_array()
-            .ok_or("the engine's /tokenize answered no tokens")?
-            .iter()
-            .filter_map(Value::as_u64)
-            .collect();
-        if tokens.len() as u64 >= n {
-            return Ok(tokens[..n as usize].to_vec());
-        }
-        if tokens.is_empty() {
-            return Err("the engine's /tokenize answered no tokens".into());
-        }
-        let factor = (n as usize / tokens.len()).max(1) + 1;
-        text = text.repeat(factor);
-    }
 }
 
 /// Keeps `result` in `state_dir/validations/`, with its own path in it.
@@ -675,21 +569,6 @@ pub fn recover(state_dir: &Path) -> Option<String> {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use base64::Engine as _;
-
-    #[test]
-    fn the_test_image_is_a_512_pixel_png() {
-        let uri = test_image_uri().unwrap();
-        let data = uri.strip_prefix("data:image/png;base64,").unwrap();
-        let bytes = base64::engine::general_purpose::STANDARD
-            .decode(data)
-            .unwrap();
-        let decoder = png::Decoder::new(std::io::Cursor::new(bytes));
-        let reader = decoder.read_info().unwrap();
-        let info = reader.info();
-        assert_eq!((info.width, info.height), (512, 512));
-        assert_eq!(info.color_type, png::ColorType::Rgb);
-    }
 
     #[test]
     fn a_validation_left_running_is_undone_at_the_next_start() {
