@@ -43,6 +43,14 @@ fn the_daemon_links_no_terminal_crates_and_the_cli_not_the_daemon() {
             "dsv4d (dsv4-supervisor) links {tui}: the terminal crates belong to dsv4ctl"
         );
     }
+    // The configuration is read by dsv4d's own deserializer from saphyr-parser's nodes:
+    // no other YAML-to-serde crate, and no crate whose error wording it would depend on.
+    for yaml in ["serde_yaml_ng", "serde_yaml", "serde_path_to_error"] {
+        assert!(
+            !daemon.iter().any(|n| n == yaml),
+            "dsv4d (dsv4-supervisor) links {yaml}: the config loader reads YAML itself"
+        );
+    }
     let cli = linked("dsv4ctl");
     assert!(
         cli.iter().any(|n| n == "ratatui"),

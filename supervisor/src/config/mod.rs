@@ -31,10 +31,16 @@ mod error;
 mod files;
 mod load;
 pub mod names;
+mod node;
 pub mod profiles;
 mod raw;
 mod rules;
-mod schema;
+
+/// A YAML text as JSON (a profile's settings, kept with a validation run); `None` when it is
+/// not YAML.
+pub fn yaml_to_json(text: &str) -> Option<serde_json::Value> {
+    node::from_str::<serde_json::Value>(text).ok().flatten()
+}
 mod yaml;
 
 #[cfg(test)]

@@ -136,7 +136,9 @@ mod tests {
     use super::*;
 
     fn profile(text: &str) -> Result<RawProfile, String> {
-        serde_yaml_ng::from_str(text).map_err(|e| e.to_string())
+        super::super::node::from_str(text)
+            .map(Option::unwrap_or_default)
+            .map_err(|e| e.message)
     }
 
     #[test]

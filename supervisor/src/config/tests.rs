@@ -327,7 +327,11 @@ fn an_empty_file_means_every_default() {
 
 #[test]
 fn enum_spellings() {
-    let read = |text: &str| serde_yaml_ng::from_str::<Power>(text).map_err(|e| e.to_string());
+    let read = |text: &str| {
+        super::node::from_str::<Power>(text)
+            .map(Option::unwrap_or_default)
+            .map_err(|e| e.to_string())
+    };
     assert_eq!(
         read("{ cpu: keep, gpu: high, method: none }"),
         Ok(Power {
@@ -337,12 +341,14 @@ fn enum_spellings() {
         })
     );
     assert_eq!(
-        serde_yaml_ng::from_str::<OnCritical>("stop-when-idle").unwrap(),
+        super::node::from_str::<OnCritical>("stop-when-idle")
+            .unwrap()
+            .unwrap(),
         OnCritical::StopWhenIdle
     );
     assert_eq!(
         read("gpu: 5").unwrap_err(),
-        "gpu: unknown variant `5`, expected one of `auto`, `low`, `high`, `keep` at line 1 column 6"
+        "1:6: gpu: unknown variant `5`, expected one of `auto`, `low`, `high`, `keep`"
     );
     let dir = TempDir::new("enums");
     let file = dir.write("supervisor.yaml", "power:\n  cpu: turbo\n");
@@ -623,8 +629,8 @@ fn other_files_are_checked_after_a_parse_error() {
     assert_eq!(
         errors(Config::load(&file)),
         [
-            "supervisor.yaml:3:1: found unexpected end of stream, while scanning a quoted \
-             scalar at line 2 column 12",
+            "supervisor.yaml:2:12: while scanning a quoted scalar, found unexpected end of \
+             stream",
             "profiles/320k.yaml:3:10: context: must be at least 512",
         ]
     );
@@ -870,7 +876,8 @@ fn shipped_policies_fail_only_on_the_example_paths() {
 fn shipped_policies_document_every_key() {
     let dir = Path::new(env!("CARGO_MANIFEST_DIR")).join("../policies");
     let text = fs::read_to_string(dir.join("supervisor.yaml")).unwrap();
-    let shipped: serde_yaml_ng::Mapping = serde_yaml_ng::from_str(&text).unwrap();
+    let shipped: BTreeMap<String, serde::de::IgnoredAny> =
+        super::node::from_str(&text).unwrap().unwrap();
     let keys = keys_of::<Supervisor>();
     assert_eq!(keys.len(), 10);
     for key in keys {
@@ -893,7 +900,7 @@ fn shipped_policies_document_every_key() {
             .map(|l| format!("{l}\n"))
             .collect();
         assert!(uncommented.contains("engine: ds4"), "{name}: {uncommented}");
-        let raw: super::raw::RawProfile = serde_yaml_ng::from_str(&uncommented).unwrap();
+        let raw: super::raw::RawProfile = super::node::from_str(&uncommented).unwrap().unwrap();
         assert_eq!(raw.engine, Some(EngineKind::Ds4));
     }
 }
@@ -1024,9 +1031,9 @@ fn good_fixtures_load() {
     assert!(failures.is_empty(), "\n{}", failures.join("\n\n"));
 }
 
-/// The keys serde reads in a `T` (see `schema`: no error text is read).
+/// The keys serde reads in a `T` (as the deserializer is told them: no error text is read).
 fn keys_of<T: serde::de::DeserializeOwned>() -> Vec<&'static str> {
-    super::schema::Shape::of::<T>().keys()
+    super::node::keys_of::<T>().to_vec()
 }
 
 /// The sections of `supervisor.yaml` and the keys of each.

@@ -287,7 +287,7 @@ impl Validator {
             settings: config
                 .profile(profile)
                 .and_then(|p| std::fs::read_to_string(&p.file).ok())
-                .and_then(|text| serde_yaml_ng::from_str::<Value>(&text).ok())
+                .and_then(|text| crate::config::yaml_to_json(&text))
                 .unwrap_or(Value::Null),
             ..ValidationResult::default()
         };

@@ -1,0 +1,732 @@
+//! A configuration file as parsed YAML nodes with their marks, and the serde deserializer
+//! that reads the settings types from them.
+//!
+//! The file is parsed once, by saphyr-parser, into [`Node`]s (aliases expanded, within
+//! [`MAX_NODES`] and [`MAX_DEPTH`]). The deserializer is this project's own: it knows the
+//! path of every value it hands to serde, so every error it returns names that path, and a
+//! struct's keys that its type does not read are found by the deserializer itself (the
+//! field list serde hands to `deserialize_struct`), recorded with their path and skipped:
+//! one pass finds them all. Plain scalars are resolved as YAML 1.2's core schema says when a
+//! type asks for any value (`null`, booleans, integers, floats, else text); a type that asks
+//! for text gets any scalar as it is written (`extra_args: [100]` is the text `100`).
+
+use std::cell::RefCell;
+
+use saphyr_parser::{Event, Marker, Parser, ScalarStyle, Span};
+use serde::de::{self, DeserializeSeed, IntoDeserializer, Visitor};
+
+/// Deeper nesting than this is refused (no setting is nested more than three deep).
+pub(crate) const MAX_DEPTH: usize = 32;
+
+/// The most nodes a document may have once its aliases are expanded: a few aliases of
+/// aliases (a "billion laughs") would otherwise expand to more than memory holds.
+pub(crate) const MAX_NODES: u64 = 100_000;
+
+/// One parsed YAML value and where it is written.
+#[derive(Debug, Clone)]
+pub(crate) struct Node {
+    pub kind: Kind,
+    pub mark: Marker,
+}
+
+#[derive(Debug, Clone)]
+pub(crate) enum Kind {
+    /// A scalar as written; `plain` when unquoted (only a plain scalar can be `null`, a
+    /// number or a boolean).
+    Scalar {
+        text: String,
+        plain: bool,
+    },
+    Seq(Vec<Node>),
+    /// Keys and values, in order.
+    Map(Vec<(Node, Node)>),
+}
+
+impl Node {
+    /// Whether this is a plain `null`, `~` or nothing: a key set to it counts as not written.
+    pub fn is_null(&self) -> bool {
+        matches!(&self.kind, Kind::Scalar { text, plain: true } if is_null(text))
+    }
+
+    /// The scalar's text, for a map key.
+    pub fn text(&self) -> Option<&str> {
+        match &self.kind {
+            Kind::Scalar { text, .. } => Some(text),
+            _ => None,
+        }
+    }
+}
+
+fn is_null(text: &str) -> bool {
+    matches!(text, "" | "~" | "null" | "Null" | "NULL")
+}
+
+/// A position as messages give it: 1-based line and column (in characters).
+pub(crate) fn position(m: &Marker) -> (usize, usize) {
+    (m.line(), m.col() + 1)
+}
+
+/// Why a text is not a document this loader reads: where, and what.
+pub(crate) type ParseError = ((usize, usize), String);
+
+/// Parses `text`: its one document's root node (`None` for an empty file).
+pub(crate) fn parse(text: &str) -> Result<Option<Node>, ParseError> {
+    let mut b = Builder {
+        events: Parser::new_from_str(text),
+        anchors: Vec::new(),
+        nodes: 0,
+    };
+    let mut root = None;
+    loop {
+        let (event, span) = b.next()?;
+        match event {
+            Event::StreamStart | Event::DocumentStart(_) | Event::DocumentEnd | Event::Nothing => {}
+            Event::StreamEnd => return Ok(root),
+            _ if root.is_some() => {
+                return Err((
+                    position(&span.start),
+                    "the file holds more than one YAML document; a configuration file holds \
+                     one"
+                    .into(),
+                ))
+            }
+            event => root = Some(b.node(event, span, 1)?),
+        }
+    }
+}
+
+struct Builder<'a> {
+    events: Parser<'a, saphyr_parser::StrInput<'a>>,
+    /// The anchored nodes so far, by anchor id, with their size once expanded.
+    anchors: Vec<(usize, Node, u64)>,
+    /// Nodes so far, aliases expanded.
+    nodes: u64,
+}
+
+impl<'a> Builder<'a> {
+    fn next(&mut self) -> Result<(Event<'a>, Span), ParseError> {
+        match self.events.next() {
+            Some(Ok((event, span))) => Ok((event, span)),
+            // The scanner's own limit on flow nesting, met before any event of that depth (a
+            // test holds this wording of the parser's).
+            Some(Err(e)) if e.info().contains("recursion limit") => Err((
+                position(e.marker()),
+                format!("nested more than {MAX_DEPTH} deep (no setting is)"),
+            )),
+            Some(Err(e)) => Err((position(e.marker()), e.info().to_string())),
+            None => Ok((Event::StreamEnd, Span::empty(Marker::default()))),
+        }
+    }
+
+    fn count(&mut self, n: u64, at: &Marker) -> Result<(), ParseError> {
+        self.nodes += n;
+        if self.nodes > MAX_NODES {
+            return Err((
+                position(at),
+                format!(
+                    "its aliases expand to more than {MAX_NODES} values; write the settings \
+                     out instead"
+                ),
+            ));
+        }
+        Ok(())
+    }
+
+    /// The node that opened with `event`, at `depth`.
+    fn node(&mut self, event: Event<'a>, span: Span, depth: usize) -> Result<Node, ParseError> {
+        let mark = span.start;
+        let began = self.nodes;
+        let mapping = matches!(event, Event::MappingStart(..));
+        let (kind, anchor, tag) = match event {
+            Event::Alias(id) => {
+                let Some((_, node, size)) = self.anchors.iter().rev().find(|a| a.0 == id) else {
+                    return Err((position(&mark), "an alias to no anchor".into()));
+                };
+                let (node, size) = (node.clone(), *size);
+                self.count(size, &mark)?;
+                return Ok(node);
+            }
+            Event::Scalar(text, style, anchor, tag) => {
+                self.count(1, &mark)?;
+                let plain = style == ScalarStyle::Plain;
+                let kind = Kind::Scalar {
+                    text: text.into_owned(),
+                    plain,
+                };
+                (kind, anchor, tag)
+            }
+            Event::SequenceStart(anchor, tag) | Event::MappingStart(anchor, tag) => {
+                self.count(1, &mark)?;
+                if depth > MAX_DEPTH {
+                    return Err((
+                        position(&mark),
+                        format!("nested more than {MAX_DEPTH} deep (no setting is)"),
+                    ));
+                }
+                let mut items = Vec::new();
+                loop {
+                    let (event, span) = self.next()?;
+                    if matches!(event, Event::SequenceEnd | Event::MappingEnd) {
+                        break;
+                    }
+                    if matches!(event, Event::StreamEnd) {
+                        return Err((position(&span.start), "the file ends early".into()));
+                    }
+                    items.push(self.node(event, span, depth + 1)?);
+                }
+                let kind = match mapping {
+                    false => Kind::Seq(items),
+                    true => {
+                        let mut entries = Vec::with_capacity(items.len() / 2);
+                        let mut items = items.into_iter();
+                        while let (Some(k), Some(v)) = (items.next(), items.next()) {
+                            entries.push((k, v));
+                        }
+                        Kind::Map(entries)
+                    }
+                };
+                (kind, anchor, tag)
+            }
+            _ => return Err((position(&mark), "unexpected YAML event".into())),
+        };
+        let node = Node { kind, mark };
+        if let Some(tag) = tag {
+            let core_str = tag.handle == "tag:yaml.org,2002:" && tag.suffix == "str";
+            if !core_str {
+                return Err((
+                    position(&mark),
+                    format!(
+                        "unexpected tag `{}{}`: settings take no tags",
+                        tag.handle, tag.suffix
+                    ),
+                ));
+            }
+            // `!!str 64` is the text `64`.
+            if let Kind::Scalar { text, .. } = node.kind {
+                let node = Node {
+                    kind: Kind::Scalar { text, plain: false },
+                    mark,
+                };
+                return self.anchored(anchor, node, began);
+            }
+        }
+        self.anchored(anchor, node, began)
+    }
+
+    fn anchored(&mut self, anchor: usize, node: Node, began: u64) -> Result<Node, ParseError> {
+        if anchor != 0 {
+            self.anchors
+                .push((anchor, node.clone(), self.nodes - began));
+        }
+        Ok(node)
+    }
+}
+
+/// A mistake serde found in a value: what, and the value's path (`engine.idle_timeout`,
+/// `extra_args[2]`) and mark.
+#[derive(Debug)]
+pub(crate) struct Error {
+    pub message: String,
+    pub path: Option<String>,
+    pub mark: Option<Marker>,
+}
+
+impl std::fmt::Display for Error {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str(&self.message)
+    }
+}
+
+impl std::error::Error for Error {}
+
+impl de::Error for Error {
+    fn custom<T: std::fmt::Display>(msg: T) -> Error {
+        Error {
+            message: msg.to_string(),
+            path: None,
+            mark: None,
+        }
+    }
+}
+
+/// A key a struct does not read: where it is, and the keys there are.
+#[derive(Debug)]
+pub(crate) struct Unknown {
+    /// The entry's path (`api.max_bdy`).
+    pub path: String,
+    /// The keys the struct reads.
+    pub keys: &'static [&'static str],
+}
+
+/// The deserializer of one node at `path`; unknown keys go to `unknown`.
+pub(crate) struct De<'a> {
+    node: &'a Node,
+    path: String,
+    unknown: &'a RefCell<Vec<Unknown>>,
+}
+
+impl<'a> De<'a> {
+    pub fn root(node: &'a Node, unknown: &'a RefCell<Vec<Unknown>>) -> De<'a> {
+        De {
+            node,
+            path: String::new(),
+            unknown,
+        }
+    }
+
+    fn child(&self, node: &'a Node, path: String) -> De<'a> {
+        De {
+            node,
+            path,
+            unknown: self.unknown,
+        }
+    }
+
+    /// `err` with this node's path and mark, unless a value inside already gave its own.
+    fn locate(&self, err: Error) -> Error {
+        Located(self.path.clone(), self.node.mark).locate(err)
+    }
+
+    fn unexpected(&self) -> de::Unexpected<'a> {
+        match &self.node.kind {
+            Kind::Scalar { text, .. } => de::Unexpected::Str(text),
+            Kind::Seq(_) => de::Unexpected::Seq,
+            Kind::Map(_) => de::Unexpected::Map,
+        }
+    }
+
+    fn any<V: Visitor<'a>>(self, visitor: V) -> Result<V::Value, Error> {
+        let r = match &self.node.kind {
+            Kind::Scalar { text, plain } => match plain {
+                true => resolve(text, visitor),
+                false => visitor.visit_str(text),
+            },
+            Kind::Seq(items) => visitor.visit_seq(Seq {
+                de: &self,
+                items: items.iter().enumerate(),
+            }),
+            Kind::Map(entries) => visitor.visit_map(Map {
+                de: &self,
+                entries: entries.iter(),
+                fields: None,
+                value: None,
+            }),
+        };
+        r.map_err(|e| self.locate(e))
+    }
+}
+
+impl<'a> De<'a> {
+    /// A value for an unsigned type: a negative integer is the wrong type of number.
+    fn unsigned<V: Visitor<'a>>(self, visitor: V) -> Result<V::Value, Error> {
+        if let Kind::Scalar { text, plain: true } = &self.node.kind {
+            if let Some(n) = text.strip_prefix('-').and_then(|d| d.parse::<u64>().ok()) {
+                if let Ok(n) = i64::try_from(n) {
+                    let e = de::Error::invalid_type(de::Unexpected::Signed(-n), &visitor);
+                    return Err(self.locate(e));
+                }
+            }
+        }
+        self.any(visitor)
+    }
+}
+
+/// A plain scalar as YAML 1.2's core schema reads it, handed to `visitor`.
+fn resolve<'a, V: Visitor<'a>>(text: &'a str, visitor: V) -> Result<V::Value, Error> {
+    if is_null(text) {
+        return visitor.visit_unit();
+    }
+    match text {
+        "true" | "True" | "TRUE" => return visitor.visit_bool(true),
+        "false" | "False" | "FALSE" => return visitor.visit_bool(false),
+        ".inf" | ".Inf" | ".INF" | "+.inf" | "+.Inf" | "+.INF" => {
+            return visitor.visit_f64(f64::INFINITY)
+        }
+        "-.inf" | "-.Inf" | "-.INF" => return visitor.visit_f64(f64::NEG_INFINITY),
+        ".nan" | ".NaN" | ".NAN" => return visitor.visit_f64(f64::NAN),
+        _ => {}
+    }
+    let (negative, digits) = match text.as_bytes().first() {
+        Some(b'-') => (true, &text[1..]),
+        Some(b'+') => (false, &text[1..]),
+        _ => (false, text),
+    };
+    let radix = match digits.get(..2) {
+        Some("0x") => Some(16),
+        Some("0o") => Some(8),
+        _ => None,
+    };
+    let integer = match radix {
+        Some(r) => u64::from_str_radix(&digits[2..], r).ok(),
+        None if !digits.is_empty() && digits.bytes().all(|b| b.is_ascii_digit()) => {
+            digits.parse::<u64>().ok()
+        }
+        None => None,
+    };
+    if let Some(n) = integer {
+        return match negative {
+            false => visitor.visit_u64(n),
+            true => match i64::try_from(n) {
+                Ok(n) => visitor.visit_i64(-n),
+                Err(_) => visitor.visit_str(text),
+            },
+        };
+    }
+    let numeric = digits
+        .bytes()
+        .all(|b| b.is_ascii_digit() || matches!(b, b'.' | b'e' | b'E' | b'-' | b'+'))
+        && digits.bytes().any(|b| b.is_ascii_digit());
+    if numeric {
+        if let Ok(x) = text.parse::<f64>() {
+            return visitor.visit_f64(x);
+        }
+    }
+    visitor.visit_str(text)
+}
+
+impl<'de> de::Deserializer<'de> for De<'de> {
+    type Error = Error;
+
+    fn deserialize_any<V: Visitor<'de>>(self, visitor: V) -> Result<V::Value, Error> {
+        self.any(visitor)
+    }
+
+    fn deserialize_str<V: Visitor<'de>>(self, visitor: V) -> Result<V::Value, Error> {
+        let r = match &self.node.kind {
+            // Any scalar as it is written.
+            Kind::Scalar { text, .. } => visitor.visit_str(text),
+            _ => Err(de::Error::invalid_type(self.unexpected(), &visitor)),
+        };
+        r.map_err(|e| self.locate(e))
+    }
+
+    fn deserialize_string<V: Visitor<'de>>(self, visitor: V) -> Result<V::Value, Error> {
+        self.deserialize_str(visitor)
+    }
+
+    fn deserialize_identifier<V: Visitor<'de>>(self, visitor: V) -> Result<V::Value, Error> {
+        self.deserialize_str(visitor)
+    }
+
+    fn deserialize_option<V: Visitor<'de>>(self, visitor: V) -> Result<V::Value, Error> {
+        match self.node.is_null() {
+            true => visitor.visit_none().map_err(|e| self.locate(e)),
+            false => visitor.visit_some(self),
+        }
+    }
+
+    fn deserialize_newtype_struct<V: Visitor<'de>>(
+        self,
+        _name: &'static str,
+        visitor: V,
+    ) -> Result<V::Value, Error> {
+        visitor.visit_newtype_struct(self)
+    }
+
+    fn deserialize_struct<V: Visitor<'de>>(
+        self,
+        _name: &'static str,
+        fields: &'static [&'static str],
+        visitor: V,
+    ) -> Result<V::Value, Error> {
+        let r = match &self.node.kind {
+            Kind::Map(entries) => visitor.visit_map(Map {
+                de: &self,
+                entries: entries.iter(),
+                fields: Some(fields),
+                value: None,
+            }),
+            _ => Err(de::Error::invalid_type(self.unexpected(), &visitor)),
+        };
+        r.map_err(|e| self.locate(e))
+    }
+
+    fn deserialize_enum<V: Visitor<'de>>(
+        self,
+        _name: &'static str,
+        _variants: &'static [&'static str],
+        visitor: V,
+    ) -> Result<V::Value, Error> {
+        let r = match &self.node.kind {
+            Kind::Scalar { text, .. } => {
+                visitor.visit_enum(IntoDeserializer::<Error>::into_deserializer(text.as_str()))
+            }
+            _ => Err(de::Error::invalid_type(self.unexpected(), &visitor)),
+        };
+        r.map_err(|e| self.locate(e))
+    }
+
+    fn deserialize_u8<V: Visitor<'de>>(self, visitor: V) -> Result<V::Value, Error> {
+        self.unsigned(visitor)
+    }
+
+    fn deserialize_u16<V: Visitor<'de>>(self, visitor: V) -> Result<V::Value, Error> {
+        self.unsigned(visitor)
+    }
+
+    fn deserialize_u32<V: Visitor<'de>>(self, visitor: V) -> Result<V::Value, Error> {
+        self.unsigned(visitor)
+    }
+
+    fn deserialize_u64<V: Visitor<'de>>(self, visitor: V) -> Result<V::Value, Error> {
+        self.unsigned(visitor)
+    }
+
+    fn deserialize_ignored_any<V: Visitor<'de>>(self, visitor: V) -> Result<V::Value, Error> {
+        visitor.visit_unit()
+    }
+
+    serde::forward_to_deserialize_any! {
+        bool i8 i16 i32 i64 i128 u128 f32 f64 char bytes byte_buf unit
+        unit_struct seq tuple tuple_struct map
+    }
+}
+
+struct Seq<'d, 'a> {
+    de: &'d De<'a>,
+    items: std::iter::Enumerate<std::slice::Iter<'a, Node>>,
+}
+
+impl<'a> de::SeqAccess<'a> for Seq<'_, 'a> {
+    type Error = Error;
+
+    fn next_element_seed<T: DeserializeSeed<'a>>(
+        &mut self,
+        seed: T,
+    ) -> Result<Option<T::Value>, Error> {
+        let Some((i, node)) = self.items.next() else {
+            return Ok(None);
+        };
+        let path = format!("{}[{i}]", self.de.path);
+        let de = self.de.child(node, path);
+        let located = Located(de.path.clone(), node.mark);
+        seed.deserialize(de)
+            .map(Some)
+            .map_err(|e| located.locate(e))
+    }
+}
+
+struct Map<'d, 'a> {
+    de: &'d De<'a>,
+    entries: std::slice::Iter<'a, (Node, Node)>,
+    /// A struct's keys: any other is recorded as unknown and skipped.
+    fields: Option<&'static [&'static str]>,
+    /// The value of the key just handed out, with its path.
+    value: Option<(&'a Node, String)>,
+}
+
+impl<'a> de::MapAccess<'a> for Map<'_, 'a> {
+    type Error = Error;
+
+    fn next_key_seed<K: DeserializeSeed<'a>>(
+        &mut self,
+        seed: K,
+    ) -> Result<Option<K::Value>, Error> {
+        for (key, value) in self.entries.by_ref() {
+            let name = key.text().unwrap_or("?");
+            let path = match self.de.path.as_str() {
+                "" => name.to_string(),
+                parent => format!("{parent}.{name}"),
+            };
+            if let Some(fields) = self.fields {
+                if !fields.contains(&name) {
+                    self.de
+                        .unknown
+                        .borrow_mut()
+                        .push(Unknown { path, keys: fields });
+                    continue;
+                }
+            }
+            let k = seed.deserialize(self.de.child(key, path.clone()))?;
+            self.value = Some((value, path));
+            return Ok(Some(k));
+        }
+        Ok(None)
+    }
+
+    fn next_value_seed<S: DeserializeSeed<'a>>(&mut self, seed: S) -> Result<S::Value, Error> {
+        let (node, path) = self
+            .value
+            .take()
+            .ok_or_else(|| de::Error::custom("a value without its key"))?;
+        let located = Located(path.clone(), node.mark);
+        seed.deserialize(self.de.child(node, path))
+            .map_err(|e| located.locate(e))
+    }
+}
+
+/// A value's path and mark, for an error that came from the type reading it (a
+/// `deserialize_with` that parses the text) rather than from the deserializer.
+struct Located(String, Marker);
+
+impl Located {
+    fn locate(self, mut err: Error) -> Error {
+        if err.path.is_none() {
+            err.path = Some(self.0);
+            err.mark = Some(self.1);
+        }
+        err
+    }
+}
+
+/// The first mistake in a text [`from_str`] read: `line:column: path: message`.
+#[derive(Debug)]
+pub(crate) struct Mistake {
+    pub at: Option<(usize, usize)>,
+    pub path: String,
+    pub message: String,
+}
+
+impl std::fmt::Display for Mistake {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        if let Some((line, column)) = self.at {
+            write!(f, "{line}:{column}: ")?;
+        }
+        if !self.path.is_empty() {
+            write!(f, "{}: ", self.path)?;
+        }
+        f.write_str(&self.message)
+    }
+}
+
+/// `text` read as a `T` (an empty document as `None`), or its first mistake.
+pub(crate) fn from_str<T: de::DeserializeOwned>(text: &str) -> Result<Option<T>, Mistake> {
+    let node = parse(text).map_err(|(at, message)| Mistake {
+        at: Some(at),
+        path: String::new(),
+        message,
+    })?;
+    let Some(node) = node else {
+        return Ok(None);
+    };
+    let unknown = RefCell::new(Vec::new());
+    let value = T::deserialize(De::root(&node, &unknown)).map_err(|e| Mistake {
+        at: e.mark.map(|m| position(&m)),
+        path: e.path.unwrap_or_default(),
+        message: e.message,
+    })?;
+    if let Some(u) = unknown.into_inner().into_iter().next() {
+        let key = u.path.rsplit('.').next().unwrap_or_default().to_string();
+        return Err(Mistake {
+            at: None,
+            message: unknown_key(&key, u.keys).0,
+            path: u.path,
+        });
+    }
+    Ok(Some(value))
+}
+
+/// The message for a key `key` that a struct reading `keys` does not read: serde's own
+/// wording, and the nearest key when it looks like a typo (then also returned).
+pub(crate) fn unknown_key(key: &str, keys: &[&'static str]) -> (String, Option<&'static str>) {
+    let quoted: Vec<String> = keys.iter().map(|k| format!("`{k}`")).collect();
+    let mut message = match quoted.as_slice() {
+        [] => format!("unknown key `{key}`, there are no keys"),
+        [one] => format!("unknown key `{key}`, expected {one}"),
+        [a, b] => format!("unknown key `{key}`, expected {a} or {b}"),
+        all => format!("unknown key `{key}`, expected one of {}", all.join(", ")),
+    };
+    let limit = (key.chars().count() / 3).max(1);
+    let meant = keys
+        .iter()
+        .map(|k| (strsim::osa_distance(key, k), *k))
+        .filter(|(d, _)| *d <= limit)
+        .min_by_key(|(d, _)| *d)
+        .map(|(_, k)| k);
+    if let Some(meant) = meant {
+        message.push_str(&format!("; did you mean `{meant}`?"));
+    }
+    (message, meant)
+}
+
+/// The keys the struct `T` reads (as its deserializer is told).
+#[cfg(test)]
+pub(crate) fn keys_of<T: de::DeserializeOwned>() -> &'static [&'static str] {
+    let probe = Node {
+        kind: Kind::Map(vec![(
+            Node {
+                kind: Kind::Scalar {
+                    text: "\u{0}probe".into(),
+                    plain: false,
+                },
+                mark: Marker::default(),
+            },
+            Node {
+                kind: Kind::Scalar {
+                    text: String::new(),
+                    plain: true,
+                },
+                mark: Marker::default(),
+            },
+        )]),
+        mark: Marker::default(),
+    };
+    let unknown = RefCell::new(Vec::new());
+    let _ = T::deserialize(De::root(&probe, &unknown));
+    unknown.into_inner().first().map_or(&[], |u| u.keys)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use serde::Deserialize;
+
+    fn read<T: for<'a> Deserialize<'a>>(text: &str) -> Result<T, String> {
+        let node = parse(text).map_err(|e| e.1)?.unwrap();
+        let unknown = RefCell::new(Vec::new());
+        T::deserialize(De::root(&node, &unknown)).map_err(|e| {
+            let at = e.mark.map(|m| position(&m));
+            format!("{}: {} {at:?}", e.path.unwrap_or_default(), e.message)
+        })
+    }
+
+    #[test]
+    fn plain_scalars_resolve_as_the_core_schema_says() {
+        let v: Vec<serde_json::Value> =
+            read("[~, null, '', true, False, 12, -3, 0x1f, 0o17, 1.5, -2e3, .inf, 64k, '12']")
+                .unwrap();
+        let shown: Vec<String> = v.iter().map(|v| v.to_string()).collect();
+        assert_eq!(
+            shown,
+            [
+                "null", "null", "\"\"", "true", "false", "12", "-3", "31", "15", "1.5", "-2000.0",
+                "null", "\"64k\"", "\"12\""
+            ]
+        );
+    }
+
+    #[test]
+    fn errors_name_the_value_and_where_it_is() {
+        #[derive(Debug, Deserialize)]
+        #[allow(dead_code)]
+        struct S {
+            n: Option<u32>,
+            list: Vec<u32>,
+        }
+        let e = read::<S>("n: lots\nlist: []\n").unwrap_err();
+        assert_eq!(
+            e,
+            "n: invalid type: string \"lots\", expected u32 Some((1, 4))"
+        );
+        let e = read::<S>("n: 1\nlist:\n  - 1\n  - -2\n").unwrap_err();
+        assert_eq!(
+            e,
+            "list[1]: invalid type: integer `-2`, expected u32 Some((4, 5))"
+        );
+    }
+
+    #[test]
+    fn aliases_expand_and_their_size_counts() {
+        let v: Vec<Vec<u32>> = read("- &a [1, 2]\n- *a\n").unwrap();
+        assert_eq!(v, [[1, 2], [1, 2]]);
+        let mut laughs = String::from("a: &a [x, x, x, x, x, x, x, x, x, x]\n");
+        for (i, name) in ["b", "c", "d", "e", "f"].iter().enumerate() {
+            let prev = ["a", "b", "c", "d", "e"][i];
+            laughs.push_str(&format!(
+                "{name}: &{name} [*{prev}, *{prev}, *{prev}, *{prev}, *{prev}, *{prev}, *{prev}, *{prev}, *{prev}, *{prev}]\n"
+            ));
+        }
+        let e = parse(&laughs).unwrap_err();
+        assert!(e.1.contains("aliases expand to more than 100000"), "{e:?}");
+    }
+}
