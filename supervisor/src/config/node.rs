@@ -57,6 +57,15 @@ impl Node {
     }
 }
 
+/// How many levels `node` spans (a scalar: 1).
+fn height(node: &Node) -> usize {
+    match &node.kind {
+        Kind::Scalar { .. } => 1,
+        Kind::Seq(items) => 1 + items.iter().map(height).max().unwrap_or(0),
+        Kind::Map(entries) => 1 + entries.iter().map(|(_, v)| height(v)).max().unwrap_or(0),
+    }
+}
+
 fn is_null(text: &str) -> bool {
     matches!(text, "" | "~" | "null" | "Null" | "NULL")
 }
@@ -77,14 +86,16 @@ pub(crate) fn parse(text: &str) -> Result<Option<Node>, ParseError> {
         nodes: 0,
     };
     let mut root = None;
+    let mut document = Marker::default();
     loop {
         let (event, span) = b.next()?;
         match event {
-            Event::StreamStart | Event::DocumentStart(_) | Event::DocumentEnd | Event::Nothing => {}
+            Event::DocumentStart(_) => document = span.start,
+            Event::StreamStart | Event::DocumentEnd | Event::Nothing => {}
             Event::StreamEnd => return Ok(root),
             _ if root.is_some() => {
                 return Err((
-                    position(&span.start),
+                    position(&document),
                     "the file holds more than one YAML document; a configuration file holds \
                      one"
                     .into(),
@@ -97,8 +108,9 @@ pub(crate) fn parse(text: &str) -> Result<Option<Node>, ParseError> {
 
 struct Builder<'a> {
     events: Parser<'a, saphyr_parser::StrInput<'a>>,
-    /// The anchored nodes so far, by anchor id, with their size once expanded.
-    anchors: Vec<(usize, Node, u64)>,
+    /// The anchored nodes so far, by anchor id, with their size once expanded and their
+    /// height.
+    anchors: Vec<(usize, Node, u64, usize)>,
     /// Nodes so far, aliases expanded.
     nodes: u64,
 }
@@ -139,9 +151,17 @@ impl<'a> Builder<'a> {
         let mapping = matches!(event, Event::MappingStart(..));
         let (kind, anchor, tag) = match event {
             Event::Alias(id) => {
-                let Some((_, node, size)) = self.anchors.iter().rev().find(|a| a.0 == id) else {
+                let Some((_, node, size, height)) = self.anchors.iter().rev().find(|a| a.0 == id)
+                else {
                     return Err((position(&mark), "an alias to no anchor".into()));
                 };
+                // Nesting built by aliases counts as written out.
+                if depth + height - 1 > MAX_DEPTH {
+                    return Err((
+                        position(&mark),
+                        format!("nested more than {MAX_DEPTH} deep (no setting is)"),
+                    ));
+                }
                 let (node, size) = (node.clone(), *size);
                 self.count(size, &mark)?;
                 return Ok(node);
@@ -189,34 +209,17 @@ impl<'a> Builder<'a> {
             }
             _ => return Err((position(&mark), "unexpected YAML event".into())),
         };
-        let node = Node { kind, mark };
-        if let Some(tag) = tag {
-            let core_str = tag.handle == "tag:yaml.org,2002:" && tag.suffix == "str";
-            if !core_str {
-                return Err((
-                    position(&mark),
-                    format!(
-                        "unexpected tag `{}{}`: settings take no tags",
-                        tag.handle, tag.suffix
-                    ),
-                ));
-            }
-            // `!!str 64` is the text `64`.
-            if let Kind::Scalar { text, .. } = node.kind {
-                let node = Node {
-                    kind: Kind::Scalar { text, plain: false },
-                    mark,
-                };
-                return self.anchored(anchor, node, began);
+        let mut node = Node { kind, mark };
+        // `!!str 64` is the text `64`; other tags (`!!int 64`) change nothing a setting reads.
+        if let (Some(tag), Kind::Scalar { plain, .. }) = (tag, &mut node.kind) {
+            if tag.handle == "tag:yaml.org,2002:" && tag.suffix == "str" {
+                *plain = false;
             }
         }
-        self.anchored(anchor, node, began)
-    }
-
-    fn anchored(&mut self, anchor: usize, node: Node, began: u64) -> Result<Node, ParseError> {
         if anchor != 0 {
+            let height = height(&node);
             self.anchors
-                .push((anchor, node.clone(), self.nodes - began));
+                .push((anchor, node.clone(), self.nodes - began, height));
         }
         Ok(node)
     }
@@ -229,6 +232,8 @@ pub(crate) struct Error {
     pub message: String,
     pub path: Option<String>,
     pub mark: Option<Marker>,
+    /// The way to the value from the root.
+    pub route: Vec<Step>,
 }
 
 impl std::fmt::Display for Error {
@@ -245,6 +250,7 @@ impl de::Error for Error {
             message: msg.to_string(),
             path: None,
             mark: None,
+            route: Vec::new(),
         }
     }
 }
@@ -254,14 +260,27 @@ impl de::Error for Error {
 pub(crate) struct Unknown {
     /// The entry's path (`api.max_bdy`).
     pub path: String,
+    /// Its struct's path (`api`, empty at the top), and its key as written (which may hold a
+    /// `.` itself).
+    pub parent: String,
+    pub key: String,
     /// The keys the struct reads.
     pub keys: &'static [&'static str],
+}
+
+/// One step from a node to a value inside it: the item or the entry by its index (paths
+/// cannot say that: a key may hold `.` or `[`).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) enum Step {
+    Item(usize),
+    Entry(usize),
 }
 
 /// The deserializer of one node at `path`; unknown keys go to `unknown`.
 pub(crate) struct De<'a> {
     node: &'a Node,
     path: String,
+    route: Vec<Step>,
     unknown: &'a RefCell<Vec<Unknown>>,
 }
 
@@ -270,26 +289,39 @@ impl<'a> De<'a> {
         De {
             node,
             path: String::new(),
+            route: Vec::new(),
             unknown,
         }
     }
 
-    fn child(&self, node: &'a Node, path: String) -> De<'a> {
+    fn child(&self, node: &'a Node, path: String, step: Step) -> De<'a> {
+        let mut route = self.route.clone();
+        route.push(step);
         De {
             node,
             path,
+            route,
             unknown: self.unknown,
         }
     }
 
-    /// `err` with this node's path and mark, unless a value inside already gave its own.
-    fn locate(&self, err: Error) -> Error {
-        Located(self.path.clone(), self.node.mark).locate(err)
+    fn located(&self) -> Located {
+        Located(self.path.clone(), self.node.mark, self.route.clone())
     }
 
+    /// `err` with this node's path and mark, unless a value inside already gave its own.
+    fn locate(&self, err: Error) -> Error {
+        self.located().locate(err)
+    }
+
+    /// What the node is, for a message that says it is not what was expected: a plain
+    /// scalar as the core schema reads it.
     fn unexpected(&self) -> de::Unexpected<'a> {
         match &self.node.kind {
-            Kind::Scalar { text, .. } => de::Unexpected::Str(text),
+            Kind::Scalar { text, plain: false } => de::Unexpected::Str(text),
+            Kind::Scalar { text, plain: true } => {
+                resolve(text, Plain).unwrap_or(de::Unexpected::Str(text))
+            }
             Kind::Seq(_) => de::Unexpected::Seq,
             Kind::Map(_) => de::Unexpected::Map,
         }
@@ -307,7 +339,7 @@ impl<'a> De<'a> {
             }),
             Kind::Map(entries) => visitor.visit_map(Map {
                 de: &self,
-                entries: entries.iter(),
+                entries: entries.iter().enumerate(),
                 fields: None,
                 value: None,
             }),
@@ -354,6 +386,7 @@ fn resolve<'a, V: Visitor<'a>>(text: &'a str, visitor: V) -> Result<V::Value, Er
     let radix = match digits.get(..2) {
         Some("0x") => Some(16),
         Some("0o") => Some(8),
+        Some("0b") => Some(2),
         _ => None,
     };
     let integer = match radix {
@@ -368,7 +401,7 @@ fn resolve<'a, V: Visitor<'a>>(text: &'a str, visitor: V) -> Result<V::Value, Er
             false => visitor.visit_u64(n),
             true => match i64::try_from(n) {
                 Ok(n) => visitor.visit_i64(-n),
-                Err(_) => visitor.visit_str(text),
+                Err(_) => visitor.visit_borrowed_str(text),
             },
         };
     }
@@ -381,7 +414,42 @@ fn resolve<'a, V: Visitor<'a>>(text: &'a str, visitor: V) -> Result<V::Value, Er
             return visitor.visit_f64(x);
         }
     }
-    visitor.visit_str(text)
+    visitor.visit_borrowed_str(text)
+}
+
+/// What a plain scalar is, for a message.
+struct Plain;
+
+impl<'a> Visitor<'a> for Plain {
+    type Value = de::Unexpected<'a>;
+
+    fn expecting(&self, f: &mut std::fmt::Formatter) -> std::fmt::Result {
+        f.write_str("a scalar")
+    }
+
+    fn visit_unit<E>(self) -> Result<Self::Value, E> {
+        Ok(de::Unexpected::Unit)
+    }
+
+    fn visit_bool<E>(self, b: bool) -> Result<Self::Value, E> {
+        Ok(de::Unexpected::Bool(b))
+    }
+
+    fn visit_u64<E>(self, n: u64) -> Result<Self::Value, E> {
+        Ok(de::Unexpected::Unsigned(n))
+    }
+
+    fn visit_i64<E>(self, n: i64) -> Result<Self::Value, E> {
+        Ok(de::Unexpected::Signed(n))
+    }
+
+    fn visit_f64<E>(self, x: f64) -> Result<Self::Value, E> {
+        Ok(de::Unexpected::Float(x))
+    }
+
+    fn visit_borrowed_str<E>(self, s: &'a str) -> Result<Self::Value, E> {
+        Ok(de::Unexpected::Str(s))
+    }
 }
 
 impl<'de> de::Deserializer<'de> for De<'de> {
@@ -432,7 +500,7 @@ impl<'de> de::Deserializer<'de> for De<'de> {
         let r = match &self.node.kind {
             Kind::Map(entries) => visitor.visit_map(Map {
                 de: &self,
-                entries: entries.iter(),
+                entries: entries.iter().enumerate(),
                 fields: Some(fields),
                 value: None,
             }),
@@ -498,8 +566,8 @@ impl<'a> de::SeqAccess<'a> for Seq<'_, 'a> {
             return Ok(None);
         };
         let path = format!("{}[{i}]", self.de.path);
-        let de = self.de.child(node, path);
-        let located = Located(de.path.clone(), node.mark);
+        let de = self.de.child(node, path, Step::Item(i));
+        let located = de.located();
         seed.deserialize(de)
             .map(Some)
             .map_err(|e| located.locate(e))
@@ -508,11 +576,11 @@ impl<'a> de::SeqAccess<'a> for Seq<'_, 'a> {
 
 struct Map<'d, 'a> {
     de: &'d De<'a>,
-    entries: std::slice::Iter<'a, (Node, Node)>,
+    entries: std::iter::Enumerate<std::slice::Iter<'a, (Node, Node)>>,
     /// A struct's keys: any other is recorded as unknown and skipped.
     fields: Option<&'static [&'static str]>,
-    /// The value of the key just handed out, with its path.
-    value: Option<(&'a Node, String)>,
+    /// The value of the key just handed out, with its path and entry.
+    value: Option<(&'a Node, String, usize)>,
 }
 
 impl<'a> de::MapAccess<'a> for Map<'_, 'a> {
@@ -522,7 +590,7 @@ impl<'a> de::MapAccess<'a> for Map<'_, 'a> {
         &mut self,
         seed: K,
     ) -> Result<Option<K::Value>, Error> {
-        for (key, value) in self.entries.by_ref() {
+        for (i, (key, value)) in self.entries.by_ref() {
             let name = key.text().unwrap_or("?");
             let path = match self.de.path.as_str() {
                 "" => name.to_string(),
@@ -530,39 +598,42 @@ impl<'a> de::MapAccess<'a> for Map<'_, 'a> {
             };
             if let Some(fields) = self.fields {
                 if !fields.contains(&name) {
-                    self.de
-                        .unknown
-                        .borrow_mut()
-                        .push(Unknown { path, keys: fields });
+                    self.de.unknown.borrow_mut().push(Unknown {
+                        path,
+                        parent: self.de.path.clone(),
+                        key: name.to_string(),
+                        keys: fields,
+                    });
                     continue;
                 }
             }
-            let k = seed.deserialize(self.de.child(key, path.clone()))?;
-            self.value = Some((value, path));
+            let k = seed.deserialize(self.de.child(key, path.clone(), Step::Entry(i)))?;
+            self.value = Some((value, path, i));
             return Ok(Some(k));
         }
         Ok(None)
     }
 
     fn next_value_seed<S: DeserializeSeed<'a>>(&mut self, seed: S) -> Result<S::Value, Error> {
-        let (node, path) = self
+        let (node, path, i) = self
             .value
             .take()
             .ok_or_else(|| de::Error::custom("a value without its key"))?;
-        let located = Located(path.clone(), node.mark);
-        seed.deserialize(self.de.child(node, path))
-            .map_err(|e| located.locate(e))
+        let de = self.de.child(node, path, Step::Entry(i));
+        let located = de.located();
+        seed.deserialize(de).map_err(|e| located.locate(e))
     }
 }
 
 /// A value's path and mark, for an error that came from the type reading it (a
 /// `deserialize_with` that parses the text) rather than from the deserializer.
-struct Located(String, Marker);
+struct Located(String, Marker, Vec<Step>);
 
 impl Located {
     fn locate(self, mut err: Error) -> Error {
         if err.path.is_none() {
             err.path = Some(self.0);
+            err.route = self.2;
             err.mark = Some(self.1);
         }
         err
@@ -606,10 +677,9 @@ pub(crate) fn from_str<T: de::DeserializeOwned>(text: &str) -> Result<Option<T>,
         message: e.message,
     })?;
     if let Some(u) = unknown.into_inner().into_iter().next() {
-        let key = u.path.rsplit('.').next().unwrap_or_default().to_string();
         return Err(Mistake {
             at: None,
-            message: unknown_key(&key, u.keys).0,
+            message: unknown_key(&u.key, u.keys).0,
             path: u.path,
         });
     }

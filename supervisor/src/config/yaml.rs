@@ -84,8 +84,10 @@ impl Doc {
         };
         doc.record(&root, "");
         drop_nulls(&mut root, "", null_is_value);
-        let before = problems.len();
         let mut unknown_seen = HashSet::new();
+        // Whether a value's problem was reported: only the first is certain to be the file's
+        // own, so a later one that cannot be set aside ends the reading unsaid.
+        let mut said = false;
         loop {
             let unknown = RefCell::new(Vec::new());
             // A document that is only `null` (or `~`) is every default.
@@ -93,7 +95,7 @@ impl Doc {
                 .map(Option::unwrap_or_default);
             for u in unknown.into_inner() {
                 if unknown_seen.insert(u.path.clone()) {
-                    let problem = doc.unknown_key(&u.path, u.keys);
+                    let problem = doc.unknown_key(&u);
                     problems.push(problem);
                 }
             }
@@ -107,19 +109,18 @@ impl Doc {
                 problem = problem.at(error.mark.as_ref().map(node::position));
             }
             // A list item that does not fit sets its whole list aside.
-            let mut culprit = path;
-            while culprit.ends_with(']') {
+            let (mut culprit, mut route) = (path, error.route);
+            while let Some(node::Step::Item(_)) = route.last() {
+                route.pop();
                 culprit.truncate(culprit.rfind('[').unwrap_or(0));
             }
-            if culprit.is_empty()
-                || !doc.dropped.insert(culprit.clone())
-                || !remove(&mut root, &culprit)
-            {
-                if problems.len() == before {
+            if route.is_empty() || !doc.dropped.insert(culprit) || !remove(&mut root, &route) {
+                if !said {
                     problems.push(problem);
                 }
                 return (doc, None);
             }
+            said = true;
             problems.push(problem);
         }
     }
@@ -136,7 +137,7 @@ impl Doc {
                         key: item.mark,
                         value: item.mark,
                     };
-                    self.entries.entry(child).or_insert(entry);
+                    self.entries.insert(child, entry);
                 }
             }
             Kind::Map(entries) => {
@@ -151,26 +152,26 @@ impl Doc {
                         key: key.mark,
                         value: value.mark,
                     };
-                    self.entries.entry(child).or_insert(entry);
+                    // The last of two equal keys is the one read.
+                    self.entries.insert(child, entry);
                 }
             }
         }
     }
 
-    /// The problem of the key at `path`, which its struct does not read (it reads `keys`):
+    /// The problem of a key its struct does not read:
     /// the keys there are, and the nearest of them when it looks like a typo (then marked
     /// dropped: checks about the key meant would only repeat the problem).
-    fn unknown_key(&mut self, path: &str, keys: &'static [&'static str]) -> Problem {
-        let (parent, key) = match path.rfind('.') {
-            Some(i) => (&path[..=i], &path[i + 1..]),
-            None => ("", path),
-        };
-        let (message, meant) = node::unknown_key(key, keys);
+    fn unknown_key(&mut self, u: &node::Unknown) -> Problem {
+        let (message, meant) = node::unknown_key(&u.key, u.keys);
         if let Some(meant) = meant {
-            self.dropped.insert(format!("{parent}{meant}"));
+            self.dropped.insert(match u.parent.as_str() {
+                "" => meant.to_string(),
+                parent => format!("{parent}.{meant}"),
+            });
         }
-        self.dropped.insert(path.to_string());
-        self.at(path, path, true, message)
+        self.dropped.insert(u.path.clone());
+        self.at(&u.path, &u.path, true, message)
     }
 
     /// A problem about the value at `path` (dotted, as `engine.idle_timeout`): at the value
@@ -236,47 +237,114 @@ fn drop_nulls(node: &mut Node, path: &str, null_is_value: fn(&str) -> bool) {
     }
 }
 
-/// Takes the entry at `path` (a key's, dotted) out of `node`; whether it was there.
-fn remove(node: &mut Node, path: &str) -> bool {
-    let (parent, key) = match path.rfind('.') {
-        Some(i) => (&path[..i], &path[i + 1..]),
-        None => ("", path),
-    };
-    let Some(Node {
-        kind: Kind::Map(entries),
-        ..
-    }) = find(node, parent)
-    else {
+/// Takes the value at the end of `route` (its entry, or its item) out of `node`; whether it
+/// was there.
+fn remove(node: &mut Node, route: &[node::Step]) -> bool {
+    let Some((last, way)) = route.split_last() else {
         return false;
     };
-    let before = entries.len();
-    entries.retain(|(k, _)| k.text() != Some(key));
-    entries.len() < before
+    let mut at = node;
+    for step in way {
+        at = match (step, &mut at.kind) {
+            (node::Step::Entry(i), Kind::Map(entries)) => match entries.get_mut(*i) {
+                Some((_, value)) => value,
+                None => return false,
+            },
+            (node::Step::Item(i), Kind::Seq(items)) => match items.get_mut(*i) {
+                Some(item) => item,
+                None => return false,
+            },
+            _ => return false,
+        };
+    }
+    match (last, &mut at.kind) {
+        (node::Step::Entry(i), Kind::Map(entries)) if *i < entries.len() => {
+            entries.remove(*i);
+            true
+        }
+        (node::Step::Item(i), Kind::Seq(items)) if *i < items.len() => {
+            items.remove(*i);
+            true
+        }
+        _ => false,
+    }
 }
 
-/// The node at `path` (keys dotted, items `[i]`), if there is one.
-fn find<'n>(node: &'n mut Node, path: &str) -> Option<&'n mut Node> {
-    if path.is_empty() {
-        return Some(node);
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::config::raw::RawProfile;
+
+    /// Every problem `Doc::read` finds in `text` as a profile, `line:column: field: message`.
+    fn problems(text: &str) -> (Vec<String>, bool) {
+        let mut found = Vec::new();
+        let (_, read) =
+            Doc::read::<RawProfile>(PathBuf::from("p.yaml"), text, |_| false, &mut found);
+        let shown = found
+            .iter()
+            .map(|p| {
+                let at = p.line.map(|l| format!("{l}:{}: ", p.column.unwrap_or(0)));
+                format!("{}{}: {}", at.unwrap_or_default(), p.field, p.message)
+            })
+            .collect();
+        (shown, read.is_some())
     }
-    let (first, rest) = match path.find(['.', '[']) {
-        Some(0) => {
-            let end = path.find(']')?;
-            let i: usize = path[1..end].parse().ok()?;
-            let rest = path[end + 1..].trim_start_matches('.');
-            return match &mut node.kind {
-                Kind::Seq(items) => find(items.get_mut(i)?, rest),
-                _ => None,
-            };
+
+    #[test]
+    fn a_key_holding_a_dot_is_named_whole_and_set_aside_alone() {
+        let (found, read) = problems("foo.model: x\nenv: {A.B: [1], C: [2], D: ok}\n");
+        assert!(read);
+        assert_eq!(found.len(), 3, "{found:?}");
+        assert!(
+            found[0].starts_with("1:1: foo.model: unknown key `foo.model`, expected one of"),
+            "{found:?}"
+        );
+        assert!(!found[0].contains("did you mean"), "{found:?}");
+        assert!(
+            found[1].contains("env.A.B: invalid type: sequence"),
+            "{found:?}"
+        );
+        assert!(
+            found[2].contains("env.C: invalid type: sequence"),
+            "{found:?}"
+        );
+    }
+
+    #[test]
+    fn a_mistake_after_an_unknown_key_is_still_said() {
+        let (found, read) = problems("contxt: 5\nengine: ds4\ncommand: x\nengine: ds4\n");
+        assert!(!read);
+        assert!(
+            found.iter().any(|p| p.contains("unknown key `contxt`")),
+            "{found:?}"
+        );
+        assert!(
+            found.iter().any(|p| p.contains("duplicate field `engine`")),
+            "{found:?}"
+        );
+    }
+
+    #[test]
+    fn plain_values_are_named_for_what_they_are_and_core_tags_are_read() {
+        let (found, _) = problems("kv_checkpoint: 5\nenv: true\n");
+        assert!(found[0].contains("invalid type: integer `5`"), "{found:?}");
+        assert!(
+            found[1].contains("invalid type: boolean `true`"),
+            "{found:?}"
+        );
+        let (found, read) = problems("context: !!int 4096\ncommand: !!str 100\n");
+        assert!(read && found.is_empty(), "{found:?}");
+    }
+
+    #[test]
+    fn nesting_built_by_aliases_counts() {
+        let mut text =
+            String::from("a0: &a0 [[[[[[[[[[[[[[[[[[[[[[[[[[[[[[1]]]]]]]]]]]]]]]]]]]]]]]]]]]]]]\n");
+        for i in 1..80 {
+            text.push_str(&format!("a{i}: &a{i} [[[*a{}]]]\n", i - 1));
         }
-        Some(i) => (&path[..i], path[i..].trim_start_matches('.')),
-        None => (path, ""),
-    };
-    match &mut node.kind {
-        Kind::Map(entries) => {
-            let (_, value) = entries.iter_mut().find(|(k, _)| k.text() == Some(first))?;
-            find(value, rest)
-        }
-        _ => None,
+        let (found, read) = problems(&text);
+        assert!(!read);
+        assert!(found[0].contains("nested more than 32 deep"), "{found:?}");
     }
 }
