@@ -108,7 +108,11 @@ async fn opening_the_page_in_a_browser_never_starts_the_engine() {
     assert!(dom.contains("data-state=\"stopped\">stopped<"), "{dom}");
     // Without admin keys it only looks, and names the command for each action.
     assert!(dom.contains("<div id=\"actions-on\" hidden=\"\">"), "{dom}");
-    for command in ["dsv4ctl start", "dsv4ctl stop --now", "dsv4ctl profile 320k"] {
+    for command in [
+        "dsv4ctl start",
+        "dsv4ctl stop --now",
+        "dsv4ctl profile 320k",
+    ] {
         assert!(dom.contains(command), "{command} not in\n{dom}");
     }
     assert_eq!(

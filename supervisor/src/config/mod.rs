@@ -39,7 +39,10 @@ mod rules;
 /// A YAML text as JSON (a profile's settings, kept with a validation run); `None` when it is
 /// not YAML.
 pub fn yaml_to_json(text: &str) -> Option<serde_json::Value> {
-    node::from_str::<serde_json::Value>(text).ok().flatten()
+    let mut problems = Vec::new();
+    let file = std::path::PathBuf::new();
+    let (_, value) = yaml::Doc::read(file, text, |_| true, &mut problems);
+    value.filter(|_| problems.is_empty())
 }
 mod yaml;
 

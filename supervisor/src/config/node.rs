@@ -641,6 +641,7 @@ impl Located {
 }
 
 /// The first mistake in a text [`from_str`] read: `line:column: path: message`.
+#[cfg(test)]
 #[derive(Debug)]
 pub(crate) struct Mistake {
     pub at: Option<(usize, usize)>,
@@ -648,6 +649,7 @@ pub(crate) struct Mistake {
     pub message: String,
 }
 
+#[cfg(test)]
 impl std::fmt::Display for Mistake {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         if let Some((line, column)) = self.at {
@@ -661,6 +663,7 @@ impl std::fmt::Display for Mistake {
 }
 
 /// `text` read as a `T` (an empty document as `None`), or its first mistake.
+#[cfg(test)]
 pub(crate) fn from_str<T: de::DeserializeOwned>(text: &str) -> Result<Option<T>, Mistake> {
     let node = parse(text).map_err(|(at, message)| Mistake {
         at: Some(at),

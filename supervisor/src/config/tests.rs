@@ -1354,3 +1354,14 @@ fn every_config_key_is_documented() {
         doc_path.display()
     );
 }
+
+#[test]
+fn a_profile_reads_as_json_as_written() {
+    assert_eq!(
+        super::yaml_to_json("context: 4096\nmmproj: null\nextra_args: [--x, 1.5]\nname: '64'\n"),
+        Some(serde_json::json!({
+            "context": 4096, "mmproj": null, "extra_args": ["--x", 1.5], "name": "64"
+        }))
+    );
+    assert_eq!(super::yaml_to_json("a: [unclosed\n"), None);
+}
