@@ -469,10 +469,12 @@ async fn a_ds4_profile_is_validated_from_its_stream() {
     let r: ValidationResult = serde_json::from_slice(&out.stdout).unwrap();
     let names: Vec<&str> = r.tests.iter().map(|t| t.name.as_str()).collect();
     assert_eq!(names, ["decode", "prefill", "long_prefill"]);
-    // 256 tokens 5 ms apart: 200 tok/s at most (a loaded machine only slows it).
+    // 256 tokens 5 ms apart: about 200 tok/s. A loaded machine slows it, and can deliver
+    // the first chunks late and together, which shortens the span they are timed over:
+    // only the order of magnitude is asserted.
     for run in &r.tests[0].details {
         assert_eq!(run.predicted_n, 256, "{run:?}");
-        assert!(run.value > 20.0 && run.value <= 201.0, "decode {run:?}");
+        assert!(run.value > 20.0 && run.value < 2000.0, "decode {run:?}");
     }
     for (test, asked) in [(&r.tests[1], 4096.0), (&r.tests[2], 2000.0)] {
         for run in &test.details {
