@@ -17,6 +17,9 @@ use serde::de::{Deserialize, DeserializeOwned};
 use super::error::Problem;
 use super::node::{self, Kind, Node};
 
+/// The most values that do not fit one reading reports.
+const MAX_VALUE_PROBLEMS: usize = 50;
+
 /// The largest configuration file read, in bytes (the shipped one is a few KiB).
 pub(crate) const MAX_BYTES: u64 = 256 << 10;
 
@@ -87,7 +90,7 @@ impl Doc {
         let mut unknown_seen = HashSet::new();
         // Whether a value's problem was reported: only the first is certain to be the file's
         // own, so a later one that cannot be set aside ends the reading unsaid.
-        let mut said = false;
+        let mut said = 0;
         loop {
             let unknown = RefCell::new(Vec::new());
             // A document that is only `null` (or `~`) is every default.
@@ -115,13 +118,23 @@ impl Doc {
                 culprit.truncate(culprit.rfind('[').unwrap_or(0));
             }
             if route.is_empty() || !doc.dropped.insert(culprit) || !remove(&mut root, &route) {
-                if !said {
+                if said == 0 {
                     problems.push(problem);
                 }
                 return (doc, None);
             }
-            said = true;
+            said += 1;
             problems.push(problem);
+            // Each is found by reading the rest again: a file of thousands of mistakes would
+            // take minutes. The first ones are enough to start with.
+            if said == MAX_VALUE_PROBLEMS {
+                let rest = format!(
+                    "and perhaps more: only the first {MAX_VALUE_PROBLEMS} values that do not \
+                     fit are reported; fix these and check again"
+                );
+                problems.push(Problem::new(&doc.file, "", rest));
+                return (doc, None);
+            }
         }
     }
 
@@ -334,6 +347,25 @@ mod tests {
         );
         let (found, read) = problems("context: !!int 4096\ncommand: !!str 100\n");
         assert!(read && found.is_empty(), "{found:?}");
+    }
+
+    #[test]
+    fn a_file_of_thousands_of_mistakes_reports_the_first_fifty() {
+        let mut text = String::from("env:\n");
+        for i in 0..3000 {
+            text.push_str(&format!("  V{i}: [{i}]\n"));
+        }
+        let (found, read) = problems(&text);
+        assert!(!read);
+        assert_eq!(found.len(), MAX_VALUE_PROBLEMS + 1, "{:?}", &found[..3]);
+        assert!(
+            found[0].starts_with("2:7: env.V0: invalid type: sequence"),
+            "{found:?}"
+        );
+        assert!(
+            found[MAX_VALUE_PROBLEMS].contains("only the first 50 values"),
+            "{found:?}"
+        );
     }
 
     #[test]
