@@ -5,7 +5,8 @@
 //! value, whose entry says where it is written. Keys the type does not read are found in the
 //! same pass (the deserializer knows each struct's keys). serde stops at a value that does
 //! not fit: its entry is then taken out of the nodes and the type read again from them, until
-//! it reads, so one run reports every mistake.
+//! it reads, so one run reports every mistake (up to [`MAX_VALUE_PROBLEMS`] values that do
+//! not fit).
 
 use std::cell::RefCell;
 use std::collections::{HashMap, HashSet};
