@@ -81,13 +81,14 @@ struct Restored {
     n_restored: u64,
 }
 
-/// Sends one request to the engine (with its key) and returns the status and body.
-async fn call(
+/// Sends one request of dsv4d's own to the engine (with its key, a JSON body when given) and
+/// returns its response, the body still coming.
+pub(crate) async fn send(
     engine: &EngineRef,
     method: http::Method,
     path: &str,
     body: Option<serde_json::Value>,
-) -> Result<(http::StatusCode, Bytes), String> {
+) -> Result<http::Response<crate::lifecycle::upstream::UpstreamBody>, String> {
     let req = http::Request::builder()
         .method(method)
         .uri(path)
@@ -97,12 +98,22 @@ async fn call(
         .map_err(|e| e.to_string())?;
     let (parts, ()) = req.into_parts();
     let bytes = body.map(|b| Bytes::from(b.to_string())).unwrap_or_default();
+    engine
+        .connections
+        .request(parts, bytes)
+        .await
+        .map_err(|e| e.to_string())
+}
+
+/// Sends one request to the engine (with its key) and returns the status and body.
+async fn call(
+    engine: &EngineRef,
+    method: http::Method,
+    path: &str,
+    body: Option<serde_json::Value>,
+) -> Result<(http::StatusCode, Bytes), String> {
     let work = async {
-        let resp = engine
-            .connections
-            .request(parts, bytes)
-            .await
-            .map_err(|e| e.to_string())?;
+        let resp = send(engine, method, path, body).await?;
         let status = resp.status();
         let body = resp
             .into_body()

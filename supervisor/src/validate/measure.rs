@@ -11,7 +11,6 @@
 
 use std::time::Duration;
 
-use bytes::Bytes;
 use dsv4_client::validate::RunDetail;
 use dsv4_engine::EngineKind;
 use http_body_util::BodyExt;
@@ -19,6 +18,7 @@ use serde_json::{json, Value};
 use tokio::time::Instant;
 
 use crate::lifecycle::engine_ref::EngineRef;
+use crate::lifecycle::kv_steps::send;
 
 use super::{DECODE_PROMPT, DECODE_TOKENS};
 
@@ -300,21 +300,9 @@ async fn streamed(engine: &EngineRef, prompt: &str, max_tokens: u64) -> Result<D
         "stream": true,
         "stream_options": {"include_usage": true},
     });
-    let req = http::Request::builder()
-        .method(http::Method::POST)
-        .uri("/v1/completions")
-        .header(http::header::HOST, engine.connections.host().clone())
-        .header(http::header::CONTENT_TYPE, "application/json")
-        .body(())
-        .map_err(|e| e.to_string())?;
-    let (parts, ()) = req.into_parts();
     let work = async {
         let sent = Instant::now();
-        let resp = engine
-            .connections
-            .request(parts, Bytes::from(body.to_string()))
-            .await
-            .map_err(|e| e.to_string())?;
+        let resp = send(engine, http::Method::POST, "/v1/completions", Some(body)).await?;
         let status = resp.status();
         let mut body = resp.into_body();
         if status != http::StatusCode::OK {
