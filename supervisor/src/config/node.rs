@@ -57,6 +57,15 @@ impl Node {
     }
 }
 
+/// The path of the entry `key` in the mapping at `parent` (`engine` + `idle_timeout`:
+/// `engine.idle_timeout`; at the top, the key alone).
+pub(crate) fn key_path(parent: &str, key: &str) -> String {
+    match parent {
+        "" => key.to_string(),
+        parent => format!("{parent}.{key}"),
+    }
+}
+
 /// How many levels `node` spans (a scalar: 1).
 fn height(node: &Node) -> usize {
     match &node.kind {
@@ -592,10 +601,7 @@ impl<'a> de::MapAccess<'a> for Map<'_, 'a> {
     ) -> Result<Option<K::Value>, Error> {
         for (i, (key, value)) in self.entries.by_ref() {
             let name = key.text().unwrap_or("?");
-            let path = match self.de.path.as_str() {
-                "" => name.to_string(),
-                parent => format!("{parent}.{name}"),
-            };
+            let path = key_path(&self.de.path, name);
             if let Some(fields) = self.fields {
                 if !fields.contains(&name) {
                     self.de.unknown.borrow_mut().push(Unknown {

@@ -156,11 +156,7 @@ impl Doc {
             }
             Kind::Map(entries) => {
                 for (key, value) in entries {
-                    let name = key.text().unwrap_or("?");
-                    let child = match path {
-                        "" => name.to_string(),
-                        _ => format!("{path}.{name}"),
-                    };
+                    let child = node::key_path(path, key.text().unwrap_or("?"));
                     self.record(value, &child);
                     let entry = Entry {
                         key: key.mark,
@@ -179,10 +175,7 @@ impl Doc {
     fn unknown_key(&mut self, u: &node::Unknown) -> Problem {
         let (message, meant) = node::unknown_key(&u.key, u.keys);
         if let Some(meant) = meant {
-            self.dropped.insert(match u.parent.as_str() {
-                "" => meant.to_string(),
-                parent => format!("{parent}.{meant}"),
-            });
+            self.dropped.insert(node::key_path(&u.parent, meant));
         }
         self.dropped.insert(u.path.clone());
         self.at(&u.path, &u.path, true, message)
@@ -236,11 +229,7 @@ fn drop_nulls(node: &mut Node, path: &str, null_is_value: fn(&str) -> bool) {
         }
         Kind::Map(entries) => {
             entries.retain_mut(|(key, value)| {
-                let name = key.text().unwrap_or("?");
-                let child = match path {
-                    "" => name.to_string(),
-                    _ => format!("{path}.{name}"),
-                };
+                let child = node::key_path(path, key.text().unwrap_or("?"));
                 if value.is_null() && !null_is_value(&child) {
                     return false;
                 }
