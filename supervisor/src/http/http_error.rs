@@ -12,6 +12,7 @@ use serde_json::json;
 
 pub use dsv4_client::words::{ErrorCode, ErrorType};
 
+use crate::http::intake::IntakeError;
 use crate::lifecycle::state::Refusal;
 
 /// An error response about to be sent.
@@ -70,6 +71,39 @@ impl ApiError {
 }
 
 pub use crate::lifecycle::refusal::with_tail;
+
+impl From<&IntakeError> for ApiError {
+    /// A request body that was not read whole.
+    fn from(e: &IntakeError) -> Self {
+        let (status, kind, code) = match e {
+            IntakeError::TooLarge { .. } => (
+                StatusCode::PAYLOAD_TOO_LARGE,
+                ErrorType::InvalidRequest,
+                ErrorCode::BodyTooLarge,
+            ),
+            IntakeError::TimedOut { .. } => (
+                StatusCode::REQUEST_TIMEOUT,
+                ErrorType::InvalidRequest,
+                ErrorCode::BodyTimeout,
+            ),
+            IntakeError::OverBudget { .. } => (
+                StatusCode::SERVICE_UNAVAILABLE,
+                ErrorType::Unavailable,
+                ErrorCode::BodiesOverBudget,
+            ),
+            IntakeError::Client(_) => (
+                StatusCode::BAD_REQUEST,
+                ErrorType::InvalidRequest,
+                ErrorCode::BadBody,
+            ),
+        };
+        let error = ApiError::new(status, kind, code, e.to_string());
+        match status {
+            StatusCode::SERVICE_UNAVAILABLE => error.retry_after(Duration::from_secs(1)),
+            _ => error,
+        }
+    }
+}
 
 impl From<Refusal> for ApiError {
     fn from(r: Refusal) -> Self {

@@ -735,34 +735,8 @@ fn validation_queue_full(max_waiting: usize) -> Response<ProxyBody> {
 
 /// The answer to a request whose body was not read whole.
 fn intake_refusal(e: &IntakeError) -> Response<ProxyBody> {
-    let (status, kind, code) = match e {
-        IntakeError::TooLarge { .. } => (
-            StatusCode::PAYLOAD_TOO_LARGE,
-            ErrorType::InvalidRequest,
-            ErrorCode::BodyTooLarge,
-        ),
-        IntakeError::TimedOut { .. } => (
-            StatusCode::REQUEST_TIMEOUT,
-            ErrorType::InvalidRequest,
-            ErrorCode::BodyTimeout,
-        ),
-        IntakeError::OverBudget { .. } => (
-            StatusCode::SERVICE_UNAVAILABLE,
-            ErrorType::Unavailable,
-            ErrorCode::BodiesOverBudget,
-        ),
-        IntakeError::Client(_) => (
-            StatusCode::BAD_REQUEST,
-            ErrorType::InvalidRequest,
-            ErrorCode::BadBody,
-        ),
-    };
     tracing::debug!("refused a request: {e}");
-    let mut error = ApiError::new(status, kind, code, e.to_string());
-    if status == StatusCode::SERVICE_UNAVAILABLE {
-        error = error.retry_after(Duration::from_secs(1));
-    }
-    let mut r: Response<ProxyBody> = error.into_response();
+    let mut r: Response<ProxyBody> = ApiError::from(e).into_response();
     // What is left of the body is unread (or unreadable), so the connection cannot carry
     // another request (RFC 9110 15.5.9 asks the same of a 408).
     r.headers_mut()

@@ -18,11 +18,9 @@
 //! than [`crate::actions`], which the D-Bus methods call too.
 
 use std::sync::Arc;
-use std::time::Duration;
 
 use bytes::Bytes;
 use http::{header, HeaderValue, Method, Request, Response, StatusCode};
-use http_body_util::{BodyExt, Limited};
 use hyper::body::Incoming;
 use serde::Deserialize;
 use serde_json::{json, Value};
@@ -33,13 +31,14 @@ use crate::http::auth::{self, KeyFile};
 use crate::http::ctx::Ctx;
 use crate::http::front;
 use crate::http::http_error::{ApiError, ErrorCode, ErrorType};
+use crate::http::intake::{self, IntakeError};
 use crate::lifecycle::ControlError;
 
 /// Where the actions are.
 pub const PREFIX: &str = "/ui/actions/";
 
 /// The largest body an action takes: a profile name and a few numbers.
-const MAX_BODY: usize = 4096;
+const MAX_BODY: u64 = 4096;
 
 /// Who the log says asked.
 const BY: &str = "the dashboard (admin key)";
@@ -70,8 +69,7 @@ pub async fn act(
     };
     front::same_origin(&config.supervisor.api, &req)?;
     auth::require(KeyFile::Admin, Some(keys), req.headers_mut())?;
-    let timeout = config.supervisor.api.body_timeout;
-    let body = read_body(req.into_body(), timeout).await?;
+    let body = read_body(ctx, config, req.into_body()).await?;
     let actions = &ctx.actions;
     let done = match name {
         "start" => {
@@ -203,32 +201,24 @@ fn args(body: &Bytes, needed: &[&str], allowed: &[&str]) -> Result<Args, ApiErro
     Ok(args)
 }
 
-/// The whole body, at most [`MAX_BODY`] bytes, within `timeout`.
-async fn read_body(body: Incoming, timeout: Duration) -> Result<Bytes, ApiError> {
-    let read = tokio::time::timeout(timeout, Limited::new(body, MAX_BODY).collect()).await;
-    match read {
-        Ok(Ok(collected)) => Ok(collected.to_bytes()),
-        Ok(Err(e)) if e.is::<http_body_util::LengthLimitError>() => Err(ApiError::new(
+/// The whole body, at most [`MAX_BODY`] bytes, read as every request body is (within
+/// `api.body_timeout`, counted in `api.max_buffered`).
+async fn read_body(ctx: &Ctx, config: &Config, body: Incoming) -> Result<Bytes, ApiError> {
+    let api = &config.supervisor.api;
+    let limits = intake::Limits {
+        max_body: MAX_BODY,
+        timeout: api.body_timeout,
+        max_buffered: api.max_buffered,
+    };
+    match intake::read(body, None, limits, &ctx.bodies).await {
+        Ok(held) => Ok(held.bytes),
+        Err(IntakeError::TooLarge { .. }) => Err(ApiError::new(
             StatusCode::PAYLOAD_TOO_LARGE,
             ErrorType::InvalidRequest,
             ErrorCode::BodyTooLarge,
             format!("an action's body is at most {MAX_BODY} bytes"),
         )),
-        Ok(Err(e)) => Err(ApiError::new(
-            StatusCode::BAD_REQUEST,
-            ErrorType::InvalidRequest,
-            ErrorCode::BadBody,
-            format!("the action's body could not be read: {e}"),
-        )),
-        Err(_) => Err(ApiError::new(
-            StatusCode::REQUEST_TIMEOUT,
-            ErrorType::Timeout,
-            ErrorCode::BodyTimeout,
-            format!(
-                "the action's body did not arrive within api.body_timeout ({})",
-                dsv4_client::duration::format(timeout)
-            ),
-        )),
+        Err(e) => Err(ApiError::from(&e)),
     }
 }
 
