@@ -554,7 +554,7 @@ impl LogBatch {
             0 => {}
             1 => {
                 let line = &self.lines[0];
-                tracing::info!(target: "engine", pid, stream = which, "{line}");
+                tracing::info!(target: crate::LOG_TARGET, pid, stream = which, "{line}");
             }
             n => {
                 let mut text = String::with_capacity(self.lines.iter().map(|l| l.len() + 1).sum());
@@ -563,7 +563,7 @@ impl LogBatch {
                     text.push_str(line);
                 }
                 // The pid and stream in the heading: fields would follow the last line.
-                tracing::info!(target: "engine", "engine pid={pid} {which}, {n} lines:{text}");
+                tracing::info!(target: crate::LOG_TARGET, "engine pid={pid} {which}, {n} lines:{text}");
             }
         }
         self.lines.clear();

@@ -10,3 +10,6 @@ pub mod child;
 
 pub use adapter::{EngineKind, EngineParams, FlashAttn, GpuLayers, Readiness};
 pub use child::{EngineChild, ExitReport, OutputTail, SpawnError, SpawnSpec};
+
+/// The tracing target of the engine's output lines, as they go to the log.
+pub const LOG_TARGET: &str = "engine";

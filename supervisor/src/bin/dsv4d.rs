@@ -182,10 +182,11 @@ fn init_logging() -> tracing_appender::non_blocking::WorkerGuard {
         .with_env_filter(filter)
         .with_writer(writer)
         .with_ansi(std::io::stderr().is_terminal())
-        .with_target(false)
         // Reporting a failed log write is itself a write to stderr, and one that panics when
-        // stderr is gone (a closed pipe): a daemon must outlive its log reader.
+        // stderr is gone (a closed pipe): a daemon must outlive its log reader. (Kept by the
+        // layer when the format changes next.)
         .log_internal_errors(false)
+        .event_format(dsv4::control::log_format::LogFormat::new())
         .init();
     guard
 }

@@ -1,7 +1,9 @@
 //! Control from outside: the D-Bus interface (`dbus`), systemd's notifications and watchdog
-//! (`service`), configuration reloads (`reload`), and the exit when idle (`idle_exit`).
+//! (`service`), configuration reloads (`reload`), the exit when idle (`idle_exit`), and the
+//! text of the daemon's log lines (`log_format`).
 
 pub mod dbus;
 pub mod idle_exit;
+pub mod log_format;
 pub mod reload;
 pub mod service;

@@ -16,14 +16,15 @@
 //! kernel's backlog, unanswered; the cap keeps the daemon short of it and answers them.
 
 use std::collections::HashMap;
-use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering};
+use std::future::Future;
+use std::sync::atomic::{AtomicBool, AtomicU64, AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
+use futures_util::task::AtomicWaker;
 use nix::sys::resource::{getrlimit, setrlimit, Resource, RLIM_INFINITY};
 use tokio::io::AsyncReadExt;
 use tokio::net::TcpStream;
-use tokio::sync::Notify;
 use tokio::time::Instant;
 
 use crate::http::http_error::{ApiError, ErrorCode, ErrorType};
@@ -112,6 +113,8 @@ pub struct Connections {
     open: Arc<AtomicUsize>,
     lingering: Arc<AtomicUsize>,
     registry: Arc<Mutex<Registry>>,
+    /// Woken when the last open connection closes.
+    none_open: Arc<tokio::sync::Notify>,
 }
 
 /// What is known of each open connection.
@@ -119,6 +122,8 @@ pub struct Connections {
 struct Registry {
     next: u64,
     entries: HashMap<u64, Entry>,
+    /// The daemon is stopping: each connection ends once its exchange in flight is done.
+    closing: bool,
 }
 
 #[derive(Debug)]
@@ -131,7 +136,40 @@ struct Entry {
     keyed: bool,
     /// Asked to close, to make room.
     evict: bool,
-    wake: Arc<Notify>,
+    /// Its task must look again when its last request ends (a keep-alive without a key
+    /// starts then).
+    wake_when_idle: bool,
+    wake: Arc<Bell>,
+}
+
+/// What rings a connection's task to look at its verdict again: cheaper to listen to than
+/// tokio's `Notify`, which the task's every wake-up polled under a lock (a thousand
+/// instructions a request, callgrind).
+#[derive(Debug, Default)]
+pub struct Bell {
+    rung: AtomicBool,
+    waker: AtomicWaker,
+}
+
+impl Bell {
+    fn ring(&self) {
+        self.rung.store(true, Ordering::Release);
+        self.waker.wake();
+    }
+
+    /// Resolves once it has rung since it last resolved.
+    pub fn heard(&self) -> impl Future<Output = ()> + '_ {
+        std::future::poll_fn(move |cx| {
+            if self.rung.swap(false, Ordering::AcqRel) {
+                return std::task::Poll::Ready(());
+            }
+            self.waker.register(cx.waker());
+            match self.rung.swap(false, Ordering::AcqRel) {
+                true => std::task::Poll::Ready(()),
+                false => std::task::Poll::Pending,
+            }
+        })
+    }
 }
 
 /// One open client connection: it frees its place when dropped (when its task ends), and
@@ -139,9 +177,10 @@ struct Entry {
 #[derive(Debug)]
 pub struct Slot {
     open: Arc<AtomicUsize>,
+    none_open: Arc<tokio::sync::Notify>,
     registry: Arc<Mutex<Registry>>,
     id: u64,
-    wake: Arc<Notify>,
+    wake: Arc<Bell>,
 }
 
 /// What a connection's task is to do next.
@@ -153,12 +192,16 @@ pub enum Next {
     Evicted,
     /// Close: idle too long without having shown a key.
     Unkeyed,
+    /// Close once the exchange in flight is done: the daemon is stopping.
+    Closing,
 }
 
 impl Drop for Slot {
     fn drop(&mut self) {
         lock(&self.registry).entries.remove(&self.id);
-        self.open.fetch_sub(1, Ordering::Relaxed);
+        if self.open.fetch_sub(1, Ordering::AcqRel) == 1 {
+            self.none_open.notify_waiters();
+        }
     }
 }
 
@@ -186,29 +229,38 @@ impl Slot {
         self.with(|e| e.keyed = true);
     }
 
-    /// Wakes when the verdict may have changed (an eviction asked, the last request ended).
-    pub fn changed(&self) -> Arc<Notify> {
+    /// Rings when the verdict may have changed (an eviction asked, the last request ended
+    /// where that starts a keep-alive without a key, the daemon stopping).
+    pub fn changed(&self) -> Arc<Bell> {
         self.wake.clone()
     }
 
     /// What to do now; `unkeyed`: the keep-alive of connections without a key, when keys
     /// are configured.
     pub fn next(&self, unkeyed: Option<Duration>, now: Instant) -> Next {
-        self.with(|e| {
-            if e.busy > 0 {
-                e.evict = false;
-                return Next::Serve(None);
-            }
-            if e.evict {
-                return Next::Evicted;
-            }
-            match unkeyed.filter(|_| !e.keyed) {
-                Some(d) if now >= e.idle_since + d => Next::Unkeyed,
-                Some(d) => Next::Serve(Some(e.idle_since + d)),
-                None => Next::Serve(None),
-            }
-        })
-        .unwrap_or(Next::Evicted)
+        let mut registry = lock(&self.registry);
+        if registry.closing {
+            return Next::Closing;
+        }
+        registry
+            .entries
+            .get_mut(&self.id)
+            .map(|e| {
+                e.wake_when_idle = unkeyed.is_some() && !e.keyed;
+                if e.busy > 0 {
+                    e.evict = false;
+                    return Next::Serve(None);
+                }
+                if e.evict {
+                    return Next::Evicted;
+                }
+                match unkeyed.filter(|_| !e.keyed) {
+                    Some(d) if now >= e.idle_since + d => Next::Unkeyed,
+                    Some(d) => Next::Serve(Some(e.idle_since + d)),
+                    None => Next::Serve(None),
+                }
+            })
+            .unwrap_or(Next::Evicted)
     }
 }
 
@@ -217,20 +269,20 @@ impl Slot {
 pub struct Busy {
     registry: Arc<Mutex<Registry>>,
     id: u64,
-    wake: Arc<Notify>,
+    wake: Arc<Bell>,
 }
 
 impl Drop for Busy {
     fn drop(&mut self) {
-        let idle = lock(&self.registry).entries.get_mut(&self.id).map(|e| {
+        let wake = lock(&self.registry).entries.get_mut(&self.id).map(|e| {
             e.busy = e.busy.saturating_sub(1);
             if e.busy == 0 {
                 e.idle_since = Instant::now();
             }
-            e.busy == 0
+            e.busy == 0 && e.wake_when_idle
         });
-        if idle == Some(true) {
-            self.wake.notify_one();
+        if wake == Some(true) {
+            self.wake.ring();
         }
     }
 }
@@ -253,12 +305,12 @@ impl Connections {
                 .filter(|e| e.busy == 0 && !e.evict)
                 .min_by_key(|e| e.idle_since)?;
             longest_idle.evict = true;
-            longest_idle.wake.notify_one();
+            longest_idle.wake.ring();
         }
         self.open.fetch_add(1, Ordering::Relaxed);
         registry.next += 1;
         let id = registry.next;
-        let wake = Arc::new(Notify::new());
+        let wake = Arc::new(Bell::default());
         registry.entries.insert(
             id,
             Entry {
@@ -266,15 +318,38 @@ impl Connections {
                 idle_since: Instant::now(),
                 keyed: false,
                 evict: false,
+                wake_when_idle: false,
                 wake: wake.clone(),
             },
         );
         Some(Slot {
             open: self.open.clone(),
+            none_open: self.none_open.clone(),
             registry: self.registry.clone(),
             id,
             wake,
         })
+    }
+
+    /// Asks every open connection to close once its exchange in flight is done (an idle
+    /// one closes at once).
+    pub fn close(&self) {
+        let mut registry = lock(&self.registry);
+        registry.closing = true;
+        for e in registry.entries.values() {
+            e.wake.ring();
+        }
+    }
+
+    /// Returns once no connection is open.
+    pub async fn closed(&self) {
+        let none_open = self.none_open.notified();
+        tokio::pin!(none_open);
+        // Registered before the count is read, so the last close cannot be missed.
+        none_open.as_mut().enable();
+        if self.open() > 0 {
+            none_open.await;
+        }
     }
 
     /// Answers `stream` with a 503 (`too_many_connections`) without reading its request, and
@@ -435,6 +510,63 @@ mod tests {
         // Busy: never closed.
         let _r = unkeyed.busy();
         assert_eq!(unkeyed.next(d, later), Next::Serve(None));
+    }
+
+    /// Whether `slot`'s bell has rung since it was last heard.
+    fn rung(slot: &Slot) -> bool {
+        let bell = slot.changed();
+        let heard = std::pin::pin!(bell.heard());
+        let waker = std::task::Waker::noop();
+        heard
+            .poll(&mut std::task::Context::from_waker(waker))
+            .is_ready()
+    }
+
+    #[tokio::test(start_paused = true)]
+    async fn the_end_of_a_request_rings_only_where_a_short_keep_alive_starts() {
+        let c = Connections::default();
+        let (unkeyed, keyed, free) = (
+            c.admit(8).unwrap(),
+            c.admit(8).unwrap(),
+            c.admit(8).unwrap(),
+        );
+        keyed.keyed();
+        let d = Some(UNKEYED_KEEP_ALIVE);
+        let now = Instant::now();
+        for (slot, keep_alive) in [(&unkeyed, d), (&keyed, d), (&free, None)] {
+            let request = slot.busy();
+            slot.next(keep_alive, now);
+            drop(request);
+            tokio::time::advance(Duration::from_millis(1)).await;
+        }
+        assert!(rung(&unkeyed), "its keep-alive starts: its task must look");
+        assert!(!rung(&keyed) && !rung(&free), "nothing changed for them");
+        assert!(!rung(&unkeyed), "heard once");
+        // Asked to make room (idle the longest): rung, whatever it is.
+        let _full = c.admit(3).expect("room made");
+        assert!(rung(&unkeyed));
+    }
+
+    #[tokio::test(start_paused = true)]
+    async fn at_a_stop_every_connection_is_rung_to_close_and_the_last_one_ends_the_wait() {
+        let c = Connections::default();
+        let (idle, busy) = (c.admit(8).unwrap(), c.admit(8).unwrap());
+        let request = busy.busy();
+        c.close();
+        assert!(rung(&idle) && rung(&busy));
+        let now = Instant::now();
+        assert_eq!(idle.next(None, now), Next::Closing);
+        assert_eq!(busy.next(None, now), Next::Closing);
+        let mut closed = std::pin::pin!(c.closed());
+        let mut cx = std::task::Context::from_waker(std::task::Waker::noop());
+        assert!(closed.as_mut().poll(&mut cx).is_pending());
+        drop(idle);
+        assert!(closed.as_mut().poll(&mut cx).is_pending());
+        drop(request);
+        drop(busy);
+        assert!(closed.as_mut().poll(&mut cx).is_ready());
+        // Nothing open: at once.
+        assert!(std::pin::pin!(c.closed()).poll(&mut cx).is_ready());
     }
 
     #[test]

@@ -264,7 +264,6 @@ pub async fn serve(
     ctx: Arc<Ctx>,
     shutdown: impl Future<Output = ()>,
 ) -> impl Future<Output = ()> {
-    let graceful = hyper_util::server::graceful::GracefulShutdown::new();
     let mut http = hyper::server::conn::http1::Builder::new();
     // A connection that has not sent a complete request head within 30 s, whether
     // new or kept alive between requests, is closed: idle and slow clients free their slot.
@@ -316,11 +315,12 @@ pub async fn serve(
             })
         };
         let io = TokioIo::new(stream);
-        let conn = graceful.watch(http.serve_connection(io, service));
+        let conn = http.serve_connection(io, service);
         let ctx = ctx.clone();
         tokio::spawn(async move {
             tokio::pin!(conn);
             let changed = slot.changed();
+            let mut closing = false;
             loop {
                 // Keys configured: a connection without one is kept alive briefly. (Only
                 // whether they are: the keys themselves are read where a request shows one.)
@@ -336,6 +336,13 @@ pub async fn serve(
                         tracing::debug!(%peer, "closed: idle, and no API key shown");
                         break;
                     }
+                    // An idle connection ends at once, a busy one after its answer.
+                    connections::Next::Closing => {
+                        if !std::mem::replace(&mut closing, true) {
+                            conn.as_mut().graceful_shutdown();
+                        }
+                        None
+                    }
                 };
                 tokio::select! {
                     ended = &mut conn => {
@@ -344,7 +351,7 @@ pub async fn serve(
                         }
                         break;
                     }
-                    _ = changed.notified() => {}
+                    _ = changed.heard() => {}
                     _ = tokio::time::sleep_until(until.unwrap_or_else(tokio::time::Instant::now)),
                         if until.is_some() => {}
                 }
@@ -353,7 +360,8 @@ pub async fn serve(
     }
     drop(listener);
     ctx.closing.send_replace(true);
-    graceful.shutdown()
+    connections.close();
+    async move { connections.closed().await }
 }
 
 /// The methods served (by dsv4d or the engine); any other gets 405.

@@ -165,20 +165,27 @@ impl Stats {
     }
 }
 
-/// A copy of the last bytes of a response, to read its `timings` once it has ended.
+/// The last bytes of a response, to read its `timings` once it has ended. The last frame is
+/// held as it came (a small JSON answer is one frame: nothing is copied); earlier ones are
+/// copied, up to the bound, as the next one arrives.
 #[derive(Debug)]
 pub struct Tap {
     cap: usize,
     buf: Vec<u8>,
+    last: Bytes,
 }
 
 impl Tap {
     /// A tap for a response of this content type, or none when it cannot carry timings.
     pub fn for_content_type(content_type: Option<&str>) -> Option<Tap> {
-        let ct = content_type?.to_ascii_lowercase();
-        let cap = if ct.starts_with("text/event-stream") {
+        let ct = content_type?;
+        let is = |prefix: &str| {
+            ct.get(..prefix.len())
+                .is_some_and(|p| p.eq_ignore_ascii_case(prefix))
+        };
+        let cap = if is("text/event-stream") {
             TAIL_SSE
-        } else if ct.starts_with("application/json") {
+        } else if is("application/json") {
             TAIL_JSON
         } else {
             return None;
@@ -186,25 +193,39 @@ impl Tap {
         Some(Tap {
             cap,
             buf: Vec::new(),
+            last: Bytes::new(),
         })
     }
 
     pub fn push(&mut self, data: &Bytes) {
+        let earlier = std::mem::replace(&mut self.last, data.clone());
         if data.len() >= self.cap {
             self.buf.clear();
-            self.buf.extend_from_slice(&data[data.len() - self.cap..]);
             return;
         }
-        let over = (self.buf.len() + data.len()).saturating_sub(self.cap);
-        if over > 0 {
-            self.buf.drain(..over);
-        }
-        self.buf.extend_from_slice(data);
+        // What the bound leaves room for before the newest frame.
+        let room = self.cap - data.len();
+        let earlier = &earlier[earlier.len().saturating_sub(room)..];
+        let over = (self.buf.len() + earlier.len()).saturating_sub(room);
+        self.buf.drain(..over.min(self.buf.len()));
+        self.buf.extend_from_slice(earlier);
+    }
+
+    /// How many bytes it holds: at most its bound.
+    pub fn held(&self) -> usize {
+        self.buf.len() + self.last.len().min(self.cap)
     }
 
     /// The last complete `"timings": {...}` object in what was kept.
     pub fn timings(&self) -> Option<Timings> {
-        find_timings(&self.buf)
+        let last = &self.last[self.last.len().saturating_sub(self.cap)..];
+        if self.buf.is_empty() {
+            return find_timings(last);
+        }
+        let mut all = Vec::with_capacity(self.buf.len() + last.len());
+        all.extend_from_slice(&self.buf);
+        all.extend_from_slice(last);
+        find_timings(&all)
     }
 }
 
@@ -218,7 +239,8 @@ pub fn find_timings(buf: &[u8]) -> Option<Timings> {
         std::sync::LazyLock::new(|| memchr::memmem::Finder::new(KEY));
     let mut end = buf.len();
     while let Some(at) = FINDER.find_iter(&buf[..end]).last() {
-        if let Some(t) = object_after(&buf[at + KEY.len()..]).and_then(Timings::read) {
+        let rest = &buf[at + KEY.len()..];
+        if let Some(t) = object_start(rest).and_then(|i| Timings::read(&rest[i..])) {
             return Some(t);
         }
         end = at;
@@ -226,12 +248,23 @@ pub fn find_timings(buf: &[u8]) -> Option<Timings> {
     None
 }
 
+/// Where the object of `: {...}` right after a key opens.
+fn object_start(rest: &[u8]) -> Option<usize> {
+    let i = skip_space(rest, 0);
+    if rest.get(i) != Some(&b':') {
+        return None;
+    }
+    let i = skip_space(rest, i + 1);
+    (rest.get(i) == Some(&b'{')).then_some(i)
+}
+
 impl Timings {
-    /// Reads a complete `{...}` (from [`object_after`]) as serde would read it into
-    /// `Timings`, without serde: the same fields, numbers and refusals (a missing field, a
-    /// wrong type, a field twice), other members skipped (nested values unchecked). serde_json's reader was
-    /// 4,800 of the ~77,000 instructions a small proxied request cost (callgrind); this
-    /// reads the five numbers in a few hundred.
+    /// Reads the object that opens `obj` as serde would read it into `Timings`, without
+    /// serde: the same fields, numbers and refusals (a missing field, a wrong type, a field
+    /// twice), other members skipped (nested values unchecked); `None` if it is cut short.
+    /// What follows it is not looked at. serde_json's reader was 4,800 of the ~77,000
+    /// instructions a small proxied request cost (callgrind); this reads the five numbers in
+    /// a few hundred, in one pass.
     fn read(obj: &[u8]) -> Option<Timings> {
         let (mut cache_n, mut prompt_n, mut prompt_ms, mut predicted_n, mut predicted_ms) =
             (None, None, None, None, None);
@@ -409,50 +442,6 @@ fn is_number(b: &[u8]) -> bool {
     i == b.len()
 }
 
-/// `: {...}` right after a key: the object's bytes, braces included, if it is complete.
-/// Jumps from one brace or quote to the next; inside a string, from one quote or backslash
-/// to the next.
-fn object_after(rest: &[u8]) -> Option<&[u8]> {
-    let mut i = 0;
-    while i < rest.len() && (rest[i].is_ascii_whitespace() || rest[i] == b':') {
-        i += 1;
-    }
-    if rest.get(i) != Some(&b'{') {
-        return None;
-    }
-    let start = i;
-    let mut depth = 0usize;
-    loop {
-        let at = i + memchr::memchr3(b'"', b'{', b'}', rest.get(i..)?)?;
-        match rest[at] {
-            b'{' => {
-                depth += 1;
-                i = at + 1;
-            }
-            b'}' => {
-                depth -= 1;
-                if depth == 0 {
-                    return Some(&rest[start..=at]);
-                }
-                i = at + 1;
-            }
-            _ => {
-                // A string: to its closing quote, over escaped characters.
-                let mut k = at + 1;
-                loop {
-                    let q = k + memchr::memchr2(b'"', b'\\', rest.get(k..)?)?;
-                    if rest[q] == b'\\' {
-                        k = q + 2;
-                        continue;
-                    }
-                    i = q + 1;
-                    break;
-                }
-            }
-        }
-    }
-}
-
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -542,24 +531,32 @@ mod tests {
 
     #[test]
     fn the_object_ends_at_its_own_brace_past_strings_escapes_and_nesting() {
-        let cases: &[(&str, Option<&str>)] = &[
-            (": {}", Some("{}")),
-            (" :\n {\"a\":1} tail", Some("{\"a\":1}")),
-            (
-                ":{\"s\":\"}{\",\"n\":{\"m\":{}}} x",
-                Some("{\"s\":\"}{\",\"n\":{\"m\":{}}}"),
-            ),
-            (":{\"s\":\"a\\\"}\"} x", Some("{\"s\":\"a\\\"}\"}")),
-            (":{\"s\":\"a\\\\\"} x", Some("{\"s\":\"a\\\\\"}")),
-            (":{\"s\":\"open", None),
-            (":{\"s\":\"ends in a backslash\\", None),
-            (":{\"n\":{}", None),
-            (": [1]", None),
-            ("", None),
-        ];
-        for (rest, want) in cases {
-            let got = object_after(rest.as_bytes()).map(|o| std::str::from_utf8(o).unwrap());
-            assert_eq!(got, *want, "after {rest:?}");
+        let fields = r#""prompt_n":1,"prompt_ms":1,"predicted_n":1,"predicted_ms":1"#;
+        // Members before the fields, and what follows the key: whole, the object is read.
+        for (after_key, member) in [
+            (":", r#""s":"}{""#),
+            (" :\n ", r#""n":{"m":{}}"#),
+            (":", r#""s":"a\"}""#),
+            (":", r#""s":"a\\""#),
+            (":", r#""l":[{"x":"]"}]"#),
+        ] {
+            let whole = format!("\"timings\"{after_key}{{{member},{fields}}} tail");
+            assert!(find_timings(whole.as_bytes()).is_some(), "{whole}");
+            // Cut anywhere inside the object, it is not.
+            let object_end = whole.len() - " tail".len();
+            for cut in "\"timings\"".len()..object_end {
+                let part = &whole.as_bytes()[..cut];
+                assert_eq!(
+                    find_timings(part),
+                    None,
+                    "{}",
+                    String::from_utf8_lossy(part)
+                );
+            }
+        }
+        for odd in [": [1]", "", ":: {}", ": \"{\""] {
+            let text = format!("\"timings\"{odd}");
+            assert_eq!(find_timings(text.as_bytes()), None, "{text}");
         }
     }
 
@@ -670,8 +667,21 @@ mod tests {
         ));
         assert!(tap.timings().is_some());
         tap.push(&filler);
-        assert_eq!(tap.buf.len(), TAIL_SSE);
+        assert_eq!(tap.held(), TAIL_SSE);
         assert!(tap.timings().is_none(), "old bytes were not dropped");
+        // Frames that each fit, whose sum does not: only the newest bytes are kept, in order.
+        let mut tap = Tap::for_content_type(Some("Application/JSON")).unwrap();
+        let timings = Bytes::from_static(
+            b"\"timings\":{\"prompt_n\":2,\"prompt_ms\":1,\"predicted_n\":1,\"predicted_ms\":1}",
+        );
+        let third = Bytes::from(vec![b' '; TAIL_JSON / 3]);
+        for frame in [&third, &third, &third, &timings, &third, &third] {
+            tap.push(frame);
+            assert!(tap.held() <= TAIL_JSON);
+        }
+        assert_eq!(tap.timings().map(|t| t.prompt_n), Some(2));
+        tap.push(&third);
+        assert_eq!(tap.timings(), None, "the timings are older than the bound");
         assert!(Tap::for_content_type(Some("text/plain")).is_none());
         assert!(Tap::for_content_type(None).is_none());
     }

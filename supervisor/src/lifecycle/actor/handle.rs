@@ -137,8 +137,8 @@ impl Handle {
 
     /// Changes when the per-request figures of the status (`in_flight`, `waiting`,
     /// `idle_deadline`) changed and nothing else did.
-    pub fn watch_figures(&self) -> watch::Receiver<u64> {
-        self.figures.clone()
+    pub fn watch_figures(&self) -> crate::lifecycle::gate::FiguresWatch {
+        self.figures.watch()
     }
 
     /// Engine output lines numbered `since` on (at most the last `max`), across engine

@@ -184,7 +184,7 @@ pub struct Handle {
     commands: mpsc::Sender<Command>,
     internal: mpsc::UnboundedSender<Internal>,
     status: watch::Receiver<Status>,
-    figures: watch::Receiver<u64>,
+    figures: crate::lifecycle::gate::Figures,
     next_waiter: Arc<AtomicU64>,
     log: OutputTail,
     kv: crate::kv::Book,
@@ -290,7 +290,7 @@ pub fn spawn(
     let mut machine = Machine::new(profile, limits(&config.supervisor.engine), Instant::now());
     machine.set_memory_return(config.supervisor.memory.return_timeout);
     let (status_tx, status_rx) = watch::channel(Status::stopped(machine.profile()));
-    let (figures_tx, figures_rx) = watch::channel(0);
+    let figures_tx = crate::lifecycle::gate::Figures::default();
     let gate = Arc::new(Gate::new(status_tx.clone(), figures_tx.clone()));
     let log = OutputTail::new(LOG_LINES);
     let kv = crate::kv::Book::new(config_rx.clone());
@@ -304,7 +304,7 @@ pub fn spawn(
         waiters: HashMap::new(),
         internal: int_tx.clone(),
         status: status_tx,
-        figures: figures_tx,
+        figures: figures_tx.clone(),
         shutdown_done: Vec::new(),
         alerts,
         sysroot,
@@ -325,7 +325,7 @@ pub fn spawn(
         commands: cmd_tx,
         internal: int_tx,
         status: status_rx,
-        figures: figures_rx,
+        figures: figures_tx,
         next_waiter: Arc::new(AtomicU64::new(1)),
         log,
         kv,
@@ -362,7 +362,7 @@ struct Actor {
     /// `idle_deadline`), which `status` holds without waking its watchers: every request
     /// changes them twice, and waking the half-dozen tasks that follow the state (power,
     /// monitor, idle exit...) for each one was a large share of dsv4d's CPU per request.
-    figures: watch::Sender<u64>,
+    figures: crate::lifecycle::gate::Figures,
     shutdown_done: Vec<oneshot::Sender<()>>,
     alerts: Alerts,
     sysroot: SysRoot,

@@ -64,7 +64,7 @@ impl Actor {
                 false
             });
             if moved {
-                self.figures.send_modify(|n| *n = n.wrapping_add(1));
+                self.figures.tell();
             }
             return;
         }

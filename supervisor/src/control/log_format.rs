@@ -1,0 +1,271 @@
+//! How dsv4d's log lines are written: tracing-subscriber's own format, except for the engine's
+//! output, which is written the same way for less.
+//!
+//! Owns: the text of each log line. Must not: drop, reorder or rewrite a line beyond the
+//! escaping below.
+//!
+//! Why: the engine's lines (llama-server writes about ten per request) are other people's
+//! text, so they are escaped as tracing-subscriber escapes every message (terminal control
+//! characters written out as `\x1b` and the like). Its escaping writes the message a character
+//! at a time, each through a `dyn Write`: about 2,400 instructions for one 45-character line,
+//! more than a tenth of what proxying the request that caused it costs (callgrind). Here a
+//! line with nothing to escape, nearly every line, is written whole, and one that has is
+//! written in runs between the characters escaped. The text that comes out is the same.
+
+use std::fmt::{self, Write as _};
+
+use tracing::field::{Field, Visit};
+use tracing::{Event, Subscriber};
+use tracing_subscriber::fmt::format::{Format, Writer};
+use tracing_subscriber::fmt::time::{FormatTime, SystemTime};
+use tracing_subscriber::fmt::{FmtContext, FormatEvent, FormatFields};
+use tracing_subscriber::registry::LookupSpan;
+
+/// tracing-subscriber's full format, with the engine's lines written directly.
+pub struct LogFormat {
+    default: Format,
+}
+
+impl LogFormat {
+    /// The full format without targets, as `tracing_subscriber::fmt()` writes it.
+    pub fn new() -> Self {
+        LogFormat {
+            default: Format::default().with_target(false),
+        }
+    }
+}
+
+impl Default for LogFormat {
+    fn default() -> Self {
+        Self::new()
+    }
+}
+
+impl<S, N> FormatEvent<S, N> for LogFormat
+where
+    S: Subscriber + for<'a> LookupSpan<'a>,
+    N: for<'a> FormatFields<'a> + 'static,
+{
+    fn format_event(
+        &self,
+        ctx: &FmtContext<'_, S, N>,
+        mut writer: Writer<'_>,
+        event: &Event<'_>,
+    ) -> fmt::Result {
+        let meta = event.metadata();
+        // With colours (a terminal), tracing-subscriber's own: it colours the level.
+        if meta.target() != dsv4_engine::LOG_TARGET
+            || writer.has_ansi_escapes()
+            || ctx.lookup_current().is_some()
+        {
+            return self.default.format_event(ctx, writer, event);
+        }
+        if SystemTime.format_time(&mut writer).is_err() {
+            writer.write_str("<unknown time>")?;
+        }
+        write!(writer, " {:>5} ", meta.level().as_str())?;
+        let mut fields = Fields {
+            writer: &mut writer,
+            text: String::new(),
+            first: true,
+            result: Ok(()),
+        };
+        event.record(&mut fields);
+        fields.result?;
+        writeln!(writer)
+    }
+}
+
+/// Writes an event's fields as tracing-subscriber's default visitor does: the message first
+/// and escaped, then ` name=value` for each other field.
+struct Fields<'w, 'a> {
+    writer: &'w mut Writer<'a>,
+    /// The message, formatted before it is escaped.
+    text: String,
+    first: bool,
+    result: fmt::Result,
+}
+
+impl Fields<'_, '_> {
+    fn pad(&mut self) -> fmt::Result {
+        if !std::mem::take(&mut self.first) {
+            self.writer.write_char(' ')?;
+        }
+        Ok(())
+    }
+}
+
+impl Visit for Fields<'_, '_> {
+    fn record_str(&mut self, field: &Field, value: &str) {
+        if self.result.is_err() {
+            return;
+        }
+        self.result = match field.name() {
+            "message" => self.pad().and_then(|()| write_escaped(self.writer, value)),
+            name => self
+                .pad()
+                .and_then(|()| write!(self.writer, "{name}={value:?}")),
+        };
+    }
+
+    fn record_debug(&mut self, field: &Field, value: &dyn fmt::Debug) {
+        if self.result.is_err() {
+            return;
+        }
+        self.result = match field.name() {
+            "message" => {
+                self.text.clear();
+                let mut text = std::mem::take(&mut self.text);
+                let r = write!(text, "{value:?}")
+                    .and_then(|()| self.pad())
+                    .and_then(|()| write_escaped(self.writer, &text));
+                self.text = text;
+                r
+            }
+            name => self
+                .pad()
+                .and_then(|()| write!(self.writer, "{name}={value:?}")),
+        };
+    }
+}
+
+/// Whether tracing-subscriber escapes this byte's character: ESC, BEL, BS, FF and DEL, and
+/// (their UTF-8 lead byte) the C1 controls U+0080 to U+009F.
+fn may_escape(b: u8) -> bool {
+    matches!(b, 0x1b | 0x07 | 0x08 | 0x0c | 0x7f | 0xc2)
+}
+
+/// `text` as tracing-subscriber's escaping writer writes it, in runs.
+fn write_escaped(w: &mut impl fmt::Write, text: &str) -> fmt::Result {
+    let mut rest = text;
+    while let Some(i) = rest.bytes().position(may_escape) {
+        w.write_str(&rest[..i])?;
+        // `i` starts a character: every byte `may_escape` matches is ASCII or a lead byte.
+        let Some(c) = rest[i..].chars().next() else {
+            break;
+        };
+        match c {
+            '\x1b' => w.write_str("\\x1b")?,
+            '\x07' => w.write_str("\\x07")?,
+            '\x08' => w.write_str("\\x08")?,
+            '\x0c' => w.write_str("\\x0c")?,
+            '\x7f' => w.write_str("\\x7f")?,
+            c if ('\u{80}'..='\u{9f}').contains(&c) => write!(w, "\\u{{{:x}}}", c as u32)?,
+            c => w.write_char(c)?,
+        }
+        rest = &rest[i + c.len_utf8()..];
+    }
+    w.write_str(rest)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use std::sync::{Arc, Mutex};
+
+    /// A writer into a shared buffer.
+    #[derive(Clone, Default)]
+    struct Buffer(Arc<Mutex<Vec<u8>>>);
+
+    impl std::io::Write for Buffer {
+        fn write(&mut self, b: &[u8]) -> std::io::Result<usize> {
+            self.0.lock().unwrap().extend_from_slice(b);
+            Ok(b.len())
+        }
+        fn flush(&mut self) -> std::io::Result<()> {
+            Ok(())
+        }
+    }
+
+    impl Buffer {
+        /// Each line without its timestamp (which differs between two writes).
+        fn lines(&self) -> Vec<String> {
+            let text = String::from_utf8(self.0.lock().unwrap().clone()).unwrap();
+            text.split_inclusive('\n')
+                .map(|l| l.split_once(' ').map_or(l, |(_, rest)| rest).to_string())
+                .collect()
+        }
+    }
+
+    /// Logs the same events through tracing-subscriber's format and through ours.
+    fn both(log: impl Fn()) -> (Vec<String>, Vec<String>) {
+        let theirs = Buffer::default();
+        let ours = Buffer::default();
+        let w = theirs.clone();
+        let sub = tracing_subscriber::fmt()
+            .with_writer(move || w.clone())
+            .with_ansi(false)
+            .with_target(false)
+            .finish();
+        tracing::subscriber::with_default(sub, &log);
+        let w = ours.clone();
+        let sub = tracing_subscriber::fmt()
+            .with_writer(move || w.clone())
+            .with_ansi(false)
+            .event_format(LogFormat::new())
+            .finish();
+        tracing::subscriber::with_default(sub, &log);
+        (theirs.lines(), ours.lines())
+    }
+
+    #[test]
+    fn engine_lines_come_out_as_tracing_subscriber_writes_them() {
+        let lines = [
+            "plain text, as nearly every line is",
+            "",
+            "colour \x1b[31mred\x1b[0m, a bell \x07, a backspace \x08, a form feed \x0c, DEL \x7f",
+            "C1 \u{80}\u{9b}31m\u{9f} and Latin-1 \u{a0}\u{a9}\u{c2}, tab\tand \"quotes\" \\",
+            "\x1b]8;;http://example.invalid/\x1b\\a link\x1b]8;;\x1b\\",
+            "emoji \u{1f600} and \u{3042}",
+        ];
+        let (theirs, ours) = both(|| {
+            for line in lines {
+                let (pid, which) = (42u32, "stderr");
+                tracing::info!(target: "engine", pid, stream = which, "{line}");
+                let text: String = lines.iter().map(|l| format!("\n{l}")).collect();
+                tracing::info!(target: "engine", "engine pid={pid} {which}, 6 lines:{text}");
+                tracing::warn!(target: "engine", "{line}");
+            }
+        });
+        assert_eq!(ours, theirs);
+        assert!(ours.iter().any(|l| l.contains("\\x1b[31mred")), "{ours:?}");
+        assert!(ours.iter().any(|l| l.contains("\\u{9b}31m")), "{ours:?}");
+    }
+
+    #[test]
+    fn other_events_are_tracing_subscribers_own() {
+        let (theirs, ours) = both(|| {
+            tracing::info!(pid = 7, "dsv4d's own \x1b[2J line");
+            tracing::warn!(target: "dsv4::lifecycle", "a warning");
+            let span = tracing::info_span!("request", id = 3);
+            let _in = span.enter();
+            tracing::info!(target: "engine", "an engine line in a span");
+        });
+        assert_eq!(ours, theirs);
+        assert_eq!(ours.len(), 3);
+    }
+
+    #[test]
+    fn escaping_in_runs_matches_a_character_at_a_time() {
+        let mut text = String::new();
+        for c in (0u32..0x300).filter_map(char::from_u32) {
+            text.push(c);
+            text.push('x');
+        }
+        let mut ours = String::new();
+        write_escaped(&mut ours, &text).unwrap();
+        let mut theirs = String::new();
+        for c in text.chars() {
+            match c {
+                '\x1b' | '\x07' | '\x08' | '\x0c' | '\x7f' => {
+                    theirs.push_str(&format!("\\x{:02x}", c as u32))
+                }
+                c if (0x80..=0x9f).contains(&(c as u32)) => {
+                    theirs.push_str(&format!("\\u{{{:x}}}", c as u32))
+                }
+                c => theirs.push(c),
+            }
+        }
+        assert_eq!(ours, theirs);
+    }
+}
