@@ -15,6 +15,7 @@ use std::fmt;
 use std::io;
 use std::path::{Path, PathBuf};
 use std::process::{ExitStatus, Stdio};
+use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex};
 
 use nix::sys::signal::{killpg, Signal};
@@ -108,6 +109,25 @@ pub struct OutputTail {
     /// says something (llama-server logs as it finishes loading), instead of waiting out its
     /// poll interval.
     news: Arc<tokio::sync::Notify>,
+    /// Tasks waiting for news: with none (nearly always), a line wakes nobody, and skips
+    /// the notify's lock (a lock per line, and llama-server writes ten a request).
+    waiting: Arc<AtomicUsize>,
+}
+
+/// One task counted as waiting for news while it lives.
+struct Waiting<'a>(&'a AtomicUsize);
+
+impl<'a> Waiting<'a> {
+    fn new(count: &'a AtomicUsize) -> Self {
+        count.fetch_add(1, Ordering::SeqCst);
+        Waiting(count)
+    }
+}
+
+impl Drop for Waiting<'_> {
+    fn drop(&mut self) {
+        self.0.fetch_sub(1, Ordering::SeqCst);
+    }
 }
 
 #[derive(Debug, Default)]
@@ -128,6 +148,7 @@ impl OutputTail {
                 total: 0,
             })),
             news: Arc::default(),
+            waiting: Arc::default(),
         }
     }
 
@@ -139,7 +160,11 @@ impl OutputTail {
         t.lines.push_back(line);
         t.total += 1;
         drop(t);
-        self.news.notify_waiters();
+        // A waiter counts itself after it registered and before it looks at the lines (see
+        // `since_or_wait`): seen here as none, it looks after this line was pushed.
+        if self.waiting.load(Ordering::SeqCst) > 0 {
+            self.news.notify_waiters();
+        }
     }
 
     /// Lines numbered `since` and later that are still kept, at most the last `max` of them,
@@ -158,7 +183,11 @@ impl OutputTail {
 
     /// Resolves at the next line the engine writes.
     pub async fn next_line(&self) {
-        self.news.notified().await
+        let news = self.news.notified();
+        tokio::pin!(news);
+        news.as_mut().enable();
+        let _waiting = Waiting::new(&self.waiting);
+        news.await
     }
 
     /// As [`since`](Self::since), but when no line numbered `since` or later exists yet (the
@@ -174,6 +203,7 @@ impl OutputTail {
         tokio::pin!(news);
         // Registered before looking, so a line pushed in between still wakes this waiter.
         news.as_mut().enable();
+        let _waiting = Waiting::new(&self.waiting);
         let (next, lines) = self.since(since, max);
         if next != since {
             return (next, lines);
@@ -646,6 +676,17 @@ mod tests {
             (2, vec!["two".to_string()])
         );
         assert_eq!(t0.elapsed(), Duration::from_secs(1));
+        // The same for the next line alone; a wait given up counts no more.
+        let writer = tail.clone();
+        tokio::spawn(async move {
+            tokio::time::sleep(Duration::from_secs(1)).await;
+            writer.push("three".into());
+        });
+        tail.next_line().await;
+        assert_eq!(t0.elapsed(), Duration::from_secs(2));
+        let given_up = tokio::time::timeout(Duration::from_secs(1), tail.next_line()).await;
+        assert!(given_up.is_err());
+        assert_eq!(tail.waiting.load(Ordering::SeqCst), 0);
     }
 
     #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

@@ -50,7 +50,8 @@ use hyper_util::rt::TokioIo;
 use tokio::time::Instant;
 
 /// The header that carries a key without the `Bearer` scheme (as Anthropic-style clients send it).
-pub const X_API_KEY: &str = "x-api-key";
+/// (A header name made once: looked up by text, it is parsed and hashed at every use.)
+pub const X_API_KEY: http::HeaderName = http::HeaderName::from_static("x-api-key");
 
 /// Idle connections kept for reuse: as many as clients are likely to keep busy at once, so
 /// that a steady load reuses connections instead of opening and closing one per request

@@ -301,13 +301,7 @@ impl Timings {
                 b"prompt_ms" => set(&mut prompt_ms, number(value))?,
                 b"predicted_n" => set(&mut predicted_n, whole(value))?,
                 b"predicted_ms" => set(&mut predicted_ms, number(value))?,
-                // Other members are skipped, but a bare word must still be JSON.
-                _ if !matches!(value[0], b'"' | b'{' | b'[')
-                    && !matches!(value, b"true" | b"false" | b"null")
-                    && !is_number(value) =>
-                {
-                    return None;
-                }
+                // Other members are skipped (`value_end` checked a bare word as JSON).
                 _ => {}
             }
             i = skip_space(obj, value_end);
@@ -351,7 +345,7 @@ fn string_end(b: &[u8], at: usize) -> Option<usize> {
 }
 
 /// Past the value that starts at `at`: a string, an object or array (brackets matched
-/// outside strings), or a bare word (number, `true`, `null`...).
+/// outside strings), or a bare word, which must be a JSON number, `true`, `false` or `null`.
 fn value_end(b: &[u8], at: usize) -> Option<usize> {
     match b.get(at)? {
         b'"' => string_end(b, at),
@@ -378,11 +372,13 @@ fn value_end(b: &[u8], at: usize) -> Option<usize> {
             }
         }
         _ => {
-            let len = b[at..]
-                .iter()
-                .position(|c| matches!(c, b',' | b'}' | b']' | b' ' | b'\t' | b'\n' | b'\r'))
-                .unwrap_or(b.len() - at);
-            (len > 0).then_some(at + len)
+            let rest = &b[at..];
+            for word in [&b"true"[..], b"false", b"null"] {
+                if rest.starts_with(word) {
+                    return Some(at + word.len());
+                }
+            }
+            number_end(b, at)
         }
     }
 }
@@ -399,9 +395,10 @@ fn whole(text: &[u8]) -> Option<u64> {
     })
 }
 
-/// Any JSON number, as serde reads it into an `f64` (in range).
+/// A number `value_end` checked, as serde reads it into an `f64` (in range); `None` for any
+/// other value.
 fn number(text: &[u8]) -> Option<f64> {
-    if !is_number(text) {
+    if !matches!(text.first(), Some(b'-' | b'0'..=b'9')) {
         return None;
     }
     // ASCII, as checked.
@@ -409,9 +406,9 @@ fn number(text: &[u8]) -> Option<f64> {
     text.parse::<f64>().ok().filter(|f| f.is_finite())
 }
 
-/// The JSON grammar of a number: -? (0 | [1-9][0-9]*) (. [0-9]+)? ([eE] [+-]? [0-9]+)?
-fn is_number(b: &[u8]) -> bool {
-    let mut i = usize::from(b.first() == Some(&b'-'));
+/// Past the JSON number at `at`: -? (0 | [1-9][0-9]*) (. [0-9]+)? ([eE] [+-]? [0-9]+)?
+fn number_end(b: &[u8], at: usize) -> Option<usize> {
+    let mut i = at + usize::from(b.get(at) == Some(&b'-'));
     let digits = |i: &mut usize| {
         let from = *i;
         while b.get(*i).is_some_and(u8::is_ascii_digit) {
@@ -422,12 +419,12 @@ fn is_number(b: &[u8]) -> bool {
     let int_start = i;
     let n = digits(&mut i);
     if n == 0 || n > 1 && b[int_start] == b'0' {
-        return false;
+        return None;
     }
     if b.get(i) == Some(&b'.') {
         i += 1;
         if digits(&mut i) == 0 {
-            return false;
+            return None;
         }
     }
     if matches!(b.get(i), Some(b'e' | b'E')) {
@@ -436,10 +433,10 @@ fn is_number(b: &[u8]) -> bool {
             i += 1;
         }
         if digits(&mut i) == 0 {
-            return false;
+            return None;
         }
     }
-    i == b.len()
+    Some(i)
 }
 
 #[cfg(test)]

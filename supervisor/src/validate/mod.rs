@@ -129,6 +129,10 @@ impl Validator {
     /// A client request passes when no validation runs, else waits for its end; `Err` when
     /// `max_waiting` requests wait already (the caller answers 503).
     pub async fn admit(&self, max_waiting: usize) -> Result<(), usize> {
+        // The common case, without a receiver made and dropped for every request.
+        if !self.running() {
+            return Ok(());
+        }
         let mut gate = self.0.gate.subscribe();
         if !*gate.borrow_and_update() {
             return Ok(());
