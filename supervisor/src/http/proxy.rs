@@ -245,13 +245,8 @@ impl Tapped {
             let wall = self.started.elapsed().as_secs_f64();
             let now = dsv4_client::clock::unix_now();
             let resources = self.telemetry.resources(now - wall, now);
-            self.stats.record(
-                &self.profile,
-                &self.path,
-                &t,
-                wall * 1000.0,
-                Some(resources),
-            );
+            self.stats
+                .record(self.profile, self.path, &t, wall * 1000.0, Some(resources));
         }
     }
 }

@@ -66,15 +66,13 @@ impl Telemetry {
         let ring = self.ring.lock().unwrap_or_else(|p| p.into_inner());
         let start = ring.partition_point(|s| s.at < from);
         let end = ring.partition_point(|s| s.at <= to);
-        let picked: Vec<&Sample> = if start < end {
-            ring.range(start..end).map(|s| &**s).collect()
-        } else {
-            end.checked_sub(1)
-                .and_then(|i| ring.get(i))
-                .map(|s| vec![&**s])
-                .unwrap_or_default()
+        // A request shorter than the interval: the sample of its time.
+        let picked = match start < end {
+            true => start..end,
+            false => end.saturating_sub(1)..end,
         };
-        summarize(&picked, start.checked_sub(1).and_then(|i| ring.get(i)))
+        let before = start.checked_sub(1).and_then(|i| ring.get(i));
+        summarize(ring.range(picked).map(|s| &**s), before)
     }
 }
 
@@ -85,10 +83,13 @@ fn mean(values: impl Iterator<Item = f64>) -> Option<f64> {
 
 /// The per-request figures over `samples` (in order); `before` is the sample before the
 /// first, which dates the first one's interval.
-fn summarize(samples: &[&Sample], before: Option<&Arc<Sample>>) -> Resources {
+fn summarize<'a>(
+    samples: impl Iterator<Item = &'a Sample> + Clone,
+    before: Option<&Arc<Sample>>,
+) -> Resources {
     let mut throttle_seconds = 0.0;
     let mut prev_at = before.map(|b| b.at);
-    for s in samples {
+    for s in samples.clone() {
         if s.throttle.active {
             if let Some(p) = prev_at {
                 throttle_seconds += (s.at - p).max(0.0);
@@ -97,21 +98,18 @@ fn summarize(samples: &[&Sample], before: Option<&Arc<Sample>>) -> Resources {
         prev_at = Some(s.at);
     }
     Resources {
-        samples: samples.len() as u32,
-        edge_mean_c: mean(samples.iter().filter_map(|s| s.temperatures.edge)),
+        samples: samples.clone().count() as u32,
+        edge_mean_c: mean(samples.clone().filter_map(|s| s.temperatures.edge)),
         edge_max_c: samples
-            .iter()
+            .clone()
             .filter_map(|s| s.temperatures.edge)
             .reduce(f64::max),
-        soc_power_mean_w: mean(samples.iter().filter_map(|s| s.power.soc)),
+        soc_power_mean_w: mean(samples.clone().filter_map(|s| s.power.soc)),
         gtt_peak_bytes: samples
-            .iter()
+            .clone()
             .filter_map(|s| s.gpu.as_ref()?.gtt_used)
             .max(),
-        available_min_bytes: samples
-            .iter()
-            .filter_map(|s| Some(s.memory?.available))
-            .min(),
+        available_min_bytes: samples.filter_map(|s| Some(s.memory?.available)).min(),
         throttle_seconds,
     }
 }

@@ -104,16 +104,18 @@ impl Stats {
     /// Records a finished request; `resources`: what its span cost, from the monitor.
     pub fn record(
         &self,
-        profile: &str,
-        path: &str,
+        profile: impl Into<String>,
+        path: impl Into<String>,
         t: &Timings,
         wall_ms: f64,
         resources: Option<Resources>,
     ) {
         let at = dsv4_client::clock::unix_now();
+        // Owned: the proxy hands over its copies.
+        let (profile, path) = (profile.into(), path.into());
         let record = Record {
-            profile: profile.to_string(),
-            path: path.to_string(),
+            profile,
+            path,
             at,
             prompt_tokens: t.prompt_n,
             cached_tokens: t.cache_n,
@@ -126,8 +128,8 @@ impl Stats {
             resources,
         };
         tracing::debug!(
-            profile,
-            path,
+            profile = record.profile,
+            path = record.path,
             prompt_tokens = t.prompt_n,
             cached_tokens = t.cache_n,
             generated_tokens = t.predicted_n,
@@ -138,7 +140,15 @@ impl Stats {
         );
         let mut g = self.inner.lock().unwrap_or_else(|p| p.into_inner());
         g.all.add(t);
-        g.by_profile.entry(profile.to_string()).or_default().add(t);
+        // The profile's name is copied only the first time it is seen.
+        match g.by_profile.get_mut(&record.profile) {
+            Some(sums) => sums.add(t),
+            None => {
+                let mut sums = Sums::default();
+                sums.add(t);
+                g.by_profile.insert(record.profile.clone(), sums);
+            }
+        }
         if g.records.len() == KEEP {
             g.records.pop_front();
         }
