@@ -27,6 +27,8 @@ const SCRIPT: &str = concat!(env!("CARGO_MANIFEST_DIR"), "/bench/chat.lua");
 const PROXYD: &str = "/lib/systemd/systemd-socket-proxyd";
 const BODY: &str = r#"{"messages":[{"role":"user","content":"hi"}],"max_tokens":1}"#;
 const CONCURRENCY: [usize; 2] = [1, 64];
+/// dsv4d's own CPU per proxied request, at most this many times nginx's (one worker).
+const CPU_TARGET: f64 = 1.3;
 
 /// `name` on PATH or in the sbin folders (nginx lives in /usr/sbin).
 fn find_tool(name: &str) -> Option<PathBuf> {
@@ -784,6 +786,25 @@ pub async fn run() {
             );
         }
         _ => println!("  verdict: not possible (dsv4d or {nginx_slug} not measured)"),
+    }
+    // The cost target: dsv4d's own CPU per request at most CPU_TARGET times nginx's.
+    if let (Some(dv), Some(ng)) = (find("dsv4d"), find(&nginx_slug)) {
+        for c in CONCURRENCY {
+            let (d_us, n_us) = (med(dv, c, &|r| r.own_us), med(ng, c, &|r| r.own_us));
+            let ratio = d_us / n_us;
+            let ok = ratio <= CPU_TARGET;
+            println!(
+                "  cost (vs {}): dsv4d own CPU per request at c={c} {d_us:.1} us vs nginx \
+                 {n_us:.1} us: {ratio:.2}x ({} {CPU_TARGET}x)",
+                routes[ng].name,
+                if ok { "<= : ok" } else { "> : MISSES" },
+            );
+            println!(
+                "BENCH section=proxies_cost against={nginx_slug} c={c} dsv4d_own_us={d_us:.1} \
+                 nginx_own_us={n_us:.1} ratio={ratio:.3} target={CPU_TARGET} ok={}",
+                ok as u8
+            );
+        }
     }
     drop(started);
     drop(d);
