@@ -132,7 +132,7 @@ fn is_own(origin: &Origin, host: &Authority) -> bool {
 }
 
 /// The `Sec-Fetch-Site` header, which browsers send on every request (and no other client).
-const SEC_FETCH_SITE: &str = "sec-fetch-site";
+const SEC_FETCH_SITE: HeaderName = HeaderName::from_static("sec-fetch-site");
 
 /// A request without an `Origin`: a tool (curl, the `openai` packages), the user's own
 /// navigation (`Sec-Fetch-Site: none`), a page dsv4d serves (`same-origin`), or a page of

@@ -95,9 +95,12 @@ fn plain(b: u8) -> bool {
 /// The path `raw` as dsv4d sends it on: [`encode`] of [`decode`], borrowed when `raw` is
 /// written that way already (no escape, nothing to escape), as nearly every path is.
 pub fn canonical(raw: &str) -> Result<std::borrow::Cow<'_, str>, PathError> {
-    let plain_already = raw.starts_with('/')
-        && raw.bytes().all(plain)
-        && !raw.split('/').any(|s| s == "." || s == "..");
+    // No segment that starts with a dot either: dot segments (`.`, `..`) are among them,
+    // and the rare others (`/.well-known`) take the longer way to the same text.
+    let b = raw.as_bytes();
+    let plain_already = b.first() == Some(&b'/')
+        && b.iter().all(|&c| plain(c))
+        && !b.windows(2).any(|w| w == b"/.");
     if plain_already {
         return Ok(std::borrow::Cow::Borrowed(raw));
     }
@@ -180,7 +183,12 @@ mod tests {
         ));
         assert_eq!(canonical("/%73lots/0").as_deref(), Ok("/slots/0"));
         assert_eq!(canonical("/x/../slots/0"), Err(PathError::DotSegment));
+        assert_eq!(canonical("/x/./slots/0"), Err(PathError::DotSegment));
+        assert_eq!(canonical("/x/.."), Err(PathError::DotSegment));
         assert_eq!(canonical("slots"), Err(PathError::NotAbsolute));
+        // A segment that starts with a dot and is no dot segment passes, unchanged.
+        assert_eq!(canonical("/.well-known/x").as_deref(), Ok("/.well-known/x"));
+        assert_eq!(canonical("/a/..b/.c").as_deref(), Ok("/a/..b/.c"));
     }
 
     proptest! {

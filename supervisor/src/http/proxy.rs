@@ -298,13 +298,12 @@ pub async fn serve(
         let slot = Arc::new(slot);
         let service = {
             let (ctx, slot) = (ctx.clone(), slot.clone());
-            hyper::service::service_fn(move |mut req| {
+            hyper::service::service_fn(move |req| {
                 let (ctx, slot) = (ctx.clone(), slot.clone());
                 async move {
                     // In flight until its response body ends.
                     let busy = slot.busy();
-                    req.extensions_mut().insert(OnConnection(slot));
-                    let resp = handle(&ctx, req).await;
+                    let resp = handle(&ctx, req, &slot).await;
                     Ok::<_, Infallible>(resp.map(|b| OnEnd::new(b, move |_: End| drop(busy))))
                 }
             })
@@ -371,11 +370,12 @@ const ALLOWED_METHODS: [Method; 7] = [
 ];
 const ALLOW: &str = "GET, HEAD, POST, PUT, PATCH, DELETE, OPTIONS";
 
-/// The connection a request came on, for the front door to note what it showed.
-#[derive(Clone)]
-struct OnConnection(Arc<connections::Slot>);
-
-async fn handle(ctx: &Arc<Ctx>, req: Request<Incoming>) -> Response<ProxyBody> {
+/// `req`, which came on the connection `on` (the front door notes there what it showed).
+async fn handle(
+    ctx: &Arc<Ctx>,
+    req: Request<Incoming>,
+    on: &connections::Slot,
+) -> Response<ProxyBody> {
     ctx.activity.touch();
     let config = ctx.config.borrow().clone();
     // Browsers first, on every path: a request for a host that is not ours (DNS rebinding)
@@ -387,7 +387,7 @@ async fn handle(ctx: &Arc<Ctx>, req: Request<Incoming>) -> Response<ProxyBody> {
     if front::is_preflight(&req) {
         return front::preflight(&caller, req.headers());
     }
-    let mut response = route(ctx, &config, req).await;
+    let mut response = route(ctx, &config, req, on).await;
     front::finish(&caller, response.headers_mut());
     response
 }
@@ -396,6 +396,7 @@ async fn route(
     ctx: &Arc<Ctx>,
     config: &Arc<Config>,
     mut req: Request<Incoming>,
+    on: &connections::Slot,
 ) -> Response<ProxyBody> {
     if !ALLOWED_METHODS.contains(req.method()) {
         // CONNECT, TRACE and the like: nothing here or in the engine serves them, so they
@@ -427,11 +428,10 @@ async fn route(
     // own keys and checks), and nothing else.
     if let Some(action) = req.uri().path().strip_prefix(ui_actions::PREFIX) {
         let action = action.to_string();
-        let connection = req.extensions_mut().remove::<OnConnection>();
         let done = ui_actions::act(ctx, config, &action, req).await;
-        if let (Ok(_), Some(OnConnection(slot))) = (&done, connection) {
+        if done.is_ok() {
             // It showed an admin key: kept alive as long as any other.
-            slot.keyed();
+            on.keyed();
         }
         return ui_actions::answer(done);
     }
@@ -458,11 +458,9 @@ async fn route(
         }
         return r;
     }
-    if let Some(OnConnection(slot)) = req.extensions_mut().remove::<OnConnection>() {
-        if keyed {
-            // Its connection is kept alive as long as any other.
-            slot.keyed();
-        }
+    if keyed {
+        // Its connection is kept alive as long as any other.
+        on.keyed();
     }
     match (own, req.uri().path()) {
         (true, "/status") => match serde_json::to_value(ctx.status_document().await) {
