@@ -479,7 +479,11 @@ fn pump(
                 } else {
                     &buf
                 };
-                let line: Arc<str> = String::from_utf8_lossy(kept).into();
+                // Valid UTF-8 (nearly always) is checked by the fast path for ASCII.
+                let line: Arc<str> = match std::str::from_utf8(kept) {
+                    Ok(text) => text.into(),
+                    Err(_) => String::from_utf8_lossy(kept).into(),
+                };
                 has_redrawn = false;
                 if let Some(also) = &also {
                     also.push(line.clone());
@@ -715,7 +719,9 @@ mod tests {
     #[tokio::test]
     async fn captures_the_output_tail_and_exit_code() {
         let mut spec =
-            sh("for i in 1 2 3 4 5; do echo line$i; done; echo $DSV4_TEST_VAR >&2; exit 7");
+            // One line that is not UTF-8: kept, its bad byte replaced.
+            sh("for i in 1 2 3 4 5; do echo line$i; done; printf 'bad \\377 byte\\n'; \
+                echo $DSV4_TEST_VAR >&2; exit 7");
         spec.tail_lines = 10;
         let c = EngineChild::spawn(&spec).unwrap();
         let r = c.wait().await;
@@ -730,14 +736,18 @@ mod tests {
         // The readers may lag the exit by a moment; stdout and stderr are separate pipes, so
         // their lines interleave in no fixed order (the ring's own order is tested below).
         for _ in 0..300 {
-            if c.output().last(10).len() == 6 {
+            if c.output().last(10).len() == 7 {
                 break;
             }
             tokio::time::sleep(Duration::from_millis(10)).await;
         }
         let mut tail = c.output().last(10);
         tail.sort();
-        assert_eq!(tail, ["hello", "line1", "line2", "line3", "line4", "line5"]);
+        let bad = "bad \u{fffd} byte";
+        assert_eq!(
+            tail,
+            [bad, "hello", "line1", "line2", "line3", "line4", "line5"]
+        );
     }
 
     #[tokio::test]
