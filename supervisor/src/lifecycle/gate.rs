@@ -182,9 +182,13 @@ impl Figures {
         }
     }
 
+    /// A new watcher, which has seen nothing yet: the next move is told (a watcher gone
+    /// without taking note leaves the flag set, and the new one would never hear).
     pub fn watch(&self) -> FiguresWatch {
+        let rx = self.tx.subscribe();
+        self.told.store(false, Ordering::Release);
         FiguresWatch {
-            rx: self.tx.subscribe(),
+            rx,
             told: self.told.clone(),
         }
     }
@@ -279,5 +283,11 @@ mod tests {
         b.borrow_and_update();
         a.borrow_and_update();
         assert!(!moved(&mut a) && !moved(&mut b));
+        // Told, then every watcher gone without taking note: a new one still hears the next.
+        figures.tell();
+        drop((a, b));
+        let mut c = figures.watch();
+        figures.tell();
+        assert!(moved(&mut c));
     }
 }
