@@ -784,27 +784,25 @@ pub async fn run() {
                  throughput_ok={}",
                 lat_ok as u8, tput_ok as u8
             );
+            // The cost target: dsv4d's own CPU per request at most CPU_TARGET times nginx's.
+            for c in CONCURRENCY {
+                let (d_us, n_us) = (med(dv, c, &|r| r.own_us), med(ng, c, &|r| r.own_us));
+                let ratio = d_us / n_us;
+                let ok = ratio <= CPU_TARGET;
+                println!(
+                    "  cost (vs {}): dsv4d own CPU per request at c={c} {d_us:.1} us vs nginx \
+                     {n_us:.1} us: {ratio:.2}x ({} {CPU_TARGET}x)",
+                    routes[ng].name,
+                    if ok { "<= : ok" } else { "> : MISSES" },
+                );
+                println!(
+                    "BENCH section=proxies_cost against={nginx_slug} c={c} dsv4d_own_us={d_us:.1} \
+                     nginx_own_us={n_us:.1} ratio={ratio:.3} target={CPU_TARGET} ok={}",
+                    ok as u8
+                );
+            }
         }
         _ => println!("  verdict: not possible (dsv4d or {nginx_slug} not measured)"),
-    }
-    // The cost target: dsv4d's own CPU per request at most CPU_TARGET times nginx's.
-    if let (Some(dv), Some(ng)) = (find("dsv4d"), find(&nginx_slug)) {
-        for c in CONCURRENCY {
-            let (d_us, n_us) = (med(dv, c, &|r| r.own_us), med(ng, c, &|r| r.own_us));
-            let ratio = d_us / n_us;
-            let ok = ratio <= CPU_TARGET;
-            println!(
-                "  cost (vs {}): dsv4d own CPU per request at c={c} {d_us:.1} us vs nginx \
-                 {n_us:.1} us: {ratio:.2}x ({} {CPU_TARGET}x)",
-                routes[ng].name,
-                if ok { "<= : ok" } else { "> : MISSES" },
-            );
-            println!(
-                "BENCH section=proxies_cost against={nginx_slug} c={c} dsv4d_own_us={d_us:.1} \
-                 nginx_own_us={n_us:.1} ratio={ratio:.3} target={CPU_TARGET} ok={}",
-                ok as u8
-            );
-        }
     }
     drop(started);
     drop(d);
