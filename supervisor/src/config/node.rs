@@ -13,7 +13,7 @@
 use std::cell::RefCell;
 
 use saphyr_parser::{Event, Marker, Parser, ScalarStyle, Span};
-use serde::de::{self, DeserializeSeed, IntoDeserializer, Visitor};
+use serde::de::{self, DeserializeSeed, IntoDeserializer, Unexpected, Visitor};
 
 /// Deeper nesting than this is refused (no setting is nested more than three deep).
 pub(crate) const MAX_DEPTH: usize = 32;
@@ -48,11 +48,11 @@ impl Node {
         matches!(&self.kind, Kind::Scalar { text, plain: true } if is_null(text))
     }
 
-    /// The scalar's text, for a map key.
-    pub fn text(&self) -> Option<&str> {
+    /// The scalar's text, for a map key (`?` for another kind of key).
+    pub fn text(&self) -> &str {
         match &self.kind {
-            Kind::Scalar { text, .. } => Some(text),
-            _ => None,
+            Kind::Scalar { text, .. } => text,
+            _ => "?",
         }
     }
 }
@@ -87,6 +87,17 @@ pub(crate) fn position(m: &Marker) -> (usize, usize) {
 /// Why a text is not a document this loader reads: where, and what.
 pub(crate) type ParseError = ((usize, usize), String);
 
+fn fail<T>(at: &Marker, message: impl Into<String>) -> Result<T, ParseError> {
+    Err((position(at), message.into()))
+}
+
+fn too_deep<T>(at: &Marker) -> Result<T, ParseError> {
+    fail(
+        at,
+        format!("nested more than {MAX_DEPTH} deep (no setting is)"),
+    )
+}
+
 /// Parses `text`: its one document's root node (`None` for an empty file).
 pub(crate) fn parse(text: &str) -> Result<Option<Node>, ParseError> {
     let mut b = Builder {
@@ -94,32 +105,26 @@ pub(crate) fn parse(text: &str) -> Result<Option<Node>, ParseError> {
         anchors: Vec::new(),
         nodes: 0,
     };
-    let mut root = None;
-    let mut document = Marker::default();
+    let (mut root, mut document) = (None, Marker::default());
     loop {
-        let (event, span) = b.next()?;
-        match event {
-            Event::DocumentStart(_) => document = span.start,
-            Event::StreamStart | Event::DocumentEnd | Event::Nothing => {}
-            Event::StreamEnd => return Ok(root),
+        match b.next()? {
+            (Event::DocumentStart(_), span) => document = span.start,
+            (Event::StreamStart | Event::DocumentEnd | Event::Nothing, _) => {}
+            (Event::StreamEnd, _) => return Ok(root),
             _ if root.is_some() => {
-                return Err((
-                    position(&document),
-                    "the file holds more than one YAML document; a configuration file holds \
-                     one"
-                    .into(),
-                ))
+                let message = "the file holds more than one YAML document; a configuration \
+                               file holds one";
+                return fail(&document, message);
             }
-            event => root = Some(b.node(event, span, 1)?),
+            (event, span) => root = Some(b.node(event, span, 1)?),
         }
     }
 }
 
 struct Builder<'a> {
     events: Parser<'a, saphyr_parser::StrInput<'a>>,
-    /// The anchored nodes so far, by anchor id, with their size once expanded and their
-    /// height.
-    anchors: Vec<(usize, Node, u64, usize)>,
+    /// The anchored nodes so far, by anchor id, with their size once expanded.
+    anchors: Vec<(usize, Node, u64)>,
     /// Nodes so far, aliases expanded.
     nodes: u64,
 }
@@ -127,14 +132,11 @@ struct Builder<'a> {
 impl<'a> Builder<'a> {
     fn next(&mut self) -> Result<(Event<'a>, Span), ParseError> {
         match self.events.next() {
-            Some(Ok((event, span))) => Ok((event, span)),
+            Some(Ok(next)) => Ok(next),
             // The scanner's own limit on flow nesting, met before any event of that depth (a
             // test holds this wording of the parser's).
-            Some(Err(e)) if e.info().contains("recursion limit") => Err((
-                position(e.marker()),
-                format!("nested more than {MAX_DEPTH} deep (no setting is)"),
-            )),
-            Some(Err(e)) => Err((position(e.marker()), e.info().to_string())),
+            Some(Err(e)) if e.info().contains("recursion limit") => too_deep(e.marker()),
+            Some(Err(e)) => fail(e.marker(), e.info()),
             None => Ok((Event::StreamEnd, Span::empty(Marker::default()))),
         }
     }
@@ -142,81 +144,63 @@ impl<'a> Builder<'a> {
     fn count(&mut self, n: u64, at: &Marker) -> Result<(), ParseError> {
         self.nodes += n;
         if self.nodes > MAX_NODES {
-            return Err((
-                position(at),
-                format!(
-                    "its aliases expand to more than {MAX_NODES} values; write the settings \
-                     out instead"
-                ),
-            ));
+            let message = format!(
+                "its aliases expand to more than {MAX_NODES} values; write the settings out \
+                 instead"
+            );
+            return fail(at, message);
         }
         Ok(())
     }
 
     /// The node that opened with `event`, at `depth`.
     fn node(&mut self, event: Event<'a>, span: Span, depth: usize) -> Result<Node, ParseError> {
-        let mark = span.start;
-        let began = self.nodes;
+        let (mark, began) = (span.start, self.nodes);
         let mapping = matches!(event, Event::MappingStart(..));
         let (kind, anchor, tag) = match event {
             Event::Alias(id) => {
-                let Some((_, node, size, height)) = self.anchors.iter().rev().find(|a| a.0 == id)
-                else {
-                    return Err((position(&mark), "an alias to no anchor".into()));
+                let Some((_, node, size)) = self.anchors.iter().rev().find(|a| a.0 == id) else {
+                    return fail(&mark, "an alias to no anchor");
                 };
-                // Nesting built by aliases counts as written out.
-                if depth + height - 1 > MAX_DEPTH {
-                    return Err((
-                        position(&mark),
-                        format!("nested more than {MAX_DEPTH} deep (no setting is)"),
-                    ));
-                }
                 let (node, size) = (node.clone(), *size);
+                // Nesting built by aliases counts as written out.
+                if depth + height(&node) - 1 > MAX_DEPTH {
+                    return too_deep(&mark);
+                }
                 self.count(size, &mark)?;
                 return Ok(node);
             }
             Event::Scalar(text, style, anchor, tag) => {
                 self.count(1, &mark)?;
-                let plain = style == ScalarStyle::Plain;
-                let kind = Kind::Scalar {
-                    text: text.into_owned(),
-                    plain,
-                };
-                (kind, anchor, tag)
+                let (text, plain) = (text.into_owned(), style == ScalarStyle::Plain);
+                (Kind::Scalar { text, plain }, anchor, tag)
             }
             Event::SequenceStart(anchor, tag) | Event::MappingStart(anchor, tag) => {
                 self.count(1, &mark)?;
                 if depth > MAX_DEPTH {
-                    return Err((
-                        position(&mark),
-                        format!("nested more than {MAX_DEPTH} deep (no setting is)"),
-                    ));
+                    return too_deep(&mark);
                 }
                 let mut items = Vec::new();
                 loop {
-                    let (event, span) = self.next()?;
-                    if matches!(event, Event::SequenceEnd | Event::MappingEnd) {
-                        break;
+                    match self.next()? {
+                        (Event::SequenceEnd | Event::MappingEnd, _) => break,
+                        (Event::StreamEnd, span) => {
+                            return fail(&span.start, "the file ends early")
+                        }
+                        (event, span) => items.push(self.node(event, span, depth + 1)?),
                     }
-                    if matches!(event, Event::StreamEnd) {
-                        return Err((position(&span.start), "the file ends early".into()));
-                    }
-                    items.push(self.node(event, span, depth + 1)?);
                 }
                 let kind = match mapping {
                     false => Kind::Seq(items),
                     true => {
-                        let mut entries = Vec::with_capacity(items.len() / 2);
                         let mut items = items.into_iter();
-                        while let (Some(k), Some(v)) = (items.next(), items.next()) {
-                            entries.push((k, v));
-                        }
-                        Kind::Map(entries)
+                        let pairs = std::iter::from_fn(|| Some((items.next()?, items.next()?)));
+                        Kind::Map(pairs.collect())
                     }
                 };
                 (kind, anchor, tag)
             }
-            _ => return Err((position(&mark), "unexpected YAML event".into())),
+            _ => return fail(&mark, "unexpected YAML event"),
         };
         let mut node = Node { kind, mark };
         // `!!str 64` is the text `64`; other tags (`!!int 64`) change nothing a setting reads.
@@ -226,22 +210,26 @@ impl<'a> Builder<'a> {
             }
         }
         if anchor != 0 {
-            let height = height(&node);
             self.anchors
-                .push((anchor, node.clone(), self.nodes - began, height));
+                .push((anchor, node.clone(), self.nodes - began));
         }
         Ok(node)
     }
 }
 
-/// A mistake serde found in a value: what, and the value's path (`engine.idle_timeout`,
-/// `extra_args[2]`) and mark.
+/// A mistake serde found in a value: what, and where (once known).
 #[derive(Debug)]
 pub(crate) struct Error {
     pub message: String,
-    pub path: Option<String>,
-    pub mark: Option<Marker>,
-    /// The way to the value from the root.
+    pub at: Option<At>,
+}
+
+/// Where a value is: its path (`engine.idle_timeout`, `extra_args[2]`), its mark, and the
+/// way to it from the root.
+#[derive(Debug, Clone)]
+pub(crate) struct At {
+    pub path: String,
+    pub mark: Marker,
     pub route: Vec<Step>,
 }
 
@@ -255,12 +243,8 @@ impl std::error::Error for Error {}
 
 impl de::Error for Error {
     fn custom<T: std::fmt::Display>(msg: T) -> Error {
-        Error {
-            message: msg.to_string(),
-            path: None,
-            mark: None,
-            route: Vec::new(),
-        }
+        let message = msg.to_string();
+        Error { message, at: None }
     }
 }
 
@@ -285,196 +269,201 @@ pub(crate) enum Step {
     Entry(usize),
 }
 
-/// The deserializer of one node at `path`; unknown keys go to `unknown`.
+/// The deserializer of one node; unknown keys go to `unknown`.
+///
+/// Errors are given their place by whoever handed the value to serde ([`De::read`] at the
+/// root, the sequence and map accesses below it), so that an error the type itself makes
+/// (a `deserialize_with` that parses the text) is placed as well as the deserializer's own.
 pub(crate) struct De<'a> {
     node: &'a Node,
-    path: String,
-    route: Vec<Step>,
+    at: At,
     unknown: &'a RefCell<Vec<Unknown>>,
 }
 
 impl<'a> De<'a> {
-    pub fn root(node: &'a Node, unknown: &'a RefCell<Vec<Unknown>>) -> De<'a> {
-        De {
-            node,
-            path: String::new(),
-            route: Vec::new(),
-            unknown,
-        }
+    /// Reads the root `node` with `seed`.
+    pub fn read<S: DeserializeSeed<'a>>(
+        node: &'a Node,
+        unknown: &'a RefCell<Vec<Unknown>>,
+        seed: S,
+    ) -> Result<S::Value, Error> {
+        let (path, route) = (String::new(), Vec::new());
+        let at = At {
+            path,
+            mark: node.mark,
+            route,
+        };
+        De { node, at, unknown }.seed(seed)
+    }
+
+    /// Reads this node with `seed`, placing an error that has no place yet here.
+    fn seed<S: DeserializeSeed<'a>>(self, seed: S) -> Result<S::Value, Error> {
+        let at = self.at.clone();
+        seed.deserialize(self).map_err(|mut e| {
+            e.at.get_or_insert(at);
+            e
+        })
     }
 
     fn child(&self, node: &'a Node, path: String, step: Step) -> De<'a> {
-        let mut route = self.route.clone();
+        let mut route = self.at.route.clone();
         route.push(step);
+        let at = At {
+            path,
+            mark: node.mark,
+            route,
+        };
         De {
             node,
-            path,
-            route,
+            at,
             unknown: self.unknown,
         }
     }
 
-    fn located(&self) -> Located {
-        Located(self.path.clone(), self.node.mark, self.route.clone())
-    }
-
-    /// `err` with this node's path and mark, unless a value inside already gave its own.
-    fn locate(&self, err: Error) -> Error {
-        self.located().locate(err)
-    }
-
     /// What the node is, for a message that says it is not what was expected: a plain
     /// scalar as the core schema reads it.
-    fn unexpected(&self) -> de::Unexpected<'a> {
+    fn unexpected(&self) -> Unexpected<'a> {
         match &self.node.kind {
-            Kind::Scalar { text, plain: false } => de::Unexpected::Str(text),
-            Kind::Scalar { text, plain: true } => {
-                resolve(text, Plain).unwrap_or(de::Unexpected::Str(text))
-            }
-            Kind::Seq(_) => de::Unexpected::Seq,
-            Kind::Map(_) => de::Unexpected::Map,
+            Kind::Scalar { text, plain: false } => Unexpected::Str(text),
+            Kind::Scalar { text, plain: true } => match Scalar::of(text) {
+                Scalar::Null => Unexpected::Unit,
+                Scalar::Bool(b) => Unexpected::Bool(b),
+                Scalar::Unsigned(n) => Unexpected::Unsigned(n),
+                Scalar::Signed(n) => Unexpected::Signed(n),
+                Scalar::Float(x) => Unexpected::Float(x),
+                Scalar::Text(text) => Unexpected::Str(text),
+            },
+            Kind::Seq(_) => Unexpected::Seq,
+            Kind::Map(_) => Unexpected::Map,
         }
     }
 
-    fn any<V: Visitor<'a>>(self, visitor: V) -> Result<V::Value, Error> {
-        let r = match &self.node.kind {
-            Kind::Scalar { text, plain } => match plain {
-                true => resolve(text, visitor),
-                false => visitor.visit_str(text),
-            },
-            Kind::Seq(items) => visitor.visit_seq(Seq {
-                de: &self,
-                items: items.iter().enumerate(),
-            }),
-            Kind::Map(entries) => visitor.visit_map(Map {
-                de: &self,
-                entries: entries.iter().enumerate(),
-                fields: None,
-                value: None,
-            }),
-        };
-        r.map_err(|e| self.locate(e))
+    fn wrong<T, V: Visitor<'a>>(&self, visitor: &V) -> Result<T, Error> {
+        Err(de::Error::invalid_type(self.unexpected(), visitor))
     }
-}
 
-impl<'a> De<'a> {
+    fn map(&self, fields: Option<&'static [&'static str]>) -> Map<'_, 'a> {
+        let entries: &'a [(Node, Node)] = match &self.node.kind {
+            Kind::Map(entries) => entries,
+            _ => &[],
+        };
+        let entries = entries.iter().enumerate();
+        Map {
+            de: self,
+            entries,
+            fields,
+            value: None,
+        }
+    }
+
     /// A value for an unsigned type: a negative integer is the wrong type of number.
     fn unsigned<V: Visitor<'a>>(self, visitor: V) -> Result<V::Value, Error> {
-        if let Kind::Scalar { text, plain: true } = &self.node.kind {
-            if let Some(n) = text.strip_prefix('-').and_then(|d| d.parse::<u64>().ok()) {
-                if let Ok(n) = i64::try_from(n) {
-                    let e = de::Error::invalid_type(de::Unexpected::Signed(-n), &visitor);
-                    return Err(self.locate(e));
-                }
-            }
-        }
-        self.any(visitor)
-    }
-}
-
-/// A plain scalar as YAML 1.2's core schema reads it, handed to `visitor`.
-fn resolve<'a, V: Visitor<'a>>(text: &'a str, visitor: V) -> Result<V::Value, Error> {
-    if is_null(text) {
-        return visitor.visit_unit();
-    }
-    match text {
-        "true" | "True" | "TRUE" => return visitor.visit_bool(true),
-        "false" | "False" | "FALSE" => return visitor.visit_bool(false),
-        ".inf" | ".Inf" | ".INF" | "+.inf" | "+.Inf" | "+.INF" => {
-            return visitor.visit_f64(f64::INFINITY)
-        }
-        "-.inf" | "-.Inf" | "-.INF" => return visitor.visit_f64(f64::NEG_INFINITY),
-        ".nan" | ".NaN" | ".NAN" => return visitor.visit_f64(f64::NAN),
-        _ => {}
-    }
-    let (negative, digits) = match text.as_bytes().first() {
-        Some(b'-') => (true, &text[1..]),
-        Some(b'+') => (false, &text[1..]),
-        _ => (false, text),
-    };
-    let radix = match digits.get(..2) {
-        Some("0x") => Some(16),
-        Some("0o") => Some(8),
-        Some("0b") => Some(2),
-        _ => None,
-    };
-    let integer = match radix {
-        Some(r) => u64::from_str_radix(&digits[2..], r).ok(),
-        None if !digits.is_empty() && digits.bytes().all(|b| b.is_ascii_digit()) => {
-            digits.parse::<u64>().ok()
-        }
-        None => None,
-    };
-    if let Some(n) = integer {
-        return match negative {
-            false => visitor.visit_u64(n),
-            true => match i64::try_from(n) {
-                Ok(n) => visitor.visit_i64(-n),
-                Err(_) => visitor.visit_borrowed_str(text),
+        match &self.node.kind {
+            Kind::Scalar { text, plain: true } => match Scalar::of(text) {
+                Scalar::Signed(n) => Err(de::Error::invalid_type(Unexpected::Signed(n), &visitor)),
+                _ => de::Deserializer::deserialize_any(self, visitor),
             },
-        };
-    }
-    let numeric = digits
-        .bytes()
-        .all(|b| b.is_ascii_digit() || matches!(b, b'.' | b'e' | b'E' | b'-' | b'+'))
-        && digits.bytes().any(|b| b.is_ascii_digit());
-    if numeric {
-        if let Ok(x) = text.parse::<f64>() {
-            return visitor.visit_f64(x);
+            _ => de::Deserializer::deserialize_any(self, visitor),
         }
     }
-    visitor.visit_borrowed_str(text)
 }
 
-/// What a plain scalar is, for a message.
-struct Plain;
+/// A plain scalar as YAML 1.2's core schema reads it.
+enum Scalar<'a> {
+    Null,
+    Bool(bool),
+    Unsigned(u64),
+    Signed(i64),
+    Float(f64),
+    Text(&'a str),
+}
 
-impl<'a> Visitor<'a> for Plain {
-    type Value = de::Unexpected<'a>;
-
-    fn expecting(&self, f: &mut std::fmt::Formatter) -> std::fmt::Result {
-        f.write_str("a scalar")
+impl<'a> Scalar<'a> {
+    fn of(text: &'a str) -> Scalar<'a> {
+        match text {
+            _ if is_null(text) => return Scalar::Null,
+            "true" | "True" | "TRUE" => return Scalar::Bool(true),
+            "false" | "False" | "FALSE" => return Scalar::Bool(false),
+            ".inf" | ".Inf" | ".INF" | "+.inf" | "+.Inf" | "+.INF" => {
+                return Scalar::Float(f64::INFINITY)
+            }
+            "-.inf" | "-.Inf" | "-.INF" => return Scalar::Float(f64::NEG_INFINITY),
+            ".nan" | ".NaN" | ".NAN" => return Scalar::Float(f64::NAN),
+            _ => {}
+        }
+        let (negative, digits) = match text.as_bytes().first() {
+            Some(b'-') => (true, &text[1..]),
+            Some(b'+') => (false, &text[1..]),
+            _ => (false, text),
+        };
+        let radix = match digits.get(..2) {
+            Some("0x") => Some(16),
+            Some("0o") => Some(8),
+            Some("0b") => Some(2),
+            _ => None,
+        };
+        let integer = match radix {
+            Some(r) => u64::from_str_radix(&digits[2..], r).ok(),
+            None if !digits.is_empty() && digits.bytes().all(|b| b.is_ascii_digit()) => {
+                digits.parse::<u64>().ok()
+            }
+            None => None,
+        };
+        match (integer, negative) {
+            (Some(n), false) => return Scalar::Unsigned(n),
+            (Some(n), true) => {
+                return i64::try_from(n).map_or(Scalar::Text(text), |n| Scalar::Signed(-n))
+            }
+            (None, _) => {}
+        }
+        let numeric = digits
+            .bytes()
+            .all(|b| b.is_ascii_digit() || matches!(b, b'.' | b'e' | b'E' | b'-' | b'+'))
+            && digits.bytes().any(|b| b.is_ascii_digit());
+        match text.parse::<f64>() {
+            Ok(x) if numeric => Scalar::Float(x),
+            _ => Scalar::Text(text),
+        }
     }
+}
 
-    fn visit_unit<E>(self) -> Result<Self::Value, E> {
-        Ok(de::Unexpected::Unit)
-    }
-
-    fn visit_bool<E>(self, b: bool) -> Result<Self::Value, E> {
-        Ok(de::Unexpected::Bool(b))
-    }
-
-    fn visit_u64<E>(self, n: u64) -> Result<Self::Value, E> {
-        Ok(de::Unexpected::Unsigned(n))
-    }
-
-    fn visit_i64<E>(self, n: i64) -> Result<Self::Value, E> {
-        Ok(de::Unexpected::Signed(n))
-    }
-
-    fn visit_f64<E>(self, x: f64) -> Result<Self::Value, E> {
-        Ok(de::Unexpected::Float(x))
-    }
-
-    fn visit_borrowed_str<E>(self, s: &'a str) -> Result<Self::Value, E> {
-        Ok(de::Unexpected::Str(s))
-    }
+/// The unsigned types, each read by [`De::unsigned`].
+macro_rules! unsigned {
+    ($($name:ident)*) => {$(
+        fn $name<V: Visitor<'de>>(self, visitor: V) -> Result<V::Value, Error> {
+            self.unsigned(visitor)
+        }
+    )*};
 }
 
 impl<'de> de::Deserializer<'de> for De<'de> {
     type Error = Error;
 
     fn deserialize_any<V: Visitor<'de>>(self, visitor: V) -> Result<V::Value, Error> {
-        self.any(visitor)
+        match &self.node.kind {
+            Kind::Scalar { text, plain: true } => match Scalar::of(text) {
+                Scalar::Null => visitor.visit_unit(),
+                Scalar::Bool(b) => visitor.visit_bool(b),
+                Scalar::Unsigned(n) => visitor.visit_u64(n),
+                Scalar::Signed(n) => visitor.visit_i64(n),
+                Scalar::Float(x) => visitor.visit_f64(x),
+                Scalar::Text(text) => visitor.visit_borrowed_str(text),
+            },
+            Kind::Scalar { text, .. } => visitor.visit_borrowed_str(text),
+            Kind::Seq(items) => visitor.visit_seq(Seq {
+                de: &self,
+                items: items.iter().enumerate(),
+            }),
+            Kind::Map(_) => visitor.visit_map(self.map(None)),
+        }
     }
 
     fn deserialize_str<V: Visitor<'de>>(self, visitor: V) -> Result<V::Value, Error> {
-        let r = match &self.node.kind {
+        match &self.node.kind {
             // Any scalar as it is written.
-            Kind::Scalar { text, .. } => visitor.visit_str(text),
-            _ => Err(de::Error::invalid_type(self.unexpected(), &visitor)),
-        };
-        r.map_err(|e| self.locate(e))
+            Kind::Scalar { text, .. } => visitor.visit_borrowed_str(text),
+            _ => self.wrong(&visitor),
+        }
     }
 
     fn deserialize_string<V: Visitor<'de>>(self, visitor: V) -> Result<V::Value, Error> {
@@ -487,7 +476,7 @@ impl<'de> de::Deserializer<'de> for De<'de> {
 
     fn deserialize_option<V: Visitor<'de>>(self, visitor: V) -> Result<V::Value, Error> {
         match self.node.is_null() {
-            true => visitor.visit_none().map_err(|e| self.locate(e)),
+            true => visitor.visit_none(),
             false => visitor.visit_some(self),
         }
     }
@@ -506,16 +495,10 @@ impl<'de> de::Deserializer<'de> for De<'de> {
         fields: &'static [&'static str],
         visitor: V,
     ) -> Result<V::Value, Error> {
-        let r = match &self.node.kind {
-            Kind::Map(entries) => visitor.visit_map(Map {
-                de: &self,
-                entries: entries.iter().enumerate(),
-                fields: Some(fields),
-                value: None,
-            }),
-            _ => Err(de::Error::invalid_type(self.unexpected(), &visitor)),
-        };
-        r.map_err(|e| self.locate(e))
+        match &self.node.kind {
+            Kind::Map(_) => visitor.visit_map(self.map(Some(fields))),
+            _ => self.wrong(&visitor),
+        }
     }
 
     fn deserialize_enum<V: Visitor<'de>>(
@@ -524,34 +507,17 @@ impl<'de> de::Deserializer<'de> for De<'de> {
         _variants: &'static [&'static str],
         visitor: V,
     ) -> Result<V::Value, Error> {
-        let r = match &self.node.kind {
-            Kind::Scalar { text, .. } => {
-                visitor.visit_enum(IntoDeserializer::<Error>::into_deserializer(text.as_str()))
-            }
-            _ => Err(de::Error::invalid_type(self.unexpected(), &visitor)),
-        };
-        r.map_err(|e| self.locate(e))
-    }
-
-    fn deserialize_u8<V: Visitor<'de>>(self, visitor: V) -> Result<V::Value, Error> {
-        self.unsigned(visitor)
-    }
-
-    fn deserialize_u16<V: Visitor<'de>>(self, visitor: V) -> Result<V::Value, Error> {
-        self.unsigned(visitor)
-    }
-
-    fn deserialize_u32<V: Visitor<'de>>(self, visitor: V) -> Result<V::Value, Error> {
-        self.unsigned(visitor)
-    }
-
-    fn deserialize_u64<V: Visitor<'de>>(self, visitor: V) -> Result<V::Value, Error> {
-        self.unsigned(visitor)
+        match &self.node.kind {
+            Kind::Scalar { text, .. } => visitor.visit_enum(text.as_str().into_deserializer()),
+            _ => self.wrong(&visitor),
+        }
     }
 
     fn deserialize_ignored_any<V: Visitor<'de>>(self, visitor: V) -> Result<V::Value, Error> {
         visitor.visit_unit()
     }
+
+    unsigned! { deserialize_u8 deserialize_u16 deserialize_u32 deserialize_u64 }
 
     serde::forward_to_deserialize_any! {
         bool i8 i16 i32 i64 i128 u128 f32 f64 char bytes byte_buf unit
@@ -574,12 +540,11 @@ impl<'a> de::SeqAccess<'a> for Seq<'_, 'a> {
         let Some((i, node)) = self.items.next() else {
             return Ok(None);
         };
-        let path = format!("{}[{i}]", self.de.path);
-        let de = self.de.child(node, path, Step::Item(i));
-        let located = de.located();
-        seed.deserialize(de)
+        let path = format!("{}[{i}]", self.de.at.path);
+        self.de
+            .child(node, path, Step::Item(i))
+            .seed(seed)
             .map(Some)
-            .map_err(|e| located.locate(e))
     }
 }
 
@@ -600,22 +565,28 @@ impl<'a> de::MapAccess<'a> for Map<'_, 'a> {
         seed: K,
     ) -> Result<Option<K::Value>, Error> {
         for (i, (key, value)) in self.entries.by_ref() {
-            let name = key.text().unwrap_or("?");
-            let path = key_path(&self.de.path, name);
-            if let Some(fields) = self.fields {
-                if !fields.contains(&name) {
-                    self.de.unknown.borrow_mut().push(Unknown {
+            let (parent, name) = (&self.de.at.path, key.text());
+            let path = key_path(parent, name);
+            match self.fields {
+                Some(keys) if !keys.contains(&name) => {
+                    let (parent, key) = (parent.clone(), name.to_string());
+                    let unknown = Unknown {
                         path,
-                        parent: self.de.path.clone(),
-                        key: name.to_string(),
-                        keys: fields,
-                    });
-                    continue;
+                        parent,
+                        key,
+                        keys,
+                    };
+                    self.de.unknown.borrow_mut().push(unknown);
+                }
+                _ => {
+                    let k = self
+                        .de
+                        .child(key, path.clone(), Step::Entry(i))
+                        .seed(seed)?;
+                    self.value = Some((value, path, i));
+                    return Ok(Some(k));
                 }
             }
-            let k = seed.deserialize(self.de.child(key, path.clone(), Step::Entry(i)))?;
-            self.value = Some((value, path, i));
-            return Ok(Some(k));
         }
         Ok(None)
     }
@@ -625,25 +596,31 @@ impl<'a> de::MapAccess<'a> for Map<'_, 'a> {
             .value
             .take()
             .ok_or_else(|| de::Error::custom("a value without its key"))?;
-        let de = self.de.child(node, path, Step::Entry(i));
-        let located = de.located();
-        seed.deserialize(de).map_err(|e| located.locate(e))
+        self.de.child(node, path, Step::Entry(i)).seed(seed)
     }
 }
 
-/// A value's path and mark, for an error that came from the type reading it (a
-/// `deserialize_with` that parses the text) rather than from the deserializer.
-struct Located(String, Marker, Vec<Step>);
-
-impl Located {
-    fn locate(self, mut err: Error) -> Error {
-        if err.path.is_none() {
-            err.path = Some(self.0);
-            err.route = self.2;
-            err.mark = Some(self.1);
-        }
-        err
+/// The message for a key `key` that a struct reading `keys` does not read: serde's own
+/// wording, and the nearest key when it looks like a typo (then also returned).
+pub(crate) fn unknown_key(key: &str, keys: &[&'static str]) -> (String, Option<&'static str>) {
+    let quoted: Vec<String> = keys.iter().map(|k| format!("`{k}`")).collect();
+    let mut message = match quoted.as_slice() {
+        [] => format!("unknown key `{key}`, there are no keys"),
+        [one] => format!("unknown key `{key}`, expected {one}"),
+        [a, b] => format!("unknown key `{key}`, expected {a} or {b}"),
+        all => format!("unknown key `{key}`, expected one of {}", all.join(", ")),
+    };
+    let limit = (key.chars().count() / 3).max(1);
+    let meant = keys
+        .iter()
+        .map(|k| (strsim::osa_distance(key, k), *k))
+        .filter(|(d, _)| *d <= limit)
+        .min_by_key(|(d, _)| *d)
+        .map(|(_, k)| k);
+    if let Some(meant) = meant {
+        message.push_str(&format!("; did you mean `{meant}`?"));
     }
+    (message, meant)
 }
 
 /// The first mistake in a text [`from_str`] read: `line:column: path: message`.
@@ -671,77 +648,37 @@ impl std::fmt::Display for Mistake {
 /// `text` read as a `T` (an empty document as `None`), or its first mistake.
 #[cfg(test)]
 pub(crate) fn from_str<T: de::DeserializeOwned>(text: &str) -> Result<Option<T>, Mistake> {
-    let node = parse(text).map_err(|(at, message)| Mistake {
-        at: Some(at),
-        path: String::new(),
-        message,
-    })?;
-    let Some(node) = node else {
-        return Ok(None);
-    };
+    let mistake = |at, path, message| Mistake { at, path, message };
+    let node = parse(text).map_err(|(at, message)| mistake(Some(at), String::new(), message))?;
+    let Some(node) = node else { return Ok(None) };
     let unknown = RefCell::new(Vec::new());
-    let value = T::deserialize(De::root(&node, &unknown)).map_err(|e| Mistake {
-        at: e.mark.map(|m| position(&m)),
-        path: e.path.unwrap_or_default(),
-        message: e.message,
+    let value = De::read(&node, &unknown, std::marker::PhantomData::<T>).map_err(|e| {
+        let at = e.at.expect("placed at the root");
+        mistake(Some(position(&at.mark)), at.path, e.message)
     })?;
-    if let Some(u) = unknown.into_inner().into_iter().next() {
-        return Err(Mistake {
-            at: None,
-            message: unknown_key(&u.key, u.keys).0,
-            path: u.path,
-        });
+    match unknown.into_inner().into_iter().next() {
+        Some(u) => Err(mistake(None, u.path, unknown_key(&u.key, u.keys).0)),
+        None => Ok(Some(value)),
     }
-    Ok(Some(value))
-}
-
-/// The message for a key `key` that a struct reading `keys` does not read: serde's own
-/// wording, and the nearest key when it looks like a typo (then also returned).
-pub(crate) fn unknown_key(key: &str, keys: &[&'static str]) -> (String, Option<&'static str>) {
-    let quoted: Vec<String> = keys.iter().map(|k| format!("`{k}`")).collect();
-    let mut message = match quoted.as_slice() {
-        [] => format!("unknown key `{key}`, there are no keys"),
-        [one] => format!("unknown key `{key}`, expected {one}"),
-        [a, b] => format!("unknown key `{key}`, expected {a} or {b}"),
-        all => format!("unknown key `{key}`, expected one of {}", all.join(", ")),
-    };
-    let limit = (key.chars().count() / 3).max(1);
-    let meant = keys
-        .iter()
-        .map(|k| (strsim::osa_distance(key, k), *k))
-        .filter(|(d, _)| *d <= limit)
-        .min_by_key(|(d, _)| *d)
-        .map(|(_, k)| k);
-    if let Some(meant) = meant {
-        message.push_str(&format!("; did you mean `{meant}`?"));
-    }
-    (message, meant)
 }
 
 /// The keys the struct `T` reads (as its deserializer is told).
 #[cfg(test)]
 pub(crate) fn keys_of<T: de::DeserializeOwned>() -> &'static [&'static str] {
+    let node = |text: &str, plain| Node {
+        kind: Kind::Scalar {
+            text: text.into(),
+            plain,
+        },
+        mark: Marker::default(),
+    };
+    let kind = Kind::Map(vec![(node("\u{0}probe", false), node("", true))]);
     let probe = Node {
-        kind: Kind::Map(vec![(
-            Node {
-                kind: Kind::Scalar {
-                    text: "\u{0}probe".into(),
-                    plain: false,
-                },
-                mark: Marker::default(),
-            },
-            Node {
-                kind: Kind::Scalar {
-                    text: String::new(),
-                    plain: true,
-                },
-                mark: Marker::default(),
-            },
-        )]),
+        kind,
         mark: Marker::default(),
     };
     let unknown = RefCell::new(Vec::new());
-    let _ = T::deserialize(De::root(&probe, &unknown));
+    let _ = De::read(&probe, &unknown, std::marker::PhantomData::<T>);
     unknown.into_inner().first().map_or(&[], |u| u.keys)
 }
 
@@ -753,9 +690,10 @@ mod tests {
     fn read<T: for<'a> Deserialize<'a>>(text: &str) -> Result<T, String> {
         let node = parse(text).map_err(|e| e.1)?.unwrap();
         let unknown = RefCell::new(Vec::new());
-        T::deserialize(De::root(&node, &unknown)).map_err(|e| {
-            let at = e.mark.map(|m| position(&m));
-            format!("{}: {} {at:?}", e.path.unwrap_or_default(), e.message)
+        De::read(&node, &unknown, std::marker::PhantomData::<T>).map_err(|e| {
+            let at = e.at.map(|at| (at.path, position(&at.mark)));
+            let (path, at) = (at.as_ref().map(|a| a.0.clone()), at.map(|a| a.1));
+            format!("{}: {} {at:?}", path.unwrap_or_default(), e.message)
         })
     }
 

@@ -10,10 +10,11 @@
 
 use std::cell::RefCell;
 use std::collections::{HashMap, HashSet};
+use std::marker::PhantomData;
 use std::path::PathBuf;
 
 use saphyr_parser::Marker;
-use serde::de::{Deserialize, DeserializeOwned};
+use serde::de::DeserializeOwned;
 
 use super::error::Problem;
 use super::node::{self, Kind, Node};
@@ -86,34 +87,31 @@ impl Doc {
                 return (doc, None);
             }
         };
-        doc.record(&root, "");
-        drop_nulls(&mut root, "", null_is_value);
+        doc.record(&mut root, "", null_is_value);
         let mut unknown_seen = HashSet::new();
-        // Whether a value's problem was reported: only the first is certain to be the file's
+        // How many values' problems were reported: only the first is certain to be the file's
         // own, so a later one that cannot be set aside ends the reading unsaid.
         let mut said = 0;
         loop {
             let unknown = RefCell::new(Vec::new());
             // A document that is only `null` (or `~`) is every default.
-            let read = Option::<T>::deserialize(node::De::root(&root, &unknown))
-                .map(Option::unwrap_or_default);
+            let read = node::De::read(&root, &unknown, PhantomData::<Option<T>>);
             for u in unknown.into_inner() {
                 if unknown_seen.insert(u.path.clone()) {
                     let problem = doc.unknown_key(&u);
                     problems.push(problem);
                 }
             }
-            let error = match read {
-                Ok(value) => return (doc, Some(value)),
-                Err(error) => error,
+            let (message, at) = match read {
+                Ok(value) => return (doc, Some(value.unwrap_or_default())),
+                Err(node::Error { message, at }) => (message, at.expect("placed at the root")),
             };
-            let path = error.path.clone().unwrap_or_default();
-            let mut problem = doc.problem(&path, &error.message);
+            let mut problem = doc.problem(&at.path, message);
             if problem.line.is_none() {
-                problem = problem.at(error.mark.as_ref().map(node::position));
+                problem = problem.at(Some(node::position(&at.mark)));
             }
             // A list item that does not fit sets its whole list aside.
-            let (mut culprit, mut route) = (path, error.route);
+            let (mut culprit, mut route) = (at.path, at.route);
             while let Some(node::Step::Item(_)) = route.last() {
                 route.pop();
                 culprit.truncate(culprit.rfind('[').unwrap_or(0));
@@ -139,33 +137,31 @@ impl Doc {
         }
     }
 
-    /// Records the entries inside `node`, at `path`.
-    fn record(&mut self, node: &Node, path: &str) {
-        match &node.kind {
+    /// Records where each entry inside `node` (at `path`) is written, and takes out those
+    /// whose value is a plain null (a key set to null counts as not written), unless
+    /// `null_is_value` says the null is the value.
+    fn record(&mut self, node: &mut Node, path: &str, null_is_value: fn(&str) -> bool) {
+        match &mut node.kind {
             Kind::Scalar { .. } => {}
             Kind::Seq(items) => {
-                for (i, item) in items.iter().enumerate() {
+                for (i, item) in items.iter_mut().enumerate() {
                     let child = format!("{path}[{i}]");
-                    self.record(item, &child);
-                    let entry = Entry {
-                        key: item.mark,
-                        value: item.mark,
-                    };
-                    self.entries.insert(child, entry);
+                    self.record(item, &child, null_is_value);
+                    let (key, value) = (item.mark, item.mark);
+                    self.entries.insert(child, Entry { key, value });
                 }
             }
-            Kind::Map(entries) => {
-                for (key, value) in entries {
-                    let child = node::key_path(path, key.text().unwrap_or("?"));
-                    self.record(value, &child);
-                    let entry = Entry {
-                        key: key.mark,
-                        value: value.mark,
-                    };
-                    // The last of two equal keys is the one read.
-                    self.entries.insert(child, entry);
-                }
-            }
+            Kind::Map(entries) => entries.retain_mut(|(key, value)| {
+                let child = node::key_path(path, key.text());
+                self.record(value, &child, null_is_value);
+                let entry = Entry {
+                    key: key.mark,
+                    value: value.mark,
+                };
+                // The last of two equal keys is the one read.
+                self.entries.insert(child.clone(), entry);
+                !value.is_null() || null_is_value(&child)
+            }),
         }
     }
 
@@ -214,29 +210,6 @@ impl Doc {
     /// an unknown key).
     pub fn dropped(&self, path: &str) -> bool {
         self.dropped.contains(path)
-    }
-}
-
-/// Takes the entries whose value is a plain null out of `node`, at `path` (a key set to null
-/// counts as not written), unless `null_is_value` says the null is the value.
-fn drop_nulls(node: &mut Node, path: &str, null_is_value: fn(&str) -> bool) {
-    match &mut node.kind {
-        Kind::Scalar { .. } => {}
-        Kind::Seq(items) => {
-            for (i, item) in items.iter_mut().enumerate() {
-                drop_nulls(item, &format!("{path}[{i}]"), null_is_value);
-            }
-        }
-        Kind::Map(entries) => {
-            entries.retain_mut(|(key, value)| {
-                let child = node::key_path(path, key.text().unwrap_or("?"));
-                if value.is_null() && !null_is_value(&child) {
-                    return false;
-                }
-                drop_nulls(value, &child, null_is_value);
-                true
-            });
-        }
     }
 }
 
