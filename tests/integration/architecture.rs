@@ -384,3 +384,25 @@ fn imports_run_only_downward_and_in_no_circle() {
     }
     assert!(wrong.is_empty(), "\n{}", wrong.join("\n"));
 }
+
+/// The lifecycle actor's own file holds its event loop and what the rules ask of it; its
+/// parts (the way in, the inbox, spawning, probing, KV steps, memory, publishing) live in
+/// named files beside it, and it stays under 600 lines.
+#[test]
+fn the_actor_stays_small_with_its_parts_in_named_files() {
+    let dir =
+        std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("../supervisor/src/lifecycle/actor");
+    let lines = std::fs::read_to_string(dir.join("mod.rs"))
+        .unwrap()
+        .lines()
+        .count();
+    assert!(
+        lines < 600,
+        "lifecycle/actor/mod.rs has {lines} lines; move a part out"
+    );
+    for part in [
+        "handle", "events", "spawn", "probe", "kv", "memory", "publish",
+    ] {
+        assert!(dir.join(format!("{part}.rs")).is_file(), "{part}.rs");
+    }
+}

@@ -3,6 +3,70 @@
 
 use super::*;
 
+pub(super) enum Command {
+    Acquire {
+        waiter: WaiterId,
+        reply: oneshot::Sender<Result<Lease, Refused>>,
+    },
+    /// `Start`, then `Acquire` for `waiter`: one command, so nothing can come between.
+    StartAndAcquire {
+        waiter: WaiterId,
+        reply: oneshot::Sender<Result<Lease, Refused>>,
+    },
+    Start,
+    Stop {
+        now: bool,
+    },
+    SetProfile {
+        name: String,
+        reply: oneshot::Sender<Result<(), ControlError>>,
+    },
+    Shutdown {
+        done: oneshot::Sender<()>,
+    },
+    /// Too hot, or cool again (`None`): see [`Event::Heat`].
+    Heat {
+        hot: Option<(String, Option<Duration>)>,
+    },
+    /// Answered at once: the watchdog's proof that the actor turns.
+    Ping {
+        reply: oneshot::Sender<()>,
+    },
+    /// Test-only: the actor stops turning (see `Handle::stall`).
+    Stall,
+    /// Engines of this profile (a validation's) neither restore nor save; `None` ends that.
+    SuspendKv {
+        profile: Option<String>,
+        reply: oneshot::Sender<()>,
+    },
+}
+
+#[derive(Debug)]
+pub(super) enum Internal {
+    /// A lease given back; `served` when its response went out whole first.
+    Release {
+        gen: Gen,
+        served: bool,
+    },
+    Cancel {
+        waiter: WaiterId,
+    },
+    Ready {
+        gen: Gen,
+    },
+    Exited {
+        gen: Gen,
+        report: ExitReport,
+    },
+    /// The KV restore (`restore`) or save of generation `gen` is over.
+    KvDone {
+        gen: Gen,
+        restore: bool,
+    },
+    /// The memory of the engine that exited last came back, or will not (said already).
+    MemorySettled,
+}
+
 impl Actor {
     pub(super) async fn command(&mut self, c: Command) -> Option<Event> {
         match c {

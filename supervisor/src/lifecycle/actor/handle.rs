@@ -2,6 +2,74 @@
 
 use super::*;
 
+/// The right to send one request to the engine; the engine is not stopped while any lease is
+/// held. Dropping it tells the actor, so idle time counts from the last lease released.
+#[derive(Debug)]
+pub struct Lease {
+    pub engine: Arc<EngineRef>,
+    pub(super) release: mpsc::UnboundedSender<Internal>,
+    /// Given by the gate (see [`crate::lifecycle::gate`]): given back there while it is open.
+    pub(super) ticket: Option<Ticket>,
+    pub(super) served: bool,
+}
+
+impl Lease {
+    /// The response went out whole: the engine serves (see `Event::Served`). Told to the
+    /// actor with the release, in one message.
+    pub fn served(&mut self) {
+        self.served = true;
+    }
+}
+
+impl Drop for Lease {
+    fn drop(&mut self) {
+        if let Some(ticket) = &self.ticket {
+            if ticket.give_back(self.served) {
+                return;
+            }
+        }
+        let _ = self.release.send(Internal::Release {
+            gen: self.engine.gen,
+            served: self.served,
+        });
+    }
+}
+
+/// The way in to the actor; cheap to clone.
+#[derive(Clone)]
+pub struct Handle {
+    pub(super) commands: mpsc::Sender<Command>,
+    pub(super) internal: mpsc::UnboundedSender<Internal>,
+    pub(super) status: watch::Receiver<Status>,
+    pub(super) figures: crate::lifecycle::gate::Figures,
+    pub(super) next_waiter: Arc<AtomicU64>,
+    pub(super) log: OutputTail,
+    pub(super) kv: crate::kv::Book,
+    pub(super) gate: Arc<Gate>,
+}
+
+struct CancelOnDrop<'a> {
+    waiter: WaiterId,
+    internal: &'a mpsc::UnboundedSender<Internal>,
+    armed: bool,
+}
+
+impl CancelOnDrop<'_> {
+    fn disarm(mut self) {
+        self.armed = false;
+    }
+}
+
+impl Drop for CancelOnDrop<'_> {
+    fn drop(&mut self) {
+        if self.armed {
+            let _ = self.internal.send(Internal::Cancel {
+                waiter: self.waiter,
+            });
+        }
+    }
+}
+
 impl Handle {
     /// The KV checkpoint steps' record.
     pub fn kv(&self) -> &crate::kv::Book {

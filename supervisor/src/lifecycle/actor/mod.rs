@@ -19,6 +19,9 @@ mod probe;
 mod publish;
 mod spawn;
 
+use events::{Command, Internal};
+pub use handle::{Handle, Lease};
+
 use memory::{memory_comes_back, memory_now_off_thread, NOT_ADMITTED_GAP};
 use probe::probe_ready;
 
@@ -64,39 +67,6 @@ const PROBE_ATTEMPT: Duration = Duration::from_secs(5);
 /// The lifecycle state as others see it: the engine part of `GET /status` and `Status()`.
 pub type Status = dsv4_client::EngineStatus;
 
-/// The right to send one request to the engine; the engine is not stopped while any lease is
-/// held. Dropping it tells the actor, so idle time counts from the last lease released.
-#[derive(Debug)]
-pub struct Lease {
-    pub engine: Arc<EngineRef>,
-    release: mpsc::UnboundedSender<Internal>,
-    /// Given by the gate (see [`crate::lifecycle::gate`]): given back there while it is open.
-    ticket: Option<Ticket>,
-    served: bool,
-}
-
-impl Lease {
-    /// The response went out whole: the engine serves (see `Event::Served`). Told to the
-    /// actor with the release, in one message.
-    pub fn served(&mut self) {
-        self.served = true;
-    }
-}
-
-impl Drop for Lease {
-    fn drop(&mut self) {
-        if let Some(ticket) = &self.ticket {
-            if ticket.give_back(self.served) {
-                return;
-            }
-        }
-        let _ = self.release.send(Internal::Release {
-            gen: self.engine.gen,
-            served: self.served,
-        });
-    }
-}
-
 /// A request was not let through; maps to an HTTP error.
 pub type Refused = Refusal;
 
@@ -112,105 +82,6 @@ pub enum ControlError {
     },
     #[error("the supervisor is shutting down")]
     Gone,
-}
-
-enum Command {
-    Acquire {
-        waiter: WaiterId,
-        reply: oneshot::Sender<Result<Lease, Refused>>,
-    },
-    /// `Start`, then `Acquire` for `waiter`: one command, so nothing can come between.
-    StartAndAcquire {
-        waiter: WaiterId,
-        reply: oneshot::Sender<Result<Lease, Refused>>,
-    },
-    Start,
-    Stop {
-        now: bool,
-    },
-    SetProfile {
-        name: String,
-        reply: oneshot::Sender<Result<(), ControlError>>,
-    },
-    Shutdown {
-        done: oneshot::Sender<()>,
-    },
-    /// Too hot, or cool again (`None`): see [`Event::Heat`].
-    Heat {
-        hot: Option<(String, Option<Duration>)>,
-    },
-    /// Answered at once: the watchdog's proof that the actor turns.
-    Ping {
-        reply: oneshot::Sender<()>,
-    },
-    /// Test-only: the actor stops turning (see `Handle::stall`).
-    Stall,
-    /// Engines of this profile (a validation's) neither restore nor save; `None` ends that.
-    SuspendKv {
-        profile: Option<String>,
-        reply: oneshot::Sender<()>,
-    },
-}
-
-#[derive(Debug)]
-enum Internal {
-    /// A lease given back; `served` when its response went out whole first.
-    Release {
-        gen: Gen,
-        served: bool,
-    },
-    Cancel {
-        waiter: WaiterId,
-    },
-    Ready {
-        gen: Gen,
-    },
-    Exited {
-        gen: Gen,
-        report: ExitReport,
-    },
-    /// The KV restore (`restore`) or save of generation `gen` is over.
-    KvDone {
-        gen: Gen,
-        restore: bool,
-    },
-    /// The memory of the engine that exited last came back, or will not (said already).
-    MemorySettled,
-}
-
-/// The way in to the actor; cheap to clone.
-#[derive(Clone)]
-pub struct Handle {
-    commands: mpsc::Sender<Command>,
-    internal: mpsc::UnboundedSender<Internal>,
-    status: watch::Receiver<Status>,
-    figures: crate::lifecycle::gate::Figures,
-    next_waiter: Arc<AtomicU64>,
-    log: OutputTail,
-    kv: crate::kv::Book,
-    gate: Arc<Gate>,
-}
-
-struct CancelOnDrop<'a> {
-    waiter: WaiterId,
-    internal: &'a mpsc::UnboundedSender<Internal>,
-    armed: bool,
-}
-
-impl CancelOnDrop<'_> {
-    fn disarm(mut self) {
-        self.armed = false;
-    }
-}
-
-impl Drop for CancelOnDrop<'_> {
-    fn drop(&mut self) {
-        if self.armed {
-            let _ = self.internal.send(Internal::Cancel {
-                waiter: self.waiter,
-            });
-        }
-    }
 }
 
 /// The engine process the actor owns, with what a lease needs to reach it.
