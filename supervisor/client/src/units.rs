@@ -23,7 +23,7 @@ const SIZE_HINT: &str = "B, KiB, MiB, GiB, TiB, KB, MB, GB, TB";
 
 /// Splits `s` into a leading unsigned decimal number (`digits[.digits]`, as durations read
 /// it) and the rest; `None` when it does not start with one.
-fn split_number(s: &str) -> Option<(&str, &str)> {
+fn number_and_unit(s: &str) -> Option<(&str, &str)> {
     let (_, _, rest) = crate::duration::split_number(s)?;
     Some(s.split_at(s.len() - rest.len()))
 }
@@ -37,7 +37,7 @@ pub fn parse_size(s: &str) -> Result<u64, String> {
     let (number, unit) = match s.trim() {
         "" => return Err(bad("empty value; write e.g. 8GiB or 512MiB")),
         text if text.starts_with('-') => return Err(bad("must not be negative")),
-        text => split_number(text)
+        text => number_and_unit(text)
             .ok_or_else(|| bad("expected a number followed by a unit, e.g. 8GiB"))?,
     };
     let (unit, fraction) = (unit.trim_start(), number.contains('.'));
@@ -86,7 +86,7 @@ pub fn parse_temperature(s: &str) -> Result<f64, String> {
     let bad = |why: &str| Err(format!("invalid temperature {s:?}: {why}"));
     let text = s.trim();
     let is_number = |t: &str| {
-        split_number(t.strip_prefix('-').unwrap_or(t)).is_some_and(|(_, rest)| rest.is_empty())
+        number_and_unit(t.strip_prefix('-').unwrap_or(t)).is_some_and(|(_, rest)| rest.is_empty())
     };
     let number = ["°C", "℃", "C"]
         .iter()

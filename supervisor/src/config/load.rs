@@ -139,6 +139,12 @@ impl Check<'_> {
         paths.iter().any(|p| self.doc.dropped(p))
     }
 
+    /// A problem about the item `i` of the list at `key`.
+    fn item(&mut self, key: &str, i: usize, message: String) {
+        let path = format!("{key}[{i}]");
+        self.problems.push(self.doc.at(key, &path, false, message));
+    }
+
     /// A problem about the whole file at `path`.
     fn whole(&mut self, path: &Path, message: impl Into<String>) {
         let file = self.shown.path(path);
@@ -176,17 +182,28 @@ impl Check<'_> {
             };
             self.add(path, message);
         }
+        // Each item is kept in its canonical form.
         let api = &mut s.api;
-        self.canonical(
-            "api.cors_origins",
-            &mut api.cors_origins,
-            names::origin_entry,
-        );
-        self.canonical(
-            "api.allowed_hosts",
-            &mut api.allowed_hosts,
-            names::host_entry,
-        );
+        let canonical: [(_, _, fn(&str) -> _); 2] = [
+            (
+                "api.cors_origins",
+                &mut api.cors_origins,
+                names::origin_entry,
+            ),
+            (
+                "api.allowed_hosts",
+                &mut api.allowed_hosts,
+                names::host_entry,
+            ),
+        ];
+        for (key, items, canonical) in canonical {
+            for (i, item) in items.iter_mut().enumerate() {
+                match canonical(item) {
+                    Ok(text) => *item = text,
+                    Err(message) => self.item(key, i, message),
+                }
+            }
+        }
         for (path, zero) in [
             ("api.max_body", s.api.max_body == 0),
             ("api.body_timeout", s.api.body_timeout.is_zero()),
@@ -260,25 +277,6 @@ impl Check<'_> {
             self.rule(true, &keys, message);
         }
         dir_known
-    }
-
-    /// Checks each item of the list at `key` with `canonical`, which reports it or gives its
-    /// canonical form to keep.
-    fn canonical(
-        &mut self,
-        key: &str,
-        items: &mut [String],
-        canonical: fn(&str) -> Result<String, String>,
-    ) {
-        for (i, item) in items.iter_mut().enumerate() {
-            match canonical(item) {
-                Ok(text) => *item = text,
-                Err(message) => {
-                    let path = format!("{key}[{i}]");
-                    self.problems.push(self.doc.at(key, &path, false, message));
-                }
-            }
-        }
     }
 
     /// Every profile file in `dir` by name (those with problems too), and the profiles
@@ -437,9 +435,7 @@ impl Check<'_> {
         let extra_args = raw.extra_args.unwrap_or_default();
         for (i, arg) in extra_args.iter().enumerate() {
             if let Some(message) = rules::check_extra_arg(arg) {
-                let item = format!("extra_args[{i}]");
-                self.problems
-                    .push(doc.at("extra_args", &item, false, message));
+                self.item("extra_args", i, message);
             }
         }
         let env = raw.env.unwrap_or_default();

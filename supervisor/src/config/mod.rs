@@ -1,31 +1,13 @@
 //! The supervisor's configuration: `supervisor.yaml` and the engine profiles in its
-//! `profiles_dir` (`profiles/<name>.yaml`).
+//! `profiles_dir` (`profiles/<name>.yaml`). `docs/configuration.md` is the reference: every
+//! key, the units, how relative paths resolve, and what is checked on disk.
 //!
-//! [`Config::load`] reads and validates everything in one go and reports every problem it
-//! finds (see [`ConfigError`]), each with its file, line, column and key path where known.
-//! Unknown keys are errors. Durations are written with units (`90s`, `15m`, `1h30m`), sizes
-//! with binary or decimal units (`64MiB`, `87.82GiB`, `20GB`) and temperatures in Celsius
-//! (`85C`); see [`parse_duration`], [`parse_size`] and [`parse_temperature`].
-//!
-//! Relative paths in `supervisor.yaml` (`profiles_dir`, `state_dir`, `api_keys_file`,
-//! `admin_keys_file`)
-//! resolve against the folder of `supervisor.yaml`; relative paths in a profile (`command`
-//! when it contains a `/`, `model`, `mmproj`, `kv_disk_dir`) resolve against the profiles
-//! folder. A bare `command` such as `llama-server` is kept as is and looked up in `PATH` when
-//! the engine is spawned.
-//!
-//! Besides the text, loading checks what the configuration names on disk: the engine
-//! `command` must be an executable file (a bare name must be found in `PATH`, the profile's
-//! `env.PATH` when set), `model` and `mmproj` must be files (a sharded model must be named
-//! by its first shard, with the others beside it), `kv_disk_dir` must be a folder or be
-//! creatable in an existing one, and `api_keys_file` must be a file that only its owner may
-//! read or write (mode 600, as the daemon requires). Keys the profile's engine ignores (`mmproj` for ds4, `kv_disk_dir` for llama-server) may
-//! name files that do not exist. A missing file under the shipped example paths
-//! (`/srv/models/dsv4-flash/`, `/usr/local/bin/llama-server`, `/usr/local/bin/ds4-server`)
-//! is reported as the unedited example. `state_dir` is not checked (systemd creates it).
-//!
-//! Messages show paths relative to the folder of `supervisor.yaml` when they are inside it,
-//! else absolute: `profiles/320k.yaml:12:10: context: must be at least 512`.
+//! [`Config::load`] reads and checks everything in one go and reports every problem it
+//! finds (see [`ConfigError`]), each with its file, line, column and key path where known:
+//! the text and the types (`yaml`, `node`), ranges and rules between keys (`load`), the
+//! files and programs the settings name (`files`), and what a profile passes to the engine
+//! (`rules`). Messages show paths relative to the folder of `supervisor.yaml` when they are
+//! inside it, else absolute: `profiles/320k.yaml:12:10: context: must be at least 512`.
 
 mod error;
 mod files;
@@ -168,6 +150,7 @@ pub struct Supervisor {
 impl Supervisor {
     /// The documented defaults, with `profiles_dir` = `base_dir/profiles` (the [`Default`] has
     /// it relative, `profiles`).
+    #[cfg(test)]
     pub fn defaults(base_dir: &Path) -> Supervisor {
         let profiles_dir = base_dir.join("profiles");
         Supervisor {

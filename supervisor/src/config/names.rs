@@ -3,7 +3,8 @@
 //! canonical spelling, the same for both sides so that they compare byte for byte.
 //!
 //! Owns: parsing and canonical forms. Must not: decide what is allowed (the front door's
-//! business, `http::front`).
+//! business: `http::front` says which names are the machine's own and which an entry
+//! lists).
 
 use std::net::{Ipv4Addr, Ipv6Addr};
 
@@ -57,39 +58,6 @@ impl Authority {
         };
         let port = port.map(parse_port).transpose()?;
         Ok(Authority { host, port })
-    }
-
-    /// Whether this is a name for the machine itself: `localhost`, any `127.x.y.z`, `[::1]`
-    /// (also as `[::ffff:127.0.0.1]`). Such a name cannot be made to lead elsewhere by a web
-    /// page, which is what DNS rebinding needs.
-    pub fn is_loopback(&self) -> bool {
-        if self.host == "localhost" {
-            return true;
-        }
-        if let Ok(v4) = self.host.parse::<Ipv4Addr>() {
-            return v4.is_loopback();
-        }
-        let v6 = self
-            .host
-            .strip_prefix('[')
-            .and_then(|h| h.strip_suffix(']'));
-        v6.and_then(|h| h.parse::<Ipv6Addr>().ok())
-            .is_some_and(|v6| {
-                v6.is_loopback() || v6.to_ipv4_mapped().is_some_and(|v4| v4.is_loopback())
-            })
-    }
-
-    /// Whether `entry`, an `api.allowed_hosts` item in its canonical form, names this host: a
-    /// bare host matches it on any port, `host:port` on that port only.
-    pub fn matches(&self, entry: &str) -> bool {
-        match entry.strip_prefix(self.host.as_str()) {
-            Some("") => true,
-            Some(rest) => {
-                let port = rest.strip_prefix(':').and_then(|p| p.parse::<u16>().ok());
-                port.is_some() && port == self.port
-            }
-            None => false,
-        }
     }
 }
 

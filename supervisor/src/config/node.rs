@@ -225,12 +225,20 @@ pub(crate) struct Error {
 }
 
 /// Where a value is: its path (`engine.idle_timeout`, `extra_args[2]`), its mark, and the
-/// way to it from the root.
+/// mapping entry it is in (its own, or that of the list it is an item of; none at the root).
 #[derive(Debug, Clone)]
 pub(crate) struct At {
     pub path: String,
     pub mark: Marker,
-    pub route: Vec<Step>,
+    pub entry: Option<Entry>,
+}
+
+/// A mapping entry: its path, and its value node, which names it exactly (paths cannot: a
+/// key may hold `.` or `[`) as long as the tree is not changed. Only its address is kept.
+#[derive(Debug, Clone)]
+pub(crate) struct Entry {
+    pub path: String,
+    pub value: *const Node,
 }
 
 impl std::fmt::Display for Error {
@@ -261,14 +269,6 @@ pub(crate) struct Unknown {
     pub keys: &'static [&'static str],
 }
 
-/// One step from a node to a value inside it: the item or the entry by its index (paths
-/// cannot say that: a key may hold `.` or `[`).
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub(crate) enum Step {
-    Item(usize),
-    Entry(usize),
-}
-
 /// The deserializer of one node; unknown keys go to `unknown`.
 ///
 /// Errors are given their place by whoever handed the value to serde ([`De::read`] at the
@@ -287,11 +287,11 @@ impl<'a> De<'a> {
         unknown: &'a RefCell<Vec<Unknown>>,
         seed: S,
     ) -> Result<S::Value, Error> {
-        let (path, route) = (String::new(), Vec::new());
+        let (path, mark) = (String::new(), node.mark);
         let at = At {
             path,
-            mark: node.mark,
-            route,
+            mark,
+            entry: None,
         };
         De { node, at, unknown }.seed(seed)
     }
@@ -305,13 +305,20 @@ impl<'a> De<'a> {
         })
     }
 
-    fn child(&self, node: &'a Node, path: String, step: Step) -> De<'a> {
-        let mut route = self.at.route.clone();
-        route.push(step);
+    /// The deserializer of `node` at `path`: an item of this node's, or a key or value of
+    /// the entry whose value is `entry`.
+    fn child(&self, node: &'a Node, path: String, entry: Option<&'a Node>) -> De<'a> {
+        let entry = match entry {
+            Some(value) => Some(Entry {
+                path: path.clone(),
+                value,
+            }),
+            None => self.at.entry.clone(),
+        };
         let at = At {
             path,
             mark: node.mark,
-            route,
+            entry,
         };
         De {
             node,
@@ -347,7 +354,7 @@ impl<'a> De<'a> {
             Kind::Map(entries) => entries,
             _ => &[],
         };
-        let entries = entries.iter().enumerate();
+        let entries = entries.iter();
         Map {
             de: self,
             entries,
@@ -541,20 +548,17 @@ impl<'a> de::SeqAccess<'a> for Seq<'_, 'a> {
             return Ok(None);
         };
         let path = format!("{}[{i}]", self.de.at.path);
-        self.de
-            .child(node, path, Step::Item(i))
-            .seed(seed)
-            .map(Some)
+        self.de.child(node, path, None).seed(seed).map(Some)
     }
 }
 
 struct Map<'d, 'a> {
     de: &'d De<'a>,
-    entries: std::iter::Enumerate<std::slice::Iter<'a, (Node, Node)>>,
+    entries: std::slice::Iter<'a, (Node, Node)>,
     /// A struct's keys: any other is recorded as unknown and skipped.
     fields: Option<&'static [&'static str]>,
-    /// The value of the key just handed out, with its path and entry.
-    value: Option<(&'a Node, String, usize)>,
+    /// The value of the key just handed out, with its path.
+    value: Option<(&'a Node, String)>,
 }
 
 impl<'a> de::MapAccess<'a> for Map<'_, 'a> {
@@ -564,7 +568,7 @@ impl<'a> de::MapAccess<'a> for Map<'_, 'a> {
         &mut self,
         seed: K,
     ) -> Result<Option<K::Value>, Error> {
-        for (i, (key, value)) in self.entries.by_ref() {
+        for (key, value) in self.entries.by_ref() {
             let (parent, name) = (&self.de.at.path, key.text());
             let path = key_path(parent, name);
             match self.fields {
@@ -579,11 +583,8 @@ impl<'a> de::MapAccess<'a> for Map<'_, 'a> {
                     self.de.unknown.borrow_mut().push(unknown);
                 }
                 _ => {
-                    let k = self
-                        .de
-                        .child(key, path.clone(), Step::Entry(i))
-                        .seed(seed)?;
-                    self.value = Some((value, path, i));
+                    let k = self.de.child(key, path.clone(), Some(value)).seed(seed)?;
+                    self.value = Some((value, path));
                     return Ok(Some(k));
                 }
             }
@@ -592,11 +593,11 @@ impl<'a> de::MapAccess<'a> for Map<'_, 'a> {
     }
 
     fn next_value_seed<S: DeserializeSeed<'a>>(&mut self, seed: S) -> Result<S::Value, Error> {
-        let (node, path, i) = self
+        let (node, path) = self
             .value
             .take()
             .ok_or_else(|| de::Error::custom("a value without its key"))?;
-        self.de.child(node, path, Step::Entry(i)).seed(seed)
+        self.de.child(node, path, Some(node)).seed(seed)
     }
 }
 

@@ -110,13 +110,12 @@ impl Doc {
             if problem.line.is_none() {
                 problem = problem.at(Some(node::position(&at.mark)));
             }
-            // A list item that does not fit sets its whole list aside.
-            let (mut culprit, mut route) = (at.path, at.route);
-            while let Some(node::Step::Item(_)) = route.last() {
-                route.pop();
-                culprit.truncate(culprit.rfind('[').unwrap_or(0));
-            }
-            if route.is_empty() || !doc.dropped.insert(culprit) || !remove(&mut root, &route) {
+            // The entry the value is in is set aside (a list item that does not fit sets its
+            // whole list aside).
+            let set_aside = at.entry.is_some_and(|entry| {
+                doc.dropped.insert(entry.path) && remove(&mut root, entry.value)
+            });
+            if !set_aside {
                 if said == 0 {
                     problems.push(problem);
                 }
@@ -213,36 +212,18 @@ impl Doc {
     }
 }
 
-/// Takes the value at the end of `route` (its entry, or its item) out of `node`; whether it
-/// was there.
-fn remove(node: &mut Node, route: &[node::Step]) -> bool {
-    let Some((last, way)) = route.split_last() else {
-        return false;
-    };
-    let mut at = node;
-    for step in way {
-        at = match (step, &mut at.kind) {
-            (node::Step::Entry(i), Kind::Map(entries)) => match entries.get_mut(*i) {
-                Some((_, value)) => value,
-                None => return false,
-            },
-            (node::Step::Item(i), Kind::Seq(items)) => match items.get_mut(*i) {
-                Some(item) => item,
-                None => return false,
-            },
-            _ => return false,
-        };
-    }
-    match (last, &mut at.kind) {
-        (node::Step::Entry(i), Kind::Map(entries)) if *i < entries.len() => {
-            entries.remove(*i);
-            true
-        }
-        (node::Step::Item(i), Kind::Seq(items)) if *i < items.len() => {
-            items.remove(*i);
-            true
-        }
-        _ => false,
+/// Takes the mapping entry whose value is `value` out of `node`; whether it was there.
+fn remove(node: &mut Node, value: *const Node) -> bool {
+    match &mut node.kind {
+        Kind::Scalar { .. } => false,
+        Kind::Seq(items) => items.iter_mut().any(|item| remove(item, value)),
+        Kind::Map(entries) => match entries.iter().position(|(_, v)| std::ptr::eq(v, value)) {
+            Some(i) => {
+                entries.remove(i);
+                true
+            }
+            None => entries.iter_mut().any(|(_, v)| remove(v, value)),
+        },
     }
 }
 

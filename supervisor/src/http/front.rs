@@ -15,6 +15,8 @@
 //! its own name resolve to 127.0.0.1 (DNS rebinding), and then it is not even cross-origin:
 //! only its `Host` header gives it away.
 
+use std::net::{Ipv4Addr, Ipv6Addr};
+
 use bytes::Bytes;
 use http::header::{self, HeaderMap, HeaderName, HeaderValue};
 use http::{Method, Request, Response, StatusCode, Version};
@@ -179,6 +181,42 @@ fn origin_of_url(url: &str) -> Option<Origin> {
     let (scheme, rest) = url.split_once("://")?;
     let end = rest.find(['/', '?', '#']).unwrap_or(rest.len());
     Origin::parse(&format!("{scheme}://{}", &rest[..end])).ok()
+}
+
+/// What the front door asks of a name.
+impl Authority {
+    /// Whether this is a name for the machine itself: `localhost`, any `127.x.y.z`, `[::1]`
+    /// (also as `[::ffff:127.0.0.1]`). Such a name cannot be made to lead elsewhere by a web
+    /// page, which is what DNS rebinding needs.
+    pub(crate) fn is_loopback(&self) -> bool {
+        if self.host == "localhost" {
+            return true;
+        }
+        if let Ok(v4) = self.host.parse::<Ipv4Addr>() {
+            return v4.is_loopback();
+        }
+        let v6 = self
+            .host
+            .strip_prefix('[')
+            .and_then(|h| h.strip_suffix(']'));
+        v6.and_then(|h| h.parse::<Ipv6Addr>().ok())
+            .is_some_and(|v6| {
+                v6.is_loopback() || v6.to_ipv4_mapped().is_some_and(|v4| v4.is_loopback())
+            })
+    }
+
+    /// Whether `entry`, an `api.allowed_hosts` item in its canonical form, names this host: a
+    /// bare host matches it on any port, `host:port` on that port only.
+    pub(crate) fn matches(&self, entry: &str) -> bool {
+        match entry.strip_prefix(self.host.as_str()) {
+            Some("") => true,
+            Some(rest) => {
+                let port = rest.strip_prefix(':').and_then(|p| p.parse::<u16>().ok());
+                port.is_some() && port == self.port
+            }
+            None => false,
+        }
+    }
 }
 
 /// Reads a `Host` (or a URI's authority); a loopback one is kept as the last seen.
