@@ -13,7 +13,6 @@ mod error;
 mod files;
 mod load;
 pub mod names;
-mod node;
 pub mod profiles;
 mod raw;
 mod rules;

@@ -136,7 +136,7 @@ mod tests {
     use super::*;
 
     fn profile(text: &str) -> Result<RawProfile, String> {
-        super::super::node::from_str(text)
+        dsv4_yaml::from_str(text)
             .map(Option::unwrap_or_default)
             .map_err(|e| e.message)
     }

@@ -328,7 +328,7 @@ fn an_empty_file_means_every_default() {
 #[test]
 fn enum_spellings() {
     let read = |text: &str| {
-        super::node::from_str::<Power>(text)
+        dsv4_yaml::from_str::<Power>(text)
             .map(Option::unwrap_or_default)
             .map_err(|e| e.to_string())
     };
@@ -341,7 +341,7 @@ fn enum_spellings() {
         })
     );
     assert_eq!(
-        super::node::from_str::<OnCritical>("stop-when-idle")
+        dsv4_yaml::from_str::<OnCritical>("stop-when-idle")
             .unwrap()
             .unwrap(),
         OnCritical::StopWhenIdle
@@ -877,7 +877,7 @@ fn shipped_policies_document_every_key() {
     let dir = Path::new(env!("CARGO_MANIFEST_DIR")).join("../policies");
     let text = fs::read_to_string(dir.join("supervisor.yaml")).unwrap();
     let shipped: BTreeMap<String, serde::de::IgnoredAny> =
-        super::node::from_str(&text).unwrap().unwrap();
+        dsv4_yaml::from_str(&text).unwrap().unwrap();
     let keys = keys_of::<Supervisor>();
     assert_eq!(keys.len(), 10);
     for key in keys {
@@ -900,7 +900,7 @@ fn shipped_policies_document_every_key() {
             .map(|l| format!("{l}\n"))
             .collect();
         assert!(uncommented.contains("engine: ds4"), "{name}: {uncommented}");
-        let raw: super::raw::RawProfile = super::node::from_str(&uncommented).unwrap().unwrap();
+        let raw: super::raw::RawProfile = dsv4_yaml::from_str(&uncommented).unwrap().unwrap();
         assert_eq!(raw.engine, Some(EngineKind::Ds4));
     }
 }
@@ -1033,7 +1033,7 @@ fn good_fixtures_load() {
 
 /// The keys serde reads in a `T` (as the deserializer is told them: no error text is read).
 fn keys_of<T: serde::de::DeserializeOwned>() -> Vec<&'static str> {
-    super::node::keys_of::<T>().to_vec()
+    dsv4_yaml::keys_of::<T>().to_vec()
 }
 
 /// The sections of `supervisor.yaml` and the keys of each.

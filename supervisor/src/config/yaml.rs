@@ -1,6 +1,6 @@
 //! Reading one YAML file into a serde type, reporting every mistake in it with its position.
 //!
-//! The text is parsed once into nodes with their marks ([`super::node`]); this project's own
+//! The text is parsed once into nodes with their marks ([`dsv4_yaml`]); this project's own
 //! deserializer reads the type from them, and every mistake it finds names the path of the
 //! value, whose entry says where it is written. Keys the type does not read are found in the
 //! same pass (the deserializer knows each struct's keys). serde stops at a value that does
@@ -13,11 +13,10 @@ use std::collections::{HashMap, HashSet};
 use std::marker::PhantomData;
 use std::path::PathBuf;
 
-use saphyr_parser::Marker;
 use serde::de::DeserializeOwned;
 
 use super::error::Problem;
-use super::node::{self, Kind, Node};
+use dsv4_yaml::{Kind, Marker, Node};
 
 /// The most values that do not fit one reading reports.
 const MAX_VALUE_PROBLEMS: usize = 50;
@@ -79,7 +78,7 @@ impl Doc {
             file,
             ..Doc::default()
         };
-        let mut root = match node::parse(text) {
+        let mut root = match dsv4_yaml::parse(text) {
             Ok(Some(root)) => root,
             Ok(None) => return (doc, Some(T::default())),
             Err((at, message)) => {
@@ -95,7 +94,7 @@ impl Doc {
         loop {
             let unknown = RefCell::new(Vec::new());
             // A document that is only `null` (or `~`) is every default.
-            let read = node::De::read(&root, &unknown, PhantomData::<Option<T>>);
+            let read = dsv4_yaml::De::read(&root, &unknown, PhantomData::<Option<T>>);
             for u in unknown.into_inner() {
                 if unknown_seen.insert(u.path.clone()) {
                     let problem = doc.unknown_key(&u);
@@ -104,11 +103,11 @@ impl Doc {
             }
             let (message, at) = match read {
                 Ok(value) => return (doc, Some(value.unwrap_or_default())),
-                Err(node::Error { message, at }) => (message, at.expect("placed at the root")),
+                Err(dsv4_yaml::Error { message, at }) => (message, at.expect("placed at the root")),
             };
             let mut problem = doc.problem(&at.path, message);
             if problem.line.is_none() {
-                problem = problem.at(Some(node::position(&at.mark)));
+                problem = problem.at(Some(dsv4_yaml::position(&at.mark)));
             }
             // The entry the value is in is set aside (a list item that does not fit sets its
             // whole list aside).
@@ -151,7 +150,7 @@ impl Doc {
                 }
             }
             Kind::Map(entries) => entries.retain_mut(|(key, value)| {
-                let child = node::key_path(path, key.text());
+                let child = dsv4_yaml::key_path(path, key.text());
                 self.record(value, &child, null_is_value);
                 let entry = Entry {
                     key: key.mark,
@@ -167,10 +166,10 @@ impl Doc {
     /// The problem of a key its struct does not read:
     /// the keys there are, and the nearest of them when it looks like a typo (then marked
     /// dropped: checks about the key meant would only repeat the problem).
-    fn unknown_key(&mut self, u: &node::Unknown) -> Problem {
-        let (message, meant) = node::unknown_key(&u.key, u.keys);
+    fn unknown_key(&mut self, u: &dsv4_yaml::Unknown) -> Problem {
+        let (message, meant) = dsv4_yaml::unknown_key(&u.key, u.keys);
         if let Some(meant) = meant {
-            self.dropped.insert(node::key_path(&u.parent, meant));
+            self.dropped.insert(dsv4_yaml::key_path(&u.parent, meant));
         }
         self.dropped.insert(u.path.clone());
         self.at(&u.path, &u.path, true, message)

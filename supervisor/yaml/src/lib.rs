@@ -1,36 +1,41 @@
-//! A configuration file as parsed YAML nodes with their marks, and the serde deserializer
-//! that reads the settings types from them.
+//! A YAML document as nodes with their marks, and the serde deserializer that reads types
+//! from them: dsv4's configuration reader, apart from what the configuration says.
 //!
-//! The file is parsed once, by saphyr-parser, into [`Node`]s (aliases expanded, within
-//! [`MAX_NODES`] and [`MAX_DEPTH`]). The deserializer is this project's own: it knows the
-//! path of every value it hands to serde, so every error it returns names that path, and a
+//! The text is parsed once, by saphyr-parser, into [`Node`]s (aliases expanded, within
+//! [`MAX_NODES`] and [`MAX_DEPTH`]). The deserializer, [`De`], knows the path of every value
+//! it hands to serde, so every error it returns names that path and its mark ([`At`]), and a
 //! struct's keys that its type does not read are found by the deserializer itself (the
-//! field list serde hands to `deserialize_struct`), recorded with their path and skipped:
-//! one pass finds them all. Plain scalars are resolved as YAML 1.2's core schema says when a
-//! type asks for any value (`null`, booleans, integers, floats, else text); a type that asks
-//! for text gets any scalar as it is written (`extra_args: [100]` is the text `100`).
+//! field list serde hands to `deserialize_struct`), recorded with their path ([`Unknown`])
+//! and skipped: one pass finds them all. Plain scalars are resolved as YAML 1.2's core
+//! schema says when a type asks for any value (`null`, booleans, integers, floats, else
+//! text); a type that asks for text gets any scalar as it is written (`extra_args: [100]`
+//! is the text `100`).
+//!
+//! What to do with the errors (report them, set a value aside and read the rest again) is
+//! the caller's: `dsv4::config` reports every mistake in a file this way.
 
 use std::cell::RefCell;
 
-use saphyr_parser::{Event, Marker, Parser, ScalarStyle, Span};
+pub use saphyr_parser::Marker;
+use saphyr_parser::{Event, Parser, ScalarStyle, Span};
 use serde::de::{self, DeserializeSeed, IntoDeserializer, Unexpected, Visitor};
 
 /// Deeper nesting than this is refused (no setting is nested more than three deep).
-pub(crate) const MAX_DEPTH: usize = 32;
+pub const MAX_DEPTH: usize = 32;
 
 /// The most nodes a document may have once its aliases are expanded: a few aliases of
 /// aliases (a "billion laughs") would otherwise expand to more than memory holds.
-pub(crate) const MAX_NODES: u64 = 100_000;
+pub const MAX_NODES: u64 = 100_000;
 
 /// One parsed YAML value and where it is written.
 #[derive(Debug, Clone)]
-pub(crate) struct Node {
+pub struct Node {
     pub kind: Kind,
     pub mark: Marker,
 }
 
 #[derive(Debug, Clone)]
-pub(crate) enum Kind {
+pub enum Kind {
     /// A scalar as written; `plain` when unquoted (only a plain scalar can be `null`, a
     /// number or a boolean).
     Scalar {
@@ -59,7 +64,7 @@ impl Node {
 
 /// The path of the entry `key` in the mapping at `parent` (`engine` + `idle_timeout`:
 /// `engine.idle_timeout`; at the top, the key alone).
-pub(crate) fn key_path(parent: &str, key: &str) -> String {
+pub fn key_path(parent: &str, key: &str) -> String {
     match parent {
         "" => key.to_string(),
         parent => format!("{parent}.{key}"),
@@ -80,12 +85,12 @@ fn is_null(text: &str) -> bool {
 }
 
 /// A position as messages give it: 1-based line and column (in characters).
-pub(crate) fn position(m: &Marker) -> (usize, usize) {
+pub fn position(m: &Marker) -> (usize, usize) {
     (m.line(), m.col() + 1)
 }
 
 /// Why a text is not a document this loader reads: where, and what.
-pub(crate) type ParseError = ((usize, usize), String);
+pub type ParseError = ((usize, usize), String);
 
 fn fail<T>(at: &Marker, message: impl Into<String>) -> Result<T, ParseError> {
     Err((position(at), message.into()))
@@ -99,7 +104,7 @@ fn too_deep<T>(at: &Marker) -> Result<T, ParseError> {
 }
 
 /// Parses `text`: its one document's root node (`None` for an empty file).
-pub(crate) fn parse(text: &str) -> Result<Option<Node>, ParseError> {
+pub fn parse(text: &str) -> Result<Option<Node>, ParseError> {
     let mut b = Builder {
         events: Parser::new_from_str(text),
         anchors: Vec::new(),
@@ -219,7 +224,7 @@ impl<'a> Builder<'a> {
 
 /// A mistake serde found in a value: what, and where (once known).
 #[derive(Debug)]
-pub(crate) struct Error {
+pub struct Error {
     pub message: String,
     pub at: Option<At>,
 }
@@ -227,7 +232,7 @@ pub(crate) struct Error {
 /// Where a value is: its path (`engine.idle_timeout`, `extra_args[2]`), its mark, and the
 /// mapping entry it is in (its own, or that of the list it is an item of; none at the root).
 #[derive(Debug, Clone)]
-pub(crate) struct At {
+pub struct At {
     pub path: String,
     pub mark: Marker,
     pub entry: Option<Entry>,
@@ -236,7 +241,7 @@ pub(crate) struct At {
 /// A mapping entry: its path, and its value node, which names it exactly (paths cannot: a
 /// key may hold `.` or `[`) as long as the tree is not changed. Only its address is kept.
 #[derive(Debug, Clone)]
-pub(crate) struct Entry {
+pub struct Entry {
     pub path: String,
     pub value: *const Node,
 }
@@ -258,7 +263,7 @@ impl de::Error for Error {
 
 /// A key a struct does not read: where it is, and the keys there are.
 #[derive(Debug)]
-pub(crate) struct Unknown {
+pub struct Unknown {
     /// The entry's path (`api.max_bdy`).
     pub path: String,
     /// Its struct's path (`api`, empty at the top), and its key as written (which may hold a
@@ -274,7 +279,7 @@ pub(crate) struct Unknown {
 /// Errors are given their place by whoever handed the value to serde ([`De::read`] at the
 /// root, the sequence and map accesses below it), so that an error the type itself makes
 /// (a `deserialize_with` that parses the text) is placed as well as the deserializer's own.
-pub(crate) struct De<'a> {
+pub struct De<'a> {
     node: &'a Node,
     at: At,
     unknown: &'a RefCell<Vec<Unknown>>,
@@ -603,7 +608,7 @@ impl<'a> de::MapAccess<'a> for Map<'_, 'a> {
 
 /// The message for a key `key` that a struct reading `keys` does not read: serde's own
 /// wording, and the nearest key when it looks like a typo (then also returned).
-pub(crate) fn unknown_key(key: &str, keys: &[&'static str]) -> (String, Option<&'static str>) {
+pub fn unknown_key(key: &str, keys: &[&'static str]) -> (String, Option<&'static str>) {
     let quoted: Vec<String> = keys.iter().map(|k| format!("`{k}`")).collect();
     let mut message = match quoted.as_slice() {
         [] => format!("unknown key `{key}`, there are no keys"),
@@ -625,15 +630,13 @@ pub(crate) fn unknown_key(key: &str, keys: &[&'static str]) -> (String, Option<&
 }
 
 /// The first mistake in a text [`from_str`] read: `line:column: path: message`.
-#[cfg(test)]
 #[derive(Debug)]
-pub(crate) struct Mistake {
+pub struct Mistake {
     pub at: Option<(usize, usize)>,
     pub path: String,
     pub message: String,
 }
 
-#[cfg(test)]
 impl std::fmt::Display for Mistake {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         if let Some((line, column)) = self.at {
@@ -646,9 +649,9 @@ impl std::fmt::Display for Mistake {
     }
 }
 
-/// `text` read as a `T` (an empty document as `None`), or its first mistake.
-#[cfg(test)]
-pub(crate) fn from_str<T: de::DeserializeOwned>(text: &str) -> Result<Option<T>, Mistake> {
+/// `text` read as a `T` (an empty document as `None`), or its first mistake (a key the type
+/// does not read is one).
+pub fn from_str<T: de::DeserializeOwned>(text: &str) -> Result<Option<T>, Mistake> {
     let mistake = |at, path, message| Mistake { at, path, message };
     let node = parse(text).map_err(|(at, message)| mistake(Some(at), String::new(), message))?;
     let Some(node) = node else { return Ok(None) };
@@ -664,8 +667,7 @@ pub(crate) fn from_str<T: de::DeserializeOwned>(text: &str) -> Result<Option<T>,
 }
 
 /// The keys the struct `T` reads (as its deserializer is told).
-#[cfg(test)]
-pub(crate) fn keys_of<T: de::DeserializeOwned>() -> &'static [&'static str] {
+pub fn keys_of<T: de::DeserializeOwned>() -> &'static [&'static str] {
     let node = |text: &str, plain| Node {
         kind: Kind::Scalar {
             text: text.into(),
