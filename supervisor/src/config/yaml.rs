@@ -13,10 +13,10 @@ use std::collections::{HashMap, HashSet};
 use std::marker::PhantomData;
 use std::path::PathBuf;
 
+use dsv4_yaml::{Kind, Marker, Node};
 use serde::de::DeserializeOwned;
 
 use super::error::Problem;
-use dsv4_yaml::{Kind, Marker, Node};
 
 /// The most values that do not fit one reading reports.
 const MAX_VALUE_PROBLEMS: usize = 50;

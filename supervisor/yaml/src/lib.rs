@@ -12,7 +12,9 @@
 //! is the text `100`).
 //!
 //! What to do with the errors (report them, set a value aside and read the rest again) is
-//! the caller's: `dsv4::config` reports every mistake in a file this way.
+//! the caller's: `dsv4::config` reports every mistake in a file this way. The parser's own
+//! refusals (more than one document, nesting too deep, aliases expanding too far) are
+//! worded for that caller: they speak of a configuration file and its settings.
 
 use std::cell::RefCell;
 
