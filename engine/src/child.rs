@@ -22,6 +22,8 @@ use nix::sys::signal::{killpg, Signal};
 use nix::unistd::Pid;
 use tokio::sync::watch;
 
+use crate::procs;
+
 /// Longest line kept from the engine's output; longer lines are cut (a runaway log line must
 /// not grow the daemon's memory).
 const MAX_LINE: usize = 4096;
@@ -32,6 +34,11 @@ const LOG_BATCH_LINES: usize = 256;
 const READ_BUFFER: usize = 64 * 1024;
 /// The longest the exit waits for the output readers to reach the end of the pipes.
 const PUMP_DRAIN: std::time::Duration = std::time::Duration::from_millis(500);
+/// How often an engine whose first process has exited is looked for among the processes,
+/// while some of its marked ones still live.
+const MARKED_POLL: std::time::Duration = std::time::Duration::from_millis(100);
+/// The processes are this machine's own.
+const PROC: &str = "/proc";
 
 /// What to run.
 #[derive(Debug, Clone)]
@@ -44,6 +51,9 @@ pub struct SpawnSpec {
     pub tail_lines: usize,
     /// A second tail that also gets every line (a log that runs across engine restarts).
     pub also: Option<OutputTail>,
+    /// The mark every process of this engine carries ([`crate::procs::MARK_VAR`]): with one,
+    /// the engine is all its marked processes, wherever they went (see [`EngineChild`]).
+    pub mark: Option<String>,
 }
 
 #[derive(Debug, thiserror::Error)]
@@ -221,11 +231,16 @@ impl OutputTail {
 }
 
 /// A running (or just ended) engine process, leader of its own process group.
+///
+/// With a mark ([`SpawnSpec::mark`]), the engine is every live process that carries it: a
+/// process that left the group (a `setsid` wrapper's engine, a double fork, a daemon) gets
+/// the same signals as the group, and the engine has ended only once the last of them has.
 #[derive(Debug)]
 pub struct EngineChild {
     pid: u32,
     exit: watch::Receiver<Option<ExitReport>>,
     output: OutputTail,
+    mark: Option<Arc<str>>,
 }
 
 impl EngineChild {
@@ -238,6 +253,7 @@ impl EngineChild {
             .env_remove("WATCHDOG_PID")
             .env_remove("WATCHDOG_USEC")
             .envs(spec.env.iter().map(|(k, v)| (k, v)))
+            .envs(spec.mark.iter().map(|tag| (procs::MARK_VAR, tag)))
             .stdin(Stdio::null())
             .stdout(Stdio::piped())
             .stderr(Stdio::piped())
@@ -299,6 +315,8 @@ impl EngineChild {
             );
         }
         let (tx, rx) = watch::channel(None);
+        let mark: Option<Arc<str>> = spec.mark.as_deref().map(Into::into);
+        let marked = mark.clone();
         tokio::spawn(async move {
             let report = match child.wait().await {
                 Ok(st) => ExitReport::from_status(st),
@@ -310,6 +328,13 @@ impl EngineChild {
                     }
                 }
             };
+            // Its marked processes outside it (or still in it) are the engine too: it has
+            // ended once they have. Signals reach them meanwhile (see `signal`).
+            if let Some(tag) = &marked {
+                while !procs::marked(Path::new(PROC), tag).is_empty() {
+                    tokio::time::sleep(MARKED_POLL).await;
+                }
+            }
             // Anything the engine left in its group goes with it.
             let _ = killpg(Pid::from_raw(pid as i32), Signal::SIGKILL);
             // The exit is told once the engine's last words are in the tail (its error
@@ -327,6 +352,7 @@ impl EngineChild {
             pid,
             exit: rx,
             output,
+            mark,
         })
     }
 
@@ -361,7 +387,14 @@ impl EngineChild {
         })
     }
 
-    /// Sends `sig` to the engine's whole process group. Does nothing once it has ended.
+    /// The mark its processes carry, if it was given one.
+    pub fn mark(&self) -> Option<&str> {
+        self.mark.as_deref()
+    }
+
+    /// Sends `sig` to the engine's whole process group, and to each of its marked processes
+    /// outside the group, once (an engine takes a second SIGTERM or SIGINT as "quit now").
+    /// Does nothing once it has ended.
     pub fn signal(&self, sig: Signal) {
         if self.exit.borrow().is_some() {
             return;
@@ -369,10 +402,30 @@ impl EngineChild {
         if let Err(e) = killpg(Pid::from_raw(self.pid as i32), sig) {
             tracing::debug!(
                 pid = self.pid,
-                "signal {} to the engine failed: {e}",
+                "signal {} to the engine's group failed: {e}",
                 sig.as_str()
             );
         }
+        for pid in self.strays() {
+            tracing::debug!(
+                pid,
+                "signal {} to an engine process outside its group",
+                sig.as_str()
+            );
+            let _ = nix::sys::signal::kill(Pid::from_raw(pid as i32), sig);
+        }
+    }
+
+    /// The engine's marked processes that are not in its process group.
+    fn strays(&self) -> Vec<u32> {
+        let Some(tag) = &self.mark else {
+            return Vec::new();
+        };
+        let proc = Path::new(PROC);
+        procs::marked(proc, tag)
+            .into_iter()
+            .filter(|p| procs::stat(proc, *p).is_some_and(|s| s.pgrp != self.pid))
+            .collect()
     }
 }
 
@@ -380,6 +433,9 @@ impl Drop for EngineChild {
     fn drop(&mut self) {
         if self.exit.borrow().is_none() {
             let _ = killpg(Pid::from_raw(self.pid as i32), Signal::SIGKILL);
+            for pid in self.strays() {
+                let _ = nix::sys::signal::kill(Pid::from_raw(pid as i32), Signal::SIGKILL);
+            }
         }
     }
 }
@@ -617,7 +673,127 @@ mod tests {
             env: vec![("DSV4_TEST_VAR".into(), "hello".into())],
             tail_lines: 3,
             also: None,
+            mark: None,
         }
+    }
+
+    /// A fresh mark, unique to one test.
+    fn new_mark() -> String {
+        use std::time::{SystemTime, UNIX_EPOCH};
+        let nanos = SystemTime::now()
+            .duration_since(UNIX_EPOCH)
+            .unwrap()
+            .as_nanos();
+        format!("test-{}-{nanos}", std::process::id())
+    }
+
+    /// A wrapper that starts the engine in a session of its own and waits for it: the
+    /// engine (here a `sleep`) leaves the process group, and writes its pid to `pidfile`.
+    fn setsid_wrapper(pidfile: &Path) -> SpawnSpec {
+        let script = format!(
+            "setsid sh -c 'echo $$ > {}; exec sleep 300' & wait",
+            pidfile.display()
+        );
+        SpawnSpec {
+            mark: Some(new_mark()),
+            ..sh(&script)
+        }
+    }
+
+    async fn pid_from(file: &Path) -> u32 {
+        for _ in 0..500 {
+            if let Some(pid) = std::fs::read_to_string(file)
+                .ok()
+                .and_then(|t| t.trim().parse().ok())
+            {
+                return pid;
+            }
+            tokio::time::sleep(Duration::from_millis(10)).await;
+        }
+        panic!("no pid in {}", file.display());
+    }
+
+    #[tokio::test]
+    async fn an_engine_that_left_its_group_is_signalled_and_waited_for() {
+        let dir = std::env::temp_dir().join(format!("dsv4-setsid-{}", new_mark()));
+        std::fs::create_dir_all(&dir).unwrap();
+        let pidfile = dir.join("engine.pid");
+        let child = EngineChild::spawn(&setsid_wrapper(&pidfile)).unwrap();
+        let engine = pid_from(&pidfile).await;
+        assert_ne!(
+            procs::stat(Path::new(PROC), engine).unwrap().pgrp,
+            child.pid(),
+            "the engine left the group"
+        );
+        assert_eq!(child.strays(), vec![engine]);
+        child.signal(Signal::SIGTERM);
+        let report = tokio::time::timeout(Duration::from_secs(10), child.wait())
+            .await
+            .expect("the engine ends with its wrapper");
+        assert!(
+            report.signal.is_some() || report.code.is_some(),
+            "{report:?}"
+        );
+        assert!(
+            !alive(engine),
+            "the engine outside the group was stopped too"
+        );
+        let _ = std::fs::remove_dir_all(&dir);
+    }
+
+    #[tokio::test]
+    async fn an_engine_that_left_its_group_is_killed_when_dropped() {
+        let dir = std::env::temp_dir().join(format!("dsv4-setsid-drop-{}", new_mark()));
+        std::fs::create_dir_all(&dir).unwrap();
+        let pidfile = dir.join("engine.pid");
+        let child = EngineChild::spawn(&setsid_wrapper(&pidfile)).unwrap();
+        let engine = pid_from(&pidfile).await;
+        drop(child);
+        let mut gone = false;
+        for _ in 0..500 {
+            if !alive(engine) {
+                gone = true;
+                break;
+            }
+            tokio::time::sleep(Duration::from_millis(10)).await;
+        }
+        assert!(gone, "pid {engine} outlived its dropped child");
+        let _ = std::fs::remove_dir_all(&dir);
+    }
+
+    #[tokio::test]
+    async fn the_exit_waits_for_the_last_marked_process() {
+        let dir = std::env::temp_dir().join(format!("dsv4-daemon-{}", new_mark()));
+        std::fs::create_dir_all(&dir).unwrap();
+        let pidfile = dir.join("engine.pid");
+        // A daemonizing engine: its launcher exits at once, the daemon lives on.
+        let script = format!(
+            "setsid sh -c 'echo $$ > {}; exec sleep 300' >/dev/null 2>&1 </dev/null & exit 0",
+            pidfile.display()
+        );
+        let child = EngineChild::spawn(&SpawnSpec {
+            mark: Some(new_mark()),
+            ..sh(&script)
+        })
+        .unwrap();
+        let engine = pid_from(&pidfile).await;
+        // The launcher is gone, the engine is not: it has not ended (a moment more for an
+        // exit that would be told wrongly).
+        while alive(child.pid()) {
+            tokio::time::sleep(Duration::from_millis(10)).await;
+        }
+        tokio::time::sleep(Duration::from_millis(200)).await;
+        assert!(
+            child.exit_status().is_none(),
+            "ended while pid {engine} lives"
+        );
+        child.signal(Signal::SIGKILL);
+        let report = tokio::time::timeout(Duration::from_secs(10), child.wait())
+            .await
+            .expect("ended once its daemon was");
+        assert_eq!(report.code, Some(0), "the launcher's own exit");
+        assert!(!alive(engine));
+        let _ = std::fs::remove_dir_all(&dir);
     }
 
     #[test]
@@ -803,16 +979,13 @@ mod tests {
         assert_eq!(t.since(99, 10), (5, vec![]));
     }
 
-    /// A process that is gone or a zombie (an orphan waits for a reaper that may be slow).
-    fn alive(pid: i32) -> bool {
-        match std::fs::read_to_string(format!("/proc/{pid}/stat")) {
-            Ok(stat) => stat
-                .rsplit(')')
-                .next()
-                .map(|r| r.trim_start())
-                .is_some_and(|r| !r.starts_with('Z')),
-            Err(_) => false,
-        }
+    /// Whether a process is alive: not gone, not a zombie (an orphan waits for a reaper that
+    /// may be slow).
+    fn alive(pid: impl TryInto<u32>) -> bool {
+        pid.try_into()
+            .ok()
+            .and_then(|pid| procs::stat(Path::new(PROC), pid))
+            .is_some_and(|s| s.state != 'Z' && s.state != 'X')
     }
 
     #[tokio::test]
@@ -823,6 +996,7 @@ mod tests {
             env: vec![],
             tail_lines: 10,
             also: None,
+            mark: None,
         };
         let err = EngineChild::spawn(&spec).unwrap_err();
         assert!(matches!(err, SpawnError::NotFound { .. }));

@@ -7,6 +7,7 @@
 
 pub mod adapter;
 pub mod child;
+pub mod procs;
 
 pub use adapter::{EngineKind, EngineParams, FlashAttn, GpuLayers, Readiness};
 pub use child::{EngineChild, ExitReport, OutputTail, SpawnError, SpawnSpec};

@@ -1,11 +1,11 @@
 //! Engines a previous dsv4d left running.
 //!
-//! Owns: the record of the running engine's process group (`state_dir/engine-group`), the
-//! mark every engine process carries in its environment (`DSV4_ENGINE_TAG`), and ending, at
-//! start-up, the processes of a recorded group that still carry its mark. Must not: signal a
-//! process without the mark (a process group number can be reused once its group is gone,
-//! and the mark is what tells our engine from a stranger's), or run once an engine of this
-//! daemon exists.
+//! Owns: the record of the running engine's process group and mark (`state_dir/engine-group`;
+//! the mark every engine process carries in its environment is `DSV4_ENGINE_TAG`, see
+//! `dsv4_engine::procs`), and ending, at start-up, the processes that still carry the
+//! recorded mark, in the recorded group or not. Must not: signal a process without the mark
+//! (the mark, 128 random bits, is what tells our engine from a stranger's), or run once an
+//! engine of this daemon exists.
 //!
 //! Why: the engine child gets `PR_SET_PDEATHSIG`, and under systemd the cgroup goes with the
 //! service, but a `command` that is a wrapper script without `exec` outlives neither only by
@@ -25,7 +25,7 @@ use nix::sys::signal::{kill, Signal};
 use nix::unistd::Pid;
 
 /// The environment variable that marks an engine's processes (inherited by what it starts).
-pub const TAG_VAR: &str = "DSV4_ENGINE_TAG";
+pub const TAG_VAR: &str = dsv4_engine::procs::MARK_VAR;
 /// The record's file name in `state_dir`.
 pub const RECORD: &str = "engine-group";
 
@@ -189,58 +189,19 @@ pub async fn reap(state_dir: &Path, proc: &Path, grace: Duration) -> Reaped {
     reaped
 }
 
-/// The live processes of the recorded group that carry its mark.
+/// The live processes that carry the record's mark, in its group or not: an engine started
+/// by a `setsid` wrapper, or one that daemonized, left the group but kept the mark.
 fn marked(proc: &Path, record: &Record) -> Vec<u32> {
-    let Ok(entries) = std::fs::read_dir(proc) else {
-        return Vec::new();
-    };
-    let mut pids: Vec<u32> = entries
-        .flatten()
-        .filter_map(|e| e.file_name().to_str()?.parse::<u32>().ok())
-        .filter(|pid| still_marked(proc, *pid, record))
-        .collect();
-    pids.sort_unstable();
-    pids
+    dsv4_engine::procs::marked(proc, &record.tag)
 }
 
-/// Whether `pid` is alive (not a zombie), in the recorded group, and carries its mark.
+/// Whether `pid` is alive (not a zombie) and carries the record's mark.
 fn still_marked(proc: &Path, pid: u32, record: &Record) -> bool {
-    let dir = proc.join(pid.to_string());
-    let in_group = std::fs::read_to_string(dir.join("stat"))
-        .ok()
-        .and_then(|stat| stat_state_and_pgrp(&stat))
-        .is_some_and(|(state, pgrp)| state != 'Z' && state != 'X' && pgrp == record.pgid);
-    in_group && has_mark(&dir.join("environ"), &record.tag)
-}
-
-/// The state letter and process group from `/proc/PID/stat` (proc(5): the fields after the
-/// command, which is in parentheses and may itself hold spaces and parentheses).
-fn stat_state_and_pgrp(stat: &str) -> Option<(char, u32)> {
-    let after = &stat[stat.rfind(')')? + 1..];
-    let mut fields = after.split_ascii_whitespace();
-    let state = fields.next()?.chars().next()?;
-    let _ppid = fields.next()?;
-    let pgrp = fields.next()?.parse().ok()?;
-    Some((state, pgrp))
-}
-
-/// Whether the environment file holds `DSV4_ENGINE_TAG=tag` (a process of another user's is
-/// unreadable, so never marked).
-fn has_mark(environ: &Path, tag: &str) -> bool {
-    let want = format!("{TAG_VAR}={tag}");
-    std::fs::read(environ)
-        .map(|env| env.split(|b| *b == 0).any(|v| v == want.as_bytes()))
-        .unwrap_or(false)
+    dsv4_engine::procs::is_marked(proc, pid, &record.tag)
 }
 
 fn cmdline(proc: &Path, pid: u32) -> String {
-    let raw = std::fs::read(proc.join(pid.to_string()).join("cmdline")).unwrap_or_default();
-    let words: Vec<String> = raw
-        .split(|b| *b == 0)
-        .filter(|w| !w.is_empty())
-        .map(|w| String::from_utf8_lossy(w).into_owned())
-        .collect();
-    words.join(" ")
+    dsv4_engine::procs::cmdline(proc, pid)
 }
 
 /// The record's path in `state_dir`, for messages.
@@ -273,16 +234,6 @@ mod tests {
         }
     }
 
-    #[test]
-    fn stat_fields_survive_odd_command_names() {
-        assert_eq!(
-            stat_state_and_pgrp("12 (a) b (c)) S 1 77 77 0 -1"),
-            Some(('S', 77))
-        );
-        assert_eq!(stat_state_and_pgrp("12 (x) Z 1 9"), Some(('Z', 9)));
-        assert_eq!(stat_state_and_pgrp("garbage"), None);
-    }
-
     /// A shell in a group of its own that starts a `sleep` without `exec` and waits for it,
     /// as a wrapper script does; every process marked with `tag` if given.
     fn wrapper(tag: Option<&str>) -> std::process::Child {
@@ -309,8 +260,8 @@ mod tests {
             .filter(|pid| {
                 std::fs::read_to_string(format!("/proc/{pid}/stat"))
                     .ok()
-                    .and_then(|s| stat_state_and_pgrp(&s))
-                    .is_some_and(|(st, g)| st != 'Z' && g == record.pgid)
+                    .and_then(|s| dsv4_engine::procs::parse_stat(&s))
+                    .is_some_and(|st| st.state != 'Z' && st.pgrp == record.pgid)
             })
             .collect();
         pids.sort_unstable();
@@ -364,6 +315,48 @@ mod tests {
         assert_eq!(group_members(stranger.id()).len(), 2);
         let _ = nix::sys::signal::killpg(Pid::from_raw(stranger.id() as i32), Signal::SIGKILL);
         let _ = stranger.wait();
+    }
+
+    /// A wrapper that starts its engine in a session of its own (`setsid engine & wait`):
+    /// the engine is outside the recorded group, with the mark.
+    #[tokio::test]
+    async fn a_marked_process_that_left_the_recorded_group_is_ended_too() {
+        let state = tempfile::tempdir().unwrap();
+        let tag = new_tag().unwrap();
+        let pidfile = state.path().join("engine.pid");
+        let mut cmd = Command::new("/bin/sh");
+        cmd.args([
+            "-c",
+            &format!(
+                "setsid sh -c 'echo $$ > {}; exec sleep 600' & wait",
+                pidfile.display()
+            ),
+        ])
+        .process_group(0)
+        .stdin(Stdio::null())
+        .env(TAG_VAR, &tag);
+        let mut ours = cmd.spawn().unwrap();
+        let pgid = ours.id();
+        let mut engine = None;
+        for _ in 0..500 {
+            engine = std::fs::read_to_string(&pidfile)
+                .ok()
+                .and_then(|t| t.trim().parse::<u32>().ok());
+            if engine.is_some() {
+                break;
+            }
+            tokio::time::sleep(Duration::from_millis(10)).await;
+        }
+        let engine = engine.expect("the engine wrote its pid");
+        write(state.path(), pgid, &tag).unwrap();
+        let reaped = reap(state.path(), Path::new("/proc"), Duration::from_secs(5)).await;
+        let ended: Vec<u32> = reaped.ended.iter().map(|(p, _)| *p).collect();
+        assert!(ended.contains(&engine), "{reaped:?} misses pid {engine}");
+        assert!(
+            !dsv4_engine::procs::is_marked(Path::new("/proc"), engine, &tag),
+            "pid {engine} outside the group is gone"
+        );
+        let _ = ours.wait();
     }
 
     #[tokio::test]

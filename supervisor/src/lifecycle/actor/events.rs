@@ -3,6 +3,10 @@
 
 use super::*;
 
+use std::path::Path;
+
+use dsv4_engine::procs::{self, PortHolder};
+
 pub(super) enum Command {
     Acquire {
         waiter: WaiterId,
@@ -53,6 +57,13 @@ pub(super) enum Internal {
     },
     Ready {
         gen: Gen,
+    },
+    /// Another process listens on the port the engine of `gen` (first process `pid`) was
+    /// given: the engine is ended and started again on another port.
+    PortTaken {
+        gen: Gen,
+        pid: u32,
+        stranger: dsv4_engine::procs::Stranger,
     },
     Exited {
         gen: Gen,
@@ -188,6 +199,22 @@ impl Actor {
                 Some(Event::Cancel { waiter })
             }
             Internal::Ready { gen } => Some(Event::Ready { gen }),
+            Internal::PortTaken { gen, pid, stranger } => {
+                if let Some(e) = self
+                    .engine
+                    .as_mut()
+                    .filter(|e| e.shared.gen == gen && e.shared.pid == pid)
+                {
+                    tracing::warn!(
+                        pid,
+                        "{stranger}, not by the engine: ending the engine, to start it on \
+                         another port"
+                    );
+                    e.port_taken = Some(stranger);
+                    e.child.signal(Signal::SIGKILL);
+                }
+                None
+            }
             Internal::MemorySettled => Some(Event::MemorySettled),
             Internal::KvDone { gen, restore } => {
                 if let Some(e) = self.engine.as_mut().filter(|e| e.shared.gen == gen) {
@@ -199,7 +226,39 @@ impl Actor {
                 })
             }
             Internal::Exited { gen, report } => {
-                let engine = self.engine.take_if(|e| e.shared.gen == gen);
+                let mut engine = self.engine.take_if(|e| e.shared.gen == gen);
+                // An engine that could not have its port, before it was ready: once more on
+                // another port, a few times, as if nothing had happened.
+                let mut taken = None;
+                if let (Some(e), Phase::Starting { .. }) = (&mut engine, self.machine.phase()) {
+                    taken = e.port_taken.take();
+                    // It may have found the port taken itself (llama-server: "couldn't bind").
+                    // A rare look at /proc, a few milliseconds, on the actor's own turn.
+                    if taken.is_none() {
+                        let port = e.shared.upstream.port();
+                        let found = procs::port_holder(
+                            Path::new("/proc"),
+                            port,
+                            e.child.mark().unwrap_or(""),
+                        );
+                        if let Ok(PortHolder::Other(s)) = found {
+                            taken = Some(s);
+                        }
+                    }
+                }
+                if let (Some(stranger), Some(e)) = (&taken, &engine) {
+                    let tries = e.port_tries + 1;
+                    let profile = e.shared.profile.clone();
+                    if tries < PORT_TRIES {
+                        tracing::warn!(
+                            pid = e.shared.pid,
+                            "{stranger}; the engine ({report}) starts again on another port"
+                        );
+                        // Its key file and group record go before the next engine's are made.
+                        drop(engine.take());
+                        return self.spawn_attempt(gen, &profile, tries);
+                    }
+                }
                 if let Some(e) = &engine {
                     self.ds4_save_report(e);
                     let (sysroot, alerts) = (self.sysroot.clone(), self.alerts.clone());
@@ -234,6 +293,13 @@ impl Actor {
                     None => report.to_string(),
                 };
                 let summary = match self.machine.phase() {
+                    Phase::Starting { .. } if taken.is_some() => {
+                        format!(
+                            "the engine could not have its port, {PORT_TRIES} times in a row: \
+                             the last time {}; it exited before it was ready ({report})",
+                            taken.as_ref().map(ToString::to_string).unwrap_or_default()
+                        )
+                    }
                     Phase::Starting { .. } => {
                         format!("the engine exited before it was ready ({report})")
                     }

@@ -63,6 +63,8 @@ const PROBE_MAX: Duration = Duration::from_millis(40);
 const PROBE_MIN_GAP: Duration = Duration::from_millis(5);
 /// One probe attempt that hangs longer than this counts as "not ready yet".
 const PROBE_ATTEMPT: Duration = Duration::from_secs(5);
+/// How many ports one start tries when another process takes the engine's port first.
+const PORT_TRIES: u32 = 3;
 
 /// The lifecycle state as others see it: the engine part of `GET /status` and `Status()`.
 pub type Status = dsv4_client::EngineStatus;
@@ -111,6 +113,10 @@ struct Engine {
     _key: Option<EngineKey>,
     /// The record of its process group in `state_dir`, gone with it likewise.
     _group: Option<leftover::Guard>,
+    /// This start's earlier engines whose port another process had taken.
+    port_tries: u32,
+    /// Another process was found listening on its port (see `probe`).
+    port_taken: Option<dsv4_engine::procs::Stranger>,
 }
 
 impl Drop for Engine {

@@ -4,6 +4,17 @@ use super::*;
 
 impl Actor {
     pub(super) fn spawn_engine(&mut self, gen: Gen, profile_name: &str) -> Option<Event> {
+        self.spawn_attempt(gen, profile_name, 0)
+    }
+
+    /// Starts the engine of `gen`; `port_tries` earlier engines of this start found their port
+    /// taken by another process.
+    pub(super) fn spawn_attempt(
+        &mut self,
+        gen: Gen,
+        profile_name: &str,
+        port_tries: u32,
+    ) -> Option<Event> {
         let fail = |summary: String| {
             tracing::error!("{summary}");
             Some(Event::Exited {
@@ -46,18 +57,18 @@ impl Actor {
             Ok(tag) => tag,
             Err(e) => return fail(format!("cannot make the engine's process mark: {e}")),
         };
-        let mut env: Vec<(std::ffi::OsString, std::ffi::OsString)> = profile
+        let env: Vec<(std::ffi::OsString, std::ffi::OsString)> = profile
             .env
             .iter()
             .map(|(k, v)| (k.into(), v.into()))
             .collect();
-        env.push((leftover::TAG_VAR.into(), tag.clone().into()));
         let spec = SpawnSpec {
             program: profile.command.clone(),
             args,
             env,
             tail_lines: TAIL_LINES,
             also: Some(self.log.clone()),
+            mark: Some(tag.clone()),
         };
         let shown: Vec<_> = spec.args.iter().map(|a| a.to_string_lossy()).collect();
         tracing::info!(
@@ -132,6 +143,7 @@ impl Actor {
         let probe = tokio::spawn(probe_ready(
             profile.engine.readiness(),
             shared.clone(),
+            Arc::from(tag.as_str()),
             self.internal.clone(),
         ));
         let internal = self.internal.clone();
@@ -162,14 +174,17 @@ impl Actor {
             oom_kills_before: crate::host::hw::cgroup::oom_kills(&self.sysroot).map(|(_, n)| n),
             _key: key,
             _group: group,
+            port_tries,
+            port_taken: None,
         });
         None
     }
 }
 
 /// A loopback port that was free a moment ago. Engines cannot take an open socket (llama-server
-/// binds its own), so the port is handed over by number; if another process takes it first the
-/// engine fails to bind, which is a start failure like any other.
+/// binds its own), so the port is handed over by number. Another process can take it first:
+/// the readiness probe checks that the listener is the engine's, and the start goes on with
+/// another port (see `Internal::PortTaken`).
 pub(super) fn free_port() -> std::io::Result<u16> {
     let l = TcpListener::bind((Ipv4Addr::LOCALHOST, 0))?;
     Ok(l.local_addr()?.port())
