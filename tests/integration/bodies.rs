@@ -153,6 +153,80 @@ async fn slow_bodies_get_408_and_never_start_or_hold_the_engine() {
     assert_eq!(status, 200, "{v}");
 }
 
+/// A body that trickles gets 408 `body_too_slow` once it is 5 s behind `api.min_body_rate`,
+/// long before `api.body_timeout`; one that keeps the rate is read whole however long it takes.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_trickle_is_cut_after_the_grace_and_a_body_at_the_rate_goes_through() {
+    let d = Daemon::start(
+        &Setup::default()
+            .api("body_timeout", "30s")
+            .api("min_body_rate", "1KiB/s"),
+    );
+    let t0 = Instant::now();
+    let trickle = async {
+        let head = chat_head(d.addr, Some(1 << 20), "");
+        let s = send_raw(d.addr, &head, b"").await.into_std().unwrap();
+        // Read on one handle, written on another.
+        let w = TcpStream::from_std(s.try_clone().unwrap()).unwrap();
+        let mut s = TcpStream::from_std(s).unwrap();
+        let reading = async {
+            let answer = read_response(&mut s, PATIENCE).await;
+            (answer, t0.elapsed())
+        };
+        let trickling = async {
+            loop {
+                tokio::time::sleep(SEC).await;
+                // dsv4d may have closed the connection already.
+                let _ = w.try_write(b"x");
+            }
+        };
+        tokio::select! {
+            answer = reading => answer,
+            () = trickling => unreachable!(),
+        }
+    };
+    // 1,200 bytes a second (the minimum is 1,024) for 8 s: past the grace, at the rate.
+    let steady = async {
+        let mut body = chat_bytes(3);
+        let pad = 9600 - body.len();
+        body.splice(
+            1..1,
+            format!("\"pad\":\"{}\",", "p".repeat(pad - 9)).into_bytes(),
+        );
+        assert_eq!(body.len(), 9600);
+        let head = chat_head(d.addr, Some(body.len()), "");
+        let mut s = send_raw(d.addr, &head, b"").await;
+        for part in body.chunks(120) {
+            tokio::time::sleep(Duration::from_millis(100)).await;
+            s.write_all(part).await.unwrap();
+        }
+        let sent = t0.elapsed();
+        (read_response(&mut s, PATIENCE).await, sent)
+    };
+    let (((status, head, body), cut_after), ((steady_status, _, steady_body), sent)) =
+        tokio::join!(trickle, steady);
+    assert_eq!(status, 408, "{head}{body}");
+    assert!(head.contains("connection: close"), "{head}");
+    let v: serde_json::Value = serde_json::from_str(&body).unwrap();
+    assert_eq!(v["error"]["code"], "body_too_slow", "{v}");
+    let message = v["error"]["message"].as_str().unwrap();
+    assert!(
+        message.starts_with(
+            "the request body came slower than api.min_body_rate (1.0 KiB/s) allows after its \
+             first 5s:"
+        ),
+        "{message}"
+    );
+    // The grace and the few bytes' credit, not the 30 s body_timeout.
+    assert!(
+        cut_after >= 5 * SEC && cut_after < 5 * SEC + LOAD_MARGIN,
+        "cut after {cut_after:?}"
+    );
+    eprintln!("a trickle of a byte a second cut after {cut_after:?}");
+    assert!(sent >= 8 * SEC, "{sent:?}");
+    assert_eq!(steady_status, 200, "{steady_body}");
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn the_engine_sees_a_request_only_once_its_body_is_whole() {
     let d = Daemon::start(&Setup::default());
@@ -331,9 +405,11 @@ async fn a_client_that_leaves_while_the_engine_loads_stops_waiting() {
 /// everyone else, and get 408 themselves.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn slow_bodies_leave_the_real_engine_serving_others() {
+    // body_timeout alone (no minimum rate): the slow clients are answered at its end.
     let d = Daemon::start(
         &real::setup()
             .api("body_timeout", "10s")
+            .api("min_body_rate", "0")
             .engine("idle_timeout", "1m"),
     );
     let (status, _, v) = d

@@ -336,3 +336,175 @@ async fn unfinished_request_heads_cost_a_bounded_buffer_each() {
     let _ = tokio::time::timeout(PATIENCE, big.read_to_string(&mut answer)).await;
     assert!(answer.starts_with("HTTP/1.1 431"), "{answer:?}");
 }
+
+/// What a slow-body client was told when its turn ended.
+#[derive(Debug, Default)]
+struct SlowBodies {
+    /// Holding a place now: their head sent, their body being read (dsv4d asked for it with
+    /// `100 Continue`), no answer yet.
+    holding: std::sync::atomic::AtomicUsize,
+    /// The answers they got (status, code, message), in order.
+    answers: std::sync::Mutex<Vec<(u16, String, String)>>,
+    stop: std::sync::atomic::AtomicBool,
+}
+
+/// One client that holds a place with a slow body, again and again: a complete head that
+/// declares 1 MB (with `Expect: 100-continue`, so that it knows when dsv4d reads the body),
+/// then a byte a second; once answered or closed, it comes back 100 ms later.
+async fn slow_body_client(addr: SocketAddr, shared: std::sync::Arc<SlowBodies>) {
+    use std::sync::atomic::Ordering::SeqCst;
+    use tokio::io::AsyncWriteExt;
+    let head = format!(
+        "POST /v1/chat/completions HTTP/1.1\r\nHost: {addr}\r\nContent-Type: application/json\r\n\
+         Content-Length: 1048576\r\nExpect: 100-continue\r\n\r\n"
+    );
+    while !shared.stop.load(SeqCst) {
+        let mut s = TcpStream::connect(addr).await.expect("connect");
+        s.write_all(head.as_bytes()).await.unwrap();
+        let mut got = Vec::new();
+        let mut buf = [0u8; 4096];
+        let mut holding = false;
+        let answered = loop {
+            tokio::select! {
+                n = s.read(&mut buf) => match n {
+                    Ok(0) | Err(_) => break false,
+                    Ok(n) => got.extend_from_slice(&buf[..n]),
+                },
+                _ = tokio::time::sleep(Duration::from_secs(1)), if holding => {
+                    if s.write_all(b"x").await.is_err() {
+                        break false;
+                    }
+                    continue;
+                }
+            }
+            if !holding && got.starts_with(b"HTTP/1.1 100 Continue\r\n\r\n") {
+                got.drain(..25);
+                holding = true;
+                shared.holding.fetch_add(1, SeqCst);
+            }
+            // An answer (not the 100 Continue, or not only).
+            if !got.starts_with(b"HTTP/1.1 100") && got.windows(4).any(|w| w == b"\r\n\r\n") {
+                break true;
+            }
+        };
+        if holding {
+            shared.holding.fetch_sub(1, SeqCst);
+        }
+        if answered {
+            // The rest of the answer, to the close.
+            let _ = tokio::time::timeout(PATIENCE, async {
+                while let Ok(n @ 1..) = s.read(&mut buf).await {
+                    got.extend_from_slice(&buf[..n]);
+                }
+            })
+            .await;
+            let text = String::from_utf8_lossy(&got).into_owned();
+            let (head, body) = text.split_once("\r\n\r\n").unwrap();
+            let status = head[9..12].parse().unwrap();
+            let v: serde_json::Value = serde_json::from_str(body)
+                .unwrap_or_else(|e| panic!("{e}: a slow body was answered {text:?}"));
+            let field = |f: &str| v["error"][f].as_str().unwrap_or_default().to_string();
+            shared
+                .answers
+                .lock()
+                .unwrap()
+                .push((status, field("code"), field("message")));
+        }
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
+}
+
+/// A chat request on a connection of its own that asks to be closed after the answer;
+/// the status and the body.
+async fn chat_on_its_own_connection(addr: SocketAddr) -> (u16, String) {
+    use tokio::io::AsyncWriteExt;
+    let body = chat(2, false).to_string();
+    let mut s = TcpStream::connect(addr).await.expect("connect");
+    s.set_nodelay(true).unwrap();
+    let request = format!(
+        "POST /v1/chat/completions HTTP/1.1\r\nHost: {addr}\r\nContent-Type: application/json\r\n\
+         Content-Length: {}\r\nConnection: close\r\n\r\n{body}",
+        body.len()
+    );
+    s.write_all(request.as_bytes()).await.unwrap();
+    let mut answer = String::new();
+    s.read_to_string(&mut answer).await.unwrap();
+    let status = answer.get(9..12).and_then(|c| c.parse().ok()).unwrap_or(0);
+    (status, answer)
+}
+
+/// 64 clients sending a byte a second of their bodies fill `max_connections: 64`: each new
+/// client still gets in at once, the slowest body making room with a 503 that says why, and
+/// a slow client that comes back cannot take the door again for long.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn slow_bodies_make_room_for_a_new_client() {
+    use std::sync::atomic::Ordering::SeqCst;
+    raise_own_nofile(4096);
+    let d = Daemon::start(
+        &Setup::default()
+            .listen_flag()
+            .api("max_connections", "64")
+            .log_level("info"),
+    );
+    let shared = std::sync::Arc::new(SlowBodies::default());
+    let clients: Vec<_> = (0..64)
+        .map(|_| tokio::spawn(slow_body_client(d.addr, shared.clone())))
+        .collect();
+    let full = || async {
+        let t = Instant::now();
+        while shared.holding.load(SeqCst) < 64 {
+            assert!(
+                t.elapsed() < PATIENCE,
+                "the slow bodies never held 64 places"
+            );
+            tokio::time::sleep(Duration::from_millis(10)).await;
+        }
+    };
+    let made_room = || {
+        let answers = shared.answers.lock().unwrap();
+        answers
+            .iter()
+            .filter(|(_, code, _)| code == "too_many_connections")
+            .count()
+    };
+    let mut took = Vec::new();
+    for i in 0..10 {
+        // Every place is held by a body being read.
+        full().await;
+        let before = made_room();
+        let t = Instant::now();
+        let within = Duration::from_secs(1) + LOAD_MARGIN;
+        let (status, answer) = tokio::time::timeout(within, chat_on_its_own_connection(d.addr))
+            .await
+            .unwrap_or_else(|_| panic!("try {i}: no answer within {within:?}"));
+        assert_eq!(status, 200, "try {i}: {answer}");
+        took.push(t.elapsed());
+        // It got in by making room: a slow body was stopped, and is told so.
+        while made_room() == before {
+            assert!(t.elapsed() < PATIENCE, "try {i}: no slow body made room");
+            tokio::time::sleep(Duration::from_millis(10)).await;
+        }
+    }
+    eprintln!("64 slow bodies at max_connections 64: 10 new clients served in {took:?}");
+    shared.stop.store(true, SeqCst);
+    // What the slow bodies were told: why each was stopped.
+    let answers = shared.answers.lock().unwrap().clone();
+    for (status, code, message) in &answers {
+        match code.as_str() {
+            "too_many_connections" => {
+                assert_eq!(*status, 503, "{message}");
+                assert!(
+                    message.contains("api.max_connections")
+                        && message.contains("body was the slowest to come"),
+                    "{message}"
+                );
+            }
+            // Cut for its rate, had the test run past the grace.
+            "body_too_slow" => assert_eq!(*status, 408, "{message}"),
+            other => panic!("a slow body was answered {status} {other}: {message}"),
+        }
+    }
+    for c in clients {
+        c.abort();
+    }
+}

@@ -177,6 +177,7 @@ words! {
         // Bodies.
         BodyTooLarge = "body_too_large",
         BodyTimeout = "body_timeout",
+        BodyTooSlow = "body_too_slow",
         BodiesOverBudget = "bodies_over_budget",
         BadBody = "bad_body",
         // The engine and its lifecycle.

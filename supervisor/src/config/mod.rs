@@ -182,6 +182,12 @@ pub struct Api {
     #[serde(deserialize_with = "raw::duration")]
     #[default(Duration::from_secs(30))]
     pub body_timeout: Duration,
+    /// The least rate a request's body must keep, in bytes a second, once it has had
+    /// [`crate::http::intake::GRACE`] (5 s) at any rate: a body that falls further behind
+    /// gets 408. 0: no minimum (`api.body_timeout` alone). Written `1KiB/s`.
+    #[serde(deserialize_with = "raw::rate")]
+    #[default(1 << 10)]
+    pub min_body_rate: u64,
     /// Request bodies held in memory at once (being read, or read and waiting for the engine);
     /// a body that would go past it gets 503 with Retry-After.
     #[serde(deserialize_with = "raw::size")]

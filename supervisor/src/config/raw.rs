@@ -98,6 +98,21 @@ pub(crate) fn size<'de, D: Deserializer<'de>>(d: D) -> Read<'de, D, u64> {
     parsed(d, parse_size)
 }
 
+/// A rate in bytes a second: a size followed by `/s` (`1KiB/s`), or `0` for none.
+pub(crate) fn rate<'de, D: Deserializer<'de>>(d: D) -> Read<'de, D, u64> {
+    parsed(d, parse_rate)
+}
+
+fn parse_rate(text: &str) -> Result<u64, String> {
+    match text.trim().strip_suffix("/s") {
+        Some(size) => parse_size(size),
+        None if text.trim() == "0" => Ok(0),
+        None => Err(format!(
+            "invalid rate {text:?}: expected a size a second, e.g. 1KiB/s (or 0 for none)"
+        )),
+    }
+}
+
 fn size_or_none<'de, D: Deserializer<'de>>(d: D) -> Read<'de, D, Option<u64>> {
     optional(d, parse_size)
 }

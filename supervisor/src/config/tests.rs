@@ -98,6 +98,7 @@ api:
   admin_keys_file: admin-keys.txt
   max_body: 1MiB
   body_timeout: 5s
+  min_body_rate: 2KiB/s
   max_buffered: 16MiB
   cors_origins: [HTTPS://Chat.Example.com:443, "http://localhost:3000"]
   allowed_hosts: [DSV4.lan, "[0::1]:9090"]
@@ -165,6 +166,7 @@ kv_checkpoint: {{ dir: kv, max_size: 40GiB, save_timeout: 90s }}
                 admin_keys_file: Some(base.join("admin-keys.txt")),
                 max_body: 1 << 20,
                 body_timeout: Duration::from_secs(5),
+                min_body_rate: 2 << 10,
                 max_buffered: 16 << 20,
                 cors_origins: vec![
                     "https://chat.example.com".into(),
@@ -317,6 +319,7 @@ fn an_empty_file_means_every_default() {
     assert_eq!(d.api.max_body, 64 << 20);
     assert_eq!(d.api.body_timeout, Duration::from_secs(30));
     assert_eq!(d.api.max_buffered, 1 << 30);
+    assert_eq!(d.api.min_body_rate, 1 << 10);
     assert_eq!(d.api.max_connections, 4096);
     assert_eq!(d.engine.idle_timeout, Duration::from_secs(900));
     assert_eq!(d.exit_when_idle, Some(Duration::from_secs(1800)));
@@ -587,6 +590,41 @@ fn a_duration_past_a_hundred_years_is_refused_not_overflowed() {
              too large (at most 36500d, a hundred years)"
         ]
     );
+}
+
+#[test]
+fn the_minimum_body_rate_is_a_size_a_second_or_0() {
+    let dir = TempDir::new("rate");
+    dir.write("profiles/320k.yaml", MINIMAL_PROFILE);
+    dir.engine_files("profiles");
+    for (text, want) in [("512/s", 512), ("1.5KiB/s", 1536), ("0", 0), ("0/s", 0)] {
+        let file = dir.write(
+            "supervisor.yaml",
+            &format!("api:\n  min_body_rate: {text}\n"),
+        );
+        let api = Config::load(&file).unwrap().supervisor.api;
+        assert_eq!(api.min_body_rate, want, "{text}");
+    }
+    for (text, why) in [
+        (
+            "1KiB",
+            "invalid rate \"1KiB\": expected a size a second, e.g. 1KiB/s (or 0 for none)",
+        ),
+        (
+            "fast/s",
+            "invalid size \"fast\": expected a number followed by a unit, e.g. 8GiB",
+        ),
+    ] {
+        let file = dir.write(
+            "supervisor.yaml",
+            &format!("api:\n  min_body_rate: {text}\n"),
+        );
+        assert_eq!(
+            errors(Config::load(&file)),
+            [format!("supervisor.yaml:2:18: api.min_body_rate: {why}")],
+            "{text}"
+        );
+    }
 }
 
 #[test]

@@ -1,13 +1,18 @@
 //! Client connections against the open-file limit.
 //!
 //! Owns: raising the soft `RLIMIT_NOFILE` at start, the open client connections (how many,
-//! which carry a request, which have shown an API key), the cap (`api.max_connections`,
-//! lowered to what the open-file limit covers), and what happens at the cap: the connection
-//! idle the longest (no request in flight) is closed to make room, as mature servers reuse
-//! idle keep-alive connections; when every one carries a request, the new one gets a
-//! complete 503, written at once, and is closed. With API keys configured, a connection that
-//! has not shown a valid key is kept alive only [`UNKEYED_KEEP_ALIVE`] between requests:
-//! anyone may poll `/health` without a key, and must not hold the door that way.
+//! which carry a request, which are still sending a request body and how much of it came,
+//! which have shown an API key), the cap (`api.max_connections`, lowered to what the
+//! open-file limit covers), and what happens at the cap: the connection that has held its
+//! place longest without using it is closed to make room (see [`victim`]), as mature servers
+//! reuse idle keep-alive connections. Idle connections (no request, or a head not finished)
+//! and connections still sending a request body both count: a body earns its connection a
+//! second for every `api.min_body_rate` bytes that came, so a trickle is chosen long before a
+//! fast upload, and one carrying a request (its body whole) never is. When every one carries
+//! a request, the new one gets a complete 503, written at once, and is closed. With API keys
+//! configured, a connection that has not shown a valid key is kept alive only
+//! [`UNKEYED_KEEP_ALIVE`] between requests: anyone may poll `/health` without a key, and must
+//! not hold the door that way.
 //!
 //! Every client connection is a file descriptor, and so is the engine connection a request
 //! it carries holds while the engine answers: a client connection may cost two. The daemon's
@@ -28,6 +33,7 @@ use tokio::net::TcpStream;
 use tokio::time::Instant;
 
 use crate::http::http_error::{ApiError, ErrorCode, ErrorType};
+use crate::http::intake::earned;
 
 /// File descriptors kept for the daemon itself, beyond what the client connections use.
 pub const RESERVE: u64 = 64;
@@ -130,6 +136,8 @@ struct Registry {
 struct Entry {
     /// Requests in flight (their response bodies not ended).
     busy: u32,
+    /// The body of the request in flight, while it is still being read.
+    body: Option<BodyIntake>,
     /// Since when no request has been in flight.
     idle_since: Instant,
     /// It has shown a valid API key.
@@ -140,6 +148,66 @@ struct Entry {
     /// starts then).
     wake_when_idle: bool,
     wake: Arc<Bell>,
+}
+
+/// A request body being read on a connection, as the registry sees it.
+#[derive(Debug)]
+struct BodyIntake {
+    /// When its reading began.
+    since: Instant,
+    /// Bytes of it come so far (the reader counts them without taking the lock).
+    got: Arc<AtomicU64>,
+    /// Asked to stop, to make room.
+    evict: bool,
+    /// Rung to stop the reading.
+    stop: Arc<Bell>,
+}
+
+/// What an open connection does with its place, as far as making room is concerned.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Standing {
+    /// No request in flight (an idle keep-alive, or a head not finished) since then.
+    Idle { since: Instant },
+    /// Sending the body of its request: since then, with this many bytes come.
+    Body { since: Instant, got: u64 },
+    /// Carries a request (its body whole), or already asked to close: never chosen.
+    Kept,
+}
+
+impl Standing {
+    /// How long it has held its place without using it, at `now`: idle, for as long as it
+    /// has been; sending a body, for as long as that has taken, less a second for every
+    /// `min_rate` bytes that came (none when `min_rate` is 0). `None`: not to be chosen.
+    pub fn owed(self, now: Instant, min_rate: u64) -> Option<Duration> {
+        match self {
+            Standing::Idle { since } => Some(now.saturating_duration_since(since)),
+            Standing::Body { since, got } => Some(match since.checked_add(earned(got, min_rate)) {
+                Some(paid_until) => now.saturating_duration_since(paid_until),
+                None => Duration::ZERO,
+            }),
+            Standing::Kept => None,
+        }
+    }
+}
+
+/// The connection to close to make room, of `entries` (key, standing; a smaller key opened
+/// earlier): the one that owes the most time (see [`Standing::owed`]); on a tie an idle one
+/// before one sending a body (it loses no request), then the one opened first. `None` when
+/// every one is [`Standing::Kept`].
+pub fn victim<K: Ord + Copy>(
+    entries: impl IntoIterator<Item = (K, Standing)>,
+    now: Instant,
+    min_rate: u64,
+) -> Option<K> {
+    entries
+        .into_iter()
+        .filter_map(|(k, s)| {
+            let owed = s.owed(now, min_rate)?;
+            let idle = matches!(s, Standing::Idle { .. });
+            Some((owed, idle, std::cmp::Reverse(k)))
+        })
+        .max()
+        .map(|(_, _, std::cmp::Reverse(k))| k)
 }
 
 /// What rings a connection's task to look at its verdict again: cheaper to listen to than
@@ -209,6 +277,52 @@ fn lock(r: &Mutex<Registry>) -> std::sync::MutexGuard<'_, Registry> {
     r.lock().unwrap_or_else(|p| p.into_inner())
 }
 
+impl Entry {
+    fn standing(&self) -> Standing {
+        match &self.body {
+            _ if self.evict => Standing::Kept,
+            None if self.busy == 0 => Standing::Idle {
+                since: self.idle_since,
+            },
+            Some(b) if self.busy > 0 && !b.evict => Standing::Body {
+                since: b.since,
+                got: b.got.load(Ordering::Relaxed),
+            },
+            _ => Standing::Kept,
+        }
+    }
+}
+
+/// The body of a request on a connection being read: while it lives, the connection may be
+/// chosen to make room (see [`victim`]); dropping it ends that.
+#[derive(Debug)]
+pub struct Intake {
+    registry: Arc<Mutex<Registry>>,
+    id: u64,
+    got: Arc<AtomicU64>,
+    stop: Arc<Bell>,
+}
+
+impl Intake {
+    /// Where the reader counts the bytes of the body that came.
+    pub fn got(&self) -> &AtomicU64 {
+        &self.got
+    }
+
+    /// Resolves when the connection is chosen to make room: the reading must stop.
+    pub fn evicted(&self) -> impl Future<Output = ()> + '_ {
+        self.stop.heard()
+    }
+}
+
+impl Drop for Intake {
+    fn drop(&mut self) {
+        if let Some(e) = lock(&self.registry).entries.get_mut(&self.id) {
+            e.body = None;
+        }
+    }
+}
+
 impl Slot {
     fn with<T>(&self, f: impl FnOnce(&mut Entry) -> T) -> Option<T> {
         lock(&self.registry).entries.get_mut(&self.id).map(f)
@@ -221,6 +335,26 @@ impl Slot {
             registry: self.registry.clone(),
             id: self.id,
             wake: self.wake.clone(),
+        }
+    }
+
+    /// The body of the request in flight begins to be read (drop the guard when it is whole
+    /// or refused).
+    pub fn intake(&self) -> Intake {
+        let (got, stop) = (Arc::<AtomicU64>::default(), Arc::<Bell>::default());
+        self.with(|e| {
+            e.body = Some(BodyIntake {
+                since: Instant::now(),
+                got: got.clone(),
+                evict: false,
+                stop: stop.clone(),
+            })
+        });
+        Intake {
+            registry: self.registry.clone(),
+            id: self.id,
+            got,
+            stop,
         }
     }
 
@@ -294,18 +428,26 @@ impl Connections {
     }
 
     /// A slot for one more connection: when fewer than `cap` are open, or else when one of
-    /// them carries no request (the one idle the longest is asked to close, and this one
-    /// takes its place).
-    pub fn admit(&self, cap: usize) -> Option<Slot> {
+    /// them carries no request with its body whole (the [`victim`] is asked to close, and
+    /// this one takes its place: an idle one closes, one sending a body has its reading
+    /// stopped, is answered and closes). `min_rate`: `api.min_body_rate`.
+    pub fn admit(&self, cap: usize, min_rate: u64) -> Option<Slot> {
         let mut registry = lock(&self.registry);
         if self.open.load(Ordering::Relaxed) >= cap {
-            let longest_idle = registry
-                .entries
-                .values_mut()
-                .filter(|e| e.busy == 0 && !e.evict)
-                .min_by_key(|e| e.idle_since)?;
-            longest_idle.evict = true;
-            longest_idle.wake.ring();
+            let now = Instant::now();
+            let standings = registry.entries.iter().map(|(id, e)| (*id, e.standing()));
+            let id = victim(standings, now, min_rate)?;
+            let e = registry.entries.get_mut(&id)?;
+            match &mut e.body {
+                Some(body) if e.busy > 0 => {
+                    body.evict = true;
+                    body.stop.ring();
+                }
+                _ => {
+                    e.evict = true;
+                    e.wake.ring();
+                }
+            }
         }
         self.open.fetch_add(1, Ordering::Relaxed);
         registry.next += 1;
@@ -315,6 +457,7 @@ impl Connections {
             id,
             Entry {
                 busy: 0,
+                body: None,
                 idle_since: Instant::now(),
                 keyed: false,
                 evict: false,
@@ -449,38 +592,123 @@ impl Activity {
 mod tests {
     use super::*;
 
+    /// `api.min_body_rate` in these tests: 1,000 bytes a second.
+    const RATE: u64 = 1000;
+
+    #[test]
+    fn the_one_that_has_held_its_place_longest_without_using_it_makes_room() {
+        let now = Instant::now() + Duration::from_secs(100);
+        let ago = |s: f64| now - Duration::from_secs_f64(s);
+        let idle = |s: f64| Standing::Idle { since: ago(s) };
+        let body = |s: f64, got: u64| Standing::Body { since: ago(s), got };
+        let kept = Standing::Kept;
+        // (the standings, keys 0, 1, 2...; the one chosen)
+        let table: &[(&[Standing], Option<usize>)] = &[
+            (&[], None),
+            (&[kept, kept], None),
+            // Idle ones: the one idle the longest, as ever.
+            (&[idle(1.0), idle(3.0), idle(2.0)], Some(1)),
+            // Every other one carries a request: a body still coming is chosen, however
+            // young; a connection carrying a request never is.
+            (&[kept, body(0.01, 0), kept], Some(1)),
+            // Slow bodies against a new connection that has not sent its head yet: the
+            // slow bodies have held their places longer.
+            (&[body(3.0, 3), idle(0.001), body(2.0, 2)], Some(0)),
+            // A fast upload earns its place (40 KB in 4 s at 1,000 B/s: owed nothing); a
+            // trickle of the same age does not.
+            (&[body(4.0, 40_000), body(4.0, 4)], Some(1)),
+            // An idle keep-alive of 2 s against a body 3 s along that has earned 1.5 s.
+            (&[idle(2.0), body(3.0, 1500)], Some(0)),
+            // ...and against one that has earned less than a second.
+            (&[idle(2.0), body(3.0, 500)], Some(1)),
+            // A tie (both owe nothing): the idle one, which loses no request.
+            (&[body(1.0, 5000), idle(0.0)], Some(1)),
+            // A tie between two of a kind: the one opened first.
+            (&[idle(1.0), idle(1.0)], Some(0)),
+            (&[body(1.0, 0), body(1.0, 0)], Some(0)),
+        ];
+        for (i, (standings, want)) in table.iter().enumerate() {
+            let got = victim(standings.iter().copied().enumerate(), now, RATE);
+            assert_eq!(got, *want, "row {i}: {standings:?}");
+        }
+        // Without a minimum rate, a body earns nothing: the longest at it is chosen.
+        let fast_and_old = [body(4.0, 1 << 30), body(3.0, 0)];
+        assert_eq!(
+            victim(fast_and_old.into_iter().enumerate(), now, 0),
+            Some(0)
+        );
+        // Earned time beyond any clock owes nothing, and does not overflow.
+        let huge = body(1.0, u64::MAX);
+        assert_eq!(huge.owed(now, 1), Some(Duration::ZERO));
+        assert_eq!(earned(2500, RATE), Duration::from_millis(2500));
+        assert_eq!(earned(2500, 0), Duration::ZERO);
+    }
+
+    #[tokio::test(start_paused = true)]
+    async fn at_the_cap_a_slow_body_is_stopped_to_make_room() {
+        let c = Connections::default();
+        let (slow, fast, carrying) = (
+            c.admit(3, RATE).unwrap(),
+            c.admit(3, RATE).unwrap(),
+            c.admit(3, RATE).unwrap(),
+        );
+        let _requests = (slow.busy(), fast.busy(), carrying.busy());
+        let (slow_body, fast_body) = (slow.intake(), fast.intake());
+        tokio::time::advance(Duration::from_secs(2)).await;
+        slow_body.got().store(10, Ordering::Relaxed);
+        fast_body.got().store(100_000, Ordering::Relaxed);
+        let mut cx = std::task::Context::from_waker(std::task::Waker::noop());
+        let stopped = |i: &Intake, cx: &mut std::task::Context| {
+            std::pin::pin!(i.evicted()).poll(cx).is_ready()
+        };
+        let new = c.admit(3, RATE).expect("room made");
+        let _carries = new.busy();
+        assert!(stopped(&slow_body, &mut cx), "the trickle is stopped");
+        assert!(!stopped(&fast_body, &mut cx), "the fast upload reads on");
+        // The connection itself serves on: its request answers, then it closes.
+        assert_eq!(slow.next(None, Instant::now()), Next::Serve(None));
+        // Asked once: the next one over the cap takes the fast body, then nothing is left.
+        let newer = c.admit(3, RATE).expect("room made");
+        let _carries_too = newer.busy();
+        assert!(stopped(&fast_body, &mut cx));
+        assert!(c.admit(3, RATE).is_none(), "the rest carry requests");
+        // A body read whole: its connection carries a request and is never chosen.
+        drop((slow_body, fast_body));
+        assert!(c.admit(3, RATE).is_none());
+    }
+
     #[tokio::test(start_paused = true)]
     async fn slots_are_counted_and_freed() {
         let c = Connections::default();
-        let a = c.admit(2).unwrap();
-        let b = c.admit(2).unwrap();
+        let a = c.admit(2, RATE).unwrap();
+        let b = c.admit(2, RATE).unwrap();
         let (_a, _b) = (a.busy(), b.busy());
         // Both carry a request: no room.
-        assert!(c.admit(2).is_none());
+        assert!(c.admit(2, RATE).is_none());
         assert_eq!(c.open(), 2);
         drop(a);
         assert_eq!(c.open(), 1);
-        assert!(c.admit(2).is_some());
+        assert!(c.admit(2, RATE).is_some());
     }
 
     #[tokio::test(start_paused = true)]
     async fn at_the_cap_the_connection_idle_the_longest_makes_room() {
         let c = Connections::default();
-        let first = c.admit(3).unwrap();
+        let first = c.admit(3, RATE).unwrap();
         tokio::time::advance(Duration::from_secs(1)).await;
-        let second = c.admit(3).unwrap();
-        let busy = c.admit(3).unwrap();
+        let second = c.admit(3, RATE).unwrap();
+        let busy = c.admit(3, RATE).unwrap();
         let _request = busy.busy();
         // `first` has been idle the longest; `busy` is never chosen.
         tokio::time::advance(Duration::from_secs(1)).await;
         let now = Instant::now();
-        let fourth = c.admit(3).expect("room made");
+        let fourth = c.admit(3, RATE).expect("room made");
         assert_eq!(first.next(None, now), Next::Evicted);
         assert_eq!(second.next(None, now), Next::Serve(None));
         assert_eq!(busy.next(None, now), Next::Serve(None));
         drop(first);
         // Then `second`; a request that begins before its task looks calls it off.
-        let _fifth = c.admit(3).expect("room made");
+        let _fifth = c.admit(3, RATE).expect("room made");
         let call_off = second.busy();
         assert_eq!(second.next(None, now), Next::Serve(None));
         drop(call_off);
@@ -494,7 +722,7 @@ mod tests {
     #[tokio::test(start_paused = true)]
     async fn without_a_key_a_connection_is_kept_alive_briefly() {
         let c = Connections::default();
-        let (unkeyed, keyed) = (c.admit(8).unwrap(), c.admit(8).unwrap());
+        let (unkeyed, keyed) = (c.admit(8, RATE).unwrap(), c.admit(8, RATE).unwrap());
         keyed.keyed();
         let d = Some(UNKEYED_KEEP_ALIVE);
         let t0 = Instant::now();
@@ -526,9 +754,9 @@ mod tests {
     async fn the_end_of_a_request_rings_only_where_a_short_keep_alive_starts() {
         let c = Connections::default();
         let (unkeyed, keyed, free) = (
-            c.admit(8).unwrap(),
-            c.admit(8).unwrap(),
-            c.admit(8).unwrap(),
+            c.admit(8, RATE).unwrap(),
+            c.admit(8, RATE).unwrap(),
+            c.admit(8, RATE).unwrap(),
         );
         keyed.keyed();
         let d = Some(UNKEYED_KEEP_ALIVE);
@@ -543,14 +771,14 @@ mod tests {
         assert!(!rung(&keyed) && !rung(&free), "nothing changed for them");
         assert!(!rung(&unkeyed), "heard once");
         // Asked to make room (idle the longest): rung, whatever it is.
-        let _full = c.admit(3).expect("room made");
+        let _full = c.admit(3, RATE).expect("room made");
         assert!(rung(&unkeyed));
     }
 
     #[tokio::test(start_paused = true)]
     async fn at_a_stop_every_connection_is_rung_to_close_and_the_last_one_ends_the_wait() {
         let c = Connections::default();
-        let (idle, busy) = (c.admit(8).unwrap(), c.admit(8).unwrap());
+        let (idle, busy) = (c.admit(8, RATE).unwrap(), c.admit(8, RATE).unwrap());
         let request = busy.busy();
         c.close();
         assert!(rung(&idle) && rung(&busy));

@@ -86,6 +86,16 @@ impl From<&IntakeError> for ApiError {
                 ErrorType::InvalidRequest,
                 ErrorCode::BodyTimeout,
             ),
+            IntakeError::TooSlow { .. } => (
+                StatusCode::REQUEST_TIMEOUT,
+                ErrorType::InvalidRequest,
+                ErrorCode::BodyTooSlow,
+            ),
+            IntakeError::Evicted { .. } => (
+                StatusCode::SERVICE_UNAVAILABLE,
+                ErrorType::Unavailable,
+                ErrorCode::TooManyConnections,
+            ),
             IntakeError::OverBudget { .. } => (
                 StatusCode::SERVICE_UNAVAILABLE,
                 ErrorType::Unavailable,

@@ -287,9 +287,13 @@ pub async fn serve(
             },
         };
         ctx.activity.touch();
-        let max_connections = ctx.config.borrow().supervisor.api.max_connections;
+        let (max_connections, min_body_rate) = {
+            let config = ctx.config.borrow();
+            let api = &config.supervisor.api;
+            (api.max_connections, api.min_body_rate)
+        };
         let cap = max_connections.min(fd_cap);
-        let Some(slot) = connections.admit(cap) else {
+        let Some(slot) = connections.admit(cap, min_body_rate) else {
             tracing::debug!(%peer, "refused: {cap} client connections open");
             connections.refuse(stream, max_connections, cap);
             continue;
@@ -493,7 +497,7 @@ async fn route(
             );
             r
         }
-        _ => proxy(ctx, config, req).await,
+        _ => proxy(ctx, config, req, on).await,
     }
 }
 
@@ -590,12 +594,18 @@ fn slots_kept_by_dsv4d(config: &Config, profile: &str) -> Option<Response<ProxyB
     )
 }
 
-async fn proxy(ctx: &Ctx, config: &Config, req: Request<Incoming>) -> Response<ProxyBody> {
+async fn proxy(
+    ctx: &Ctx,
+    config: &Config,
+    req: Request<Incoming>,
+    on: &connections::Slot,
+) -> Response<ProxyBody> {
     let api = &config.supervisor.api;
     let limits = intake::Limits {
         max_body: api.max_body,
         timeout: api.body_timeout,
         max_buffered: api.max_buffered,
+        min_rate: api.min_body_rate,
     };
     let started = Instant::now();
     let slot_action = is_slot_action(&req);
@@ -619,10 +629,14 @@ async fn proxy(ctx: &Ctx, config: &Config, req: Request<Incoming>) -> Response<P
         true => None,
         false => content_length(&parts.headers),
     };
-    let held = match intake::read(body, declared, limits, &ctx.bodies).await {
+    // Until it is whole, its connection may be chosen to make room at the cap.
+    let reading = on.intake();
+    let (got, stop) = (reading.got(), reading.evicted());
+    let held = match intake::read(body, declared, limits, &ctx.bodies, got, stop).await {
         Ok(held) => held,
         Err(e) => return intake_refusal(&e),
     };
+    drop(reading);
     if let Err(max_waiting) = ctx
         .validator
         .admit(config.supervisor.engine.max_waiting)

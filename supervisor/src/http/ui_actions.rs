@@ -202,15 +202,27 @@ fn args(body: &Bytes, needed: &[&str], allowed: &[&str]) -> Result<Args, ApiErro
 }
 
 /// The whole body, at most [`MAX_BODY`] bytes, read as every request body is (within
-/// `api.body_timeout`, counted in `api.max_buffered`).
+/// `api.body_timeout` and `api.min_body_rate`, counted in `api.max_buffered`).
 async fn read_body(ctx: &Ctx, config: &Config, body: Incoming) -> Result<Bytes, ApiError> {
     let api = &config.supervisor.api;
     let limits = intake::Limits {
         max_body: MAX_BODY,
         timeout: api.body_timeout,
         max_buffered: api.max_buffered,
+        min_rate: api.min_body_rate,
     };
-    match intake::read(body, None, limits, &ctx.bodies).await {
+    // Sent with an admin key: not chosen to make room at the connection cap.
+    let got = std::sync::atomic::AtomicU64::default();
+    match intake::read(
+        body,
+        None,
+        limits,
+        &ctx.bodies,
+        &got,
+        std::future::pending(),
+    )
+    .await
+    {
         Ok(held) => Ok(held.bytes),
         Err(IntakeError::TooLarge { .. }) => Err(ApiError::new(
             StatusCode::PAYLOAD_TOO_LARGE,
