@@ -567,6 +567,38 @@ async fn config_check_reports_every_problem_or_a_summary() {
     assert_eq!(text(&out.stdout), stdout);
 }
 
+#[test]
+fn a_configuration_check_never_shows_a_secret_read_as_configuration() {
+    let dir = temp_dir("check-secret");
+    let fake_log = dir.path().join("fake.log");
+    let config = Setup::default().write(dir.path(), &fake_log);
+    let secret = "3f9a0c6e1b2d4f5a6c7e8d9b0a1c2e3f4a5b6c7d8e9f0a1b2c3d4e5f6a7b8c9d";
+    let keys = dir.path().join("admin-keys");
+    std::fs::write(&keys, format!("{secret}\n")).unwrap();
+    // A profile linked to the key file, and one with the secret where a number goes.
+    std::os::unix::fs::symlink(&keys, dir.path().join("profiles/keys.yaml")).unwrap();
+    let profile = format!("engine: llama-server\ncommand: x\ncontext: {secret}\n");
+    std::fs::write(dir.path().join("profiles/pasted.yaml"), profile).unwrap();
+    let out = run_dsv4d(["--check-config", "--config", config.to_str().unwrap()]);
+    let stdout = text(&out.stdout);
+    assert_eq!(out.status.code(), Some(1), "{stdout}");
+    assert!(
+        stdout.contains(
+            "profiles/keys.yaml: is a symbolic link to admin-keys, outside the profiles folder \
+             profiles"
+        ),
+        "{stdout}"
+    );
+    assert!(
+        stdout.contains(
+            "profiles/pasted.yaml:3:10: context: invalid type: string (64 characters, not \
+             shown), expected"
+        ),
+        "{stdout}"
+    );
+    assert!(!stdout.contains(&secret[..13]), "{stdout}");
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn per_request_figures_are_announced_at_a_bounded_rate_and_end_true() {
     let bus = PrivateBus::start();

@@ -1,7 +1,8 @@
 //! KV checkpoints across stops (`kv_checkpoint`): with the real llama-server and the tiny
 //! model, a long prompt's cache survives an idle stop, a profile switch away and back, and a
 //! daemon restart; a checkpoint for another engine is never restored; a full folder evicts
-//! the oldest. With the fake engine: a save that stalls does not hold the stop, and
+//! the oldest. With the fake engine: a save that stalls does not hold the stop, a failed save
+//! says what the next start does, and
 //! ds4-server's own shutdown save is measured and reported.
 
 use std::path::Path;
@@ -589,6 +590,56 @@ async fn an_engine_dying_in_its_save_removes_no_other_checkpoint() {
     assert_eq!(status, 200);
     let dir = d.stop().await;
     assert_eq!(manifests(dir.path()), 1, "320k's checkpoint was removed");
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_failed_save_says_what_the_next_start_does() {
+    let mut s = Setup::default().profile_key("320k", "kv_checkpoint", "{ dir: kv }");
+    s.default_profile = "320k".into();
+    let full = |s: &mut Setup, on: bool| {
+        let knobs = s.profiles.get_mut("320k").unwrap();
+        match on {
+            true => knobs.insert("save_full", "1".to_string()),
+            false => knobs.remove("save_full"),
+        };
+    };
+    // The disk is full, and there is no other checkpoint to make room with.
+    let not_saved = "KV checkpoint not saved: the engine could not save slot 0";
+    // No checkpoint yet: the next start is cold.
+    full(&mut s, true);
+    let d = Daemon::start(&s);
+    let (status, _, _) = body_json(d.post("/v1/chat/completions", chat(4, false)).await).await;
+    assert_eq!(status, 200);
+    d.signal(nix::sys::signal::Signal::SIGTERM);
+    let log = d.log_with(&[not_saved]).await;
+    assert!(
+        log.contains("there is no earlier checkpoint of this engine, so the next start is cold"),
+        "{log}"
+    );
+    let dir = d.stop().await;
+    // With one saved, a failed save leaves it, and the next start restores it.
+    full(&mut s, false);
+    let d = Daemon::start_in(&s, dir);
+    let (status, _, _) = body_json(d.post("/v1/chat/completions", chat(4, false)).await).await;
+    assert_eq!(status, 200);
+    let dir = d.stop().await;
+    full(&mut s, true);
+    let d = Daemon::start_in(&s, dir);
+    let (status, _, _) = body_json(d.post("/v1/chat/completions", chat(4, false)).await).await;
+    assert_eq!(status, 200);
+    d.signal(nix::sys::signal::Signal::SIGTERM);
+    let log = d.log_with(&[not_saved]).await;
+    assert!(
+        log.contains("; the next start restores the previous checkpoint, "),
+        "{log}"
+    );
+    let dir = d.stop().await;
+    full(&mut s, false);
+    let d = Daemon::start_in(&s, dir);
+    let (status, _, _) = body_json(d.post("/v1/chat/completions", chat(4, false)).await).await;
+    assert_eq!(status, 200);
+    let kv = kv_of(&d, "320k").await;
+    assert_eq!(kv["last_restore"]["ok"], true, "{kv}");
 }
 
 /// 320k keeps no checkpoints, 64k does; the daemon serves 320k first.

@@ -31,6 +31,7 @@ mod real_engine;
 mod reload;
 mod service;
 mod soak;
+mod state_files;
 mod stats;
 mod systemd;
 mod telemetry;

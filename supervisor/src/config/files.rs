@@ -233,6 +233,30 @@ pub(crate) fn check_secret_file(shown: &Shown, path: &Path) -> Option<String> {
     (mode & 0o077 != 0).then(|| format!("{text} {why}; it holds secrets: chmod 600 it"))
 }
 
+/// Whether `a` and `b` name the same file: the same path, or the same device and inode
+/// (following links), so that a symbolic or a hard link to the file counts as the file.
+pub fn same_file(a: &Path, b: &Path) -> bool {
+    use std::os::unix::fs::MetadataExt;
+    if a == b {
+        return true;
+    }
+    match (std::fs::metadata(a), std::fs::metadata(b)) {
+        (Ok(a), Ok(b)) => (a.dev(), a.ino()) == (b.dev(), b.ino()),
+        _ => false,
+    }
+}
+
+/// Why `api.admin_keys_file` cannot be `admin`, when it is the file `api.api_keys_file`
+/// (`api`, shown as `api_shown`) names too: every API client would then hold an admin key.
+pub fn shared_key_file(api: &Path, admin: &Path, api_shown: &str) -> Option<String> {
+    same_file(api, admin).then(|| {
+        format!(
+            "is the same file as api.api_keys_file ({api_shown}), so every API client would hold an \
+             admin key: give the admin keys a file of their own"
+        )
+    })
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;

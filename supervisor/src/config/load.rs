@@ -182,6 +182,15 @@ impl Check<'_> {
             };
             self.add(path, message);
         }
+        // The same file for both would make every API client an admin. Checked at a reload
+        // too, and by the keys themselves whenever they are read.
+        let keys = ["api.api_keys_file", "api.admin_keys_file"];
+        if let (Some(api), Some(admin)) = (&s.api.api_keys_file, &s.api.admin_keys_file) {
+            if !self.dropped(&keys) {
+                let message = files::shared_key_file(api, admin, &self.shown.text(api));
+                self.add("api.admin_keys_file", message);
+            }
+        }
         // Each item is kept in its canonical form.
         let api = &mut s.api;
         let canonical: [(_, _, fn(&str) -> _); 2] = [
@@ -335,7 +344,7 @@ impl Check<'_> {
                     "invalid profile name {name:?}: use letters, digits, '.', '_' and '-' (not first)"
                 ))
             } else {
-                super::yaml::read_file(&path)
+                self.profile_text(&path, dir)
             };
             found.entry(name.clone()).or_insert(path.clone());
             let text = match text {
@@ -361,6 +370,29 @@ impl Check<'_> {
             }
         }
         (found, profiles)
+    }
+
+    /// The text of the profile file at `path` in the profiles folder `dir`. A symbolic link
+    /// that leads out of the folder is refused, naming where it leads: what it names could be
+    /// any file dsv4d may read (a key file, `/etc/shadow` when it runs as root), and a
+    /// profile's problems go to the log, to a D-Bus alert and to `/events`.
+    fn profile_text(&self, path: &Path, dir: &Path) -> Result<String, String> {
+        let link = fs::symlink_metadata(path).is_ok_and(|m| m.file_type().is_symlink());
+        if !link {
+            return super::yaml::read_file(path);
+        }
+        let target = fs::canonicalize(path).map_err(|e| format!("cannot read: {e}"))?;
+        let folder = fs::canonicalize(dir).unwrap_or_else(|_| dir.to_path_buf());
+        if !target.starts_with(&folder) {
+            let (target, folder) = (self.shown.text(&target), self.shown.text(dir));
+            return Err(format!(
+                "is a symbolic link to {target}, outside the profiles folder {folder}: a \
+                 profile must be a file in that folder (copy it there, or link to a file inside \
+                 it)"
+            ));
+        }
+        // The file the link led to when it was judged, not whatever it leads to a moment later.
+        super::yaml::read_file(&target)
     }
 
     /// The profile, and the problems with it (when there are any, the profile is not used).

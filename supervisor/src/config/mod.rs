@@ -11,6 +11,7 @@
 
 mod error;
 mod files;
+pub use files::{same_file, shared_key_file};
 mod load;
 pub mod names;
 pub mod profiles;

@@ -586,7 +586,7 @@ fn a_duration_past_a_hundred_years_is_refused_not_overflowed() {
     assert_eq!(
         errors(Config::load(&file)),
         [
-            "supervisor.yaml:2:17: engine.idle_timeout: invalid duration \"200000000000000d\": \
+            "supervisor.yaml:2:17: engine.idle_timeout: invalid duration (16 characters, not shown): \
              too large (at most 36500d, a hundred years)"
         ]
     );
@@ -807,6 +807,72 @@ fn api_keys_must_be_private() {
     assert!(Config::load_for_reload(&file).is_ok());
     fs::remove_dir(dir.path().join("keys")).unwrap();
     assert!(Config::load_for_reload(&file).is_ok());
+}
+
+#[test]
+fn one_file_cannot_hold_both_the_api_and_the_admin_keys() {
+    let dir = TempDir::new("shared-keys");
+    dir.write("profiles/320k.yaml", MINIMAL_PROFILE);
+    dir.engine_files("profiles");
+    dir.write_mode("keys", "k\n", 0o600);
+    dir.write_mode("admin", "a\n", 0o600);
+    std::os::unix::fs::symlink("keys", dir.path().join("link")).unwrap();
+    fs::hard_link(dir.path().join("keys"), dir.path().join("hard")).unwrap();
+    let config = |admin: &str| {
+        let text = format!("api: {{ api_keys_file: keys, admin_keys_file: {admin} }}\n");
+        dir.write("supervisor.yaml", &text)
+    };
+    let shared = |column: usize| {
+        format!(
+            "supervisor.yaml:1:{column}: api.admin_keys_file: is the same file as \
+             api.api_keys_file (keys), so every API client would hold an admin key: give the \
+             admin keys a file of their own"
+        )
+    };
+    // The same path, another spelling of it, a symbolic link and a hard link.
+    for admin in ["keys", "./keys", "link", "hard"] {
+        let file = config(admin);
+        assert_eq!(errors(Config::load(&file)), [shared(46)], "{admin}");
+        assert_eq!(
+            errors(Config::load_for_reload(&file)),
+            [shared(46)],
+            "{admin}"
+        );
+    }
+    assert!(Config::load(&config("admin")).is_ok());
+}
+
+#[test]
+fn a_profile_linked_out_of_the_profiles_folder_is_refused() {
+    let dir = TempDir::new("linked-profile");
+    let file = dir.write("supervisor.yaml", "default_profile: inside\n");
+    dir.engine_files("profiles");
+    dir.write("profiles/inside.yaml", MINIMAL_PROFILE);
+    // A link to a file inside the folder (or a folder below it) is a profile like any other.
+    dir.write("profiles/shared/base.yaml", MINIMAL_PROFILE);
+    std::os::unix::fs::symlink("shared/base.yaml", dir.path().join("profiles/alias.yaml")).unwrap();
+    let config = Config::load(&file).unwrap();
+    assert_eq!(
+        config.profiles.keys().collect::<Vec<_>>(),
+        ["alias", "inside"]
+    );
+    // One to a key file beside supervisor.yaml is not read at all: its text is never shown.
+    let secret = "3f9a0c6e1b2d4f5a6c7e8d9b0a1c2e3f4a5b6c7d8e9f0a1b2c3d4e5f6a7b8c9d";
+    let keys = dir.write_mode("admin-keys", &format!("{secret}\n"), 0o600);
+    std::os::unix::fs::symlink(&keys, dir.path().join("profiles/keys.yaml")).unwrap();
+    let found = errors(Config::load(&file));
+    assert_eq!(
+        found,
+        [
+            "profiles/keys.yaml: is a symbolic link to admin-keys, outside the profiles folder \
+             profiles: a profile must be a file in that folder (copy it there, or link to a \
+             file inside it)"
+        ]
+    );
+    assert!(
+        found.iter().all(|p| !p.contains(&secret[..13])),
+        "{found:?}"
+    );
 }
 
 #[test]

@@ -25,10 +25,27 @@ const MAX_VALUE_PROBLEMS: usize = 50;
 pub(crate) const MAX_BYTES: u64 = 256 << 10;
 
 /// Reads the configuration file `path`, refusing one larger than [`MAX_BYTES`] before
-/// reading it whole.
+/// reading it whole, and anything but a regular file (opened without blocking, as
+/// `host::regular` does for the state files, which this layer is below: a FIFO would hang the
+/// open).
 pub(crate) fn read_file(path: &std::path::Path) -> Result<String, String> {
     use std::io::Read;
-    let file = std::fs::File::open(path).map_err(|e| format!("cannot read: {e}"))?;
+    use std::os::unix::fs::{FileTypeExt, OpenOptionsExt};
+    let file = std::fs::OpenOptions::new()
+        .read(true)
+        .custom_flags(nix::libc::O_NONBLOCK)
+        .open(path)
+        .map_err(|e| format!("cannot read: {e}"))?;
+    let kind = file.metadata().map_err(|e| format!("cannot read: {e}"))?;
+    let kind = kind.file_type();
+    if !kind.is_file() {
+        let what = match () {
+            _ if kind.is_dir() => "a folder",
+            _ if kind.is_fifo() => "a FIFO (named pipe)",
+            _ => "a device or a socket",
+        };
+        return Err(format!("is {what}, not a regular file"));
+    }
     let mut text = String::new();
     file.take(MAX_BYTES + 1)
         .read_to_string(&mut text)
@@ -172,7 +189,8 @@ impl Doc {
             self.dropped.insert(dsv4_yaml::key_path(&u.parent, meant));
         }
         self.dropped.insert(u.path.clone());
-        self.at(&u.path, &u.path, true, message)
+        let field = dsv4_yaml::key_path(&u.parent, &dsv4_yaml::shown_key(&u.key));
+        self.at(&field, &u.path, true, message)
     }
 
     /// A problem about the value at `path` (dotted, as `engine.idle_timeout`): at the value
@@ -290,6 +308,44 @@ mod tests {
         );
         let (found, read) = problems("context: !!int 4096\ncommand: !!str 100\n");
         assert!(read && found.is_empty(), "{found:?}");
+    }
+
+    #[test]
+    fn a_long_value_or_key_is_never_quoted_in_a_problem() {
+        let key = "3f9a0c6e1b2d4f5a6c7e8d9b0a1c2e3f4a5b6c7d8e9f0a1b2c3d4e5f6a7b8c9d";
+        let shadow = "$6$Qx3v9Lk2$Zp0d8Jm4Wq7Rt1Yc5Nv2Hb6Gf3Ds9Ak0Lp4Ox8Iu7Ey1Tr5We3Qa";
+        let texts = [
+            // A key file read as a profile: one plain scalar.
+            format!("{key}\n"),
+            format!("# admin keys\n{key}\n{key}\n"),
+            // /etc/shadow read as one: each line a key of a mapping.
+            format!("root:{shadow}:19000:0:99999:7:::\nbin:*:19000:0:99999:7:::\n"),
+            // In a setting that reads text, and one whose parser repeats what it was given.
+            format!("engine: {key}\ncommand: x\n"),
+            format!("kv_checkpoint: {{dir: x, save_timeout: {key}}}\n"),
+            format!("context: {key}\n"),
+        ];
+        for text in &texts {
+            // As profiles are read: a key set to null is a value.
+            let mut found = Vec::new();
+            Doc::read::<RawProfile>(PathBuf::from("p.yaml"), text, |_| true, &mut found);
+            let found: Vec<String> = found.iter().map(|p| p.to_string()).collect();
+            assert!(!found.is_empty(), "{text}");
+            for secret in [key, shadow, &key[..13], &shadow[..13]] {
+                assert!(
+                    found.iter().all(|p| !p.contains(secret)),
+                    "{text}: {found:?}"
+                );
+            }
+            assert!(
+                found.iter().any(|p| p.contains("characters, not shown")),
+                "{found:?}"
+            );
+        }
+        // A short mistake is still quoted, whole.
+        let (found, _) = problems("context: lots\nengine: llama\n");
+        assert!(found[0].contains("\"lots\""), "{found:?}");
+        assert!(found[1].contains("`llama`"), "{found:?}");
     }
 
     #[test]

@@ -26,7 +26,7 @@ use tokio::signal::unix::{signal, SignalKind};
 use tokio::sync::{mpsc, watch};
 
 use crate::config::Config;
-use crate::http::auth::{ApiKeys, KeyFile};
+use crate::http::auth::KeyFile;
 use crate::lifecycle::alert::Alerts;
 
 /// Quiet time after the last file event before reloading.
@@ -175,15 +175,15 @@ impl Reloader {
     /// to group or others, without a key) refuses every keyed request with 503 from now on
     /// (the proxy reads the same file for the configuration just published), which is
     /// alerted.
-    async fn check_keys(&self, why: &str, config: &Config) {
+    async fn check_keys(&self, why: &str, config: &Arc<Config>) {
         for file in [KeyFile::Api, KeyFile::Admin] {
             let Some(path) = file.path(config).map(Path::to_path_buf) else {
                 continue;
             };
             let what = file.what();
+            let config = config.clone();
             let read =
-                tokio::task::spawn_blocking(move || ApiKeys::load_as(&path, what).map(|_| ()))
-                    .await;
+                tokio::task::spawn_blocking(move || file.read(&path, &config).map(|_| ())).await;
             let Ok(Err(e)) = read else { continue };
             let refused = match file {
                 KeyFile::Api => "every request but GET /health",

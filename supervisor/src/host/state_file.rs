@@ -14,7 +14,7 @@ fn profile_file(state_dir: &Path) -> PathBuf {
 
 /// The remembered profile, if one was saved and can be read.
 pub fn load_profile(state_dir: &Path) -> Option<String> {
-    let text = std::fs::read_to_string(profile_file(state_dir)).ok()?;
+    let text = super::regular::read_state(&profile_file(state_dir))?;
     let name = text.trim();
     (!name.is_empty()).then(|| name.to_string())
 }
@@ -34,13 +34,17 @@ pub fn write_atomic(path: &Path, bytes: &[u8]) -> io::Result<()> {
     std::fs::create_dir_all(dir)?;
     let name = path.file_name().map(|n| n.to_string_lossy().into_owned());
     let tmp = dir.join(format!(".{}.tmp", name.unwrap_or_default()));
+    // A new file: whatever was left at its name (a FIFO would block the open) goes first.
+    match std::fs::remove_file(&tmp) {
+        Err(e) if e.kind() != io::ErrorKind::NotFound => return Err(e),
+        _ => {}
+    }
     // Owner only: state and checkpoints hold what was said to the model.
     let mut f = {
         use std::os::unix::fs::OpenOptionsExt;
         std::fs::OpenOptions::new()
             .write(true)
-            .create(true)
-            .truncate(true)
+            .create_new(true)
             .mode(0o600)
             .open(&tmp)?
     };

@@ -8,7 +8,6 @@
 //! of a key was right.
 
 use std::fmt;
-use std::fs::File;
 use std::io::Read;
 use std::os::unix::fs::{MetadataExt, PermissionsExt};
 use std::path::Path;
@@ -27,6 +26,9 @@ pub use crate::lifecycle::upstream::X_API_KEY;
 
 /// Keys shorter than this are warned about at load: they can be guessed.
 pub const SHORT_KEY: usize = 16;
+
+/// The largest key file read (a key a line: thousands of keys in a few hundred KiB).
+const KEY_FILE_MAX: u64 = 4 << 20;
 
 /// The keys read from `api.api_keys_file`: at least one, none empty.
 pub struct ApiKeys {
@@ -91,15 +93,12 @@ impl ApiKeys {
     /// [`load`](Self::load), for keys that messages call `what` (`admin key`).
     pub fn load_as(path: &Path, what: &str) -> Result<ApiKeys, String> {
         let shown = path.display();
-        let mut file =
-            File::open(path).map_err(|e| format!("cannot open the {what} file {shown}: {e}"))?;
-        // The mode of the file that was opened, not of whatever the path names a moment later.
-        let meta = file
-            .metadata()
-            .map_err(|e| format!("cannot read the {what} file {shown}: {e}"))?;
-        if !meta.is_file() {
-            return Err(format!("the {what} file {shown} is not a regular file"));
-        }
+        // Opened without blocking (a FIFO would hang the open), and judged by what was opened,
+        // not by whatever the path names a moment later.
+        let (file, meta) = crate::host::regular::open(path).map_err(|e| match e.kind() {
+            std::io::ErrorKind::InvalidData => format!("the {what} file {e}"),
+            _ => format!("cannot open the {what} file {shown}: {e}"),
+        })?;
         let mode = meta.permissions().mode() & 0o7777;
         if mode & 0o077 != 0 {
             return Err(format!(
@@ -115,8 +114,15 @@ impl ApiKeys {
             return Err(format!("the {what} file {shown} {problem}"));
         }
         let mut text = String::new();
-        file.read_to_string(&mut text)
+        file.take(KEY_FILE_MAX + 1)
+            .read_to_string(&mut text)
             .map_err(|e| format!("cannot read the {what} file {shown}: {e}"))?;
+        if text.len() as u64 > KEY_FILE_MAX {
+            return Err(format!(
+                "the {what} file {shown} is larger than {} KiB, the most a key file may be",
+                KEY_FILE_MAX >> 10
+            ));
+        }
         ApiKeys::parse(&text).map_err(|e| format!("the {what} file {shown}: {e}"))
     }
 
@@ -295,6 +301,20 @@ impl KeyFile {
         }
     }
 
+    /// Reads these keys from `path`, when `config` names it. Admin keys from the API key
+    /// file itself (the same file by another path or a link included) are refused: every API
+    /// client would hold one.
+    pub fn read(self, path: &Path, config: &Config) -> Result<ApiKeys, String> {
+        let api = config.supervisor.api.api_keys_file.as_deref();
+        if let (KeyFile::Admin, Some(api)) = (self, api) {
+            let shown = api.display().to_string();
+            if let Some(why) = crate::config::shared_key_file(api, path, &shown) {
+                return Err(format!("the admin key file {} {why}", path.display()));
+            }
+        }
+        ApiKeys::load_as(path, self.what())
+    }
+
     /// What the keys are, in messages.
     pub fn what(self) -> &'static str {
         match self {
@@ -342,7 +362,7 @@ impl KeyCache {
             }
         }
         let what = self.file.what();
-        let keys = ApiKeys::load_as(path, what).map(Arc::new);
+        let keys = self.file.read(path, config).map(Arc::new);
         match &keys {
             Ok(k) => {
                 tracing::info!(

@@ -27,6 +27,8 @@ use super::key::Key;
 
 pub const FORMAT: u32 = 1;
 const ASIDE: &str = "aside";
+/// The largest manifest read (one lists a checkpoint's slot files: a few hundred bytes each).
+const MANIFEST_MAX: u64 = 1 << 20;
 
 /// One slot's file in a checkpoint.
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
@@ -195,7 +197,7 @@ impl Store {
                 continue;
             }
             let path = entry.path();
-            let read = fs::read(&path)
+            let read = crate::host::regular::read(&path, MANIFEST_MAX)
                 .map_err(|e| format!("cannot read it: {e}"))
                 .and_then(|bytes| {
                     serde_json::from_slice::<Manifest>(&bytes)
@@ -249,6 +251,16 @@ impl Store {
             }
         }
         out
+    }
+
+    /// The checkpoint of `key` that a start would restore, if there is one that can be: what
+    /// stays when a save for it fails. Nothing is set aside here (a start's
+    /// [`lookup`](Self::lookup) does that).
+    pub fn current(&self, key: &Key) -> Option<Manifest> {
+        let bytes = crate::host::regular::read(&self.manifest_path(&key.id()), MANIFEST_MAX);
+        let m: Manifest = serde_json::from_slice(&bytes.ok()?).ok()?;
+        let ours = m.format == FORMAT && m.id == key.id() && m.key == *key;
+        (ours && self.problem_with(&m).is_none()).then_some(m)
     }
 
     /// Why a checkpoint of the right key cannot be restored, if it cannot.
@@ -316,7 +328,7 @@ impl Store {
     }
 
     pub fn mark_restoring(&self, id: &str) -> io::Result<()> {
-        fs::write(self.marker_path(id), b"")
+        crate::host::state_file::write_atomic(&self.marker_path(id), b"")
     }
 
     pub fn clear_restoring(&self, id: &str) {
@@ -327,7 +339,7 @@ impl Store {
     /// of the one it replaces go.
     pub fn commit(&self, m: &Manifest) -> io::Result<()> {
         let path = self.manifest_path(&m.id);
-        let old = fs::read(&path)
+        let old = crate::host::regular::read(&path, MANIFEST_MAX)
             .ok()
             .and_then(|b| serde_json::from_slice::<Manifest>(&b).ok());
         crate::host::state_file::write_atomic(&path, &serde_json::to_vec_pretty(m)?)?;

@@ -83,6 +83,18 @@ fn a_checkpoint_of_the_profile_for_another_engine_is_set_aside_with_the_reason()
 }
 
 #[test]
+fn the_checkpoint_a_start_would_restore_is_the_current_one() {
+    let (_d, store) = store();
+    assert_eq!(store.current(&key(4096)), None);
+    let m = saved(&store, "320k", &key(4096), 10.0, 100);
+    assert_eq!(store.current(&key(4096)), Some(m.clone()));
+    assert_eq!(store.current(&key(2048)), None);
+    // One a start would set aside is not.
+    fs::write(store.dir().join(&m.slots[0].file), vec![7u8; 60]).unwrap();
+    assert_eq!(store.current(&key(4096)), None);
+}
+
+#[test]
 fn a_truncated_or_interrupted_checkpoint_is_set_aside() {
     let (_d, store) = store();
     let m = saved(&store, "320k", &key(4096), 10.0, 100);

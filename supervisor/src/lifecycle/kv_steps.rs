@@ -336,8 +336,37 @@ pub async fn restore(
 }
 
 fn ago(at: f64) -> String {
-    let s = (dsv4_client::clock::unix_now() - at).max(0.0);
+    ago_from(at, dsv4_client::clock::unix_now())
+}
+
+fn ago_from(at: f64, now: f64) -> String {
+    let s = (now - at).max(0.0);
     crate::config::format_duration(Duration::from_secs(s as u64)) + " ago"
+}
+
+/// What the next start does after a save that failed, from the checkpoint that stays
+/// (`previous`, if a start can restore it) at `now`.
+fn after_failed_save(previous: Option<&Manifest>, now: f64) -> String {
+    match previous {
+        Some(m) => format!(
+            "the next start restores the previous checkpoint, {} tokens saved {} ({})",
+            m.tokens(),
+            ago_from(m.saved_at, now),
+            m.id
+        ),
+        None => "there is no earlier checkpoint of this engine, so the next start is cold".into(),
+    }
+}
+
+/// The warning of a save of `key` that failed for `why`, saying what the next start does.
+async fn save_failed(store: &Store, profile: &str, key: &Key, why: &str) {
+    let key = key.clone();
+    let previous = on_disk(store, move |s| s.current(&key))
+        .await
+        .ok()
+        .flatten();
+    let next = after_failed_save(previous.as_ref(), dsv4_client::clock::unix_now());
+    tracing::warn!(profile, "KV checkpoint not saved: {why}; {next}");
 }
 
 /// Saves every slot that holds tokens, as the checkpoint of the engine's key, and keeps the
@@ -439,10 +468,7 @@ pub async fn save(engine: Arc<EngineRef>, profile: Profile, facts: Arc<EngineKv>
     }
     if let Some(why) = failure {
         remove_files(&store, files.iter().map(|f| f.file.clone()).collect()).await;
-        tracing::warn!(
-            profile = profile.name,
-            "KV checkpoint not saved: {why}; the next start is cold"
-        );
+        save_failed(&store, &profile.name, &key, &why).await;
         return failed(started, why);
     }
     if files.is_empty() {
@@ -491,8 +517,65 @@ pub async fn save(engine: Arc<EngineRef>, profile: Profile, facts: Arc<EngineKv>
         Err(why) => {
             let files = manifest.slots.iter().map(|f| f.file.clone()).collect();
             remove_files(&store, files).await;
-            tracing::warn!(profile = profile.name, "KV checkpoint {id}: {why}");
+            save_failed(
+                &store,
+                &profile.name,
+                &manifest.key,
+                &format!("{id}: {why}"),
+            )
+            .await;
             failed(started, why)
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::kv::key::FileId;
+
+    #[test]
+    fn a_failed_save_says_what_the_next_start_does() {
+        let key = Key {
+            model: FileId {
+                size: 1,
+                mtime_ns: 1,
+                head_sha256: "00".into(),
+            },
+            mmproj: None,
+            n_ctx: 4096,
+            slots: 1,
+            cache_type: "f16".into(),
+            flash_attn: "auto".into(),
+            build: "b1".into(),
+        };
+        let slot = |tokens| SlotFile {
+            slot: 0,
+            file: "f".into(),
+            tokens,
+            bytes: 10,
+        };
+        let previous = Manifest {
+            format: FORMAT,
+            id: key.id(),
+            profile: "320k".into(),
+            key,
+            saved_at: 1_000.0,
+            save_seconds: 0.1,
+            slots: vec![slot(2_802)],
+            aside: None,
+        };
+        let id = previous.id.clone();
+        assert_eq!(
+            after_failed_save(Some(&previous), 1_000.0 + 3_720.0),
+            format!(
+                "the next start restores the previous checkpoint, 2802 tokens saved 1h2m ago \
+                 ({id})"
+            )
+        );
+        assert_eq!(
+            after_failed_save(None, 5_000.0),
+            "there is no earlier checkpoint of this engine, so the next start is cold"
+        );
     }
 }

@@ -113,8 +113,7 @@ impl Drop for Guard {
 /// Removes the record of the group `pgid`, if it is the one written down.
 pub fn clear(state_dir: &Path, pgid: u32) {
     let path = state_dir.join(RECORD);
-    let ours = std::fs::read_to_string(&path)
-        .ok()
+    let ours = crate::host::regular::read_state(&path)
         .and_then(|t| Record::parse(&t))
         .is_some_and(|r| r.pgid == pgid);
     if ours {
@@ -137,11 +136,14 @@ pub struct Reaped {
 /// logged, never fatal: a start must not fail over it.
 pub async fn reap(state_dir: &Path, proc: &Path, grace: Duration) -> Reaped {
     let path = state_dir.join(RECORD);
-    let text = match std::fs::read_to_string(&path) {
+    let text = match crate::host::regular::read_text(&path, crate::host::regular::STATE_MAX) {
         Ok(t) => t,
         Err(e) if e.kind() == io::ErrorKind::NotFound => return Reaped::default(),
         Err(e) => {
-            tracing::warn!("cannot read {}: {e}", path.display());
+            // Not removed: what is there is not dsv4d's (a FIFO, a folder), so it stays as
+            // it was found, said at every start.
+            let why = crate::host::regular::shown(&path, &e);
+            tracing::warn!("{why}; no engine left by a previous dsv4d is looked for");
             return Reaped::default();
         }
     };

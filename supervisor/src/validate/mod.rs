@@ -38,6 +38,9 @@ use crate::observe::monitor::Telemetry;
 
 mod measure;
 
+/// The largest validation result read back (one run's figures: a few KiB).
+const RESULT_MAX: u64 = 16 << 20;
+
 use dsv4_engine::EngineKind;
 use measure::{build_info, chat, rate, test_image_uri, vision_request, Api, Prompt};
 
@@ -237,7 +240,10 @@ impl Validator {
         let mut runs: Vec<ValidationResult> = entries
             .flatten()
             .filter(|e| e.path().extension().is_some_and(|x| x == "json"))
-            .filter_map(|e| serde_json::from_slice(&std::fs::read(e.path()).ok()?).ok())
+            .filter_map(|e| {
+                let bytes = crate::host::regular::read(&e.path(), RESULT_MAX);
+                serde_json::from_slice(&bytes.ok()?).ok()
+            })
             .filter(|r: &ValidationResult| profile.is_none_or(|p| r.profile == p))
             .collect();
         runs.sort_by(|a, b| b.started.total_cmp(&a.started));
@@ -549,7 +555,7 @@ fn save(state_dir: &Path, result: &mut ValidationResult) -> std::io::Result<()> 
 /// uses the profile that was active before it (returned, when there was one).
 pub fn recover(state_dir: &Path) -> Option<String> {
     let file = state_dir.join(RUNNING);
-    let previous = std::fs::read_to_string(&file).ok()?;
+    let previous = crate::host::regular::read_state(&file)?;
     let previous = previous.trim().to_string();
     let _ = std::fs::remove_file(&file);
     if previous.is_empty() {

@@ -29,6 +29,37 @@ pub const MAX_DEPTH: usize = 32;
 /// aliases (a "billion laughs") would otherwise expand to more than memory holds.
 pub const MAX_NODES: u64 = 100_000;
 
+/// The longest value an error quotes: a longer one is named by its length, never shown, so
+/// that a file read by mistake as configuration (a key file, `/etc/shadow`) is not echoed
+/// into the log, a D-Bus alert or `/events`. No setting's word is longer (`power-saver` is
+/// 11), and a key is at least 16 characters or warned about.
+pub const MAX_QUOTED_VALUE: usize = 12;
+
+/// The longest key an error quotes (the longest key a setting has is 16 characters).
+pub const MAX_QUOTED_KEY: usize = 32;
+
+/// `message` with every appearance of `text` (as written, quoted by serde's `{:?}` or in
+/// backticks) replaced by its length, when `text` is longer than `most` characters.
+pub fn unquoted(message: &str, text: &str, most: usize) -> String {
+    let n = text.chars().count();
+    if n <= most {
+        return message.to_string();
+    }
+    let hidden = format!("({n} characters, not shown)");
+    let debug = format!("{text:?}");
+    let ticked = format!("`{text}`");
+    let message = message.replace(&debug, &hidden).replace(&ticked, &hidden);
+    message.replace(text, &hidden)
+}
+
+/// A key as errors show it: itself, or its length when longer than [`MAX_QUOTED_KEY`].
+pub fn shown_key(key: &str) -> String {
+    match key.chars().count() {
+        n if n > MAX_QUOTED_KEY => format!("({n} characters, not shown)"),
+        _ => key.to_string(),
+    }
+}
+
 /// One parsed YAML value and where it is written.
 #[derive(Debug, Clone)]
 pub struct Node {
@@ -305,8 +336,14 @@ impl<'a> De<'a> {
 
     /// Reads this node with `seed`, placing an error that has no place yet here.
     fn seed<S: DeserializeSeed<'a>>(self, seed: S) -> Result<S::Value, Error> {
-        let at = self.at.clone();
+        let (at, node) = (self.at.clone(), self.node);
         seed.deserialize(self).map_err(|mut e| {
+            // Placed here first: the value is this node's, and a long one is not repeated.
+            if e.at.is_none() {
+                if let Kind::Scalar { text, .. } = &node.kind {
+                    e.message = unquoted(&e.message, text, MAX_QUOTED_VALUE);
+                }
+            }
             e.at.get_or_insert(at);
             e
         })
@@ -628,7 +665,7 @@ pub fn unknown_key(key: &str, keys: &[&'static str]) -> (String, Option<&'static
     if let Some(meant) = meant {
         message.push_str(&format!("; did you mean `{meant}`?"));
     }
-    (message, meant)
+    (unquoted(&message, key, MAX_QUOTED_KEY), meant)
 }
 
 /// The first mistake in a text [`from_str`] read: `line:column: path: message`.
@@ -663,7 +700,10 @@ pub fn from_str<T: de::DeserializeOwned>(text: &str) -> Result<Option<T>, Mistak
         mistake(Some(position(&at.mark)), at.path, e.message)
     })?;
     match unknown.into_inner().into_iter().next() {
-        Some(u) => Err(mistake(None, u.path, unknown_key(&u.key, u.keys).0)),
+        Some(u) => {
+            let path = key_path(&u.parent, &shown_key(&u.key));
+            Err(mistake(None, path, unknown_key(&u.key, u.keys).0))
+        }
         None => Ok(Some(value)),
     }
 }

@@ -217,6 +217,10 @@ struct Args {
     /// [env FAKE_ENGINE_SAVE_ABORT=1|true|yes|on].
     #[arg(long = "save-abort")]
     save_abort: bool,
+    /// Answer a slot save as llama-server does on a full disk: a partial file and 500
+    /// `Unable to save slot` [env FAKE_ENGINE_SAVE_FULL=1|true|yes|on].
+    #[arg(long = "save-full")]
+    save_full: bool,
     /// Ignore SIGTERM entirely [env FAKE_ENGINE_IGNORE_SIGTERM=1|true|yes|on].
     #[arg(long = "ignore-sigterm")]
     ignore_sigterm: bool,
@@ -269,6 +273,7 @@ pub struct Config {
     pub kv_cache_min_tokens: u64,
     pub restore_abort: bool,
     pub save_abort: bool,
+    pub save_full: bool,
     pub ignore_sigterm: bool,
     pub log_file: Option<PathBuf>,
     pub connections: Connections,
@@ -411,6 +416,7 @@ fn build_config(args: &Args) -> Result<Config, String> {
         restore_abort: args.restore_abort
             || env_knob::<Truthy>("RESTORE_ABORT")?.is_some_and(|t| t.0),
         save_abort: args.save_abort || env_knob::<Truthy>("SAVE_ABORT")?.is_some_and(|t| t.0),
+        save_full: args.save_full || env_knob::<Truthy>("SAVE_FULL")?.is_some_and(|t| t.0),
         ignore_sigterm,
         log_file: knob(args.log_file.clone(), "LOG_FILE")?,
         connections: knob(args.connections.clone(), "CONNECTIONS")?.unwrap_or_default(),

@@ -810,7 +810,10 @@ async fn slot_action(engine: &Arc<Engine>, req: Request<Incoming>) -> Resp {
                 "fake-engine slot tokens={tokens}
 "
             );
-            if std::fs::write(&path, &content).is_err() {
+            if engine.cfg.save_full {
+                let _ = std::fs::write(&path, &content.as_bytes()[..4]);
+            }
+            if engine.cfg.save_full || std::fs::write(&path, &content).is_err() {
                 return json_response(
                     StatusCode::INTERNAL_SERVER_ERROR,
                     &json!({"error": {"code": 500, "message": "Unable to save slot", "type": "server_error"}}),

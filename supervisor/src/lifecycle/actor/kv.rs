@@ -108,7 +108,10 @@ impl Actor {
             true => tracing::warn!(
                 "the KV checkpoint restore was {result}; the engine serves without it"
             ),
-            false => tracing::warn!("the KV checkpoint save was {result}; nothing was kept"),
+            false => tracing::warn!(
+                "the KV checkpoint save was {result}; nothing new was kept (an earlier \
+                 checkpoint of this engine, if there is one, stays for the next start)"
+            ),
         }
         let step = dsv4_client::kv::KvStep {
             at: dsv4_client::clock::unix_now(),

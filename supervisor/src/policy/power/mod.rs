@@ -76,8 +76,8 @@ impl Restore {
     }
 
     fn load(state_dir: &Path) -> Option<Restore> {
-        let text = std::fs::read(Self::path(state_dir)).ok()?;
-        serde_json::from_slice(&text).ok()
+        let text = crate::host::regular::read_state(&Self::path(state_dir))?;
+        serde_json::from_str(&text).ok()
     }
 
     fn clear(state_dir: &Path) {
