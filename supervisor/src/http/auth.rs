@@ -531,6 +531,29 @@ mod tests {
     }
 
     #[test]
+    fn admin_keys_from_the_api_key_file_itself_fail_closed() {
+        let f = KeyFile::new("0123456789abcdef0123\n", 0o600);
+        let hard = f.0.with_file_name("hard-link");
+        std::fs::hard_link(&f.0, &hard).unwrap();
+        let mut config = crate::config::Config {
+            file: PathBuf::from("supervisor.yaml"),
+            supervisor: Default::default(),
+            profiles: Default::default(),
+        };
+        config.supervisor.api.api_keys_file = Some(f.0.clone());
+        let admin = super::KeyFile::Admin;
+        for path in [&f.0, &hard] {
+            let e = admin.read(path, &config).unwrap_err();
+            assert!(e.contains("is the same file as api.api_keys_file"), "{e}");
+            assert!(e.contains(&path.display().to_string()), "{e}");
+        }
+        // The API keys themselves, and admin keys of a file of their own, are read.
+        assert!(super::KeyFile::Api.read(&f.0, &config).is_ok());
+        let other = KeyFile::new("fedcba9876543210fedc\n", 0o600);
+        assert!(admin.read(&other.0, &config).is_ok());
+    }
+
+    #[test]
     fn an_empty_private_file_names_the_file() {
         let f = KeyFile::new("\n# nothing yet\n", 0o600);
         let e = ApiKeys::load(&f.0).unwrap_err();
