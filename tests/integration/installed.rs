@@ -18,7 +18,7 @@ use std::os::unix::fs::PermissionsExt;
 use std::path::{Path, PathBuf};
 use std::process::Command;
 
-use crate::support::ns::{base_units, deb, run, Ns};
+use crate::support::ns::{base_units, deb, repo, run, Ns};
 use crate::support::*;
 
 const FAKE: &str = env!("CARGO_BIN_EXE_fake-engine");
@@ -182,6 +182,57 @@ fn lay_out(w: &Path) {
     );
 }
 
+/// The impostor's folder (its log and its moves), below the test's folder.
+fn impostor_dir(w: &Path) -> PathBuf {
+    w.join("impostor")
+}
+
+/// A profile `taken` whose llama-server starts only once the impostor (see `port_taken.rs`)
+/// has made its move on the port it is given, and the impostor's script and folder.
+fn lay_out_impostor(w: &Path) {
+    let dir = impostor_dir(w);
+    std::fs::create_dir_all(&dir).unwrap();
+    std::fs::set_permissions(&dir, std::fs::Permissions::from_mode(0o777)).unwrap();
+    copy_public(
+        &repo().join("tests/fixtures/impostor.py"),
+        &w.join("bin/impostor.py"),
+        0o644,
+    );
+    write_public(
+        &w.join("bin/port-wrapper"),
+        &format!(
+            "#!/bin/sh
+             port=; prev=
+             for a in \"$@\"; do [ \"$prev\" = --port ] && port=$a; prev=$a; done
+             i=0
+             while [ ! -e '{dir}/seen-'\"$port\" ]; do
+             \x20 i=$((i + 1))
+             \x20 if [ $i -gt 3000 ]; then echo \"the impostor never saw port $port\" >&2; exit 3; fi
+             \x20 sleep 0.01
+             done
+             exec {engine} \"$@\"
+",
+            dir = dir.display(),
+            engine = w.join("bin/llama-server").display(),
+        ),
+    );
+    std::fs::set_permissions(
+        w.join("bin/port-wrapper"),
+        std::fs::Permissions::from_mode(0o755),
+    )
+    .unwrap();
+    write_public(
+        &w.join("etc/profiles/taken.yaml"),
+        &format!(
+            "description: the real llama-server, behind a wrapper that lets an impostor move \
+             first\nengine: llama-server\ncommand: {}\nmodel: {}\ncontext: 1024\n\
+             parallel: 1\nextra_args: [--no-webui]\n",
+            w.join("bin/port-wrapper").display(),
+            w.join("models/tiny.gguf").display()
+        ),
+    );
+}
+
 fn install_allowed() -> bool {
     std::env::var("CI").is_ok_and(|v| v == "true")
         || std::env::var("DSV4_TEST_INSTALL").is_ok_and(|v| v == "1")
@@ -206,6 +257,7 @@ fn the_installed_units_run_as_shipped_under_a_real_systemd() {
         .unwrap();
     std::fs::set_permissions(w.path(), std::fs::Permissions::from_mode(0o755)).unwrap();
     lay_out(w.path());
+    lay_out_impostor(w.path());
     let units = unit_folder(w.path());
     let ns = Ns::boot(&units, "test.target", &w.path().join("console.log"), true);
     let level_file = w
@@ -297,4 +349,53 @@ fn the_installed_units_run_as_shipped_under_a_real_systemd() {
     for call in ["setpriority", "sched_setaffinity", "setrlimit"] {
         assert!(probe.contains(&format!("syscall {call} ok")), "{probe}");
     }
+
+    // Another local user, outside the service, takes the engine's port as it reads it from
+    // /proc. The service's network is its own: the engine binds the same port there, serves,
+    // and the impostor gets nothing.
+    let dir = impostor_dir(w.path());
+    let o = ns.sh(&format!(
+        "setpriv --reuid 65534 --regid 65534 --clear-groups /usr/bin/python3 {} {} {} 1 \
+         >/dev/null 2>{}/impostor.err </dev/null &",
+        w.path().join("bin/impostor.py").display(),
+        dir.display(),
+        w.path().join("bin/port-wrapper").display(),
+        w.path().display()
+    ));
+    assert!(o.status.success(), "{}", String::from_utf8_lossy(&o.stderr));
+    let t = std::time::Instant::now();
+    while !dir.join("impostor.log").exists() {
+        let err = std::fs::read_to_string(w.path().join("impostor.err")).unwrap_or_default();
+        assert!(t.elapsed() < PATIENCE, "the impostor did not start: {err}");
+        std::thread::sleep(std::time::Duration::from_millis(50));
+    }
+    let o = ns.sh("dsv4ctl stop && dsv4ctl profile taken");
+    assert!(o.status.success(), "{}", String::from_utf8_lossy(&o.stderr));
+    let (code, body) = curl(&ns, chat);
+    assert_eq!(code, 200, "{body}\n{}", ns.journal());
+    let v: serde_json::Value = serde_json::from_str(&body).unwrap();
+    assert_eq!(v["choices"][0]["message"]["content"], "abcdefgh", "{v}");
+    let moves: Vec<String> = std::fs::read_dir(&dir)
+        .unwrap()
+        .flatten()
+        .filter(|e| e.file_name().to_string_lossy().starts_with("seen-"))
+        .map(|e| {
+            std::fs::read_to_string(e.path())
+                .unwrap()
+                .trim()
+                .to_string()
+        })
+        .collect();
+    assert_eq!(
+        moves,
+        ["taken"],
+        "the impostor held the port outside the service"
+    );
+    let seen = std::fs::read_to_string(dir.join("impostor.log")).unwrap();
+    assert!(seen.trim().is_empty(), "the impostor got: {seen}");
+    let journal = ns.out("journalctl --no-pager -u dsv4");
+    assert!(
+        !journal.contains("was taken by another process"),
+        "the service's port was not its own:\n{journal}"
+    );
 }

@@ -38,7 +38,7 @@ impl Impostor {
         let dir = temp_dir("impostor");
         std::fs::set_permissions(dir.path(), std::fs::Permissions::from_mode(0o777)).unwrap();
         let script = Path::new(env!("CARGO_MANIFEST_DIR")).join("fixtures/impostor.py");
-        let child = Command::new("python3")
+        let child = Command::new("/usr/bin/python3")
             .arg(&script)
             .arg(dir.path())
             .arg(dir.path().join(WRAPPER))
@@ -49,7 +49,9 @@ impl Impostor {
             .stdout(Stdio::null())
             .stderr(Stdio::inherit())
             .spawn()
-            .expect("python3 runs the impostor (the test needs root to run it as uid 65534)");
+            .expect(
+                "Debian's python3 runs the impostor (the test needs root to run it as uid 65534)",
+            );
         Impostor { child, dir }
     }
 
