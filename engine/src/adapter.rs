@@ -1,71 +1,62 @@
-//! The per-engine knowledge: argv from profile parameters, and how readiness shows.
-//!
-//! llama-server answers `GET /health` with 503 while loading and 200 when ready.
-//! ds4-server loads its model before it opens its port and has no `/health`: a connect that
-//! succeeds followed by `GET /v1/models` 200 means ready.
-//!
-//! The engine's port is open to every local user, so an engine that can require a key gets
-//! one: llama-server reads its keys from the file `--api-key-file` names (a key on the command
-//! line would show in `/proc/PID/cmdline`, which everyone can read) and then answers 401 to
-//! any request without one, except `GET /health`. ds4-server has no such option.
+//! The engine kinds and the settings they are started with. What each kind is (argv,
+//! readiness, stop, key, KV, validation) is its description's, in [`crate::kinds`].
 
 use std::ffi::OsString;
 use std::fmt;
 use std::path::{Path, PathBuf};
 use std::str::FromStr;
 
-/// Which engine a profile runs.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+use crate::kinds::{self, Kind};
+
+/// Which engine a profile runs. The default is the kind a profile without a valid `engine:`
+/// is taken for while its problems are reported (such a profile is never used).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Default)]
 pub enum EngineKind {
+    #[default]
     LlamaServer,
     Ds4,
 }
 
 impl EngineKind {
-    pub const NAMES: [&'static str; 2] = ["llama-server", "ds4"];
+    /// Every kind, in the order messages list them.
+    pub const ALL: [EngineKind; 2] = [EngineKind::LlamaServer, EngineKind::Ds4];
+
+    /// What dsv4 knows about this kind: the one place that tells the kinds apart.
+    pub fn describe(self) -> &'static Kind {
+        match self {
+            EngineKind::LlamaServer => &kinds::llama_server::KIND,
+            EngineKind::Ds4 => &kinds::ds4::KIND,
+        }
+    }
+
+    /// The `engine:` values, as messages list them.
+    pub fn names() -> Vec<&'static str> {
+        EngineKind::ALL.iter().map(|k| k.name()).collect()
+    }
 
     pub fn name(self) -> &'static str {
-        match self {
-            EngineKind::LlamaServer => "llama-server",
-            EngineKind::Ds4 => "ds4",
-        }
+        self.describe().name
     }
 
     /// How the supervisor learns that a freshly spawned engine can serve.
     pub fn readiness(self) -> Readiness {
-        match self {
-            EngineKind::LlamaServer => Readiness { path: "/health" },
-            EngineKind::Ds4 => Readiness { path: "/v1/models" },
-        }
+        self.describe().readiness
     }
 
-    /// SIGTERM -> SIGINT grace when stopping. llama-server can deadlock in its SIGTERM handler
-    /// with a request in flight (SIGINT still ends it); ds4-server writes its KV checkpoint
-    /// after SIGTERM and must get the whole stop timeout, so it is never interrupted.
+    /// SIGTERM -> SIGINT grace when stopping (see [`Kind::interrupt_grace`]).
     pub fn interrupt_grace(self) -> Option<std::time::Duration> {
-        match self {
-            EngineKind::LlamaServer => Some(std::time::Duration::from_secs(10)),
-            EngineKind::Ds4 => None,
-        }
+        self.describe().interrupt_grace
     }
 
     /// The flag that makes the engine require a key, read from the file it names, on every
     /// request but its health check; `None` when the engine has no such option.
     pub fn key_file_flag(self) -> Option<&'static str> {
-        match self {
-            EngineKind::LlamaServer => Some("--api-key-file"),
-            // Its options (`ds4-server --help`: host, port, CORS, queue, trace, ...) include
-            // no key or authentication of any kind.
-            EngineKind::Ds4 => None,
-        }
+        self.describe().key_file_flag
     }
 
     /// What keeps other local users off the engine's port, in words for the status.
     pub fn key_protection(self) -> &'static str {
-        match self.key_file_flag() {
-            Some(_) => "per-generation secret",
-            None => "none (ds4-server has no key option)",
-        }
+        self.describe().key_protection
     }
 
     /// The full argv (without argv[0]) for this engine, listening on `host:port`, and
@@ -83,78 +74,7 @@ impl EngineKind {
         port: u16,
         key_file: Option<&Path>,
     ) -> Vec<OsString> {
-        let mut a: Vec<OsString> = Vec::new();
-        let mut push = |s: &str| a.push(OsString::from(s));
-        match self {
-            EngineKind::LlamaServer => {
-                if let Some(m) = &p.model {
-                    push("-m");
-                    a.push(m.clone().into_os_string());
-                }
-                let mut push = |s: &str| a.push(OsString::from(s));
-                if let Some(c) = p.context {
-                    push("-c");
-                    push(&c.to_string());
-                }
-                if let Some(n) = p.parallel {
-                    push("-np");
-                    push(&n.to_string());
-                }
-                if let Some(kv) = &p.kv_cache {
-                    push("-ctk");
-                    push(kv);
-                    push("-ctv");
-                    push(kv);
-                }
-                if let Some(fa) = p.flash_attn {
-                    push("-fa");
-                    push(fa.as_str());
-                }
-                if let Some(ngl) = p.gpu_layers {
-                    push("-ngl");
-                    push(&ngl.to_string());
-                }
-                if let Some(b) = p.batch {
-                    push("-b");
-                    push(&b.to_string());
-                }
-                if let Some(ub) = p.ubatch {
-                    push("-ub");
-                    push(&ub.to_string());
-                }
-                if let Some(mm) = &p.mmproj {
-                    a.push(OsString::from("--mmproj"));
-                    a.push(mm.clone().into_os_string());
-                }
-                if let Some(dir) = &p.slot_save_path {
-                    a.push(OsString::from("--slot-save-path"));
-                    a.push(dir.clone().into_os_string());
-                }
-            }
-            EngineKind::Ds4 => {
-                if let Some(m) = &p.model {
-                    push("-m");
-                    a.push(m.clone().into_os_string());
-                }
-                let mut push = |s: &str| a.push(OsString::from(s));
-                if let Some(c) = p.context {
-                    push("--ctx");
-                    push(&c.to_string());
-                }
-                if let Some(ch) = p.prefill_chunk {
-                    push("--prefill-chunk");
-                    push(&ch.to_string());
-                }
-                if let Some(dir) = &p.kv_disk_dir {
-                    a.push(OsString::from("--kv-disk-dir"));
-                    a.push(dir.clone().into_os_string());
-                }
-                if let Some(mb) = p.kv_disk_space_mb {
-                    a.push(OsString::from("--kv-disk-space-mb"));
-                    a.push(OsString::from(mb.to_string()));
-                }
-            }
-        }
+        let mut a = (self.describe().settings_argv)(p);
         a.extend(p.extra_args.iter().map(OsString::from));
         if let (Some(flag), Some(file)) = (self.key_file_flag(), key_file) {
             a.push(flag.into());
@@ -177,14 +97,16 @@ impl fmt::Display for EngineKind {
 impl FromStr for EngineKind {
     type Err = String;
     fn from_str(s: &str) -> Result<Self, String> {
-        match s {
-            "llama-server" => Ok(EngineKind::LlamaServer),
-            "ds4" | "ds4-server" => Ok(EngineKind::Ds4),
-            other => Err(format!(
-                "unknown engine `{other}`, expected one of: {}",
-                EngineKind::NAMES.join(", ")
-            )),
-        }
+        let named = |k: &EngineKind| {
+            let d = k.describe();
+            d.name == s || d.aliases.contains(&s)
+        };
+        EngineKind::ALL.into_iter().find(named).ok_or_else(|| {
+            format!(
+                "unknown engine `{s}`, expected one of: {}",
+                EngineKind::names().join(", ")
+            )
+        })
     }
 }
 

@@ -1,16 +1,20 @@
-//! Engine adapters and engine child-process control.
+//! Engine kinds and engine child-process control.
 //!
-//! Owns: how each engine the supervisor drives (llama.cpp's `llama-server`, antirez's
-//! `ds4-server`) is started (argv), how its readiness is probed, and how its process is
-//! spawned, watched and stopped. Must not: know about YAML, HTTP clients of the supervisor,
-//! or the lifecycle rules (when to start or stop): those belong to the supervisor.
+//! Owns: everything known about each engine the supervisor drives (llama.cpp's
+//! `llama-server`, antirez's `ds4-server`), one description per kind in [`kinds`] (argv,
+//! readiness, stop, key, KV keeping and its reports, validation API, status wording), and how
+//! an engine's process is spawned, watched and stopped. Must not: know about YAML, HTTP
+//! clients of the supervisor, or the lifecycle rules (when to start or stop): those belong to
+//! the supervisor, which asks a kind's description and never tells the kinds apart itself.
 
 pub mod adapter;
 pub mod child;
+pub mod kinds;
 pub mod procs;
 
 pub use adapter::{EngineKind, EngineParams, FlashAttn, GpuLayers, Readiness};
 pub use child::{EngineChild, ExitReport, OutputTail, SpawnError, SpawnSpec};
+pub use kinds::{Kind, KvKeeping, KvSaved, OwnKv, ValidationApi};
 
 /// The tracing target of the engine's output lines, as they go to the log.
 pub const LOG_TARGET: &str = "engine";

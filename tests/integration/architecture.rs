@@ -406,3 +406,110 @@ fn the_actor_stays_small_with_its_parts_in_named_files() {
         assert!(dir.join(format!("{part}.rs")).is_file(), "{part}.rs");
     }
 }
+
+/// Every `.rs` file below `root` (binaries too), as paths below it.
+fn rust_files(root: &std::path::Path) -> Vec<std::path::PathBuf> {
+    let mut out = Vec::new();
+    let mut dirs = vec![root.to_path_buf()];
+    while let Some(dir) = dirs.pop() {
+        for entry in std::fs::read_dir(&dir).unwrap() {
+            let path = entry.unwrap().path();
+            if path.is_dir() {
+                dirs.push(path);
+            } else if path.extension().is_some_and(|e| e == "rs") {
+                out.push(path.strip_prefix(root).unwrap().to_path_buf());
+            }
+        }
+    }
+    out.sort();
+    out
+}
+
+/// Where a line names an engine kind rather than asking its description: a variant of
+/// `EngineKind` (which any `match` on the kind needs), or a kind's name as a string literal
+/// (which any comparison with the name needs). `None` for a line that does neither.
+fn names_a_kind(code: &str) -> Option<String> {
+    for (at, _) in code.match_indices("EngineKind::") {
+        let rest = &code[at + "EngineKind::".len()..];
+        let ident: String = rest
+            .chars()
+            .take_while(|c| c.is_ascii_alphanumeric() || *c == '_')
+            .collect();
+        // Variants are CamelCase; associated constants (`ALL`) and functions are not.
+        let variant = ident.starts_with(|c: char| c.is_ascii_uppercase())
+            && ident.contains(|c: char| c.is_ascii_lowercase());
+        if variant || rest.starts_with('*') || rest.starts_with('{') {
+            return Some(format!("EngineKind::{ident}"));
+        }
+    }
+    ["\"llama-server\"", "\"ds4\"", "\"ds4-server\""]
+        .into_iter()
+        .find(|name| code.contains(name))
+        .map(str::to_string)
+}
+
+/// What the daemon and the CLI know about an engine kind, they ask its description in the
+/// engine crate (`dsv4_engine::kinds`): outside `engine/`, no code (tests aside) names a
+/// kind, so no `match` on the kind and no comparison with a kind's name, and a new kind
+/// touches only the engine crate and the profile keys it reads.
+#[test]
+fn only_the_engine_crate_tells_engine_kinds_apart() {
+    let manifest = std::path::Path::new(env!("CARGO_MANIFEST_DIR"));
+    let mut wrong = Vec::new();
+    let mut read = 0;
+    for tree in ["supervisor/src", "supervisor/ctl/src"] {
+        let root = manifest.join("..").join(tree);
+        let files = rust_files(&root);
+        let tests = test_files(&files, &root);
+        for file in files.iter().filter(|f| !tests.contains(f)) {
+            let text = std::fs::read_to_string(root.join(file)).unwrap();
+            read += 1;
+            let lines: Vec<&str> = text.lines().collect();
+            let mut in_tests = false;
+            for (n, line) in lines.iter().enumerate() {
+                // An inline `#[cfg(test)] mod tests { ... }`: to its closing brace.
+                if *line == "#[cfg(test)]" && lines.get(n + 1).is_some_and(|l| l.ends_with(" {")) {
+                    in_tests = true;
+                }
+                if in_tests {
+                    in_tests = *line != "}";
+                    continue;
+                }
+                let code = line.split("//").next().unwrap_or("");
+                if let Some(named) = names_a_kind(code) {
+                    wrong.push(format!(
+                        "{tree}/{}:{}: names an engine kind ({named}): ask its description \
+                         (EngineKind::describe) instead",
+                        file.display(),
+                        n + 1
+                    ));
+                }
+            }
+        }
+    }
+    assert!(read > 50, "too few source files read: {read}");
+    assert!(wrong.is_empty(), "\n{}", wrong.join("\n"));
+}
+
+/// The rule above catches what it is meant to, and lets through what asks the description.
+#[test]
+fn a_named_kind_is_caught() {
+    for caught in [
+        "        if p.engine == EngineKind::Ds4 {",
+        "            EngineKind::LlamaServer => Api::Native,",
+        "use dsv4_engine::EngineKind::*;",
+        "        None if p.engine == \"ds4\" => format!(",
+        "            \"llama-server\" => {",
+        "    if name != \"ds4-server\" {",
+    ] {
+        assert!(names_a_kind(caught).is_some(), "not caught: {caught}");
+    }
+    for passed in [
+        "        let kind = engine.map(EngineKind::describe);",
+        "        let names = EngineKind::names().join(\", \");",
+        "    for kind in EngineKind::ALL {",
+        "        \"{program} stopped {seconds:.1} s after SIGTERM; it said: {said}\"",
+    ] {
+        assert_eq!(names_a_kind(passed), None, "{passed}");
+    }
+}

@@ -17,6 +17,10 @@ pub struct KvProfile {
     pub profile: String,
     /// `llama-server` (slots saved by dsv4d) or `ds4` (ds4-server's own `--kv-disk-dir`).
     pub engine: String,
+    /// When the engine keeps its checkpoints itself, what the status calls them (e.g.
+    /// `ds4-server's own`); `None` when dsv4d keeps them.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub engine_keeps: Option<String>,
     /// Where the checkpoints are kept.
     pub dir: String,
     /// The newest checkpoint this profile saved, when there is one (llama-server only: ds4

@@ -400,13 +400,10 @@ fn kv_line(p: &KvProfile, now: f64) -> String {
             size(c.bytes),
             duration(now - c.saved_at)
         ),
-        None if p.engine == "ds4" => format!(
-            "{}: ds4-server's own, {} in {}",
-            p.profile,
-            size(p.dir_bytes),
-            p.dir
-        ),
-        None => format!("{}: none", p.profile),
+        None => match &p.engine_keeps {
+            Some(own) => format!("{}: {own}, {} in {}", p.profile, size(p.dir_bytes), p.dir),
+            None => format!("{}: none", p.profile),
+        },
     };
     let mut lines = vec![held];
     if let Some(step) = &p.last_save {
@@ -668,6 +665,29 @@ mod tests {
         }
     }
 
+    /// What the line says of an engine's own checkpoints is what the daemon published, not
+    /// something decided here by the engine's name.
+    #[test]
+    fn an_engines_own_checkpoints_are_shown_as_the_daemon_names_them() {
+        let own = KvProfile {
+            profile: "64k".into(),
+            engine: "some-engine".into(),
+            engine_keeps: Some("its own files".into()),
+            dir: "/var/cache/e".into(),
+            dir_bytes: 2 << 20,
+            ..KvProfile::default()
+        };
+        assert_eq!(
+            kv_line(&own, 0.0),
+            "64k: its own files, 2.0 MiB in /var/cache/e"
+        );
+        let kept = KvProfile {
+            engine_keeps: None,
+            ..own
+        };
+        assert_eq!(kv_line(&kept, 0.0), "64k: none");
+    }
+
     #[test]
     fn kv_checkpoints_are_shown_with_size_age_and_steps() {
         use dsv4_client::kv::{KvCheckpoint, KvProfile, KvStatus, KvStep};
@@ -688,6 +708,7 @@ mod tests {
             profiles: vec![KvProfile {
                 profile: "320k".into(),
                 engine: "llama-server".into(),
+                engine_keeps: None,
                 dir: "/var/lib/dsv4/kv".into(),
                 checkpoint: Some(checkpoint.clone()),
                 dir_bytes: 3 << 30,

@@ -398,7 +398,7 @@ impl Check<'_> {
     /// The profile, and the problems with it (when there are any, the profile is not used).
     fn profile(&mut self, name: &str, file: &Path, dir: &Path, raw: RawProfile) -> Profile {
         let (doc, engine) = (self.doc, raw.engine);
-        let required = format!("required: one of {}", EngineKind::NAMES.join(", "));
+        let required = format!("required: one of {}", EngineKind::names().join(", "));
         let missing = engine.is_none() && !doc.dropped("engine");
         self.when(missing, "engine", required);
 
@@ -420,16 +420,19 @@ impl Check<'_> {
             self.add("command", message);
         }
 
-        let llama = engine == Some(EngineKind::LlamaServer);
-        let required = llama && raw.model.is_none() && !doc.dropped("model");
-        self.when(required, "model", "required for engine llama-server");
-        // The engines ignore some keys (ds4 mmproj, llama-server kv_disk_dir): their files
-        // need not exist.
-        let ds4 = engine == Some(EngineKind::Ds4);
+        let kind = engine.map(EngineKind::describe);
+        if let Some(kind) = kind.filter(|k| k.requires_model) {
+            let required = raw.model.is_none() && !doc.dropped("model");
+            let message = format!("required for engine {}", kind.name);
+            self.when(required, "model", message);
+        }
+        // An engine ignores the keys it does not read: their files need not exist. Without an
+        // engine, every file is checked.
+        let reads = |key: &str| kind.is_none_or(|k| k.reads(key));
         let model = self.path("model", raw.model, dir, Some(files::check_model));
-        let mmproj = (!ds4).then_some(files::check_mmproj as DiskCheck);
+        let mmproj = reads("mmproj").then_some(files::check_mmproj as DiskCheck);
         let mmproj = self.path("mmproj", raw.mmproj, dir, mmproj);
-        let kv_disk_dir = (!llama).then_some(files::check_creatable_dir as DiskCheck);
+        let kv_disk_dir = reads("kv_disk_dir").then_some(files::check_creatable_dir as DiskCheck);
         let kv_disk_dir = self.path("kv_disk_dir", raw.kv_disk_dir, dir, kv_disk_dir);
 
         let kv = raw.kv_cache.as_deref();
@@ -460,9 +463,10 @@ impl Check<'_> {
         self.when(kv_disk_space_mb == Some(0), "kv_disk_space", message);
         let planned_memory = raw.planned_memory;
         self.when(planned_memory == Some(0), "planned_memory", POSITIVE);
+        let slots = kind.is_some_and(|k| k.slots_kept_by_dsv4d());
         let kv_checkpoint = raw
             .kv_checkpoint
-            .and_then(|kv| self.kv_checkpoint(kv, dir, llama));
+            .and_then(|kv| self.kv_checkpoint(kv, dir, slots));
 
         let extra_args = raw.extra_args.unwrap_or_default();
         for (i, arg) in extra_args.iter().enumerate() {
@@ -484,7 +488,7 @@ impl Check<'_> {
             name: name.to_string(),
             file: file.to_path_buf(),
             description: raw.description,
-            engine: engine.unwrap_or(EngineKind::LlamaServer),
+            engine: engine.unwrap_or_default(),
             command: resolved,
             params: EngineParams {
                 model,
@@ -501,24 +505,25 @@ impl Check<'_> {
                 kv_disk_space_mb,
                 slot_save_path: kv_checkpoint
                     .as_ref()
-                    .filter(|_| llama)
+                    .filter(|_| slots)
                     .map(|kv| kv.dir.clone()),
                 extra_args,
             },
             planned_memory,
             env,
-            // ds4-server keeps its own checkpoints (kv_disk_dir): the key is for llama-server.
-            kv_checkpoint: kv_checkpoint.filter(|_| llama),
+            // The key is for engines whose slots dsv4d keeps; others keep their own checkpoints
+            // (kv_disk_dir) or none.
+            kv_checkpoint: kv_checkpoint.filter(|_| slots),
         }
     }
 
-    /// `kv_checkpoint:`; `llama`: the profile runs llama-server (others ignore the key, so
-    /// its folder need not be creatable).
+    /// `kv_checkpoint:`; `slots`: the profile's engine has its slots kept by dsv4d (others
+    /// ignore the key, so its folder need not be creatable).
     fn kv_checkpoint(
         &mut self,
         raw: super::raw::RawKvCheckpoint,
         dir: &Path,
-        llama: bool,
+        slots: bool,
     ) -> Option<KvCheckpoint> {
         let missing = raw.dir.is_none() && !self.doc.dropped("kv_checkpoint.dir");
         self.when(
@@ -529,7 +534,7 @@ impl Check<'_> {
         if let Some(text) = raw.dir.as_deref() {
             self.add("kv_checkpoint.dir", text_problem(text));
         }
-        let check = llama.then_some(files::check_makeable_dir as DiskCheck);
+        let check = slots.then_some(files::check_makeable_dir as DiskCheck);
         let folder = self.path("kv_checkpoint.dir", raw.dir, dir, check)?;
         let message = "must be at least 1MiB";
         let small = raw.max_size.is_some_and(|b| b < MIB);

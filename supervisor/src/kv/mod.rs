@@ -10,9 +10,11 @@
 //! `restore_timeout`, and neither can fail a start or a stop: whatever goes wrong, the
 //! engine starts cold as it would without checkpoints, and the step says why.
 //!
-//! ds4-server keeps checkpoints of its own (`kv_disk_dir`), written after its SIGTERM: there
-//! the supervisor gives it the time (no SIGINT, the whole `stop_timeout`), measures it, and
-//! reports the line ds4-server logs about it ([`ds4_saved`]).
+//! Which engines do that is their kind's description's ([`dsv4_engine::KvKeeping`]). An
+//! engine that keeps checkpoints of its own (ds4-server's `kv_disk_dir`) writes them after
+//! its SIGTERM: there the supervisor gives it the time (no SIGINT, the whole
+//! `stop_timeout`), measures it, and reports what the engine logs about it, as its
+//! description reads it ([`dsv4_engine::OwnKv::saved`], made a step by [`engine_saved`]).
 //!
 //! Owns: the [`Book`] (the last save and restore per profile, what the running engine was
 //! given back, the tokens served from it). The layout on disk is `store.rs`'s, the engine
@@ -25,7 +27,7 @@ use std::collections::BTreeMap;
 use std::sync::{Arc, Mutex};
 
 use dsv4_client::kv::{KvProfile, KvStatus, KvStep};
-use dsv4_engine::EngineKind;
+use dsv4_engine::{KvKeeping, KvSaved};
 
 use tokio::sync::watch;
 
@@ -141,27 +143,28 @@ impl Book {
         let config = self.config.borrow().clone();
         let mut profiles = Vec::new();
         for p in config.profiles.values() {
-            let (engine, dir) = match (&p.kv_checkpoint, &p.params.kv_disk_dir) {
-                (Some(kv), _) if p.engine == EngineKind::LlamaServer => {
-                    ("llama-server", kv.dir.clone())
-                }
-                (_, Some(dir)) if p.engine == EngineKind::Ds4 => ("ds4", dir.clone()),
-                _ => continue,
-            };
-            let (checkpoint, dir_bytes) = match engine {
-                "llama-server" => {
-                    let store = store::Store::new(&dir);
-                    let newest = store
-                        .list()
-                        .into_iter()
-                        .find(|m| m.profile == p.name && m.aside.is_none());
-                    (newest.map(|m| m.shown()), store.total_bytes())
-                }
-                _ => (None, ds4_dir_bytes(&dir)),
-            };
+            let kind = p.engine.describe();
+            let (dir, checkpoint, dir_bytes, engine_keeps) =
+                match (&kind.kv, &p.kv_checkpoint, &p.params.kv_disk_dir) {
+                    (KvKeeping::Slots, Some(kv), _) => {
+                        let store = store::Store::new(&kv.dir);
+                        let newest = store
+                            .list()
+                            .into_iter()
+                            .find(|m| m.profile == p.name && m.aside.is_none());
+                        let bytes = store.total_bytes();
+                        (kv.dir.clone(), newest.map(|m| m.shown()), bytes, None)
+                    }
+                    (KvKeeping::OwnFiles(own), _, Some(dir)) => {
+                        let bytes = own_dir_bytes(dir, own.file_suffix);
+                        (dir.clone(), None, bytes, Some(own.shown.to_string()))
+                    }
+                    _ => continue,
+                };
             profiles.push(KvProfile {
                 profile: p.name.clone(),
-                engine: engine.to_string(),
+                engine: kind.name.to_string(),
+                engine_keeps,
                 dir: dir.display().to_string(),
                 checkpoint,
                 dir_bytes,
@@ -230,219 +233,40 @@ impl Book {
     }
 }
 
-/// Bytes of ds4-server's `<sha1>.kv` files in its folder.
-fn ds4_dir_bytes(dir: &std::path::Path) -> u64 {
+/// The step an engine's own report of its save at shutdown makes, with the line that said it.
+pub fn engine_saved(saved: KvSaved, said: String) -> KvStep {
+    KvStep {
+        at: unix_now(),
+        seconds: saved.seconds,
+        tokens: saved.tokens,
+        bytes: saved.bytes,
+        result: match saved.ok {
+            true => "saved",
+            false => "not saved (see engine_said)",
+        }
+        .into(),
+        ok: saved.ok,
+        engine_said: Some(said),
+        reason: saved.reason,
+    }
+}
+
+/// Bytes of an engine's own checkpoint files (their names end in `suffix`) in its folder.
+fn own_dir_bytes(dir: &std::path::Path, suffix: &str) -> u64 {
     let Ok(entries) = std::fs::read_dir(dir) else {
         return 0;
     };
     entries
         .flatten()
-        .filter(|e| e.file_name().to_string_lossy().ends_with(".kv"))
+        .filter(|e| e.file_name().to_string_lossy().ends_with(suffix))
         .filter_map(|e| e.metadata().ok())
         .map(|m| m.len())
         .sum()
 }
 
-/// What ds4-server said it saved at its shutdown, from its last lines: the `kv cache stored`
-/// line that follows its `... KV cache before shutdown` line, or the failure. `None` when it
-/// said nothing about it (it saves nothing below `--kv-cache-min-tokens`, and nothing when an
-/// equal checkpoint is on disk already).
-///
-/// The line is read by its named fields, in any order, and fields not known here are passed
-/// over: upstream has reordered and added fields before (`ds4_kvstore.c` at 54b36ed prints
-/// `tokens= trimmed= reason= key= size=N MiB save=N ms`).
-pub fn ds4_saved(lines: &[String]) -> Option<(KvStep, String)> {
-    // What came after the shutdown began; the whole tail when its start was cut off.
-    let start = lines
-        .iter()
-        .rposition(|l| l.contains("KV cache before shutdown"))
-        .or_else(|| lines.iter().rposition(|l| l.contains("shutdown requested")))
-        .unwrap_or(0);
-    let after = &lines[start..];
-    let stored = after.iter().map(|l| (l, Ds4KvLine::of(l))).find(|(_, f)| {
-        f.as_ref()
-            .is_some_and(|f| f.stored && f.reason.as_deref().is_none_or(|r| r == "shutdown"))
-    });
-    if let Some((line, Some(f))) = stored {
-        let said = line.trim().to_string();
-        let step = KvStep {
-            at: unix_now(),
-            seconds: f.save_ms.map_or(0.0, |ms| ms / 1000.0),
-            tokens: f.tokens.unwrap_or(0),
-            bytes: f.bytes.unwrap_or(0),
-            result: "saved".into(),
-            ok: true,
-            engine_said: Some(said.clone()),
-            reason: f.reason,
-        };
-        return Some((step, said));
-    }
-    let (failed, f) = after
-        .iter()
-        .filter_map(|l| Ds4KvLine::of(l).map(|f| (l, f)))
-        .find(|(_, f)| !f.stored)?;
-    let said = failed.trim().to_string();
-    let step = KvStep {
-        at: unix_now(),
-        tokens: f.tokens.unwrap_or(0),
-        result: "not saved (see engine_said)".into(),
-        ok: false,
-        engine_said: Some(said.clone()),
-        reason: f.reason,
-        ..KvStep::default()
-    };
-    Some((step, said))
-}
-
-/// The fields of one of ds4-server's `kv cache ...` lines that dsv4d reports.
-#[derive(Debug, Default, PartialEq)]
-struct Ds4KvLine {
-    /// `kv cache stored` (else a failure: `store failed`, `skipped`, `failed to create`).
-    stored: bool,
-    tokens: Option<u64>,
-    bytes: Option<u64>,
-    save_ms: Option<f64>,
-    reason: Option<String>,
-}
-
-impl Ds4KvLine {
-    /// `None` for a line that is not about storing a KV checkpoint (loads, evictions...).
-    fn of(line: &str) -> Option<Ds4KvLine> {
-        let at = line.find("kv cache ")?;
-        let rest = &line[at + "kv cache ".len()..];
-        let stored = rest.starts_with("stored ");
-        let failed = ["store failed", "skipped ", "failed to create"]
-            .iter()
-            .any(|f| rest.starts_with(f));
-        if !stored && !failed {
-            return None;
-        }
-        let mut f = Ds4KvLine {
-            stored,
-            ..Ds4KvLine::default()
-        };
-        // `store failed (shutdown): ...` names its reason in parentheses.
-        if let Some(r) = rest
-            .strip_prefix("store failed (")
-            .and_then(|r| r.split_once(')'))
-        {
-            f.reason = Some(r.0.to_string());
-        }
-        let words: Vec<&str> = rest.split_whitespace().collect();
-        for (i, word) in words.iter().enumerate() {
-            let Some((name, value)) = word.split_once('=') else {
-                continue;
-            };
-            // A number may have its unit as the next word (`size=1.30 MiB`, `save=2.6 ms`).
-            let unit = words.get(i + 1).filter(|u| !u.contains('=')).copied();
-            match name {
-                "tokens" => f.tokens = value.parse().ok(),
-                "reason" => f.reason = Some(value.to_string()),
-                "size" => {
-                    let scale = match unit {
-                        Some("B") => 1.0,
-                        Some("KiB") => 1024.0,
-                        Some("GiB") => 1024.0 * 1024.0 * 1024.0,
-                        _ => 1024.0 * 1024.0,
-                    };
-                    f.bytes = value.parse::<f64>().ok().map(|v| (v * scale) as u64);
-                }
-                "save" => {
-                    let scale = if unit == Some("s") { 1000.0 } else { 1.0 };
-                    f.save_ms = value.parse::<f64>().ok().map(|v| v * scale);
-                }
-                _ => {}
-            }
-        }
-        Some(f)
-    }
-}
-
 #[cfg(test)]
 mod tests {
     use super::*;
-
-    #[test]
-    fn ds4_shutdown_lines_are_read() {
-        let lines = owned(&[
-            "0101 10:00:00 ds4-server: shutdown requested, draining requests",
-            "0101 10:00:01 ds4-server: persisting current KV cache before shutdown tokens=40960",
-            "0101 10:00:09 ds4-server: kv cache stored tokens=40960 trimmed=0 reason=shutdown \
-             key=token-text size=1536.50 MiB save=8123.4 ms",
-        ]);
-        let (step, said) = ds4_saved(&lines).unwrap();
-        assert_eq!(step.tokens, 40960);
-        assert_eq!(step.bytes, (1536.5 * 1048576.0) as u64);
-        assert!((step.seconds - 8.1234).abs() < 1e-9);
-        assert!(step.ok);
-        assert!(said.contains("kv cache stored"));
-
-        let failed = owned(&[
-            "ds4-server: persisting current KV cache before shutdown tokens=900",
-            "ds4-server: kv cache store failed (shutdown): No space left on device save=3.0 ms",
-        ]);
-        let (step, said) = ds4_saved(&failed).unwrap();
-        assert!(!step.ok);
-        assert!(said.contains("No space left"));
-        // Nothing said about a save (under 512 tokens, ds4 saves nothing and says nothing).
-        assert!(ds4_saved(&["ds4-server: shutdown requested".to_string()]).is_none());
-    }
-
-    fn owned(lines: &[&str]) -> Vec<String> {
-        lines.iter().map(|l| l.to_string()).collect()
-    }
-
-    /// What ds4-server at 54b36ed printed here on an idle stop (`persisting resident ...
-    /// slot=0`, where the parser looked for an older `persisting current`), and the same
-    /// fields shuffled, with one more that is not known here.
-    #[test]
-    fn ds4_lines_are_read_by_their_named_fields_in_any_order() {
-        let real = owned(&[
-            "1201 21:37:23 ds4-server: shutdown requested, draining requests",
-            "1201 21:37:23 ds4-server: persisting resident KV cache before shutdown slot=0 tokens=85",
-            "1201 21:37:23 ds4-server: kv cache stored tokens=85 trimmed=0 reason=shutdown \
-             key=token-text size=1.30 MiB save=2.6 ms",
-        ]);
-        let (step, _) = ds4_saved(&real).unwrap();
-        assert_eq!(
-            (step.tokens, step.bytes, step.ok, step.reason.as_deref()),
-            (85, (1.30 * 1048576.0) as u64, true, Some("shutdown"))
-        );
-        assert!((step.seconds - 0.0026).abs() < 1e-9, "{}", step.seconds);
-
-        let shuffled = [
-            "ds4-server: persisting resident KV cache before shutdown slot=0 tokens=85".to_string(),
-            "ds4-server: kv cache stored save=1.5 s hash=abc size=2.00 GiB reason=shutdown \
-             tokens=4096 key=token-text"
-                .to_string(),
-        ];
-        let (step, _) = ds4_saved(&shuffled).unwrap();
-        assert_eq!((step.tokens, step.bytes), (4096, 2 << 30));
-        assert!((step.seconds - 1.5).abs() < 1e-9);
-
-        // A save for another reason earlier in the tail is not the shutdown's.
-        let earlier = [
-            "ds4-server: kv cache stored tokens=50 trimmed=0 reason=cold key=token-text \
-             size=1.00 MiB save=1.2 ms"
-                .to_string(),
-            "ds4-server: shutdown requested, draining requests".to_string(),
-        ];
-        assert_eq!(ds4_saved(&earlier), None);
-
-        // A skip names its reason too.
-        let skipped = [
-            "ds4-server: persisting resident KV cache before shutdown slot=0 tokens=9000".into(),
-            "ds4-server: kv cache skipped tokens=9000 reason=shutdown because estimated file \
-             size 9.00 MiB (9.50 MiB with safety) exceeds budget 4.00 MiB"
-                .to_string(),
-        ];
-        let (step, said) = ds4_saved(&skipped).unwrap();
-        assert!(!step.ok && said.contains("exceeds budget"));
-        assert_eq!(
-            (step.tokens, step.reason.as_deref()),
-            (9000, Some("shutdown"))
-        );
-    }
 
     #[test]
     fn restored_tokens_are_each_restores_own_count() {

@@ -12,7 +12,7 @@
 use std::time::Duration;
 
 use dsv4_client::validate::RunDetail;
-use dsv4_engine::EngineKind;
+use dsv4_engine::{EngineKind, ValidationApi};
 use http_body_util::BodyExt;
 use serde_json::{json, Value};
 use tokio::time::Instant;
@@ -52,9 +52,9 @@ pub(super) enum Prompt {
 
 impl Api {
     pub(super) fn of(engine: EngineKind) -> Api {
-        match engine {
-            EngineKind::Ds4 => Api::Streamed,
-            _ => Api::Native,
+        match engine.describe().validation {
+            ValidationApi::Native => Api::Native,
+            ValidationApi::Streamed => Api::Streamed,
         }
     }
 

@@ -41,7 +41,6 @@ mod measure;
 /// The largest validation result read back (one run's figures: a few KiB).
 const RESULT_MAX: u64 = 16 << 20;
 
-use dsv4_engine::EngineKind;
 use measure::{build_info, chat, rate, test_image_uri, vision_request, Api, Prompt};
 
 /// The validation profile when none is named.
@@ -360,7 +359,7 @@ impl Validator {
         let (api, has_mmproj) = {
             let config = self.0.config.borrow();
             let p = config.profile(profile);
-            let api = Api::of(p.map_or(EngineKind::LlamaServer, |p| p.engine));
+            let api = Api::of(p.map(|p| p.engine).unwrap_or_default());
             (api, p.is_some_and(|p| p.params.mmproj.is_some()))
         };
         result.engine_build = build_info(engine).await.unwrap_or_default();

@@ -260,7 +260,7 @@ impl Actor {
                     }
                 }
                 if let Some(e) = &engine {
-                    self.ds4_save_report(e);
+                    self.own_save_report(e);
                     let (sysroot, alerts) = (self.sysroot.clone(), self.alerts.clone());
                     let (before, profile) = (e.memory_before, e.shared.profile.clone());
                     let within = self.config.supervisor.memory.return_timeout;

@@ -134,29 +134,33 @@ impl Actor {
         }
     }
 
-    /// ds4-server saves its KV cache after SIGTERM: how long it took to exit, and what it said.
-    pub(super) fn ds4_save_report(&self, e: &Engine) {
-        if e.spawned.engine != dsv4_engine::EngineKind::Ds4
-            || e.spawned.params.kv_disk_dir.is_none()
-        {
+    /// An engine that keeps KV checkpoints of its own saves them after SIGTERM: how long it
+    /// took to exit, and what it said.
+    pub(super) fn own_save_report(&self, e: &Engine) {
+        let kind = e.spawned.engine.describe();
+        let Some(own) = kind.own_kv() else { return };
+        if e.spawned.params.kv_disk_dir.is_none() {
             return;
         }
         let Some(term_at) = e.term_at else { return };
         let seconds = term_at.elapsed().as_secs_f64();
         let lines = e.shared.output.last(TAIL_LINES);
-        let step = match crate::kv::ds4_saved(&lines) {
-            Some((mut step, said)) => {
+        let program = kind.program;
+        let step = match (own.saved)(&lines) {
+            Some((saved, said)) => {
                 tracing::info!(
                     profile = e.spawned.name,
-                    "ds4-server stopped {seconds:.1} s after SIGTERM; it said: {said}"
+                    "{program} stopped {seconds:.1} s after SIGTERM; it said: {said}"
                 );
+                let mut step = crate::kv::engine_saved(saved, said);
                 step.seconds = seconds;
                 step
             }
             None => {
                 tracing::info!(
                     profile = e.spawned.name,
-                    "ds4-server stopped {seconds:.1} s after SIGTERM and said nothing of a KV checkpoint (it saves none under 512 tokens)"
+                    "{program} stopped {seconds:.1} s after SIGTERM and said nothing of a KV checkpoint ({})",
+                    own.silent_when
                 );
                 dsv4_client::kv::KvStep {
                     at: dsv4_client::clock::unix_now(),

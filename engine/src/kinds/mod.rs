@@ -1,0 +1,143 @@
+//! One description per engine kind: everything dsv4 knows about an engine lives in its
+//! module here, and the rest of dsv4 asks the [`Kind`] rather than naming the engine.
+//!
+//! A description says how the engine is started (its argv from the profile's settings and
+//! the profile keys it reads), how its readiness shows, how it is stopped, how it is given
+//! its key, how its KV cache is kept across stops and how it reports that, which API its
+//! validation uses, and what the status shows of it. A new kind is a new module here, a
+//! variant of [`crate::EngineKind`] with its arm in `EngineKind::describe`, and the profile
+//! keys it reads in the supervisor's config.
+
+pub mod ds4;
+pub mod llama_server;
+
+use std::ffi::OsString;
+use std::time::Duration;
+
+use crate::adapter::{EngineParams, Readiness};
+
+/// What dsv4 knows about one engine kind.
+#[derive(Debug)]
+pub struct Kind {
+    /// The profile's `engine:` value, and how the kind is shown.
+    pub name: &'static str,
+    /// Other `engine:` values that mean this kind.
+    pub aliases: &'static [&'static str],
+    /// The engine's program, as messages name it.
+    pub program: &'static str,
+    /// How the supervisor learns that a freshly spawned engine can serve.
+    pub readiness: Readiness,
+    /// SIGTERM -> SIGINT grace when stopping; `None`: never interrupted, it gets the whole
+    /// stop timeout after SIGTERM.
+    pub interrupt_grace: Option<Duration>,
+    /// The flag that makes the engine require a key, read from the file it names, on every
+    /// request but its health check; `None` when the engine has no such option.
+    pub key_file_flag: Option<&'static str>,
+    /// What keeps other local users off the engine's port, in words for the status.
+    pub key_protection: &'static str,
+    /// Whether a profile must name a `model`.
+    pub requires_model: bool,
+    /// The profile keys whose values the engine takes; it ignores the others (their files
+    /// need not exist).
+    pub reads: &'static [&'static str],
+    /// How its KV cache is kept across stops.
+    pub kv: KvKeeping,
+    /// The API its validation measures through.
+    pub validation: ValidationApi,
+    /// The argv the profile's typed settings give (before `extra_args`, the key and the
+    /// address, which [`crate::EngineKind::argv`] adds).
+    pub settings_argv: fn(&EngineParams) -> Vec<OsString>,
+}
+
+impl Kind {
+    /// Whether the engine takes the profile key `key`.
+    pub fn reads(&self, key: &str) -> bool {
+        self.reads.contains(&key)
+    }
+
+    /// Whether dsv4d saves and restores the engine's slots itself (`kv_checkpoint`).
+    pub fn slots_kept_by_dsv4d(&self) -> bool {
+        matches!(self.kv, KvKeeping::Slots)
+    }
+
+    /// The engine's own checkpoints, when it keeps them itself.
+    pub fn own_kv(&self) -> Option<&OwnKv> {
+        match &self.kv {
+            KvKeeping::OwnFiles(own) => Some(own),
+            _ => None,
+        }
+    }
+}
+
+/// How an engine's KV cache outlives a stop.
+#[derive(Debug)]
+pub enum KvKeeping {
+    /// dsv4d saves the slots through the engine's slot API before a planned stop and
+    /// restores them after the next start (the profile's `kv_checkpoint`).
+    Slots,
+    /// The engine writes checkpoints of its own into `kv_disk_dir` after SIGTERM.
+    OwnFiles(OwnKv),
+    /// Not at all.
+    None,
+}
+
+/// An engine's own checkpoints: how they are found on disk, shown and reported.
+#[derive(Debug)]
+pub struct OwnKv {
+    /// The ending of its checkpoint files' names in `kv_disk_dir`.
+    pub file_suffix: &'static str,
+    /// How the status shows the folder (`<profile>: <shown>, <size> in <dir>`).
+    pub shown: &'static str,
+    /// Why the engine may say nothing of a save at its stop, for the log.
+    pub silent_when: &'static str,
+    /// What the engine said it saved at its shutdown, from its last output lines, and the
+    /// line that said it; `None` when it said nothing about it.
+    pub saved: fn(&[String]) -> Option<(KvSaved, String)>,
+}
+
+/// A save an engine reported in its output.
+#[derive(Debug, Clone, Default, PartialEq)]
+pub struct KvSaved {
+    /// Whether it was saved (else it failed or was skipped).
+    pub ok: bool,
+    /// How long the engine said the save took.
+    pub seconds: f64,
+    pub tokens: u64,
+    pub bytes: u64,
+    /// The reason the engine gave.
+    pub reason: Option<String>,
+}
+
+/// The API an engine's validation measures through.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum ValidationApi {
+    /// llama-server's native endpoints (token ids, `n_predict`, `ignore_eos`, timings).
+    Native,
+    /// The OpenAI API, timed from the stream.
+    Streamed,
+}
+
+#[cfg(test)]
+mod tests {
+    use crate::EngineKind;
+
+    /// Each kind is found by its names, and what it reads agrees with how it keeps its KV
+    /// cache: the key that configures the keeping is one it reads.
+    #[test]
+    fn every_kind_is_named_and_reads_the_keys_its_kv_keeping_needs() {
+        for kind in EngineKind::ALL {
+            let d = kind.describe();
+            for name in std::iter::once(&d.name).chain(d.aliases) {
+                assert_eq!(name.parse::<EngineKind>(), Ok(kind), "{name}");
+            }
+            let key = match d.kv {
+                super::KvKeeping::Slots => Some("kv_checkpoint"),
+                super::KvKeeping::OwnFiles(_) => Some("kv_disk_dir"),
+                super::KvKeeping::None => None,
+            };
+            assert!(key.is_none_or(|k| d.reads(k)), "{}: {key:?}", d.name);
+            assert_eq!(d.requires_model, d.requires_model && d.reads("model"));
+        }
+        assert_eq!(EngineKind::names(), ["llama-server", "ds4"]);
+    }
+}
