@@ -431,10 +431,12 @@ async fn alerts_and_validation_runs_show_up_in_the_page() {
         std::fs::write(file, serde_json::to_vec(&run).unwrap()).unwrap();
     }
     let url = format!("http://{}/ui", d.addr);
+    // Live as soon as the stream answers; the runs once its hello (in pieces) has come.
     let mut browser = tokio::task::block_in_place(|| {
         Browser::opened(
             &url,
-            "document.getElementById('live').textContent === 'live'",
+            "document.getElementById('live').textContent === 'live' && \
+             document.querySelectorAll('#validations tbody tr').length > 0",
         )
     });
     let shown = tokio::task::block_in_place(|| {

@@ -19,6 +19,7 @@ mod ds4_real;
 mod engine_connections;
 mod engine_key;
 mod escaped_engine;
+mod event_streams;
 mod idle_exit;
 mod installed;
 mod kv;

@@ -170,6 +170,7 @@ words! {
         MethodNotAllowed = "method_not_allowed",
         BadPath = "bad_path",
         TooManyConnections = "too_many_connections",
+        TooManyEventStreams = "too_many_event_streams",
         // Keys.
         InvalidApiKey = "invalid_api_key",
         SeveralCredentials = "several_credentials",

@@ -340,6 +340,7 @@ async fn run(args: Args, activated: Vec<(std::os::fd::OwnedFd, String)>) -> Resu
         activity: activity.clone(),
         closing: Default::default(),
         alerts: alerts.clone(),
+        watchers: Default::default(),
     });
 
     let lifecycle_status = lifecycle.watch_status();

@@ -217,6 +217,7 @@ impl Check<'_> {
             ("api.max_body", s.api.max_body == 0),
             ("api.body_timeout", s.api.body_timeout.is_zero()),
             ("api.max_connections", s.api.max_connections == 0),
+            ("api.max_event_streams", s.api.max_event_streams == 0),
             ("engine.start_timeout", s.engine.start_timeout.is_zero()),
             ("engine.idle_timeout", s.engine.idle_timeout.is_zero()),
             ("monitor.interval", s.monitor.interval.is_zero()),

@@ -205,6 +205,10 @@ pub struct Api {
     /// it lower when its open-file limit would not cover it (see [`crate::http::connections`]).
     #[default = 4096]
     pub max_connections: usize,
+    /// Dashboard event streams (`GET /events`) open at once; one more gets 503 (see
+    /// [`crate::http::dashboard`]). They count against `max_connections` too.
+    #[default = 32]
+    pub max_event_streams: usize,
 }
 
 /// `engine:`, the lifecycle limits.

@@ -103,6 +103,7 @@ api:
   cors_origins: [HTTPS://Chat.Example.com:443, "http://localhost:3000"]
   allowed_hosts: [DSV4.lan, "[0::1]:9090"]
   max_connections: 100
+  max_event_streams: 4
 engine:
   start_timeout: 5m
   idle_timeout: 1h30m
@@ -174,6 +175,7 @@ kv_checkpoint: {{ dir: kv, max_size: 40GiB, save_timeout: 90s }}
                 ],
                 allowed_hosts: vec!["dsv4.lan".into(), "[::1]:9090".into()],
                 max_connections: 100,
+                max_event_streams: 4,
             },
             engine: EngineLimits {
                 start_timeout: Duration::from_secs(300),
@@ -321,6 +323,7 @@ fn an_empty_file_means_every_default() {
     assert_eq!(d.api.max_buffered, 1 << 30);
     assert_eq!(d.api.min_body_rate, 1 << 10);
     assert_eq!(d.api.max_connections, 4096);
+    assert_eq!(d.api.max_event_streams, 32);
     assert_eq!(d.engine.idle_timeout, Duration::from_secs(900));
     assert_eq!(d.exit_when_idle, Some(Duration::from_secs(1800)));
     assert_eq!(d.memory.reserve, 8 << 30);

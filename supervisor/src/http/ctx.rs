@@ -46,6 +46,8 @@ pub struct Ctx {
     pub closing: watch::Sender<bool>,
     /// The alerts raised, for the dashboard.
     pub alerts: crate::lifecycle::alert::Alerts,
+    /// The dashboard's event streams open (`api.max_event_streams`).
+    pub watchers: crate::http::dashboard::Watchers,
 }
 
 impl Ctx {

@@ -10,10 +10,21 @@
 //! (`log`), each alert (`alert`) and thermal event (`thermal`) as it comes, and the
 //! validation runs again when one ends (`validations`). Neither ever starts the engine.
 //!
-//! Owns: the page's assets and the event streams. Must not: act on anything (the actions are
-//! `ui_actions`'; without admin keys the page says which `dsv4ctl` command does each).
+//! A stream holds little whatever its client does: the `hello`'s history is read from the
+//! monitor's ring a page at a time ([`HELLO_PAGE`] samples), each page written as it is
+//! serialised, so a client that never reads holds at most a few pieces queued here
+//! ([`QUEUED`]) and hyper's write buffer (16 KiB), never the whole document (2.5 MB
+//! with a full hour of the Strix Halo fixture's samples). At most `api.max_event_streams` streams are open at once
+//! ([`Watchers`]); one more gets 503 `too_many_event_streams`. When the last one goes, the
+//! allocator is asked to give its free pages back ([`give_back_memory`]).
+//!
+//! Owns: the page's assets, the event streams and their count. Must not: act on anything
+//! (the actions are `ui_actions`'; without admin keys the page says which `dsv4ctl` command
+//! does each).
 
 use std::pin::Pin;
+use std::sync::atomic::{AtomicUsize, Ordering};
+use std::sync::Arc;
 use std::task::{Context, Poll};
 use std::time::Duration;
 
@@ -26,6 +37,7 @@ use tokio::sync::{broadcast, mpsc};
 use crate::validate::ValidationEvent;
 
 use super::ctx::Ctx;
+use super::http_error::{ApiError, ErrorCode, ErrorType};
 
 /// The page, its script and its style, as served.
 const PAGE: &str = include_str!("ui/index.html");
@@ -40,6 +52,64 @@ const HISTORY_SECONDS: f64 = 3600.0;
 const LOG_LINES: usize = 200;
 /// Validation runs sent, at most (newest first).
 const VALIDATIONS: usize = 20;
+/// Samples read from the ring and written at once while the `hello` goes out (a sample is
+/// about 700 bytes of JSON).
+const HELLO_PAGE: usize = 16;
+/// Events (or pieces of the `hello`) a stream holds queued for its connection, at most.
+const QUEUED: usize = 4;
+
+/// The event streams open, against `api.max_event_streams`. Cheap to clone.
+#[derive(Clone, Default)]
+pub struct Watchers(Arc<AtomicUsize>);
+
+impl Watchers {
+    /// A place for one more stream while fewer than `cap` are open; it is given back when
+    /// the [`Watcher`] is dropped.
+    pub fn admit(&self, cap: usize) -> Option<Watcher> {
+        self.0
+            .fetch_update(Ordering::AcqRel, Ordering::Acquire, |n| {
+                (n < cap).then_some(n + 1)
+            })
+            .ok()
+            .map(|_| Watcher(self.0.clone()))
+    }
+
+    /// The streams open now.
+    pub fn open(&self) -> usize {
+        self.0.load(Ordering::Acquire)
+    }
+}
+
+/// One open stream's place among the [`Watchers`].
+pub struct Watcher(Arc<AtomicUsize>);
+
+impl Drop for Watcher {
+    fn drop(&mut self) {
+        if self.0.fetch_sub(1, Ordering::AcqRel) == 1 {
+            give_back_memory();
+        }
+    }
+}
+
+/// Asks glibc's allocator to return the free pages of its heaps to the system: a stream's
+/// pieces are many small allocations, which glibc keeps for reuse once freed, so the
+/// daemon's resident memory would otherwise stay at its peak after the dashboards leave.
+/// Off the runtime's threads: it walks every heap.
+fn give_back_memory() {
+    #[cfg(all(target_os = "linux", target_env = "gnu"))]
+    {
+        fn trim() {
+            // SAFETY: malloc_trim only walks and releases the allocator's free memory.
+            unsafe {
+                nix::libc::malloc_trim(0);
+            }
+        }
+        match tokio::runtime::Handle::try_current() {
+            Ok(rt) => drop(rt.spawn_blocking(trim)),
+            Err(_) => trim(),
+        }
+    }
+}
 
 /// The page's own files (`/ui`, `/ui/app.js`, `/ui/app.css`), when `path` is one.
 pub fn asset<B: From<Bytes>>(path: &str) -> Option<Response<B>> {
@@ -68,10 +138,15 @@ pub fn asset<B: From<Bytes>>(path: &str) -> Option<Response<B>> {
     Some(r)
 }
 
-/// `GET /events`: the stream, fed by a task that ends when the client goes or dsv4d stops.
-pub fn events(ctx: &std::sync::Arc<Ctx>) -> Response<Events> {
-    let (tx, rx) = mpsc::channel(16);
-    tokio::spawn(feed(ctx.clone(), tx));
+/// `GET /events`: the stream, fed by a task that ends when the client goes or dsv4d stops;
+/// 503 when `api.max_event_streams` are open already.
+pub fn events(ctx: &Arc<Ctx>) -> Result<Response<Events>, ApiError> {
+    let cap = ctx.config.borrow().supervisor.api.max_event_streams;
+    let Some(watcher) = ctx.watchers.admit(cap) else {
+        return Err(too_many(cap));
+    };
+    let (tx, rx) = mpsc::channel(QUEUED);
+    tokio::spawn(feed(ctx.clone(), tx, watcher));
     let mut r = Response::new(Events(rx));
     *r.status_mut() = StatusCode::OK;
     let h = r.headers_mut();
@@ -80,7 +155,18 @@ pub fn events(ctx: &std::sync::Arc<Ctx>) -> Response<Events> {
         HeaderValue::from_static("text/event-stream"),
     );
     h.insert(header::CACHE_CONTROL, HeaderValue::from_static("no-cache"));
-    r
+    Ok(r)
+}
+
+/// The answer to one stream more than `cap`.
+fn too_many(cap: usize) -> ApiError {
+    ApiError::new(
+        StatusCode::SERVICE_UNAVAILABLE,
+        ErrorType::Unavailable,
+        ErrorCode::TooManyEventStreams,
+        format!("too many dashboard event streams: api.max_event_streams is {cap}; retry shortly"),
+    )
+    .retry_after(Duration::from_secs(1))
 }
 
 /// One server-sent event.
@@ -136,17 +222,51 @@ async fn saved_validations(ctx: &std::sync::Arc<Ctx>) -> serde_json::Value {
         .unwrap_or_default()
 }
 
-async fn feed(ctx: std::sync::Arc<Ctx>, tx: mpsc::Sender<Bytes>) {
-    let now = dsv4_client::clock::unix_now();
-    let history = ctx.telemetry.history(now - HISTORY_SECONDS, 3600);
+/// Sends the `hello`: `head` (an object) with the history added as it is read, a page at a
+/// time. Err when the stream is gone.
+async fn hello(
+    ctx: &Ctx,
+    tx: &mpsc::Sender<Bytes>,
+    head: serde_json::Value,
+) -> Result<(), mpsc::error::SendError<Bytes>> {
+    let head = head.to_string();
+    let head = head.strip_suffix('}').unwrap_or(&head);
+    let comma = if head.len() > 1 { "," } else { "" };
+    tx.send(Bytes::from(format!(
+        "event: hello\ndata: {head}{comma}\"history\":["
+    )))
+    .await?;
+    let mut after = dsv4_client::clock::unix_now() - HISTORY_SECONDS;
+    let until = ctx.telemetry.latest().map_or(after, |s| s.at);
+    let mut first = true;
+    loop {
+        let page = ctx.telemetry.page(after, until, HELLO_PAGE);
+        let Some(last) = page.last() else { break };
+        after = last.at;
+        let mut piece = Vec::with_capacity(HELLO_PAGE * 1024);
+        for s in &page {
+            if !std::mem::take(&mut first) {
+                piece.push(b',');
+            }
+            // A sample is plain data: it always serialises.
+            let _ = serde_json::to_writer(&mut piece, &**s);
+        }
+        drop(page);
+        tx.send(Bytes::from(piece)).await?;
+    }
+    tx.send(Bytes::from_static(b"]}\n\n")).await
+}
+
+/// Feeds one stream until its client goes or dsv4d stops; `_watcher` is its place among
+/// the open streams, given back when this ends.
+async fn feed(ctx: Arc<Ctx>, tx: mpsc::Sender<Bytes>, _watcher: Watcher) {
     let config = ctx.config.borrow().clone();
     let thermal = config.supervisor.thermal.clone();
     let (recent_alerts, mut alerts) = ctx.alerts.recent_and_subscribe();
     let (standing, mut thermal_events) = ctx.thermal.subscribe();
     let mut validation_events = ctx.validator.subscribe();
     let (actions, actions_error) = actions_allowed(&ctx).await;
-    let hello = json!({
-        "history": history.iter().map(|s| &**s).collect::<Vec<_>>(),
+    let head = json!({
         "thresholds": {
             "warn_c": thermal.warn,
             "critical_c": thermal.critical,
@@ -159,7 +279,8 @@ async fn feed(ctx: std::sync::Arc<Ctx>, tx: mpsc::Sender<Bytes>) {
         "profiles": config.profile_names(),
         "validation_profile": crate::validate::DEFAULT_PROFILE,
     });
-    if tx.send(event("hello", &hello)).await.is_err() {
+    drop(config);
+    if hello(&ctx, &tx, head).await.is_err() {
         return;
     }
     let mut status = ctx.lifecycle.watch_status();
@@ -172,8 +293,12 @@ async fn feed(ctx: std::sync::Arc<Ctx>, tx: mpsc::Sender<Bytes>) {
         status.borrow_and_update();
         figures.borrow_and_update();
         samples.borrow_and_update();
-        let doc = serde_json::to_value(ctx.status_document().await).unwrap_or_default();
-        if tx.send(event("status", &doc)).await.is_err() {
+        // The document as bytes only: nothing else of it is held while the client reads.
+        let doc = {
+            let doc = serde_json::to_value(ctx.status_document().await).unwrap_or_default();
+            event("status", &doc)
+        };
+        if tx.send(doc).await.is_err() {
             return;
         }
         let (next, lines) = ctx.lifecycle.logs(next_line, LOG_LINES);
@@ -246,5 +371,45 @@ impl Events {
             .0
             .poll_recv(cx)
             .map(|b| b.map(|b| Ok(Frame::data(b))))
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn streams_are_admitted_up_to_the_cap_and_their_places_come_back() {
+        let w = Watchers::default();
+        // (cap, admitted, open after)
+        let mut held = Vec::new();
+        for (cap, want, open) in [(2, true, 1), (2, true, 2), (2, false, 2), (3, true, 3)] {
+            let got = w.admit(cap);
+            assert_eq!(got.is_some(), want, "cap {cap}");
+            held.extend(got);
+            assert_eq!(w.open(), open, "cap {cap}");
+        }
+        // A lower cap (a reload) lets no one in until enough have gone.
+        assert!(w.admit(1).is_none());
+        held.truncate(1);
+        assert_eq!(w.open(), 1);
+        assert!(w.admit(1).is_none());
+        held.clear();
+        assert_eq!(w.open(), 0);
+        assert!(w.admit(1).is_some());
+        assert_eq!(w.open(), 0, "a dropped place is given back");
+    }
+
+    #[test]
+    fn one_stream_too_many_is_told_the_cap() {
+        let e = too_many(32);
+        assert_eq!(e.status, StatusCode::SERVICE_UNAVAILABLE);
+        assert_eq!(e.code, ErrorCode::TooManyEventStreams);
+        assert!(
+            e.message.contains("api.max_event_streams is 32"),
+            "{}",
+            e.message
+        );
+        assert!(e.retry_after.is_some());
     }
 }

@@ -478,7 +478,10 @@ async fn route(
             .into_response(),
         },
         (true, "/v1/models") => json_response(StatusCode::OK, models(ctx)),
-        (true, "/events") => crate::http::dashboard::events(ctx).map(ProxyBody::Events),
+        (true, "/events") => match crate::http::dashboard::events(ctx) {
+            Ok(r) => r.map(ProxyBody::Events),
+            Err(e) => e.into_response(),
+        },
         (true, "/metrics") => {
             let sample = ctx.telemetry.latest();
             let kv = ctx.lifecycle.kv().status().await;

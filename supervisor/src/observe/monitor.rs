@@ -60,6 +60,17 @@ impl Telemetry {
         ring.range(from..).cloned().collect()
     }
 
+    /// At most `max` samples taken after `after` and no later than `until` (unix s), oldest
+    /// first: a page of the ring, for who reads it a piece at a time (the dashboard's
+    /// `hello`) rather than holding all of it at once. The next page starts after the last
+    /// sample of this one.
+    pub fn page(&self, after: f64, until: f64, max: usize) -> Vec<Arc<Sample>> {
+        let ring = self.ring.lock().unwrap_or_else(|p| p.into_inner());
+        let from = ring.partition_point(|s| s.at <= after);
+        let to = ring.partition_point(|s| s.at <= until).max(from);
+        ring.range(from..to).take(max).cloned().collect()
+    }
+
     /// What the span from `from` to `to` (unix s) cost, from the samples in it; a span
     /// shorter than one interval uses the sample just before its end.
     pub fn resources(&self, from: f64, to: f64) -> Resources {
@@ -306,5 +317,26 @@ mod tests {
         assert_eq!(at(t.history(7.0, 100)), [7.0, 8.0, 9.0]);
         assert_eq!(at(t.history(0.0, 2)), [8.0, 9.0]);
         assert!(t.history(20.0, 100).is_empty());
+    }
+
+    #[test]
+    fn pages_follow_each_other_without_overlap_up_to_their_end() {
+        let t = telemetry(
+            (0..10)
+                .map(|i| sample(f64::from(i), 1.0, 1, false))
+                .collect(),
+        );
+        let at = |v: Vec<Arc<Sample>>| v.iter().map(|s| s.at).collect::<Vec<_>>();
+        for (after, until, max, want) in [
+            (-1.0, 9.0, 3, &[0.0, 1.0, 2.0][..]),
+            (2.0, 9.0, 3, &[3.0, 4.0, 5.0]),
+            (2.5, 4.0, 3, &[3.0, 4.0]),
+            (7.0, 100.0, 5, &[8.0, 9.0]),
+            (9.0, 100.0, 5, &[]),
+            (5.0, 3.0, 5, &[]),
+            (-1.0, 9.0, 0, &[]),
+        ] {
+            assert_eq!(at(t.page(after, until, max)), want, "{after} {until} {max}");
+        }
     }
 }
