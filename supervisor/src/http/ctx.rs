@@ -47,7 +47,7 @@ pub struct Ctx {
     /// The alerts raised, for the dashboard.
     pub alerts: crate::lifecycle::alert::Alerts,
     /// The dashboard's event streams open (`api.max_event_streams`).
-    pub watchers: crate::http::dashboard::Watchers,
+    pub watchers: crate::http::watchers::Watchers,
 }
 
 impl Ctx {

@@ -16,14 +16,13 @@
 //! ([`QUEUED`]) and hyper's write buffer (16 KiB), never the whole document (2.5 MB
 //! with a full hour of the Strix Halo fixture's samples). At most `api.max_event_streams` streams are open at once
 //! ([`Watchers`]); one more gets 503 `too_many_event_streams`. When the last one goes, the
-//! allocator is asked to give its free pages back ([`give_back_memory`]).
+//! allocator is asked to give its free pages back (see `watchers`).
 //!
 //! Owns: the page's assets, the event streams and their count. Must not: act on anything
 //! (the actions are `ui_actions`'; without admin keys the page says which `dsv4ctl` command
 //! does each).
 
 use std::pin::Pin;
-use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::Arc;
 use std::task::{Context, Poll};
 use std::time::Duration;
@@ -38,6 +37,7 @@ use crate::validate::ValidationEvent;
 
 use super::ctx::Ctx;
 use super::http_error::{ApiError, ErrorCode, ErrorType};
+use super::watchers::Watcher;
 
 /// The page, its script and its style, as served.
 const PAGE: &str = include_str!("ui/index.html");
@@ -57,59 +57,6 @@ const VALIDATIONS: usize = 20;
 const HELLO_PAGE: usize = 16;
 /// Events (or pieces of the `hello`) a stream holds queued for its connection, at most.
 const QUEUED: usize = 4;
-
-/// The event streams open, against `api.max_event_streams`. Cheap to clone.
-#[derive(Clone, Default)]
-pub struct Watchers(Arc<AtomicUsize>);
-
-impl Watchers {
-    /// A place for one more stream while fewer than `cap` are open; it is given back when
-    /// the [`Watcher`] is dropped.
-    pub fn admit(&self, cap: usize) -> Option<Watcher> {
-        self.0
-            .fetch_update(Ordering::AcqRel, Ordering::Acquire, |n| {
-                (n < cap).then_some(n + 1)
-            })
-            .ok()
-            .map(|_| Watcher(self.0.clone()))
-    }
-
-    /// The streams open now.
-    pub fn open(&self) -> usize {
-        self.0.load(Ordering::Acquire)
-    }
-}
-
-/// One open stream's place among the [`Watchers`].
-pub struct Watcher(Arc<AtomicUsize>);
-
-impl Drop for Watcher {
-    fn drop(&mut self) {
-        if self.0.fetch_sub(1, Ordering::AcqRel) == 1 {
-            give_back_memory();
-        }
-    }
-}
-
-/// Asks glibc's allocator to return the free pages of its heaps to the system: a stream's
-/// pieces are many small allocations, which glibc keeps for reuse once freed, so the
-/// daemon's resident memory would otherwise stay at its peak after the dashboards leave.
-/// Off the runtime's threads: it walks every heap.
-fn give_back_memory() {
-    #[cfg(all(target_os = "linux", target_env = "gnu"))]
-    {
-        fn trim() {
-            // SAFETY: malloc_trim only walks and releases the allocator's free memory.
-            unsafe {
-                nix::libc::malloc_trim(0);
-            }
-        }
-        match tokio::runtime::Handle::try_current() {
-            Ok(rt) => drop(rt.spawn_blocking(trim)),
-            Err(_) => trim(),
-        }
-    }
-}
 
 /// The page's own files (`/ui`, `/ui/app.js`, `/ui/app.css`), when `path` is one.
 pub fn asset<B: From<Bytes>>(path: &str) -> Option<Response<B>> {
@@ -377,28 +324,6 @@ impl Events {
 #[cfg(test)]
 mod tests {
     use super::*;
-
-    #[test]
-    fn streams_are_admitted_up_to_the_cap_and_their_places_come_back() {
-        let w = Watchers::default();
-        // (cap, admitted, open after)
-        let mut held = Vec::new();
-        for (cap, want, open) in [(2, true, 1), (2, true, 2), (2, false, 2), (3, true, 3)] {
-            let got = w.admit(cap);
-            assert_eq!(got.is_some(), want, "cap {cap}");
-            held.extend(got);
-            assert_eq!(w.open(), open, "cap {cap}");
-        }
-        // A lower cap (a reload) lets no one in until enough have gone.
-        assert!(w.admit(1).is_none());
-        held.truncate(1);
-        assert_eq!(w.open(), 1);
-        assert!(w.admit(1).is_none());
-        held.clear();
-        assert_eq!(w.open(), 0);
-        assert!(w.admit(1).is_some());
-        assert_eq!(w.open(), 0, "a dropped place is given back");
-    }
 
     #[test]
     fn one_stream_too_many_is_told_the_cap() {

@@ -14,3 +14,4 @@ pub mod listener;
 pub mod path;
 pub mod proxy;
 pub mod ui_actions;
+pub mod watchers;
