@@ -57,17 +57,52 @@ pub struct Pressure {
 pub struct Gpu {
     /// `card1`.
     pub card: String,
-    pub gtt_used: Option<u64>,
-    pub gtt_total: Option<u64>,
-    pub vram_used: Option<u64>,
-    pub vram_total: Option<u64>,
-    /// The memory an engine's model lives in (see [`MemoryPool::of`]); `None` when neither
-    /// total is known.
+    /// Its GTT and VRAM, used and total (in JSON as fields of the `gpu` object).
+    #[serde(flatten)]
+    pub memory: GpuMemory,
+    /// The memory an engine's model lives in ([`GpuMemory::pool`]), for readers of the JSON;
+    /// `None` when neither total is known.
     #[serde(default)]
     pub pool: Option<MemoryPool>,
     pub busy_percent: Option<f64>,
     /// `power_dpm_force_performance_level`: auto, low, high, manual, profile_*.
     pub performance_level: Option<crate::words::GpuLevel>,
+}
+
+/// The GPU's memory, in bytes (amdgpu's `mem_info_{gtt,vram}_{used,total}`).
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Serialize, Deserialize)]
+pub struct GpuMemory {
+    pub gtt_used: Option<u64>,
+    pub gtt_total: Option<u64>,
+    pub vram_used: Option<u64>,
+    pub vram_total: Option<u64>,
+}
+
+impl GpuMemory {
+    /// The memory an engine's model lives in (see [`MemoryPool::of`]).
+    pub fn pool(&self) -> Option<MemoryPool> {
+        MemoryPool::of(self.vram_total, self.gtt_total)
+    }
+
+    /// The used and total bytes of the pool the model lives in, when known.
+    pub fn pool_figures(&self) -> Option<(MemoryPool, Option<u64>, Option<u64>)> {
+        Some(match self.pool()? {
+            MemoryPool::Gtt => (MemoryPool::Gtt, self.gtt_used, self.gtt_total),
+            MemoryPool::Vram => (MemoryPool::Vram, self.vram_used, self.vram_total),
+        })
+    }
+
+    /// The used bytes of the pool the model lives in.
+    pub fn pool_used(&self) -> Option<u64> {
+        self.pool_figures()?.1
+    }
+}
+
+/// The memory figures a start is admitted on: MemAvailable and the GPU's memory.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub struct MemoryFigures {
+    pub available: Option<u64>,
+    pub gpu: GpuMemory,
 }
 
 /// The GPU memory an engine's model is allocated from.
@@ -102,28 +137,141 @@ impl MemoryPool {
     }
 }
 
-impl Gpu {
-    /// The used and total bytes of the pool the model lives in, when known.
-    pub fn pool_figures(&self) -> Option<(MemoryPool, Option<u64>, Option<u64>)> {
-        Some(match self.pool? {
-            MemoryPool::Gtt => (MemoryPool::Gtt, self.gtt_used, self.gtt_total),
-            MemoryPool::Vram => (MemoryPool::Vram, self.vram_used, self.vram_total),
-        })
+/// A temperature sensor dsv4 reads. Everything known of one is in [`Sensor::about`]: adding
+/// a sensor is a variant, its description there, and the reader that fills it in.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, PartialOrd, Ord, Hash)]
+pub enum Sensor {
+    Edge,
+    Tctl,
+    CcdMax,
+    Gfx,
+    Soc,
+}
+
+/// What a sensor is, for JSON, metrics, the status and notifications.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct SensorAbout {
+    /// Its key in JSON and its `sensor` label in metrics and signals.
+    pub label: &'static str,
+    /// How the status and `dsv4ctl top` name it.
+    pub shown: &'static str,
+    /// The part of the machine it measures, as notifications say it.
+    pub part: &'static str,
+    /// Where it is read, for the metrics' help.
+    pub source: &'static str,
+    /// Whether the thermal rules (`thermal.warn`, `thermal.critical`) watch it.
+    pub watched: bool,
+}
+
+impl Sensor {
+    /// Every sensor, in the order JSON, metrics and the status list them.
+    pub const ALL: [Sensor; 5] = [
+        Sensor::Edge,
+        Sensor::Tctl,
+        Sensor::CcdMax,
+        Sensor::Gfx,
+        Sensor::Soc,
+    ];
+
+    pub const fn about(self) -> SensorAbout {
+        let (label, shown, part, source, watched) = match self {
+            Sensor::Edge => ("edge", "edge", "GPU", "amdgpu hwmon temp1", true),
+            Sensor::Tctl => ("tctl", "Tctl", "CPU", "k10temp Tctl", true),
+            Sensor::CcdMax => ("ccd_max", "CCD", "CPU", "k10temp, the hottest Tccd", false),
+            Sensor::Gfx => ("gfx", "GFX", "GPU", "gpu_metrics, the GFX block", false),
+            Sensor::Soc => ("soc", "SoC", "SoC", "gpu_metrics, the SoC", false),
+        };
+        SensorAbout {
+            label,
+            shown,
+            part,
+            source,
+            watched,
+        }
+    }
+
+    pub const fn label(self) -> &'static str {
+        self.about().label
+    }
+
+    /// The sensors the thermal rules watch.
+    pub fn watched() -> impl Iterator<Item = Sensor> {
+        Sensor::ALL.into_iter().filter(|s| s.about().watched)
+    }
+
+    const fn index(self) -> usize {
+        self as usize
     }
 }
 
-/// Degrees Celsius.
-#[derive(Debug, Clone, Copy, Default, PartialEq, Serialize, Deserialize)]
-pub struct Temperatures {
-    /// The GPU's edge sensor (amdgpu hwmon `temp1`).
-    pub edge: Option<f64>,
-    /// The CPU's control temperature (k10temp `Tctl`).
-    pub tctl: Option<f64>,
-    /// The hottest CCD (k10temp `Tccd*`).
-    pub ccd_max: Option<f64>,
-    /// From `gpu_metrics`: the GFX block and the SoC.
-    pub gfx: Option<f64>,
-    pub soc: Option<f64>,
+impl std::fmt::Display for Sensor {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str(self.label())
+    }
+}
+
+impl std::str::FromStr for Sensor {
+    type Err = ();
+
+    fn from_str(s: &str) -> Result<Sensor, ()> {
+        Sensor::ALL.into_iter().find(|x| x.label() == s).ok_or(())
+    }
+}
+
+/// Degrees Celsius, by sensor. In JSON an object keyed by each sensor's label, `null` where
+/// it was not read; labels a newer daemon adds are skipped when read.
+#[derive(Debug, Clone, Copy, Default, PartialEq)]
+pub struct Temperatures([Option<f64>; Sensor::ALL.len()]);
+
+impl Temperatures {
+    pub fn get(&self, sensor: Sensor) -> Option<f64> {
+        self.0[sensor.index()]
+    }
+
+    pub fn set(&mut self, sensor: Sensor, celsius: Option<f64>) {
+        self.0[sensor.index()] = celsius;
+    }
+
+    /// The sensors read, with their temperatures.
+    pub fn read(&self) -> impl Iterator<Item = (Sensor, f64)> + '_ {
+        Sensor::ALL
+            .into_iter()
+            .filter_map(|s| Some((s, self.get(s)?)))
+    }
+}
+
+impl FromIterator<(Sensor, f64)> for Temperatures {
+    fn from_iter<I: IntoIterator<Item = (Sensor, f64)>>(iter: I) -> Temperatures {
+        let mut t = Temperatures::default();
+        for (s, c) in iter {
+            t.set(s, Some(c));
+        }
+        t
+    }
+}
+
+impl Serialize for Temperatures {
+    fn serialize<S: serde::Serializer>(&self, serializer: S) -> Result<S::Ok, S::Error> {
+        use serde::ser::SerializeMap;
+        let mut map = serializer.serialize_map(Some(Sensor::ALL.len()))?;
+        for s in Sensor::ALL {
+            map.serialize_entry(s.label(), &self.get(s))?;
+        }
+        map.end()
+    }
+}
+
+impl<'de> Deserialize<'de> for Temperatures {
+    fn deserialize<D: serde::Deserializer<'de>>(deserializer: D) -> Result<Self, D::Error> {
+        let map = std::collections::BTreeMap::<String, Option<f64>>::deserialize(deserializer)?;
+        let mut t = Temperatures::default();
+        for (label, celsius) in map {
+            if let Ok(s) = label.parse::<Sensor>() {
+                t.set(s, celsius);
+            }
+        }
+        Ok(t)
+    }
 }
 
 /// Watts.
@@ -265,6 +413,37 @@ mod tests {
         assert_eq!(
             serde_json::to_string(&ThrottleKind::Prochot).unwrap(),
             "\"prochot\""
+        );
+    }
+
+    /// Temperatures go out keyed by label with every sensor present, and come back whatever
+    /// a daemon sent: nulls, missing sensors and labels this version does not know.
+    #[test]
+    fn temperatures_are_keyed_by_label_both_ways() {
+        let t: Temperatures = [(Sensor::Edge, 38.0), (Sensor::Soc, 41.5)]
+            .into_iter()
+            .collect();
+        assert_eq!(
+            serde_json::to_string(&t).unwrap(),
+            r#"{"edge":38.0,"tctl":null,"ccd_max":null,"gfx":null,"soc":41.5}"#
+        );
+        for (json, want) in [
+            (r#"{"edge":38.0,"soc":41.5}"#, t),
+            (r#"{"edge":38.0,"tctl":null,"soc":41.5,"hotspot":90.0}"#, t),
+            ("{}", Temperatures::default()),
+        ] {
+            assert_eq!(
+                serde_json::from_str::<Temperatures>(json).unwrap(),
+                want,
+                "{json}"
+            );
+        }
+        for s in Sensor::ALL {
+            assert_eq!(s.label().parse::<Sensor>(), Ok(s));
+        }
+        assert_eq!(
+            Sensor::watched().collect::<Vec<_>>(),
+            [Sensor::Edge, Sensor::Tctl]
         );
     }
 }

@@ -12,6 +12,7 @@
 
 use std::collections::HashMap;
 
+use dsv4_client::telemetry::Sensor;
 use dsv4_client::words::ThermalSignal;
 use dsv4_client::{AlertKind, Bus, State};
 use futures_util::StreamExt;
@@ -34,11 +35,12 @@ pub struct Note {
     pub urgency: u8,
 }
 
-/// Which part of the machine a sensor is.
-fn part(sensor: &str) -> &'static str {
-    match sensor {
-        "tctl" => "CPU",
-        _ => "GPU",
+/// Which part of the machine a sensor measures; a sensor of a newer daemon's is named as it
+/// came.
+fn part(sensor: &str) -> String {
+    match sensor.parse::<Sensor>() {
+        Ok(s) => s.about().part.to_string(),
+        Err(()) => format!("sensor {sensor}"),
     }
 }
 
@@ -346,6 +348,15 @@ mod tests {
         assert_eq!(thermal("normal", "edge", 78.0, "m", None).urgency, 0);
         let lost = thermal("normal", "edge", f64::NAN, "no reading", None);
         assert_eq!(lost.summary, "dsv4: GPU temperature: no reading");
+        // Each sensor says its own part; one this version does not know is named.
+        assert_eq!(
+            thermal("warn", "soc", 86.0, "m", None).summary,
+            "dsv4: SoC hot: 86 C"
+        );
+        assert_eq!(
+            thermal("warn", "hotspot", 86.0, "m", None).summary,
+            "dsv4: sensor hotspot hot: 86 C"
+        );
         assert_eq!(
             alert(AlertKind::Memory, "not enough memory").summary,
             "dsv4: memory"

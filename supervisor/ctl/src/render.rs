@@ -4,7 +4,7 @@
 use std::time::Duration;
 
 use dsv4_client::kv::{KvCheckpoint, KvProfile, KvStep};
-use dsv4_client::telemetry::{Memory, Sample};
+use dsv4_client::telemetry::{Memory, Sample, Sensor};
 use dsv4_client::validate::{Comparison, ValidationResult};
 use dsv4_client::words::{GpuLevel, ThermalLevel};
 use dsv4_client::{
@@ -169,7 +169,10 @@ pub fn memory(m: &Memory) -> String {
 fn hardware_rows(rows: &mut Vec<(&str, String)>, h: &Sample, now: f64) {
     rows.push(("memory", h.memory.as_ref().map_or_else(dash, memory)));
     // The pool the model lives in: GTT, or VRAM with a large carve-out.
-    let pool = h.gpu.as_ref().and_then(|g| Some((g, g.pool_figures()?)));
+    let pool = h
+        .gpu
+        .as_ref()
+        .and_then(|g| Some((g, g.memory.pool_figures()?)));
     let label = pool.map_or("GTT", |(_, (p, _, _))| p.name());
     let figures = pool.and_then(|(g, (_, used, total))| match (used, total) {
         (Some(u), Some(t)) => Some(format!("{} of {} ({})", gib(u), gib(t), g.card)),
@@ -177,10 +180,12 @@ fn hardware_rows(rows: &mut Vec<(&str, String)>, h: &Sample, now: f64) {
         _ => None,
     });
     rows.push((label, figures.unwrap_or_else(dash)));
-    let t = &h.temperatures;
-    let temps: Vec<String> = [("edge", t.edge), ("Tctl", t.tctl)]
-        .into_iter()
-        .filter_map(|(name, v)| Some(format!("{name} {}", celsius(v?))))
+    // The sensors the thermal rules watch.
+    let temps: Vec<String> = Sensor::watched()
+        .filter_map(|s| {
+            let c = h.temperatures.get(s)?;
+            Some(format!("{} {}", s.about().shown, celsius(c)))
+        })
         .collect();
     rows.push((
         "temperature",
@@ -815,18 +820,19 @@ hardware    - (no sample yet)
             }),
             gpu: Some(Gpu {
                 card: "card1".into(),
-                gtt_used: Some(81 << 30),
-                gtt_total: Some(112 << 30),
-                vram_total: Some(1 << 29),
+                memory: GpuMemory {
+                    gtt_used: Some(81 << 30),
+                    gtt_total: Some(112 << 30),
+                    vram_total: Some(1 << 29),
+                    ..GpuMemory::default()
+                },
                 pool: Some(MemoryPool::Gtt),
                 busy_percent: Some(97.0),
                 ..Gpu::default()
             }),
-            temperatures: Temperatures {
-                edge: Some(73.2),
-                tctl: Some(74.25),
-                ..Temperatures::default()
-            },
+            temperatures: [(Sensor::Edge, 73.2), (Sensor::Tctl, 74.25)]
+                .into_iter()
+                .collect(),
             power: Power {
                 soc: Some(69.6),
                 socket: Some(85.0),
@@ -884,10 +890,10 @@ hardware    - (no sample yet)
         );
         // A large VRAM carve-out: the model's pool is VRAM, and that is the row.
         if let Some(g) = s.telemetry.as_mut().and_then(|t| t.gpu.as_mut()) {
-            g.vram_used = Some(81 << 30);
-            g.vram_total = Some(96 << 30);
-            g.gtt_total = Some(16 << 30);
-            g.gtt_used = Some(1 << 29);
+            g.memory.vram_used = Some(81 << 30);
+            g.memory.vram_total = Some(96 << 30);
+            g.memory.gtt_total = Some(16 << 30);
+            g.memory.gtt_used = Some(1 << 29);
             g.pool = Some(MemoryPool::Vram);
         }
         let table = status_table(&s, 1_000_000.0);

@@ -11,7 +11,7 @@ use std::collections::VecDeque;
 use std::io::Write;
 use std::time::Duration;
 
-use dsv4_client::telemetry::Sample;
+use dsv4_client::telemetry::{Sample, Sensor};
 use dsv4_client::Status;
 use ratatui::crossterm::event::{self, Event, KeyCode, KeyEventKind, KeyModifiers};
 use ratatui::layout::{Constraint, Layout};
@@ -148,7 +148,7 @@ pub fn plain(status: &Status, s: &Sample) -> String {
         v.map_or_else(|| "-".to_string(), |v| format!("{v:.digits$} {unit}"))
     };
     let gpu = s.gpu.as_ref();
-    let gtt = match gpu.and_then(|g| Some((g.gtt_used?, g.gtt_total?))) {
+    let gtt = match gpu.and_then(|g| Some((g.memory.gtt_used?, g.memory.gtt_total?))) {
         Some((u, t)) => format!("{:.1}/{:.1} GiB", gib(u), gib(t)),
         None => "-".to_string(),
     };
@@ -162,8 +162,8 @@ pub fn plain(status: &Status, s: &Sample) -> String {
         status.engine.state,
         s.memory
             .map_or_else(|| "-".to_string(), |m| format!("{:.1} GiB", gib(m.available))),
-        opt(s.temperatures.edge, "C", 1),
-        opt(s.temperatures.tctl, "C", 1),
+        opt(s.temperatures.get(Sensor::Edge), "C", 1),
+        opt(s.temperatures.get(Sensor::Tctl), "C", 1),
         opt(s.power.soc, "W", 1),
         opt(gpu.and_then(|g| g.busy_percent), "%", 0),
     )
@@ -254,9 +254,9 @@ fn draw(
     status: &Status,
     series: &Series,
 ) -> Result<(), Failure> {
-    let gtt = series.values(|s| s.gpu.as_ref()?.gtt_used.map(gib));
-    let edge = series.values(|s| s.temperatures.edge);
-    let tctl = series.values(|s| s.temperatures.tctl);
+    let gtt = series.values(|s| s.gpu.as_ref()?.memory.gtt_used.map(gib));
+    let edge = series.values(|s| s.temperatures.get(Sensor::Edge));
+    let tctl = series.values(|s| s.temperatures.get(Sensor::Tctl));
     let power = series.values(|s| s.power.soc.or(s.power.socket));
     let decode: Vec<Option<f64>> = status
         .requests
@@ -267,7 +267,7 @@ fn draw(
     let head = header(status, series.latest(), now());
     let gtt_total = series
         .latest()
-        .and_then(|s| s.gpu.as_ref()?.gtt_total)
+        .and_then(|s| s.gpu.as_ref()?.memory.gtt_total)
         .map(|t| format!(" of {:.1} GiB", gib(t)))
         .unwrap_or_default();
     let charts = [

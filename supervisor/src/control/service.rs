@@ -10,7 +10,7 @@
 
 use std::time::Duration;
 
-use dsv4_client::telemetry::Sample;
+use dsv4_client::telemetry::{Sample, Sensor};
 use dsv4_client::{EngineStatus, State};
 use sd_notify::NotifyState;
 
@@ -45,13 +45,13 @@ pub fn status_line(e: &EngineStatus, sample: Option<&Sample>) -> String {
         line.push_str(&format!(", {} waiting", e.waiting));
     }
     if let Some(s) = sample {
-        if let Some(gtt) = s.gpu.as_ref().and_then(|g| g.gtt_used) {
+        if let Some(gtt) = s.gpu.as_ref().and_then(|g| g.memory.gtt_used) {
             line.push_str(&format!(
                 ", GTT {:.1} GiB",
                 gtt as f64 / (1u64 << 30) as f64
             ));
         }
-        if let Some(t) = s.temperatures.edge {
+        if let Some(t) = s.temperatures.get(Sensor::Edge) {
             line.push_str(&format!(", {t:.0} C"));
         }
     }
@@ -186,7 +186,7 @@ mod tests {
     }
 
     use super::*;
-    use dsv4_client::telemetry::{Gpu, Temperatures};
+    use dsv4_client::telemetry::{Gpu, GpuMemory};
 
     #[test]
     fn the_status_line_says_the_state_the_requests_and_the_hardware() {
@@ -197,13 +197,13 @@ mod tests {
         e.in_flight = 1;
         let sample = Sample {
             gpu: Some(Gpu {
-                gtt_used: Some(87_400_000_000),
+                memory: GpuMemory {
+                    gtt_used: Some(87_400_000_000),
+                    ..GpuMemory::default()
+                },
                 ..Gpu::default()
             }),
-            temperatures: Temperatures {
-                edge: Some(73.2),
-                ..Temperatures::default()
-            },
+            temperatures: [(Sensor::Edge, 73.2)].into_iter().collect(),
             ..Sample::default()
         };
         assert_eq!(

@@ -17,10 +17,12 @@
 //! description reads it ([`dsv4_engine::OwnKv::saved`], made a step by [`engine_saved`]).
 //!
 //! Owns: the [`Book`] (the last save and restore per profile, what the running engine was
-//! given back, the tokens served from it). The layout on disk is `store.rs`'s, the engine
-//! calls `engine.rs`'s; the actor runs them as tasks.
+//! given back, the tokens served from it). The layout on disk is `store.rs`'s, the save and
+//! the restore through the engine's slot endpoints `slots.rs`'s; the lifecycle actor runs
+//! those as tasks of the engine's generation.
 
 pub mod key;
+pub mod slots;
 pub mod store;
 
 use std::collections::BTreeMap;

@@ -8,21 +8,20 @@
 //! answers 400; a truncated slot file aborts the engine (so a checkpoint is checked against
 //! its manifest before it is offered, and one whose restore never ended is set aside).
 
+use std::future::Future;
 use std::sync::Arc;
 use std::time::Duration;
 
 use bytes::Bytes;
 use dsv4_client::kv::KvStep;
-use http_body_util::BodyExt;
 use serde::Deserialize;
 use serde_json::json;
 use tokio::time::Instant;
 
-use super::engine_ref::EngineRef;
+use super::key::{FileId, Key};
+use super::store::{Manifest, SlotFile, Store, FORMAT};
+use super::Book;
 use crate::config::Profile;
-use crate::kv::key::{FileId, Key};
-use crate::kv::store::{Manifest, SlotFile, Store, FORMAT};
-use crate::kv::Book;
 
 /// What the KV steps learn about one engine generation, kept in the actor's record of that
 /// engine (so it goes with it): its key, worked out by the restore and used again by the
@@ -41,9 +40,6 @@ impl EngineKv {
     }
 }
 
-/// One answer of the engine is awaited this long at most (a slot of a 320K context is tens
-/// of GiB to write; the step's own timeout bounds the whole anyway).
-const CALL_TIMEOUT: Duration = Duration::from_secs(3600);
 /// Checkpoints one failed save may remove to make room.
 const MAX_EVICTIONS: u32 = 16;
 
@@ -81,75 +77,51 @@ struct Restored {
     n_restored: u64,
 }
 
-/// Sends one request of dsv4d's own to the engine (with its key, a JSON body when given) and
-/// returns its response, the body still coming.
-pub(crate) async fn send(
-    engine: &EngineRef,
-    method: http::Method,
-    path: &str,
-    body: Option<serde_json::Value>,
-) -> Result<http::Response<crate::lifecycle::upstream::UpstreamBody>, String> {
-    let req = http::Request::builder()
-        .method(method)
-        .uri(path)
-        .header(http::header::HOST, engine.connections.host().clone())
-        .header(http::header::CONTENT_TYPE, "application/json")
-        .body(())
-        .map_err(|e| e.to_string())?;
-    let (parts, ()) = req.into_parts();
-    let bytes = body.map(|b| Bytes::from(b.to_string())).unwrap_or_default();
-    engine
-        .connections
-        .request(parts, bytes)
-        .await
-        .map_err(|e| e.to_string())
-}
+/// A running engine as the slot steps reach it (the lifecycle's `EngineRef`): through its
+/// own API, with its key.
+pub trait Engine: Send + Sync {
+    /// One request of dsv4d's own to the engine (a JSON body when given): the status and the
+    /// whole answer.
+    fn call(
+        &self,
+        method: http::Method,
+        path: &str,
+        body: Option<serde_json::Value>,
+    ) -> impl Future<Output = Result<(http::StatusCode, Bytes), String>> + Send;
 
-/// Sends one request to the engine (with its key) and returns the status and body.
-async fn call(
-    engine: &EngineRef,
-    method: http::Method,
-    path: &str,
-    body: Option<serde_json::Value>,
-) -> Result<(http::StatusCode, Bytes), String> {
-    let work = async {
-        let resp = send(engine, method, path, body).await?;
-        let status = resp.status();
-        let body = resp
-            .into_body()
-            .collect()
-            .await
-            .map_err(|e| format!("the engine's answer broke off: {e}"))?
-            .to_bytes();
-        Ok((status, body))
-    };
-    tokio::time::timeout(CALL_TIMEOUT, work)
-        .await
-        .map_err(|_| "the engine did not answer".to_string())?
-}
+    /// Whether the engine has exited, or does within `within` (its exit is seen a moment
+    /// after its connections break).
+    fn gone_within(&self, within: Duration) -> impl Future<Output = bool> + Send;
 
-/// `call`, expecting 200 and JSON of type `T`.
-pub(crate) async fn call_json<T: serde::de::DeserializeOwned>(
-    engine: &EngineRef,
-    method: http::Method,
-    path: &str,
-    body: Option<serde_json::Value>,
-) -> Result<T, String> {
-    let (status, bytes) = call(engine, method, path, body).await?;
-    if status != http::StatusCode::OK {
-        let text = String::from_utf8_lossy(&bytes);
-        let message = serde_json::from_slice::<serde_json::Value>(&bytes)
-            .ok()
-            .and_then(|v| v["error"]["message"].as_str().map(String::from))
-            .unwrap_or_else(|| text.chars().take(200).collect());
-        return Err(format!("{path}: {status}: {message}"));
+    /// Whether the engine has exited.
+    fn exited(&self) -> bool;
+
+    /// [`Engine::call`], expecting 200 and JSON of type `T`; an error answer says the
+    /// engine's message.
+    fn call_json<T: serde::de::DeserializeOwned>(
+        &self,
+        method: http::Method,
+        path: &str,
+        body: Option<serde_json::Value>,
+    ) -> impl Future<Output = Result<T, String>> + Send {
+        async move {
+            let (status, bytes) = self.call(method, path, body).await?;
+            if status != http::StatusCode::OK {
+                let text = String::from_utf8_lossy(&bytes);
+                let message = serde_json::from_slice::<serde_json::Value>(&bytes)
+                    .ok()
+                    .and_then(|v| v["error"]["message"].as_str().map(String::from))
+                    .unwrap_or_else(|| text.chars().take(200).collect());
+                return Err(format!("{path}: {status}: {message}"));
+            }
+            serde_json::from_slice(&bytes).map_err(|e| format!("{path}: unexpected answer: {e}"))
+        }
     }
-    serde_json::from_slice(&bytes).map_err(|e| format!("{path}: unexpected answer: {e}"))
 }
 
 /// The key of the running engine of `profile`.
-pub async fn engine_key(engine: &EngineRef, profile: &Profile) -> Result<Key, String> {
-    let props: Props = call_json(engine, http::Method::GET, "/props", None).await?;
+pub async fn engine_key(engine: &impl Engine, profile: &Profile) -> Result<Key, String> {
+    let props: Props = engine.call_json(http::Method::GET, "/props", None).await?;
     let model = profile.params.model.clone();
     let mmproj = profile.params.mmproj.clone();
     let (model, mmproj) = tokio::task::spawn_blocking(move || {
@@ -206,7 +178,7 @@ async fn remove_files(store: &Store, files: Vec<String>) {
 
 /// The key of the engine of `engine`: the one its restore worked out, else read now (and
 /// kept for its save).
-async fn key_of(engine: &EngineRef, profile: &Profile, facts: &EngineKv) -> Result<Key, String> {
+async fn key_of(engine: &impl Engine, profile: &Profile, facts: &EngineKv) -> Result<Key, String> {
     if let Some(key) = facts.key.get() {
         return Ok(key.clone());
     }
@@ -237,7 +209,7 @@ fn step(started: Instant, tokens: u64, bytes: u64, ok: bool, result: String) -> 
 /// Puts the checkpoint that fits the engine of `engine` back into its slots. Never fails the
 /// start: whatever goes wrong, the engine serves with a cold cache and the step says why.
 pub async fn restore(
-    engine: Arc<EngineRef>,
+    engine: Arc<impl Engine>,
     profile: Profile,
     facts: Arc<EngineKv>,
     book: Book,
@@ -246,7 +218,7 @@ pub async fn restore(
     let Some(kv) = profile.kv_checkpoint.clone() else {
         return failed(started, "checkpoints are off".into());
     };
-    let key = match key_of(&engine, &profile, &facts).await {
+    let key = match key_of(&*engine, &profile, &facts).await {
         Ok(key) => key,
         Err(e) => return failed(started, e),
     };
@@ -293,14 +265,17 @@ pub async fn restore(
     for s in &m.slots {
         let path = format!("/slots/{}?action=restore", s.slot);
         let body = Some(json!({ "filename": s.file }));
-        match call_json::<Restored>(&engine, http::Method::POST, &path, body).await {
+        match engine
+            .call_json::<Restored>(http::Method::POST, &path, body)
+            .await
+        {
             Ok(r) => restored.push((s.slot, r.n_restored)),
             Err(e) => {
                 // What went in is taken out again: a half-restored engine is worse than a
                 // cold one.
                 for (slot, _) in &restored {
                     let path = format!("/slots/{slot}?action=erase");
-                    let _ = call(&engine, http::Method::POST, &path, None).await;
+                    let _ = engine.call(http::Method::POST, &path, None).await;
                 }
                 // An engine that aborts on the file (llama-server does on some damage) breaks
                 // the connection: tell that from a refusal.
@@ -371,12 +346,12 @@ async fn save_failed(store: &Store, profile: &str, key: &Key, why: &str) {
 
 /// Saves every slot that holds tokens, as the checkpoint of the engine's key, and keeps the
 /// folder within `max_size` (the oldest go first; on a full disk too).
-pub async fn save(engine: Arc<EngineRef>, profile: Profile, facts: Arc<EngineKv>) -> KvStep {
+pub async fn save(engine: Arc<impl Engine>, profile: Profile, facts: Arc<EngineKv>) -> KvStep {
     let started = Instant::now();
     let Some(kv) = profile.kv_checkpoint.clone() else {
         return failed(started, "checkpoints are off".into());
     };
-    let key = match key_of(&engine, &profile, &facts).await {
+    let key = match key_of(&*engine, &profile, &facts).await {
         Ok(key) => key,
         Err(e) => return failed(started, e),
     };
@@ -391,7 +366,7 @@ pub async fn save(engine: Arc<EngineRef>, profile: Profile, facts: Arc<EngineKv>
     if let Err(why) = prepared.and_then(|r| r) {
         return failed(started, why);
     }
-    let slots: Vec<Slot> = match call_json(&engine, http::Method::GET, "/slots", None).await {
+    let slots: Vec<Slot> = match engine.call_json(http::Method::GET, "/slots", None).await {
         Ok(s) => s,
         Err(e) => return failed(started, format!("cannot list the slots: {e}")),
     };
@@ -409,7 +384,10 @@ pub async fn save(engine: Arc<EngineRef>, profile: Profile, facts: Arc<EngineKv>
         loop {
             let path = format!("/slots/{}?action=save", slot.id);
             let body = Some(json!({ "filename": file }));
-            match call_json::<Saved>(&engine, http::Method::POST, &path, body).await {
+            match engine
+                .call_json::<Saved>(http::Method::POST, &path, body)
+                .await
+            {
                 Ok(r) if r.n_saved == 0 => {
                     remove_files(&store, vec![file.clone()]).await;
                     break;
@@ -441,7 +419,7 @@ pub async fn save(engine: Arc<EngineRef>, profile: Profile, facts: Arc<EngineKv>
                     // file) makes room: the partial file goes, and so does the oldest other
                     // checkpoint, before one more try. Nothing else evicts anything.
                     remove_files(&store, vec![file.clone()]).await;
-                    let full = e.contains(": 500 ") && engine.exit.borrow().is_none();
+                    let full = e.contains(": 500 ") && !engine.exited();
                     evictions += 1;
                     let gone = match full && evictions <= MAX_EVICTIONS {
                         true => {

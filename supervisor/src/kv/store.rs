@@ -2,7 +2,7 @@
 //! `--slot-save-path`, which must hold the slot files themselves: the engine takes bare file
 //! names only).
 //!
-//! Owns: the layout. Must not: talk to the engine (`engine.rs` does).
+//! Owns: the layout. Must not: talk to the engine (`slots.rs` does).
 //!
 //! ```text
 //!   DIR/<id>.json                   the manifest: profile, key, slots, sizes, when; written

@@ -21,6 +21,7 @@ use std::io;
 use std::path::{Path, PathBuf};
 use std::time::Duration;
 
+use dsv4_engine::procs;
 use nix::sys::signal::{kill, Signal};
 use nix::unistd::Pid;
 
@@ -156,10 +157,12 @@ pub async fn reap(state_dir: &Path, proc: &Path, grace: Duration) -> Reaped {
         // Written before a reboot: its processes are gone.
         return Reaped::default();
     }
-    let left = marked(proc, &record);
+    // In the recorded group or not: an engine started by a `setsid` wrapper, or one that
+    // daemonized, left the group but kept the mark.
+    let left = procs::marked(proc, &record.tag);
     let mut reaped = Reaped::default();
     for pid in &left {
-        let cmdline = cmdline(proc, *pid);
+        let cmdline = procs::cmdline(proc, *pid);
         tracing::warn!(
             pid,
             pgid = record.pgid,
@@ -172,10 +175,10 @@ pub async fn reap(state_dir: &Path, proc: &Path, grace: Duration) -> Reaped {
     let mut alive: Vec<u32> = left;
     while !alive.is_empty() && tokio::time::Instant::now() < deadline {
         tokio::time::sleep(Duration::from_millis(20)).await;
-        alive.retain(|pid| still_marked(proc, *pid, &record));
+        alive.retain(|pid| procs::is_marked(proc, *pid, &record.tag));
     }
     for pid in &alive {
-        if still_marked(proc, *pid, &record) {
+        if procs::is_marked(proc, *pid, &record.tag) {
             tracing::warn!(pid, "the leftover engine process ignored SIGTERM: SIGKILL");
             let _ = kill(Pid::from_raw(*pid as i32), Signal::SIGKILL);
             reaped.killed += 1;
@@ -183,27 +186,14 @@ pub async fn reap(state_dir: &Path, proc: &Path, grace: Duration) -> Reaped {
     }
     // Gone before this returns: its memory is what the next engine needs.
     let deadline = tokio::time::Instant::now() + Duration::from_secs(2);
-    while alive.iter().any(|p| still_marked(proc, *p, &record))
+    while alive
+        .iter()
+        .any(|p| procs::is_marked(proc, *p, &record.tag))
         && tokio::time::Instant::now() < deadline
     {
         tokio::time::sleep(Duration::from_millis(20)).await;
     }
     reaped
-}
-
-/// The live processes that carry the record's mark, in its group or not: an engine started
-/// by a `setsid` wrapper, or one that daemonized, left the group but kept the mark.
-fn marked(proc: &Path, record: &Record) -> Vec<u32> {
-    dsv4_engine::procs::marked(proc, &record.tag)
-}
-
-/// Whether `pid` is alive (not a zombie) and carries the record's mark.
-fn still_marked(proc: &Path, pid: u32, record: &Record) -> bool {
-    dsv4_engine::procs::is_marked(proc, pid, &record.tag)
-}
-
-fn cmdline(proc: &Path, pid: u32) -> String {
-    dsv4_engine::procs::cmdline(proc, pid)
 }
 
 /// The record's path in `state_dir`, for messages.
@@ -355,7 +345,7 @@ mod tests {
         let ended: Vec<u32> = reaped.ended.iter().map(|(p, _)| *p).collect();
         assert!(ended.contains(&engine), "{reaped:?} misses pid {engine}");
         assert!(
-            !dsv4_engine::procs::is_marked(Path::new("/proc"), engine, &tag),
+            !procs::is_marked(Path::new("/proc"), engine, &tag),
             "pid {engine} outside the group is gone"
         );
         let _ = ours.wait();

@@ -2,7 +2,7 @@
 //!
 //! Owns: every decision about the engine: when to spawn, when a request may go through, when
 //! to drain, signal, give up, back off, or exit. Must not: do I/O, read clocks or hold channel
-//! ends: the actor (`actor.rs`) feeds it events with the current time and carries out the
+//! ends: the actor (`actor/`) feeds it events with the current time and carries out the
 //! [`Effect`]s it returns. Keeping it pure is what lets the table tests and the proptest
 //! invariants below cover every rule.
 //!
@@ -31,6 +31,7 @@ use std::time::Duration;
 // from a clock that tests pause.
 use tokio::time::Instant;
 
+use dsv4_client::telemetry::MemoryFigures;
 pub use dsv4_client::telemetry::MemoryPool;
 pub use dsv4_client::State;
 
@@ -69,14 +70,8 @@ pub struct MemoryCheck {
     pub planned: Option<u64>,
     /// `memory.reserve`: what must stay available after the engine has taken its share.
     pub reserve: u64,
-    /// MemAvailable, when readable.
-    pub available: Option<u64>,
-    /// GTT used and total, when the GPU reports them.
-    pub gtt_used: Option<u64>,
-    pub gtt_total: Option<u64>,
-    /// VRAM (the firmware's carve-out) used and total, when the GPU reports them.
-    pub vram_used: Option<u64>,
-    pub vram_total: Option<u64>,
+    /// MemAvailable and the GPU's GTT and VRAM (the firmware's carve-out), when readable.
+    pub now: MemoryFigures,
 }
 
 /// A start refused for memory: the figures it was refused on.
@@ -122,11 +117,6 @@ impl MemoryShort {
 }
 
 impl MemoryCheck {
-    /// The GPU memory the model lives in (see [`MemoryPool::of`]).
-    pub fn pool(&self) -> Option<MemoryPool> {
-        MemoryPool::of(self.vram_total, self.gtt_total)
-    }
-
     /// Why a start now would not fit. Where the model lives in GTT (system RAM) or the GPU
     /// reports nothing: MemAvailable less the planned memory would go below the reserve, or
     /// the free GTT is less than the planned memory. Where it lives in a large VRAM
@@ -134,19 +124,20 @@ impl MemoryCheck {
     /// below the reserve.
     pub fn shortfall(&self) -> Option<MemoryShort> {
         let planned = self.planned?;
-        let pool = self.pool();
+        let gpu = self.now.gpu;
+        let pool = gpu.pool();
         let short = |gpu| MemoryShort {
             profile_planned: planned,
             reserve: self.reserve,
-            available: self.available,
+            available: self.now.available,
             pool,
             gpu,
         };
         let (charged, used, total) = match pool {
-            Some(MemoryPool::Vram) => (0, self.vram_used, self.vram_total),
-            _ => (planned, self.gtt_used, self.gtt_total),
+            Some(MemoryPool::Vram) => (0, gpu.vram_used, gpu.vram_total),
+            _ => (planned, gpu.gtt_used, gpu.gtt_total),
         };
-        if let Some(available) = self.available {
+        if let Some(available) = self.now.available {
             if available.saturating_sub(charged) < self.reserve || available < charged {
                 return Some(short(None));
             }

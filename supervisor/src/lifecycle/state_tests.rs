@@ -1,6 +1,7 @@
 //! Table tests and proptest invariants for the lifecycle rules.
 
 use super::*;
+use dsv4_client::telemetry::GpuMemory;
 use proptest::prelude::*;
 use std::collections::{BTreeMap, BTreeSet};
 
@@ -632,11 +633,15 @@ fn memory(fits: bool) -> MemoryCheck {
     MemoryCheck {
         planned: Some(88 * GIB),
         reserve: 8 * GIB,
-        available: Some(if fits { 118 * GIB } else { 52 * GIB }),
-        gtt_used: Some(GIB),
-        gtt_total: Some(112 * GIB),
-        vram_used: Some(GIB / 4),
-        vram_total: Some(GIB / 2),
+        now: MemoryFigures {
+            available: Some(if fits { 118 * GIB } else { 52 * GIB }),
+            gpu: GpuMemory {
+                gtt_used: Some(GIB),
+                gtt_total: Some(112 * GIB),
+                vram_used: Some(GIB / 4),
+                vram_total: Some(GIB / 2),
+            },
+        },
     }
 }
 
@@ -646,10 +651,14 @@ fn admission_weighs_available_memory_the_reserve_and_gtt() {
         MemoryCheck {
             planned,
             reserve: 8 * GIB,
-            available,
-            gtt_used,
-            gtt_total: gtt_used.map(|_| 112 * GIB),
-            ..MemoryCheck::default()
+            now: MemoryFigures {
+                available,
+                gpu: GpuMemory {
+                    gtt_used,
+                    gtt_total: gtt_used.map(|_| 112 * GIB),
+                    ..GpuMemory::default()
+                },
+            },
         }
         .shortfall()
         .map(|s| s.gpu.is_some())
@@ -683,10 +692,8 @@ fn admission_weighs_available_memory_the_reserve_and_gtt() {
         "not enough memory to start profile 320k: it needs 88.0 GiB (planned_memory), \
          52.0 GiB is available, and memory.reserve keeps 8.0 GiB free"
     );
-    let gtt = MemoryCheck {
-        gtt_used: Some(82 * GIB),
-        ..memory(true)
-    };
+    let mut gtt = memory(true);
+    gtt.now.gpu.gtt_used = Some(82 * GIB);
     assert_eq!(
         gtt.shortfall().unwrap().describe("320k"),
         "not enough GPU memory to start profile 320k: it needs 88.0 GiB (planned_memory), \
@@ -700,14 +707,18 @@ fn with_a_large_vram_carve_out_admission_counts_vram_not_gtt() {
     let carve_out = |vram_used: u64, available: u64| MemoryCheck {
         planned: Some(88 * GIB),
         reserve: 8 * GIB,
-        available: Some(available * GIB),
-        gtt_used: Some(GIB / 2),
-        gtt_total: Some(16 * GIB),
-        vram_used: Some(vram_used * GIB),
-        vram_total: Some(96 * GIB),
+        now: MemoryFigures {
+            available: Some(available * GIB),
+            gpu: GpuMemory {
+                gtt_used: Some(GIB / 2),
+                gtt_total: Some(16 * GIB),
+                vram_used: Some(vram_used * GIB),
+                vram_total: Some(96 * GIB),
+            },
+        },
     };
-    assert_eq!(carve_out(1, 25).pool(), Some(MemoryPool::Vram));
-    assert_eq!(memory(true).pool(), Some(MemoryPool::Gtt));
+    assert_eq!(carve_out(1, 25).now.gpu.pool(), Some(MemoryPool::Vram));
+    assert_eq!(memory(true).now.gpu.pool(), Some(MemoryPool::Gtt));
     // The model goes to VRAM: 95 GiB free there; system RAM is not charged with it.
     assert_eq!(carve_out(1, 25).shortfall(), None);
     // Another process holds VRAM.

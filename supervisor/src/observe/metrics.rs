@@ -8,7 +8,7 @@
 //! A figure the host does not report has no line.
 
 use dsv4_client::kv::KvStatus;
-use dsv4_client::telemetry::{Sample, ThrottleKind};
+use dsv4_client::telemetry::{Sample, Sensor, ThrottleKind};
 use dsv4_client::{PowerStatus, State, ThermalStatus};
 use prometheus_client::encoding::EncodeLabelSet;
 use prometheus_client::metrics::counter::Counter;
@@ -59,6 +59,15 @@ struct LevelLabel {
 #[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
 struct KindLabel {
     kind: &'static str,
+}
+
+/// The temperature family's help: each sensor's label and where it is read.
+fn temperature_help() -> String {
+    let sensors: Vec<String> = Sensor::ALL
+        .iter()
+        .map(|s| format!("{} ({})", s.label(), s.about().source))
+        .collect();
+    format!("Temperatures: {}.", sensors.join(", "))
 }
 
 /// Registers `metric` under `name` and hands it back to be set.
@@ -312,22 +321,22 @@ fn host(reg: &mut Registry, sample: Option<&Sample>) {
         (
             "dsv4_gtt_used_bytes",
             "GPU memory in GTT (system RAM mapped for the GPU) in use.",
-            bytes(gpu.and_then(|g| g.gtt_used)),
+            bytes(gpu.and_then(|g| g.memory.gtt_used)),
         ),
         (
             "dsv4_gtt_total_bytes",
             "GTT the GPU may use (ttm.pages_limit x 4096 on an APU).",
-            bytes(gpu.and_then(|g| g.gtt_total)),
+            bytes(gpu.and_then(|g| g.memory.gtt_total)),
         ),
         (
             "dsv4_vram_used_bytes",
             "GPU memory in VRAM (on an APU, the firmware's carve-out) in use.",
-            bytes(gpu.and_then(|g| g.vram_used)),
+            bytes(gpu.and_then(|g| g.memory.vram_used)),
         ),
         (
             "dsv4_vram_total_bytes",
             "VRAM of the GPU.",
-            bytes(gpu.and_then(|g| g.vram_total)),
+            bytes(gpu.and_then(|g| g.memory.vram_total)),
         ),
         (
             "dsv4_memory_total_bytes",
@@ -375,24 +384,18 @@ fn host(reg: &mut Registry, sample: Option<&Sample>) {
     for (name, help, value) in figures {
         gauge_opt(reg, name, help, value);
     }
-    let t = &s.temperatures;
     let temperatures = add(
         reg,
         "dsv4_temperature_celsius",
-        "Temperatures: edge (GPU), tctl (CPU control), ccd_max (hottest CCD), gfx and soc \
-         (gpu_metrics).",
+        &temperature_help(),
         Family::<SensorLabel, FloatGauge>::default(),
     );
-    for (sensor, v) in [
-        ("edge", t.edge),
-        ("tctl", t.tctl),
-        ("ccd_max", t.ccd_max),
-        ("gfx", t.gfx),
-        ("soc", t.soc),
-    ] {
-        if let Some(v) = v {
-            temperatures.get_or_create(&SensorLabel { sensor }).set(v);
-        }
+    for (sensor, v) in s.temperatures.read() {
+        temperatures
+            .get_or_create(&SensorLabel {
+                sensor: sensor.label(),
+            })
+            .set(v);
     }
     let p = &s.power;
     let power = add(
@@ -571,16 +574,17 @@ mod tests {
             }),
             gpu: Some(Gpu {
                 card: "card1".into(),
-                gtt_used: Some(81),
-                gtt_total: Some(112),
+                memory: GpuMemory {
+                    gtt_used: Some(81),
+                    gtt_total: Some(112),
+                    ..GpuMemory::default()
+                },
                 busy_percent: Some(97.0),
                 ..Gpu::default()
             }),
-            temperatures: Temperatures {
-                edge: Some(73.0),
-                tctl: Some(74.25),
-                ..Temperatures::default()
-            },
+            temperatures: [(Sensor::Edge, 73.0), (Sensor::Tctl, 74.25)]
+                .into_iter()
+                .collect(),
             power: Power {
                 soc: Some(69.6),
                 ..Power::default()

@@ -13,7 +13,7 @@ use std::collections::VecDeque;
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
-use dsv4_client::telemetry::{Resources, Sample};
+use dsv4_client::telemetry::{Resources, Sample, Sensor};
 use tokio::sync::{oneshot, watch};
 
 use crate::config::Config;
@@ -87,9 +87,12 @@ impl Telemetry {
     }
 }
 
+/// The mean, to a thousandth (the sensors' own resolution: millidegrees, milliwatts): a
+/// figure that held still reads as it was, whatever the number of samples (six readings of
+/// 69.6 W sum to a mean of 69.60000000000001 otherwise).
 fn mean(values: impl Iterator<Item = f64>) -> Option<f64> {
     let (sum, n) = values.fold((0.0, 0u32), |(s, n), v| (s + v, n + 1));
-    (n > 0).then(|| sum / f64::from(n))
+    (n > 0).then(|| (sum / f64::from(n) * 1000.0).round() / 1000.0)
 }
 
 /// The per-request figures over `samples` (in order); `before` is the sample before the
@@ -110,15 +113,19 @@ fn summarize<'a>(
     }
     Resources {
         samples: samples.clone().count() as u32,
-        edge_mean_c: mean(samples.clone().filter_map(|s| s.temperatures.edge)),
+        edge_mean_c: mean(
+            samples
+                .clone()
+                .filter_map(|s| s.temperatures.get(Sensor::Edge)),
+        ),
         edge_max_c: samples
             .clone()
-            .filter_map(|s| s.temperatures.edge)
+            .filter_map(|s| s.temperatures.get(Sensor::Edge))
             .reduce(f64::max),
         soc_power_mean_w: mean(samples.clone().filter_map(|s| s.power.soc)),
         gtt_peak_bytes: samples
             .clone()
-            .filter_map(|s| s.gpu.as_ref()?.gtt_used)
+            .filter_map(|s| s.gpu.as_ref()?.memory.gtt_used)
             .max(),
         available_min_bytes: samples.filter_map(|s| Some(s.memory?.available)).min(),
         throttle_seconds,
@@ -250,7 +257,7 @@ async fn run(
 #[cfg(test)]
 mod tests {
     use super::*;
-    use dsv4_client::telemetry::{Gpu, Memory, Temperatures, Throttle};
+    use dsv4_client::telemetry::{Gpu, GpuMemory, Memory, Throttle};
 
     fn sample(at: f64, edge: f64, gtt: u64, active: bool) -> Arc<Sample> {
         Arc::new(Sample {
@@ -262,13 +269,13 @@ mod tests {
                 swap_free: 0,
             }),
             gpu: Some(Gpu {
-                gtt_used: Some(gtt),
+                memory: GpuMemory {
+                    gtt_used: Some(gtt),
+                    ..GpuMemory::default()
+                },
                 ..Gpu::default()
             }),
-            temperatures: Temperatures {
-                edge: Some(edge),
-                ..Temperatures::default()
-            },
+            temperatures: [(Sensor::Edge, edge)].into_iter().collect(),
             throttle: Throttle {
                 active,
                 ..Throttle::default()
@@ -281,6 +288,17 @@ mod tests {
         let t = Telemetry::none();
         t.ring.lock().unwrap().extend(samples);
         t
+    }
+
+    /// A figure that held still has that figure as its mean, however many samples it has.
+    #[test]
+    fn a_steady_figure_is_its_own_mean() {
+        for n in 1..=64 {
+            assert_eq!(mean(std::iter::repeat_n(69.6, n)), Some(69.6), "{n} samples");
+            assert_eq!(mean(std::iter::repeat_n(73.25, n)), Some(73.25), "{n} samples");
+        }
+        assert_eq!(mean([70.0, 71.0, 71.0].into_iter()), Some(70.667));
+        assert_eq!(mean(std::iter::empty()), None);
     }
 
     #[test]

@@ -17,8 +17,8 @@ use http_body_util::BodyExt;
 use serde_json::{json, Value};
 use tokio::time::Instant;
 
+use crate::kv::slots::Engine as _;
 use crate::lifecycle::engine_ref::EngineRef;
-use crate::lifecycle::kv_steps::send;
 
 use super::{DECODE_PROMPT, DECODE_TOKENS};
 
@@ -144,8 +144,9 @@ pub(super) async fn chat(engine: &EngineRef, body: Value) -> Result<Done, String
 
 /// A request whose answer carries llama-server's `timings`.
 async fn timed(engine: &EngineRef, path: &str, body: Value) -> Result<Done, String> {
-    let v: Value =
-        crate::lifecycle::kv_steps::call_json(engine, http::Method::POST, path, Some(body)).await?;
+    let v: Value = engine
+        .call_json(http::Method::POST, path, Some(body))
+        .await?;
     let t = &v["timings"];
     let n = |k: &str| t[k].as_u64().unwrap_or(0);
     let f = |k: &str| t[k].as_f64().unwrap_or(0.0);
@@ -211,8 +212,7 @@ pub(super) fn vision_request(image: &str, decode: bool) -> Value {
 }
 
 pub(super) async fn build_info(engine: &EngineRef) -> Result<String, String> {
-    let v: Value =
-        crate::lifecycle::kv_steps::call_json(engine, http::Method::GET, "/props", None).await?;
+    let v: Value = engine.call_json(http::Method::GET, "/props", None).await?;
     Ok(v["build_info"].as_str().unwrap_or_default().to_string())
 }
 
@@ -220,13 +220,13 @@ pub(super) async fn build_info(engine: &EngineRef) -> Result<String, String> {
 async fn exact_prompt(engine: &EngineRef, n: u64) -> Result<Vec<u64>, String> {
     let mut text = TEXT.repeat(64);
     loop {
-        let v: Value = crate::lifecycle::kv_steps::call_json(
-            engine,
-            http::Method::POST,
-            "/tokenize",
-            Some(json!({"content": text, "add_special": false})),
-        )
-        .await?;
+        let v: Value = engine
+            .call_json(
+                http::Method::POST,
+                "/tokenize",
+                Some(json!({"content": text, "add_special": false})),
+            )
+            .await?;
         let tokens: Vec<u64> = v["tokens"]
             .as_array()
             .ok_or("the engine's /tokenize answered no tokens")?
@@ -302,7 +302,9 @@ async fn streamed(engine: &EngineRef, prompt: &str, max_tokens: u64) -> Result<D
     });
     let work = async {
         let sent = Instant::now();
-        let resp = send(engine, http::Method::POST, "/v1/completions", Some(body)).await?;
+        let resp = engine
+            .send(http::Method::POST, "/v1/completions", Some(body))
+            .await?;
         let status = resp.status();
         let mut body = resp.into_body();
         if status != http::StatusCode::OK {

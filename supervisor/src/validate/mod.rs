@@ -485,7 +485,7 @@ impl Validator {
         let gtt = |s: &Option<Arc<dsv4_client::telemetry::Sample>>| {
             s.as_ref()
                 .and_then(|s| s.gpu.as_ref())
-                .and_then(|g| g.gtt_used)
+                .and_then(|g| g.memory.gtt_used)
         };
         let available = |s: &Option<Arc<dsv4_client::telemetry::Sample>>| {
             s.as_ref()

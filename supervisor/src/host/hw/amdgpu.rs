@@ -12,9 +12,9 @@
 //!
 //! On Strix Halo the VRAM is only the firmware's carve-out; with the usual 512 MiB of it the
 //! engine's memory is GTT, capped by `ttm.pages_limit`. Set to a large carve-out in the BIOS
-//! (96 GiB, say), the model lives in VRAM instead: [`MemoryPool::of`] tells which.
+//! (96 GiB, say), the model lives in VRAM instead: [`GpuMemory::pool`] tells which.
 
-use dsv4_client::telemetry::{Gpu, MemoryPool};
+use dsv4_client::telemetry::{Gpu, GpuMemory};
 
 use crate::host::hw::gpu_metrics::{self, DecodeError, Metrics};
 use crate::host::sysroot::SysRoot;
@@ -72,6 +72,16 @@ impl Card {
     }
 
     /// Memory, busy and the performance level.
+    /// Its GTT and VRAM, used and total.
+    pub fn memory(&self, root: &SysRoot) -> GpuMemory {
+        GpuMemory {
+            gtt_used: self.number(root, "mem_info_gtt_used"),
+            gtt_total: self.number(root, "mem_info_gtt_total"),
+            vram_used: self.number(root, "mem_info_vram_used"),
+            vram_total: self.number(root, "mem_info_vram_total"),
+        }
+    }
+
     pub fn read(&self, root: &SysRoot) -> Gpu {
         let level = root
             .read(&format!(
@@ -81,15 +91,11 @@ impl Card {
             .ok()
             .map(|l| l.trim().to_string())
             .filter(|l| !l.is_empty() && l.len() <= 32);
-        let gtt_total = self.number(root, "mem_info_gtt_total");
-        let vram_total = self.number(root, "mem_info_vram_total");
+        let memory = self.memory(root);
         Gpu {
             card: self.name.clone(),
-            gtt_used: self.number(root, "mem_info_gtt_used"),
-            gtt_total,
-            vram_used: self.number(root, "mem_info_vram_used"),
-            vram_total,
-            pool: MemoryPool::of(vram_total, gtt_total),
+            memory,
+            pool: memory.pool(),
             busy_percent: self
                 .number(root, "gpu_busy_percent")
                 .filter(|p| *p <= 100)

@@ -44,16 +44,16 @@ fn strix_point_v3_0() {
     let gpu = sample.gpu.unwrap();
     assert_eq!(gpu.card, "card1");
     assert_eq!(gpu.busy_percent, Some(3.0));
-    assert_eq!(gpu.vram_total, Some(536_870_912));
+    assert_eq!(gpu.memory.vram_total, Some(536_870_912));
     assert_eq!(
-        (gpu.gtt_used, gpu.gtt_total),
+        (gpu.memory.gtt_used, gpu.memory.gtt_total),
         (Some(3_946_811_392), Some(16_441_004_032))
     );
     assert_eq!(
         gpu.performance_level,
         Some(dsv4_client::words::GpuLevel::Auto)
     );
-    assert_eq!(sample.temperatures.edge, Some(38.0));
+    assert_eq!(sample.temperatures.get(Sensor::Edge), Some(38.0));
     assert_eq!(sample.power.soc, Some(9.087));
     assert_eq!(sample.power.socket, Some(9.839));
 }
@@ -79,10 +79,10 @@ fn phoenix_v2_1_in_centi_percent() {
 
     let sample = Sampler::new(root).sample(None, 1.0);
     let gpu = sample.gpu.unwrap();
-    assert_eq!(gpu.vram_total, Some(4_294_967_296));
-    assert_eq!(gpu.gtt_used, Some(211_398_656));
-    assert_eq!(sample.temperatures.edge, Some(25.0));
-    assert_eq!(sample.temperatures.gfx, Some(25.0));
+    assert_eq!(gpu.memory.vram_total, Some(4_294_967_296));
+    assert_eq!(gpu.memory.gtt_used, Some(211_398_656));
+    assert_eq!(sample.temperatures.get(Sensor::Edge), Some(25.0));
+    assert_eq!(sample.temperatures.get(Sensor::Gfx), Some(25.0));
     assert_eq!(sample.power.soc, Some(3.103));
 }
 
@@ -110,15 +110,15 @@ fn discrete_cards_v1_3() {
         let g = sample.gpu.unwrap();
         assert_eq!(g.card, card, "{gpu}");
         assert_eq!(g.busy_percent, Some(busy), "{gpu}");
-        assert_eq!(sample.temperatures.edge, Some(edge), "{gpu}");
-        assert_eq!(sample.temperatures.gfx, None, "{gpu}");
+        assert_eq!(sample.temperatures.get(Sensor::Edge), Some(edge), "{gpu}");
+        assert_eq!(sample.temperatures.get(Sensor::Gfx), None, "{gpu}");
         assert!(!sample.throttle.supported, "{gpu}");
     }
     let g = Sampler::new(capture("rx6900xt"))
         .sample(None, 1.0)
         .gpu
         .unwrap();
-    assert_eq!(g.vram_total, Some(17_163_091_968));
+    assert_eq!(g.memory.vram_total, Some(17_163_091_968));
     assert_eq!(
         g.performance_level,
         Some(dsv4_client::words::GpuLevel::Auto)

@@ -20,44 +20,19 @@ use std::time::Duration;
 // Outside a runtime (the sampler's thread) this is the std clock.
 use tokio::time::Instant;
 
-use dsv4_client::telemetry::{Power, Sample, Temperatures};
+use dsv4_client::telemetry::{GpuMemory, MemoryFigures, Power, Sample, Sensor, Temperatures};
 
 use crate::host::sysroot::SysRoot;
 
 /// How often devices not found are looked for again (a driver loaded after the daemon).
 const LOOK_AGAIN: Duration = Duration::from_secs(60);
 
-/// The memory figures a start is admitted on, read fresh: MemAvailable and the GPU's GTT
-/// and VRAM.
-#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
-pub struct MemoryNow {
-    pub available: Option<u64>,
-    pub gtt_used: Option<u64>,
-    pub gtt_total: Option<u64>,
-    pub vram_used: Option<u64>,
-    pub vram_total: Option<u64>,
-}
-
-impl MemoryNow {
-    /// The used bytes of the GPU memory the model lives in (see `MemoryPool::of`).
-    pub fn pool_used(&self) -> Option<u64> {
-        match dsv4_client::telemetry::MemoryPool::of(self.vram_total, self.gtt_total)? {
-            dsv4_client::telemetry::MemoryPool::Gtt => self.gtt_used,
-            dsv4_client::telemetry::MemoryPool::Vram => self.vram_used,
-        }
-    }
-}
-
-/// Reads [`MemoryNow`] (the card is looked for each time: this is for the rare moments an
-/// engine starts or stops, not for sampling).
-pub fn memory_now(root: &SysRoot) -> MemoryNow {
-    let gpu = amdgpu::Card::find(root).map(|c| c.read(root));
-    MemoryNow {
+/// Reads the [`MemoryFigures`] a start is admitted on (the card is looked for each time: this
+/// is for the rare moments an engine starts or stops, not for sampling).
+pub fn memory_now(root: &SysRoot) -> MemoryFigures {
+    MemoryFigures {
         available: meminfo::read(root).map(|m| m.available),
-        gtt_used: gpu.as_ref().and_then(|g| g.gtt_used),
-        gtt_total: gpu.as_ref().and_then(|g| g.gtt_total),
-        vram_used: gpu.as_ref().and_then(|g| g.vram_used),
-        vram_total: gpu.as_ref().and_then(|g| g.vram_total),
+        gpu: amdgpu::Card::find(root).map_or_else(GpuMemory::default, |c| c.memory(root)),
     }
 }
 
@@ -124,12 +99,12 @@ impl Sampler {
         let mut power = Power::default();
         let mut throttle_reading = None;
         let gpu = self.card.as_ref().map(|card| {
-            temperatures.edge = card.edge_celsius(root);
+            temperatures.set(Sensor::Edge, card.edge_celsius(root));
             power.soc = card.power_watts(root);
             match card.metrics(root) {
                 Some(Ok(m)) => {
-                    temperatures.gfx = m.gfx_celsius;
-                    temperatures.soc = m.soc_celsius;
+                    temperatures.set(Sensor::Gfx, m.gfx_celsius);
+                    temperatures.set(Sensor::Soc, m.soc_celsius);
                     power.socket = m.socket_watts;
                     power.apu = m.apu_watts;
                     power.gfx = m.gfx_watts;
@@ -150,8 +125,8 @@ impl Sampler {
             card.read(root)
         });
         if let Some(k) = &self.k10temp {
-            temperatures.tctl = k.tctl(root);
-            temperatures.ccd_max = k.ccd_max(root);
+            temperatures.set(Sensor::Tctl, k.tctl(root));
+            temperatures.set(Sensor::CcdMax, k.ccd_max(root));
         }
         let engine = match engine {
             Some(pid) => self.process.read(pid),

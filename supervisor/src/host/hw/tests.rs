@@ -88,17 +88,20 @@ fn odd_and_missing_files_are_absent_figures_not_errors() {
     let mut s = Sampler::new(root);
     let sample = s.sample(None, 5.0);
     let gpu = sample.gpu.unwrap();
-    assert_eq!((gpu.gtt_used, gpu.gtt_total), (None, None));
+    assert_eq!((gpu.memory.gtt_used, gpu.memory.gtt_total), (None, None));
     assert_eq!(gpu.busy_percent, None);
-    assert_eq!(gpu.vram_total, Some(536_870_912));
-    assert_eq!(sample.temperatures.edge, None);
+    assert_eq!(gpu.memory.vram_total, Some(536_870_912));
+    assert_eq!(sample.temperatures.get(Sensor::Edge), None);
     // power1_input when there is no power1_average.
     assert_eq!(sample.power.soc, Some(61.0));
     // A table that does not decode: its figures are absent, the rest stand.
-    assert_eq!((sample.power.socket, sample.temperatures.gfx), (None, None));
+    assert_eq!(
+        (sample.power.socket, sample.temperatures.get(Sensor::Gfx)),
+        (None, None)
+    );
     assert!(!sample.throttle.supported);
     assert_eq!(sample.pressure, None);
-    assert_eq!(sample.temperatures.tctl, Some(74.25));
+    assert_eq!(sample.temperatures.get(Sensor::Tctl), Some(74.25));
     assert!(sample.memory.is_some());
 }
 

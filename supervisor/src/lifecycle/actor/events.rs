@@ -3,9 +3,15 @@
 
 use super::*;
 
-use std::path::Path;
-
 use dsv4_engine::procs::{self, PortHolder};
+
+/// Whether an engine that exited before it was ready has had its port looked at: another
+/// process may have held it.
+#[derive(Debug)]
+pub(super) enum PortLook {
+    NotYet,
+    Done(Option<procs::Stranger>),
+}
 
 pub(super) enum Command {
     Acquire {
@@ -68,6 +74,7 @@ pub(super) enum Internal {
     Exited {
         gen: Gen,
         report: ExitReport,
+        port: PortLook,
     },
     /// The KV restore (`restore`) or save of generation `gen` is over.
     KvDone {
@@ -225,25 +232,38 @@ impl Actor {
                     false => Event::KvSaved { gen },
                 })
             }
-            Internal::Exited { gen, report } => {
+            Internal::Exited { gen, report, port } => {
+                // Before it was ready, with no stranger seen on its port yet: it may have
+                // found the port taken itself (llama-server: "couldn't bind"). That is a look
+                // at /proc, done off the actor's turn; the exit is taken up again after it.
+                if let (PortLook::NotYet, Some(e), Phase::Starting { .. }) = (
+                    &port,
+                    self.engine.as_ref().filter(|e| e.shared.gen == gen),
+                    self.machine.phase(),
+                ) {
+                    if e.port_taken.is_none() {
+                        let port = e.shared.upstream.port();
+                        let mark: Arc<str> = e.child.mark().unwrap_or("").into();
+                        let internal = self.internal.clone();
+                        tokio::spawn(async move {
+                            let stranger = match super::probe::holder(port, mark).await {
+                                PortHolder::Other(s) => Some(s),
+                                _ => None,
+                            };
+                            let port = PortLook::Done(stranger);
+                            let _ = internal.send(Internal::Exited { gen, report, port });
+                        });
+                        return None;
+                    }
+                }
                 let mut engine = self.engine.take_if(|e| e.shared.gen == gen);
                 // An engine that could not have its port, before it was ready: once more on
                 // another port, a few times, as if nothing had happened.
                 let mut taken = None;
                 if let (Some(e), Phase::Starting { .. }) = (&mut engine, self.machine.phase()) {
                     taken = e.port_taken.take();
-                    // It may have found the port taken itself (llama-server: "couldn't bind").
-                    // A rare look at /proc, a few milliseconds, on the actor's own turn.
-                    if taken.is_none() {
-                        let port = e.shared.upstream.port();
-                        let found = procs::port_holder(
-                            Path::new("/proc"),
-                            port,
-                            e.child.mark().unwrap_or(""),
-                        );
-                        if let Ok(PortHolder::Other(s)) = found {
-                            taken = Some(s);
-                        }
+                    if let PortLook::Done(found) = port {
+                        taken = taken.or(found);
                     }
                 }
                 if let (Some(stranger), Some(e)) = (&taken, &engine) {

@@ -43,11 +43,10 @@ impl Actor {
         let handle = tokio::spawn(async move {
             let name = profile.name.clone();
             if restore {
-                let step =
-                    crate::lifecycle::kv_steps::restore(engine, profile, facts, book.clone()).await;
+                let step = crate::kv::slots::restore(engine, profile, facts, book.clone()).await;
                 book.restored(&name, step);
             } else {
-                let step = crate::lifecycle::kv_steps::save(engine, profile, facts).await;
+                let step = crate::kv::slots::save(engine, profile, facts).await;
                 book.saved(&name, step);
             }
             let _ = internal.send(Internal::KvDone { gen, restore });

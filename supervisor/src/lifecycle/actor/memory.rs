@@ -20,7 +20,7 @@ pub(super) const MEMORY_RETURN_MARGIN: u64 = 2 << 30;
 /// spawned: that engine's allocations are never counted as this one's.
 pub(super) async fn memory_comes_back(
     sysroot: SysRoot,
-    before: crate::host::hw::MemoryNow,
+    before: MemoryFigures,
     profile: String,
     within: Duration,
     alerts: Alerts,
@@ -48,7 +48,7 @@ pub(super) async fn memory_comes_back(
             _ => true,
         };
         // GTT, or VRAM where the model lives in a large carve-out.
-        let gpu_back = match (before.pool_used(), now.pool_used()) {
+        let gpu_back = match (before.gpu.pool_used(), now.gpu.pool_used()) {
             (Some(b), Some(n)) => n <= b + MEMORY_RETURN_MARGIN,
             _ => true,
         };
@@ -66,10 +66,10 @@ pub(super) async fn memory_comes_back(
         // (no longer than `within`) never overlaps it.
         if started.elapsed() + MEMORY_LOOK_EVERY >= within {
             let mut parts = Vec::new();
-            if let (false, Some(b), Some(n)) = (gpu_back, before.pool_used(), now.pool_used()) {
-                let pool =
-                    dsv4_client::telemetry::MemoryPool::of(before.vram_total, before.gtt_total)
-                        .map_or("GPU memory", |p| p.name());
+            if let (false, Some(b), Some(n)) =
+                (gpu_back, before.gpu.pool_used(), now.gpu.pool_used())
+            {
+                let pool = before.gpu.pool().map_or("GPU memory", |p| p.name());
                 parts.push(format!(
                     "{pool} in use is {:.1} GiB, {:.1} GiB before it started",
                     gib(n),
@@ -107,7 +107,7 @@ pub(super) const MEMORY_LOOK_EVERY: Duration = Duration::from_millis(250);
 
 /// [`crate::host::hw::memory_now`] on a blocking worker: sysfs reads may stall (the SMU), and the
 /// runtime's one thread carries every stream.
-pub(super) async fn memory_now_off_thread(sysroot: &SysRoot) -> crate::host::hw::MemoryNow {
+pub(super) async fn memory_now_off_thread(sysroot: &SysRoot) -> MemoryFigures {
     let root = sysroot.clone();
     tokio::task::spawn_blocking(move || crate::host::hw::memory_now(&root))
         .await

@@ -19,7 +19,7 @@ mod probe;
 mod publish;
 mod spawn;
 
-use events::{Command, Internal};
+use events::{Command, Internal, PortLook};
 pub use handle::{Handle, Lease};
 
 use memory::{memory_comes_back, memory_now_off_thread, NOT_ADMITTED_GAP};
@@ -31,6 +31,7 @@ use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::Arc;
 use std::time::{Duration, SystemTime};
 
+use dsv4_client::telemetry::MemoryFigures;
 use dsv4_client::AlertKind;
 use dsv4_engine::{EngineChild, ExitReport, OutputTail, Readiness, SpawnSpec};
 use nix::sys::signal::Signal;
@@ -96,7 +97,7 @@ struct Engine {
     /// The KV restore or save running for it, if one does.
     kv_task: Option<KvTask>,
     /// What its KV steps learned: its key, the checkpoint being restored.
-    kv: Arc<crate::lifecycle::kv_steps::EngineKv>,
+    kv: Arc<crate::kv::slots::EngineKv>,
     /// A validation ran on it (its profile's checkpoints were suspended while it lived): its
     /// slots hold the benchmark's prompts, so it neither restores nor saves, ever.
     validated: bool,
@@ -104,7 +105,7 @@ struct Engine {
     term_at: Option<Instant>,
     ready_at: Option<SystemTime>,
     /// The memory figures just before it started, to check that they come back after it.
-    memory_before: crate::host::hw::MemoryNow,
+    memory_before: MemoryFigures,
     /// The OOM killer's count in dsv4d's cgroup just before it started (see
     /// `hw::cgroup`): a higher one at its exit names the cause.
     oom_kills_before: Option<u64>,
@@ -189,7 +190,7 @@ pub fn spawn(
         outbox: Vec::new(),
         exited: false,
         stalled: false,
-        memory_read: crate::host::hw::MemoryNow::default(),
+        memory_read: MemoryFigures::default(),
         next_spawned: None,
         not_admitted_said: None,
         gate: gate.clone(),
@@ -251,7 +252,7 @@ struct Actor {
     /// A test's fault switch: the actor stops answering, as a hung one would.
     stalled: bool,
     /// The memory figures read before the event being handled (off the runtime's thread).
-    memory_read: crate::host::hw::MemoryNow,
+    memory_read: MemoryFigures,
     /// Tells the check of the last engine's memory that the next engine is spawned.
     next_spawned: Option<watch::Sender<bool>>,
     /// When a start refused for memory was last logged and alerted.
@@ -536,15 +537,10 @@ impl Actor {
             .profile(self.machine.profile())
             .and_then(|p| p.planned_memory);
         let reserve = self.config.supervisor.memory.reserve;
-        let now = self.memory_read;
         MemoryCheck {
             planned,
             reserve,
-            available: now.available,
-            gtt_used: now.gtt_used,
-            gtt_total: now.gtt_total,
-            vram_used: now.vram_used,
-            vram_total: now.vram_total,
+            now: self.memory_read,
         }
     }
 }

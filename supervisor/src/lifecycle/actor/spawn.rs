@@ -158,7 +158,11 @@ impl Actor {
                 code: None,
                 signal: None,
             });
-            let _ = internal.send(Internal::Exited { gen, report });
+            let _ = internal.send(Internal::Exited {
+                gen,
+                report,
+                port: PortLook::NotYet,
+            });
         });
         self.engine = Some(Engine {
             spawned: profile.clone(),

@@ -11,6 +11,7 @@ use std::collections::BTreeMap;
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
+use dsv4_client::telemetry::Sensor;
 use dsv4_client::words::ThermalSignal;
 use dsv4_client::{SensorThermal, ThermalStatus};
 use tokio::sync::{broadcast, watch};
@@ -89,13 +90,13 @@ fn signal(e: &ThermalEvent, t: &Thresholds) -> Signal {
             level,
             celsius,
             ..
-        } => (ThermalSignal::from(*level), *sensor, *celsius),
+        } => (ThermalSignal::from(*level), sensor.label(), *celsius),
         ThermalEvent::StillCritical { sensor, celsius } => {
-            (ThermalSignal::Critical, *sensor, *celsius)
+            (ThermalSignal::Critical, sensor.label(), *celsius)
         }
         ThermalEvent::ThrottleStart { .. } => (ThermalSignal::Throttling, "throttle", f64::NAN),
         ThermalEvent::ThrottleEnd { .. } => (ThermalSignal::ThrottlingEnded, "throttle", f64::NAN),
-        ThermalEvent::Lost { sensor, .. } => (ThermalSignal::Normal, *sensor, f64::NAN),
+        ThermalEvent::Lost { sensor, .. } => (ThermalSignal::Normal, sensor.label(), f64::NAN),
     };
     Signal {
         level,
@@ -143,7 +144,6 @@ pub fn spawn(
             };
             let cfg = config.borrow().supervisor.thermal.clone();
             let t = thresholds(&cfg);
-            let temps = [sample.temperatures.edge, sample.temperatures.tctl];
             let kinds: Vec<String> = sample
                 .throttle
                 .kinds
@@ -151,7 +151,7 @@ pub fn spawn(
                 .map(|k| k.as_str().to_string())
                 .collect();
             let throttled = sample.throttle.active.then_some(kinds.as_slice());
-            for e in state.step(&t, temps, throttled, sample.at) {
+            for e in state.step(&t, &sample.temperatures, throttled, sample.at) {
                 let s = signal(&e, &t);
                 match e {
                     ThermalEvent::Level {
@@ -169,11 +169,11 @@ pub fn spawn(
                         ..
                     }
                     | ThermalEvent::Lost { sensor, .. } => {
-                        now.remove(sensor);
+                        now.remove(sensor.label());
                     }
                     ThermalEvent::Level { sensor, .. }
                     | ThermalEvent::StillCritical { sensor, .. } => {
-                        now.insert(sensor, s.clone());
+                        now.insert(sensor.label(), s.clone());
                     }
                     ThermalEvent::ThrottleStart { .. } => {
                         now.insert("throttle", s.clone());
@@ -188,7 +188,7 @@ pub fn spawn(
             let acts = cfg.on_critical != OnCritical::Notify;
             if critical && acts && !hot {
                 hot = true;
-                let (sensor, peak) = state.hottest().unwrap_or(("edge", f64::NAN));
+                let (sensor, peak) = state.hottest().unwrap_or((Sensor::Edge, f64::NAN));
                 let message = format!("{sensor} at {peak:.1} C, critical at {:.0} C", t.critical);
                 let drain = (cfg.on_critical == OnCritical::Stop).then_some(STOP_DRAIN);
                 tracing::warn!("thermal: {message}: {}", action(cfg.on_critical));
@@ -203,11 +203,11 @@ pub fn spawn(
                 }
                 lifecycle.heat(None).await;
             }
-            let sensors = rules::SENSORS
+            let sensors = state
+                .sensors
                 .iter()
-                .zip(&state.sensors)
-                .map(|(name, s)| SensorThermal {
-                    sensor: name.to_string(),
+                .map(|(sensor, s)| SensorThermal {
+                    sensor: sensor.label().to_string(),
                     level: s.level,
                     since: s.since,
                     peak: s.peak,

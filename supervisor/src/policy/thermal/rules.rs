@@ -11,6 +11,9 @@
 //! While critical, a reminder goes out every [`REMINDER`]. Throttling starts with the first
 //! sample that saw it, and ends after [`QUIET`] without any.
 
+use std::collections::BTreeMap;
+
+use dsv4_client::telemetry::{Sensor, Temperatures};
 use serde::{Deserialize, Serialize};
 
 /// How often a critical level is announced again while it holds.
@@ -20,9 +23,6 @@ pub const QUIET: f64 = 30.0;
 /// How long a hot sensor may give no reading before its level is dropped: a sensor that
 /// went away must not keep requests refused for ever.
 pub const LOST: f64 = 60.0;
-
-/// The sensors watched, as named in events and metrics.
-pub const SENSORS: [&str; 2] = ["edge", "tctl"];
 
 /// A sensor's level: the client crate's word, which the status and the signals carry.
 pub use dsv4_client::words::ThermalLevel as Level;
@@ -40,19 +40,19 @@ pub struct Thresholds {
 pub enum ThermalEvent {
     /// `sensor` went to `level` (up or down), at `celsius`.
     Level {
-        sensor: &'static str,
+        sensor: Sensor,
         level: Level,
         from: Level,
         celsius: f64,
     },
     /// Still critical: the reminder.
-    StillCritical { sensor: &'static str, celsius: f64 },
+    StillCritical { sensor: Sensor, celsius: f64 },
     /// The hardware started throttling, for these reasons.
     ThrottleStart { kinds: Vec<String> },
     /// No throttling for [`QUIET`] seconds; `seconds`: how long the episode lasted.
     ThrottleEnd { seconds: f64 },
     /// A sensor above normal gave no reading for [`LOST`] seconds: its level is dropped.
-    Lost { sensor: &'static str, from: Level },
+    Lost { sensor: Sensor, from: Level },
 }
 
 /// One sensor's state.
@@ -72,7 +72,8 @@ pub struct SensorState {
 
 #[derive(Debug, Clone, Default, PartialEq)]
 pub struct Thermal {
-    pub sensors: [SensorState; 2],
+    /// The watched sensors' states (see [`Sensor::watched`]).
+    pub sensors: BTreeMap<Sensor, SensorState>,
     /// Throttling since (unix s), while an episode lasts.
     pub throttling_since: Option<f64>,
     last_throttled: f64,
@@ -82,47 +83,44 @@ impl Thermal {
     /// The highest level of any sensor.
     pub fn level(&self) -> Level {
         self.sensors
-            .iter()
+            .values()
             .map(|s| s.level)
             .max()
             .unwrap_or_default()
     }
 
     /// The sensor at the highest level and its peak, for messages.
-    pub fn hottest(&self) -> Option<(&'static str, f64)> {
-        SENSORS
+    pub fn hottest(&self) -> Option<(Sensor, f64)> {
+        self.sensors
             .iter()
-            .zip(&self.sensors)
             .filter(|(_, s)| s.level > Level::Normal)
             .max_by(|a, b| a.1.level.cmp(&b.1.level))
-            .and_then(|(name, s)| Some((*name, s.peak?)))
+            .and_then(|(sensor, s)| Some((*sensor, s.peak?)))
     }
 
-    /// The events of a sample taken at `at`: the sensors' temperatures (in [`SENSORS`]
-    /// order; `None`: not measured, which changes nothing), and whether it saw throttling.
+    /// The events of a sample taken at `at`: the watched sensors' temperatures (one not
+    /// measured changes nothing), and whether it saw throttling.
     pub fn step(
         &mut self,
         t: &Thresholds,
-        temps: [Option<f64>; 2],
+        temps: &Temperatures,
         throttled: Option<&[String]>,
         at: f64,
     ) -> Vec<ThermalEvent> {
         let mut events = Vec::new();
-        for (i, celsius) in temps.into_iter().enumerate() {
-            let Some(c) = celsius.filter(|c| c.is_finite()) else {
-                let s = &mut self.sensors[i];
+        for sensor in Sensor::watched() {
+            let s = self.sensors.entry(sensor).or_default();
+            let Some(c) = temps.get(sensor).filter(|c| c.is_finite()) else {
                 if s.level > Level::Normal && at - s.seen >= LOST {
                     events.push(ThermalEvent::Lost {
-                        sensor: SENSORS[i],
+                        sensor,
                         from: s.level,
                     });
                     *s = SensorState::default();
                 }
                 continue;
             };
-            let s = &mut self.sensors[i];
             s.seen = at;
-            let sensor = SENSORS[i];
             let level = next_level(s.level, c, t);
             if level != s.level {
                 events.push(ThermalEvent::Level {
@@ -239,12 +237,20 @@ mod tests {
         hysteresis: 5.0,
     };
 
+    /// A sample's temperatures: edge and Tctl.
+    fn temps(edge: Option<f64>, tctl: Option<f64>) -> Temperatures {
+        let mut t = Temperatures::default();
+        t.set(Sensor::Edge, edge);
+        t.set(Sensor::Tctl, tctl);
+        t
+    }
+
     /// Feeds the edge temperatures, one second apart; the levels announced.
-    fn edge(temps: &[f64]) -> Vec<(Level, f64)> {
+    fn edge(readings: &[f64]) -> Vec<(Level, f64)> {
         let mut m = Thermal::default();
         let mut out = Vec::new();
-        for (i, c) in temps.iter().enumerate() {
-            for e in m.step(&T, [Some(*c), None], None, i as f64) {
+        for (i, c) in readings.iter().enumerate() {
+            for e in m.step(&T, &temps(Some(*c), None), None, i as f64) {
                 if let ThermalEvent::Level { level, celsius, .. } = e {
                     out.push((level, celsius));
                 }
@@ -280,7 +286,7 @@ mod tests {
         let mut reminders = 0;
         for i in 0..=700 {
             let c = 95.0 + f64::from(i % 3);
-            for e in m.step(&T, [Some(c), None], None, f64::from(i)) {
+            for e in m.step(&T, &temps(Some(c), None), None, f64::from(i)) {
                 if matches!(e, ThermalEvent::StillCritical { .. }) {
                     reminders += 1;
                 }
@@ -288,25 +294,25 @@ mod tests {
         }
         // At 300 s and 600 s.
         assert_eq!(reminders, 2);
-        assert_eq!(m.sensors[0].peak, Some(97.0));
-        assert_eq!(m.sensors[0].since, Some(0.0));
-        assert_eq!(m.hottest(), Some(("edge", 97.0)));
+        assert_eq!(m.sensors[&Sensor::Edge].peak, Some(97.0));
+        assert_eq!(m.sensors[&Sensor::Edge].since, Some(0.0));
+        assert_eq!(m.hottest(), Some((Sensor::Edge, 97.0)));
     }
 
     #[test]
     fn several_sensors_each_have_their_level() {
         let mut m = Thermal::default();
-        let e = m.step(&T, [Some(86.0), Some(96.0)], None, 0.0);
+        let e = m.step(&T, &temps(Some(86.0), Some(96.0)), None, 0.0);
         assert_eq!(e.len(), 2);
         assert_eq!(m.level(), Level::Critical);
-        assert_eq!(m.hottest(), Some(("tctl", 96.0)));
+        assert_eq!(m.hottest(), Some((Sensor::Tctl, 96.0)));
         // An unmeasured sensor changes nothing.
-        assert!(m.step(&T, [None, None], None, 1.0).is_empty());
-        let e = m.step(&T, [Some(86.0), Some(70.0)], None, 2.0);
+        assert!(m.step(&T, &temps(None, None), None, 1.0).is_empty());
+        let e = m.step(&T, &temps(Some(86.0), Some(70.0)), None, 2.0);
         assert_eq!(
             e,
             [ThermalEvent::Level {
-                sensor: "tctl",
+                sensor: Sensor::Tctl,
                 level: Level::Normal,
                 from: Level::Critical,
                 celsius: 70.0
@@ -330,7 +336,7 @@ mod tests {
             (51.0, false),
         ] {
             let kinds = throttled.then_some(thermal.as_slice());
-            for e in m.step(&T, [None, None], kinds, at) {
+            for e in m.step(&T, &temps(None, None), kinds, at) {
                 log.push((at, e));
             }
         }
@@ -352,27 +358,27 @@ mod tests {
     #[test]
     fn a_hot_sensor_that_stops_reading_is_dropped_after_a_while() {
         let mut m = Thermal::default();
-        m.step(&T, [Some(97.0), None], None, 0.0);
+        m.step(&T, &temps(Some(97.0), None), None, 0.0);
         assert_eq!(m.level(), Level::Critical);
-        assert!(m.step(&T, [None, None], None, 59.0).is_empty());
-        let e = m.step(&T, [None, None], None, 60.0);
+        assert!(m.step(&T, &temps(None, None), None, 59.0).is_empty());
+        let e = m.step(&T, &temps(None, None), None, 60.0);
         assert_eq!(
             e,
             [ThermalEvent::Lost {
-                sensor: "edge",
+                sensor: Sensor::Edge,
                 from: Level::Critical
             }]
         );
         assert_eq!(m.level(), Level::Normal);
         assert!(describe(&e[0], &T).starts_with("edge temperature: no reading for 60 s"));
         // A cool sensor that stops reading says nothing.
-        assert!(m.step(&T, [None, None], None, 200.0).is_empty());
+        assert!(m.step(&T, &temps(None, None), None, 200.0).is_empty());
     }
 
     #[test]
     fn events_say_the_temperature() {
         let e = ThermalEvent::Level {
-            sensor: "edge",
+            sensor: Sensor::Edge,
             level: Level::Critical,
             from: Level::Warn,
             celsius: 96.25,
@@ -382,7 +388,7 @@ mod tests {
             "edge temperature 96.2 C: critical (at or above 95 C)"
         );
         let e = ThermalEvent::Level {
-            sensor: "edge",
+            sensor: Sensor::Edge,
             level: Level::Normal,
             from: Level::Warn,
             celsius: 78.0,
