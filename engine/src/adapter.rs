@@ -1,10 +1,14 @@
 //! The engine kinds and the settings they are started with. What each kind is (argv,
 //! readiness, stop, key, KV, validation) is its description's, in [`crate::kinds`].
 
+use std::borrow::Cow;
 use std::ffi::OsString;
 use std::fmt;
 use std::path::{Path, PathBuf};
 use std::str::FromStr;
+use std::time::Duration;
+
+use nix::sys::signal::Signal;
 
 use crate::kinds::{self, Kind};
 
@@ -38,35 +42,45 @@ impl EngineKind {
         self.describe().name
     }
 
-    /// How the supervisor learns that a freshly spawned engine can serve.
-    pub fn readiness(self) -> Readiness {
-        self.describe().readiness
+    /// How the supervisor learns that a freshly spawned engine of profile settings `p` can
+    /// serve.
+    pub fn readiness(self, p: &EngineParams) -> Readiness {
+        (self.describe().readiness)(p)
     }
 
-    /// SIGTERM -> SIGINT grace when stopping (see [`Kind::interrupt_grace`]).
-    pub fn interrupt_grace(self) -> Option<std::time::Duration> {
-        self.describe().interrupt_grace
+    /// How an engine of profile settings `p` is stopped.
+    pub fn stop(self, p: &EngineParams) -> Stop {
+        (self.describe().stop)(p)
+    }
+
+    /// How an engine of profile settings `p` is given its key.
+    pub fn key_passing(self, p: &EngineParams) -> KeyPassing {
+        (self.describe().key)(p)
     }
 
     /// The flag that makes the engine require a key, read from the file it names, on every
-    /// request but its health check; `None` when the engine has no such option.
+    /// request but its health check, when the kind always takes its key so; `None` otherwise.
     pub fn key_file_flag(self) -> Option<&'static str> {
-        self.describe().key_file_flag
+        match self.key_passing(&EngineParams::default()) {
+            KeyPassing::File(flag) => Some(flag),
+            _ => None,
+        }
     }
 
-    /// What keeps other local users off the engine's port, in words for the status.
+    /// What keeps other local users off the engine's port, in words for the status, for an
+    /// engine of the default settings (see [`key_protection_of`](Self::key_protection_of)).
     pub fn key_protection(self) -> &'static str {
-        self.describe().key_protection
+        self.key_protection_of(&EngineParams::default())
+    }
+
+    /// What keeps other local users off the port of an engine of profile settings `p`.
+    pub fn key_protection_of(self, p: &EngineParams) -> &'static str {
+        (self.describe().key_protection)(&self.key_passing(p))
     }
 
     /// The full argv (without argv[0]) for this engine, listening on `host:port`, and
-    /// requiring the key in `key_file` when the engine can (see [`key_file_flag`]).
-    ///
-    /// Order: the profile's typed settings, then `extra_args` verbatim, then the key file,
-    /// host and port last so that nothing in `extra_args` can move the engine off the port
-    /// the supervisor picked (both engines take the last occurrence of a flag).
-    ///
-    /// [`key_file_flag`]: Self::key_file_flag
+    /// requiring the key in `key_file` when the engine takes its key from a file (see
+    /// [`launch`](Self::launch), which gives the key in every way a kind takes it).
     pub fn argv(
         self,
         p: &EngineParams,
@@ -74,18 +88,95 @@ impl EngineKind {
         port: u16,
         key_file: Option<&Path>,
     ) -> Vec<OsString> {
-        let mut a = (self.describe().settings_argv)(p);
-        a.extend(p.extra_args.iter().map(OsString::from));
-        if let (Some(flag), Some(file)) = (self.key_file_flag(), key_file) {
-            a.push(flag.into());
-            a.push(file.into());
-        }
-        a.push("--host".into());
-        a.push(host.into());
-        a.push("--port".into());
-        a.push(port.to_string().into());
-        a
+        let key = key_file.map(|file| GivenKey { file, secret: "" });
+        self.launch(p, host, port, key.as_ref()).args
     }
+
+    /// What an engine of profile settings `p` is started with: its argv (without argv[0])
+    /// and the environment it gets besides the profile's `env`, listening on `host:port`,
+    /// and given `key` as the kind takes it ([`KeyPassing`]).
+    ///
+    /// Order: the profile's typed settings, then `extra_args` verbatim, then the key, then,
+    /// for a kind whose address dsv4d sets ([`Kind::address_flags`]), host and port last so
+    /// that nothing in `extra_args` can move the engine off the port the supervisor picked
+    /// (both engines take the last occurrence of a flag).
+    pub fn launch(self, p: &EngineParams, host: &str, port: u16, key: Option<&GivenKey>) -> Launch {
+        let d = self.describe();
+        let mut args = (d.settings_argv)(p, host, port);
+        args.extend(p.extra_args.iter().map(OsString::from));
+        let mut env = Vec::new();
+        if let Some(key) = key {
+            match self.key_passing(p) {
+                KeyPassing::None => {}
+                KeyPassing::File(flag) => {
+                    args.push(flag.into());
+                    args.push(key.file.into());
+                }
+                KeyPassing::Env(name) => env.push((name.into(), key.secret.into())),
+                KeyPassing::Arg(flag) => {
+                    args.push(flag.into());
+                    args.push(key.secret.into());
+                }
+            }
+        }
+        if d.address_flags {
+            args.push("--host".into());
+            args.push(host.into());
+            args.push("--port".into());
+            args.push(port.to_string().into());
+        }
+        Launch { args, env }
+    }
+}
+
+/// The key dsv4d made for one engine: the private file it is written to, and its value.
+#[derive(Debug, Clone, Copy)]
+pub struct GivenKey<'a> {
+    pub file: &'a Path,
+    pub secret: &'a str,
+}
+
+/// What an engine is started with (see [`EngineKind::launch`]).
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Launch {
+    pub args: Vec<OsString>,
+    /// Added to its environment, after the profile's `env`.
+    pub env: Vec<(OsString, OsString)>,
+}
+
+/// How an engine is given the key that it then requires on every request but its
+/// readiness check.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum KeyPassing {
+    /// It is given none: any local user can use its port.
+    None,
+    /// `FLAG FILE`: it reads the key from the private file named after the flag.
+    File(&'static str),
+    /// In the environment variable of this name (`/proc/PID/environ` is readable by its own
+    /// user alone).
+    Env(String),
+    /// `FLAG KEY` on its command line, which every local user can read in
+    /// `/proc/PID/cmdline`: only when a profile asks for it.
+    Arg(String),
+}
+
+impl KeyPassing {
+    /// Whether the engine is given a key at all.
+    pub fn takes_key(&self) -> bool {
+        !matches!(self, KeyPassing::None)
+    }
+}
+
+/// How an engine is stopped: `signal` to its process group; SIGINT after `interrupt_grace`
+/// when it has one; SIGKILL after `grace` (`None`: the supervisor's `engine.stop_timeout`).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Stop {
+    pub signal: Signal,
+    /// `signal` -> SIGINT, for an engine that may deadlock in its handler; `None`: never
+    /// interrupted, it gets the whole grace.
+    pub interrupt_grace: Option<Duration>,
+    /// `signal` -> SIGKILL; `None`: `engine.stop_timeout`.
+    pub grace: Option<Duration>,
 }
 
 impl fmt::Display for EngineKind {
@@ -110,18 +201,25 @@ impl FromStr for EngineKind {
     }
 }
 
-/// How readiness is probed: `GET path` until it answers 200. Until then a refused
-/// connection and any other answer both mean "still loading", which covers both engines:
-/// llama-server binds its port at once and answers `/health` with 503 while it loads;
-/// ds4-server opens its port only once the model is loaded.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub struct Readiness {
-    pub path: &'static str,
+/// How readiness is probed. Until it succeeds a refused connection and any other answer
+/// both mean "still loading", which covers both ways engines load: llama-server binds its
+/// port at once and answers `/health` with 503 while it loads; ds4-server opens its port only
+/// once the model is loaded.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum Readiness {
+    /// `GET path` answers 200.
+    Get(Cow<'static, str>),
+    /// The port accepts a connection (for an engine that opens it only once it can serve).
+    Connect,
 }
 
 impl Readiness {
-    pub fn path(self) -> &'static str {
-        self.path
+    /// The path asked, when readiness is an answer to a request.
+    pub fn path(&self) -> Option<&str> {
+        match self {
+            Readiness::Get(path) => Some(path),
+            Readiness::Connect => None,
+        }
     }
 }
 

@@ -12,7 +12,9 @@ pub mod child;
 pub mod kinds;
 pub mod procs;
 
-pub use adapter::{EngineKind, EngineParams, FlashAttn, GpuLayers, Readiness};
+pub use adapter::{
+    EngineKind, EngineParams, FlashAttn, GivenKey, GpuLayers, KeyPassing, Launch, Readiness, Stop,
+};
 pub use child::{EngineChild, ExitReport, OutputTail, SpawnError, SpawnSpec};
 pub use kinds::{Kind, KvKeeping, KvSaved, OwnKv, ValidationApi};
 

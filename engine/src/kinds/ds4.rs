@@ -10,16 +10,22 @@
 use std::ffi::OsString;
 
 use super::{Kind, KvKeeping, KvSaved, OwnKv, ValidationApi};
-use crate::adapter::{EngineParams, Readiness};
+use nix::sys::signal::Signal;
+
+use crate::adapter::{EngineParams, KeyPassing, Readiness, Stop};
 
 pub const KIND: Kind = Kind {
     name: "ds4",
     aliases: &["ds4-server"],
     program: "ds4-server",
-    readiness: Readiness { path: "/v1/models" },
-    interrupt_grace: None,
-    key_file_flag: None,
-    key_protection: "none (ds4-server has no key option)",
+    readiness: |_| Readiness::Get("/v1/models".into()),
+    stop: |_| Stop {
+        signal: Signal::SIGTERM,
+        interrupt_grace: None,
+        grace: None,
+    },
+    key: |_| KeyPassing::None,
+    key_protection: |_| "none (ds4-server has no key option)",
     requires_model: false,
     reads: &[
         "model",
@@ -36,10 +42,11 @@ pub const KIND: Kind = Kind {
     }),
     validation: ValidationApi::Streamed,
     settings_argv,
+    address_flags: true,
 };
 
 /// `-m --ctx --prefill-chunk --kv-disk-dir --kv-disk-space-mb`.
-fn settings_argv(p: &EngineParams) -> Vec<OsString> {
+fn settings_argv(p: &EngineParams, _host: &str, _port: u16) -> Vec<OsString> {
     let mut a: Vec<OsString> = Vec::new();
     if let Some(m) = &p.model {
         a.push("-m".into());

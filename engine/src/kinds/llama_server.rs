@@ -11,16 +11,22 @@ use std::ffi::OsString;
 use std::time::Duration;
 
 use super::{Kind, KvKeeping, ValidationApi};
-use crate::adapter::{EngineParams, Readiness};
+use nix::sys::signal::Signal;
+
+use crate::adapter::{EngineParams, KeyPassing, Readiness, Stop};
 
 pub const KIND: Kind = Kind {
     name: "llama-server",
     aliases: &[],
     program: "llama-server",
-    readiness: Readiness { path: "/health" },
-    interrupt_grace: Some(Duration::from_secs(10)),
-    key_file_flag: Some("--api-key-file"),
-    key_protection: "per-generation secret",
+    readiness: |_| Readiness::Get("/health".into()),
+    stop: |_| Stop {
+        signal: Signal::SIGTERM,
+        interrupt_grace: Some(Duration::from_secs(10)),
+        grace: None,
+    },
+    key: |_| KeyPassing::File("--api-key-file"),
+    key_protection: |_| "per-generation secret",
     requires_model: true,
     reads: &[
         "model",
@@ -37,10 +43,11 @@ pub const KIND: Kind = Kind {
     kv: KvKeeping::Slots,
     validation: ValidationApi::Native,
     settings_argv,
+    address_flags: true,
 };
 
 /// `-m -c -np -ctk/-ctv -fa -ngl -b -ub --mmproj --slot-save-path`.
-fn settings_argv(p: &EngineParams) -> Vec<OsString> {
+fn settings_argv(p: &EngineParams, _host: &str, _port: u16) -> Vec<OsString> {
     let mut a: Vec<OsString> = Vec::new();
     if let Some(m) = &p.model {
         a.push("-m".into());

@@ -4,7 +4,8 @@
 //! A description says how the engine is started (its argv from the profile's settings and
 //! the profile keys it reads), how its readiness shows, how it is stopped, how it is given
 //! its key, how its KV cache is kept across stops and how it reports that, which API its
-//! validation uses, and what the status shows of it. A new kind is a new module here, a
+//! validation uses, and what the status shows of it. What may differ from profile to profile
+//! (readiness, stop, key, argv) the description gives as a function of the profile's settings. A new kind is a new module here, a
 //! variant of [`crate::EngineKind`] with its arm in `EngineKind::describe`, and the profile
 //! keys it reads in the supervisor's config.
 
@@ -12,9 +13,8 @@ pub mod ds4;
 pub mod llama_server;
 
 use std::ffi::OsString;
-use std::time::Duration;
 
-use crate::adapter::{EngineParams, Readiness};
+use crate::adapter::{EngineParams, KeyPassing, Readiness, Stop};
 
 /// What dsv4 knows about one engine kind.
 #[derive(Debug)]
@@ -25,16 +25,16 @@ pub struct Kind {
     pub aliases: &'static [&'static str],
     /// The engine's program, as messages name it.
     pub program: &'static str,
-    /// How the supervisor learns that a freshly spawned engine can serve.
-    pub readiness: Readiness,
-    /// SIGTERM -> SIGINT grace when stopping; `None`: never interrupted, it gets the whole
-    /// stop timeout after SIGTERM.
-    pub interrupt_grace: Option<Duration>,
-    /// The flag that makes the engine require a key, read from the file it names, on every
-    /// request but its health check; `None` when the engine has no such option.
-    pub key_file_flag: Option<&'static str>,
-    /// What keeps other local users off the engine's port, in words for the status.
-    pub key_protection: &'static str,
+    /// How the supervisor learns that a freshly spawned engine can serve, from the
+    /// profile's settings.
+    pub readiness: fn(&EngineParams) -> Readiness,
+    /// How it is stopped: its signal, its SIGINT and SIGKILL graces.
+    pub stop: fn(&EngineParams) -> Stop,
+    /// How it is given its key.
+    pub key: fn(&EngineParams) -> KeyPassing,
+    /// What keeps other local users off the engine's port when it is given its key so, in
+    /// words for the status.
+    pub key_protection: fn(&KeyPassing) -> &'static str,
     /// Whether a profile must name a `model`.
     pub requires_model: bool,
     /// The profile keys whose values the engine takes; it ignores the others (their files
@@ -44,9 +44,12 @@ pub struct Kind {
     pub kv: KvKeeping,
     /// The API its validation measures through.
     pub validation: ValidationApi,
-    /// The argv the profile's typed settings give (before `extra_args`, the key and the
-    /// address, which [`crate::EngineKind::argv`] adds).
-    pub settings_argv: fn(&EngineParams) -> Vec<OsString>,
+    /// The argv the profile's settings give for an engine that listens on `host:port` (before
+    /// `extra_args` and the key, which [`crate::EngineKind::launch`] adds).
+    pub settings_argv: fn(&EngineParams, &str, u16) -> Vec<OsString>,
+    /// Whether dsv4d sets the address itself, `--host HOST --port PORT` last in the argv
+    /// (else the settings' argv names it).
+    pub address_flags: bool,
 }
 
 impl Kind {

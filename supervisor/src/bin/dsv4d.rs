@@ -398,7 +398,15 @@ async fn run(args: Args, activated: Vec<(std::os::fd::OwnedFd, String)>) -> Resu
             .filter_map(|p| p.kv_checkpoint.as_ref().map(|kv| kv.save_timeout))
             .max()
             .unwrap_or_default();
-        2 * config.supervisor.engine.stop_timeout + save + std::time::Duration::from_secs(10)
+        // The drain is bounded by `engine.stop_timeout`, the engine's stop by its own grace.
+        let stop_timeout = config.supervisor.engine.stop_timeout;
+        let stop = config
+            .profiles
+            .values()
+            .map(|p| p.engine.stop(&p.params).grace.unwrap_or(stop_timeout))
+            .max()
+            .unwrap_or(stop_timeout);
+        stop_timeout + stop + save + std::time::Duration::from_secs(10)
     };
     let extending = dsv4::control::service::stopping(budget);
     // In-flight streams finish (bounded by engine.stop_timeout), then the engine stops.

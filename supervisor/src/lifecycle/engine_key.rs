@@ -3,10 +3,12 @@
 //! does not bypass the API keys.
 //!
 //! Owns: the private folder the keys are written to, and one key file per engine that can
-//! take a key (llama-server's `--api-key-file`), removed when its [`EngineKey`] is dropped,
-//! which the lifecycle actor does once that engine has exited. Must not: put a secret on an
-//! engine's command line (`/proc/PID/cmdline` is readable by all) or in a log, or write one
-//! anywhere but a folder that only dsv4d's user can enter.
+//! take a key (llama-server's `--api-key-file`; an engine that takes it from its environment
+//! gets the same secret there), removed when its [`EngineKey`] is dropped, which the
+//! lifecycle actor does once that engine has exited. Must not: put a secret on an engine's
+//! command line (`/proc/PID/cmdline` is readable by all) unless its profile asks for it
+//! (`key_arg`), or in a log, or write one anywhere but a folder that only dsv4d's user can
+//! enter.
 //!
 //! The folder is `engine-keys` below systemd's `$RUNTIME_DIRECTORY` when there is one (a
 //! tmpfs: the secrets never reach a disk), else below `state_dir`. dsv4d creates it with mode
@@ -118,6 +120,7 @@ impl KeyFolder {
         Ok(EngineKey {
             file: file_guard,
             authorization,
+            secret: Secret(secret),
         })
     }
 
@@ -199,12 +202,39 @@ pub(crate) fn random_hex(n: usize) -> io::Result<String> {
 pub struct EngineKey {
     file: KeyFile,
     authorization: HeaderValue,
+    /// Handed to an engine that takes its key from its environment or command line.
+    secret: Secret,
+}
+
+/// A secret that `Debug` does not show.
+struct Secret(String);
+
+impl std::ops::Deref for Secret {
+    type Target = str;
+    fn deref(&self) -> &str {
+        &self.0
+    }
+}
+
+impl std::fmt::Debug for Secret {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str("Secret(..)")
+    }
 }
 
 impl EngineKey {
     /// The file that holds the secret, for the engine's `--api-key-file`.
     pub fn path(&self) -> &Path {
         &self.file.path
+    }
+
+    /// The secret and its file, as the engine is given them (see
+    /// [`dsv4_engine::KeyPassing`]).
+    pub fn given(&self) -> dsv4_engine::GivenKey<'_> {
+        dsv4_engine::GivenKey {
+            file: &self.file.path,
+            secret: &self.secret,
+        }
     }
 
     /// `Authorization: Bearer <secret>`, marked sensitive (never shown by `Debug`).

@@ -50,6 +50,7 @@ pub struct Limits {
 /// Signals the actor sends to the engine's process group.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum Sig {
+    /// The engine's stop signal: SIGTERM, unless its kind or profile names another.
     Term,
     Int,
     Kill,
@@ -389,6 +390,9 @@ pub struct Machine {
     /// SIGTERM -> SIGINT grace for engines that may deadlock on SIGTERM (llama-server);
     /// `None` for engines that must get their whole `stop_timeout` (ds4 saves its KV cache).
     interrupt_grace: Option<Duration>,
+    /// Stop signal -> SIGKILL grace of the engine that runs (or is spawned next), when its
+    /// profile sets one; `None`: `stop_timeout`.
+    stop_grace: Option<Duration>,
     /// The KV checkpoint steps of the engine that runs (or is spawned next); `None`: off.
     kv: Option<KvSteps>,
     profile: String,
@@ -422,6 +426,7 @@ impl Machine {
             phase: Phase::Stopped,
             limits,
             interrupt_grace: None,
+            stop_grace: None,
             kv: None,
             profile,
             next_gen: 1,
@@ -506,6 +511,11 @@ impl Machine {
     /// Set by the actor for the engine kind of the profile it spawns.
     pub fn set_interrupt_grace(&mut self, grace: Option<Duration>) {
         self.interrupt_grace = grace;
+    }
+    /// Set by the actor, with the spawn, from the profile of the engine it spawns: how long
+    /// after its stop signal it is killed; `None`: `stop_timeout`.
+    pub fn set_stop_grace(&mut self, grace: Option<Duration>) {
+        self.stop_grace = grace;
     }
     /// Set by the actor, with the spawn, from the profile of the engine it spawns.
     pub fn set_kv_steps(&mut self, kv: Option<KvSteps>) {
@@ -1244,7 +1254,7 @@ impl Machine {
         now: Instant,
         fx: &mut Vec<Effect>,
     ) {
-        let stop = self.limits.stop_timeout;
+        let stop = self.stop_grace.unwrap_or(self.limits.stop_timeout);
         let interrupt_at = self.interrupt_grace.filter(|g| *g < stop).map(|g| now + g);
         self.phase = Phase::Stopping {
             gen,

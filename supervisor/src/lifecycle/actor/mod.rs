@@ -447,7 +447,7 @@ impl Actor {
             Effect::Signal { gen, sig } => {
                 if let Some(e) = self.engine.as_ref().filter(|e| e.shared.gen == gen) {
                     let signal = match sig {
-                        Sig::Term => Signal::SIGTERM,
+                        Sig::Term => e.spawned.engine.stop(&e.spawned.params).signal,
                         Sig::Int => Signal::SIGINT,
                         Sig::Kill => Signal::SIGKILL,
                     };

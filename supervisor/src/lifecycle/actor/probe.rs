@@ -57,7 +57,9 @@ pub(super) async fn probe_ready(
             tokio::select! {
                 _ = tokio::time::sleep_until(next) => break,
                 _ = engine.output.next_line() => {
-                    let about_probe = engine.output.last(1).first().is_some_and(|l| l.contains(readiness.path()));
+                    let about_probe = readiness.path().is_some_and(|path| {
+                        engine.output.last(1).first().is_some_and(|l| l.contains(path))
+                    });
                     if !about_probe {
                         tokio::time::sleep_until(probed + PROBE_MIN_GAP).await;
                         break;
@@ -91,14 +93,20 @@ pub(super) async fn holder(port: u16, mark: Arc<str>) -> PortHolder {
 
 /// One readiness check, on the connection of the previous check when the engine kept it open
 /// (a load of a minute is hundreds of checks; one connection each would be wasteful).
-/// `fresh` is set when this check opened a new connection.
+/// `fresh` is set when this check opened a new connection. Without a `path`, the check is
+/// that the port takes a connection (closed again at once).
 pub(super) async fn probe_once(
     conn: &mut Option<ProbeConn>,
     fresh: &mut bool,
     addr: SocketAddr,
-    path: &str,
+    path: Option<&str>,
 ) -> bool {
     use http_body_util::Empty;
+    let Some(path) = path else {
+        let connected = tokio::net::TcpStream::connect(addr).await.is_ok();
+        *fresh = connected;
+        return connected;
+    };
     if conn.as_ref().is_none_or(|c| c.is_closed()) {
         *conn = None;
         let Ok(stream) = tokio::net::TcpStream::connect(addr).await else {

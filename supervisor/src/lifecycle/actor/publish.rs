@@ -28,10 +28,10 @@ impl Actor {
             .is_some_and(|e| self.config.profile(&e.shared.profile) != Some(&e.spawned));
         // The running engine's, else the one the next start would run.
         let engine_key = match &self.engine {
-            Some(e) => Some(e.spawned.engine),
-            None => self.config.profile(m.profile()).map(|p| p.engine),
+            Some(e) => Some(&e.spawned),
+            None => self.config.profile(m.profile()),
         }
-        .map(|kind| kind.key_protection());
+        .map(|p| p.engine.key_protection_of(&p.params));
         let kv_step = match m.phase() {
             Phase::Restoring { .. } => Some(KvActivity::Restoring),
             Phase::Saving { .. } => Some(KvActivity::Saving),

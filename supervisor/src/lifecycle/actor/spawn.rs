@@ -40,37 +40,52 @@ impl Actor {
         };
         // A fresh secret for each engine that can require one: a key that outlived its engine
         // (read from a file of the old generation, say) opens nothing.
-        let key = match profile.engine.key_file_flag() {
-            Some(_) => match self.key_folder.issue(gen) {
+        let key = match profile.engine.key_passing(&profile.params).takes_key() {
+            true => match self.key_folder.issue(gen) {
                 Ok(key) => Some(key),
                 Err(e) => return fail(e.to_string()),
             },
-            None => None,
+            false => None,
         };
-        let key_file = key.as_ref().map(EngineKey::path);
-        let args = profile
+        let given = key.as_ref().map(EngineKey::given);
+        let launch = profile
             .engine
-            .argv(&profile.params, "127.0.0.1", port, key_file);
+            .launch(&profile.params, "127.0.0.1", port, given.as_ref());
         // Every process of this engine carries the mark, whatever it starts: a next dsv4d
         // ends what is left of it only by the mark (see `crate::lifecycle::leftover`).
         let tag = match leftover::new_tag() {
             Ok(tag) => tag,
             Err(e) => return fail(format!("cannot make the engine's process mark: {e}")),
         };
+        // The key, when the engine takes it from its environment, comes after the profile's
+        // `env`: nothing there can replace it.
         let env: Vec<(std::ffi::OsString, std::ffi::OsString)> = profile
             .env
             .iter()
             .map(|(k, v)| (k.into(), v.into()))
+            .chain(launch.env)
             .collect();
         let spec = SpawnSpec {
             program: profile.command.clone(),
-            args,
+            args: launch.args,
             env,
             tail_lines: TAIL_LINES,
             also: Some(self.log.clone()),
             mark: Some(tag.clone()),
         };
-        let shown: Vec<_> = spec.args.iter().map(|a| a.to_string_lossy()).collect();
+        // The argv as any local user sees it in /proc; a key in it (`key_arg`) is not shown
+        // in the log all the same.
+        let secret = given.map(|k| k.secret).filter(|s| !s.is_empty());
+        let shown: Vec<_> = spec
+            .args
+            .iter()
+            .map(
+                |a| match secret.is_some_and(|s| a.as_encoded_bytes() == s.as_bytes()) {
+                    true => "<engine key>".into(),
+                    false => a.to_string_lossy(),
+                },
+            )
+            .collect();
         tracing::info!(
             profile = profile_name,
             "starting engine: {} {}",
@@ -118,8 +133,9 @@ impl Actor {
                 None
             }
         };
-        self.machine
-            .set_interrupt_grace(profile.engine.interrupt_grace());
+        let stop = profile.engine.stop(&profile.params);
+        self.machine.set_interrupt_grace(stop.interrupt_grace);
+        self.machine.set_stop_grace(stop.grace);
         self.machine.set_kv_steps(
             profile
                 .kv_checkpoint
@@ -141,7 +157,7 @@ impl Actor {
             exit: child.exit_watch(),
         });
         let probe = tokio::spawn(probe_ready(
-            profile.engine.readiness(),
+            profile.engine.readiness(&profile.params),
             shared.clone(),
             Arc::from(tag.as_str()),
             self.internal.clone(),
