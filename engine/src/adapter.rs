@@ -19,17 +19,19 @@ pub enum EngineKind {
     #[default]
     LlamaServer,
     Ds4,
+    OpenAi,
 }
 
 impl EngineKind {
     /// Every kind, in the order messages list them.
-    pub const ALL: [EngineKind; 2] = [EngineKind::LlamaServer, EngineKind::Ds4];
+    pub const ALL: [EngineKind; 3] = [EngineKind::LlamaServer, EngineKind::Ds4, EngineKind::OpenAi];
 
     /// What dsv4 knows about this kind: the one place that tells the kinds apart.
     pub fn describe(self) -> &'static Kind {
         match self {
             EngineKind::LlamaServer => &kinds::llama_server::KIND,
             EngineKind::Ds4 => &kinds::ds4::KIND,
+            EngineKind::OpenAi => &kinds::openai::KIND,
         }
     }
 
@@ -146,9 +148,10 @@ pub struct Launch {
 
 /// How an engine is given the key that it then requires on every request but its
 /// readiness check.
-#[derive(Debug, Clone, PartialEq, Eq)]
+#[derive(Debug, Clone, PartialEq, Eq, Default)]
 pub enum KeyPassing {
     /// It is given none: any local user can use its port.
+    #[default]
     None,
     /// `FLAG FILE`: it reads the key from the private file named after the flag.
     File(&'static str),
@@ -275,6 +278,17 @@ pub struct EngineParams {
     /// llama-server `--slot-save-path`: where slots are saved and restored from.
     pub slot_save_path: Option<PathBuf>,
     pub extra_args: Vec<String>,
+    /// The engine's whole argv, with `{port}` and `{host}` (a kind whose command line the
+    /// profile gives: `args`).
+    pub args: Vec<String>,
+    /// How its readiness shows (`health`).
+    pub health: Option<Readiness>,
+    /// How it is given its key (`key_env`, `key_arg`).
+    pub key: KeyPassing,
+    /// `stop_signal`; `None`: the kind's.
+    pub stop_signal: Option<Signal>,
+    /// `stop_grace`: stop signal to SIGKILL; `None`: `engine.stop_timeout`.
+    pub stop_grace: Option<Duration>,
 }
 
 #[cfg(test)]

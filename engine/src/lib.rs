@@ -1,7 +1,8 @@
 //! Engine kinds and engine child-process control.
 //!
 //! Owns: everything known about each engine the supervisor drives (llama.cpp's
-//! `llama-server`, antirez's `ds4-server`), one description per kind in [`kinds`] (argv,
+//! `llama-server`, antirez's `ds4-server`, any OpenAI-compatible server its profile
+//! describes), one description per kind in [`kinds`] (argv,
 //! readiness, stop, key, KV keeping and its reports, validation API, status wording), and how
 //! an engine's process is spawned, watched and stopped. Must not: know about YAML, HTTP
 //! clients of the supervisor, or the lifecycle rules (when to start or stop): those belong to
@@ -16,6 +17,7 @@ pub use adapter::{
     EngineKind, EngineParams, FlashAttn, GivenKey, GpuLayers, KeyPassing, Launch, Readiness, Stop,
 };
 pub use child::{EngineChild, ExitReport, OutputTail, SpawnError, SpawnSpec};
+pub use kinds::openai::{check_args, check_key_arg, parse_health, parse_stop_signal};
 pub use kinds::{Kind, KvKeeping, KvSaved, OwnKv, ValidationApi};
 
 /// The tracing target of the engine's output lines, as they go to the log.

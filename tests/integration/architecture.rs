@@ -442,10 +442,15 @@ fn names_a_kind(code: &str) -> Option<String> {
             return Some(format!("EngineKind::{ident}"));
         }
     }
-    ["\"llama-server\"", "\"ds4\"", "\"ds4-server\""]
-        .into_iter()
-        .find(|name| code.contains(name))
-        .map(str::to_string)
+    [
+        "\"llama-server\"",
+        "\"ds4\"",
+        "\"ds4-server\"",
+        "\"openai\"",
+    ]
+    .into_iter()
+    .find(|name| code.contains(name))
+    .map(str::to_string)
 }
 
 /// What the daemon and the CLI know about an engine kind, they ask its description in the
@@ -501,6 +506,8 @@ fn a_named_kind_is_caught() {
         "        None if p.engine == \"ds4\" => format!(",
         "            \"llama-server\" => {",
         "    if name != \"ds4-server\" {",
+        "        if kind.name == \"openai\" {",
+        "            EngineKind::OpenAi => None,",
     ] {
         assert!(names_a_kind(caught).is_some(), "not caught: {caught}");
     }

@@ -25,6 +25,7 @@ mod installed;
 mod kv;
 mod lifecycle;
 mod notify;
+mod openai_kind;
 mod packaging;
 mod port_taken;
 mod power;

@@ -27,12 +27,23 @@ pub const KIND: Kind = Kind {
     key: |_| KeyPassing::None,
     key_protection: |_| "none (ds4-server has no key option)",
     requires_model: false,
+    requires: &[],
     reads: &[
         "model",
         "context",
         "prefill_chunk",
         "kv_disk_dir",
         "kv_disk_space",
+    ],
+    ignores: &[
+        "mmproj",
+        "parallel",
+        "batch",
+        "ubatch",
+        "kv_cache",
+        "flash_attn",
+        "gpu_layers",
+        "kv_checkpoint",
     ],
     kv: KvKeeping::OwnFiles(OwnKv {
         file_suffix: ".kv",

@@ -28,6 +28,7 @@ pub const KIND: Kind = Kind {
     key: |_| KeyPassing::File("--api-key-file"),
     key_protection: |_| "per-generation secret",
     requires_model: true,
+    requires: &[],
     reads: &[
         "model",
         "mmproj",
@@ -40,6 +41,7 @@ pub const KIND: Kind = Kind {
         "gpu_layers",
         "kv_checkpoint",
     ],
+    ignores: &["prefill_chunk", "kv_disk_dir", "kv_disk_space"],
     kv: KvKeeping::Slots,
     validation: ValidationApi::Native,
     settings_argv,

@@ -11,6 +11,7 @@
 
 pub mod ds4;
 pub mod llama_server;
+pub mod openai;
 
 use std::ffi::OsString;
 
@@ -37,9 +38,14 @@ pub struct Kind {
     pub key_protection: fn(&KeyPassing) -> &'static str,
     /// Whether a profile must name a `model`.
     pub requires_model: bool,
-    /// The profile keys whose values the engine takes; it ignores the others (their files
-    /// need not exist).
+    /// Profile keys a profile of this kind must set (besides `engine` and `command`), and
+    /// what each is, for the message when one is missing.
+    pub requires: &'static [(&'static str, &'static str)],
+    /// The profile keys whose values the engine takes.
     pub reads: &'static [&'static str],
+    /// Keys other kinds read that a profile of this kind may hold all the same, ignored (their
+    /// files need not exist); any other key another kind reads is refused in its profiles.
+    pub ignores: &'static [&'static str],
     /// How its KV cache is kept across stops.
     pub kv: KvKeeping,
     /// The API its validation measures through.
@@ -140,7 +146,17 @@ mod tests {
             };
             assert!(key.is_none_or(|k| d.reads(k)), "{}: {key:?}", d.name);
             assert_eq!(d.requires_model, d.requires_model && d.reads("model"));
+            for (key, _) in d.requires {
+                assert!(
+                    d.reads(key),
+                    "{}: requires {key}, which it does not read",
+                    d.name
+                );
+            }
+            for key in d.ignores {
+                assert!(!d.reads(key), "{}: reads and ignores {key}", d.name);
+            }
         }
-        assert_eq!(EngineKind::names(), ["llama-server", "ds4"]);
+        assert_eq!(EngineKind::names(), ["llama-server", "ds4", "openai"]);
     }
 }

@@ -12,7 +12,7 @@ use std::net::SocketAddr;
 use std::path::{Path, PathBuf};
 use std::time::Duration;
 
-use dsv4_engine::{EngineKind, EngineParams};
+use dsv4_engine::{EngineKind, EngineParams, KeyPassing};
 
 use super::error::Problem;
 use super::files::{self, Shown};
@@ -427,6 +427,46 @@ impl Check<'_> {
             let message = format!("required for engine {}", kind.name);
             self.when(required, "model", message);
         }
+        if let Some(kind) = kind {
+            for (key, what) in kind.requires {
+                let missing = !doc.written(key) && !doc.dropped(key);
+                let message = format!("required for engine {}: {what}", kind.name);
+                self.when(missing, key, message);
+            }
+            // A key another kind reads that this one neither reads nor passes over is a
+            // mistake (a setting that would do nothing).
+            let mut others: Vec<&str> = EngineKind::ALL
+                .iter()
+                .flat_map(|k| k.describe().reads.iter().copied())
+                .collect();
+            others.sort_unstable();
+            others.dedup();
+            for key in others {
+                let unread = !kind.reads(key) && !kind.ignores.contains(&key);
+                let message = format!(
+                    "engine {} does not read {key}; it reads: {}",
+                    kind.name,
+                    kind.reads.join(", ")
+                );
+                self.when(unread && doc.written(key), key, message);
+            }
+        }
+        let key = self.engine_key(&raw);
+        if let Some(args) = &raw.args {
+            for (i, arg) in args.iter().enumerate() {
+                if arg.contains('\0') {
+                    self.item("args", i, "contains a NUL byte".to_string());
+                }
+            }
+            self.add("args", dsv4_engine::check_args(args));
+        }
+        let grace = raw.stop_grace;
+        let message = format!("must be at least {}", format_duration(MIN_STOP_TIMEOUT));
+        self.when(
+            grace.is_some_and(|g| g < MIN_STOP_TIMEOUT),
+            "stop_grace",
+            message,
+        );
         // An engine ignores the keys it does not read: their files need not exist. Without an
         // engine, every file is checked.
         let reads = |key: &str| kind.is_none_or(|k| k.reads(key));
@@ -509,12 +549,43 @@ impl Check<'_> {
                     .filter(|_| slots)
                     .map(|kv| kv.dir.clone()),
                 extra_args,
+                args: raw.args.unwrap_or_default(),
+                health: raw.health,
+                key,
+                stop_signal: raw.stop_signal,
+                stop_grace: raw.stop_grace,
             },
             planned_memory,
             env,
             // The key is for engines whose slots dsv4d keeps; others keep their own checkpoints
             // (kv_disk_dir) or none.
             kv_checkpoint: kv_checkpoint.filter(|_| slots),
+        }
+    }
+
+    /// How the engine is given its key: `key_env: NAME`, `key_arg: FLAG`, or neither.
+    fn engine_key(&mut self, raw: &RawProfile) -> KeyPassing {
+        if let Some(name) = &raw.key_env {
+            self.add("key_env", rules::check_env_name(name));
+            let in_env = raw.env.as_ref().is_some_and(|env| env.contains_key(name));
+            let message = format!(
+                "{name} is also set in env; remove it there (the engine gets its key in it)"
+            );
+            self.when(in_env, "key_env", message);
+        }
+        if let Some(flag) = &raw.key_arg {
+            self.add("key_arg", dsv4_engine::check_key_arg(flag));
+        }
+        match (&raw.key_env, &raw.key_arg) {
+            (Some(_), Some(_)) => {
+                let message = "set key_env or key_arg, not both: the engine takes its key one way"
+                    .to_string();
+                self.rule(true, &["key_arg", "key_env"], message);
+                KeyPassing::None
+            }
+            (Some(name), None) => KeyPassing::Env(name.clone()),
+            (None, Some(flag)) => KeyPassing::Arg(flag.clone()),
+            (None, None) => KeyPassing::None,
         }
     }
 

@@ -9,7 +9,8 @@ use std::fmt::Display;
 use std::time::Duration;
 
 use dsv4_client::duration;
-use dsv4_engine::{EngineKind, FlashAttn, GpuLayers};
+use dsv4_engine::{EngineKind, FlashAttn, GpuLayers, Readiness};
+use nix::sys::signal::Signal;
 use serde::{de, Deserialize, Deserializer};
 
 use dsv4_client::units::{parse_size, parse_temperature};
@@ -21,7 +22,7 @@ use dsv4_client::units::{parse_size, parse_temperature};
 #[serde(expecting = "a mapping of profile settings")]
 pub(crate) struct RawProfile {
     pub description: Option<String>,
-    /// `llama-server` or `ds4`.
+    /// `llama-server`, `ds4` or `openai`.
     #[serde(deserialize_with = "engine")]
     pub engine: Option<EngineKind>,
     pub command: Option<String>,
@@ -48,6 +49,22 @@ pub(crate) struct RawProfile {
     pub kv_checkpoint: Option<RawKvCheckpoint>,
     pub extra_args: Option<Vec<String>>,
     pub env: Option<BTreeMap<String, String>>,
+    /// The engine's whole argv, with `{port}` and `{host}` (engines whose command line the
+    /// profile gives).
+    pub args: Option<Vec<String>>,
+    /// A path that answers 200 when the engine can serve, or `connect`.
+    #[serde(deserialize_with = "health")]
+    pub health: Option<Readiness>,
+    /// The environment variable the engine reads its key from.
+    pub key_env: Option<String>,
+    /// The flag the engine takes its key after, on its command line.
+    pub key_arg: Option<String>,
+    /// The signal that asks the engine to stop.
+    #[serde(deserialize_with = "stop_signal")]
+    pub stop_signal: Option<Signal>,
+    /// Stop signal to SIGKILL.
+    #[serde(deserialize_with = "duration_or_never")]
+    pub stop_grace: Option<Duration>,
 }
 
 /// `kv_checkpoint:` of a profile; `dir` is required (optional here so that its absence is
@@ -123,6 +140,14 @@ pub(crate) fn celsius<'de, D: Deserializer<'de>>(d: D) -> Read<'de, D, f64> {
 
 fn engine<'de, D: Deserializer<'de>>(d: D) -> Read<'de, D, Option<EngineKind>> {
     optional(d, str::parse)
+}
+
+fn health<'de, D: Deserializer<'de>>(d: D) -> Read<'de, D, Option<Readiness>> {
+    optional(d, dsv4_engine::parse_health)
+}
+
+fn stop_signal<'de, D: Deserializer<'de>>(d: D) -> Read<'de, D, Option<Signal>> {
+    optional(d, dsv4_engine::parse_stop_signal)
 }
 
 fn flash_attn<'de, D: Deserializer<'de>>(d: D) -> Read<'de, D, Option<FlashAttn>> {

@@ -255,6 +255,7 @@ kv_checkpoint: {{ dir: kv, max_size: 40GiB, save_timeout: 90s }}
                         extra_args: ["--metrics", "--alias", "dsv4", "--threads", "8"]
                             .map(String::from)
                             .to_vec(),
+                        ..EngineParams::default()
                     },
                     planned_memory: Some(10 << 30),
                     kv_checkpoint: Some(KvCheckpoint {
@@ -470,7 +471,8 @@ fn unknown_key_is_reported_with_position_and_path() {
             "profiles/320k.yaml:3:1: modle: unknown key `modle`, expected one of \
              `description`, `engine`, `command`, `model`, `mmproj`, `context`, `parallel`, \
              `batch`, `ubatch`, `kv_cache`, `flash_attn`, `gpu_layers`, `prefill_chunk`, \
-             `kv_disk_dir`, `kv_disk_space`, `planned_memory`, `kv_checkpoint`, `extra_args`, `env`; \
+             `kv_disk_dir`, `kv_disk_space`, `planned_memory`, `kv_checkpoint`, `extra_args`, `env`, \
+             `args`, `health`, `key_env`, `key_arg`, `stop_signal`, `stop_grace`; \
              did you mean `model`?",
         ]
     );
@@ -500,7 +502,7 @@ fn unit_errors_carry_position_and_path() {
             // The rest of a file is still checked after a value that does not fit.
             "profiles/other.yaml: command: required: the engine executable",
             "profiles/other.yaml:1:9: engine: unknown engine `vllm`, expected one of: \
-             llama-server, ds4",
+             llama-server, ds4, openai",
         ]
     );
 }
@@ -571,7 +573,7 @@ fn semantic_problems_are_all_reported_in_file_order() {
             "profiles/320k.yaml:7:17: planned_memory: must be greater than 0",
             "profiles/320k.yaml:9:3: env: invalid variable name \"A=B\": use letters, digits \
              and '_', not starting with a digit",
-            "profiles/empty.yaml: engine: required: one of llama-server, ds4",
+            "profiles/empty.yaml: engine: required: one of llama-server, ds4, openai",
             "profiles/empty.yaml: command: required: the engine executable",
         ]
     );

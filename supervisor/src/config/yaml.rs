@@ -74,6 +74,8 @@ pub(crate) struct Doc {
     pub file: PathBuf,
     /// Every entry by path: `engine.idle_timeout`, `extra_args[2]`.
     entries: HashMap<String, Entry>,
+    /// Entries whose value is a plain null (not written, as far as the settings go).
+    nulls: HashSet<String>,
     /// Entries set aside because of a problem, and the keys an unknown key may have meant:
     /// checks that would only repeat that problem skip them.
     dropped: HashSet<String>,
@@ -175,7 +177,11 @@ impl Doc {
                 };
                 // The last of two equal keys is the one read.
                 self.entries.insert(child.clone(), entry);
-                !value.is_null() || null_is_value(&child)
+                let kept = !value.is_null() || null_is_value(&child);
+                if !kept {
+                    self.nulls.insert(child);
+                }
+                kept
             }),
         }
     }
@@ -220,6 +226,11 @@ impl Doc {
     pub fn first_written<'a>(&self, paths: &[&'a str]) -> &'a str {
         let written = paths.iter().find(|p| self.entries.contains_key(**p));
         written.unwrap_or(&paths[0])
+    }
+
+    /// Whether the key at `path` is written with a value (not null).
+    pub fn written(&self, path: &str) -> bool {
+        self.entries.contains_key(path) && !self.nulls.contains(path)
     }
 
     /// Whether the entry at `path` was set aside after a problem (or may have been meant by
