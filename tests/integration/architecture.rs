@@ -401,10 +401,35 @@ fn the_actor_stays_small_with_its_parts_in_named_files() {
         "lifecycle/actor/mod.rs has {lines} lines; move a part out"
     );
     for part in [
-        "handle", "events", "spawn", "probe", "kv", "memory", "publish",
+        "handle", "messages", "events", "spawn", "probe", "kv", "memory", "publish",
     ] {
         assert!(dir.join(format!("{part}.rs")).is_file(), "{part}.rs");
     }
+}
+
+/// A library file names what it imports: a glob of its parent's namespace (`use super::*`)
+/// hides which parts a module leans on, and lets one impl spread over files unseen. Test
+/// modules may, as they test their parent.
+#[test]
+fn library_modules_import_by_name_not_their_parents_namespace() {
+    let root = std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("../supervisor/src");
+    let files = library_files();
+    let tests = test_files(&files, &root);
+    let globbing: Vec<String> = files
+        .iter()
+        .filter(|f| !tests.contains(f))
+        .filter(|f| {
+            let text = std::fs::read_to_string(root.join(f)).unwrap();
+            // Up to its first `#[cfg(test)]`: a test module inside a file may glob.
+            let own = text.split("#[cfg(test)]").next().unwrap_or_default();
+            own.lines().any(|l| l.trim() == "use super::*;")
+        })
+        .map(|f| format!("supervisor/src/{}", f.display()))
+        .collect();
+    assert!(
+        globbing.is_empty(),
+        "these files import their parent's whole namespace; name what they use: {globbing:?}"
+    );
 }
 
 /// Every `.rs` file below `root` (binaries too), as paths below it.

@@ -1,89 +1,19 @@
 //! The actor's inbox: commands from handles and internal messages, turned into events for the
 //! rules.
 
-use super::*;
+use std::sync::Arc;
 
-use dsv4_engine::procs::{self, PortHolder};
+use dsv4_client::AlertKind;
+use dsv4_engine::procs::PortHolder;
+use nix::sys::signal::Signal;
+use tokio::sync::watch;
+use tokio::time::Instant;
 
-/// Whether an engine that exited before it was ready has had its port looked at: another
-/// process may have held it.
-#[derive(Debug)]
-pub(super) enum PortLook {
-    NotYet,
-    Done(Option<procs::Stranger>),
-}
-
-pub(super) enum Command {
-    Acquire {
-        waiter: WaiterId,
-        reply: oneshot::Sender<Result<Lease, Refused>>,
-    },
-    /// `Start`, then `Acquire` for `waiter`: one command, so nothing can come between.
-    StartAndAcquire {
-        waiter: WaiterId,
-        reply: oneshot::Sender<Result<Lease, Refused>>,
-    },
-    Start,
-    Stop {
-        now: bool,
-    },
-    SetProfile {
-        name: String,
-        reply: oneshot::Sender<Result<(), ControlError>>,
-    },
-    Shutdown {
-        done: oneshot::Sender<()>,
-    },
-    /// Too hot, or cool again (`None`): see [`Event::Heat`].
-    Heat {
-        hot: Option<(String, Option<Duration>)>,
-    },
-    /// Answered at once: the watchdog's proof that the actor turns.
-    Ping {
-        reply: oneshot::Sender<()>,
-    },
-    /// Test-only: the actor stops turning (see `Handle::stall`).
-    Stall,
-    /// Engines of this profile (a validation's) neither restore nor save; `None` ends that.
-    SuspendKv {
-        profile: Option<String>,
-        reply: oneshot::Sender<()>,
-    },
-}
-
-#[derive(Debug)]
-pub(super) enum Internal {
-    /// A lease given back; `served` when its response went out whole first.
-    Release {
-        gen: Gen,
-        served: bool,
-    },
-    Cancel {
-        waiter: WaiterId,
-    },
-    Ready {
-        gen: Gen,
-    },
-    /// Another process listens on the port the engine of `gen` (first process `pid`) was
-    /// given: the engine is ended and started again on another port.
-    PortTaken {
-        gen: Gen,
-        pid: u32,
-        stranger: dsv4_engine::procs::Stranger,
-    },
-    Exited {
-        gen: Gen,
-        report: ExitReport,
-        port: PortLook,
-    },
-    /// The KV restore (`restore`) or save of generation `gen` is over.
-    KvDone {
-        gen: Gen,
-        restore: bool,
-    },
-    /// The memory of the engine that exited last came back, or will not (said already).
-    MemorySettled,
-}
+use super::memory::memory_comes_back;
+use super::messages::{Command, Internal, PortLook};
+use super::{Actor, Reply, PORT_TRIES};
+use crate::lifecycle::state::{EngineFailure, Event, Phase};
+use crate::lifecycle::{ControlError, ERROR_TAIL_LINES};
 
 impl Actor {
     pub(super) async fn command(&mut self, c: Command) -> Option<Event> {
@@ -284,7 +214,10 @@ impl Actor {
                     let (sysroot, alerts) = (self.sysroot.clone(), self.alerts.clone());
                     let (before, profile) = (e.memory_before, e.shared.profile.clone());
                     let within = self.config.supervisor.memory.return_timeout;
-                    let settled = self.internal.clone();
+                    let internal = self.internal.clone();
+                    let settled = move || {
+                        let _ = internal.send(Internal::MemorySettled);
+                    };
                     let (next_tx, next) = watch::channel(false);
                     self.next_spawned = Some(next_tx);
                     tokio::spawn(memory_comes_back(

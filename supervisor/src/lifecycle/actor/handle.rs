@@ -1,39 +1,16 @@
 //! The way in to the actor: what the rest of the daemon calls.
 
-use super::*;
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::Arc;
+use std::time::Duration;
 
-/// The right to send one request to the engine; the engine is not stopped while any lease is
-/// held. Dropping it tells the actor, so idle time counts from the last lease released.
-#[derive(Debug)]
-pub struct Lease {
-    pub engine: Arc<EngineRef>,
-    pub(super) release: mpsc::UnboundedSender<Internal>,
-    /// Given by the gate (see [`crate::lifecycle::gate`]): given back there while it is open.
-    pub(super) ticket: Option<Ticket>,
-    pub(super) served: bool,
-}
+use dsv4_engine::OutputTail;
+use tokio::sync::{mpsc, oneshot, watch};
 
-impl Lease {
-    /// The response went out whole: the engine serves (see `Event::Served`). Told to the
-    /// actor with the release, in one message.
-    pub fn served(&mut self) {
-        self.served = true;
-    }
-}
-
-impl Drop for Lease {
-    fn drop(&mut self) {
-        if let Some(ticket) = &self.ticket {
-            if ticket.give_back(self.served) {
-                return;
-            }
-        }
-        let _ = self.release.send(Internal::Release {
-            gen: self.engine.gen,
-            served: self.served,
-        });
-    }
-}
+use super::messages::{Command, Internal, Lease};
+use crate::lifecycle::gate::Gate;
+use crate::lifecycle::state::{Refusal, WaiterId};
+use crate::lifecycle::{ControlError, Refused, Status};
 
 /// The way in to the actor; cheap to clone.
 #[derive(Clone)]

@@ -1,6 +1,10 @@
 //! The KV steps of an engine generation: started, cut at their deadline, reported.
 
-use super::*;
+use tokio::time::Instant;
+
+use super::messages::Internal;
+use super::{Actor, Engine, KvTask, TAIL_LINES};
+use crate::lifecycle::state::{Event, Gen, Phase};
 
 impl Actor {
     /// Marks the running engine for good when its profile's checkpoints are suspended (a

@@ -1,6 +1,14 @@
 //! The memory an engine leaves behind: waiting for it to come back after an exit.
 
-use super::*;
+use std::time::Duration;
+
+use dsv4_client::telemetry::MemoryFigures;
+use dsv4_client::AlertKind;
+use tokio::sync::watch;
+use tokio::time::Instant;
+
+use crate::host::sysroot::SysRoot;
+use crate::lifecycle::alert::Alerts;
 
 /// The least time between two alerts for starts refused for memory.
 pub(super) const NOT_ADMITTED_GAP: Duration = Duration::from_secs(60);
@@ -14,25 +22,25 @@ pub(super) const MEMORY_RETURN_MARGIN: u64 = 2 << 30;
 /// been seen to keep GTT after its process exited).
 ///
 /// The next start waits for GTT, or VRAM where the model lives in a large carve-out (amdgpu
-/// frees it some time after the exit): `settled` is told once it is back, or at once where
-/// the GPU reports none, or when the alert is raised. Available memory moves with the rest of the machine as well, so it only ever
-/// raises the alert, and its check ends, silently, when `next` says a next engine is
+/// frees it some time after the exit): `settled` is called once it is back, or at once where
+/// the GPU reports none, or when the alert is raised. Available memory moves with the rest of
+/// the machine as well, so it only ever raises the alert, and its check ends, silently, when `next` says a next engine is
 /// spawned: that engine's allocations are never counted as this one's.
-pub(super) async fn memory_comes_back(
+pub(super) async fn memory_comes_back<F: FnOnce() + Send + 'static>(
     sysroot: SysRoot,
     before: MemoryFigures,
     profile: String,
     within: Duration,
     alerts: Alerts,
-    settled: mpsc::UnboundedSender<Internal>,
+    settled: F,
     mut next: watch::Receiver<bool>,
 ) {
     let gib = |b: u64| b as f64 / (1u64 << 30) as f64;
     let started = Instant::now();
-    let mut told = false;
-    let tell = |told: &mut bool| {
-        if !std::mem::replace(told, true) {
-            let _ = settled.send(Internal::MemorySettled);
+    let mut settled = Some(settled);
+    let tell = |settled: &mut Option<F>| {
+        if let Some(settled) = settled.take() {
+            settled();
         }
     };
     loop {
@@ -53,7 +61,7 @@ pub(super) async fn memory_comes_back(
             _ => true,
         };
         if gpu_back {
-            tell(&mut told);
+            tell(&mut settled);
         }
         if available_back && gpu_back {
             tracing::debug!(
@@ -92,7 +100,7 @@ pub(super) async fn memory_comes_back(
             );
             tracing::warn!("{message}");
             alerts.raise(AlertKind::Memory, message);
-            tell(&mut told);
+            tell(&mut settled);
             return;
         }
         tokio::select! {

@@ -7,7 +7,8 @@
 //! state from a `watch`.
 //! Must not: decide anything itself; the rules are in `state.rs`.
 //!
-//! Its parts: the way in ([`Handle`], `handle.rs`), the inbox (`events.rs`), starting an
+//! Its parts: the way in ([`Handle`], `handle.rs`), the messages it takes (`messages.rs`)
+//! and its inbox (`events.rs`), starting an
 //! engine (`spawn.rs`) and probing it (`probe.rs`), the KV steps (`kv.rs`), the memory an
 //! engine leaves behind (`memory.rs`), and what it publishes (`publish.rs`).
 
@@ -15,41 +16,38 @@ mod events;
 mod handle;
 mod kv;
 mod memory;
+mod messages;
 mod probe;
 mod publish;
 mod spawn;
 
-use events::{Command, Internal, PortLook};
-pub use handle::{Handle, Lease};
-
-use memory::{memory_comes_back, memory_now_off_thread, NOT_ADMITTED_GAP};
-use probe::probe_ready;
+pub use handle::Handle;
+pub use messages::Lease;
 
 use std::collections::{HashMap, VecDeque};
-use std::net::{Ipv4Addr, SocketAddr, TcpListener};
-use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::atomic::AtomicU64;
 use std::sync::Arc;
 use std::time::{Duration, SystemTime};
 
 use dsv4_client::telemetry::MemoryFigures;
 use dsv4_client::AlertKind;
-use dsv4_engine::{EngineChild, ExitReport, OutputTail, Readiness, SpawnSpec};
+use dsv4_engine::{EngineChild, OutputTail};
 use nix::sys::signal::Signal;
 use tokio::sync::{mpsc, oneshot, watch};
 // The clock tests can pause; the std clock is banned in this crate (supervisor/clippy.toml).
 use tokio::time::Instant;
 
+use memory::{memory_now_off_thread, NOT_ADMITTED_GAP};
+use messages::{Command, Internal};
+
 use super::engine_ref::EngineRef;
-use super::gate::{Gate, Ticket};
-use super::state::{
-    EngineFailure, Event, Gen, KvSteps, Limits, Machine, MemoryCheck, Phase, Refusal, Sig, WaiterId,
-};
+use super::gate::Gate;
+use super::state::{Event, Limits, Machine, MemoryCheck, Refusal, Sig, WaiterId};
 use crate::config::{Config, EngineLimits};
 use crate::host::sysroot::SysRoot;
 use crate::lifecycle::alert::Alerts;
 use crate::lifecycle::engine_key::{EngineKey, KeyFolder};
 use crate::lifecycle::leftover;
-use crate::lifecycle::upstream::Upstream;
 
 /// How many lines of one engine's output are kept (for its error messages).
 const TAIL_LINES: usize = 200;

@@ -1,9 +1,16 @@
 //! The readiness probe: polls the engine until it answers, looking again when it speaks, and
 //! makes sure that what answers is the engine.
 
-use super::*;
+use std::net::SocketAddr;
+use std::sync::Arc;
 
 use dsv4_engine::procs::{self, PortHolder};
+use dsv4_engine::Readiness;
+use tokio::sync::mpsc;
+
+use super::messages::Internal;
+use super::{PROBE_ATTEMPT, PROBE_FIRST, PROBE_MAX, PROBE_MIN_GAP};
+use crate::lifecycle::EngineRef;
 
 /// Polls the engine until it answers its readiness check, then tells the actor. Also looks
 /// again whenever the engine writes a line of output (it usually logs when it gets ready).

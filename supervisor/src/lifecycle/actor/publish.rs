@@ -1,7 +1,12 @@
 //! The state as others see it: the status watch, the figures, the log line of a change.
 
-use super::*;
+use std::time::SystemTime;
+
 use dsv4_client::words::KvActivity;
+
+use super::Actor;
+use crate::lifecycle::state::Phase;
+use crate::lifecycle::Status;
 
 impl Actor {
     pub(super) fn publish(&mut self) {

@@ -1,6 +1,18 @@
 //! Starting an engine: its port, its key, its process, its readiness probe.
 
-use super::*;
+use std::net::{Ipv4Addr, SocketAddr, TcpListener};
+use std::sync::Arc;
+
+use dsv4_engine::{EngineChild, ExitReport, SpawnSpec};
+
+use super::messages::{Internal, PortLook};
+use super::probe::probe_ready;
+use super::{Actor, Engine, TAIL_LINES};
+use crate::lifecycle::engine_key::EngineKey;
+use crate::lifecycle::leftover;
+use crate::lifecycle::state::{EngineFailure, Event, Gen, KvSteps};
+use crate::lifecycle::upstream::Upstream;
+use crate::lifecycle::EngineRef;
 
 impl Actor {
     pub(super) fn spawn_engine(&mut self, gen: Gen, profile_name: &str) -> Option<Event> {
