@@ -212,7 +212,38 @@ fn active_profile(config: &Config) -> String {
     }
 }
 
+/// The daemon: built, then serving until a signal or its idle exit, then stopping.
 async fn run(args: Args, activated: Vec<(std::os::fd::OwnedFd, String)>) -> Result<()> {
+    let daemon = build(args, activated).await?;
+    let stopping = daemon.serve().await?;
+    stopping.shutdown().await;
+    Ok(())
+}
+
+/// A daemon built and not yet serving: its listener, and its parts running.
+struct Daemon {
+    listener: tokio::net::TcpListener,
+    origin: Origin,
+    /// The configuration it started with (`exit_when_idle` is read once).
+    config: Arc<Config>,
+    ctx: Arc<Ctx>,
+    actor: tokio::task::JoinHandle<()>,
+    /// Kept for the daemon's life: dropping it leaves the bus.
+    control: Option<zbus::Connection>,
+}
+
+/// A daemon that stopped serving: what its stop needs.
+struct Stopping {
+    ctx: Arc<Ctx>,
+    actor: tokio::task::JoinHandle<()>,
+    control: Option<zbus::Connection>,
+    /// Resolves once every client connection has closed.
+    connections_closed: std::pin::Pin<Box<dyn std::future::Future<Output = ()>>>,
+}
+
+/// Reads the configuration, takes the API socket, ends what a previous dsv4d left running,
+/// and starts the lifecycle actor, the monitor, the policies and the control interface.
+async fn build(args: Args, activated: Vec<(std::os::fd::OwnedFd, String)>) -> Result<Daemon> {
     let config = Config::load(&args.config).map_err(|e| anyhow::anyhow!("{e}"))?;
     let config = Arc::new(config);
     let sysroot = SysRoot::new(&args.sysroot)?;
@@ -296,8 +327,7 @@ async fn run(args: Args, activated: Vec<(std::os::fd::OwnedFd, String)>) -> Resu
     let stats = Stats::default();
     let activity = dsv4::http::connections::Activity::default();
     let connections = dsv4::http::connections::Connections::default();
-    // Kept for the daemon's life: dropping it leaves the bus.
-    let _control = match args.bus.0 {
+    let control = match args.bus.0 {
         Some(bus) => {
             let group = dbus::ControlGroup::lookup(&args.control_group);
             let parts = dbus::Parts {
@@ -342,81 +372,124 @@ async fn run(args: Args, activated: Vec<(std::os::fd::OwnedFd, String)>) -> Resu
         alerts: alerts.clone(),
         watchers: Default::default(),
     });
+    Ok(Daemon {
+        listener,
+        origin,
+        config,
+        ctx,
+        actor,
+        control,
+    })
+}
 
-    let lifecycle_status = lifecycle.watch_status();
-    let mut term = signal(SignalKind::terminate()).context("installing the SIGTERM handler")?;
-    let mut int = signal(SignalKind::interrupt()).context("installing the SIGINT handler")?;
-    // Under socket activation, an idle daemon may go: systemd keeps the socket and starts
-    // it again at the next connection. Without, nobody would.
-    let idle_after = config.supervisor.exit_when_idle;
-    let activated = matches!(origin, Origin::Activated { .. });
-    if idle_after.is_some() && !activated {
-        tracing::info!("exit_when_idle applies only under socket activation: not used");
-    }
-    let idle = async move {
-        match idle_after.filter(|_| activated) {
-            Some(after) => {
-                dsv4::control::idle_exit::due(after, lifecycle_status, activity, connections).await;
-                after
-            }
-            None => std::future::pending().await,
+impl Daemon {
+    /// Serves the API until SIGTERM, SIGINT or the idle exit; then no connection is taken.
+    async fn serve(self) -> Result<Stopping> {
+        let Daemon {
+            listener,
+            origin,
+            config,
+            ctx,
+            actor,
+            control,
+        } = self;
+        let lifecycle = ctx.lifecycle.clone();
+        let (activity, connections) = (ctx.activity.clone(), ctx.connections.clone());
+
+        let lifecycle_status = lifecycle.watch_status();
+        let mut term = signal(SignalKind::terminate()).context("installing the SIGTERM handler")?;
+        let mut int = signal(SignalKind::interrupt()).context("installing the SIGINT handler")?;
+        // Under socket activation, an idle daemon may go: systemd keeps the socket and starts
+        // it again at the next connection. Without, nobody would.
+        let idle_after = config.supervisor.exit_when_idle;
+        let activated = matches!(origin, Origin::Activated { .. });
+        if idle_after.is_some() && !activated {
+            tracing::info!("exit_when_idle applies only under socket activation: not used");
         }
-    };
-    let shutdown = async move {
-        tokio::select! {
-            _ = term.recv() => tracing::info!("SIGTERM: draining and stopping"),
-            _ = int.recv() => tracing::info!("SIGINT: draining and stopping"),
-            after = idle => tracing::info!(
-                "no engine and no client for {}: exiting (systemd starts dsv4d again at the \
-                 next connection)",
-                dsv4::config::format_duration(after)
-            ),
-        }
-    };
-    if std::env::var("DSV4_TEST_FAULTS").is_ok_and(|f| f.contains("stall-actor-on-sigusr2")) {
-        // A test's fault switch: SIGUSR2 hangs the lifecycle actor, so that the watchdog's
-        // part can be seen. Nothing else turns it on.
-        let mut usr2 = signal(SignalKind::user_defined2()).context("installing SIGUSR2")?;
-        let handle = lifecycle.clone();
-        tokio::spawn(async move {
-            if usr2.recv().await.is_some() {
-                handle.stall().await;
+        let idle = async move {
+            match idle_after.filter(|_| activated) {
+                Some(after) => {
+                    dsv4::control::idle_exit::due(after, lifecycle_status, activity, connections)
+                        .await;
+                    after
+                }
+                None => std::future::pending().await,
             }
-        });
+        };
+        let shutdown = async move {
+            tokio::select! {
+                _ = term.recv() => tracing::info!("SIGTERM: draining and stopping"),
+                _ = int.recv() => tracing::info!("SIGINT: draining and stopping"),
+                after = idle => tracing::info!(
+                    "no engine and no client for {}: exiting (systemd starts dsv4d again at the \
+                     next connection)",
+                    dsv4::config::format_duration(after)
+                ),
+            }
+        };
+        if std::env::var("DSV4_TEST_FAULTS").is_ok_and(|f| f.contains("stall-actor-on-sigusr2")) {
+            // A test's fault switch: SIGUSR2 hangs the lifecycle actor, so that the watchdog's
+            // part can be seen. Nothing else turns it on.
+            let mut usr2 = signal(SignalKind::user_defined2()).context("installing SIGUSR2")?;
+            let handle = lifecycle.clone();
+            tokio::spawn(async move {
+                if usr2.recv().await.is_some() {
+                    handle.stall().await;
+                }
+            });
+        }
+        // The listener, the configuration and the bus name are in place: ready.
+        dsv4::control::service::ready(&lifecycle.status());
+        dsv4::control::service::spawn(lifecycle.clone(), ctx.telemetry.clone());
+        let connections_closed = Box::pin(proxy::serve(listener, ctx.clone(), shutdown).await);
+        Ok(Stopping {
+            ctx,
+            actor,
+            control,
+            connections_closed,
+        })
     }
-    // The listener, the configuration and the bus name are in place: ready.
-    dsv4::control::service::ready(&lifecycle.status());
-    dsv4::control::service::spawn(lifecycle.clone(), ctx.telemetry.clone());
-    let config_in_force = ctx.config.clone();
-    let connections_closed = proxy::serve(listener, ctx, shutdown).await;
-    // A drain of in-flight requests, the KV checkpoint's save, then the engine's own stop.
-    let budget = {
-        let config = config_in_force.borrow();
-        let save = config
-            .profiles
-            .values()
-            .filter_map(|p| p.kv_checkpoint.as_ref().map(|kv| kv.save_timeout))
-            .max()
-            .unwrap_or_default();
-        // The drain is bounded by `engine.stop_timeout`, the engine's stop by its own grace.
-        let stop_timeout = config.supervisor.engine.stop_timeout;
-        let stop = config
-            .profiles
-            .values()
-            .map(|p| p.engine.stop(&p.params).grace.unwrap_or(stop_timeout))
-            .max()
-            .unwrap_or(stop_timeout);
-        stop_timeout + stop + save + std::time::Duration::from_secs(10)
-    };
-    let extending = dsv4::control::service::stopping(budget);
-    // In-flight streams finish (bounded by engine.stop_timeout), then the engine stops.
-    lifecycle.shutdown().await;
-    let _ = actor.await;
-    // The engine is gone: the power settings go back.
-    power.shutdown().await;
-    extending.abort();
-    // Connections still open (a cut stream's client) get a moment to see their end.
-    let _ = tokio::time::timeout(std::time::Duration::from_secs(1), connections_closed).await;
-    tracing::info!("dsv4d stopped");
-    Ok(())
+}
+
+impl Stopping {
+    /// Drains the requests in flight, saves the KV checkpoint, stops the engine, and gives
+    /// the power settings back; systemd is told how long that may take.
+    async fn shutdown(self) {
+        let Stopping {
+            ctx,
+            actor,
+            control,
+            connections_closed,
+        } = self;
+        // A drain of in-flight requests, the KV checkpoint's save, then the engine's own stop.
+        let budget = {
+            let config = ctx.config.borrow();
+            let save = config
+                .profiles
+                .values()
+                .filter_map(|p| p.kv_checkpoint.as_ref().map(|kv| kv.save_timeout))
+                .max()
+                .unwrap_or_default();
+            // The drain is bounded by `engine.stop_timeout`, the engine's stop by its own grace.
+            let stop_timeout = config.supervisor.engine.stop_timeout;
+            let stop = config
+                .profiles
+                .values()
+                .map(|p| p.engine.stop(&p.params).grace.unwrap_or(stop_timeout))
+                .max()
+                .unwrap_or(stop_timeout);
+            stop_timeout + stop + save + std::time::Duration::from_secs(10)
+        };
+        let extending = dsv4::control::service::stopping(budget);
+        // In-flight streams finish (bounded by engine.stop_timeout), then the engine stops.
+        ctx.lifecycle.shutdown().await;
+        let _ = actor.await;
+        // The engine is gone: the power settings go back.
+        ctx.power.shutdown().await;
+        extending.abort();
+        // Connections still open (a cut stream's client) get a moment to see their end.
+        let _ = tokio::time::timeout(std::time::Duration::from_secs(1), connections_closed).await;
+        tracing::info!("dsv4d stopped");
+        drop(control);
+    }
 }
