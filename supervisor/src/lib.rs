@@ -14,8 +14,9 @@
 //! 7. [`validate`]: validation runs.
 //! 8. [`actions`]: what an operator may do (start, stop, profile, KV, validation): one path
 //!    for D-Bus and the dashboard.
-//! 9. [`http`]: the API: listener, front door, keys, bodies, the proxy, its errors.
-//! 10. [`control`]: D-Bus, systemd, reloads, exit when idle.
+//! 9. [`parts`]: the handles both faces below serve from, bundled once.
+//! 10. [`http`]: the API: listener, front door, keys, bodies, the proxy, its errors.
+//! 11. [`control`]: D-Bus, systemd, reloads, exit when idle.
 
 pub mod actions;
 pub mod config;
@@ -25,5 +26,6 @@ pub mod http;
 pub mod kv;
 pub mod lifecycle;
 pub mod observe;
+pub mod parts;
 pub mod policy;
 pub mod validate;

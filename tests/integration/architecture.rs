@@ -146,6 +146,7 @@ const LAYERS: &[&str] = &[
     "policy",
     "validate",
     "actions",
+    "parts",
     "http",
     "control",
 ];

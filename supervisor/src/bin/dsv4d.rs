@@ -20,6 +20,7 @@ use dsv4::lifecycle::alert::Alerts;
 use dsv4::lifecycle::engine_key::KeyFolder;
 use dsv4::lifecycle::Services;
 use dsv4::observe::stats::Stats;
+use dsv4::parts::Parts;
 use dsv4_client::Bus;
 use tokio::signal::unix::{signal, SignalKind};
 
@@ -324,25 +325,26 @@ async fn build(args: Args, activated: Vec<(std::os::fd::OwnedFd, String)>) -> Re
         alerts: alerts.clone(),
     });
     tracing::info!(profile, "ready; the engine starts on the first request");
-    let stats = Stats::default();
+    // What the API and the control interface both serve from.
+    let parts = Parts {
+        lifecycle: lifecycle.clone(),
+        config: config_rx,
+        stats: Stats::default(),
+        telemetry,
+        power,
+        thermal,
+        validator: validator.clone(),
+        actions: dsv4::actions::Actions::new(lifecycle, validator),
+    };
     let activity = dsv4::http::connections::Activity::default();
-    let connections = dsv4::http::connections::Connections::default();
     let control = match args.bus.0 {
         Some(bus) => {
-            let group = dbus::ControlGroup::lookup(&args.control_group);
-            let parts = dbus::Parts {
-                lifecycle: lifecycle.clone(),
-                config: config_rx.clone(),
-                stats: stats.clone(),
-                telemetry: telemetry.clone(),
-                power: power.clone(),
-                thermal: thermal.clone(),
+            let own = dbus::Control {
                 activity: activity.clone(),
-                group,
+                group: dbus::ControlGroup::lookup(&args.control_group),
                 alerts: alerts.subscribe(),
-                validator: validator.clone(),
             };
-            Some(dbus::serve(bus, parts).await?)
+            Some(dbus::serve(bus, parts.clone(), own).await?)
         }
         None => None,
     };
@@ -355,21 +357,14 @@ async fn build(args: Args, activated: Vec<(std::os::fd::OwnedFd, String)>) -> Re
         .run(),
     );
     let ctx = Arc::new(Ctx {
-        validator: validator.clone(),
-        lifecycle: lifecycle.clone(),
-        config: config_rx,
-        stats,
-        telemetry,
-        power: power.clone(),
-        thermal,
+        parts,
         api_keys: Default::default(),
         admin_keys: dsv4::http::auth::KeyCache::new(dsv4::http::auth::KeyFile::Admin),
-        actions: dsv4::actions::Actions::new(lifecycle.clone(), validator.clone()),
         bodies: Default::default(),
-        connections: connections.clone(),
-        activity: activity.clone(),
+        connections: Default::default(),
+        activity,
         closing: Default::default(),
-        alerts: alerts.clone(),
+        alerts,
         watchers: Default::default(),
     });
     Ok(Daemon {
@@ -393,7 +388,7 @@ impl Daemon {
             actor,
             control,
         } = self;
-        let lifecycle = ctx.lifecycle.clone();
+        let lifecycle = ctx.parts.lifecycle.clone();
         let (activity, connections) = (ctx.activity.clone(), ctx.connections.clone());
 
         let lifecycle_status = lifecycle.watch_status();
@@ -440,7 +435,7 @@ impl Daemon {
         }
         // The listener, the configuration and the bus name are in place: ready.
         dsv4::control::service::ready(&lifecycle.status());
-        dsv4::control::service::spawn(lifecycle.clone(), ctx.telemetry.clone());
+        dsv4::control::service::spawn(lifecycle.clone(), ctx.parts.telemetry.clone());
         let connections_closed = Box::pin(proxy::serve(listener, ctx.clone(), shutdown).await);
         Ok(Stopping {
             ctx,
@@ -463,7 +458,7 @@ impl Stopping {
         } = self;
         // A drain of in-flight requests, the KV checkpoint's save, then the engine's own stop.
         let budget = {
-            let config = ctx.config.borrow();
+            let config = ctx.parts.config.borrow();
             let save = config
                 .profiles
                 .values()
@@ -482,10 +477,10 @@ impl Stopping {
         };
         let extending = dsv4::control::service::stopping(budget);
         // In-flight streams finish (bounded by engine.stop_timeout), then the engine stops.
-        ctx.lifecycle.shutdown().await;
+        ctx.parts.lifecycle.shutdown().await;
         let _ = actor.await;
         // The engine is gone: the power settings go back.
-        ctx.power.shutdown().await;
+        ctx.parts.power.shutdown().await;
         extending.abort();
         // Connections still open (a cut stream's client) get a moment to see their end.
         let _ = tokio::time::timeout(std::time::Duration::from_secs(1), connections_closed).await;

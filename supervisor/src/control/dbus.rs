@@ -26,15 +26,12 @@ use zbus::names::ErrorName;
 use zbus::object_server::SignalEmitter;
 use zbus::Connection;
 
-use crate::actions::{ActionError, Actions};
+use crate::actions::ActionError;
 use crate::config::Config;
 use crate::http::http_error::ApiError;
 use crate::lifecycle::alert::Alert;
 use crate::lifecycle::{ControlError, Handle, Refused, Status};
-use crate::observe::monitor::Telemetry;
-use crate::observe::stats::Stats;
-use crate::policy::power::Power;
-use crate::policy::thermal::Thermal;
+use crate::parts::Parts;
 
 /// The most samples one `History()` call returns: an hour at 1 s.
 const HISTORY_MAX: usize = 3600;
@@ -123,31 +120,16 @@ impl From<ControlError> for Fault {
 /// The object served at `/io/github/dsv4/Supervisor1` (the D-Bus face of the supervisor; not
 /// to be confused with `config::Supervisor`, the settings of supervisor.yaml).
 pub struct ControlObject {
-    lifecycle: Handle,
-    config: watch::Receiver<Arc<Config>>,
-    stats: Stats,
-    telemetry: Telemetry,
-    power: Power,
-    thermal: Thermal,
+    /// The parts the API serves from too; its `actions` are what the methods that change
+    /// something call.
+    parts: Parts,
     group: ControlGroup,
-    validator: crate::validate::Validator,
-    /// What the methods that change something call (the dashboard's actions call the same).
-    actions: Actions,
 }
 
-/// What the control interface is made of.
-pub struct Parts {
-    pub lifecycle: Handle,
-    /// The configuration in force (replaced by reloads).
-    pub config: watch::Receiver<Arc<Config>>,
-    pub stats: Stats,
-    pub telemetry: Telemetry,
-    pub power: Power,
-    pub thermal: Thermal,
+/// What only the control interface has, beside the daemon's [`Parts`].
+pub struct Control {
     /// Touched by every method call (`exit_when_idle`).
     pub activity: crate::http::connections::Activity,
-    /// Validation runs.
-    pub validator: crate::validate::Validator,
     pub group: ControlGroup,
     /// Alerts to raise as `Alert(kind, message)` signals.
     pub alerts: broadcast::Receiver<Alert>,
@@ -231,7 +213,7 @@ impl ControlObject {
         #[zbus(connection)] conn: &Connection,
     ) -> Result<(), Fault> {
         let by = self.authorize(&header, conn, "Start").await?;
-        Ok(self.actions.start(&by).await?)
+        Ok(self.parts.actions.start(&by).await?)
     }
 
     /// Waits like a request: the lease is let go at once, so the idle time counts from now.
@@ -241,7 +223,7 @@ impl ControlObject {
         #[zbus(connection)] conn: &Connection,
     ) -> Result<String, Fault> {
         let by = self.authorize(&header, conn, "StartAndWait").await?;
-        Ok(self.actions.start_and_wait(&by).await?)
+        Ok(self.parts.actions.start_and_wait(&by).await?)
     }
 
     async fn stop(
@@ -250,7 +232,7 @@ impl ControlObject {
         #[zbus(connection)] conn: &Connection,
     ) -> Result<(), Fault> {
         let by = self.authorize(&header, conn, "Stop").await?;
-        Ok(self.actions.stop(false, &by).await?)
+        Ok(self.parts.actions.stop(false, &by).await?)
     }
 
     async fn stop_now(
@@ -259,7 +241,7 @@ impl ControlObject {
         #[zbus(connection)] conn: &Connection,
     ) -> Result<(), Fault> {
         let by = self.authorize(&header, conn, "StopNow").await?;
-        Ok(self.actions.stop(true, &by).await?)
+        Ok(self.parts.actions.stop(true, &by).await?)
     }
 
     async fn set_profile(
@@ -269,7 +251,7 @@ impl ControlObject {
         #[zbus(connection)] conn: &Connection,
     ) -> Result<(), Fault> {
         let by = self.authorize(&header, conn, "SetProfile").await?;
-        Ok(self.actions.set_profile(&name, &by).await?)
+        Ok(self.parts.actions.set_profile(&name, &by).await?)
     }
 
     /// Starts a validation run (`dsv4ctl validate`): `request` is a `ValidateRequest` as
@@ -284,7 +266,7 @@ impl ControlObject {
         let by = self.authorize(&header, conn, "Validate").await?;
         let req: dsv4_client::validate::ValidateRequest = serde_json::from_str(&request)
             .map_err(|e| Fault::failed(format!("not a validation request: {e}")))?;
-        Ok(self.actions.validate(req, &by)?)
+        Ok(self.parts.actions.validate(req, &by)?)
     }
 
     /// Ends the running validation (it switches back to the previous profile).
@@ -294,14 +276,14 @@ impl ControlObject {
         #[zbus(connection)] conn: &Connection,
     ) -> Result<bool, Fault> {
         let by = self.authorize(&header, conn, "CancelValidation").await?;
-        Ok(self.actions.cancel_validation(&by))
+        Ok(self.parts.actions.cancel_validation(&by))
     }
 
     /// The kept validation results of `profile` (every profile's when empty), newest first,
     /// as a JSON array.
     async fn validations(&self, profile: String) -> Result<String, Fault> {
         let profile = (!profile.is_empty()).then_some(profile.as_str());
-        serde_json::to_string(&self.validator.saved(profile))
+        serde_json::to_string(&self.parts.validator.saved(profile))
             .map_err(|e| Fault::failed(e.to_string()))
     }
 
@@ -315,7 +297,7 @@ impl ControlObject {
 
     /// The KV checkpoints on disk, every profile's, as a JSON array of `KvCheckpoint`s.
     async fn kv_checkpoints(&self) -> Result<String, Fault> {
-        serde_json::to_string(&self.lifecycle.kv().list().await)
+        serde_json::to_string(&self.parts.lifecycle.kv().list().await)
             .map_err(|e| Fault::failed(e.to_string()))
     }
 
@@ -328,20 +310,13 @@ impl ControlObject {
         #[zbus(connection)] conn: &Connection,
     ) -> Result<String, Fault> {
         let by = self.authorize(&header, conn, "DropKv").await?;
-        let gone = self.actions.drop_kv(&what, &by).await?;
+        let gone = self.parts.actions.drop_kv(&what, &by).await?;
         serde_json::to_string(&gone).map_err(|e| Fault::failed(e.to_string()))
     }
 
     /// The status JSON, the same document as `GET /status`.
     async fn status(&self) -> Result<String, Fault> {
-        let doc = crate::http::ctx::status_document(
-            &self.lifecycle,
-            &self.stats,
-            &self.telemetry,
-            &self.power,
-            &self.thermal,
-        )
-        .await;
+        let doc = self.parts.status_document().await;
         serde_json::to_string(&doc).map_err(|e| Fault::failed(e.to_string()))
     }
 
@@ -349,41 +324,49 @@ impl ControlObject {
     /// `max` (the newest), as a JSON array of `Sample`s.
     async fn history(&self, since: f64, max: u32) -> Result<String, Fault> {
         let max = (max as usize).min(HISTORY_MAX);
-        let samples = self.telemetry.history(since, max);
+        let samples = self.parts.telemetry.history(since, max);
         let samples: Vec<&dsv4_client::telemetry::Sample> = samples.iter().map(|s| &**s).collect();
         serde_json::to_string(&samples).map_err(|e| Fault::failed(e.to_string()))
     }
 
     async fn list_profiles(&self) -> Result<String, Fault> {
-        let active = self.lifecycle.status().profile;
-        let list = crate::config::profiles::list(&self.config.borrow(), &active);
+        let active = self.parts.lifecycle.status().profile;
+        let list = crate::config::profiles::list(&self.parts.config.borrow(), &active);
         serde_json::to_string(&list).map_err(|e| Fault::failed(e.to_string()))
     }
 
     async fn logs(&self, since: u64, max: u32) -> (u64, Vec<String>) {
-        self.lifecycle.logs(since, max as usize)
+        self.parts.lifecycle.logs(since, max as usize)
     }
 
     async fn wait_logs(&self, since: u64, max: u32, wait_ms: u32) -> (u64, Vec<String>) {
         let wait = std::time::Duration::from_millis(wait_ms.min(WAIT_LOGS_MAX_MS).into());
-        self.lifecycle.wait_logs(since, max as usize, wait).await
+        self.parts
+            .lifecycle
+            .wait_logs(since, max as usize, wait)
+            .await
     }
 
     #[zbus(property)]
     async fn state(&self) -> String {
-        self.lifecycle.status().state.as_str().to_string()
+        self.parts.lifecycle.status().state.as_str().to_string()
     }
     #[zbus(property)]
     async fn profile(&self) -> String {
-        self.lifecycle.status().profile
+        self.parts.lifecycle.status().profile
     }
     #[zbus(property)]
     async fn engine_profile(&self) -> String {
-        self.lifecycle.status().engine_profile.unwrap_or_default()
+        self.parts
+            .lifecycle
+            .status()
+            .engine_profile
+            .unwrap_or_default()
     }
     #[zbus(property)]
     async fn profiles(&self) -> Vec<String> {
-        self.config
+        self.parts
+            .config
             .borrow()
             .profile_names()
             .into_iter()
@@ -392,23 +375,23 @@ impl ControlObject {
     }
     #[zbus(property)]
     async fn in_flight(&self) -> u32 {
-        self.lifecycle.status().in_flight
+        self.parts.lifecycle.status().in_flight
     }
     #[zbus(property)]
     async fn waiting(&self) -> u32 {
-        self.lifecycle.status().waiting as u32
+        self.parts.lifecycle.status().waiting as u32
     }
     #[zbus(property)]
     async fn engine_pid(&self) -> u32 {
-        self.lifecycle.status().engine_pid.unwrap_or(0)
+        self.parts.lifecycle.status().engine_pid.unwrap_or(0)
     }
     #[zbus(property)]
     async fn idle_deadline(&self) -> f64 {
-        self.lifecycle.status().idle_deadline.unwrap_or(0.0)
+        self.parts.lifecycle.status().idle_deadline.unwrap_or(0.0)
     }
     #[zbus(property)]
     async fn last_error(&self) -> String {
-        self.lifecycle.status().last_error.unwrap_or_default()
+        self.parts.lifecycle.status().last_error.unwrap_or_default()
     }
 
     /// `Alert(kind, message)`: something a desktop user should hear about (a rejected
@@ -439,34 +422,20 @@ impl ControlObject {
 
 /// Connects to `bus`, serves the object, then asks for the well-known name, and keeps the
 /// properties current. The returned connection must be kept for the daemon's life.
-pub async fn serve(bus: Bus, parts: Parts) -> anyhow::Result<Connection> {
+pub async fn serve(bus: Bus, parts: Parts, control: Control) -> anyhow::Result<Connection> {
     let builder = match bus {
         Bus::System => zbus::connection::Builder::system(),
         Bus::Session => zbus::connection::Builder::session(),
     }
     .with_context(|| format!("connecting to the {} bus", bus))?;
-    let Parts {
-        lifecycle,
-        config,
-        stats,
-        telemetry,
-        power,
-        thermal,
+    let Control {
         activity,
         group,
         alerts,
-        validator,
-    } = parts;
+    } = control;
     let object = ControlObject {
-        lifecycle: lifecycle.clone(),
-        config: config.clone(),
-        stats,
-        telemetry,
-        power,
-        thermal: thermal.clone(),
+        parts: parts.clone(),
         group,
-        validator: validator.clone(),
-        actions: Actions::new(lifecycle.clone(), validator.clone()),
     };
     let conn = builder
         .serve_at(OBJECT_PATH, object)
@@ -496,13 +465,16 @@ pub async fn serve(bus: Bus, parts: Parts) -> anyhow::Result<Connection> {
             }
         }
     });
-    tokio::spawn(announce_validation(conn.clone(), validator.subscribe()));
+    tokio::spawn(announce_validation(
+        conn.clone(),
+        parts.validator.subscribe(),
+    ));
     tokio::spawn(announce_changes(
         conn.clone(),
-        lifecycle,
-        config,
+        parts.lifecycle,
+        parts.config,
         alerts,
-        thermal.subscribe(),
+        parts.thermal.subscribe(),
     ));
     Ok(conn)
 }

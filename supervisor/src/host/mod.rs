@@ -1,8 +1,23 @@
 //! The machine as files: the hardware readers (`hw`), the root they read below (`sysroot`,
 //! `/` or a fixture tree), the daemon's own state files (`state_file`), and reading any file
-//! of its own without a FIFO or a device hanging it (`regular`).
+//! of its own without a FIFO or a device hanging it (`regular`), and the process's own
+//! open-file limits ([`open_file_limits`]).
 
 pub mod hw;
 pub mod regular;
 pub mod state_file;
 pub mod sysroot;
+
+use nix::sys::resource::{getrlimit, Resource, RLIM_INFINITY};
+
+/// The open-file limits in force (soft and hard; `None`: unlimited), for the status.
+pub fn open_file_limits() -> dsv4_client::Limits {
+    let finite = |n: u64| (n != RLIM_INFINITY).then_some(n);
+    match getrlimit(Resource::RLIMIT_NOFILE) {
+        Ok((soft, hard)) => dsv4_client::Limits {
+            open_files: finite(soft),
+            open_files_hard: finite(hard),
+        },
+        Err(_) => dsv4_client::Limits::default(),
+    }
+}

@@ -93,18 +93,6 @@ fn shown(limit: u64) -> String {
     }
 }
 
-/// The open-file limits in force, for the status.
-pub fn limits() -> dsv4_client::Limits {
-    let finite = |n: u64| (n != RLIM_INFINITY).then_some(n);
-    match getrlimit(Resource::RLIMIT_NOFILE) {
-        Ok((soft, hard)) => dsv4_client::Limits {
-            open_files: finite(soft),
-            open_files_hard: finite(hard),
-        },
-        Err(_) => dsv4_client::Limits::default(),
-    }
-}
-
 /// The client connections the current soft open-file limit covers: two descriptors each
 /// (the client's and the engine connection its request holds), after [`RESERVE`].
 pub fn fd_cap() -> usize {

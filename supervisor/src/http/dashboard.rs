@@ -88,7 +88,7 @@ pub fn asset<B: From<Bytes>>(path: &str) -> Option<Response<B>> {
 /// `GET /events`: the stream, fed by a task that ends when the client goes or dsv4d stops;
 /// 503 when `api.max_event_streams` are open already.
 pub fn events(ctx: &Arc<Ctx>) -> Result<Response<Events>, ApiError> {
-    let cap = ctx.config.borrow().supervisor.api.max_event_streams;
+    let cap = ctx.parts.config.borrow().supervisor.api.max_event_streams;
     let Some(watcher) = ctx.watchers.admit(cap) else {
         return Err(too_many(cap));
     };
@@ -123,7 +123,7 @@ fn event(name: &str, data: &serde_json::Value) -> Bytes {
 
 /// The saved validation runs, newest first, without what the page does not show.
 fn validations(ctx: &Ctx) -> serde_json::Value {
-    let runs = ctx.validator.saved(None);
+    let runs = ctx.parts.validator.saved(None);
     let runs: Vec<_> = runs
         .iter()
         .take(VALIDATIONS)
@@ -150,7 +150,7 @@ fn validations(ctx: &Ctx) -> serde_json::Value {
 async fn actions_allowed(ctx: &std::sync::Arc<Ctx>) -> (bool, Option<String>) {
     let ctx = ctx.clone();
     tokio::task::spawn_blocking(move || {
-        let config = ctx.config.borrow().clone();
+        let config = ctx.parts.config.borrow().clone();
         match ctx.admin_keys.get(&config) {
             None => (false, None),
             Some(Ok(_)) => (true, None),
@@ -184,10 +184,10 @@ async fn hello(
     )))
     .await?;
     let mut after = dsv4_client::clock::unix_now() - HISTORY_SECONDS;
-    let until = ctx.telemetry.latest().map_or(after, |s| s.at);
+    let until = ctx.parts.telemetry.latest().map_or(after, |s| s.at);
     let mut first = true;
     loop {
-        let page = ctx.telemetry.page(after, until, HELLO_PAGE);
+        let page = ctx.parts.telemetry.page(after, until, HELLO_PAGE);
         let Some(last) = page.last() else { break };
         after = last.at;
         let mut piece = Vec::with_capacity(HELLO_PAGE * 1024);
@@ -207,11 +207,11 @@ async fn hello(
 /// Feeds one stream until its client goes or dsv4d stops; `_watcher` is its place among
 /// the open streams, given back when this ends.
 async fn feed(ctx: Arc<Ctx>, tx: mpsc::Sender<Bytes>, _watcher: Watcher) {
-    let config = ctx.config.borrow().clone();
+    let config = ctx.parts.config.borrow().clone();
     let thermal = config.supervisor.thermal.clone();
     let (recent_alerts, mut alerts) = ctx.alerts.recent_and_subscribe();
-    let (standing, mut thermal_events) = ctx.thermal.subscribe();
-    let mut validation_events = ctx.validator.subscribe();
+    let (standing, mut thermal_events) = ctx.parts.thermal.subscribe();
+    let mut validation_events = ctx.parts.validator.subscribe();
     let (actions, actions_error) = actions_allowed(&ctx).await;
     let head = json!({
         "thresholds": {
@@ -230,11 +230,11 @@ async fn feed(ctx: Arc<Ctx>, tx: mpsc::Sender<Bytes>, _watcher: Watcher) {
     if hello(&ctx, &tx, head).await.is_err() {
         return;
     }
-    let mut status = ctx.lifecycle.watch_status();
-    let mut figures = ctx.lifecycle.watch_figures();
-    let mut samples = ctx.telemetry.watch();
+    let mut status = ctx.parts.lifecycle.watch_status();
+    let mut figures = ctx.parts.lifecycle.watch_figures();
+    let mut samples = ctx.parts.telemetry.watch();
     let mut closing = ctx.closing.subscribe();
-    let (mut next_line, _) = ctx.lifecycle.logs(0, 0);
+    let (mut next_line, _) = ctx.parts.lifecycle.logs(0, 0);
     next_line = next_line.saturating_sub(LOG_LINES as u64);
     loop {
         status.borrow_and_update();
@@ -242,13 +242,13 @@ async fn feed(ctx: Arc<Ctx>, tx: mpsc::Sender<Bytes>, _watcher: Watcher) {
         samples.borrow_and_update();
         // The document as bytes only: nothing else of it is held while the client reads.
         let doc = {
-            let doc = serde_json::to_value(ctx.status_document().await).unwrap_or_default();
+            let doc = serde_json::to_value(ctx.parts.status_document().await).unwrap_or_default();
             event("status", &doc)
         };
         if tx.send(doc).await.is_err() {
             return;
         }
-        let (next, lines) = ctx.lifecycle.logs(next_line, LOG_LINES);
+        let (next, lines) = ctx.parts.lifecycle.logs(next_line, LOG_LINES);
         next_line = next;
         if !lines.is_empty() && tx.send(event("log", &json!(lines))).await.is_err() {
             return;

@@ -36,7 +36,7 @@ use crate::config::Config;
 use crate::http::auth::KeyFile;
 use crate::http::body::{End, OnEnd, Settle};
 use crate::http::connections;
-pub use crate::http::ctx::{status_document, Ctx};
+pub use crate::http::ctx::Ctx;
 use crate::http::front;
 use crate::http::http_error::{with_tail, ApiError, ErrorCode, ErrorType};
 use crate::http::intake::{self, IntakeError};
@@ -288,7 +288,7 @@ pub async fn serve(
         };
         ctx.activity.touch();
         let (max_connections, min_body_rate) = {
-            let config = ctx.config.borrow();
+            let config = ctx.parts.config.borrow();
             let api = &config.supervisor.api;
             (api.max_connections, api.min_body_rate)
         };
@@ -322,7 +322,14 @@ pub async fn serve(
             loop {
                 // Keys configured: a connection without one is kept alive briefly. (Only
                 // whether they are: the keys themselves are read where a request shows one.)
-                let keys = ctx.config.borrow().supervisor.api.api_keys_file.is_some();
+                let keys = ctx
+                    .parts
+                    .config
+                    .borrow()
+                    .supervisor
+                    .api
+                    .api_keys_file
+                    .is_some();
                 let unkeyed = keys.then_some(connections::UNKEYED_KEEP_ALIVE);
                 let until = match slot.next(unkeyed, tokio::time::Instant::now()) {
                     connections::Next::Serve(until) => until,
@@ -381,7 +388,7 @@ async fn handle(
     on: &connections::Slot,
 ) -> Response<ProxyBody> {
     ctx.activity.touch();
-    let config = ctx.config.borrow().clone();
+    let config = ctx.parts.config.borrow().clone();
     // Browsers first, on every path: a request for a host that is not ours (DNS rebinding)
     // or from a web page not listed gets no further, and a preflight is answered here.
     let caller = match front::admit(&config.supervisor.api, &req) {
@@ -445,7 +452,7 @@ async fn route(
     if own && req.uri().path() == "/health" {
         // Open to every caller the front admits: it is what a load balancer or a watchdog
         // polls.
-        let s = ctx.lifecycle.status();
+        let s = ctx.parts.lifecycle.status();
         return json_response(
             StatusCode::OK,
             json!({ "status": "ok", "engine": s.state, "profile": s.profile }),
@@ -467,7 +474,7 @@ async fn route(
         on.keyed();
     }
     match (own, req.uri().path()) {
-        (true, "/status") => match serde_json::to_value(ctx.status_document().await) {
+        (true, "/status") => match serde_json::to_value(ctx.parts.status_document().await) {
             Ok(v) => json_response(StatusCode::OK, v),
             Err(e) => ApiError::new(
                 StatusCode::INTERNAL_SERVER_ERROR,
@@ -483,14 +490,14 @@ async fn route(
             Err(e) => e.into_response(),
         },
         (true, "/metrics") => {
-            let sample = ctx.telemetry.latest();
-            let kv = ctx.lifecycle.kv().status().await;
+            let sample = ctx.parts.telemetry.latest();
+            let kv = ctx.parts.lifecycle.kv().status().await;
             let text = crate::observe::metrics::render(
-                &ctx.lifecycle.status(),
-                &ctx.stats.report(0),
+                &ctx.parts.lifecycle.status(),
+                &ctx.parts.stats.report(0),
                 sample.as_deref(),
-                &ctx.power.status(),
-                &ctx.thermal.status(),
+                &ctx.parts.power.status(),
+                &ctx.parts.thermal.status(),
                 &kv,
             );
             let mut r = Response::new(ProxyBody::from(Bytes::from(text)));
@@ -517,8 +524,8 @@ fn json_response(status: StatusCode, v: serde_json::Value) -> Response<ProxyBody
 /// `GET /v1/models`: the profiles, from the configuration; needs no engine. OpenAI's list
 /// shape, with what `ListProfiles()` tells about each.
 fn models(ctx: &Ctx) -> serde_json::Value {
-    let active = ctx.lifecycle.status().profile;
-    let data: Vec<_> = crate::config::profiles::list(&ctx.config.borrow(), &active)
+    let active = ctx.parts.lifecycle.status().profile;
+    let data: Vec<_> = crate::config::profiles::list(&ctx.parts.config.borrow(), &active)
         .into_iter()
         .map(|p| {
             json!({
@@ -613,7 +620,7 @@ async fn proxy(
     let started = Instant::now();
     let slot_action = is_slot_action(&req);
     if slot_action {
-        let status = ctx.lifecycle.status();
+        let status = ctx.parts.lifecycle.status();
         let running = status.engine_profile.as_deref();
         let refused = [running, Some(status.profile.as_str())]
             .into_iter()
@@ -641,6 +648,7 @@ async fn proxy(
     };
     drop(reading);
     if let Err(max_waiting) = ctx
+        .parts
         .validator
         .admit(config.supervisor.engine.max_waiting)
         .await
@@ -648,11 +656,11 @@ async fn proxy(
         return validation_queue_full(max_waiting);
     }
     let lease = loop {
-        let lease = match ctx.lifecycle.acquire().await {
+        let lease = match ctx.parts.lifecycle.acquire().await {
             Ok(lease) => lease,
             Err(refusal) => return ApiError::from(refusal).into_response(),
         };
-        if !ctx.validator.running() {
+        if !ctx.parts.validator.running() {
             break lease;
         }
         // A validation began while this request waited for an engine: that engine is the
@@ -660,6 +668,7 @@ async fn proxy(
         // restores (or 503 past max_waiting, as any request during a validation).
         drop(lease);
         if let Err(max_waiting) = ctx
+            .parts
             .validator
             .admit(config.supervisor.engine.max_waiting)
             .await
@@ -707,8 +716,8 @@ async fn proxy(
                     Tap::for_content_type(content_type).map(|tap| {
                         Box::new(Tapped {
                             tap,
-                            stats: ctx.stats.clone(),
-                            telemetry: ctx.telemetry.clone(),
+                            stats: ctx.parts.stats.clone(),
+                            telemetry: ctx.parts.telemetry.clone(),
                             profile: engine.profile.clone(),
                             path,
                             started,

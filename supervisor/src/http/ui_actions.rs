@@ -70,7 +70,7 @@ pub async fn act(
     front::same_origin(&config.supervisor.api, &req)?;
     auth::require(KeyFile::Admin, Some(keys), req.headers_mut())?;
     let body = read_body(ctx, config, req.into_body()).await?;
-    let actions = &ctx.actions;
+    let actions = &ctx.parts.actions;
     let done = match name {
         "start" => {
             args(&body, &[], &[])?;

@@ -294,8 +294,16 @@ mod tests {
     #[test]
     fn a_steady_figure_is_its_own_mean() {
         for n in 1..=64 {
-            assert_eq!(mean(std::iter::repeat_n(69.6, n)), Some(69.6), "{n} samples");
-            assert_eq!(mean(std::iter::repeat_n(73.25, n)), Some(73.25), "{n} samples");
+            assert_eq!(
+                mean(std::iter::repeat_n(69.6, n)),
+                Some(69.6),
+                "{n} samples"
+            );
+            assert_eq!(
+                mean(std::iter::repeat_n(73.25, n)),
+                Some(73.25),
+                "{n} samples"
+            );
         }
         assert_eq!(mean([70.0, 71.0, 71.0].into_iter()), Some(70.667));
         assert_eq!(mean(std::iter::empty()), None);
