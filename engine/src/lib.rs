@@ -2,9 +2,9 @@
 //!
 //! Owns: everything known about each engine the supervisor drives (llama.cpp's
 //! `llama-server`, antirez's `ds4-server`, any OpenAI-compatible server its profile
-//! describes), one description per kind in [`kinds`] (argv,
-//! readiness, stop, key, KV keeping and its reports, validation API, status wording), and how
-//! an engine's process is spawned, watched and stopped. Must not: know about YAML, HTTP
+//! describes), one description per kind in [`kinds`] (argv, readiness, stop, key, KV keeping
+//! and its reports, validation API, how it tells a prefill's progress, status wording), and
+//! how an engine's process is spawned, watched and stopped. Must not: know about YAML, HTTP
 //! clients of the supervisor, or the lifecycle rules (when to start or stop): those belong to
 //! the supervisor, which asks a kind's description and never tells the kinds apart itself.
 
@@ -18,7 +18,9 @@ pub use adapter::{
 };
 pub use child::{EngineChild, ExitReport, OutputTail, SpawnError, SpawnSpec};
 pub use kinds::openai::{check_args, check_key_arg, parse_health, parse_stop_signal};
-pub use kinds::{Kind, KvKeeping, KvSaved, OwnKv, ValidationApi};
+pub use kinds::{
+    Kind, KvKeeping, KvSaved, OwnKv, Prefill, PrefillLine, PrefillReport, ValidationApi,
+};
 
 /// The tracing target of the engine's output lines, as they go to the log.
 pub const LOG_TARGET: &str = "engine";

@@ -5,11 +5,13 @@
 //! port, CORS, queue, trace, ...) include no key or authentication of any kind. It keeps KV
 //! checkpoints of its own (`--kv-disk-dir`), written after its SIGTERM, so it is never
 //! interrupted: it gets the whole stop timeout, and says in its log what it saved. It has no
-//! native completion endpoint with token ids: validation times the OpenAI stream.
+//! native completion endpoint with token ids: validation times the OpenAI stream. Its log
+//! says each prompt's start, every prefill chunk and its end (`prompt start`, `prefill chunk
+//! 64/123 ... 6.400s`, `prompt done 12.345s`).
 
 use std::ffi::OsString;
 
-use super::{Kind, KvKeeping, KvSaved, OwnKv, ValidationApi};
+use super::{Kind, KvKeeping, KvSaved, OwnKv, Prefill, PrefillLine, PrefillReport, ValidationApi};
 use nix::sys::signal::Signal;
 
 use crate::adapter::{EngineParams, KeyPassing, Readiness, Stop};
@@ -52,6 +54,7 @@ pub const KIND: Kind = Kind {
         saved,
     }),
     validation: ValidationApi::Streamed,
+    prefill: PrefillReport::Lines(prefill_line),
     settings_argv,
     address_flags: true,
 };
@@ -192,6 +195,40 @@ impl Ds4KvLine {
     }
 }
 
+/// What a line of ds4-server's log says of a prefill (its `ds4-server: chat ctx=C..P:N ...`
+/// lines, `C` tokens cached of a `P`-token prompt, `N` new; after its time stamp).
+pub fn prefill_line(line: &str) -> Option<PrefillLine> {
+    let rest = &line[line.find("ds4-server: ")? + "ds4-server: ".len()..];
+    let rest = rest
+        .strip_prefix("chat ")
+        .or_else(|| rest.strip_prefix("completion "))?;
+    let rest = rest.strip_prefix("ctx=")?;
+    let (span, rest) = rest.split_once(' ')?;
+    let (cached, rest_span) = span.split_once("..")?;
+    let (_, new) = rest_span.split_once(':')?;
+    let (cached, total): (u64, u64) = (cached.parse().ok()?, new.parse().ok()?);
+    if rest.ends_with("prompt start") {
+        return Some(PrefillLine::Started { total, cached });
+    }
+    if let Some(at) = rest.find("prompt done ") {
+        let seconds = rest[at + "prompt done ".len()..].strip_suffix('s')?;
+        return Some(PrefillLine::Done {
+            seconds: seconds.parse().ok()?,
+        });
+    }
+    // `[FLAGS ]PHASE chunk DONE/TOTAL (PCT%) chunk=R t/s avg=R t/s SECONDSs`
+    let at = rest.find(" chunk ")?;
+    let mut words = rest[at + " chunk ".len()..].split_whitespace();
+    let (done, of) = words.next()?.split_once('/')?;
+    let seconds = words.last()?.strip_suffix('s')?;
+    Some(PrefillLine::Progress(Prefill {
+        done: done.parse().ok()?,
+        total: of.parse().ok()?,
+        cached,
+        seconds: seconds.parse().ok(),
+    }))
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -276,5 +313,49 @@ mod tests {
             (step.tokens, step.reason.as_deref()),
             (9000, Some("shutdown"))
         );
+    }
+
+    /// ds4-server's prefill lines as its log writes them (after the time stamp), and lines
+    /// that look alike.
+    #[test]
+    fn ds4_prefill_lines_are_read() {
+        use super::{Prefill, PrefillLine};
+        let progress = |done, total, cached, seconds| {
+            Some(PrefillLine::Progress(Prefill {
+                done,
+                total,
+                cached,
+                seconds,
+            }))
+        };
+        for (line, want) in [
+            (
+                "1204 20:13:22 ds4-server: chat ctx=0..123:123 prompt start",
+                Some(PrefillLine::Started {
+                    total: 123,
+                    cached: 0,
+                }),
+            ),
+            (
+                "1204 20:13:28 ds4-server: chat ctx=0..123:123 prefill chunk 64/123 (52.0%) \
+                 chunk=12.34 t/s avg=10.00 t/s 6.400s",
+                progress(64, 123, 0, Some(6.4)),
+            ),
+            (
+                "ds4-server: completion ctx=100..612:512 RESPPROTO TOOLS prefill chunk \
+                 512/512 (100.0%) chunk=40.00 t/s avg=42.10 t/s 12.160s",
+                progress(512, 512, 100, Some(12.16)),
+            ),
+            (
+                "1204 20:13:34 ds4-server: chat ctx=0..123:123 prompt done 12.345s",
+                Some(PrefillLine::Done { seconds: 12.345 }),
+            ),
+            ("ds4-server: chat ctx=0..123:123 prompt done soon", None),
+            ("ds4-server: listening on 127.0.0.1:8000", None),
+            ("ds4: prefill layer 3/43", None),
+            ("ds4-server: chat ctx=x..123:123 prompt start", None),
+        ] {
+            assert_eq!(super::prefill_line(line), want, "{line}");
+        }
     }
 }

@@ -5,12 +5,14 @@
 //! would show in `/proc/PID/cmdline`, which everyone can read) and then answers 401 to any
 //! request without one, except `GET /health`. It can deadlock in its SIGTERM handler with a
 //! request in flight; SIGINT still ends it. Its slots are saved and restored by dsv4d
-//! through its slot API (`--slot-save-path`).
+//! through its slot API (`--slot-save-path`). Asked with `"return_progress": true`, a
+//! streamed answer carries events of their own with a `prompt_progress` object while the
+//! prompt is processed.
 
 use std::ffi::OsString;
 use std::time::Duration;
 
-use super::{Kind, KvKeeping, ValidationApi};
+use super::{json_number, Kind, KvKeeping, Prefill, PrefillReport, ValidationApi};
 use nix::sys::signal::Signal;
 
 use crate::adapter::{EngineParams, KeyPassing, Readiness, Stop};
@@ -44,6 +46,11 @@ pub const KIND: Kind = Kind {
     ignores: &["prefill_chunk", "kv_disk_dir", "kv_disk_space"],
     kv: KvKeeping::Slots,
     validation: ValidationApi::Native,
+    prefill: PrefillReport::Stream {
+        ask: "return_progress",
+        field: PROGRESS_FIELD,
+        read: prompt_progress,
+    },
     settings_argv,
     address_flags: true,
 };
@@ -95,4 +102,74 @@ fn settings_argv(p: &EngineParams, _host: &str, _port: u16) -> Vec<OsString> {
         a.push(dir.clone().into_os_string());
     }
     a
+}
+
+/// The field of a streamed event that says how far the prompt has got.
+const PROGRESS_FIELD: &str = "prompt_progress";
+
+/// The prefill's progress an event's data carries (`"prompt_progress": {"total": 1523,
+/// "cache": 0, "processed": 64, "time_ms": 1}`: `processed` counts the cached tokens too).
+pub fn prompt_progress(data: &[u8]) -> Option<Prefill> {
+    let key = format!("\"{PROGRESS_FIELD}\"");
+    let at = data.windows(key.len()).position(|w| w == key.as_bytes())?;
+    let rest = &data[at + key.len()..];
+    let open = rest.iter().position(|&b| b == b'{')?;
+    let close = rest[open..].iter().position(|&b| b == b'}')? + open;
+    let object = &rest[open..=close];
+    let total = json_number(object, "total")?;
+    let cached = json_number(object, "cache").unwrap_or(0).min(total);
+    let processed = json_number(object, "processed")?.min(total);
+    Some(Prefill {
+        done: processed.saturating_sub(cached),
+        total: total - cached,
+        cached,
+        seconds: json_number(object, "time_ms").map(|ms| ms as f64 / 1000.0),
+    })
+}
+
+#[cfg(test)]
+mod progress_tests {
+    use super::*;
+
+    /// Events as llama-server streams them with `return_progress` (b0-0c1e57098), and the
+    /// ones it streams besides.
+    #[test]
+    fn the_prompts_progress_is_read_from_its_events() {
+        let event = |progress: &str| {
+            format!(
+                r#"{{"choices":[{{"finish_reason":null,"index":0,"delta":{{"role":"assistant","content":null}}}}],"created":1796415870,"object":"chat.completion.chunk"{progress}}}"#
+            )
+        };
+        for (data, want) in [
+            (
+                event(r#","prompt_progress":{"total":1523,"cache":0,"processed":64,"time_ms":1}"#),
+                Some((64, 1523, 0, Some(0.001))),
+            ),
+            (
+                event(
+                    r#","prompt_progress":{"total":2023,"cache":2000,"processed":2023,"time_ms":1500}"#,
+                ),
+                Some((23, 23, 2000, Some(1.5))),
+            ),
+            // Spaces, as another JSON writer puts them.
+            (
+                event(r#", "prompt_progress": { "total": 10, "cache": 2, "processed": 6 }"#),
+                Some((4, 8, 2, None)),
+            ),
+            // The answer's own events carry none.
+            (event(""), None),
+            (
+                r#"{"choices":[{"delta":{"content":"a"}}]}"#.to_string(),
+                None,
+            ),
+            ("[DONE]".to_string(), None),
+            // Broken objects give nothing rather than a wrong figure.
+            (event(r#","prompt_progress":{"cache":0}"#), None),
+            (event(r#","prompt_progress":"#), None),
+        ] {
+            let got =
+                prompt_progress(data.as_bytes()).map(|p| (p.done, p.total, p.cached, p.seconds));
+            assert_eq!(got, want, "{data}");
+        }
+    }
 }

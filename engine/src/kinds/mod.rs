@@ -50,6 +50,8 @@ pub struct Kind {
     pub kv: KvKeeping,
     /// The API its validation measures through.
     pub validation: ValidationApi,
+    /// How it tells how far a prompt's prefill has got.
+    pub prefill: PrefillReport,
     /// The argv the profile's settings give for an engine that listens on `host:port` (before
     /// `extra_args` and the key, which [`crate::EngineKind::launch`] adds).
     pub settings_argv: fn(&EngineParams, &str, u16) -> Vec<OsString>,
@@ -115,6 +117,62 @@ pub struct KvSaved {
     pub bytes: u64,
     /// The reason the engine gave.
     pub reason: Option<String>,
+}
+
+/// How far a prompt's prefill has got, as an engine tells it.
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub struct Prefill {
+    /// New prompt tokens processed so far, of `total` (those its cache held are in neither).
+    pub done: u64,
+    pub total: u64,
+    /// Prompt tokens its cache already held.
+    pub cached: u64,
+    /// Seconds the prefill has taken so far, when told.
+    pub seconds: Option<f64>,
+}
+
+/// A line of an engine's output about a prefill.
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub enum PrefillLine {
+    /// A prefill began: `total` new tokens, after `cached` its cache held.
+    Started { total: u64, cached: u64 },
+    /// How far it has got.
+    Progress(Prefill),
+    /// It ended, after `seconds`.
+    Done { seconds: f64 },
+}
+
+/// How an engine tells how far a prompt's prefill has got.
+#[derive(Debug, Clone, Copy)]
+pub enum PrefillReport {
+    /// In a streamed answer's events, when the request asks for it: the request's field
+    /// that asks (set to `true`), the events' field that carries it, and its reader (of an
+    /// event's data; `None` for other events).
+    Stream {
+        ask: &'static str,
+        field: &'static str,
+        read: fn(&[u8]) -> Option<Prefill>,
+    },
+    /// In its output lines, whatever the request.
+    Lines(fn(&str) -> Option<PrefillLine>),
+    /// Not at all.
+    None,
+}
+
+/// The unsigned number after `"key":` in the flat JSON object `object`.
+pub(crate) fn json_number(object: &[u8], key: &str) -> Option<u64> {
+    let quoted = format!("\"{key}\"");
+    let at = object
+        .windows(quoted.len())
+        .position(|w| w == quoted.as_bytes())?;
+    let rest = &object[at + quoted.len()..];
+    let rest = rest.strip_prefix(b":").or_else(|| {
+        let trimmed = rest.trim_ascii_start();
+        trimmed.strip_prefix(b":")
+    })?;
+    let rest = rest.trim_ascii_start();
+    let digits = rest.iter().take_while(|b| b.is_ascii_digit()).count();
+    std::str::from_utf8(&rest[..digits]).ok()?.parse().ok()
 }
 
 /// The API an engine's validation measures through.

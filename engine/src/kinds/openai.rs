@@ -14,7 +14,7 @@ use std::ffi::OsString;
 
 use nix::sys::signal::Signal;
 
-use super::{Kind, KvKeeping, ValidationApi};
+use super::{Kind, KvKeeping, PrefillReport, ValidationApi};
 use crate::adapter::{EngineParams, KeyPassing, Readiness, Stop};
 
 pub const KIND: Kind = Kind {
@@ -48,6 +48,7 @@ pub const KIND: Kind = Kind {
     ignores: &[],
     kv: KvKeeping::None,
     validation: ValidationApi::Streamed,
+    prefill: PrefillReport::None,
     settings_argv,
     address_flags: false,
 };
