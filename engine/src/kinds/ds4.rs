@@ -350,6 +350,19 @@ mod tests {
                 "1204 20:13:34 ds4-server: chat ctx=0..123:123 prompt done 12.345s",
                 Some(PrefillLine::Done { seconds: 12.345 }),
             ),
+            // As the rig's ds4-server wrote it (its layer counter ends in carriage returns,
+            // so it shares the line), and its decoding line after it.
+            (
+                "ds4: prefill layer 3/4\rds4: prefill layer 4/4\r1204 20:38:31 ds4-server: chat \
+                 ctx=0..303:303 prefill chunk 303/303 (100.0%) chunk=0.00 t/s avg=21.94 t/s \
+                 13.813s",
+                progress(303, 303, 0, Some(13.813)),
+            ),
+            (
+                "1204 20:38:31 ds4-server: chat ctx=303..305:2 gen=2 THINKING decoding \
+                 chunk=23.35 t/s avg=23.35 t/s 0.086s",
+                None,
+            ),
             ("ds4-server: chat ctx=0..123:123 prompt done soon", None),
             ("ds4-server: listening on 127.0.0.1:8000", None),
             ("ds4: prefill layer 3/43", None),
