@@ -22,6 +22,7 @@ mod escaped_engine;
 mod event_streams;
 mod idle_exit;
 mod installed;
+mod keepalive;
 mod kv;
 mod lifecycle;
 mod notify;

@@ -246,6 +246,9 @@ impl Check<'_> {
         self.when(s.default_profile.is_empty(), "default_profile", EMPTY);
         self.add("state_dir", text_problem(&s.state_dir.to_string_lossy()));
         s.state_dir = base.join(&s.state_dir);
+        let never = s.api.stream_keepalive.is_some_and(|d| d.is_zero());
+        let message = "must be greater than 0 (null = no keep-alive)";
+        self.when(never, "api.stream_keepalive", message);
         let never = s.exit_when_idle.is_some_and(|d| d.is_zero());
         let message = "must be greater than 0 (null = never exit)";
         self.when(never, "exit_when_idle", message);

@@ -209,6 +209,12 @@ pub struct Api {
     /// [`crate::http::dashboard`]). They count against `max_connections` too.
     #[default = 32]
     pub max_event_streams: usize,
+    /// A streamed answer (`"stream": true`) to which nothing was written for this long gets an
+    /// SSE comment line, and one still waiting for its engine after this long gets dsv4d's own
+    /// head (see [`crate::http::keepalive`]); `None` = never.
+    #[serde(deserialize_with = "raw::duration_or_never")]
+    #[default(Some(Duration::from_secs(10)))]
+    pub stream_keepalive: Option<Duration>,
 }
 
 /// `engine:`, the lifecycle limits.

@@ -104,6 +104,7 @@ api:
   allowed_hosts: [DSV4.lan, "[0::1]:9090"]
   max_connections: 100
   max_event_streams: 4
+  stream_keepalive: 2s
 engine:
   start_timeout: 5m
   idle_timeout: 1h30m
@@ -176,6 +177,7 @@ kv_checkpoint: {{ dir: kv, max_size: 40GiB, save_timeout: 90s }}
                 allowed_hosts: vec!["dsv4.lan".into(), "[::1]:9090".into()],
                 max_connections: 100,
                 max_event_streams: 4,
+                stream_keepalive: Some(Duration::from_secs(2)),
             },
             engine: EngineLimits {
                 start_timeout: Duration::from_secs(300),
@@ -325,6 +327,7 @@ fn an_empty_file_means_every_default() {
     assert_eq!(d.api.min_body_rate, 1 << 10);
     assert_eq!(d.api.max_connections, 4096);
     assert_eq!(d.api.max_event_streams, 32);
+    assert_eq!(d.api.stream_keepalive, Some(Duration::from_secs(10)));
     assert_eq!(d.engine.idle_timeout, Duration::from_secs(900));
     assert_eq!(d.exit_when_idle, Some(Duration::from_secs(1800)));
     assert_eq!(d.memory.reserve, 8 << 30);

@@ -1,9 +1,10 @@
 //! The machine as files: the hardware readers (`hw`), the root they read below (`sysroot`,
-//! `/` or a fixture tree), the daemon's own state files (`state_file`), and reading any file
-//! of its own without a FIFO or a device hanging it (`regular`), and the process's own
-//! open-file limits ([`open_file_limits`]).
+//! `/` or a fixture tree), the daemon's own state files (`state_file`, `load_times`), reading
+//! any file of its own without a FIFO or a device hanging it (`regular`), and the process's
+//! own open-file limits ([`open_file_limits`]).
 
 pub mod hw;
+pub mod load_times;
 pub mod regular;
 pub mod state_file;
 pub mod sysroot;

@@ -1,6 +1,7 @@
 //! The API: the listener, the front door (`front`: Host and web pages; `auth`: keys), request
-//! bodies (`intake`, `body`), client connections, the path rules, the proxy, the dashboard
-//! (`dashboard`, `ui_actions`), and the errors dsv4d itself answers with.
+//! bodies (`intake`, `body`), client connections, the path rules, the proxy and the streamed
+//! answers it keeps from going silent (`keepalive`, `sse`), the dashboard (`dashboard`,
+//! `ui_actions`), and the errors dsv4d itself answers with.
 
 pub mod auth;
 pub mod body;
@@ -10,8 +11,10 @@ pub mod dashboard;
 pub mod front;
 pub mod http_error;
 pub mod intake;
+pub mod keepalive;
 pub mod listener;
 pub mod path;
 pub mod proxy;
+pub mod sse;
 pub mod ui_actions;
 pub mod watchers;

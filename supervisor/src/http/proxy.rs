@@ -40,6 +40,8 @@ pub use crate::http::ctx::Ctx;
 use crate::http::front;
 use crate::http::http_error::{with_tail, ApiError, ErrorCode, ErrorType};
 use crate::http::intake::{self, IntakeError};
+use crate::http::keepalive::{self, Keepalive};
+use crate::http::sse::{self, Protocol};
 use crate::http::ui_actions;
 use crate::lifecycle::upstream::{UpstreamBody, UpstreamError};
 use crate::lifecycle::{Lease, ERROR_TAIL_LINES};
@@ -54,6 +56,8 @@ pub enum ProxyBody {
     Upstream(OnEnd<EngineStream, Release>),
     /// An event stream of dsv4d's own (`GET /events`).
     Events(crate::http::dashboard::Events),
+    /// A streamed answer kept from going silent (see [`crate::http::keepalive`]).
+    Streamed(Box<Keepalive<ProxyBody>>),
 }
 
 /// The engine's body on its way to the client: its bytes shown to the statistics tap, and a
@@ -134,6 +138,7 @@ impl Body for ProxyBody {
             ProxyBody::Full(b) => Poll::Ready(b.take().map(|b| Ok(Frame::data(b)))),
             ProxyBody::Upstream(body) => Pin::new(body).poll_frame(cx),
             ProxyBody::Events(events) => Pin::new(events).poll_frame(cx),
+            ProxyBody::Streamed(body) => Pin::new(&mut **body).poll_frame(cx),
         }
     }
 
@@ -142,6 +147,7 @@ impl Body for ProxyBody {
             ProxyBody::Full(b) => b.is_none(),
             ProxyBody::Upstream(body) => body.is_end_stream(),
             ProxyBody::Events(_) => false,
+            ProxyBody::Streamed(body) => body.is_end_stream(),
         }
     }
 
@@ -151,6 +157,7 @@ impl Body for ProxyBody {
             ProxyBody::Full(None) => SizeHint::with_exact(0),
             ProxyBody::Upstream(body) => body.size_hint(),
             ProxyBody::Events(_) => SizeHint::default(),
+            ProxyBody::Streamed(body) => body.size_hint(),
         }
     }
 }
@@ -605,8 +612,8 @@ fn slots_kept_by_dsv4d(config: &Config, profile: &str) -> Option<Response<ProxyB
 }
 
 async fn proxy(
-    ctx: &Ctx,
-    config: &Config,
+    ctx: &Arc<Ctx>,
+    config: &Arc<Config>,
     req: Request<Incoming>,
     on: &connections::Slot,
 ) -> Response<ProxyBody> {
@@ -630,7 +637,7 @@ async fn proxy(
             return refused;
         }
     }
-    let (mut parts, body) = req.into_parts();
+    let (parts, body) = req.into_parts();
     // The whole body first: a client that is slow to send it holds no lease and no engine
     // connection meanwhile, and never starts the engine.
     // A Content-Length beside Transfer-Encoding is not the body's length: hyper reads such a
@@ -647,6 +654,42 @@ async fn proxy(
         Err(e) => return intake_refusal(&e),
     };
     drop(reading);
+    // A streamed answer is kept from going silent (see `crate::http::keepalive`); any other
+    // request goes on as it is.
+    let keepalive = match api.stream_keepalive {
+        Some(period) if parts.method == Method::POST => Protocol::of(parts.uri.path())
+            .filter(|_| sse::wants_stream(&held.bytes))
+            .map(|protocol| (period, protocol)),
+        _ => None,
+    };
+    let answer = forward(
+        ctx.clone(),
+        config.clone(),
+        parts,
+        held,
+        started,
+        slot_action,
+    );
+    match keepalive {
+        None => answer.await,
+        Some((period, protocol)) => {
+            let wrap = |k| ProxyBody::Streamed(Box::new(k));
+            let lifecycle = ctx.parts.lifecycle.clone();
+            keepalive::respond(Box::pin(answer), period, protocol, lifecycle, started, wrap).await
+        }
+    }
+}
+
+/// The rest of a request's way, its body read: its turn (a lease on the engine, started if
+/// need be), the engine's answer.
+async fn forward(
+    ctx: Arc<Ctx>,
+    config: Arc<Config>,
+    mut parts: http::request::Parts,
+    held: intake::Held,
+    started: Instant,
+    slot_action: bool,
+) -> Response<ProxyBody> {
     if let Err(max_waiting) = ctx
         .parts
         .validator
@@ -678,7 +721,7 @@ async fn proxy(
     };
     if slot_action {
         // The engine that will serve it, which a switch may have changed meanwhile.
-        if let Some(refused) = slots_kept_by_dsv4d(config, &lease.engine.profile) {
+        if let Some(refused) = slots_kept_by_dsv4d(&config, &lease.engine.profile) {
             return refused;
         }
     }

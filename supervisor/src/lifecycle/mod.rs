@@ -1,8 +1,9 @@
 //! The engine lifecycle: the pure rules (`state`) and the actor that carries them out, with
 //! what the actor owns: the engine's key (`engine_key`), its connections (`upstream`), the
 //! leases given without asking it while the engine serves (`gate`), the engines a crashed
-//! daemon left (`leftover`), the words of a refusal (`refusal`) and the alerts it raises
-//! (`alert`). The KV steps the actor runs are the `kv` subsystem's (`crate::kv::slots`).
+//! daemon left (`leftover`), the words of a refusal (`refusal`), the alerts it raises
+//! (`alert`), and the load under way (`loading`). The KV steps the actor runs are the `kv`
+//! subsystem's (`crate::kv::slots`).
 
 pub mod actor;
 pub mod alert;
@@ -10,6 +11,7 @@ pub mod engine_key;
 pub mod engine_ref;
 pub mod gate;
 pub mod leftover;
+pub mod loading;
 pub mod refusal;
 pub mod state;
 pub mod upstream;

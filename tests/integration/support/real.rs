@@ -115,15 +115,25 @@ impl LlamaServer {
 
     /// `start()`, with more llama-server arguments.
     pub fn start_with_args(extra_args: &[&str]) -> LlamaServer {
-        let (server, model) = engine();
+        let (_, model) = engine();
+        LlamaServer::start_with(&model, 1024, extra_args)
+    }
+
+    /// `start()` on `model` with a slot of `context` tokens.
+    pub fn start_on(model: &Path, context: u32) -> LlamaServer {
+        LlamaServer::start_with(model, context, &[])
+    }
+
+    fn start_with(model: &Path, context: u32, extra_args: &[&str]) -> LlamaServer {
+        let (server, _) = engine();
         let dir = temp_dir("llama-server");
         let log = dir.path().join("llama-server.log");
         let out = std::fs::File::create(&log).unwrap();
         let child = Command::new(&server)
             .arg("-m")
-            .arg(&model)
+            .arg(model)
             .args(["--host", "127.0.0.1", "--port", "0"])
-            .args(["-c", "1024", "-np", "1"])
+            .args(["-c", &context.to_string(), "-np", "1"])
             .args(TEST_ARGS)
             .args(extra_args)
             .stdin(Stdio::null())

@@ -23,6 +23,7 @@ pub struct Handle {
     pub(super) log: OutputTail,
     pub(super) kv: crate::kv::Book,
     pub(super) gate: Arc<Gate>,
+    pub(super) loading: watch::Receiver<Option<crate::lifecycle::loading::Loading>>,
 }
 
 struct CancelOnDrop<'a> {
@@ -172,6 +173,11 @@ impl Handle {
 
     pub fn status(&self) -> Status {
         self.status.borrow().clone()
+    }
+
+    /// The engine that loads now, if one does.
+    pub fn loading(&self) -> Option<crate::lifecycle::loading::Loading> {
+        self.loading.borrow().clone()
     }
 
     /// The status, its watchers woken when anything but the per-request figures changes

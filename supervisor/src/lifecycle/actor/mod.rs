@@ -102,6 +102,8 @@ struct Engine {
     /// When it was sent SIGTERM (how long ds4-server's save took is measured from it).
     term_at: Option<Instant>,
     ready_at: Option<SystemTime>,
+    /// Its spawn: how long it took to load is counted from it.
+    spawned_at: Instant,
     /// The memory figures just before it started, to check that they come back after it.
     memory_before: MemoryFigures,
     /// The OOM killer's count in dsv4d's cgroup just before it started (see
@@ -170,6 +172,7 @@ pub fn spawn(
     let gate = Arc::new(Gate::new(status_tx.clone(), figures_tx.clone()));
     let log = OutputTail::new(LOG_LINES);
     let kv = crate::kv::Book::new(config_rx.clone());
+    let (loading, loading_rx) = watch::channel(None);
     let mut actor = Actor {
         kv: kv.clone(),
         log: log.clone(),
@@ -193,6 +196,7 @@ pub fn spawn(
         not_admitted_said: None,
         gate: gate.clone(),
         kv_suspended: None,
+        loading,
     };
     // What a stopped engine's status can say from the configuration (its key, say).
     actor.publish();
@@ -206,6 +210,7 @@ pub fn spawn(
         log,
         kv,
         gate,
+        loading: loading_rx,
     };
     (handle, task)
 }
@@ -260,6 +265,8 @@ struct Actor {
     /// A profile whose engines neither restore nor save a KV checkpoint: a validation's
     /// (its benchmark prompts must not replace the real checkpoint).
     kv_suspended: Option<String>,
+    /// The engine that loads, for the requests that wait for it.
+    loading: watch::Sender<Option<crate::lifecycle::loading::Loading>>,
 }
 
 enum Reply {

@@ -1,6 +1,6 @@
 //! The state as others see it: the status watch, the figures, the log line of a change.
 
-use std::time::SystemTime;
+use std::time::{Duration, SystemTime};
 
 use dsv4_client::words::KvActivity;
 
@@ -10,10 +10,14 @@ use crate::lifecycle::Status;
 
 impl Actor {
     pub(super) fn publish(&mut self) {
-        let m = &self.machine;
-        if let (Phase::Ready { .. }, Some(e)) = (m.phase(), self.engine.as_mut()) {
-            e.ready_at.get_or_insert_with(SystemTime::now);
+        if let (Phase::Ready { .. }, Some(e)) = (self.machine.phase(), self.engine.as_mut()) {
+            if e.ready_at.is_none() {
+                e.ready_at = Some(SystemTime::now());
+                let (profile, took) = (e.shared.profile.clone(), e.spawned_at.elapsed());
+                self.loaded(profile, took);
+            }
         }
+        let m = &self.machine;
         let unix = |t: SystemTime| {
             t.duration_since(SystemTime::UNIX_EPOCH)
                 .map(|d| d.as_secs_f64())
@@ -98,5 +102,26 @@ impl Actor {
         if state_changed {
             tracing::info!("engine state: {state}");
         }
+        if state != dsv4_client::State::Starting {
+            self.loading.send_if_modified(|l| l.take().is_some());
+        }
+    }
+
+    /// The engine of `profile` serves, `took` after its spawn: the load is over, and its time
+    /// goes to `state_dir` (off the runtime's threads: the write is synced), for the estimate
+    /// of the next.
+    fn loaded(&mut self, profile: String, took: Duration) {
+        tracing::info!("engine of {profile} loaded in {:.1} s", took.as_secs_f64());
+        self.loading.send_replace(None);
+        let state_dir = self.config.supervisor.state_dir.clone();
+        tokio::task::spawn_blocking(move || {
+            if let Err(e) = crate::host::load_times::record(&state_dir, &profile, took) {
+                tracing::warn!(
+                    "cannot write {}: {e}; the next load of {profile} will not say how long it \
+                     should take",
+                    crate::host::load_times::path(&state_dir).display()
+                );
+            }
+        });
     }
 }

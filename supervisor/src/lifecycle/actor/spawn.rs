@@ -4,6 +4,7 @@ use std::net::{Ipv4Addr, SocketAddr, TcpListener};
 use std::sync::Arc;
 
 use dsv4_engine::{EngineChild, ExitReport, SpawnSpec};
+use tokio::time::Instant;
 
 use super::messages::{Internal, PortLook};
 use super::probe::probe_ready;
@@ -133,6 +134,21 @@ impl Actor {
             Err(e) => return fail(e.to_string()),
         };
         let state_dir = &self.config.supervisor.state_dir;
+        // A start that moved to another port loads since its first spawn.
+        let since = match (port_tries, self.loading.borrow().as_ref()) {
+            (1.., Some(l)) if l.profile == profile_name => l.since,
+            _ => Instant::now(),
+        };
+        let about = crate::host::load_times::estimate(
+            &crate::host::load_times::read(state_dir),
+            profile_name,
+        );
+        self.loading
+            .send_replace(Some(crate::lifecycle::loading::Loading {
+                profile: profile_name.to_string(),
+                since,
+                about,
+            }));
         let group = match leftover::Guard::write(state_dir, child.pid(), &tag) {
             Ok(g) => Some(g),
             Err(e) => {
@@ -202,6 +218,7 @@ impl Actor {
             validated: false,
             term_at: None,
             ready_at: None,
+            spawned_at: since,
             memory_before: before,
             oom_kills_before: crate::host::hw::cgroup::oom_kills(&self.sysroot).map(|(_, n)| n),
             _key: key,

@@ -1,0 +1,289 @@
+//! Streamed answers that never go silent: clients (the `openai` packages, most agents) give up
+//! on a stream that sends no byte for their read timeout, and an engine may send none for
+//! minutes (a cold start of an 80 GiB model, a prefill of hours).
+//!
+//! Only a request that asks for a stream (`"stream": true`, on a path of a streamed
+//! [`Protocol`]) comes here, and only while `api.stream_keepalive` is set; every other request
+//! is answered as it always was. A streamed answer goes through these states, all owned by
+//! its [`Keepalive`] body once its head is out:
+//!
+//! - **waiting for the engine** (before any head): the request waits for a lease (a cold
+//!   start, a profile switch, a validation) or for the engine's head (ds4-server sends none
+//!   until its prefill ends). When the engine's head comes within `stream_keepalive`, the
+//!   answer is the engine's, relayed as below (or, not being an event stream, as it is).
+//!   Otherwise dsv4d sends a head of its own (`200`, `text/event-stream`) and a comment
+//!   saying what goes on (`: dsv4 loading 320k: 23 s of about 54 s`), and goes on waiting,
+//!   with a comment at each tick of the period;
+//! - **own head sent, the answer came**: an event stream is relayed (its head dropped); any
+//!   other answer (an engine's 400, dsv4d's own 503) is read (its first
+//!   [`ERROR_BODY_MAX`] bytes) and becomes one error event in the client's protocol
+//!   ([`sse::error_event`]), and the stream ends;
+//! - **relaying the engine's events**: each chunk passes unchanged, and its last line ends
+//!   move the [`Place`] tracker. One interval per stream ticks every period; a tick that
+//!   finds no engine byte since the one before, with the stream between events, writes a
+//!   comment. No timer is reset and nothing is allocated per chunk;
+//! - **ended**: the engine's end, its break (told by the body below, see
+//!   [`crate::http::proxy`]), or the error event.
+//!
+//! A client that leaves drops the body, and with it the wait, its lease and the engine's
+//! connection, as for any answer.
+
+use std::future::Future;
+use std::pin::Pin;
+use std::task::{Context, Poll};
+use std::time::Duration;
+
+use bytes::Bytes;
+use http::{header, HeaderValue, Response, StatusCode};
+use http_body::{Body, Frame, SizeHint};
+use tokio::time::{Instant, Interval, MissedTickBehavior};
+
+use crate::http::sse::{self, Place, Protocol, ERROR_BODY_MAX};
+use crate::lifecycle::Handle;
+
+/// The answer a streamed request waits for: the engine's, or dsv4d's own error.
+pub type Answer<B> = Pin<Box<dyn Future<Output = Response<B>> + Send>>;
+
+/// What a streamed request is answered with: the engine's answer when it comes within
+/// `period`, else dsv4d's own head at once and the answer later (see the module docs).
+/// `wrap` makes a body of the kind `B` of a [`Keepalive`].
+pub async fn respond<B>(
+    mut answer: Answer<B>,
+    period: Duration,
+    protocol: Protocol,
+    lifecycle: Handle,
+    since: Instant,
+    wrap: fn(Keepalive<B>) -> B,
+) -> Response<B>
+where
+    B: Body<Data = Bytes, Error = hyper::Error> + Unpin + Send + 'static,
+{
+    let keepalive = |phase| Keepalive {
+        phase,
+        tick: {
+            let mut tick = tokio::time::interval_at(Instant::now() + period, period);
+            tick.set_missed_tick_behavior(MissedTickBehavior::Delay);
+            tick
+        },
+        heard: false,
+        place: Place::Between,
+        protocol,
+        lifecycle: lifecycle.clone(),
+        since,
+        quiet_since: Instant::now(),
+        first: None,
+    };
+    match tokio::time::timeout(period, &mut answer).await {
+        Ok(resp) if is_event_stream(&resp) => {
+            resp.map(|body| wrap(keepalive(Phase::Relaying(body))))
+        }
+        Ok(resp) => resp,
+        Err(_) => {
+            let mut k = keepalive(Phase::Waiting(answer));
+            k.first = Some(sse::comment(Place::Between, &k.words()));
+            let mut r = Response::new(wrap(k));
+            let h = r.headers_mut();
+            h.insert(
+                header::CONTENT_TYPE,
+                HeaderValue::from_static("text/event-stream"),
+            );
+            h.insert(header::CACHE_CONTROL, HeaderValue::from_static("no-cache"));
+            r
+        }
+    }
+}
+
+fn is_event_stream<B>(resp: &Response<B>) -> bool {
+    resp.status().is_success()
+        && resp
+            .headers()
+            .get(header::CONTENT_TYPE)
+            .and_then(|v| v.to_str().ok())
+            .is_some_and(|t| t.starts_with("text/event-stream"))
+}
+
+/// A streamed answer kept from going silent (see the module docs).
+pub struct Keepalive<B> {
+    phase: Phase<B>,
+    /// Ticks every `api.stream_keepalive`.
+    tick: Interval,
+    /// A byte of the engine's came since the last tick.
+    heard: bool,
+    /// Where the stream stands, for a comment of dsv4d's own.
+    place: Place,
+    protocol: Protocol,
+    lifecycle: Handle,
+    /// When the request came.
+    since: Instant,
+    /// The tick that last found the engine quiet after it had sent something.
+    quiet_since: Instant,
+    /// The first bytes after dsv4d's own head.
+    first: Option<Bytes>,
+}
+
+enum Phase<B> {
+    /// dsv4d's own head is out; the answer is still to come.
+    Waiting(Answer<B>),
+    /// The answer is not an event stream: its body, read for the error event.
+    Collecting {
+        status: StatusCode,
+        content_type: Option<String>,
+        body: B,
+        got: Vec<u8>,
+    },
+    Relaying(B),
+    Ended,
+}
+
+impl<B> Keepalive<B> {
+    /// What a comment says now.
+    fn words(&self) -> String {
+        match &self.phase {
+            Phase::Relaying(_) | Phase::Ended => format!(
+                "dsv4 waiting for the engine: {} s",
+                self.quiet_since.elapsed().as_secs()
+            ),
+            Phase::Waiting(_) | Phase::Collecting { .. } => {
+                if let Some(loading) = self.lifecycle.loading() {
+                    return loading.describe(loading.since.elapsed());
+                }
+                let waited = self.since.elapsed().as_secs();
+                match self.lifecycle.status().state {
+                    dsv4_client::State::Ready => {
+                        format!("dsv4 waiting for the engine's answer: {waited} s")
+                    }
+                    state => format!("dsv4 waiting for the engine ({state}): {waited} s"),
+                }
+            }
+        }
+    }
+
+    /// The phase after the answer `resp` came, with dsv4d's own head out.
+    fn answered(resp: Response<B>) -> Phase<B> {
+        let stream = is_event_stream(&resp);
+        let (parts, body) = resp.into_parts();
+        if stream {
+            return Phase::Relaying(body);
+        }
+        let content_type = parts
+            .headers
+            .get(header::CONTENT_TYPE)
+            .and_then(|v| v.to_str().ok())
+            .map(String::from);
+        Phase::Collecting {
+            status: parts.status,
+            content_type,
+            body,
+            got: Vec::new(),
+        }
+    }
+}
+
+impl<B> Body for Keepalive<B>
+where
+    B: Body<Data = Bytes, Error = hyper::Error> + Unpin,
+{
+    type Data = Bytes;
+    type Error = hyper::Error;
+
+    fn poll_frame(
+        mut self: Pin<&mut Self>,
+        cx: &mut Context<'_>,
+    ) -> Poll<Option<Result<Frame<Bytes>, hyper::Error>>> {
+        let this = &mut *self;
+        if let Some(first) = this.first.take() {
+            return Poll::Ready(Some(Ok(Frame::data(first))));
+        }
+        loop {
+            match &mut this.phase {
+                Phase::Waiting(answer) => {
+                    if let Poll::Ready(resp) = answer.as_mut().poll(cx) {
+                        this.phase = Self::answered(resp);
+                        this.quiet_since = Instant::now();
+                        continue;
+                    }
+                }
+                Phase::Collecting {
+                    status,
+                    content_type,
+                    body,
+                    got,
+                } => match Pin::new(body).poll_frame(cx) {
+                    Poll::Ready(Some(Ok(frame))) => {
+                        if let Some(d) = frame.data_ref() {
+                            let room = ERROR_BODY_MAX.saturating_sub(got.len());
+                            got.extend_from_slice(&d[..d.len().min(room)]);
+                        }
+                        if got.len() < ERROR_BODY_MAX {
+                            continue;
+                        }
+                        let event = sse::error_event(
+                            this.protocol,
+                            status.as_u16(),
+                            content_type.as_deref(),
+                            got,
+                        );
+                        this.phase = Phase::Ended;
+                        return Poll::Ready(Some(Ok(Frame::data(event))));
+                    }
+                    Poll::Ready(_) => {
+                        let event = sse::error_event(
+                            this.protocol,
+                            status.as_u16(),
+                            content_type.as_deref(),
+                            got,
+                        );
+                        tracing::debug!(
+                            "a streamed request got {status} after dsv4d's own head: told as an \
+                             error event"
+                        );
+                        this.phase = Phase::Ended;
+                        return Poll::Ready(Some(Ok(Frame::data(event))));
+                    }
+                    Poll::Pending => {}
+                },
+                Phase::Relaying(body) => match Pin::new(body).poll_frame(cx) {
+                    Poll::Ready(Some(Ok(frame))) => {
+                        if let Some(d) = frame.data_ref() {
+                            this.heard = true;
+                            this.place = this.place.after(d);
+                        }
+                        return Poll::Ready(Some(Ok(frame)));
+                    }
+                    Poll::Ready(end) => {
+                        this.phase = Phase::Ended;
+                        return Poll::Ready(end);
+                    }
+                    Poll::Pending => {}
+                },
+                Phase::Ended => return Poll::Ready(None),
+            }
+            // Nothing to pass on now: the clock's turn.
+            match this.tick.poll_tick(cx) {
+                Poll::Ready(_) if std::mem::take(&mut this.heard) => {
+                    this.quiet_since = Instant::now();
+                }
+                Poll::Ready(_) if this.place.between() => {
+                    let comment = sse::comment(this.place, &this.words());
+                    return Poll::Ready(Some(Ok(Frame::data(comment))));
+                }
+                // Within an event: only its end may come next.
+                Poll::Ready(_) => {}
+                Poll::Pending => return Poll::Pending,
+            }
+        }
+    }
+
+    fn is_end_stream(&self) -> bool {
+        match &self.phase {
+            Phase::Relaying(body) => self.first.is_none() && body.is_end_stream(),
+            Phase::Ended => true,
+            Phase::Waiting(_) | Phase::Collecting { .. } => false,
+        }
+    }
+
+    fn size_hint(&self) -> SizeHint {
+        // Comments may come in: no length is known.
+        SizeHint::default()
+    }
+}

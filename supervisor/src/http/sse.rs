@@ -1,0 +1,381 @@
+//! Event streams as dsv4d writes into them: where, between an engine's events, a line of its
+//! own may go; the comment lines themselves; which requests ask for a stream, and in which
+//! protocol; and the error event of each protocol.
+//!
+//! Owns: [`Place`] (an event-boundary tracker over the bytes of a stream, fed chunk by chunk,
+//! that looks only at each chunk's last line ends), [`Protocol`], [`wants_stream`],
+//! [`comment`] and [`error_event`]. Pure: no I/O, no clock; the body that uses them is
+//! [`crate::http::keepalive`].
+
+use bytes::Bytes;
+use serde_json::{json, Value};
+
+/// Where an event stream stands after the bytes so far (the HTML standard's event stream
+/// grammar: lines end with CRLF, LF or CR, and a blank line ends an event).
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub enum Place {
+    /// Between events: the start, or after a blank line ended by LF.
+    #[default]
+    Between,
+    /// Between events, after a blank line ended by CR: an LF that comes next still belongs to
+    /// it (CRLF).
+    BetweenCr,
+    /// Within a line.
+    InLine,
+    /// At the start of a line within an event (after a field line's LF or CRLF).
+    LineStart,
+    /// After a field line's CR: an LF that comes next still belongs to it.
+    LineCr,
+}
+
+impl Place {
+    /// After one more byte.
+    fn step(self, b: u8) -> Place {
+        use Place::*;
+        match (self, b) {
+            (InLine | LineCr, b'\n') => LineStart,
+            // A blank line's end, or the LF of a CRLF whose CR ended one.
+            (_, b'\n') => Between,
+            (InLine, b'\r') => LineCr,
+            (_, b'\r') => BetweenCr,
+            _ => InLine,
+        }
+    }
+
+    /// After `chunk`. Only its last line ends are read: whatever came before the last byte
+    /// that ends no line, the stream is then within a line.
+    pub fn after(self, chunk: &[u8]) -> Place {
+        let ends = chunk
+            .iter()
+            .rposition(|&b| b != b'\n' && b != b'\r')
+            .map_or(0, |i| i + 1);
+        let from = if ends == 0 { self } else { Place::InLine };
+        chunk[ends..].iter().fold(from, |p, &b| p.step(b))
+    }
+
+    /// Whether a line of dsv4d's own may go in now: only between events, never within one.
+    pub fn between(self) -> bool {
+        matches!(self, Place::Between | Place::BetweenCr)
+    }
+}
+
+/// The SSE comment line `: text` for a stream at `place` (which must be [`Place::between`]),
+/// ended so that the stream is between events after it as before: with a blank line, and
+/// with CRs after a blank line ended by CR (an LF the engine sends next then completes the
+/// comment's CRLF instead of making a line of its own).
+pub fn comment(place: Place, text: &str) -> Bytes {
+    let end = match place {
+        Place::BetweenCr => "\r\r",
+        _ => "\n\n",
+    };
+    Bytes::from(format!(": {text}{end}"))
+}
+
+/// The streamed protocols dsv4d keeps alive, by the path they are served at.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Protocol {
+    /// OpenAI's chat and text completions, and llama-server's `/completion`: `data:` events
+    /// whose errors are `{"error":{...}}`.
+    OpenAi,
+    /// Anthropic's `/v1/messages`: named events, an error is `event: error`.
+    Anthropic,
+    /// OpenAI's Responses API: named events, an error is `event: error` with `type: error`.
+    Responses,
+}
+
+impl Protocol {
+    /// The protocol of a streamed answer at `path` (as the engine routes it); `None` for the
+    /// paths that stream nothing, or nothing dsv4d speaks.
+    pub fn of(path: &str) -> Option<Protocol> {
+        match path {
+            "/v1/chat/completions"
+            | "/chat/completions"
+            | "/v1/completions"
+            | "/completions"
+            | "/completion" => Some(Protocol::OpenAi),
+            "/v1/messages" => Some(Protocol::Anthropic),
+            "/v1/responses" | "/responses" => Some(Protocol::Responses),
+            _ => None,
+        }
+    }
+}
+
+/// Whether a request body asks for a streamed answer: a JSON object with `"stream": true`.
+/// A body that does not name `"stream"` is not parsed at all.
+pub fn wants_stream(body: &[u8]) -> bool {
+    #[derive(serde::Deserialize)]
+    struct Flag {
+        #[serde(default)]
+        stream: bool,
+    }
+    memchr::memmem::find(body, b"\"stream\"").is_some()
+        && serde_json::from_slice::<Flag>(body).is_ok_and(|f| f.stream)
+}
+
+/// The most of an error body that is quoted.
+pub const ERROR_BODY_MAX: usize = 16 << 10;
+
+/// The error event, in `protocol`, for an answer of `status` whose body was `body` (of
+/// `content_type`), given where dsv4d had sent a stream's head of its own already. The
+/// message and type are the body's own when it is an error in OpenAI's shape
+/// (`{"error":{"message":...}}`, as llama-server and dsv4d answer), else its text; the
+/// status goes along in `code` (unless the body had a code of its own) and in `status`.
+pub fn error_event(
+    protocol: Protocol,
+    status: u16,
+    content_type: Option<&str>,
+    body: &[u8],
+) -> Bytes {
+    let parsed: Option<Value> = serde_json::from_slice(body).ok();
+    let error = parsed.as_ref().and_then(|v| v.get("error"));
+    let text = |v: Option<&Value>| v.and_then(Value::as_str).map(str::to_string);
+    let given = match error {
+        Some(Value::String(s)) => Some(s.clone()),
+        Some(e) => text(e.get("message")),
+        None => parsed.as_ref().and_then(|v| text(v.get("message"))),
+    };
+    let message = given.unwrap_or_else(|| {
+        let shown = String::from_utf8_lossy(&body[..body.len().min(ERROR_BODY_MAX)]);
+        let shown = shown.trim();
+        match (shown.is_empty(), (200..300).contains(&status)) {
+            (_, true) => format!(
+                "the engine answered {status} with {} where an event stream was asked for",
+                content_type.unwrap_or("no content type")
+            ),
+            (true, false) => format!("the engine answered {status} with no message"),
+            (false, false) => shown.to_string(),
+        }
+    });
+    let kind = text(error.and_then(|e| e.get("type"))).unwrap_or_else(|| {
+        match (status, protocol) {
+            (400..=499, _) => "invalid_request_error",
+            (_, Protocol::Anthropic) => "api_error",
+            _ => "server_error",
+        }
+        .to_string()
+    });
+    let code = error
+        .and_then(|e| e.get("code"))
+        .filter(|c| !c.is_null())
+        .cloned()
+        .unwrap_or_else(|| json!(status));
+    let event = match protocol {
+        Protocol::OpenAi => format!(
+            "data: {}\n\n",
+            json!({"error": {"message": message, "type": kind, "code": code, "status": status}})
+        ),
+        Protocol::Anthropic => format!(
+            "event: error\ndata: {}\n\n",
+            json!({"type": "error", "error": {"type": kind, "message": message}})
+        ),
+        Protocol::Responses => format!(
+            "event: error\ndata: {}\n\n",
+            json!({"type": "error", "code": code, "message": message, "param": null,
+                   "sequence_number": 0})
+        ),
+    };
+    Bytes::from(event)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// The place after `bytes`, byte by byte.
+    fn bytewise(bytes: &[u8]) -> Place {
+        bytes.iter().fold(Place::Between, |p, &b| p.step(b))
+    }
+
+    #[test]
+    fn an_event_ends_at_a_blank_line_of_any_line_end() {
+        use Place::*;
+        for (bytes, place) in [
+            (&b""[..], Between),
+            (b"data: x", InLine),
+            (b"data: x\n", LineStart),
+            (b"data: x\n\n", Between),
+            (b"data: x\r\n", LineStart),
+            (b"data: x\r\n\r", BetweenCr),
+            (b"data: x\r\n\r\n", Between),
+            (b"data: x\r", LineCr),
+            (b"data: x\r\r", BetweenCr),
+            (b"data: x\n\r", BetweenCr),
+            (b"data: x\r\n\n", Between),
+            (b"event: a\ndata: x\n", LineStart),
+            (b"event: a\ndata: x\n\n", Between),
+            (b"data: x\n\n\n", Between),
+            (b": prefill\n\n", Between),
+            (b"data: x\n\ndata: y", InLine),
+            (b"\n", Between),
+            (b"\r", BetweenCr),
+        ] {
+            assert_eq!(
+                bytewise(bytes),
+                place,
+                "{:?}",
+                String::from_utf8_lossy(bytes)
+            );
+        }
+    }
+
+    #[test]
+    fn split_anywhere_the_place_is_that_of_the_whole() {
+        let streams: [&[u8]; 6] = [
+            b"data: {\"a\":1}\n\ndata: {\"b\":2}\n\ndata: [DONE]\n\n",
+            b"data: a\r\n\r\ndata: b\r\n\r\n",
+            b"data: a\r\rdata: b\r\r",
+            b"event: x\ndata: 1\ndata: 2\n\n: c\n\nevent: y\ndata: 3\n\n",
+            b"data: a\n\r\ndata: b\r\n\n\n\r",
+            b": prefill\n\n: prefill\n\ndata: x\n\n",
+        ];
+        for stream in streams {
+            // Every prefix, in two pieces split at every point and in one-byte pieces.
+            for end in 0..=stream.len() {
+                let whole = bytewise(&stream[..end]);
+                for cut in 0..=end {
+                    let two = Place::default()
+                        .after(&stream[..cut])
+                        .after(&stream[cut..end]);
+                    assert_eq!(two, whole, "{:?} cut at {cut} of {end}", stream);
+                }
+                let ones = stream[..end]
+                    .chunks(1)
+                    .fold(Place::default(), |p, c| p.after(c));
+                assert_eq!(ones, whole);
+            }
+        }
+    }
+
+    #[test]
+    fn a_comment_goes_only_between_events_and_leaves_the_stream_there() {
+        let stream = b"data: a\n\ndata: b\r\n\r\ndata: c\r\rdata: d\n\n";
+        let mut between = 0;
+        for end in 0..=stream.len() {
+            let place = bytewise(&stream[..end]);
+            if !place.between() {
+                continue;
+            }
+            between += 1;
+            let c = comment(place, "dsv4 loading");
+            assert!(c.starts_with(b": dsv4 loading"));
+            assert_eq!(place.after(&c), place, "after {end}");
+            // The events a parser reads are the same with the comment in.
+            let mut with = stream[..end].to_vec();
+            with.extend_from_slice(&c);
+            with.extend_from_slice(&stream[end..]);
+            assert_eq!(events(&with), events(stream), "comment at {end}");
+        }
+        // The start, after each event, and after the CR that may be part of a CRLF.
+        assert_eq!(between, 6);
+    }
+
+    /// The data of the events in `stream`, as the HTML standard's parser reads them.
+    fn events(stream: &[u8]) -> Vec<String> {
+        let text = String::from_utf8_lossy(stream).replace("\r\n", "\n");
+        let text = text.replace('\r', "\n");
+        let (mut out, mut data) = (Vec::new(), Vec::new());
+        for line in text.split('\n') {
+            if line.is_empty() {
+                if !data.is_empty() {
+                    out.push(data.join("\n"));
+                    data.clear();
+                }
+            } else if let Some(d) = line.strip_prefix("data: ") {
+                data.push(d.to_string());
+            }
+        }
+        out
+    }
+
+    #[test]
+    fn stream_true_alone_asks_for_a_stream() {
+        for (body, streamed) in [
+            (&br#"{"messages":[],"stream":true}"#[..], true),
+            (
+                br#"{"stream": true, "messages":[{"content":"\"stream\""}]}"#,
+                true,
+            ),
+            (br#"{"messages":[],"stream":false}"#, false),
+            (
+                br#"{"messages":[{"role":"user","content":"hi"}],"max_tokens":1}"#,
+                false,
+            ),
+            (br#"{"messages":[{"content":"\"stream\": true"}]}"#, false),
+            (br#"{"stream":"yes"}"#, false),
+            (br#"{"stream":true"#, false),
+            (b"", false),
+            (br#"["stream"]"#, false),
+        ] {
+            assert_eq!(
+                wants_stream(body),
+                streamed,
+                "{}",
+                String::from_utf8_lossy(body)
+            );
+        }
+    }
+
+    #[test]
+    fn each_protocol_has_its_paths() {
+        assert_eq!(Protocol::of("/v1/chat/completions"), Some(Protocol::OpenAi));
+        assert_eq!(Protocol::of("/completion"), Some(Protocol::OpenAi));
+        assert_eq!(Protocol::of("/v1/messages"), Some(Protocol::Anthropic));
+        assert_eq!(Protocol::of("/v1/responses"), Some(Protocol::Responses));
+        assert_eq!(Protocol::of("/v1/embeddings"), None);
+        assert_eq!(Protocol::of("/tokenize"), None);
+    }
+
+    fn data_of(event: &Bytes) -> Value {
+        let text = std::str::from_utf8(event).unwrap();
+        assert!(text.ends_with("\n\n"), "{text:?}");
+        let data = text.lines().find_map(|l| l.strip_prefix("data: ")).unwrap();
+        serde_json::from_str(data).unwrap()
+    }
+
+    #[test]
+    fn an_error_event_carries_the_status_and_message_given() {
+        let engine = br#"{"error":{"code":400,"message":"Failed to parse grammar","type":"invalid_request_error"}}"#;
+        let e = error_event(Protocol::OpenAi, 400, Some("application/json"), engine);
+        assert_eq!(
+            data_of(&e),
+            json!({"error": {"message": "Failed to parse grammar",
+                   "type": "invalid_request_error", "code": 400, "status": 400}})
+        );
+        // dsv4d's own refusal keeps its code; the status goes along.
+        let own = br#"{"error":{"message":"the engine exited","type":"server_error","code":"engine_start_failed"}}"#;
+        let e = error_event(Protocol::OpenAi, 503, Some("application/json"), own);
+        let v = data_of(&e);
+        assert_eq!(v["error"]["code"], "engine_start_failed");
+        assert_eq!(v["error"]["status"], 503);
+        assert_eq!(v["error"]["message"], "the engine exited");
+        // Text, nothing, and a success that is not a stream.
+        let e = error_event(Protocol::OpenAi, 500, Some("text/plain"), b" oops\n");
+        assert_eq!(data_of(&e)["error"]["message"], "oops");
+        assert_eq!(data_of(&e)["error"]["type"], "server_error");
+        let e = error_event(Protocol::OpenAi, 502, None, b"");
+        assert_eq!(
+            data_of(&e)["error"]["message"],
+            "the engine answered 502 with no message"
+        );
+        let e = error_event(Protocol::OpenAi, 200, Some("application/json"), b"{}");
+        assert_eq!(
+            data_of(&e)["error"]["message"],
+            "the engine answered 200 with application/json where an event stream was asked for"
+        );
+        // The other protocols' shapes.
+        let e = error_event(Protocol::Anthropic, 400, None, engine);
+        assert!(e.starts_with(b"event: error\ndata: "));
+        assert_eq!(
+            data_of(&e),
+            json!({"type": "error", "error": {"type": "invalid_request_error",
+                   "message": "Failed to parse grammar"}})
+        );
+        let e = error_event(Protocol::Responses, 503, None, b"");
+        assert!(e.starts_with(b"event: error\ndata: "));
+        let v = data_of(&e);
+        assert_eq!(
+            (v["type"].clone(), v["code"].clone()),
+            (json!("error"), json!(503))
+        );
+    }
+}

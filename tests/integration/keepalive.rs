@@ -1,0 +1,310 @@
+//! Streamed answers that never go silent (`api.stream_keepalive`): the official `openai`
+//! package, with a 5 s timeout, through a 30 s cold start, a prefill longer than its timeout on
+//! the real llama-server (which sends its head, then nothing until the first token) and on the
+//! real ds4-server (which sends nothing at all until its prefill ends); the comments curl
+//! sees, with the load's estimate on the second cold start; the relayed stream, less the
+//! comments, the engine's own; and an engine's error after dsv4d's own head, an error event the
+//! package raises with the engine's message.
+
+use std::time::{Duration, Instant};
+
+use crate::soak::{need_curl, python, run_client};
+use crate::support::real::{ds4_engine, ds4_setup, LlamaServer};
+use crate::support::*;
+use crate::validate::tiny_16k;
+use dsv4_client::State;
+use serde_json::{json, Value};
+
+const OPENAI_STREAM: &str = concat!(env!("CARGO_MANIFEST_DIR"), "/clients/openai_stream.py");
+
+/// The `openai` package's timeout in these tests: the longest it waits for a byte.
+const CLIENT_TIMEOUT: f64 = 5.0;
+
+/// A prompt of the tiny llama model whose prefill, on one thread, takes longer than
+/// `CLIENT_TIMEOUT` (one character is one token).
+const LONG_PROMPT_TOKENS: usize = 14_000;
+
+/// A prompt of the tiny ds4 model whose prefill, on its CPU path, takes longer than
+/// `CLIENT_TIMEOUT`.
+const DS4_PROMPT_TOKENS: usize = 300;
+
+/// One streamed chat of `request` (without `stream`) by the `openai` package at `base`
+/// (`http://HOST:PORT`) with `CLIENT_TIMEOUT`: its line of JSON (`content`, or `error` and
+/// `message`; see `tests/clients/openai_stream.py`).
+async fn openai_stream(base: &str, request: &Value) -> Value {
+    let dir = temp_dir("openai-stream");
+    let file = dir.path().join("request.json");
+    std::fs::write(&file, request.to_string()).unwrap();
+    let mut cmd = tokio::process::Command::new(python());
+    cmd.arg("-B")
+        .arg(OPENAI_STREAM)
+        .arg(format!("{}/v1", base.trim_end_matches('/')))
+        .arg(&file)
+        .arg(CLIENT_TIMEOUT.to_string());
+    let run = run_client(cmd, Duration::from_secs(300))
+        .await
+        .unwrap_or_else(|e| panic!("openai_stream.py: {e}"));
+    let line = run.stdout.lines().last().unwrap_or_default();
+    match (run.status.code(), serde_json::from_str(line)) {
+        (Some(0 | 1), Ok(v)) => v,
+        _ => panic!("openai_stream.py: {}", run.explain()),
+    }
+}
+
+/// One streamed chat of `body` by curl (`-N`: as it comes); what curl printed.
+async fn curl_stream(d: &Daemon, body: &Value) -> String {
+    need_curl();
+    let mut cmd = tokio::process::Command::new("curl");
+    cmd.args([
+        "-sSN",
+        "--max-time",
+        "60",
+        "-H",
+        "content-type: application/json",
+    ])
+    .arg("--data-binary")
+    .arg(body.to_string())
+    .arg(d.url("/v1/chat/completions"));
+    let run = run_client(cmd, Duration::from_secs(90)).await.unwrap();
+    assert!(run.status.success(), "curl: {}", run.explain());
+    run.stdout
+}
+
+/// The comment lines of an event stream.
+fn comments(stream: &str) -> Vec<&str> {
+    stream.lines().filter(|l| l.starts_with(':')).collect()
+}
+
+/// `stream` without dsv4d's comments (each `: dsv4 ...` and the blank line after it).
+fn less_comments(stream: &str) -> String {
+    let mut out = String::new();
+    let mut rest = stream;
+    while let Some(i) = rest.find(": dsv4 ") {
+        let at_boundary = i == 0 || rest[..i].ends_with("\n\n");
+        let end = rest[i..].find("\n\n").map(|e| i + e + 2);
+        match (at_boundary, end) {
+            (true, Some(end)) => {
+                out.push_str(&rest[..i]);
+                rest = &rest[end..];
+            }
+            _ => panic!("a comment inside an event, or unended: {stream:?}"),
+        }
+    }
+    out.push_str(rest);
+    out
+}
+
+fn chat_request(prompt: &str, max_tokens: u32) -> Value {
+    json!({
+        "messages": [{"role": "user", "content": prompt}],
+        "max_tokens": max_tokens,
+        "temperature": 0,
+        "seed": 1,
+    })
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_openai_package_gets_a_whole_stream_through_a_30_s_cold_start() {
+    let d = Daemon::start(
+        &Setup::default()
+            .api("stream_keepalive", "2s")
+            .knob("load_ms", "30000"),
+    );
+    let t = Instant::now();
+    let out = openai_stream(&d.url(""), &chat_request("hello", 8)).await;
+    assert_eq!(out["content"], "abcdefgh", "{out}\n{}", d.log());
+    assert_eq!(out["finish_reason"], "length", "{out}");
+    assert!(t.elapsed() >= Duration::from_secs(30), "{:?}", t.elapsed());
+    assert_eq!(d.spawns(), 1);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn curl_sees_what_a_stream_waits_for_and_the_estimate_on_the_next_cold_start() {
+    let d = Daemon::start(
+        &Setup::default()
+            .api("stream_keepalive", "1s")
+            .engine("idle_timeout", "1s")
+            .knob("load_ms", "3000"),
+    );
+    let body = chat(4, true);
+    let first = curl_stream(&d, &body).await;
+    assert!(first.starts_with(": dsv4 loading 320k: "), "{first:?}");
+    let loading: Vec<&str> = comments(&first)
+        .into_iter()
+        .filter(|c| c.starts_with(": dsv4 loading 320k: "))
+        .collect();
+    assert!(loading.len() >= 2, "{first:?}");
+    // The first load of the profile: no estimate yet.
+    assert!(loading.iter().all(|c| !c.contains("about")), "{first:?}");
+    assert!(first.ends_with("data: [DONE]\n\n"), "{first:?}");
+    // The load's time is kept (written off the runtime's threads, so waited for).
+    let file = d.dir().join("state/load-times.json");
+    let t = Instant::now();
+    while !std::fs::read_to_string(&file).is_ok_and(|t| t.contains("\"320k\"")) {
+        assert!(t.elapsed() < PATIENCE, "no load time in {}", file.display());
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+
+    d.wait_state(State::Stopped, PATIENCE).await;
+    let second = curl_stream(&d, &body).await;
+    let about: Vec<u64> = comments(&second)
+        .into_iter()
+        .filter_map(|c| c.strip_prefix(": dsv4 loading 320k: "))
+        .filter_map(|c| c.split(" of about ").nth(1))
+        .filter_map(|c| c.strip_suffix(" s")?.parse().ok())
+        .collect();
+    // The fake engine loads in 3 s.
+    assert!(
+        !about.is_empty() && about.iter().all(|s| (3..=5).contains(s)),
+        "{second:?}"
+    );
+    assert!(second.ends_with("data: [DONE]\n\n"), "{second:?}");
+    assert_eq!(d.spawns(), 2);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_engine_error_after_dsv4ds_own_head_is_an_error_event_the_openai_package_raises() {
+    let d = Daemon::start(
+        &Setup::default()
+            .api("stream_keepalive", "1s")
+            .knob("load_ms", "3000"),
+    );
+    // A grammar the engine cannot parse: it answers 400 once loaded, long after dsv4d sent
+    // the stream's head.
+    let mut request = chat_request("hello", 8);
+    request["extra_body"] = json!({"grammar": "root ::= ("});
+    let out = openai_stream(&d.url(""), &request).await;
+    assert_eq!(out["error"], "APIError", "{out}\n{}", d.log());
+    assert_eq!(out["message"], "Failed to parse grammar", "{out}");
+    assert_eq!(out["body"]["code"], 400, "{out}");
+    assert_eq!(out["body"]["status"], 400, "{out}");
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_start_that_fails_after_dsv4ds_own_head_ends_the_stream_with_its_error() {
+    let d = Daemon::start(
+        &Setup::default()
+            .api("stream_keepalive", "1s")
+            .engine("start_timeout", "3s")
+            .knob("fail_start", "hang"),
+    );
+    let out = curl_stream(&d, &chat(4, true)).await;
+    assert!(out.starts_with(": dsv4 loading 320k: "), "{out:?}");
+    let last = out.trim_end().lines().last().unwrap_or_default();
+    let data = last
+        .strip_prefix("data: ")
+        .unwrap_or_else(|| panic!("{out:?}"));
+    let v: Value = serde_json::from_str(data).unwrap();
+    assert_eq!(v["error"]["code"], "engine_start_timeout", "{v}");
+    assert_eq!(v["error"]["status"], 504, "{v}");
+    assert!(out.ends_with("\n\n"), "{out:?}");
+}
+
+/// A daemon in front of the real llama-server on the tiny model with a 16K context, one
+/// thread; the engine started. The model file is kept in the daemon's folder.
+async fn long_context_daemon() -> Daemon {
+    let dir = temp_dir("daemon");
+    let model = tiny_16k(dir.path());
+    let mut s = Setup::default()
+        .api("stream_keepalive", "2s")
+        .engine("idle_timeout", "10m");
+    s.custom_profiles.insert(
+        "16k".into(),
+        crate::support::real::profile(&model, 16384, ""),
+    );
+    s.default_profile = "16k".into();
+    let d = Daemon::start_in(&s, dir);
+    let (status, _, v) = body_json(d.post("/v1/chat/completions", chat(2, false)).await).await;
+    assert_eq!(status, 200, "{v}\n{}", d.log());
+    d
+}
+
+fn long_prompt() -> String {
+    "word ".repeat(LONG_PROMPT_TOKENS / 5)
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_openai_package_gets_a_whole_stream_through_a_long_prefill_on_the_real_engine() {
+    let d = long_context_daemon().await;
+    let t = Instant::now();
+    let out = openai_stream(&d.url(""), &chat_request(&long_prompt(), 8)).await;
+    let took = t.elapsed();
+    assert_eq!(out["content"], "abcdefgh", "{out}\n{}", d.log());
+    // The prefill alone was longer than the client's timeout.
+    assert!(took > Duration::from_secs_f64(CLIENT_TIMEOUT), "{took:?}");
+}
+
+/// The raw bytes of a streamed chat of `body` at `url` (a full URL).
+async fn raw_stream(url: &str, body: &Value) -> String {
+    let client = hyper_util::client::legacy::Client::builder(hyper_util::rt::TokioExecutor::new())
+        .build_http::<http_body_util::Full<bytes::Bytes>>();
+    let req = hyper::Request::post(url)
+        .header("content-type", "application/json")
+        .body(http_body_util::Full::new(bytes::Bytes::from(
+            body.to_string(),
+        )))
+        .unwrap();
+    let resp = client.request(req).await.unwrap();
+    assert_eq!(resp.status(), 200);
+    use http_body_util::BodyExt;
+    let bytes = resp.into_body().collect().await.unwrap().to_bytes();
+    String::from_utf8(bytes.to_vec()).unwrap()
+}
+
+/// `stream` with what differs from one answer to the next (the completion's id, its time,
+/// the timings) set to fixed values, each line otherwise as it was.
+fn fixed(stream: &str) -> String {
+    stream
+        .split('\n')
+        .map(|line| match line.strip_prefix("data: {") {
+            Some(_) => {
+                let mut v: Value = serde_json::from_str(&line["data: ".len()..]).unwrap();
+                for key in ["id", "created", "timings", "system_fingerprint"] {
+                    if let Some(value) = v.get_mut(key) {
+                        *value = Value::Null;
+                    }
+                }
+                format!("data: {v}")
+            }
+            None => line.to_string(),
+        })
+        .collect::<Vec<_>>()
+        .join("\n")
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_kept_alive_stream_less_its_comments_is_the_engines_own() {
+    let d = long_context_daemon().await;
+    // The same model file: its path is in every chunk.
+    let direct = LlamaServer::start_on(&d.dir().join("tiny-16k.gguf"), 16384);
+    let mut body = chat_request(&long_prompt(), 12);
+    body["stream"] = json!(true);
+    let through = raw_stream(&d.url("/v1/chat/completions"), &body).await;
+    let own = raw_stream(&format!("{}/v1/chat/completions", direct.url), &body).await;
+    assert!(
+        !comments(&through).is_empty(),
+        "the prefill was too short for a comment: {through:?}"
+    );
+    assert!(comments(&own).is_empty());
+    assert_eq!(fixed(&less_comments(&through)), fixed(&own));
+    assert!(own.contains("\"content\":\"a\""), "{own}");
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_openai_package_gets_a_whole_stream_through_a_silent_prefill_on_the_real_ds4() {
+    let test = "the_openai_package_gets_a_whole_stream_through_a_silent_prefill_on_the_real_ds4";
+    let Some((server, model)) = ds4_engine(test) else {
+        return;
+    };
+    let dir = temp_dir("ds4-real");
+    let s = ds4_setup(&server, &model, dir.path(), "10m").api("stream_keepalive", "2s");
+    let d = Daemon::start_in(&s, dir);
+    let (status, _, v) = body_json(d.post("/v1/chat/completions", chat(4, false)).await).await;
+    assert_eq!(status, 200, "{v}\n{}", d.log());
+    let prompt = "word ".repeat(DS4_PROMPT_TOKENS / 5);
+    let t = Instant::now();
+    let out = openai_stream(&d.url(""), &chat_request(&prompt, 16)).await;
+    let took = t.elapsed();
+    assert_eq!(out["content"], "Hi!", "{out}\n{}", d.log());
+    assert!(took > Duration::from_secs_f64(CLIENT_TIMEOUT), "{took:?}");
+}
