@@ -14,8 +14,9 @@ use dsv4::control::dbus;
 use dsv4::control::reload::Reloader;
 use dsv4::host::state_file;
 use dsv4::host::sysroot::SysRoot;
+use dsv4::http::ctx::Ctx;
 use dsv4::http::listener::{self, Origin};
-use dsv4::http::proxy::{self, Ctx};
+use dsv4::http::serve;
 use dsv4::lifecycle::alert::Alerts;
 use dsv4::lifecycle::engine_key::KeyFolder;
 use dsv4::lifecycle::Services;
@@ -436,7 +437,7 @@ impl Daemon {
         // The listener, the configuration and the bus name are in place: ready.
         dsv4::control::service::ready(&lifecycle.status());
         dsv4::control::service::spawn(lifecycle.clone(), ctx.parts.telemetry.clone());
-        let connections_closed = Box::pin(proxy::serve(listener, ctx.clone(), shutdown).await);
+        let connections_closed = Box::pin(serve::serve(listener, ctx.clone(), shutdown).await);
         Ok(Stopping {
             ctx,
             actor,

@@ -1,20 +1,24 @@
 //! The API: the listener, the front door (`front`: Host and web pages; `auth`: keys), request
-//! bodies (`intake`, `body`), client connections, the path rules, the proxy and the streamed
-//! answers it keeps from going silent (`keepalive`, `sse`), the dashboard (`dashboard`,
+//! bodies (`intake`, `body`), client connections, the path rules, the accept loop (`serve`),
+//! the router (`router`), forwarding to the engine (`forward`) and the answers' bodies
+//! (`answer`), the streamed answers kept from going silent (`keepalive`, `sse`), the dashboard (`dashboard`,
 //! `ui_actions`), and the errors dsv4d itself answers with.
 
+pub mod answer;
 pub mod auth;
 pub mod body;
 pub mod connections;
 pub mod ctx;
 pub mod dashboard;
+pub mod forward;
 pub mod front;
 pub mod http_error;
 pub mod intake;
 pub mod keepalive;
 pub mod listener;
 pub mod path;
-pub mod proxy;
+pub mod router;
+pub mod serve;
 pub mod sse;
 pub mod ui_actions;
 pub mod watchers;

@@ -1,0 +1,309 @@
+//! The answers' bodies: a small body of dsv4d's own, or the engine's stream, which holds the
+//! request's lease until it ends or is dropped, records the request's timings, and turns an
+//! engine that breaks off into an error event the client can read.
+
+use std::pin::Pin;
+use std::task::{Context, Poll};
+
+use bytes::Bytes;
+use dsv4_engine::OutputTail;
+use http_body::{Body, Frame, SizeHint};
+use serde_json::json;
+use tokio::time::Instant;
+
+use crate::http::body::{End, OnEnd, Settle};
+use crate::http::http_error::{with_tail, ErrorCode, ErrorType};
+use crate::http::keepalive::Keepalive;
+use crate::lifecycle::upstream::UpstreamBody;
+use crate::lifecycle::{Lease, ERROR_TAIL_LINES};
+use crate::observe::monitor::Telemetry;
+use crate::observe::stats::{Stats, Tap};
+
+/// The response body: a small body of our own, or the engine's, streamed with its lease.
+// The engine's variant is the common one; boxing it would cost an allocation per request.
+#[allow(clippy::large_enum_variant)]
+pub enum ProxyBody {
+    Full(Option<Bytes>),
+    Upstream(OnEnd<EngineStream, Release>),
+    /// An event stream of dsv4d's own (`GET /events`).
+    Events(crate::http::dashboard::Events),
+    /// A streamed answer kept from going silent (see [`crate::http::keepalive`]).
+    Streamed(Box<Keepalive<ProxyBody>>),
+}
+
+/// The engine's body on its way to the client: its bytes shown to the statistics tap, and a
+/// break in an event stream told as an error event first.
+pub struct EngineStream {
+    pub(crate) inner: UpstreamBody,
+    /// Reads the engine's `timings` off the response's end, for the statistics.
+    pub(crate) tap: Option<Box<Tapped>>,
+    /// An event stream: the engine's output, to quote in the error event of a break.
+    pub(crate) sse: Option<OutputTail>,
+    /// The break, held back while its error event goes out.
+    pub(crate) broken: Option<Broken>,
+    /// An OpenAI event stream the engine ends by closing its connection (ds4-server: no
+    /// chunked framing, so its end and a cut look alike): the last bytes seen, to tell
+    /// whether it ended with `data: [DONE]`. `None` once told, or where a cut shows as one.
+    pub(crate) unframed: Option<LastBytes>,
+}
+
+/// The last few bytes of a stream.
+#[derive(Default)]
+pub struct LastBytes(Vec<u8>);
+
+impl LastBytes {
+    const KEEP: usize = 32;
+
+    fn push(&mut self, data: &[u8]) {
+        self.0
+            .extend_from_slice(&data[data.len().saturating_sub(Self::KEEP)..]);
+        let extra = self.0.len().saturating_sub(Self::KEEP);
+        self.0.drain(..extra);
+    }
+
+    /// Whether the stream ended with its `[DONE]` event.
+    fn done(&self) -> bool {
+        self.0.trim_ascii_end().ends_with(b"data: [DONE]")
+    }
+}
+
+/// A stream the engine broke off, between its error event and the failure after it.
+pub enum Broken {
+    Unflushed(hyper::Error),
+    Flushed(hyper::Error),
+}
+
+/// The request's hold on the engine, let go when its body ends however it ends (the last byte,
+/// a break, a client that left); the figures of a complete answer go to the statistics.
+pub struct Release {
+    pub(crate) lease: Lease,
+}
+
+impl Settle<EngineStream> for Release {
+    fn settle(mut self, how: End, body: &mut EngineStream) {
+        if how == End::Completed {
+            self.lease.served();
+        }
+        drop(self.lease);
+        if let (End::Completed, Some(t)) = (how, body.tap.take()) {
+            t.finish();
+        }
+    }
+}
+
+impl From<Bytes> for ProxyBody {
+    fn from(b: Bytes) -> Self {
+        ProxyBody::Full(Some(b))
+    }
+}
+
+impl Body for ProxyBody {
+    type Data = Bytes;
+    type Error = hyper::Error;
+
+    fn poll_frame(
+        mut self: Pin<&mut Self>,
+        cx: &mut Context<'_>,
+    ) -> Poll<Option<Result<Frame<Bytes>, hyper::Error>>> {
+        match &mut *self {
+            ProxyBody::Full(b) => Poll::Ready(b.take().map(|b| Ok(Frame::data(b)))),
+            ProxyBody::Upstream(body) => Pin::new(body).poll_frame(cx),
+            ProxyBody::Events(events) => Pin::new(events).poll_frame(cx),
+            ProxyBody::Streamed(body) => Pin::new(&mut **body).poll_frame(cx),
+        }
+    }
+
+    fn is_end_stream(&self) -> bool {
+        match self {
+            ProxyBody::Full(b) => b.is_none(),
+            ProxyBody::Upstream(body) => body.is_end_stream(),
+            ProxyBody::Events(_) => false,
+            ProxyBody::Streamed(body) => body.is_end_stream(),
+        }
+    }
+
+    fn size_hint(&self) -> SizeHint {
+        match self {
+            ProxyBody::Full(Some(b)) => SizeHint::with_exact(b.len() as u64),
+            ProxyBody::Full(None) => SizeHint::with_exact(0),
+            ProxyBody::Upstream(body) => body.size_hint(),
+            ProxyBody::Events(_) => SizeHint::default(),
+            ProxyBody::Streamed(body) => body.size_hint(),
+        }
+    }
+}
+
+impl Body for EngineStream {
+    type Data = Bytes;
+    type Error = hyper::Error;
+
+    fn poll_frame(
+        mut self: Pin<&mut Self>,
+        cx: &mut Context<'_>,
+    ) -> Poll<Option<Result<Frame<Bytes>, hyper::Error>>> {
+        let this = &mut *self;
+        match this.broken.take() {
+            // hyper drops what it has not yet written when a body fails, so the error event
+            // is let out (one turn, in which hyper flushes) before the failure that breaks the
+            // connection.
+            Some(Broken::Unflushed(e)) => {
+                this.broken = Some(Broken::Flushed(e));
+                cx.waker().wake_by_ref();
+                return Poll::Pending;
+            }
+            Some(Broken::Flushed(e)) => return Poll::Ready(Some(Err(e))),
+            None => {}
+        }
+        let polled = Pin::new(&mut this.inner).poll_frame(cx);
+        match &polled {
+            Poll::Ready(Some(Ok(frame))) => {
+                if let (Some(t), Some(d)) = (this.tap.as_mut(), frame.data_ref()) {
+                    t.tap.push(d);
+                }
+                if let (Some(last), Some(d)) = (this.unframed.as_mut(), frame.data_ref()) {
+                    last.push(d);
+                }
+            }
+            Poll::Ready(None) if this.unframed.as_ref().is_some_and(|l| !l.done()) => {
+                // Stopped (or crashed) mid-answer: told as llama-server's breaks are, then the
+                // end. (There is no failure to break the connection with: the engine's close
+                // was the end of its body.)
+                this.unframed = None;
+                this.tap = None;
+                let tail = this.sse.as_ref().map(|o| o.last(ERROR_TAIL_LINES));
+                let event = api_error_event(
+                    "the engine ended the answer before its end ([DONE]): it was stopped or \
+                     failed"
+                        .to_string(),
+                    tail.as_deref().unwrap_or_default(),
+                );
+                return Poll::Ready(Some(Ok(Frame::data(event))));
+            }
+            Poll::Ready(Some(Err(e))) => {
+                this.tap = None;
+                if let Some(output) = &this.sse {
+                    // Clients show an error event's message; a stream that merely stops looks
+                    // like a complete, cut-off answer. The connection still breaks after it,
+                    // so nothing mistakes it for an end.
+                    let event = error_event(e, &output.last(ERROR_TAIL_LINES));
+                    if let Poll::Ready(Some(Err(e))) = polled {
+                        this.broken = Some(Broken::Unflushed(e));
+                    }
+                    return Poll::Ready(Some(Ok(Frame::data(event))));
+                }
+            }
+            Poll::Ready(None) | Poll::Pending => {}
+        }
+        polled
+    }
+
+    fn is_end_stream(&self) -> bool {
+        // A break held back behind its error event is still to come.
+        self.broken.is_none() && self.inner.is_end_stream()
+    }
+
+    fn size_hint(&self) -> SizeHint {
+        self.inner.size_hint()
+    }
+}
+
+/// A response being watched for its `timings`.
+pub struct Tapped {
+    pub(crate) tap: Tap,
+    pub(crate) stats: Stats,
+    pub(crate) telemetry: Telemetry,
+    pub(crate) profile: String,
+    pub(crate) path: String,
+    pub(crate) started: Instant,
+}
+
+impl Tapped {
+    fn finish(self) {
+        if let Some(t) = self.tap.timings() {
+            let wall = self.started.elapsed().as_secs_f64();
+            let now = dsv4_client::clock::unix_now();
+            let resources = self.telemetry.resources(now - wall, now);
+            self.stats
+                .record(self.profile, self.path, &t, wall * 1000.0, Some(resources));
+        }
+    }
+}
+
+/// An error and its causes on one line: hyper's own message is terse ("connection closed
+/// before message completed"), its source says what happened underneath.
+pub(crate) fn describe(err: &dyn std::error::Error) -> String {
+    let mut text = err.to_string();
+    let mut cause = err.source();
+    while let Some(c) = cause {
+        let c_text = c.to_string();
+        if !text.contains(&c_text) {
+            text = format!("{text}: {c_text}");
+        }
+        cause = c.source();
+    }
+    text
+}
+
+/// The SSE event that tells a streaming client why its answer broke off, in OpenAI's error
+/// shape (the `openai` packages raise it as an `APIError` with this message).
+pub(crate) fn error_event(err: &hyper::Error, tail: &[String]) -> Bytes {
+    api_error_event(
+        format!("the engine broke off the answer: {}", describe(err)),
+        tail,
+    )
+}
+
+/// The OpenAI paths whose event streams end with `data: [DONE]`.
+pub(crate) fn ends_with_done(path: &str) -> bool {
+    matches!(
+        path,
+        "/v1/chat/completions" | "/chat/completions" | "/v1/completions" | "/completions"
+    )
+}
+
+pub(crate) fn api_error_event(what: String, tail: &[String]) -> Bytes {
+    let message = with_tail(what, tail);
+    let v = json!({
+        "error": { "message": message, "type": ErrorType::Server, "code": ErrorCode::EngineFailed }
+    });
+    Bytes::from(format!("data: {v}\n\n"))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::lifecycle::upstream::UpstreamError;
+
+    #[test]
+    fn an_event_stream_ends_with_done_only_when_its_last_event_is_done() {
+        let ended = |pieces: &[&str]| {
+            let mut last = LastBytes::default();
+            for p in pieces {
+                last.push(p.as_bytes());
+            }
+            last.done()
+        };
+        let chunk = "data: {\"choices\":[{\"delta\":{\"content\":\"x\"}}]}\n\n";
+        assert!(ended(&[chunk, "data: [DONE]\n\n"]));
+        // Split anywhere, in pieces of any size.
+        assert!(ended(&[chunk, "data: [DO", "NE]", "\n", "\n"]));
+        assert!(ended(&["data: [DONE]"]));
+        assert!(!ended(&[chunk]));
+        assert!(!ended(&[]));
+        // A [DONE] somewhere before the end is not the end.
+        assert!(!ended(&["data: [DONE]\n\n", chunk]));
+    }
+
+    #[test]
+    fn an_error_is_described_with_its_causes_once() {
+        let io = std::io::Error::new(std::io::ErrorKind::ConnectionReset, "reset by peer");
+        let e = UpstreamError::Connect {
+            addr: ([127, 0, 0, 1], 9).into(),
+            source: io,
+        };
+        assert_eq!(
+            describe(&e),
+            "cannot connect to the engine at 127.0.0.1:9: reset by peer"
+        );
+    }
+}

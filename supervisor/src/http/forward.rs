@@ -1,0 +1,376 @@
+//! Forwarding to the engine. Must not: buffer responses, time out a response that has not
+//! started (a 256K-token prefill takes two hours), or touch the engine process (it asks the
+//! lifecycle actor for a lease).
+//!
+//! A request's body is read whole first ([`crate::http::intake`]), and only then does the request
+//! take a lease and go to the engine. Responses stream frame by frame. A client that goes
+//! away is noticed whenever it does: hyper sees the connection close once the request's
+//! body has been read (while the request waits for a lease, or for the engine's first byte
+//! through a prefill of hours), and drops the request's future, its lease and its upstream
+//! request, whose connection closes, so the engine stops work; later, it drops the
+//! response body, to the same effect.
+
+use std::sync::Arc;
+use std::time::Duration;
+
+use http::header::{self, HeaderMap, HeaderName, HeaderValue};
+use http::{Method, Request, Response, StatusCode};
+use hyper::body::Incoming;
+use tokio::time::Instant;
+
+use crate::config::Config;
+use crate::http::answer::{
+    describe, ends_with_done, EngineStream, LastBytes, ProxyBody, Release, Tapped,
+};
+use crate::http::body::OnEnd;
+use crate::http::connections;
+use crate::http::ctx::Ctx;
+use crate::http::http_error::{with_tail, ApiError, ErrorCode, ErrorType};
+use crate::http::intake::{self, IntakeError};
+use crate::http::keepalive;
+use crate::http::sse::{self, Protocol};
+use crate::lifecycle::upstream::UpstreamError;
+use crate::lifecycle::ERROR_TAIL_LINES;
+use crate::observe::stats::Tap;
+
+/// Whether `req` is a slot action (`POST /slots/N?action=...`, or anything but a read of
+/// `/slots`), judged on the path the engine routes (see `judge_path`).
+fn is_slot_action(req: &Request<Incoming>) -> bool {
+    let path = req.uri().path();
+    req.method() != Method::GET && (path == "/slots" || path.starts_with("/slots/"))
+}
+
+/// With KV checkpoints on, the engine's slot files are dsv4d's: a client's `POST
+/// /slots/N?action=save|restore|erase` would write files no bound counts, read back another
+/// conversation's cache, or throw away another client's slot. `GET /slots` still passes.
+/// Judged for `profile`: before the lease, each of the running engine's and the active one
+/// (a switch may be draining toward it); with the lease, the engine that will serve it.
+fn slots_kept_by_dsv4d(config: &Config, profile: &str) -> Option<Response<ProxyBody>> {
+    config.profile(profile)?.kv_checkpoint.as_ref()?;
+    Some(
+        ApiError::new(
+            StatusCode::FORBIDDEN,
+            ErrorType::InvalidRequest,
+            ErrorCode::SlotsManaged,
+            format!(
+                "profile {profile} keeps KV checkpoints (kv_checkpoint): dsv4d saves and \
+                 restores the engine's slots itself, so slot actions are not forwarded; see \
+                 dsv4ctl kv"
+            ),
+        )
+        .into_response(),
+    )
+}
+
+pub(crate) async fn proxy(
+    ctx: &Arc<Ctx>,
+    config: &Arc<Config>,
+    req: Request<Incoming>,
+    on: &connections::Slot,
+) -> Response<ProxyBody> {
+    let api = &config.supervisor.api;
+    let limits = intake::Limits {
+        max_body: api.max_body,
+        timeout: api.body_timeout,
+        max_buffered: api.max_buffered,
+        min_rate: api.min_body_rate,
+    };
+    let started = Instant::now();
+    let slot_action = is_slot_action(&req);
+    if slot_action {
+        let status = ctx.parts.lifecycle.status();
+        let running = status.engine_profile.as_deref();
+        let refused = [running, Some(status.profile.as_str())]
+            .into_iter()
+            .flatten()
+            .find_map(|p| slots_kept_by_dsv4d(config, p));
+        if let Some(refused) = refused {
+            return refused;
+        }
+    }
+    let (parts, body) = req.into_parts();
+    // The whole body first: a client that is slow to send it holds no lease and no engine
+    // connection meanwhile, and never starts the engine.
+    // A Content-Length beside Transfer-Encoding is not the body's length: hyper reads such a
+    // body as chunked (RFC 9112 6.3), and so does the intake.
+    let declared = match parts.headers.contains_key(header::TRANSFER_ENCODING) {
+        true => None,
+        false => content_length(&parts.headers),
+    };
+    // Until it is whole, its connection may be chosen to make room at the cap.
+    let reading = on.intake();
+    let (got, stop) = (reading.got(), reading.evicted());
+    let held = match intake::read(body, declared, limits, &ctx.bodies, got, stop).await {
+        Ok(held) => held,
+        Err(e) => return intake_refusal(&e),
+    };
+    drop(reading);
+    // A streamed answer is kept from going silent (see `crate::http::keepalive`); any other
+    // request goes on as it is.
+    let keepalive = match api.stream_keepalive {
+        Some(period) if parts.method == Method::POST => Protocol::of(parts.uri.path())
+            .filter(|_| sse::wants_stream(&held.bytes))
+            .map(|protocol| (period, protocol)),
+        _ => None,
+    };
+    let answer = forward(
+        ctx.clone(),
+        config.clone(),
+        parts,
+        held,
+        started,
+        slot_action,
+    );
+    match keepalive {
+        None => answer.await,
+        Some((period, protocol)) => {
+            let wrap = |k| ProxyBody::Streamed(Box::new(k));
+            let lifecycle = ctx.parts.lifecycle.clone();
+            keepalive::respond(Box::pin(answer), period, protocol, lifecycle, started, wrap).await
+        }
+    }
+}
+
+/// The rest of a request's way, its body read: its turn (a lease on the engine, started if
+/// need be), the engine's answer.
+async fn forward(
+    ctx: Arc<Ctx>,
+    config: Arc<Config>,
+    mut parts: http::request::Parts,
+    held: intake::Held,
+    started: Instant,
+    slot_action: bool,
+) -> Response<ProxyBody> {
+    if let Err(max_waiting) = ctx
+        .parts
+        .validator
+        .admit(config.supervisor.engine.max_waiting)
+        .await
+    {
+        return validation_queue_full(max_waiting);
+    }
+    let lease = loop {
+        let lease = match ctx.parts.lifecycle.acquire().await {
+            Ok(lease) => lease,
+            Err(refusal) => return ApiError::from(refusal).into_response(),
+        };
+        if !ctx.parts.validator.running() {
+            break lease;
+        }
+        // A validation began while this request waited for an engine: that engine is the
+        // validation's, never a client's. Back to the gate, then wait for the profile it
+        // restores (or 503 past max_waiting, as any request during a validation).
+        drop(lease);
+        if let Err(max_waiting) = ctx
+            .parts
+            .validator
+            .admit(config.supervisor.engine.max_waiting)
+            .await
+        {
+            return validation_queue_full(max_waiting);
+        }
+    };
+    if slot_action {
+        // The engine that will serve it, which a switch may have changed meanwhile.
+        if let Some(refused) = slots_kept_by_dsv4d(&config, &lease.engine.profile) {
+            return refused;
+        }
+    }
+    let tap_path = (parts.method == Method::POST).then(|| parts.uri.path().to_string());
+    let ends_with_done = ends_with_done(parts.uri.path());
+    // The target is in origin form already (`judge_path`), as an HTTP/1.1 client sends it to
+    // a server it talks to directly.
+    parts.version = http::Version::HTTP_11;
+    strip_hop_by_hop(&mut parts.headers);
+    // The body is here already: nothing for the engine to agree to first, and its length is
+    // what was read (hyper's client sets Content-Length from it), not what the client said.
+    parts.headers.remove(header::EXPECT);
+    parts.headers.remove(header::CONTENT_LENGTH);
+    parts
+        .headers
+        .insert(header::HOST, lease.engine.connections.host().clone());
+    let engine = lease.engine.clone();
+    let answer = engine.connections.request(parts, held.bytes).await;
+    // Sent: the bytes have left (the upstream kept them only for a second try).
+    drop(held.charge);
+    match answer {
+        Ok(resp) => {
+            let (mut parts, inner) = resp.into_parts();
+            // A body that only the connection's close ends.
+            let unframed = !parts.headers.contains_key(header::CONTENT_LENGTH)
+                && !parts.headers.contains_key(header::TRANSFER_ENCODING);
+            strip_hop_by_hop(&mut parts.headers);
+            let content_type = parts
+                .headers
+                .get(header::CONTENT_TYPE)
+                .and_then(|v| v.to_str().ok());
+            let sse = content_type.is_some_and(|t| t.starts_with("text/event-stream"));
+            let tap = match tap_path {
+                Some(path) if parts.status.is_success() => {
+                    Tap::for_content_type(content_type).map(|tap| {
+                        Box::new(Tapped {
+                            tap,
+                            stats: ctx.parts.stats.clone(),
+                            telemetry: ctx.parts.telemetry.clone(),
+                            profile: engine.profile.clone(),
+                            path,
+                            started,
+                        })
+                    })
+                }
+                _ => None,
+            };
+            let stream = EngineStream {
+                inner,
+                tap,
+                sse: sse.then(|| engine.output.clone()),
+                broken: None,
+                unframed: (sse && unframed && ends_with_done).then(LastBytes::default),
+            };
+            Response::from_parts(
+                parts,
+                ProxyBody::Upstream(OnEnd::new(stream, Release { lease })),
+            )
+        }
+        Err(e) => {
+            drop(lease);
+            engine_error(&engine, &e).await.into_response()
+        }
+    }
+}
+
+/// The 503 for a request over `max_waiting` while a validation holds the engine.
+fn validation_queue_full(max_waiting: usize) -> Response<ProxyBody> {
+    ApiError::new(
+        StatusCode::SERVICE_UNAVAILABLE,
+        ErrorType::Server,
+        ErrorCode::QueueFull,
+        format!(
+            "a validation run holds the engine and {max_waiting} requests (engine.max_waiting) \
+             already wait for its end; try again later"
+        ),
+    )
+    .retry_after(Duration::from_secs(30))
+    .into_response()
+}
+
+/// The answer to a request whose body was not read whole.
+fn intake_refusal(e: &IntakeError) -> Response<ProxyBody> {
+    tracing::debug!("refused a request: {e}");
+    let mut r: Response<ProxyBody> = ApiError::from(e).into_response();
+    // What is left of the body is unread (or unreadable), so the connection cannot carry
+    // another request (RFC 9110 15.5.9 asks the same of a 408).
+    r.headers_mut()
+        .insert(header::CONNECTION, HeaderValue::from_static("close"));
+    r
+}
+
+/// A 502 that says why the engine did not answer: its exit, with its last output, when it died.
+async fn engine_error(engine: &crate::lifecycle::EngineRef, err: &UpstreamError) -> ApiError {
+    // The connection usually breaks a moment before the exit is noticed.
+    let mut exit = engine.exit.clone();
+    let exited =
+        tokio::time::timeout(Duration::from_millis(250), exit.wait_for(Option::is_some)).await;
+    let report = match exited {
+        Ok(Ok(r)) => r.clone(),
+        _ => None,
+    };
+    let message = match report {
+        Some(report) => with_tail(
+            format!("the engine exited while handling the request ({report})"),
+            &engine.output.last(ERROR_TAIL_LINES),
+        ),
+        None => with_tail(describe(err), &engine.output.last(ERROR_TAIL_LINES)),
+    };
+    tracing::warn!("{message}");
+    ApiError::new(
+        StatusCode::BAD_GATEWAY,
+        ErrorType::Server,
+        ErrorCode::EngineFailed,
+        message,
+    )
+}
+
+fn content_length(h: &HeaderMap) -> Option<u64> {
+    h.get(header::CONTENT_LENGTH)?
+        .to_str()
+        .ok()?
+        .trim()
+        .parse()
+        .ok()
+}
+
+/// Removes the headers that belong to one connection, not to the message (RFC 9110 7.6.1):
+/// the fixed set and any named in `Connection`.
+fn strip_hop_by_hop(h: &mut HeaderMap) {
+    const FIXED: [HeaderName; 7] = [
+        header::CONNECTION,
+        header::TE,
+        header::TRAILER,
+        header::TRANSFER_ENCODING,
+        header::UPGRADE,
+        header::PROXY_AUTHORIZATION,
+        header::PROXY_AUTHENTICATE,
+    ];
+    // Most messages have none: one look at each name instead of nine hashed removals.
+    let hop = |k: &HeaderName| {
+        FIXED.contains(k) || k.as_str() == "keep-alive" || k.as_str() == "proxy-connection"
+    };
+    if !h.keys().any(hop) {
+        return;
+    }
+    let named: Vec<HeaderName> = h
+        .get_all(header::CONNECTION)
+        .iter()
+        .filter_map(|v| v.to_str().ok())
+        .flat_map(|v| v.split(','))
+        .filter_map(|n| HeaderName::from_bytes(n.trim().as_bytes()).ok())
+        .collect();
+    for n in named {
+        h.remove(n);
+    }
+    for n in FIXED {
+        h.remove(n);
+    }
+    h.remove("keep-alive");
+    h.remove("proxy-connection");
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn hop_by_hop_headers_go_and_end_to_end_ones_stay() {
+        let mut h = HeaderMap::new();
+        h.insert(
+            header::CONNECTION,
+            HeaderValue::from_static("keep-alive, x-secret"),
+        );
+        h.insert("keep-alive", HeaderValue::from_static("timeout=5"));
+        h.insert("x-secret", HeaderValue::from_static("1"));
+        h.insert(
+            header::TRANSFER_ENCODING,
+            HeaderValue::from_static("chunked"),
+        );
+        h.insert(header::TE, HeaderValue::from_static("trailers"));
+        h.insert(header::UPGRADE, HeaderValue::from_static("websocket"));
+        h.insert(
+            header::CONTENT_TYPE,
+            HeaderValue::from_static("application/json"),
+        );
+        h.insert(header::AUTHORIZATION, HeaderValue::from_static("Bearer k"));
+        strip_hop_by_hop(&mut h);
+        let mut left: Vec<_> = h.keys().map(|k| k.as_str().to_string()).collect();
+        left.sort();
+        assert_eq!(left, ["authorization", "content-type"]);
+    }
+
+    #[test]
+    fn content_length_parses_or_is_absent() {
+        let mut h = HeaderMap::new();
+        assert_eq!(content_length(&h), None);
+        h.insert(header::CONTENT_LENGTH, HeaderValue::from_static("42"));
+        assert_eq!(content_length(&h), Some(42));
+    }
+}
