@@ -125,10 +125,13 @@ async fn a_ds4_stream_cut_by_a_stop_ends_with_an_error_event() {
 /// A cold prefill on ds4-server's CPU path sends nothing, not even the head, until it ends
 /// (on the real box a 256K prompt reads for two hours). dsv4d has no timer on an engine's
 /// answer: the request is still served after a silence longer than every timer dsv4d has
-/// (the longest, a client's 30 s to send a request head).
+/// (the longest, a client's 30 s to send a request head). With `api.stream_keepalive` off,
+/// so that the silence reaches the client as the engine leaves it (with it on, the client
+/// gets dsv4d's own head and comments meanwhile: see `keepalive.rs`).
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_silent_prefill_longer_than_every_dsv4d_timer_is_still_answered() {
     let setup = Setup::default()
+        .api("stream_keepalive", "null")
         .ds4()
         .knob("prefill_ms", "35000")
         .knob("prefill_comment_ms", "0");

@@ -308,3 +308,48 @@ async fn the_openai_package_gets_a_whole_stream_through_a_silent_prefill_on_the_
     assert_eq!(out["content"], "Hi!", "{out}\n{}", d.log());
     assert!(took > Duration::from_secs_f64(CLIENT_TIMEOUT), "{took:?}");
 }
+
+/// A client that leaves after dsv4d's own head is noticed as one that leaves before it: its
+/// place in the queue goes within a second, not at the next comment.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_client_that_leaves_after_dsv4ds_own_head_stops_waiting_at_once() {
+    use tokio::io::{AsyncReadExt, AsyncWriteExt};
+    let d = Daemon::start(
+        &Setup::default()
+            .api("stream_keepalive", "1s")
+            .knob("load_ms", "60000"),
+    );
+    let body = chat(3, true).to_string();
+    let mut s = tokio::net::TcpStream::connect(d.addr).await.unwrap();
+    let head = format!(
+        "POST /v1/chat/completions HTTP/1.1\r\nHost: {}\r\nContent-Type: application/json\r\n\
+         Content-Length: {}\r\n\r\n{body}",
+        d.addr,
+        body.len()
+    );
+    s.write_all(head.as_bytes()).await.unwrap();
+    // dsv4d's own head and its first comment.
+    let mut got = Vec::new();
+    while !String::from_utf8_lossy(&got).contains(": dsv4 loading") {
+        let mut buf = [0u8; 1024];
+        let n = tokio::time::timeout(PATIENCE, s.read(&mut buf))
+            .await
+            .expect("dsv4d's own head")
+            .unwrap();
+        assert!(n > 0, "{}", String::from_utf8_lossy(&got));
+        got.extend_from_slice(&buf[..n]);
+    }
+    assert_eq!(d.status().await["waiting"], 1);
+    let left = Instant::now();
+    drop(s);
+    loop {
+        if d.status().await["waiting"] == 0 {
+            break;
+        }
+        assert!(
+            left.elapsed() < Duration::from_millis(300) + LOAD_MARGIN,
+            "the waiter is still there"
+        );
+        tokio::time::sleep(Duration::from_millis(10)).await;
+    }
+}

@@ -67,8 +67,9 @@ pub(super) fn load(
     }
     let text = text.ok();
     let (shown_file, source) = (shown.path(&file), text.as_deref().unwrap_or(""));
-    // A null `exit_when_idle` means never, not the default.
-    let never = |path: &str| path == "exit_when_idle";
+    // A null `exit_when_idle` means never, and a null `api.stream_keepalive` off, not the
+    // default.
+    let never = |path: &str| path == "exit_when_idle" || path == "api.stream_keepalive";
     let (doc, raw) = Doc::read::<Supervisor>(shown_file, source, never, &mut problems);
     // When supervisor.yaml cannot be read, the profiles are still checked, in the default
     // folder; since that may not be the folder meant, it is not reported as missing or empty.

@@ -104,7 +104,7 @@ api:
   allowed_hosts: [DSV4.lan, "[0::1]:9090"]
   max_connections: 100
   max_event_streams: 4
-  stream_keepalive: 2s
+  stream_keepalive: null
 engine:
   start_timeout: 5m
   idle_timeout: 1h30m
@@ -177,7 +177,7 @@ kv_checkpoint: {{ dir: kv, max_size: 40GiB, save_timeout: 90s }}
                 allowed_hosts: vec!["dsv4.lan".into(), "[::1]:9090".into()],
                 max_connections: 100,
                 max_event_streams: 4,
-                stream_keepalive: Some(Duration::from_secs(2)),
+                stream_keepalive: None,
             },
             engine: EngineLimits {
                 start_timeout: Duration::from_secs(300),
