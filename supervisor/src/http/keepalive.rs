@@ -23,7 +23,7 @@
 //!   finds no engine byte since the one before, with the stream between events, writes a
 //!   comment. No timer is reset and nothing is allocated per chunk;
 //! - **ended**: the engine's end, its break (told by the body below, see
-//!   [`crate::http::proxy`]), or the error event.
+//!   [`crate::http::answer`]), or the error event.
 //!
 //! A client that leaves drops the body, and with it the wait, its lease and the engine's
 //! connection, as for any answer.
