@@ -11,7 +11,9 @@
 
 use std::ffi::OsString;
 
-use super::{Kind, KvKeeping, KvSaved, OwnKv, Prefill, PrefillLine, PrefillReport, ValidationApi};
+use super::{
+    Argv, Kind, KvKeeping, KvSaved, OwnKv, Prefill, PrefillLine, PrefillReport, ValidationApi,
+};
 use nix::sys::signal::Signal;
 
 use crate::adapter::{EngineParams, KeyPassing, Readiness, Stop};
@@ -61,29 +63,16 @@ pub const KIND: Kind = Kind {
 
 /// `-m --ctx --prefill-chunk --kv-disk-dir --kv-disk-space-mb`.
 fn settings_argv(p: &EngineParams, _host: &str, _port: u16) -> Vec<OsString> {
-    let mut a: Vec<OsString> = Vec::new();
-    if let Some(m) = &p.model {
-        a.push("-m".into());
-        a.push(m.clone().into_os_string());
-    }
-    let mut push = |s: &str| a.push(OsString::from(s));
-    if let Some(c) = p.context {
-        push("--ctx");
-        push(&c.to_string());
-    }
-    if let Some(ch) = p.prefill_chunk {
-        push("--prefill-chunk");
-        push(&ch.to_string());
-    }
-    if let Some(dir) = &p.kv_disk_dir {
-        a.push(OsString::from("--kv-disk-dir"));
-        a.push(dir.clone().into_os_string());
-    }
-    if let Some(mb) = p.kv_disk_space_mb {
-        a.push(OsString::from("--kv-disk-space-mb"));
-        a.push(OsString::from(mb.to_string()));
-    }
-    a
+    Argv::default()
+        .flag("-m", p.model.clone())
+        .flag("--ctx", p.context.map(|c| c.to_string()))
+        .flag("--prefill-chunk", p.prefill_chunk.map(|c| c.to_string()))
+        .flag("--kv-disk-dir", p.kv_disk_dir.clone())
+        .flag(
+            "--kv-disk-space-mb",
+            p.kv_disk_space_mb.map(|mb| mb.to_string()),
+        )
+        .into_vec()
 }
 
 /// What ds4-server said it saved at its shutdown, from its last lines: the `kv cache stored`

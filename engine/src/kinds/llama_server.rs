@@ -12,7 +12,7 @@
 use std::ffi::OsString;
 use std::time::Duration;
 
-use super::{json_number, Kind, KvKeeping, Prefill, PrefillReport, ValidationApi};
+use super::{after_key, json_number, Argv, Kind, KvKeeping, Prefill, PrefillReport, ValidationApi};
 use nix::sys::signal::Signal;
 
 use crate::adapter::{EngineParams, KeyPassing, Readiness, Stop};
@@ -57,51 +57,20 @@ pub const KIND: Kind = Kind {
 
 /// `-m -c -np -ctk/-ctv -fa -ngl -b -ub --mmproj --slot-save-path`.
 fn settings_argv(p: &EngineParams, _host: &str, _port: u16) -> Vec<OsString> {
-    let mut a: Vec<OsString> = Vec::new();
-    if let Some(m) = &p.model {
-        a.push("-m".into());
-        a.push(m.clone().into_os_string());
-    }
-    let mut push = |s: &str| a.push(OsString::from(s));
-    if let Some(c) = p.context {
-        push("-c");
-        push(&c.to_string());
-    }
-    if let Some(n) = p.parallel {
-        push("-np");
-        push(&n.to_string());
-    }
-    if let Some(kv) = &p.kv_cache {
-        push("-ctk");
-        push(kv);
-        push("-ctv");
-        push(kv);
-    }
-    if let Some(fa) = p.flash_attn {
-        push("-fa");
-        push(fa.as_str());
-    }
-    if let Some(ngl) = p.gpu_layers {
-        push("-ngl");
-        push(&ngl.to_string());
-    }
-    if let Some(b) = p.batch {
-        push("-b");
-        push(&b.to_string());
-    }
-    if let Some(ub) = p.ubatch {
-        push("-ub");
-        push(&ub.to_string());
-    }
-    if let Some(mm) = &p.mmproj {
-        a.push(OsString::from("--mmproj"));
-        a.push(mm.clone().into_os_string());
-    }
-    if let Some(dir) = &p.slot_save_path {
-        a.push(OsString::from("--slot-save-path"));
-        a.push(dir.clone().into_os_string());
-    }
-    a
+    let number = |n: Option<u32>| n.map(|n| n.to_string());
+    Argv::default()
+        .flag("-m", p.model.clone())
+        .flag("-c", number(p.context))
+        .flag("-np", number(p.parallel))
+        .flag("-ctk", p.kv_cache.as_deref())
+        .flag("-ctv", p.kv_cache.as_deref())
+        .flag("-fa", p.flash_attn.map(|f| f.as_str()))
+        .flag("-ngl", p.gpu_layers.map(|n| n.to_string()))
+        .flag("-b", number(p.batch))
+        .flag("-ub", number(p.ubatch))
+        .flag("--mmproj", p.mmproj.clone())
+        .flag("--slot-save-path", p.slot_save_path.clone())
+        .into_vec()
 }
 
 /// The field of a streamed event that says how far the prompt has got.
@@ -110,12 +79,8 @@ const PROGRESS_FIELD: &str = "prompt_progress";
 /// The prefill's progress an event's data carries (`"prompt_progress": {"total": 1523,
 /// "cache": 0, "processed": 64, "time_ms": 1}`: `processed` counts the cached tokens too).
 pub fn prompt_progress(data: &[u8]) -> Option<Prefill> {
-    let key = format!("\"{PROGRESS_FIELD}\"");
-    let at = data.windows(key.len()).position(|w| w == key.as_bytes())?;
-    let rest = &data[at + key.len()..];
-    let open = rest.iter().position(|&b| b == b'{')?;
-    let close = rest[open..].iter().position(|&b| b == b'}')? + open;
-    let object = &rest[open..=close];
+    let object = after_key(data, PROGRESS_FIELD)?.strip_prefix(b"{")?;
+    let object = &object[..object.iter().position(|&b| b == b'}')?];
     let total = json_number(object, "total")?;
     let cached = json_number(object, "cache").unwrap_or(0).min(total);
     let processed = json_number(object, "processed")?.min(total);

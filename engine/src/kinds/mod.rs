@@ -159,20 +159,41 @@ pub enum PrefillReport {
     None,
 }
 
-/// The unsigned number after `"key":` in the flat JSON object `object`.
-pub(crate) fn json_number(object: &[u8], key: &str) -> Option<u64> {
+/// What follows `"key":` (and any spaces) in the JSON text `json`, at its first `"key"`.
+pub(crate) fn after_key<'a>(json: &'a [u8], key: &str) -> Option<&'a [u8]> {
     let quoted = format!("\"{key}\"");
-    let at = object
+    let at = json
         .windows(quoted.len())
         .position(|w| w == quoted.as_bytes())?;
-    let rest = &object[at + quoted.len()..];
-    let rest = rest.strip_prefix(b":").or_else(|| {
-        let trimmed = rest.trim_ascii_start();
-        trimmed.strip_prefix(b":")
-    })?;
-    let rest = rest.trim_ascii_start();
+    let rest = json[at + quoted.len()..].trim_ascii_start();
+    Some(rest.strip_prefix(b":")?.trim_ascii_start())
+}
+
+/// The unsigned number after `"key":` in the flat JSON object `object`.
+pub(crate) fn json_number(object: &[u8], key: &str) -> Option<u64> {
+    let rest = after_key(object, key)?;
     let digits = rest.iter().take_while(|b| b.is_ascii_digit()).count();
     std::str::from_utf8(&rest[..digits]).ok()?.parse().ok()
+}
+
+/// An engine's command line, made from a profile's settings: each flag with its value, for
+/// the settings the profile gives.
+#[derive(Debug, Default)]
+pub(crate) struct Argv(Vec<OsString>);
+
+impl Argv {
+    /// `flag value`, when `value` is given.
+    pub(crate) fn flag(mut self, flag: &str, value: Option<impl Into<OsString>>) -> Self {
+        if let Some(v) = value {
+            self.0.push(flag.into());
+            self.0.push(v.into());
+        }
+        self
+    }
+
+    pub(crate) fn into_vec(self) -> Vec<OsString> {
+        self.0
+    }
 }
 
 /// The API an engine's validation measures through.
