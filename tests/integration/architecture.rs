@@ -188,16 +188,13 @@ fn module_of(file: &std::path::Path) -> Vec<String> {
     parts
 }
 
-/// Every path that starts at the crate root or a parent module, in code (comments left out),
-/// with its line: `crate::kv::Book` as `["kv", "Book"]`, `super::actor::X` as `actor`'s path
-/// made absolute. `crate::{a, b::c}` gives one path per item.
-fn paths_in(text: &str, module: &[String]) -> Vec<(usize, Vec<String>)> {
-    let ident = |c: char| c.is_ascii_alphanumeric() || c == '_';
-    let mut out = Vec::new();
+/// The lines of `text` (with their index) outside its inline `#[cfg(test)] mod ... { ... }`
+/// modules, which are not the daemon: from the attribute to the module's closing brace.
+fn outside_tests(text: &str) -> impl Iterator<Item = (usize, &str)> {
     let lines: Vec<&str> = text.lines().collect();
     let mut in_tests = false;
+    let mut out = Vec::new();
     for (n, line) in lines.iter().enumerate() {
-        // An inline `#[cfg(test)] mod tests { ... }` is not the daemon: to its closing brace.
         if *line == "#[cfg(test)]" && lines.get(n + 1).is_some_and(|l| l.ends_with(" {")) {
             in_tests = true;
         }
@@ -205,6 +202,18 @@ fn paths_in(text: &str, module: &[String]) -> Vec<(usize, Vec<String>)> {
             in_tests = *line != "}";
             continue;
         }
+        out.push((n, *line));
+    }
+    out.into_iter()
+}
+
+/// Every path that starts at the crate root or a parent module, in code (comments left out),
+/// with its line: `crate::kv::Book` as `["kv", "Book"]`, `super::actor::X` as `actor`'s path
+/// made absolute. `crate::{a, b::c}` gives one path per item.
+fn paths_in(text: &str, module: &[String]) -> Vec<(usize, Vec<String>)> {
+    let ident = |c: char| c.is_ascii_alphanumeric() || c == '_';
+    let mut out = Vec::new();
+    for (n, line) in outside_tests(text) {
         let code = line.split("//").next().unwrap_or("");
         for anchor in ["crate::", "super::"] {
             for (at, _) in code.match_indices(anchor) {
@@ -421,9 +430,9 @@ fn library_modules_import_by_name_not_their_parents_namespace() {
         .filter(|f| !tests.contains(f))
         .filter(|f| {
             let text = std::fs::read_to_string(root.join(f)).unwrap();
-            // Up to its first `#[cfg(test)]`: a test module inside a file may glob.
-            let own = text.split("#[cfg(test)]").next().unwrap_or_default();
-            own.lines().any(|l| l.trim() == "use super::*;")
+            // A test module inside a file may glob.
+            let globs = outside_tests(&text).any(|(_, l)| l.trim() == "use super::*;");
+            globs
         })
         .map(|f| format!("supervisor/src/{}", f.display()))
         .collect();
@@ -495,17 +504,7 @@ fn only_the_engine_crate_tells_engine_kinds_apart() {
         for file in files.iter().filter(|f| !tests.contains(f)) {
             let text = std::fs::read_to_string(root.join(file)).unwrap();
             read += 1;
-            let lines: Vec<&str> = text.lines().collect();
-            let mut in_tests = false;
-            for (n, line) in lines.iter().enumerate() {
-                // An inline `#[cfg(test)] mod tests { ... }`: to its closing brace.
-                if *line == "#[cfg(test)]" && lines.get(n + 1).is_some_and(|l| l.ends_with(" {")) {
-                    in_tests = true;
-                }
-                if in_tests {
-                    in_tests = *line != "}";
-                    continue;
-                }
+            for (n, line) in outside_tests(&text) {
                 let code = line.split("//").next().unwrap_or("");
                 if let Some(named) = names_a_kind(code) {
                     wrong.push(format!(
