@@ -169,20 +169,7 @@ async fn a_key_in_the_environment_closes_the_engines_port_and_stays_off_its_comm
         key_file: None,
         secret: Some(secret),
     };
-    let (status, _, v) = seen
-        .send("POST", "/v1/chat/completions", &[], Some(chat(2, false)))
-        .await;
-    assert_eq!(status, 401, "the engine's port without the key: {v}");
-    let bearer = seen.bearer();
-    let (status, _, v) = seen
-        .send(
-            "POST",
-            "/v1/chat/completions",
-            &[("authorization", &bearer)],
-            Some(chat(2, false)),
-        )
-        .await;
-    assert_eq!(status, 200, "with the key from its environment: {v}");
+    the_engines_port_wants_its_key(&seen).await;
     // Through dsv4d, again, with no key of the client's.
     let (status, _, v) = body_json(d.post("/v1/chat/completions", chat(2, false)).await).await;
     assert_eq!(status, 200, "{v}");
@@ -291,10 +278,15 @@ async fn a_key_on_the_command_line_when_the_profile_asks_for_it() {
         key_file: None,
         secret: Some(secret),
     };
+    the_engines_port_wants_its_key(&seen).await;
+}
+
+/// The engine's own port answers 401 without its key and 200 with it.
+async fn the_engines_port_wants_its_key(seen: &EngineSeen) {
     let (status, _, v) = seen
         .send("POST", "/v1/chat/completions", &[], Some(chat(2, false)))
         .await;
-    assert_eq!(status, 401, "{v}");
+    assert_eq!(status, 401, "the engine's port without the key: {v}");
     let bearer = seen.bearer();
     let (status, _, v) = seen
         .send(
@@ -304,5 +296,5 @@ async fn a_key_on_the_command_line_when_the_profile_asks_for_it() {
             Some(chat(2, false)),
         )
         .await;
-    assert_eq!(status, 200, "{v}");
+    assert_eq!(status, 200, "the engine's port with the key: {v}");
 }

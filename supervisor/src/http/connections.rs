@@ -226,6 +226,11 @@ impl Bell {
         self.waker.wake();
     }
 
+    /// Forgets a ring not yet heard.
+    fn reset(&self) {
+        self.rung.store(false, Ordering::Relaxed);
+    }
+
     /// Resolves once it has rung since it last resolved.
     pub fn heard(&self) -> impl Future<Output = ()> + '_ {
         std::future::poll_fn(move |cx| {
@@ -343,7 +348,7 @@ impl Slot {
             // Under the lock, as a ring is: one left from an earlier body of this connection
             // is not heard by this one.
             self.reading.got.store(0, Ordering::Relaxed);
-            self.reading.stop.rung.store(false, Ordering::Relaxed);
+            self.reading.stop.reset();
             e.body = Some(BodyIntake {
                 since: Instant::now(),
                 evict: false,
