@@ -141,26 +141,10 @@ async fn forward(
     started: Instant,
     slot_action: bool,
 ) -> Response<ProxyBody> {
-    if let Err(max_waiting) = ctx
-        .parts
-        .validator
-        .admit(config.supervisor.engine.max_waiting)
-        .await
-    {
-        return validation_queue_full(max_waiting);
-    }
+    // A validation that began while this request waited for an engine holds that engine:
+    // never a client's. Then back to the validation's gate, to wait for the profile it
+    // restores (or 503 past max_waiting, as any request during a validation).
     let lease = loop {
-        let lease = match ctx.parts.lifecycle.acquire().await {
-            Ok(lease) => lease,
-            Err(refusal) => return ApiError::from(refusal).into_response(),
-        };
-        if !ctx.parts.validator.running() {
-            break lease;
-        }
-        // A validation began while this request waited for an engine: that engine is the
-        // validation's, never a client's. Back to the gate, then wait for the profile it
-        // restores (or 503 past max_waiting, as any request during a validation).
-        drop(lease);
         if let Err(max_waiting) = ctx
             .parts
             .validator
@@ -169,6 +153,14 @@ async fn forward(
         {
             return validation_queue_full(max_waiting);
         }
+        let lease = match ctx.parts.lifecycle.acquire().await {
+            Ok(lease) => lease,
+            Err(refusal) => return ApiError::from(refusal).into_response(),
+        };
+        if !ctx.parts.validator.running() {
+            break lease;
+        }
+        drop(lease);
     };
     if slot_action {
         // The engine that will serve it, which a switch may have changed meanwhile.
