@@ -13,6 +13,7 @@ use tokio::sync::watch;
 use crate::actions::Actions;
 use crate::config::Config;
 use crate::lifecycle::Handle;
+use crate::observe::flights::Flights;
 use crate::observe::monitor::Telemetry;
 use crate::observe::stats::Stats;
 use crate::policy::power::Power;
@@ -37,20 +38,32 @@ pub struct Parts {
     pub validator: Validator,
     /// What an operator may do: the D-Bus methods and the dashboard's actions call the same.
     pub actions: Actions,
+    /// The requests in flight, each with its phase.
+    pub flights: Flights,
 }
 
 impl Parts {
     /// The status document (`GET /status`, D-Bus `Status()`): the lifecycle's status with the
     /// request statistics (the last few requests in full).
     pub async fn status_document(&self) -> Status {
+        let engine = self.lifecycle.status();
+        let in_progress = self.in_progress(engine.state);
         Status {
-            engine: self.lifecycle.status(),
+            engine,
             requests: self.stats.report(5),
             telemetry: self.telemetry.latest().map(|s| (*s).clone()),
             power: Some(self.power.status()),
             thermal: Some(self.thermal.status()),
             kv: Some(self.lifecycle.kv().status().await),
             limits: Some(crate::host::open_file_limits()),
+            in_progress,
         }
+    }
+
+    /// The requests in flight, each with its phase, the lifecycle being in `state`.
+    pub fn in_progress(&self, state: dsv4_client::State) -> Vec<dsv4_client::InProgress> {
+        let loading = self.lifecycle.loading();
+        self.flights
+            .in_progress(loading.as_ref(), state, self.validator.running())
     }
 }

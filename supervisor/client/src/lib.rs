@@ -288,6 +288,9 @@ pub enum AlertKind {
     /// The power policy met something: the GPU's level drifted, or a setting could not be
     /// written.
     Power,
+    /// A request whose prefill outlasted `notify.long_request`: its prefill ended (decode
+    /// started), or its answer did, or it failed.
+    Request,
     /// A kind this client does not know.
     #[serde(other)]
     Other,
@@ -300,6 +303,7 @@ impl AlertKind {
             AlertKind::Engine => "engine",
             AlertKind::Memory => "memory",
             AlertKind::Power => "power",
+            AlertKind::Request => "request",
             AlertKind::Other => "other",
         }
     }
@@ -394,6 +398,52 @@ pub struct Status {
     /// The daemon's own limits (none from an older daemon).
     #[serde(default)]
     pub limits: Option<Limits>,
+    /// The requests in flight, oldest first, each with its phase (none from an older daemon).
+    #[serde(default)]
+    pub in_progress: Vec<InProgress>,
+}
+
+/// A request in flight, as [`Status::in_progress`] shows it.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct InProgress {
+    /// Its number, in the order requests came (from 1 at the daemon's start).
+    pub id: u64,
+    /// Its path, as the engine routes it.
+    pub path: String,
+    /// Whether it asked for a streamed answer.
+    pub stream: bool,
+    /// The profile whose engine serves it, once it has one.
+    pub profile: Option<String>,
+    /// Seconds since it came.
+    pub age_s: f64,
+    pub phase: words::Phase,
+    /// While `waiting`: for what.
+    #[serde(default)]
+    pub waiting_for: Option<words::WaitingFor>,
+    /// While `loading`: seconds into the load, and what this profile's last loads took.
+    #[serde(default)]
+    pub loading_s: Option<f64>,
+    #[serde(default)]
+    pub loading_about_s: Option<f64>,
+    /// How far its prefill has got, as far as the engine tells (see docs/http-api.md).
+    #[serde(default)]
+    pub prefill: Option<PrefillProgress>,
+    /// Events of the answer so far (one a token, for chat and completion streams).
+    #[serde(default)]
+    pub tokens: u64,
+}
+
+/// How far a prefill has got.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct PrefillProgress {
+    /// New prompt tokens read, of `total` (the ones the cache held are in neither).
+    pub done: u64,
+    pub total: u64,
+    /// Prompt tokens the engine's cache already held.
+    pub cached: u64,
+    /// Tokens a second so far, and the seconds left at that rate, once known.
+    pub rate: Option<f64>,
+    pub left_s: Option<f64>,
 }
 
 /// The daemon's process limits, as it runs (the engine inherits them).
@@ -581,6 +631,25 @@ mod tests {
                 open_files: Some(524_288),
                 open_files_hard: None,
             }),
+            in_progress: vec![InProgress {
+                id: 7,
+                path: "/v1/chat/completions".into(),
+                stream: true,
+                profile: Some("320k".into()),
+                age_s: 61.5,
+                phase: words::Phase::Prefill,
+                waiting_for: None,
+                loading_s: None,
+                loading_about_s: None,
+                prefill: Some(PrefillProgress {
+                    done: 4096,
+                    total: 262_144,
+                    cached: 0,
+                    rate: Some(122.7),
+                    left_s: Some(2103.1),
+                }),
+                tokens: 0,
+            }],
         };
         let v = serde_json::to_value(&s).unwrap();
         assert_eq!(v["state"], "stopped");
@@ -601,6 +670,7 @@ mod tests {
             thermal: None,
             kv: None,
             limits: None,
+            in_progress: Vec::new(),
         })
         .unwrap();
         let top = v.as_object_mut().unwrap();

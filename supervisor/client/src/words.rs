@@ -133,6 +133,34 @@ impl From<ThermalLevel> for ThermalSignal {
 }
 
 words! {
+    /// Where a request in flight is ([`crate::InProgress`]).
+    Phase ("request phase") {
+        /// Waiting for its turn: a start, a drain, a validation, or a place at the engine.
+        Waiting = "waiting",
+        /// Waiting for an engine that loads.
+        Loading = "loading",
+        /// With the engine, its prompt being read (prefill).
+        Prefill = "prefill",
+        /// The engine writes its answer.
+        Decoding = "decoding",
+        /// The answer is complete, or nearly, on its way to the client.
+        Ending = "ending",
+    }
+}
+words! {
+    /// What a waiting request waits for.
+    WaitingFor ("wait") {
+        /// An engine to start (a start refused for now, or one not yet begun).
+        Start = "start",
+        /// The running engine to drain and stop (a profile switch, a stop, a restart).
+        Drain = "drain",
+        /// A validation run that holds the engine.
+        Validation = "validation",
+        /// A place at the running engine (`engine.max_in_flight`).
+        Turn = "turn",
+    }
+}
+words! {
     /// How dsv4d sets the CPU's power profile (`power.method`, once decided).
     PowerMethod ("power method") {
         Ppd = "ppd",

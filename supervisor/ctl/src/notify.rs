@@ -115,13 +115,20 @@ pub fn alert(kind: AlertKind, message: &str) -> Note {
         AlertKind::Engine => "the engine crashed",
         AlertKind::Memory => "memory",
         AlertKind::Power => "power settings",
+        AlertKind::Request => "a long request",
         AlertKind::Other => "alert",
     };
+    // A long request's news is good more often than not.
+    let failed = kind != AlertKind::Request || message.contains(" failed ");
     Note {
         topic: kind.as_str().into(),
         summary: format!("dsv4: {summary}"),
         body: capitalized(message),
-        icon: "dialog-warning",
+        icon: if failed {
+            "dialog-warning"
+        } else {
+            "dialog-information"
+        },
         urgency: 1,
     }
 }

@@ -665,6 +665,7 @@ mod tests {
             telemetry: None,
             power: None,
             limits: None,
+            in_progress: Vec::new(),
             thermal: None,
             kv: None,
         }

@@ -336,6 +336,7 @@ async fn build(args: Args, activated: Vec<(std::os::fd::OwnedFd, String)>) -> Re
         thermal,
         validator: validator.clone(),
         actions: dsv4::actions::Actions::new(lifecycle, validator),
+        flights: dsv4::observe::flights::Flights::new(alerts.clone()),
     };
     let activity = dsv4::http::connections::Activity::default();
     let control = match args.bus.0 {

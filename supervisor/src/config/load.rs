@@ -67,9 +67,14 @@ pub(super) fn load(
     }
     let text = text.ok();
     let (shown_file, source) = (shown.path(&file), text.as_deref().unwrap_or(""));
-    // A null `exit_when_idle` means never, and a null `api.stream_keepalive` off, not the
-    // default.
-    let never = |path: &str| path == "exit_when_idle" || path == "api.stream_keepalive";
+    // A null `exit_when_idle` or `notify.long_request` means never, and a null
+    // `api.stream_keepalive` off, not the default.
+    let never = |path: &str| {
+        matches!(
+            path,
+            "exit_when_idle" | "api.stream_keepalive" | "notify.long_request"
+        )
+    };
     let (doc, raw) = Doc::read::<Supervisor>(shown_file, source, never, &mut problems);
     // When supervisor.yaml cannot be read, the profiles are still checked, in the default
     // folder; since that may not be the folder meant, it is not reported as missing or empty.
@@ -253,6 +258,9 @@ impl Check<'_> {
         let never = s.exit_when_idle.is_some_and(|d| d.is_zero());
         let message = "must be greater than 0 (null = never exit)";
         self.when(never, "exit_when_idle", message);
+        let never = s.notify.long_request.is_some_and(|d| d.is_zero());
+        let message = "must be greater than 0 (null = no alert for long requests)";
+        self.when(never, "notify.long_request", message);
 
         let monitor = ["monitor.interval", "monitor.idle_interval"];
         let (interval, idle) = (s.monitor.interval, s.monitor.idle_interval);

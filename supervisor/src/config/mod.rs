@@ -145,6 +145,7 @@ pub struct Supervisor {
     pub monitor: Monitor,
     pub thermal: Thermal,
     pub memory: Memory,
+    pub notify: Notify,
 }
 
 impl Supervisor {
@@ -296,6 +297,18 @@ pub struct Memory {
     #[serde(deserialize_with = "raw::duration")]
     #[default(Duration::from_secs(30))]
     pub return_timeout: Duration,
+}
+
+/// `notify:`, what raises an alert besides the thermal levels, memory and power.
+#[derive(Debug, Clone, PartialEq, Deserialize, SmartDefault)]
+#[serde(default, deny_unknown_fields)]
+#[serde(expecting = "a mapping of `notify` settings")]
+pub struct Notify {
+    /// A request whose prefill lasts longer than this raises an alert when the prefill ends
+    /// and when its answer ends or fails (see [`crate::observe::flights`]); `None` = never.
+    #[serde(deserialize_with = "raw::duration_or_never")]
+    #[default(Some(Duration::from_secs(10 * 60)))]
+    pub long_request: Option<Duration>,
 }
 
 /// `power.cpu`: the CPU power profile while the engine runs.

@@ -118,6 +118,7 @@ power: { cpu: performance, gpu: high, method: cpufreq }
 monitor: { interval: 500ms, idle_interval: 1m }
 thermal: { warn: 80.5C, critical: 90°C, hysteresis: 2C, on_critical: stop-when-idle }
 memory: { reserve: 4GB }
+notify: { long_request: 90s }
 "#,
     );
     dir.write(
@@ -207,6 +208,9 @@ kv_checkpoint: {{ dir: kv, max_size: 40GiB, save_timeout: 90s }}
             memory: Memory {
                 reserve: 4_000_000_000,
                 return_timeout: Duration::from_secs(30),
+            },
+            notify: Notify {
+                long_request: Some(Duration::from_secs(90)),
             },
         },
         profiles: BTreeMap::from([
@@ -331,6 +335,7 @@ fn an_empty_file_means_every_default() {
     assert_eq!(d.engine.idle_timeout, Duration::from_secs(900));
     assert_eq!(d.exit_when_idle, Some(Duration::from_secs(1800)));
     assert_eq!(d.memory.reserve, 8 << 30);
+    assert_eq!(d.notify.long_request, Some(Duration::from_secs(600)));
     assert_eq!(d.power.cpu, CpuPolicy::PowerSaver);
     assert_eq!(d.thermal.on_critical, OnCritical::Notify);
 }
@@ -544,7 +549,8 @@ fn semantic_problems_are_all_reported_in_file_order() {
         "supervisor.yaml",
         "api:\n  listen: localhost:8080\n  max_body: 0\n  body_timeout: 0s\nengine:\n  \
          start_timeout: 0s\n  stop_timeout: 0ms\n  max_waiting: 0\nexit_when_idle: 0s\n\
-         monitor: { interval: 0s }\nthermal: { warn: 95C, critical: 90C, hysteresis: -1C }\n",
+         monitor: { interval: 0s }\nthermal: { warn: 95C, critical: 90C, hysteresis: -1C }\n\
+         notify: { long_request: 0s }\n",
     );
     dir.write(
         "profiles/320k.yaml",
@@ -567,6 +573,8 @@ fn semantic_problems_are_all_reported_in_file_order() {
             "supervisor.yaml:11:18: thermal.warn: thermal.warn (95C) must be below \
              thermal.critical (90C)",
             "supervisor.yaml:11:50: thermal.hysteresis: must not be negative",
+            "supervisor.yaml:12:25: notify.long_request: must be greater than 0 (null = no \
+             alert for long requests)",
             "profiles/320k.yaml: model: required for engine llama-server",
             "profiles/320k.yaml:2:10: command: must not be empty",
             "profiles/320k.yaml:3:10: context: must be at least 512",
@@ -991,7 +999,7 @@ fn shipped_policies_document_every_key() {
     let shipped: BTreeMap<String, serde::de::IgnoredAny> =
         dsv4_yaml::from_str(&text).unwrap().unwrap();
     let keys = keys_of::<Supervisor>();
-    assert_eq!(keys.len(), 10);
+    assert_eq!(keys.len(), 11);
     for key in keys {
         assert!(shipped.contains_key(key), "{key}");
     }

@@ -14,8 +14,10 @@ use tokio::time::Instant;
 use crate::http::body::{End, OnEnd, Settle};
 use crate::http::http_error::{with_tail, ErrorCode, ErrorType};
 use crate::http::keepalive::Keepalive;
+use crate::http::progress::{count_events, Progress};
 use crate::lifecycle::upstream::UpstreamBody;
 use crate::lifecycle::{Lease, ERROR_TAIL_LINES};
+use crate::observe::flights::Ticket;
 use crate::observe::monitor::Telemetry;
 use crate::observe::stats::{Stats, Tap};
 
@@ -45,6 +47,14 @@ pub struct EngineStream {
     /// chunked framing, so its end and a cut look alike): the last bytes seen, to tell
     /// whether it ended with `data: [DONE]`. `None` once told, or where a cut shows as one.
     pub(crate) unframed: Option<LastBytes>,
+    /// The request's place among those in flight, moved along as its answer comes.
+    pub(crate) flight: Option<Ticket>,
+    /// The engine's own progress events, read (and taken out when dsv4d asked for them).
+    pub(crate) progress: Option<Progress>,
+    /// The engine's body has ended (what the progress reader held goes out first).
+    pub(crate) drained: bool,
+    /// What went wrong, as the error event told the client.
+    pub(crate) failed: Option<String>,
 }
 
 /// The last few bytes of a stream.
@@ -85,6 +95,18 @@ impl Settle<EngineStream> for Release {
             self.lease.served();
         }
         drop(self.lease);
+        if let Some(flight) = body.flight.take() {
+            let failed = match how {
+                End::Completed => body.failed.as_deref(),
+                End::Errored => Some(
+                    body.failed
+                        .as_deref()
+                        .unwrap_or("the engine broke off the answer"),
+                ),
+                End::Dropped => Some("the client left before the answer's end"),
+            };
+            flight.ended(failed);
+        }
         if let (End::Completed, Some(t)) = (how, body.tap.take()) {
             t.finish();
         }
@@ -154,16 +176,58 @@ impl Body for EngineStream {
             Some(Broken::Flushed(e)) => return Poll::Ready(Some(Err(e))),
             None => {}
         }
-        let polled = Pin::new(&mut this.inner).poll_frame(cx);
-        match &polled {
-            Poll::Ready(Some(Ok(frame))) => {
-                if let (Some(t), Some(d)) = (this.tap.as_mut(), frame.data_ref()) {
-                    t.tap.push(d);
-                }
-                if let (Some(last), Some(d)) = (this.unframed.as_mut(), frame.data_ref()) {
-                    last.push(d);
+        if this.drained {
+            return Poll::Ready(None);
+        }
+        let mut polled = Pin::new(&mut this.inner).poll_frame(cx);
+        // The progress events the reader takes out leave nothing to send: the next frame.
+        while let Poll::Ready(Some(Ok(frame))) = &polled {
+            let Some(d) = frame.data_ref() else { break };
+            if let Some(t) = this.tap.as_mut() {
+                t.tap.push(d);
+            }
+            if let Some(last) = this.unframed.as_mut() {
+                last.push(d);
+            }
+            if d.trim_ascii_end().ends_with(b"data: [DONE]") {
+                if let Some(f) = &this.flight {
+                    f.ending();
                 }
             }
+            let Some(progress) = this.progress.as_mut() else {
+                if let (Some(f), true) = (&this.flight, this.sse.is_some()) {
+                    let events = count_events(d);
+                    if events > 0 {
+                        f.tokens(events);
+                    }
+                }
+                break;
+            };
+            let fed = progress.feed(d.clone());
+            if let Some(f) = &this.flight {
+                if let Some(p) = fed.latest {
+                    f.prefill(p);
+                }
+                if fed.events > 0 {
+                    f.tokens(fed.events);
+                }
+            }
+            match fed.out {
+                Some(out) => {
+                    polled = Poll::Ready(Some(Ok(Frame::data(out))));
+                    break;
+                }
+                None => polled = Pin::new(&mut this.inner).poll_frame(cx),
+            }
+        }
+        if let (Poll::Ready(None), Some(progress)) = (&polled, this.progress.as_mut()) {
+            if let Some(rest) = progress.rest() {
+                this.drained = true;
+                return Poll::Ready(Some(Ok(Frame::data(rest))));
+            }
+        }
+        match &polled {
+            Poll::Ready(Some(Ok(_))) => {}
             Poll::Ready(None) if this.unframed.as_ref().is_some_and(|l| !l.done()) => {
                 // Stopped (or crashed) mid-answer: told as llama-server's breaks are, then the
                 // end. (There is no failure to break the connection with: the engine's close
@@ -171,12 +235,10 @@ impl Body for EngineStream {
                 this.unframed = None;
                 this.tap = None;
                 let tail = this.sse.as_ref().map(|o| o.last(ERROR_TAIL_LINES));
-                let event = api_error_event(
-                    "the engine ended the answer before its end ([DONE]): it was stopped or \
-                     failed"
-                        .to_string(),
-                    tail.as_deref().unwrap_or_default(),
-                );
+                let what = "the engine ended the answer before its end ([DONE]): it was \
+                            stopped or failed";
+                this.failed = Some(what.to_string());
+                let event = api_error_event(what.to_string(), tail.as_deref().unwrap_or_default());
                 return Poll::Ready(Some(Ok(Frame::data(event))));
             }
             Poll::Ready(Some(Err(e))) => {
@@ -185,6 +247,7 @@ impl Body for EngineStream {
                     // Clients show an error event's message; a stream that merely stops looks
                     // like a complete, cut-off answer. The connection still breaks after it,
                     // so nothing mistakes it for an end.
+                    this.failed = Some(format!("the engine broke off the answer: {}", describe(e)));
                     let event = error_event(e, &output.last(ERROR_TAIL_LINES));
                     if let Poll::Ready(Some(Err(e))) = polled {
                         this.broken = Some(Broken::Unflushed(e));
@@ -198,8 +261,10 @@ impl Body for EngineStream {
     }
 
     fn is_end_stream(&self) -> bool {
-        // A break held back behind its error event is still to come.
-        self.broken.is_none() && self.inner.is_end_stream()
+        // A break held back behind its error event is still to come, and so is what the
+        // progress reader holds.
+        self.drained
+            || (self.broken.is_none() && self.progress.is_none() && self.inner.is_end_stream())
     }
 
     fn size_hint(&self) -> SizeHint {

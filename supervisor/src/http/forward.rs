@@ -28,10 +28,13 @@ use crate::http::ctx::Ctx;
 use crate::http::http_error::{with_tail, ApiError, ErrorCode, ErrorType};
 use crate::http::intake::{self, IntakeError};
 use crate::http::keepalive;
+use crate::http::progress::{self, Progress};
 use crate::http::sse::{self, Protocol};
 use crate::lifecycle::upstream::UpstreamError;
 use crate::lifecycle::ERROR_TAIL_LINES;
+use crate::observe::flights::Ticket;
 use crate::observe::stats::Tap;
+use dsv4_engine::PrefillReport;
 
 /// Whether `req` is a slot action (`POST /slots/N?action=...`, or anything but a read of
 /// `/slots`), judged on the path the engine routes (see `judge_path`).
@@ -105,21 +108,25 @@ pub(crate) async fn proxy(
         Err(e) => return intake_refusal(&e),
     };
     drop(reading);
+    let streamed = match parts.method == Method::POST {
+        true => Protocol::of(parts.uri.path()).filter(|_| sse::wants_stream(&held.bytes)),
+        false => None,
+    };
+    let flight = ctx.parts.flights.enter(
+        parts.uri.path(),
+        streamed.is_some(),
+        config.supervisor.notify.long_request,
+    );
     // A streamed answer is kept from going silent (see `crate::http::keepalive`); any other
     // request goes on as it is.
-    let keepalive = match api.stream_keepalive {
-        Some(period) if parts.method == Method::POST => Protocol::of(parts.uri.path())
-            .filter(|_| sse::wants_stream(&held.bytes))
-            .map(|protocol| (period, protocol)),
-        _ => None,
-    };
+    let keepalive = api.stream_keepalive.zip(streamed);
     let answer = forward(
         ctx.clone(),
         config.clone(),
-        parts,
-        held,
+        Request::from_parts(parts, held),
         started,
         slot_action,
+        (flight, streamed),
     );
     match keepalive {
         None => answer.await,
@@ -136,11 +143,12 @@ pub(crate) async fn proxy(
 async fn forward(
     ctx: Arc<Ctx>,
     config: Arc<Config>,
-    mut parts: http::request::Parts,
-    held: intake::Held,
+    req: Request<intake::Held>,
     started: Instant,
     slot_action: bool,
+    (flight, streamed): (Ticket, Option<Protocol>),
 ) -> Response<ProxyBody> {
+    let (mut parts, held) = req.into_parts();
     // A validation that began while this request waited for an engine holds that engine:
     // never a client's. Then back to the validation's gate, to wait for the profile it
     // restores (or 503 past max_waiting, as any request during a validation).
@@ -182,7 +190,22 @@ async fn forward(
         .headers
         .insert(header::HOST, lease.engine.connections.host().clone());
     let engine = lease.engine.clone();
-    let answer = engine.connections.request(parts, held.bytes).await;
+    flight.sent(&engine);
+    // An engine that tells a prefill's progress in its stream when asked is asked, for a
+    // streamed OpenAI request; its progress events are taken out again unless the client
+    // asked for them itself.
+    let mut progress = None;
+    let mut body = held.bytes;
+    if let (PrefillReport::Stream { ask, field, read }, Some(Protocol::OpenAi)) =
+        (engine.kind.prefill, streamed)
+    {
+        let asked = progress::ask(&body, ask);
+        progress = Some(Progress::new(field, read, asked.is_some()));
+        if let Some(asked) = asked {
+            body = asked;
+        }
+    }
+    let answer = engine.connections.request(parts, body).await;
     // Sent: the bytes have left (the upstream kept them only for a second try).
     drop(held.charge);
     match answer {
@@ -212,12 +235,20 @@ async fn forward(
                 }
                 _ => None,
             };
+            if !sse {
+                // The whole answer is ready; its body is on its way.
+                flight.ending();
+            }
             let stream = EngineStream {
                 inner,
                 tap,
                 sse: sse.then(|| engine.output.clone()),
                 broken: None,
                 unframed: (sse && unframed && ends_with_done).then(LastBytes::default),
+                flight: Some(flight),
+                progress: progress.filter(|_| sse),
+                drained: false,
+                failed: None,
             };
             Response::from_parts(
                 parts,
@@ -226,7 +257,9 @@ async fn forward(
         }
         Err(e) => {
             drop(lease);
-            engine_error(&engine, &e).await.into_response()
+            let error = engine_error(&engine, &e).await;
+            flight.ended(Some(&error.message));
+            error.into_response()
         }
     }
 }

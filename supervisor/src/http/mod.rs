@@ -1,7 +1,8 @@
 //! The API: the listener, the front door (`front`: Host and web pages; `auth`: keys), request
 //! bodies (`intake`, `body`), client connections, the path rules, the accept loop (`serve`),
 //! the router (`router`), forwarding to the engine (`forward`) and the answers' bodies
-//! (`answer`), the streamed answers kept from going silent (`keepalive`, `sse`), the dashboard (`dashboard`,
+//! (`answer`), the streamed answers kept from going silent (`keepalive`, `sse`) and the prefill's
+//! progress read from them (`progress`), the dashboard (`dashboard`,
 //! `ui_actions`), and the errors dsv4d itself answers with.
 
 pub mod answer;
@@ -17,6 +18,7 @@ pub mod intake;
 pub mod keepalive;
 pub mod listener;
 pub mod path;
+pub mod progress;
 pub mod router;
 pub mod serve;
 pub mod sse;

@@ -25,6 +25,8 @@ pub struct EngineRef {
     pub connections: Arc<Upstream>,
     pub output: OutputTail,
     pub exit: watch::Receiver<Option<ExitReport>>,
+    /// What dsv4 knows of its kind (how it tells its prefill, among others).
+    pub kind: &'static dsv4_engine::Kind,
 }
 
 impl EngineRef {

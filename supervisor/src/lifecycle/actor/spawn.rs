@@ -183,6 +183,7 @@ impl Actor {
             connections: Upstream::new(upstream, key.as_ref().map(|k| k.authorization().clone())),
             output: child.output().clone(),
             exit: child.exit_watch(),
+            kind: profile.engine.describe(),
         });
         let probe = tokio::spawn(probe_ready(
             profile.engine.readiness(&profile.params),

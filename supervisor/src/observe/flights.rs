@@ -1,0 +1,562 @@
+//! The requests in flight, each with where it is: waiting (for a start, a drain, a
+//! validation or a place at the engine), loading, prefill (how far, as the engine tells),
+//! decoding (events so far) or ending. `/status`, D-Bus, `dsv4ctl status` and `top`, the
+//! dashboard and `/metrics` show them.
+//!
+//! Owns: the [`Flights`] register and each request's [`Flight`] record. A request's
+//! [`Ticket`] is its place in the register: the proxy takes it when the request's body is
+//! read, moves it along as the request goes (its lease, the engine's head, the events of
+//! its stream) and drops it with the answer's body. What a record does not hold is read at
+//! [`Flights::in_progress`] time, not kept up to date on the request's path: whether its
+//! wait is for a load (the lifecycle's [`Loading`]) or for what else, and, for an engine
+//! that tells its prefill in its output lines (ds4-server), how far the prefill has got.
+//!
+//! A prefill that outlasts `notify.long_request` raises an alert when it ends (decode
+//! started) and when its answer ends or fails.
+
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::{Arc, Mutex};
+use std::time::Duration;
+
+use dsv4_client::words::{Phase, WaitingFor};
+use dsv4_client::{AlertKind, InProgress, PrefillProgress, State};
+use dsv4_engine::{Prefill, PrefillLine, PrefillReport};
+use slab::Slab;
+use tokio::time::Instant;
+
+use crate::lifecycle::alert::Alerts;
+use crate::lifecycle::loading::Loading;
+use crate::lifecycle::EngineRef;
+
+/// The register of requests in flight; cheap to clone.
+#[derive(Clone, Default)]
+pub struct Flights {
+    inner: Arc<Register>,
+}
+
+#[derive(Default)]
+struct Register {
+    flights: Mutex<Slab<Arc<Flight>>>,
+    /// The number the next request gets, less one.
+    count: AtomicU64,
+    alerts: Alerts,
+}
+
+/// One request in flight.
+pub struct Flight {
+    id: u64,
+    path: Box<str>,
+    stream: bool,
+    came: Instant,
+    /// A prefill longer than this raises alerts (`notify.long_request`).
+    long: Option<Duration>,
+    now: Mutex<Now>,
+}
+
+/// Where a request is, as its own path moves it.
+#[derive(Default)]
+struct Now {
+    stage: Stage,
+    /// The engine it was sent to, and its output's line count then (the lines of its
+    /// prefill come after).
+    engine: Option<(Arc<EngineRef>, u64)>,
+    sent: Option<Instant>,
+    /// The latest progress its stream told, and when it was first told.
+    prefill: Option<(Prefill, Instant)>,
+    /// How long its prefill took (the lease to the first event of its answer).
+    prefilled: Option<Duration>,
+    /// Events of the answer so far.
+    tokens: u64,
+    /// The long-prefill alert went out.
+    told: bool,
+}
+
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+enum Stage {
+    /// Before its lease.
+    #[default]
+    Waiting,
+    /// With the engine, before the first event of its answer.
+    Sent,
+    Decoding,
+    Ending,
+}
+
+/// A request's place in the register; dropping it takes the request out.
+pub struct Ticket {
+    flight: Arc<Flight>,
+    key: usize,
+    register: Arc<Register>,
+}
+
+impl Flights {
+    /// A register whose long-prefill alerts go to `alerts`.
+    pub fn new(alerts: Alerts) -> Flights {
+        Flights {
+            inner: Arc::new(Register {
+                alerts,
+                ..Default::default()
+            }),
+        }
+    }
+
+    /// Registers a request whose body has been read.
+    pub fn enter(&self, path: &str, stream: bool, long: Option<Duration>) -> Ticket {
+        let flight = Arc::new(Flight {
+            id: self.inner.count.fetch_add(1, Ordering::Relaxed) + 1,
+            path: path.into(),
+            stream,
+            came: Instant::now(),
+            long,
+            now: Mutex::default(),
+        });
+        let key = lock(&self.inner.flights).insert(flight.clone());
+        Ticket {
+            flight,
+            key,
+            register: self.inner.clone(),
+        }
+    }
+
+    /// The requests in flight, oldest first, as the status shows them. `loading` is the
+    /// engine that loads, `state` the lifecycle's, `validating` whether a validation holds
+    /// the engine.
+    pub fn in_progress(
+        &self,
+        loading: Option<&Loading>,
+        state: State,
+        validating: bool,
+    ) -> Vec<InProgress> {
+        let mut flights: Vec<Arc<Flight>> = lock(&self.inner.flights)
+            .iter()
+            .map(|(_, f)| f.clone())
+            .collect();
+        flights.sort_by_key(|f| f.id);
+        let at = Instant::now();
+        let waiting = Waiting {
+            loading,
+            state,
+            validating,
+        };
+        // An engine that tells its prefill in its output serves one prompt at a time: its
+        // lines are about the oldest request it holds.
+        let mut lines_read: Vec<u32> = Vec::new();
+        flights
+            .iter()
+            .map(|f| {
+                let now = lock(&f.now);
+                let mut shown = f.shown(&now, at, &waiting);
+                if let (Stage::Sent, Some((engine, mark))) = (now.stage, &now.engine) {
+                    if let PrefillReport::Lines(read) = engine.kind.prefill {
+                        if !lines_read.contains(&engine.pid) {
+                            lines_read.push(engine.pid);
+                            prefill_from_lines(&mut shown, engine, *mark, read);
+                        }
+                    }
+                }
+                shown
+            })
+            .collect()
+    }
+}
+
+/// What a waiting request may be waiting for, read once for all of them.
+struct Waiting<'a> {
+    loading: Option<&'a Loading>,
+    state: State,
+    validating: bool,
+}
+
+impl Flight {
+    fn shown(&self, now: &Now, at: Instant, waiting: &Waiting) -> InProgress {
+        let mut shown = InProgress {
+            id: self.id,
+            path: self.path.to_string(),
+            stream: self.stream,
+            profile: now.engine.as_ref().map(|(e, _)| e.profile.clone()),
+            age_s: round(at.saturating_duration_since(self.came).as_secs_f64()),
+            phase: Phase::Waiting,
+            waiting_for: None,
+            loading_s: None,
+            loading_about_s: None,
+            prefill: None,
+            tokens: now.tokens,
+        };
+        match now.stage {
+            Stage::Waiting => match waiting.loading {
+                Some(l) if !waiting.validating => {
+                    shown.phase = Phase::Loading;
+                    shown.profile = Some(l.profile.clone());
+                    shown.loading_s =
+                        Some(round(at.saturating_duration_since(l.since).as_secs_f64()));
+                    shown.loading_about_s = l.about.map(|d| round(d.as_secs_f64()));
+                }
+                _ => {
+                    shown.waiting_for = Some(match waiting.state {
+                        _ if waiting.validating => WaitingFor::Validation,
+                        State::Ready => WaitingFor::Turn,
+                        State::Draining | State::Stopping => WaitingFor::Drain,
+                        _ => WaitingFor::Start,
+                    })
+                }
+            },
+            Stage::Sent => {
+                shown.phase = Phase::Prefill;
+                shown.prefill = now.prefill.map(|(p, first)| progress(p, first, at));
+            }
+            Stage::Decoding => shown.phase = Phase::Decoding,
+            Stage::Ending => shown.phase = Phase::Ending,
+        }
+        shown
+    }
+}
+
+/// A prefill's progress with its rate and the time left at that rate: the engine's own
+/// seconds when it tells them, else those since its first report.
+fn progress(p: Prefill, first: Instant, at: Instant) -> PrefillProgress {
+    let seconds = p
+        .seconds
+        .unwrap_or_else(|| at.saturating_duration_since(first).as_secs_f64());
+    let rate = (seconds > 0.0 && p.done > 0).then(|| p.done as f64 / seconds);
+    PrefillProgress {
+        done: p.done,
+        total: p.total,
+        cached: p.cached,
+        rate: rate.map(round),
+        left_s: rate.map(|r| round(p.total.saturating_sub(p.done) as f64 / r)),
+    }
+}
+
+/// How far `shown`'s prefill has got, from the lines `engine` wrote since `mark`.
+fn prefill_from_lines(
+    shown: &mut InProgress,
+    engine: &EngineRef,
+    mark: u64,
+    read: fn(&str) -> Option<PrefillLine>,
+) {
+    let (_, lines) = engine.output.since(mark, 256);
+    let Some(latest) = lines.iter().rev().find_map(|l| read(l)) else {
+        return;
+    };
+    let at = Instant::now();
+    shown.prefill = match latest {
+        PrefillLine::Started { total, cached } => Some(PrefillProgress {
+            done: 0,
+            total,
+            cached,
+            rate: None,
+            left_s: None,
+        }),
+        PrefillLine::Progress(p) => Some(progress(p, at, at)),
+        // Its prompt is read; the first token is on its way.
+        PrefillLine::Done { .. } => {
+            shown.phase = Phase::Decoding;
+            None
+        }
+    };
+}
+
+impl Ticket {
+    /// The request's number.
+    pub fn id(&self) -> u64 {
+        self.flight.id
+    }
+
+    /// Sent to `engine`.
+    pub fn sent(&self, engine: &Arc<EngineRef>) {
+        let mark = engine.output.since(u64::MAX, 0).0;
+        let mut now = lock(&self.flight.now);
+        now.stage = Stage::Sent;
+        now.engine = Some((engine.clone(), mark));
+        now.sent = Some(Instant::now());
+    }
+
+    /// The engine's stream told how far the prefill has got.
+    pub fn prefill(&self, p: Prefill) {
+        let mut now = lock(&self.flight.now);
+        let first = now.prefill.map_or_else(Instant::now, |(_, first)| first);
+        now.prefill = Some((p, first));
+    }
+
+    /// `events` more events of the answer came (the first ends the prefill).
+    pub fn tokens(&self, events: u64) {
+        let mut now = lock(&self.flight.now);
+        now.tokens += events;
+        if now.stage == Stage::Sent {
+            now.stage = Stage::Decoding;
+            let took = now.sent.map(|s| s.elapsed()).unwrap_or_default();
+            now.prefilled = Some(took);
+            if self.flight.long.is_some_and(|long| took >= long) {
+                now.told = true;
+                let tokens = prefill_tokens(&now);
+                let message = format!(
+                    "{} done in {}, decode started",
+                    describe_prefill(tokens),
+                    dsv4_client::units::spoken_duration(took)
+                );
+                drop(now);
+                self.register.alerts.raise(AlertKind::Request, message);
+            }
+        }
+    }
+
+    /// The answer is complete, or nearly: on its way to the client.
+    pub fn ending(&self) {
+        lock(&self.flight.now).stage = Stage::Ending;
+    }
+
+    /// The answer ended (`failed`: with this error). A request whose prefill was long says so.
+    pub fn ended(&self, failed: Option<&str>) {
+        let now = lock(&self.flight.now);
+        let Some(long) = self.flight.long else {
+            return;
+        };
+        let took = self.flight.came.elapsed();
+        let long_prefill = match now.prefilled {
+            Some(p) => p >= long,
+            // Never got past its prefill: long if its time with the engine was.
+            None => now.sent.is_some_and(|s| s.elapsed() >= long),
+        };
+        if !long_prefill {
+            return;
+        }
+        let what = describe_prefill(prefill_tokens(&now));
+        let message = match failed {
+            Some(why) => format!(
+                "request {} ({what}) failed after {}: {why}",
+                self.flight.id,
+                dsv4_client::units::spoken_duration(took)
+            ),
+            None => format!(
+                "request {} ({what}) answered in {}, {} events",
+                self.flight.id,
+                dsv4_client::units::spoken_duration(took),
+                now.tokens
+            ),
+        };
+        drop(now);
+        self.register.alerts.raise(AlertKind::Request, message);
+    }
+}
+
+impl Drop for Ticket {
+    fn drop(&mut self) {
+        lock(&self.register.flights).try_remove(self.key);
+    }
+}
+
+/// The prompt tokens of a request's prefill, as far as its engine told them: in its stream,
+/// or in its output lines.
+fn prefill_tokens(now: &Now) -> Option<u64> {
+    if let Some((p, _)) = now.prefill {
+        return Some(p.total + p.cached);
+    }
+    let (engine, mark) = now.engine.as_ref()?;
+    let PrefillReport::Lines(read) = engine.kind.prefill else {
+        return None;
+    };
+    let (_, lines) = engine.output.since(*mark, 256);
+    lines.iter().find_map(|l| match read(l) {
+        Some(PrefillLine::Started { total, cached }) => Some(total + cached),
+        _ => None,
+    })
+}
+
+/// `262,144-token prefill`, or `prefill` when the engine did not tell its size.
+fn describe_prefill(tokens: Option<u64>) -> String {
+    match tokens {
+        Some(n) => format!("{}-token prefill", dsv4_client::units::thousands(n)),
+        None => "prefill".to_string(),
+    }
+}
+
+fn round(x: f64) -> f64 {
+    (x * 10.0).round() / 10.0
+}
+
+fn lock<T>(m: &Mutex<T>) -> std::sync::MutexGuard<'_, T> {
+    m.lock().unwrap_or_else(|p| p.into_inner())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use dsv4_engine::{EngineKind, OutputTail};
+
+    fn engine(kind: EngineKind) -> Arc<EngineRef> {
+        let addr = ([127, 0, 0, 1], 9).into();
+        Arc::new(EngineRef {
+            gen: 1,
+            profile: "320k".into(),
+            pid: 4242,
+            upstream: addr,
+            connections: crate::lifecycle::upstream::Upstream::new(addr, None),
+            output: OutputTail::new(64),
+            exit: tokio::sync::watch::channel(None).1,
+            kind: kind.describe(),
+        })
+    }
+
+    fn one(flights: &Flights, loading: Option<&Loading>, state: State, val: bool) -> InProgress {
+        let mut all = flights.in_progress(loading, state, val);
+        assert_eq!(all.len(), 1);
+        all.remove(0)
+    }
+
+    #[tokio::test]
+    async fn a_waiting_request_says_what_it_waits_for() {
+        let flights = Flights::default();
+        let _t = flights.enter("/v1/chat/completions", true, None);
+        let loading = Loading {
+            profile: "64k".into(),
+            since: Instant::now() - Duration::from_secs(23),
+            about: Some(Duration::from_secs(54)),
+        };
+        let shown = one(&flights, Some(&loading), State::Starting, false);
+        assert_eq!(
+            (shown.phase, shown.profile.as_deref(), shown.loading_about_s),
+            (Phase::Loading, Some("64k"), Some(54.0))
+        );
+        assert!(shown.loading_s.is_some_and(|s| (23.0..30.0).contains(&s)));
+        for (loading, state, validating, want) in [
+            (None, State::Stopped, false, WaitingFor::Start),
+            (None, State::Backoff, false, WaitingFor::Start),
+            (None, State::Draining, false, WaitingFor::Drain),
+            (None, State::Stopping, false, WaitingFor::Drain),
+            (None, State::Ready, false, WaitingFor::Turn),
+            (None, State::Ready, true, WaitingFor::Validation),
+            // A validation's own engine loading: the request waits for the validation.
+            (
+                Some(&loading),
+                State::Starting,
+                true,
+                WaitingFor::Validation,
+            ),
+        ] {
+            let shown = one(&flights, loading, state, validating);
+            assert_eq!(shown.phase, Phase::Waiting);
+            assert_eq!(shown.waiting_for, Some(want), "{state:?} {validating}");
+        }
+    }
+
+    #[tokio::test]
+    async fn a_request_moves_through_its_phases_and_leaves() {
+        let flights = Flights::default();
+        let t = flights.enter("/v1/chat/completions", true, None);
+        let later = flights.enter("/v1/completions", false, None);
+        t.sent(&engine(EngineKind::LlamaServer));
+        let shown = |f: &Flights| f.in_progress(None, State::Ready, false);
+        let first = &shown(&flights)[0];
+        assert_eq!(
+            (first.id, first.phase, first.prefill.clone()),
+            (1, Phase::Prefill, None)
+        );
+        assert_eq!(first.profile.as_deref(), Some("320k"));
+        t.prefill(Prefill {
+            done: 1000,
+            total: 4000,
+            cached: 96,
+            seconds: Some(2.0),
+        });
+        let p = shown(&flights)[0].prefill.clone().unwrap();
+        assert_eq!(
+            (p.done, p.total, p.cached, p.rate, p.left_s),
+            (1000, 4000, 96, Some(500.0), Some(6.0))
+        );
+        t.tokens(1);
+        t.tokens(2);
+        let first = &shown(&flights)[0];
+        assert_eq!((first.phase, first.tokens), (Phase::Decoding, 3));
+        t.ending();
+        assert_eq!(shown(&flights)[0].phase, Phase::Ending);
+        drop(t);
+        let left = shown(&flights);
+        assert_eq!(left.len(), 1);
+        assert_eq!((left[0].id, left[0].path.as_str()), (2, "/v1/completions"));
+        drop(later);
+        assert!(shown(&flights).is_empty());
+    }
+
+    #[tokio::test]
+    async fn an_engine_that_logs_its_prefill_shows_it_on_its_oldest_request() {
+        let flights = Flights::default();
+        let ds4 = engine(EngineKind::Ds4);
+        ds4.output
+            .push("an earlier request's line: ds4-server: chat ctx=0..9:9 prompt start".into());
+        let (a, b) = (
+            flights.enter("/v1/chat/completions", true, None),
+            flights.enter("/v1/chat/completions", false, None),
+        );
+        a.sent(&ds4);
+        b.sent(&ds4);
+        let shown = |f: &Flights| f.in_progress(None, State::Ready, false);
+        // Nothing logged since it was sent: no figures yet.
+        assert_eq!(shown(&flights)[0].prefill, None);
+        ds4.output
+            .push("1204 20:13:20 ds4-server: chat ctx=100..612:512 prompt start".into());
+        let p = shown(&flights)[0].prefill.clone().unwrap();
+        assert_eq!((p.done, p.total, p.cached, p.rate), (0, 512, 100, None));
+        ds4.output.push(
+            "1204 20:13:28 ds4-server: chat ctx=100..612:512 prefill chunk 256/512 (50.0%) \
+             chunk=30.00 t/s avg=32.00 t/s 8.000s"
+                .into(),
+        );
+        let all = shown(&flights);
+        let p = all[0].prefill.clone().unwrap();
+        assert_eq!((p.done, p.rate, p.left_s), (256, Some(32.0), Some(8.0)));
+        // The engine serves one prompt at a time: the next request waits in it, with no figures.
+        assert_eq!(
+            (all[1].phase, all[1].prefill.clone()),
+            (Phase::Prefill, None)
+        );
+        ds4.output
+            .push("1204 20:13:36 ds4-server: chat ctx=100..612:512 prompt done 16.000s".into());
+        assert_eq!(shown(&flights)[0].phase, Phase::Decoding);
+    }
+
+    #[tokio::test]
+    async fn a_long_prefill_is_told_when_it_ends_and_when_its_answer_does() {
+        let alerts = Alerts::default();
+        let mut heard = alerts.subscribe();
+        let flights = Flights::new(alerts);
+        // Any prefill is long at a threshold of zero; none is without one.
+        let quiet = flights.enter("/v1/chat/completions", true, None);
+        quiet.sent(&engine(EngineKind::LlamaServer));
+        quiet.tokens(1);
+        quiet.ended(None);
+        let t = flights.enter("/v1/chat/completions", true, Some(Duration::ZERO));
+        t.sent(&engine(EngineKind::LlamaServer));
+        t.prefill(Prefill {
+            done: 262_000,
+            total: 262_000,
+            cached: 144,
+            seconds: None,
+        });
+        t.tokens(1);
+        t.tokens(1);
+        let a = heard.try_recv().unwrap();
+        assert_eq!(a.kind, AlertKind::Request);
+        assert_eq!(
+            a.message,
+            "262,144-token prefill done in 0 s, decode started"
+        );
+        t.ended(None);
+        let a = heard.try_recv().unwrap();
+        assert_eq!(
+            a.message,
+            "request 2 (262,144-token prefill) answered in 0 s, 2 events"
+        );
+        let failed = flights.enter("/v1/chat/completions", false, Some(Duration::ZERO));
+        failed.sent(&engine(EngineKind::Ds4));
+        failed.ended(Some(
+            "the engine exited while handling the request (exit code 1)",
+        ));
+        let a = heard.try_recv().unwrap();
+        assert_eq!(
+            a.message,
+            "request 3 (prefill) failed after 0 s: the engine exited while handling the \
+             request (exit code 1)"
+        );
+        assert!(heard.try_recv().is_err());
+    }
+}
