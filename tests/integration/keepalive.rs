@@ -26,7 +26,7 @@ const LONG_PROMPT_TOKENS: usize = 14_000;
 
 /// A prompt of the tiny ds4 model whose prefill, on its CPU path, takes longer than
 /// `CLIENT_TIMEOUT`.
-const DS4_PROMPT_TOKENS: usize = 300;
+pub(crate) const DS4_PROMPT_TOKENS: usize = 300;
 
 /// One streamed chat of `request` (without `stream`) by the `openai` package at `base`
 /// (`http://HOST:PORT`) with `CLIENT_TIMEOUT`: its line of JSON (`content`, or `error` and
@@ -94,7 +94,7 @@ fn less_comments(stream: &str) -> String {
     out
 }
 
-fn chat_request(prompt: &str, max_tokens: u32) -> Value {
+pub(crate) fn chat_request(prompt: &str, max_tokens: u32) -> Value {
     json!({
         "messages": [{"role": "user", "content": prompt}],
         "max_tokens": max_tokens,
@@ -202,9 +202,15 @@ async fn a_start_that_fails_after_dsv4ds_own_head_ends_the_stream_with_its_error
 
 /// A daemon in front of the real llama-server on the tiny model with a 16K context, one
 /// thread; the engine started. The model file is kept in the daemon's folder.
-async fn long_context_daemon() -> Daemon {
+pub(crate) async fn long_context_daemon() -> Daemon {
     let dir = temp_dir("daemon");
-    let model = tiny_16k(dir.path());
+    let s = long_context_setup(dir.path());
+    started(Daemon::start_in(&s, dir)).await
+}
+
+/// The setup of [`long_context_daemon`], its model in `dir`.
+pub(crate) fn long_context_setup(dir: &std::path::Path) -> Setup {
+    let model = tiny_16k(dir);
     let mut s = Setup::default()
         .api("stream_keepalive", "2s")
         .engine("idle_timeout", "10m");
@@ -213,13 +219,17 @@ async fn long_context_daemon() -> Daemon {
         crate::support::real::profile(&model, 16384, ""),
     );
     s.default_profile = "16k".into();
-    let d = Daemon::start_in(&s, dir);
+    s
+}
+
+/// `d`, its engine started by a short request.
+pub(crate) async fn started(d: Daemon) -> Daemon {
     let (status, _, v) = body_json(d.post("/v1/chat/completions", chat(2, false)).await).await;
     assert_eq!(status, 200, "{v}\n{}", d.log());
     d
 }
 
-fn long_prompt() -> String {
+pub(crate) fn long_prompt() -> String {
     "word ".repeat(LONG_PROMPT_TOKENS / 5)
 }
 
@@ -235,7 +245,7 @@ async fn the_openai_package_gets_a_whole_stream_through_a_long_prefill_on_the_re
 }
 
 /// The raw bytes of a streamed chat of `body` at `url` (a full URL).
-async fn raw_stream(url: &str, body: &Value) -> String {
+pub(crate) async fn raw_stream(url: &str, body: &Value) -> String {
     let client = hyper_util::client::legacy::Client::builder(hyper_util::rt::TokioExecutor::new())
         .build_http::<http_body_util::Full<bytes::Bytes>>();
     let req = hyper::Request::post(url)

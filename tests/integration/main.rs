@@ -21,6 +21,7 @@ mod engine_key;
 mod escaped_engine;
 mod event_streams;
 mod idle_exit;
+mod in_flight;
 mod installed;
 mod keepalive;
 mod kv;

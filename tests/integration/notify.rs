@@ -389,3 +389,56 @@ async fn a_clients_text_in_the_engines_output_reaches_the_desktop_as_text() {
         "{echo:?}"
     );
 }
+
+/// A request whose prefill outlasts `notify.long_request` (the real llama-server, a prompt
+/// of 14,000 tokens on one thread) is told on the desktop when its prefill ends and when
+/// its answer does.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_long_prefill_reaches_the_desktop_when_it_ends_and_when_its_answer_does() {
+    use crate::keepalive::{chat_request, long_context_setup, long_prompt, raw_stream, started};
+    let desktop = Desktop::start();
+    let system = PrivateBus::start();
+    let dir = temp_dir("daemon");
+    let s = long_context_setup(dir.path())
+        .system_bus(&system)
+        .top_level("notify", "{ long_request: 2s }");
+    let d = started(Daemon::start_in(&s, dir)).await;
+    live_proxy(&system, &d).await;
+    let _agent = Agent::start(&system, &desktop.bus.address);
+    // A decode long enough for the first notification to be shown before the second
+    // replaces it (one bubble per topic).
+    let mut body = chat_request(&long_prompt(), 1500);
+    body["stream"] = serde_json::json!(true);
+    let stream = raw_stream(&d.url("/v1/chat/completions"), &body).await;
+    assert!(stream.ends_with("data: [DONE]\n\n"), "{stream}");
+    let prefilled = desktop.wait(0, PATIENCE);
+    assert_eq!(prefilled.summary, "dsv4: a long request", "{prefilled:?}");
+    // The prompt's tokens as the engine counted them, and its time.
+    let words: Vec<&str> = prefilled.body.split(' ').collect();
+    let tokens: u64 = words[0]
+        .strip_suffix("-token")
+        .unwrap_or_else(|| panic!("{prefilled:?}"))
+        .replace(',', "")
+        .parse()
+        .unwrap();
+    assert!((13_000..15_000).contains(&tokens), "{prefilled:?}");
+    assert!(
+        prefilled.body.contains(" prefill done in "),
+        "{prefilled:?}"
+    );
+    assert!(
+        prefilled.body.ends_with(", decode started"),
+        "{prefilled:?}"
+    );
+    let answered = desktop.wait(1, PATIENCE);
+    assert_eq!(answered.summary, "dsv4: a long request", "{answered:?}");
+    assert!(
+        answered.body.contains("-token prefill) answered in ")
+            && answered.body.ends_with(" events"),
+        "{answered:?}"
+    );
+    // Requests under the threshold say nothing.
+    let (status, _, v) = body_json(d.post("/v1/chat/completions", chat(2, false)).await).await;
+    assert_eq!(status, 200, "{v}");
+    assert_eq!(desktop.shown().len(), 2, "{:#?}", desktop.shown());
+}
