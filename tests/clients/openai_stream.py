@@ -5,7 +5,9 @@ longest the package waits for a byte) and no retry. BASE_URL is the API root, e.
 http://127.0.0.1:8080/v1.
 
 Prints one line of JSON and exits 0 when the stream came whole:
-    {"content": "...", "chunks": N, "finish_reason": "..."}
+    {"content": "...", "reasoning": ["...", ...], "chunks": N, "finish_reason": "..."}
+where reasoning holds the `reasoning_content` deltas, in order, as the package gives them
+(`delta.reasoning_content`, a field OpenAI's own types do not name);
 or exits 1 when the package raised one of its errors (APIError for an error event in the stream,
 APITimeoutError for a silence longer than the timeout, BadRequestError for a 400, ...):
     {"error": "APIError", "message": "...", "body": ...}
@@ -33,13 +35,16 @@ def main():
         print(f"openai_stream: {sys.executable} has no openai package ({e})", file=sys.stderr)
         sys.exit(2)
     client = openai.OpenAI(base_url=base_url, api_key="none", timeout=timeout, max_retries=0)
-    content, chunks, finish = [], 0, None
+    content, reasoning, chunks, finish = [], [], 0, None
     try:
         for chunk in client.chat.completions.create(stream=True, **request):
             chunks += 1
             for choice in chunk.choices or []:
                 if choice.delta and choice.delta.content:
                     content.append(choice.delta.content)
+                thought = getattr(choice.delta, "reasoning_content", None)
+                if thought:
+                    reasoning.append(thought)
                 if choice.finish_reason:
                     finish = choice.finish_reason
     except openai.APIError as e:
@@ -49,7 +54,8 @@ def main():
             body = repr(e.body)
         print(json.dumps({"error": type(e).__name__, "message": e.message, "body": body}))
         sys.exit(1)
-    print(json.dumps({"content": "".join(content), "chunks": chunks, "finish_reason": finish}))
+    print(json.dumps({"content": "".join(content), "reasoning": reasoning, "chunks": chunks,
+                      "finish_reason": finish}))
 
 
 if __name__ == "__main__":

@@ -4,7 +4,10 @@
 //! real ds4-server (which sends nothing at all until its prefill ends); the comments curl
 //! sees, with the load's estimate on the second cold start; the relayed stream, less the
 //! comments, the engine's own; and an engine's error after dsv4d's own head, an error event the
-//! package raises with the engine's message.
+//! package raises with the engine's message. With `api.loading_reasoning`, the waiting's words
+//! as `reasoning_content` chunks, on chat streams alone: read by the `openai` package
+//! before the engine's answer, unchanged, through the fake engine's and the real
+//! llama-server's cold starts, and by curl, next to the comments.
 
 use std::time::{Duration, Instant};
 
@@ -53,6 +56,11 @@ async fn openai_stream(base: &str, request: &Value) -> Value {
 
 /// One streamed chat of `body` by curl (`-N`: as it comes); what curl printed.
 async fn curl_stream(d: &Daemon, body: &Value) -> String {
+    curl_stream_at(d, "/v1/chat/completions", body).await
+}
+
+/// One streamed request of `body` to `path` by curl; what curl printed.
+async fn curl_stream_at(d: &Daemon, path: &str, body: &Value) -> String {
     need_curl();
     let mut cmd = tokio::process::Command::new("curl");
     cmd.args([
@@ -64,7 +72,7 @@ async fn curl_stream(d: &Daemon, body: &Value) -> String {
     ])
     .arg("--data-binary")
     .arg(body.to_string())
-    .arg(d.url("/v1/chat/completions"));
+    .arg(d.url(path));
     let run = run_client(cmd, Duration::from_secs(90)).await.unwrap();
     assert!(run.status.success(), "curl: {}", run.explain());
     run.stdout
@@ -201,7 +209,8 @@ async fn a_start_that_fails_after_dsv4ds_own_head_ends_the_stream_with_its_error
 }
 
 /// A daemon in front of the real llama-server on the tiny model with a 16K context, one
-/// thread; the engine started. The model file is kept in the daemon's folder.
+/// thread; the engine started. The model file is kept in the daemon's folder. With
+/// `api.loading_reasoning`, which must add nothing to a stream the engine has begun.
 pub(crate) async fn long_context_daemon() -> Daemon {
     let dir = temp_dir("daemon");
     let s = long_context_setup(dir.path());
@@ -213,6 +222,7 @@ pub(crate) fn long_context_setup(dir: &std::path::Path) -> Setup {
     let model = tiny_16k(dir);
     let mut s = Setup::default()
         .api("stream_keepalive", "2s")
+        .api("loading_reasoning", "true")
         .engine("idle_timeout", "10m");
     s.custom_profiles.insert(
         "16k".into(),
@@ -362,4 +372,239 @@ async fn a_client_that_leaves_after_dsv4ds_own_head_stops_waiting_at_once() {
         );
         tokio::time::sleep(Duration::from_millis(10)).await;
     }
+}
+
+/// The events of an event stream as a client reads them, in order: comments (their text,
+/// `: ` left off), dsv4d's `reasoning_content` chunks (their JSON), and the rest.
+#[derive(Debug)]
+enum Event {
+    Comment(String),
+    Reasoning(Value),
+    Other(String),
+}
+
+fn events(stream: &str) -> Vec<Event> {
+    assert!(stream.ends_with("\n\n"), "{stream:?}");
+    stream
+        .trim_end_matches('\n')
+        .split("\n\n")
+        .map(|event| {
+            if let Some(text) = event.strip_prefix(": ") {
+                return Event::Comment(text.to_string());
+            }
+            let data = event.strip_prefix("data: ").and_then(|d| {
+                serde_json::from_str::<Value>(d)
+                    .ok()
+                    .filter(|v| v["choices"][0]["delta"]["reasoning_content"].is_string())
+            });
+            match data {
+                Some(v) => Event::Reasoning(v),
+                None => Event::Other(event.to_string()),
+            }
+        })
+        .collect()
+}
+
+/// The seconds a loading line (`dsv4 loading 320k: 3 s`, with or without an estimate and a
+/// line end) says; `None` for another line.
+fn loading_seconds(line: &str, profile: &str) -> Option<u64> {
+    let rest = line.strip_prefix(&format!("dsv4 loading {profile}: "))?;
+    rest.split(" s").next()?.parse().ok()
+}
+
+/// That `seconds` (one a tick) never go down and do go up.
+fn rising(seconds: &[u64]) -> bool {
+    seconds.windows(2).all(|w| w[0] <= w[1]) && seconds.first() < seconds.last()
+}
+
+/// A chat stream's reasoning chunks, checked against the comments and the engine's events
+/// around them: each comes right after a comment of the same words, all before the engine's
+/// first event, all of one id and naming `model`. Returns their words, and the content of
+/// the engine's events.
+fn reasoning_of(stream: &str, model: &str) -> (Vec<String>, String) {
+    let (mut words, mut content, mut ids) = (Vec::new(), String::new(), Vec::new());
+    let (mut last_comment, mut engine_began) = (None, false);
+    let now = std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .unwrap()
+        .as_secs();
+    for event in events(stream) {
+        match event {
+            Event::Comment(text) => last_comment = Some(text),
+            Event::Reasoning(v) => {
+                assert!(
+                    !engine_began,
+                    "reasoning after the engine's first event: {stream}"
+                );
+                let text = v["choices"][0]["delta"]["reasoning_content"]
+                    .as_str()
+                    .unwrap()
+                    .to_string();
+                let said = last_comment.take().unwrap_or_else(|| panic!("{stream}"));
+                assert_eq!(text, format!("{said}\n"), "{stream}");
+                assert_eq!(v["object"], "chat.completion.chunk", "{v}");
+                assert_eq!(v["model"], model, "{v}");
+                assert_eq!(v["choices"][0]["index"], 0, "{v}");
+                assert_eq!(v["choices"][0]["finish_reason"], Value::Null, "{v}");
+                assert_eq!(v["choices"][0]["delta"]["role"], "assistant", "{v}");
+                let created = v["created"].as_u64().unwrap();
+                assert!(created.abs_diff(now) < 300, "{v}");
+                ids.push(v["id"].as_str().unwrap().to_string());
+                words.push(text);
+            }
+            Event::Other(event) => {
+                last_comment = None;
+                engine_began = true;
+                if let Some(Ok(v)) = event
+                    .strip_prefix("data: ")
+                    .filter(|d| d.starts_with('{'))
+                    .map(serde_json::from_str::<Value>)
+                {
+                    if let Some(c) = v["choices"][0]["delta"]["content"].as_str() {
+                        content.push_str(c);
+                    }
+                }
+            }
+        }
+    }
+    ids.dedup();
+    assert!(
+        ids.len() <= 1 && ids.iter().all(|id| id.starts_with("dsv4-loading-")),
+        "{ids:?}"
+    );
+    (words, content)
+}
+
+/// With `api.loading_reasoning`, curl sees each comment of the wait followed by a
+/// `reasoning_content` chunk of the same words, the seconds rising, naming the request's
+/// model or else the profile; the engine's answer after them as it was; and a text
+/// completion's stream, waiting through the same load, gets the comments alone.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn with_loading_reasoning_curl_sees_the_waits_words_as_reasoning_on_chat_streams_alone() {
+    let d = Daemon::start(
+        &Setup::default()
+            .api("stream_keepalive", "1s")
+            .api("loading_reasoning", "true")
+            .knob("load_ms", "4000"),
+    );
+    let mut named = chat(4, true);
+    named["model"] = json!("qwen-test");
+    let unnamed = chat(4, true);
+    let text = json!({"prompt": "hello", "max_tokens": 4, "stream": true});
+    // All three wait for the same cold start.
+    let (named, unnamed, text) = tokio::join!(
+        curl_stream_at(&d, "/v1/chat/completions", &named),
+        curl_stream_at(&d, "/chat/completions", &unnamed),
+        curl_stream_at(&d, "/v1/completions", &text),
+    );
+    for (stream, model) in [(&named, "qwen-test"), (&unnamed, "320k")] {
+        assert!(stream.starts_with(": dsv4 loading 320k: "), "{stream:?}");
+        let (words, content) = reasoning_of(stream, model);
+        let seconds: Vec<u64> = words
+            .iter()
+            .filter_map(|w| loading_seconds(w, "320k"))
+            .collect();
+        assert!(
+            seconds.len() >= 2 && rising(&seconds),
+            "{seconds:?}: {stream}"
+        );
+        assert_eq!(content, "abcd", "{stream}");
+        assert!(stream.ends_with("data: [DONE]\n\n"), "{stream:?}");
+    }
+    assert!(comments(&text).len() >= 2, "{text:?}");
+    assert!(!text.contains("reasoning_content"), "{text:?}");
+    assert!(text.ends_with("data: [DONE]\n\n"), "{text:?}");
+    assert_eq!(d.spawns(), 1);
+}
+
+/// Off by default: a chat stream waiting for a cold start gets comments, no reasoning.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn without_loading_reasoning_a_waiting_chat_stream_gets_comments_alone() {
+    let d = Daemon::start(
+        &Setup::default()
+            .api("stream_keepalive", "1s")
+            .knob("load_ms", "3000"),
+    );
+    let out = curl_stream(&d, &chat(4, true)).await;
+    assert!(comments(&out).len() >= 2, "{out:?}");
+    assert!(!out.contains("reasoning_content"), "{out:?}");
+    let (words, content) = reasoning_of(&out, "320k");
+    assert!(words.is_empty());
+    assert_eq!(content, "abcd", "{out}");
+}
+
+/// The `openai` package's reasoning deltas of one streamed chat (see `openai_stream`).
+fn reasoning_deltas(out: &Value) -> Vec<String> {
+    let deltas = out["reasoning"].as_array();
+    let deltas = deltas.unwrap_or_else(|| panic!("{out}"));
+    deltas
+        .iter()
+        .map(|d| d.as_str().unwrap().to_string())
+        .collect()
+}
+
+/// The official `openai` package reads the loading chunks and then the engine's as one
+/// answer: the words as `delta.reasoning_content`, one line each, the seconds rising; the
+/// content and finish reason those of the same request with the key off (see
+/// `the_openai_package_gets_a_whole_stream_through_a_30_s_cold_start`).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn with_loading_reasoning_the_openai_package_reads_the_loading_words_then_the_answer() {
+    let d = Daemon::start(
+        &Setup::default()
+            .api("stream_keepalive", "1s")
+            .api("loading_reasoning", "true")
+            .knob("load_ms", "4000"),
+    );
+    let out = openai_stream(&d.url(""), &chat_request("hello", 8)).await;
+    assert_eq!(out["content"], "abcdefgh", "{out}\n{}", d.log());
+    assert_eq!(out["finish_reason"], "length", "{out}");
+    let reasoning = reasoning_deltas(&out);
+    assert!(
+        reasoning
+            .iter()
+            .all(|r| r.starts_with("dsv4 ") && r.ends_with(" s\n")),
+        "{reasoning:?}"
+    );
+    let seconds: Vec<u64> = reasoning
+        .iter()
+        .filter_map(|r| loading_seconds(r, "320k"))
+        .collect();
+    assert!(seconds.len() >= 2 && rising(&seconds), "{reasoning:?}");
+}
+
+/// Through the real llama-server's cold start (its first event a `role` chunk of its own),
+/// the `openai` package gets dsv4d's reasoning, then the content the engine gives the same
+/// request with no dsv4d in front. The tiny model loads in a tenth of a second: the engine
+/// is started 2 s late, as a large model's load would take.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn with_loading_reasoning_the_real_engines_answer_follows_unchanged() {
+    use std::os::unix::fs::PermissionsExt;
+    let dir = temp_dir("daemon");
+    let (server, _) = crate::support::real::engine();
+    let late = dir.path().join("late-llama-server");
+    let script = format!("#!/bin/sh\nsleep 2\nexec '{}' \"$@\"\n", server.display());
+    std::fs::write(&late, script).unwrap();
+    std::fs::set_permissions(&late, std::fs::Permissions::from_mode(0o755)).unwrap();
+    let mut s = crate::support::real::setup()
+        .api("stream_keepalive", "500ms")
+        .api("loading_reasoning", "true");
+    let tiny = s.custom_profiles.get_mut("tiny").unwrap();
+    let command = format!("command: {}\n", server.display());
+    assert!(tiny.contains(&command), "{tiny}");
+    *tiny = tiny.replace(&command, &format!("command: {}\n", late.display()));
+    let d = Daemon::start_in(&s, dir);
+    let request = chat_request("hello", 8);
+    let out = openai_stream(&d.url(""), &request).await;
+    let reasoning = reasoning_deltas(&out);
+    let seconds: Vec<u64> = reasoning
+        .iter()
+        .filter_map(|r| loading_seconds(r, "tiny"))
+        .collect();
+    assert!(rising(&seconds), "{out}\n{}", d.log());
+    let direct = LlamaServer::start();
+    let own = openai_stream(&direct.url, &request).await;
+    assert!(reasoning_deltas(&own).is_empty(), "{own}");
+    assert_eq!(out["content"], own["content"], "{out}\n{own}");
+    assert_eq!(out["finish_reason"], own["finish_reason"], "{out}\n{own}");
+    assert!(!own["content"].as_str().unwrap().is_empty(), "{own}");
 }

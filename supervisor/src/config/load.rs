@@ -255,6 +255,13 @@ impl Check<'_> {
         let never = s.api.stream_keepalive.is_some_and(|d| d.is_zero());
         let message = "must be greater than 0 (null = no keep-alive)";
         self.when(never, "api.stream_keepalive", message);
+        // The loading words go out on the keep-alive's ticks: without them, none would.
+        let keys = ["api.loading_reasoning", "api.stream_keepalive"];
+        let message = "api.loading_reasoning needs api.stream_keepalive (its words go out on \
+                       the keep-alive's ticks)"
+            .to_string();
+        let alone = s.api.loading_reasoning && s.api.stream_keepalive.is_none();
+        self.rule(alone && !self.dropped(&keys), &keys, message);
         let never = s.exit_when_idle.is_some_and(|d| d.is_zero());
         let message = "must be greater than 0 (null = never exit)";
         self.when(never, "exit_when_idle", message);

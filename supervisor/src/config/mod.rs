@@ -216,6 +216,10 @@ pub struct Api {
     #[serde(deserialize_with = "raw::duration_or_never")]
     #[default(Some(Duration::from_secs(10)))]
     pub stream_keepalive: Option<Duration>,
+    /// A chat stream waiting for its engine gets the words of each keep-alive comment as a
+    /// `reasoning_content` delta too, which chat UIs show (see [`crate::http::keepalive`]).
+    #[serde(deserialize_with = "raw::flag")]
+    pub loading_reasoning: bool,
 }
 
 /// `engine:`, the lifecycle limits.

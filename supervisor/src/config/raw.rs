@@ -130,6 +130,15 @@ fn parse_rate(text: &str) -> Result<u64, String> {
     }
 }
 
+/// `true` or `false`; `yes`, `on` and the like are refused by name.
+pub(crate) fn flag<'de, D: Deserializer<'de>>(d: D) -> Read<'de, D, bool> {
+    parsed(d, |text| match text {
+        "true" => Ok(true),
+        "false" => Ok(false),
+        _ => Err(format!("invalid value {text:?}: expected true or false")),
+    })
+}
+
 fn size_or_none<'de, D: Deserializer<'de>>(d: D) -> Read<'de, D, Option<u64>> {
     optional(d, parse_size)
 }

@@ -104,7 +104,8 @@ api:
   allowed_hosts: [DSV4.lan, "[0::1]:9090"]
   max_connections: 100
   max_event_streams: 4
-  stream_keepalive: null
+  stream_keepalive: 30s
+  loading_reasoning: true
 engine:
   start_timeout: 5m
   idle_timeout: 1h30m
@@ -178,7 +179,8 @@ kv_checkpoint: {{ dir: kv, max_size: 40GiB, save_timeout: 90s }}
                 allowed_hosts: vec!["dsv4.lan".into(), "[::1]:9090".into()],
                 max_connections: 100,
                 max_event_streams: 4,
-                stream_keepalive: None,
+                stream_keepalive: Some(Duration::from_secs(30)),
+                loading_reasoning: true,
             },
             engine: EngineLimits {
                 start_timeout: Duration::from_secs(300),
@@ -332,6 +334,7 @@ fn an_empty_file_means_every_default() {
     assert_eq!(d.api.max_connections, 4096);
     assert_eq!(d.api.max_event_streams, 32);
     assert_eq!(d.api.stream_keepalive, Some(Duration::from_secs(10)));
+    assert!(!d.api.loading_reasoning);
     assert_eq!(d.engine.idle_timeout, Duration::from_secs(900));
     assert_eq!(d.exit_when_idle, Some(Duration::from_secs(1800)));
     assert_eq!(d.memory.reserve, 8 << 30);
@@ -639,6 +642,57 @@ fn the_minimum_body_rate_is_a_size_a_second_or_0() {
             errors(Config::load(&file)),
             [format!("supervisor.yaml:2:18: api.min_body_rate: {why}")],
             "{text}"
+        );
+    }
+}
+
+#[test]
+fn loading_reasoning_is_true_or_false_and_needs_the_keepalive() {
+    let dir = TempDir::new("reasoning");
+    dir.write("profiles/320k.yaml", MINIMAL_PROFILE);
+    dir.engine_files("profiles");
+    let load = |text: &str| {
+        let file = dir.write("supervisor.yaml", &format!("api:\n{text}"));
+        Config::load(&file)
+    };
+    for (text, on, keepalive) in [
+        ("  loading_reasoning: true\n", true, Some(10)),
+        ("  loading_reasoning: false\n", false, Some(10)),
+        ("  loading_reasoning: \"true\"\n", true, Some(10)),
+        ("  loading_reasoning:\n", false, Some(10)),
+        (
+            "  loading_reasoning: false\n  stream_keepalive: null\n",
+            false,
+            None,
+        ),
+    ] {
+        let api = load(text)
+            .unwrap_or_else(|e| panic!("{text:?}: {e}"))
+            .supervisor
+            .api;
+        assert_eq!(api.loading_reasoning, on, "{text:?}");
+        let keepalive = keepalive.map(Duration::from_secs);
+        assert_eq!(api.stream_keepalive, keepalive, "{text:?}");
+    }
+    for (text, why) in [
+        (
+            "  loading_reasoning: yes\n",
+            "2:22: api.loading_reasoning: invalid value \"yes\": expected true or false",
+        ),
+        (
+            "  loading_reasoning: 1\n",
+            "2:22: api.loading_reasoning: invalid value \"1\": expected true or false",
+        ),
+        (
+            "  stream_keepalive: null\n  loading_reasoning: true\n",
+            "3:22: api.loading_reasoning: api.loading_reasoning needs api.stream_keepalive (its \
+             words go out on the keep-alive's ticks)",
+        ),
+    ] {
+        assert_eq!(
+            errors(load(text)),
+            [format!("supervisor.yaml:{why}")],
+            "{text:?}"
         );
     }
 }

@@ -120,6 +120,11 @@ pub(crate) async fn proxy(
     // A streamed answer is kept from going silent (see `crate::http::keepalive`); any other
     // request goes on as it is.
     let keepalive = api.stream_keepalive.zip(streamed);
+    // With `api.loading_reasoning`, a chat stream's loading words go out as reasoning too;
+    // only such a request's body is read for its model.
+    let reasoning =
+        (keepalive.is_some() && api.loading_reasoning && sse::is_chat(parts.uri.path()))
+            .then(|| keepalive::Reasoning::new(sse::model_of(&held.bytes)));
     let answer = forward(
         ctx.clone(),
         config.clone(),
@@ -133,7 +138,11 @@ pub(crate) async fn proxy(
         Some((period, protocol)) => {
             let wrap = |k| ProxyBody::Streamed(Box::new(k));
             let lifecycle = ctx.parts.lifecycle.clone();
-            keepalive::respond(Box::pin(answer), period, protocol, lifecycle, started, wrap).await
+            let answer = Box::pin(answer);
+            keepalive::respond(
+                answer, period, protocol, lifecycle, started, wrap, reasoning,
+            )
+            .await
         }
     }
 }

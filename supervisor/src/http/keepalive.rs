@@ -13,7 +13,10 @@
 //!   answer is the engine's, relayed as below (or, not being an event stream, as it is).
 //!   Otherwise dsv4d sends a head of its own (`200`, `text/event-stream`) and a comment
 //!   saying what goes on (`: dsv4 loading 320k: 23 s of about 54 s`), and goes on waiting,
-//!   with a comment at each tick of the period;
+//!   with a comment at each tick of the period. With `api.loading_reasoning`, on a chat
+//!   stream, each of these comments goes with the same words as a `reasoning_content` delta
+//!   ([`Reasoning`], [`sse::reasoning_chunk`]), which chat UIs show; these stop with this
+//!   state, so the engine's first event comes after whole chunks of dsv4d's own;
 //! - **own head sent, the answer came**: an event stream is relayed (its head dropped); any
 //!   other answer (an engine's 400, dsv4d's own 503) is read (its first
 //!   [`ERROR_BODY_MAX`] bytes) and becomes one error event in the client's protocol
@@ -30,6 +33,7 @@
 
 use std::future::Future;
 use std::pin::Pin;
+use std::sync::atomic::{AtomicU64, Ordering};
 use std::task::{Context, Poll};
 use std::time::Duration;
 
@@ -44,9 +48,31 @@ use crate::lifecycle::Handle;
 /// The answer a streamed request waits for: the engine's, or dsv4d's own error.
 pub type Answer<B> = Pin<Box<dyn Future<Output = Response<B>> + Send>>;
 
+/// A chat stream's loading words as `reasoning_content` deltas too (`api.loading_reasoning`):
+/// the stream's number and the model its chunks name.
+#[derive(Debug, Clone, PartialEq)]
+pub struct Reasoning {
+    /// `dsv4-loading-<id>`, one for all of a stream's chunks.
+    id: u64,
+    /// The request's model, if its body names one; else the profile loading or active.
+    model: Option<String>,
+}
+
+impl Reasoning {
+    /// For the next stream, whose request names `model`.
+    pub fn new(model: Option<String>) -> Reasoning {
+        static STREAMS: AtomicU64 = AtomicU64::new(1);
+        Reasoning {
+            id: STREAMS.fetch_add(1, Ordering::Relaxed),
+            model,
+        }
+    }
+}
+
 /// What a streamed request is answered with: the engine's answer when it comes within
 /// `period`, else dsv4d's own head at once and the answer later (see the module docs).
-/// `wrap` makes a body of the kind `B` of a [`Keepalive`].
+/// `wrap` makes a body of the kind `B` of a [`Keepalive`]; `reasoning`, for a chat stream
+/// with `api.loading_reasoning`, has the waiting's words go out as reasoning too.
 pub async fn respond<B>(
     mut answer: Answer<B>,
     period: Duration,
@@ -54,6 +80,7 @@ pub async fn respond<B>(
     lifecycle: Handle,
     since: Instant,
     wrap: fn(Keepalive<B>) -> B,
+    reasoning: Option<Reasoning>,
 ) -> Response<B>
 where
     B: Body<Data = Bytes, Error = hyper::Error> + Unpin + Send + 'static,
@@ -72,6 +99,7 @@ where
         since,
         quiet_since: Instant::now(),
         first: None,
+        reasoning: reasoning.clone(),
     };
     match tokio::time::timeout(period, &mut answer).await {
         Ok(resp) if is_event_stream(&resp) => {
@@ -80,7 +108,7 @@ where
         Ok(resp) => resp,
         Err(_) => {
             let mut k = keepalive(Phase::Waiting(answer));
-            k.first = Some(sse::comment(Place::Between, &k.words()));
+            k.first = Some(k.waiting_words());
             let mut r = Response::new(wrap(k));
             let h = r.headers_mut();
             h.insert(
@@ -119,6 +147,8 @@ pub struct Keepalive<B> {
     quiet_since: Instant,
     /// The first bytes after dsv4d's own head.
     first: Option<Bytes>,
+    /// `api.loading_reasoning`, on a chat stream.
+    reasoning: Option<Reasoning>,
 }
 
 enum Phase<B> {
@@ -156,6 +186,32 @@ impl<B> Keepalive<B> {
                 }
             }
         }
+    }
+
+    /// What a tick writes while the answer is still to come, with dsv4d's own head out and
+    /// the stream between events: the comment, and with [`Reasoning`] the same words as a
+    /// `reasoning_content` delta after it, in one frame.
+    fn waiting_words(&self) -> Bytes {
+        let words = self.words();
+        let comment = sse::comment(Place::Between, &words);
+        let Some(reasoning) = &self.reasoning else {
+            return comment;
+        };
+        let model = match &reasoning.model {
+            Some(model) => model.clone(),
+            None => match self.lifecycle.loading() {
+                Some(loading) => loading.profile,
+                None => self.lifecycle.status().profile,
+            },
+        };
+        let created = std::time::SystemTime::now()
+            .duration_since(std::time::UNIX_EPOCH)
+            .map_or(0, |d| d.as_secs());
+        let chunk = sse::reasoning_chunk(reasoning.id, created, &model, &words);
+        let mut both = Vec::with_capacity(comment.len() + chunk.len());
+        both.extend_from_slice(&comment);
+        both.extend_from_slice(&chunk);
+        Bytes::from(both)
     }
 
     /// The phase after the answer `resp` came, with dsv4d's own head out.
@@ -262,6 +318,10 @@ where
             match this.tick.poll_tick(cx) {
                 Poll::Ready(_) if std::mem::take(&mut this.heard) => {
                     this.quiet_since = Instant::now();
+                }
+                // Before any byte of the answer's: the stream is between events.
+                Poll::Ready(_) if matches!(this.phase, Phase::Waiting(_)) => {
+                    return Poll::Ready(Some(Ok(Frame::data(this.waiting_words()))));
                 }
                 Poll::Ready(_) if this.place.between() => {
                     let comment = sse::comment(this.place, &this.words());

@@ -4,7 +4,7 @@
 //!
 //! Owns: [`Place`] (an event-boundary tracker over the bytes of a stream, fed chunk by chunk,
 //! that looks only at each chunk's last line ends), [`Protocol`], [`wants_stream`],
-//! [`comment`] and [`error_event`]. Pure: no I/O, no clock; the body that uses them is
+//! [`comment`], [`reasoning_chunk`] (`api.loading_reasoning`) and [`error_event`]. Pure: no I/O, no clock; the body that uses them is
 //! [`crate::http::keepalive`].
 
 use bytes::Bytes;
@@ -69,6 +69,72 @@ pub fn comment(place: Place, text: &str) -> Bytes {
         _ => "\n\n",
     };
     Bytes::from(format!(": {text}{end}"))
+}
+
+/// Whether `path` (as the engine routes it) is OpenAI's chat completions, whose streams
+/// carry `reasoning_content` deltas.
+pub fn is_chat(path: &str) -> bool {
+    matches!(path, "/v1/chat/completions" | "/chat/completions")
+}
+
+/// The model a request body names (`"model": "..."`), if it names one as text. For
+/// `api.loading_reasoning`'s chunks, so read only for a streamed chat request with it on.
+pub fn model_of(body: &[u8]) -> Option<String> {
+    #[derive(serde::Deserialize)]
+    struct Named {
+        #[serde(default)]
+        model: Option<Value>,
+    }
+    match serde_json::from_slice::<Named>(body).ok()?.model? {
+        Value::String(model) => Some(model),
+        _ => None,
+    }
+}
+
+/// A chat stream's event that says `text` as a `reasoning_content` delta, which chat UIs
+/// show as the model's thinking (`api.loading_reasoning`): one `data:` event of OpenAI's
+/// `chat.completion.chunk` shape, as llama-server sends its own reasoning (there without
+/// the role), the text ended by a line so that the next tick's words go on a line of their
+/// own. `id` is the stream's (`dsv4-loading-<id>`), `created` the time in Unix seconds.
+/// For a stream between events (dsv4d's own head is out and the engine has sent nothing),
+/// which it leaves between events.
+pub fn reasoning_chunk(id: u64, created: u64, model: &str, text: &str) -> Bytes {
+    #[derive(serde::Serialize)]
+    struct Chunk<'a> {
+        id: String,
+        object: &'static str,
+        created: u64,
+        model: &'a str,
+        choices: [Choice<'a>; 1],
+    }
+    #[derive(serde::Serialize)]
+    struct Choice<'a> {
+        index: u32,
+        delta: Delta<'a>,
+        finish_reason: Option<&'static str>,
+    }
+    #[derive(serde::Serialize)]
+    struct Delta<'a> {
+        role: &'static str,
+        reasoning_content: &'a str,
+    }
+    let line = format!("{text}\n");
+    let chunk = Chunk {
+        id: format!("dsv4-loading-{id}"),
+        object: "chat.completion.chunk",
+        created,
+        model,
+        choices: [Choice {
+            index: 0,
+            delta: Delta {
+                role: "assistant",
+                reasoning_content: &line,
+            },
+            finish_reason: None,
+        }],
+    };
+    let json = serde_json::to_string(&chunk).expect("a chunk of strings and numbers");
+    Bytes::from(format!("data: {json}\n\n"))
 }
 
 /// The streamed protocols dsv4d keeps alive, by the path they are served at.
@@ -316,6 +382,65 @@ mod tests {
                 String::from_utf8_lossy(body)
             );
         }
+    }
+
+    #[test]
+    fn a_loading_reasoning_chunk_is_a_chat_chunk_with_the_words_on_a_line() {
+        let c = reasoning_chunk(
+            7,
+            1_700_000_000,
+            "dsv4",
+            "dsv4 loading 320k: 23 s of about 54 s",
+        );
+        assert_eq!(
+            &c[..],
+            &br#"data: {"id":"dsv4-loading-7","object":"chat.completion.chunk","created":1700000000,"model":"dsv4","choices":[{"index":0,"delta":{"role":"assistant","reasoning_content":"dsv4 loading 320k: 23 s of about 54 s\n"},"finish_reason":null}]}"#[..]
+                .iter()
+                .chain(b"\n\n")
+                .copied()
+                .collect::<Vec<u8>>()[..]
+        );
+        // A model name of any text stays one JSON string; the stream stays between events.
+        for model in ["a\"b", "line\nbreak", "é", ""] {
+            let c = reasoning_chunk(1, 0, model, "dsv4 waiting for the engine's answer: 12 s");
+            assert_eq!(Place::Between.after(&c), Place::Between);
+            assert_eq!(c.iter().filter(|&&b| b == b'\n').count(), 2, "{model:?}");
+            let v = data_of(&c);
+            assert_eq!(v["model"], model);
+            assert_eq!(v["object"], "chat.completion.chunk");
+            let delta = &v["choices"][0]["delta"];
+            assert_eq!(delta["role"], "assistant");
+            assert_eq!(
+                delta["reasoning_content"],
+                "dsv4 waiting for the engine's answer: 12 s\n"
+            );
+            assert_eq!(v["choices"][0]["finish_reason"], Value::Null);
+        }
+    }
+
+    #[test]
+    fn a_body_names_its_model_as_text_or_not_at_all() {
+        for (body, model) in [
+            (&br#"{"model":"qwen","stream":true}"#[..], Some("qwen")),
+            (
+                br#"{"stream":true,"messages":[{"content":"\"model\""}]}"#,
+                None,
+            ),
+            (br#"{"model":null}"#, None),
+            (br#"{"model":7}"#, None),
+            (br#"{"model":"a"#, None),
+            (b"", None),
+        ] {
+            assert_eq!(
+                model_of(body).as_deref(),
+                model,
+                "{}",
+                String::from_utf8_lossy(body)
+            );
+        }
+        assert!(is_chat("/v1/chat/completions") && is_chat("/chat/completions"));
+        assert!(!is_chat("/v1/completions") && !is_chat("/completion"));
+        assert!(!is_chat("/v1/messages") && !is_chat("/v1/responses"));
     }
 
     #[test]
