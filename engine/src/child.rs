@@ -177,6 +177,11 @@ impl OutputTail {
         }
     }
 
+    /// The number of the next line to come: how many were pushed so far.
+    pub fn written(&self) -> u64 {
+        self.inner.lock().unwrap_or_else(|p| p.into_inner()).total
+    }
+
     /// Lines numbered `since` and later that are still kept, at most the last `max` of them,
     /// and the number of the next line to come. Lines are numbered from 0 in push order.
     pub fn since(&self, since: u64, max: usize) -> (u64, Vec<String>) {

@@ -368,6 +368,21 @@ mod tests {
             alert(AlertKind::Memory, "not enough memory").summary,
             "dsv4: memory"
         );
+        // A long request's end is news; its failure is a warning, as other alerts are.
+        let done = alert(
+            AlertKind::Request,
+            "4,096-token prefill done in 12 min, decode started",
+        );
+        assert_eq!(
+            (done.summary.as_str(), done.icon),
+            ("dsv4: a long request", "dialog-information")
+        );
+        let failed = alert(
+            AlertKind::Request,
+            "request 3 (prefill) failed after 2 h: the engine exited",
+        );
+        assert_eq!(failed.icon, "dialog-warning");
+        assert_eq!(alert(AlertKind::Memory, "m").icon, "dialog-warning");
         assert!(state(State::Draining, "320k").is_none());
         assert_eq!(
             state(State::Ready, "320k").unwrap().summary,

@@ -50,11 +50,12 @@ pub struct EngineStream {
     /// The request's place among those in flight, moved along as its answer comes.
     pub(crate) flight: Option<Ticket>,
     /// The engine's own progress events, read (and taken out when dsv4d asked for them).
-    pub(crate) progress: Option<Progress>,
+    /// Boxed: the body is moved whole several times on its way out, and most have none.
+    pub(crate) progress: Option<Box<Progress>>,
     /// The engine's body has ended (what the progress reader held goes out first).
     pub(crate) drained: bool,
     /// What went wrong, as the error event told the client.
-    pub(crate) failed: Option<String>,
+    pub(crate) failed: Option<Box<str>>,
 }
 
 /// The last few bytes of a stream.
@@ -237,7 +238,7 @@ impl Body for EngineStream {
                 let tail = this.sse.as_ref().map(|o| o.last(ERROR_TAIL_LINES));
                 let what = "the engine ended the answer before its end ([DONE]): it was \
                             stopped or failed";
-                this.failed = Some(what.to_string());
+                this.failed = Some(what.into());
                 let event = api_error_event(what.to_string(), tail.as_deref().unwrap_or_default());
                 return Poll::Ready(Some(Ok(Frame::data(event))));
             }
@@ -247,7 +248,8 @@ impl Body for EngineStream {
                     // Clients show an error event's message; a stream that merely stops looks
                     // like a complete, cut-off answer. The connection still breaks after it,
                     // so nothing mistakes it for an end.
-                    this.failed = Some(format!("the engine broke off the answer: {}", describe(e)));
+                    this.failed =
+                        Some(format!("the engine broke off the answer: {}", describe(e)).into());
                     let event = error_event(e, &output.last(ERROR_TAIL_LINES));
                     if let Poll::Ready(Some(Err(e))) = polled {
                         this.broken = Some(Broken::Unflushed(e));

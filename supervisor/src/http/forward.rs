@@ -209,7 +209,7 @@ async fn forward(
         (engine.kind.prefill, streamed)
     {
         let asked = progress::ask(&body, ask);
-        progress = Some(Progress::new(field, read, asked.is_some()));
+        progress = Some(Box::new(Progress::new(field, read, asked.is_some())));
         if let Some(asked) = asked {
             body = asked;
         }

@@ -264,7 +264,7 @@ impl Ticket {
 
     /// Sent to `engine`.
     pub fn sent(&self, engine: &Arc<EngineRef>) {
-        let mark = engine.output.since(u64::MAX, 0).0;
+        let mark = engine.output.written();
         let mut now = lock(&self.flight.now);
         now.stage = Stage::Sent;
         now.engine = Some((engine.clone(), mark));
