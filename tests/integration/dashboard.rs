@@ -201,7 +201,7 @@ async fn a_real_browser_shows_the_state_the_charts_and_the_requests() {
 
 /// Chromium, headless, driven over its DevTools pipe (`--remote-debugging-pipe`: commands
 /// on its fd 3, answers on its fd 4, each a JSON message ended by a NUL byte).
-struct Browser {
+pub(crate) struct Browser {
     child: std::process::Child,
     commands: std::fs::File,
     answers: std::io::BufReader<std::fs::File>,
@@ -281,7 +281,7 @@ impl Browser {
     }
 
     /// A browser with `url` open, once `condition` (JavaScript) holds in the page.
-    fn opened(url: &str, condition: &str) -> Browser {
+    pub(crate) fn opened(url: &str, condition: &str) -> Browser {
         let mut b = Browser::start();
         b.open(url);
         b.wait_for(condition, PATIENCE);
@@ -299,7 +299,7 @@ impl Browser {
     }
 
     /// The value of a JavaScript expression in the page.
-    fn eval(&mut self, expression: &str) -> serde_json::Value {
+    pub(crate) fn eval(&mut self, expression: &str) -> serde_json::Value {
         let r = self.call(
             "Runtime.evaluate",
             serde_json::json!({ "expression": expression, "returnByValue": true }),
@@ -321,7 +321,7 @@ impl Browser {
     }
 
     /// Waits until `expression` is true in the page; how long that took.
-    fn wait_for(&mut self, expression: &str, within: Duration) -> Duration {
+    pub(crate) fn wait_for(&mut self, expression: &str, within: Duration) -> Duration {
         let t = Instant::now();
         while self.eval(expression) != true {
             assert!(t.elapsed() < within, "never true in the page: {expression}");

@@ -22,6 +22,7 @@ mod escaped_engine;
 mod event_streams;
 mod idle_exit;
 mod in_flight;
+mod in_flight_shown;
 mod installed;
 mod keepalive;
 mod kv;

@@ -119,6 +119,11 @@ pub trait Supervisor1 {
     /// Why the last start failed or the engine died; empty when fine.
     #[zbus(property)]
     fn last_error(&self) -> zbus::Result<String>;
+    /// The requests in flight with their phases: the status's `in_progress`, as JSON (a
+    /// [`Vec<InProgress>`]). Never announced (it changes with every token): read it when
+    /// wanted.
+    #[zbus(property(emits_changed_signal = "false"))]
+    fn in_progress(&self) -> zbus::Result<String>;
 
     /// `StateChanged(state, profile)`: the lifecycle state changed. (Named apart in Rust
     /// from the `State` property's own change stream.)

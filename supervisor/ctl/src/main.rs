@@ -60,9 +60,11 @@ enum Command {
     ///
     /// Shows the lifecycle state (stopped, starting, ready, draining, stopping, backoff), the
     /// active profile (and the running engine's, if another), the engine's pid and uptime,
-    /// the requests in flight and waiting, when the idle engine will be stopped, the last
-    /// error, and request totals with token-weighted decode and prefill rates. Never starts
-    /// the engine.
+    /// the requests in flight and waiting, each request in flight on a line of its own with
+    /// its phase (waiting and for what, loading, prefill with its tokens, rate and time
+    /// left as far as the engine tells, decoding, ending), when the idle engine will be
+    /// stopped, the last error, and request totals with token-weighted decode and prefill
+    /// rates. Never starts the engine.
     ///
     /// With --json, prints the Status() document as JSON.
     Status,
@@ -122,7 +124,8 @@ enum Command {
     },
     /// Watch the engine and the host live
     ///
-    /// A terminal view of the engine's state, the requests, memory and throttling, with
+    /// A terminal view of the engine's state, the requests (each in flight with its phase,
+    /// as in status), memory and throttling, with
     /// sparklines of GTT, temperature, SoC power and the decode rate of the last requests,
     /// from the daemon's samples (the last ten minutes, then each new one). q, Esc or
     /// Ctrl-C quits. When standard output is not a terminal, prints a line per sample

@@ -5,10 +5,12 @@ use std::time::Duration;
 
 use dsv4_client::kv::{KvCheckpoint, KvProfile, KvStep};
 use dsv4_client::telemetry::{Memory, Sample, Sensor};
+use dsv4_client::units::{spoken_duration, thousands};
 use dsv4_client::validate::{Comparison, ValidationResult};
-use dsv4_client::words::{GpuLevel, ThermalLevel};
+use dsv4_client::words::{GpuLevel, Phase, ThermalLevel, WaitingFor};
 use dsv4_client::{
-    EngineStatus, PowerStatus, ProfileInfo, RequestRecord, Status, ThermalStatus, Totals,
+    EngineStatus, InProgress, PowerStatus, ProfileInfo, RequestRecord, Status, ThermalStatus,
+    Totals,
 };
 
 /// Seconds as a whole number of them in the project's one duration format (`42s`, `3m12s`,
@@ -96,6 +98,10 @@ pub fn status_table(doc: &Status, now: f64) -> String {
     }
     rows.push(("in flight", s.in_flight.to_string()));
     rows.push(("waiting", s.waiting.to_string()));
+    if !doc.in_progress.is_empty() {
+        let lines: Vec<String> = doc.in_progress.iter().map(in_progress_line).collect();
+        rows.push(("in progress", lines.join("\n")));
+    }
     rows.push((
         "idle stop",
         s.idle_deadline
@@ -324,6 +330,74 @@ fn request_line(r: &RequestRecord, now: f64) -> String {
         }
     }
     s
+}
+
+/// One request in flight and where it is: `#7 /v1/chat/completions  prefill 4,096 / 262,144
+/// tokens (1.6%), 122.7 tok/s, about 35 min left  (61 s)`, the last figure its age.
+pub fn in_progress_line(r: &InProgress) -> String {
+    let seconds = |s: f64| spoken_duration(Duration::from_secs_f64(s.max(0.0)));
+    let what = match r.phase {
+        Phase::Waiting => match r.waiting_for {
+            Some(WaitingFor::Start) => "waiting for a start".to_string(),
+            Some(WaitingFor::Drain) => "waiting for a drain".to_string(),
+            Some(WaitingFor::Validation) => "waiting for a validation".to_string(),
+            Some(WaitingFor::Turn) => "waiting for its turn".to_string(),
+            None => "waiting".to_string(),
+        },
+        Phase::Loading => {
+            let mut s = match &r.profile {
+                Some(p) => format!("loading {p}"),
+                None => "loading".to_string(),
+            };
+            if let Some(at) = r.loading_s {
+                s.push_str(&format!(": {}", seconds(at)));
+                if let Some(about) = r.loading_about_s {
+                    s.push_str(&format!(" of about {}", seconds(about)));
+                }
+            }
+            s
+        }
+        Phase::Prefill => match &r.prefill {
+            Some(p) => {
+                let mut s = format!(
+                    "prefill {} / {} tokens",
+                    thousands(p.done),
+                    thousands(p.total)
+                );
+                if p.total > 0 {
+                    let pct = p.done as f64 * 100.0 / p.total as f64;
+                    s.push_str(&format!(" ({pct:.1}%)"));
+                }
+                if p.cached > 0 {
+                    s.push_str(&format!(", {} cached", thousands(p.cached)));
+                }
+                if let Some(r) = p.rate {
+                    s.push_str(&format!(", {} tok/s", rate(r)));
+                }
+                if let Some(left) = p.left_s {
+                    s.push_str(&format!(", about {} left", about(left)));
+                }
+                s
+            }
+            None => "prefill".to_string(),
+        },
+        Phase::Decoding | Phase::Ending => {
+            let name = r.phase.as_str();
+            match r.tokens {
+                0 => name.to_string(),
+                1 => format!("{name}, 1 token"),
+                n => format!("{name}, {} tokens", thousands(n)),
+            }
+        }
+    };
+    format!("#{} {}  {what}  ({})", r.id, r.path, seconds(r.age_s))
+}
+
+/// A time left, to the second below a minute and to the minute above.
+fn about(seconds: f64) -> String {
+    let s = seconds.max(0.0).round() as u64;
+    let s = if s < 60 { s } else { (s + 30) / 60 * 60 };
+    spoken_duration(Duration::from_secs(s))
 }
 
 fn decode(t: &Totals) -> String {
@@ -762,6 +836,133 @@ mod tests {
         assert!(
             text.contains("state          starting (restoring the KV checkpoint)"),
             "{text}"
+        );
+    }
+
+    fn flight(phase: Phase) -> InProgress {
+        InProgress {
+            id: 7,
+            path: "/v1/chat/completions".into(),
+            stream: true,
+            profile: Some("320k".into()),
+            age_s: 61.4,
+            phase,
+            waiting_for: None,
+            loading_s: None,
+            loading_about_s: None,
+            prefill: None,
+            tokens: 0,
+        }
+    }
+
+    #[test]
+    fn each_phase_of_a_request_in_flight_reads_as_one_line() {
+        use dsv4_client::PrefillProgress;
+        let waiting = |w| InProgress {
+            waiting_for: Some(w),
+            profile: None,
+            ..flight(Phase::Waiting)
+        };
+        let prefill = |done, cached, rate, left_s| InProgress {
+            prefill: Some(PrefillProgress {
+                done,
+                total: 262_144,
+                cached,
+                rate,
+                left_s,
+            }),
+            ..flight(Phase::Prefill)
+        };
+        let table = [
+            (waiting(WaitingFor::Start), "waiting for a start"),
+            (waiting(WaitingFor::Drain), "waiting for a drain"),
+            (waiting(WaitingFor::Validation), "waiting for a validation"),
+            (waiting(WaitingFor::Turn), "waiting for its turn"),
+            (
+                InProgress {
+                    loading_s: Some(23.4),
+                    loading_about_s: Some(54.0),
+                    ..flight(Phase::Loading)
+                },
+                "loading 320k: 23 s of about 54 s",
+            ),
+            (
+                InProgress {
+                    loading_s: Some(3.0),
+                    ..flight(Phase::Loading)
+                },
+                "loading 320k: 3 s",
+            ),
+            (
+                prefill(4096, 0, Some(122.7), Some(2103.1)),
+                "prefill 4,096 / 262,144 tokens (1.6%), 122.7 tok/s, about 35 min left",
+            ),
+            (
+                prefill(261_000, 1024, Some(122.7), Some(9.3)),
+                "prefill 261,000 / 262,144 tokens (99.6%), 1,024 cached, 122.7 tok/s, \
+                 about 9 s left",
+            ),
+            (
+                prefill(0, 0, None, None),
+                "prefill 0 / 262,144 tokens (0.0%)",
+            ),
+            (flight(Phase::Prefill), "prefill"),
+            (
+                InProgress {
+                    tokens: 12,
+                    ..flight(Phase::Decoding)
+                },
+                "decoding, 12 tokens",
+            ),
+            (
+                InProgress {
+                    tokens: 1,
+                    ..flight(Phase::Decoding)
+                },
+                "decoding, 1 token",
+            ),
+            (flight(Phase::Decoding), "decoding"),
+            (
+                InProgress {
+                    tokens: 1234,
+                    ..flight(Phase::Ending)
+                },
+                "ending, 1,234 tokens",
+            ),
+        ];
+        for (r, what) in table {
+            assert_eq!(
+                in_progress_line(&r),
+                format!("#7 /v1/chat/completions  {what}  (1 min 1 s)")
+            );
+        }
+    }
+
+    #[test]
+    fn the_status_table_lists_the_requests_in_flight_and_nothing_when_none() {
+        let mut s = status();
+        assert!(!status_table(&s, 1_000_000.0).contains("in progress"));
+        s.in_progress = vec![
+            InProgress {
+                tokens: 12,
+                ..flight(Phase::Decoding)
+            },
+            InProgress {
+                id: 8,
+                age_s: 2.0,
+                waiting_for: Some(WaitingFor::Turn),
+                ..flight(Phase::Waiting)
+            },
+        ];
+        let table = status_table(&s, 1_000_000.0);
+        assert!(
+            table.contains(
+                "waiting      0\n\
+                 in progress  #7 /v1/chat/completions  decoding, 12 tokens  (1 min 1 s)\n\
+                 \x20            #8 /v1/chat/completions  waiting for its turn  (2 s)\n\
+                 idle stop    "
+            ),
+            "{table}"
         );
     }
 

@@ -29,6 +29,8 @@ const WINDOW: f64 = 600.0;
 const KEPT: usize = 600;
 /// How often new samples are fetched.
 const POLL: Duration = Duration::from_secs(1);
+/// The requests in flight listed in the header, at most (then how many more).
+const FLIGHTS_SHOWN: usize = 5;
 
 /// The samples seen, oldest first.
 #[derive(Default)]
@@ -112,6 +114,19 @@ pub fn header(status: &Status, latest: Option<&Sample>, now: f64) -> Vec<String>
             .map(|p| format!("  engine pid {p}"))
             .unwrap_or_default()
     )];
+    let flights = &status.in_progress;
+    lines.extend(
+        flights
+            .iter()
+            .take(FLIGHTS_SHOWN)
+            .map(|r| format!("  {}", render::in_progress_line(r))),
+    );
+    if flights.len() > FLIGHTS_SHOWN {
+        lines.push(format!(
+            "  and {} more in flight",
+            flights.len() - FLIGHTS_SHOWN
+        ));
+    }
     if let Some(s) = latest {
         let memory = s
             .memory
@@ -352,6 +367,52 @@ mod tests {
             "2.0 W (1.0 .. 3.0)"
         );
         assert_eq!(range(&[Some(1.0), None], "W", 1), "-");
+    }
+
+    #[test]
+    fn the_header_lists_the_requests_in_flight() {
+        use dsv4_client::words::Phase;
+        use dsv4_client::{EngineStatus, InProgress, PrefillProgress, Requests};
+        let flight = |id| InProgress {
+            id,
+            path: "/v1/chat/completions".into(),
+            stream: true,
+            profile: Some("16k".into()),
+            age_s: 3.0,
+            phase: Phase::Prefill,
+            waiting_for: None,
+            loading_s: None,
+            loading_about_s: None,
+            prefill: Some(PrefillProgress {
+                done: 2048,
+                total: 8192,
+                cached: 0,
+                rate: Some(1024.0),
+                left_s: Some(6.0),
+            }),
+            tokens: 0,
+        };
+        let mut status = Status {
+            engine: EngineStatus::stopped("16k"),
+            requests: Requests::default(),
+            telemetry: None,
+            power: None,
+            thermal: None,
+            kv: None,
+            limits: None,
+            in_progress: Vec::new(),
+        };
+        assert_eq!(header(&status, None, 0.0).len(), 2);
+        status.in_progress = vec![flight(3)];
+        assert_eq!(
+            header(&status, None, 0.0)[1],
+            "  #3 /v1/chat/completions  prefill 2,048 / 8,192 tokens (25.0%), 1024 tok/s, \
+             about 6 s left  (3 s)"
+        );
+        status.in_progress = (1..=7).map(flight).collect();
+        let head = header(&status, None, 0.0);
+        assert_eq!(head.len(), 1 + FLIGHTS_SHOWN + 1 + 1, "{head:?}");
+        assert_eq!(head[FLIGHTS_SHOWN + 1], "  and 2 more in flight");
     }
 
     #[test]

@@ -393,6 +393,15 @@ impl ControlObject {
     async fn last_error(&self) -> String {
         self.parts.lifecycle.status().last_error.unwrap_or_default()
     }
+    /// The requests in flight with their phases, as the JSON array `in_progress` of the
+    /// status. It changes with every token, so no `PropertiesChanged` announces it: a
+    /// watcher reads it when it wants it.
+    #[zbus(property(emits_changed_signal = "false"))]
+    async fn in_progress(&self) -> zbus::fdo::Result<String> {
+        let state = self.parts.lifecycle.status().state;
+        serde_json::to_string(&self.parts.in_progress(state))
+            .map_err(|e| zbus::fdo::Error::Failed(e.to_string()))
+    }
 
     /// `Alert(kind, message)`: something a desktop user should hear about (a rejected
     /// configuration change, ...).

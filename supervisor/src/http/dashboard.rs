@@ -6,7 +6,8 @@
 //! key when keys are configured). It starts with the last hour of the monitor's samples, the
 //! thermal thresholds, the latest alerts, the thermal events that stand and the saved
 //! validation runs (`hello`), then sends the whole status document when anything in it
-//! moved (state, requests, a new sample), at most twice a second, new engine output lines
+//! moved (state, requests, a new sample), at most twice a second, and every second while
+//! requests are in flight (their phases and prefill figures), new engine output lines
 //! (`log`), each alert (`alert`) and thermal event (`thermal`) as it comes, and the
 //! validation runs again when one ends (`validations`). Neither ever starts the engine.
 //!
@@ -46,6 +47,9 @@ const STYLE: &str = include_str!("ui/app.css");
 
 /// The most status documents sent a second.
 const STATUS_GAP: Duration = Duration::from_millis(500);
+/// While requests are in flight, the status goes out this often even when nothing else in
+/// it moved: their phases and prefill figures change without a word from the lifecycle.
+const IN_FLIGHT_TICK: Duration = Duration::from_secs(1);
 /// The history the page starts with.
 const HISTORY_SECONDS: f64 = 3600.0;
 /// Engine output lines sent at once, at most.
@@ -241,9 +245,11 @@ async fn feed(ctx: Arc<Ctx>, tx: mpsc::Sender<Bytes>, _watcher: Watcher) {
         figures.borrow_and_update();
         samples.borrow_and_update();
         // The document as bytes only: nothing else of it is held while the client reads.
-        let doc = {
-            let doc = serde_json::to_value(ctx.parts.status_document().await).unwrap_or_default();
-            event("status", &doc)
+        let (doc, busy) = {
+            let doc = ctx.parts.status_document().await;
+            let busy = !doc.in_progress.is_empty();
+            let doc = serde_json::to_value(doc).unwrap_or_default();
+            (event("status", &doc), busy)
         };
         if tx.send(doc).await.is_err() {
             return;
@@ -255,6 +261,10 @@ async fn feed(ctx: Arc<Ctx>, tx: mpsc::Sender<Bytes>, _watcher: Watcher) {
         }
         let gap = tokio::time::sleep(STATUS_GAP);
         tokio::pin!(gap);
+        // Requests in flight: the next status goes out within the tick whatever moves. An
+        // idle page is not woken: the status that shows the last request gone ends it.
+        let tick = tokio::time::sleep(IN_FLIGHT_TICK);
+        tokio::pin!(tick);
         let mut moved = false;
         let mut runs_ended = false;
         // Alerts, thermal and validation events go out as they come; the status once it
@@ -264,6 +274,7 @@ async fn feed(ctx: Arc<Ctx>, tx: mpsc::Sender<Bytes>, _watcher: Watcher) {
                 r = status.changed(), if !moved => { moved = true; r.is_ok().then_some(None) }
                 r = figures.changed(), if !moved => { moved = true; r.is_ok().then_some(None) }
                 r = samples.changed(), if !moved => { moved = true; r.is_ok().then_some(None) }
+                () = &mut tick, if busy && !moved => { moved = true; Some(None) }
                 () = &mut gap, if moved => break,
                 a = alerts.recv() => match a {
                     Ok(a) => Some(Some(event("alert", &json!(a)))),

@@ -145,13 +145,16 @@ async fn route(
         (true, "/metrics") => {
             let sample = ctx.parts.telemetry.latest();
             let kv = ctx.parts.lifecycle.kv().status().await;
+            let status = ctx.parts.lifecycle.status();
+            let in_progress = ctx.parts.in_progress(status.state);
             let text = crate::observe::metrics::render(
-                &ctx.parts.lifecycle.status(),
+                &status,
                 &ctx.parts.stats.report(0),
                 sample.as_deref(),
                 &ctx.parts.power.status(),
                 &ctx.parts.thermal.status(),
                 &kv,
+                &in_progress,
             );
             let mut r = Response::new(ProxyBody::from(Bytes::from(text)));
             r.headers_mut().insert(

@@ -9,7 +9,8 @@
 
 use dsv4_client::kv::KvStatus;
 use dsv4_client::telemetry::{Sample, Sensor, ThrottleKind};
-use dsv4_client::{PowerStatus, State, ThermalStatus};
+use dsv4_client::words::Phase;
+use dsv4_client::{InProgress, PowerStatus, State, ThermalStatus};
 use prometheus_client::encoding::EncodeLabelSet;
 use prometheus_client::metrics::counter::Counter;
 use prometheus_client::metrics::family::Family;
@@ -29,6 +30,11 @@ type FloatCounter = Counter<f64, AtomicU64>;
 #[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
 struct StateLabel {
     state: &'static str,
+}
+
+#[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
+struct PhaseLabel {
+    phase: &'static str,
 }
 
 #[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
@@ -97,10 +103,12 @@ pub fn render(
     power: &PowerStatus,
     thermal: &ThermalStatus,
     kv: &KvStatus,
+    in_progress: &[InProgress],
 ) -> String {
     let mut reg = Registry::default();
     engine(&mut reg, status);
     request_metrics(&mut reg, requests);
+    in_progress_metrics(&mut reg, in_progress);
     host(&mut reg, sample);
     power_metrics(&mut reg, power);
     kv_metrics(&mut reg, kv);
@@ -241,6 +249,44 @@ fn engine(reg: &mut Registry, status: &Status) {
         "Engines started since the daemon started.",
         status.generation.unwrap_or(0),
     );
+}
+
+/// The requests in flight by phase (every phase, 0 included), and the tokens of the
+/// prefills under way as far as their engines tell.
+fn in_progress_metrics(reg: &mut Registry, in_progress: &[InProgress]) {
+    let phases = add(
+        reg,
+        "dsv4_requests_in_progress",
+        "Requests in flight by phase: waiting, loading, prefill, decoding, ending.",
+        Family::<PhaseLabel, Gauge>::default(),
+    );
+    for phase in Phase::ALL {
+        let n = in_progress.iter().filter(|r| r.phase == *phase).count();
+        phases
+            .get_or_create(&PhaseLabel {
+                phase: phase.as_str(),
+            })
+            .set(i64::try_from(n).unwrap_or(i64::MAX));
+    }
+    let tokens = add(
+        reg,
+        "dsv4_prefill_tokens",
+        "New prompt tokens of the prefills under way whose engine tells how far they got: \
+         done so far, and in all.",
+        Family::<StateLabel, Gauge>::default(),
+    );
+    let prefills = in_progress
+        .iter()
+        .filter(|r| r.phase == Phase::Prefill)
+        .filter_map(|r| r.prefill.as_ref());
+    let (done, total) = prefills.fold((0u64, 0u64), |(d, t), p| {
+        (d.saturating_add(p.done), t.saturating_add(p.total))
+    });
+    for (state, v) in [("done", done), ("total", total)] {
+        tokens
+            .get_or_create(&StateLabel { state })
+            .set(i64::try_from(v).unwrap_or(i64::MAX));
+    }
 }
 
 fn request_metrics(reg: &mut Registry, requests: &Report) {
@@ -489,6 +535,7 @@ mod tests {
             &PowerStatus::default(),
             &ThermalStatus::default(),
             &kv,
+            &[],
         );
         let got = lines(&text);
         for line in [
@@ -499,6 +546,76 @@ mod tests {
         ] {
             assert!(got.contains(&line), "no {line} in\n{text}");
         }
+    }
+
+    #[test]
+    fn requests_in_flight_are_counted_by_phase_with_their_prefill_tokens() {
+        use dsv4_client::PrefillProgress;
+        let flight = |phase, prefill: Option<(u64, u64)>| InProgress {
+            id: 1,
+            path: "/v1/chat/completions".into(),
+            stream: true,
+            profile: None,
+            age_s: 1.0,
+            phase,
+            waiting_for: None,
+            loading_s: None,
+            loading_about_s: None,
+            prefill: prefill.map(|(done, total)| PrefillProgress {
+                done,
+                total,
+                cached: 7,
+                rate: None,
+                left_s: None,
+            }),
+            tokens: 0,
+        };
+        let render_with = |flights: &[InProgress]| {
+            render(
+                &Status::stopped("320k"),
+                &Stats::default().report(0),
+                None,
+                &PowerStatus::default(),
+                &ThermalStatus::default(),
+                &KvStatus::default(),
+                flights,
+            )
+        };
+        let text = render_with(&[
+            flight(Phase::Prefill, Some((4096, 262_144))),
+            flight(Phase::Prefill, Some((100, 1000))),
+            // A prefill its engine does not tell: counted, with no tokens.
+            flight(Phase::Prefill, None),
+            flight(Phase::Waiting, None),
+            flight(Phase::Decoding, None),
+        ]);
+        let got = lines(&text);
+        for line in [
+            "# HELP dsv4_requests_in_progress Requests in flight by phase: waiting, loading, \
+             prefill, decoding, ending.",
+            "# TYPE dsv4_requests_in_progress gauge",
+            "dsv4_requests_in_progress{phase=\"waiting\"} 1",
+            "dsv4_requests_in_progress{phase=\"loading\"} 0",
+            "dsv4_requests_in_progress{phase=\"prefill\"} 3",
+            "dsv4_requests_in_progress{phase=\"decoding\"} 1",
+            "dsv4_requests_in_progress{phase=\"ending\"} 0",
+            "# TYPE dsv4_prefill_tokens gauge",
+            "dsv4_prefill_tokens{state=\"done\"} 4196",
+            "dsv4_prefill_tokens{state=\"total\"} 263144",
+        ] {
+            assert!(got.contains(&line), "missing {line:?} in\n{text}");
+        }
+        // None in flight: every phase at 0, and no tokens.
+        let text = render_with(&[]);
+        let got = lines(&text);
+        for phase in Phase::ALL {
+            let line = format!("dsv4_requests_in_progress{{phase=\"{phase}\"}} 0");
+            assert!(got.contains(&line.as_str()), "missing {line:?} in\n{text}");
+        }
+        assert!(
+            got.contains(&"dsv4_prefill_tokens{state=\"done\"} 0"),
+            "{text}"
+        );
     }
 
     fn lines(text: &str) -> Vec<&str> {
@@ -529,6 +646,7 @@ mod tests {
             &PowerStatus::default(),
             &ThermalStatus::default(),
             &KvStatus::default(),
+            &[],
         );
         let got = lines(&text);
         for line in [
@@ -626,6 +744,7 @@ mod tests {
                 ..ThermalStatus::default()
             },
             &KvStatus::default(),
+            &[],
         );
         let got = lines(&text);
         for line in [

@@ -163,6 +163,95 @@ function addSample(s) {
   while (samples.length && samples[0].at < t0) samples.shift();
 }
 
+// A count with its thousands grouped: 262,144.
+function thousands(n) {
+  return Number(n).toLocaleString("en-US");
+}
+
+// A span of time for people: 1 h 58 min, 12 min 5 s, 42 s.
+function spoken(seconds) {
+  const s = Math.max(0, Math.floor(seconds));
+  const h = Math.floor(s / 3600), min = Math.floor(s / 60) % 60, sec = s % 60;
+  if (h > 0) return min > 0 ? h + " h " + min + " min" : h + " h";
+  if (min > 0) return sec > 0 ? min + " min " + sec + " s" : min + " min";
+  return sec + " s";
+}
+
+// A time left: to the second below a minute, to the minute above.
+function about(seconds) {
+  const s = Math.max(0, Math.round(seconds));
+  return spoken(s < 60 ? s : Math.round(s / 60) * 60);
+}
+
+// A rate with four significant digits: 13.35, 122.7, 1234.
+function rate(v) {
+  const a = Math.abs(v);
+  return Number(v).toFixed(a >= 1000 ? 0 : a >= 100 ? 1 : a >= 10 ? 2 : 3);
+}
+
+const WAITS = { start: "a start", drain: "a drain", validation: "a validation", turn: "its turn" };
+
+// Where a request in flight is, as dsv4ctl status says it.
+function phaseText(r) {
+  if (r.phase === "waiting") return r.waiting_for ? "waiting for " + (WAITS[r.waiting_for] || r.waiting_for) : "waiting";
+  if (r.phase === "loading") {
+    let s = "loading" + (r.profile ? " " + r.profile : "");
+    if (r.loading_s != null) {
+      s += ": " + spoken(r.loading_s);
+      if (r.loading_about_s != null) s += " of about " + spoken(r.loading_about_s);
+    }
+    return s;
+  }
+  if (r.phase === "prefill") {
+    const p = r.prefill;
+    if (!p) return "prefill";
+    let s = "prefill " + thousands(p.done) + " / " + thousands(p.total) + " tokens";
+    if (p.total > 0) s += " (" + (p.done * 100 / p.total).toFixed(1) + "%)";
+    if (p.cached > 0) s += ", " + thousands(p.cached) + " cached";
+    if (p.rate != null) s += ", " + rate(p.rate) + " tok/s";
+    if (p.left_s != null) s += ", about " + about(p.left_s) + " left";
+    return s;
+  }
+  if (r.tokens > 0) return r.phase + ", " + thousands(r.tokens) + (r.tokens === 1 ? " token" : " tokens");
+  return r.phase;
+}
+
+// The requests in flight, each with its phase and, in a prefill the engine tells, a bar.
+function showInProgress(list) {
+  const ul = $("in-progress");
+  ul.replaceChildren();
+  if (!list.length) {
+    const li = document.createElement("li");
+    li.className = "none";
+    li.textContent = "none";
+    ul.appendChild(li);
+    return;
+  }
+  for (const r of list) {
+    const li = document.createElement("li");
+    li.dataset.id = r.id;
+    li.dataset.phase = r.phase;
+    li.appendChild(document.createTextNode("#" + r.id + " " + r.path));
+    const phase = document.createElement("span");
+    phase.className = "phase";
+    phase.textContent = r.phase;
+    li.appendChild(phase);
+    if (r.phase === "prefill" && r.prefill) {
+      li.dataset.done = r.prefill.done;
+      li.dataset.total = r.prefill.total;
+      const bar = document.createElement("progress");
+      bar.max = Math.max(1, r.prefill.total);
+      bar.value = r.prefill.done;
+      li.appendChild(bar);
+    }
+    const text = document.createElement("span");
+    text.className = "what";
+    text.textContent = phaseText(r) + " (" + spoken(r.age_s) + ")";
+    li.appendChild(text);
+    ul.appendChild(li);
+  }
+}
+
 function showStatus(doc) {
   const state = $("state");
   state.textContent = doc.state + (doc.kv_step ? " (" + doc.kv_step + ")" : "");
@@ -172,6 +261,7 @@ function showStatus(doc) {
     : doc.profile;
   $("in-flight").textContent = doc.in_flight;
   $("waiting").textContent = doc.waiting;
+  showInProgress(doc.in_progress || []);
   const err = $("error");
   err.hidden = !doc.last_error;
   err.textContent = doc.last_error ? "last error: " + doc.last_error : "";
