@@ -113,7 +113,7 @@ pub(crate) async fn proxy(
         false => None,
     };
     let flight = ctx.parts.flights.enter(
-        parts.uri.path(),
+        &parts.uri,
         streamed.is_some(),
         config.supervisor.notify.long_request,
     );

@@ -36,21 +36,24 @@ pub struct Flights {
 
 #[derive(Default)]
 struct Register {
-    flights: Mutex<Slab<Arc<Flight>>>,
+    /// The requests themselves, in one lock: a request's own updates are a few a second
+    /// at most (its stream's chunks), and each is a few stores.
+    flights: Mutex<Slab<Flight>>,
     /// The number the next request gets, less one.
     count: AtomicU64,
     alerts: Alerts,
 }
 
 /// One request in flight.
-pub struct Flight {
+struct Flight {
     id: u64,
-    path: Box<str>,
+    /// Its target (shared with the request's: no copy), for its path.
+    uri: http::Uri,
     stream: bool,
     came: Instant,
     /// A prefill longer than this raises alerts (`notify.long_request`).
     long: Option<Duration>,
-    now: Mutex<Now>,
+    now: Now,
 }
 
 /// Where a request is, as its own path moves it.
@@ -67,8 +70,6 @@ struct Now {
     prefilled: Option<Duration>,
     /// Events of the answer so far.
     tokens: u64,
-    /// The long-prefill alert went out.
-    told: bool,
 }
 
 #[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
@@ -84,7 +85,6 @@ enum Stage {
 
 /// A request's place in the register; dropping it takes the request out.
 pub struct Ticket {
-    flight: Arc<Flight>,
     key: usize,
     register: Arc<Register>,
 }
@@ -100,19 +100,18 @@ impl Flights {
         }
     }
 
-    /// Registers a request whose body has been read.
-    pub fn enter(&self, path: &str, stream: bool, long: Option<Duration>) -> Ticket {
-        let flight = Arc::new(Flight {
+    /// Registers a request for `uri` whose body has been read.
+    pub fn enter(&self, uri: &http::Uri, stream: bool, long: Option<Duration>) -> Ticket {
+        let flight = Flight {
             id: self.inner.count.fetch_add(1, Ordering::Relaxed) + 1,
-            path: path.into(),
+            uri: uri.clone(),
             stream,
             came: Instant::now(),
             long,
-            now: Mutex::default(),
-        });
-        let key = lock(&self.inner.flights).insert(flight.clone());
+            now: Now::default(),
+        };
+        let key = lock(&self.inner.flights).insert(flight);
         Ticket {
-            flight,
             key,
             register: self.inner.clone(),
         }
@@ -127,10 +126,8 @@ impl Flights {
         state: State,
         validating: bool,
     ) -> Vec<InProgress> {
-        let mut flights: Vec<Arc<Flight>> = lock(&self.inner.flights)
-            .iter()
-            .map(|(_, f)| f.clone())
-            .collect();
+        let flights = lock(&self.inner.flights);
+        let mut flights: Vec<&Flight> = flights.iter().map(|(_, f)| f).collect();
         flights.sort_by_key(|f| f.id);
         let at = Instant::now();
         let waiting = Waiting {
@@ -144,8 +141,8 @@ impl Flights {
         flights
             .iter()
             .map(|f| {
-                let now = lock(&f.now);
-                let mut shown = f.shown(&now, at, &waiting);
+                let now = &f.now;
+                let mut shown = f.shown(now, at, &waiting);
                 if let (Stage::Sent, Some((engine, mark))) = (now.stage, &now.engine) {
                     if let PrefillReport::Lines(read) = engine.kind.prefill {
                         if !lines_read.contains(&engine.pid) {
@@ -171,7 +168,7 @@ impl Flight {
     fn shown(&self, now: &Now, at: Instant, waiting: &Waiting) -> InProgress {
         let mut shown = InProgress {
             id: self.id,
-            path: self.path.to_string(),
+            path: self.uri.path().to_string(),
             stream: self.stream,
             profile: now.engine.as_ref().map(|(e, _)| e.profile.clone()),
             age_s: round(at.saturating_duration_since(self.came).as_secs_f64()),
@@ -257,85 +254,87 @@ fn prefill_from_lines(
 }
 
 impl Ticket {
-    /// The request's number.
-    pub fn id(&self) -> u64 {
-        self.flight.id
+    /// Runs `f` on the request's record; what it returns, an alert to raise once the
+    /// register is let go.
+    fn with(&self, f: impl FnOnce(&mut Flight) -> Option<String>) {
+        let alert = lock(&self.register.flights).get_mut(self.key).and_then(f);
+        if let Some(message) = alert {
+            self.register.alerts.raise(AlertKind::Request, message);
+        }
     }
 
     /// Sent to `engine`.
     pub fn sent(&self, engine: &Arc<EngineRef>) {
         let mark = engine.output.written();
-        let mut now = lock(&self.flight.now);
-        now.stage = Stage::Sent;
-        now.engine = Some((engine.clone(), mark));
-        now.sent = Some(Instant::now());
+        self.with(|f| {
+            f.now.stage = Stage::Sent;
+            f.now.engine = Some((engine.clone(), mark));
+            f.now.sent = Some(Instant::now());
+            None
+        });
     }
 
     /// The engine's stream told how far the prefill has got.
     pub fn prefill(&self, p: Prefill) {
-        let mut now = lock(&self.flight.now);
-        let first = now.prefill.map_or_else(Instant::now, |(_, first)| first);
-        now.prefill = Some((p, first));
+        self.with(|f| {
+            let first = f.now.prefill.map_or_else(Instant::now, |(_, first)| first);
+            f.now.prefill = Some((p, first));
+            None
+        });
     }
 
     /// `events` more events of the answer came (the first ends the prefill).
     pub fn tokens(&self, events: u64) {
-        let mut now = lock(&self.flight.now);
-        now.tokens += events;
-        if now.stage == Stage::Sent {
+        self.with(|f| {
+            let now = &mut f.now;
+            now.tokens += events;
+            if now.stage != Stage::Sent {
+                return None;
+            }
             now.stage = Stage::Decoding;
             let took = now.sent.map(|s| s.elapsed()).unwrap_or_default();
             now.prefilled = Some(took);
-            if self.flight.long.is_some_and(|long| took >= long) {
-                now.told = true;
-                let tokens = prefill_tokens(&now);
-                let message = format!(
-                    "{} done in {}, decode started",
-                    describe_prefill(tokens),
-                    dsv4_client::units::spoken_duration(took)
-                );
-                drop(now);
-                self.register.alerts.raise(AlertKind::Request, message);
-            }
-        }
+            f.long.filter(|long| took >= *long)?;
+            Some(format!(
+                "{} done in {}, decode started",
+                describe_prefill(prefill_tokens(now)),
+                dsv4_client::units::spoken_duration(took)
+            ))
+        });
     }
 
     /// The answer is complete, or nearly: on its way to the client.
     pub fn ending(&self) {
-        lock(&self.flight.now).stage = Stage::Ending;
+        self.with(|f| {
+            f.now.stage = Stage::Ending;
+            None
+        });
     }
 
     /// The answer ended (`failed`: with this error). A request whose prefill was long says so.
     pub fn ended(&self, failed: Option<&str>) {
-        let now = lock(&self.flight.now);
-        let Some(long) = self.flight.long else {
-            return;
-        };
-        let took = self.flight.came.elapsed();
-        let long_prefill = match now.prefilled {
-            Some(p) => p >= long,
-            // Never got past its prefill: long if its time with the engine was.
-            None => now.sent.is_some_and(|s| s.elapsed() >= long),
-        };
-        if !long_prefill {
-            return;
-        }
-        let what = describe_prefill(prefill_tokens(&now));
-        let message = match failed {
-            Some(why) => format!(
-                "request {} ({what}) failed after {}: {why}",
-                self.flight.id,
-                dsv4_client::units::spoken_duration(took)
-            ),
-            None => format!(
-                "request {} ({what}) answered in {}, {} events",
-                self.flight.id,
-                dsv4_client::units::spoken_duration(took),
-                now.tokens
-            ),
-        };
-        drop(now);
-        self.register.alerts.raise(AlertKind::Request, message);
+        self.with(|f| {
+            let long = f.long?;
+            let now = &f.now;
+            let took = f.came.elapsed();
+            let long_prefill = match now.prefilled {
+                Some(p) => p >= long,
+                // Never got past its prefill: long if its time with the engine was.
+                None => now.sent.is_some_and(|s| s.elapsed() >= long),
+            };
+            if !long_prefill {
+                return None;
+            }
+            let what = describe_prefill(prefill_tokens(now));
+            let took = dsv4_client::units::spoken_duration(took);
+            Some(match failed {
+                Some(why) => format!("request {} ({what}) failed after {took}: {why}", f.id),
+                None => format!(
+                    "request {} ({what}) answered in {took}, {} events",
+                    f.id, now.tokens
+                ),
+            })
+        });
     }
 }
 
@@ -383,6 +382,10 @@ mod tests {
     use super::*;
     use dsv4_engine::{EngineKind, OutputTail};
 
+    fn uri(path: &str) -> http::Uri {
+        path.parse().unwrap()
+    }
+
     fn engine(kind: EngineKind) -> Arc<EngineRef> {
         let addr = ([127, 0, 0, 1], 9).into();
         Arc::new(EngineRef {
@@ -406,7 +409,7 @@ mod tests {
     #[tokio::test]
     async fn a_waiting_request_says_what_it_waits_for() {
         let flights = Flights::default();
-        let _t = flights.enter("/v1/chat/completions", true, None);
+        let _t = flights.enter(&uri("/v1/chat/completions"), true, None);
         let loading = Loading {
             profile: "64k".into(),
             since: Instant::now() - Duration::from_secs(23),
@@ -442,8 +445,8 @@ mod tests {
     #[tokio::test]
     async fn a_request_moves_through_its_phases_and_leaves() {
         let flights = Flights::default();
-        let t = flights.enter("/v1/chat/completions", true, None);
-        let later = flights.enter("/v1/completions", false, None);
+        let t = flights.enter(&uri("/v1/chat/completions"), true, None);
+        let later = flights.enter(&uri("/v1/completions"), false, None);
         t.sent(&engine(EngineKind::LlamaServer));
         let shown = |f: &Flights| f.in_progress(None, State::Ready, false);
         let first = &shown(&flights)[0];
@@ -484,8 +487,8 @@ mod tests {
         ds4.output
             .push("an earlier request's line: ds4-server: chat ctx=0..9:9 prompt start".into());
         let (a, b) = (
-            flights.enter("/v1/chat/completions", true, None),
-            flights.enter("/v1/chat/completions", false, None),
+            flights.enter(&uri("/v1/chat/completions"), true, None),
+            flights.enter(&uri("/v1/chat/completions"), false, None),
         );
         a.sent(&ds4);
         b.sent(&ds4);
@@ -520,11 +523,11 @@ mod tests {
         let mut heard = alerts.subscribe();
         let flights = Flights::new(alerts);
         // Any prefill is long at a threshold of zero; none is without one.
-        let quiet = flights.enter("/v1/chat/completions", true, None);
+        let quiet = flights.enter(&uri("/v1/chat/completions"), true, None);
         quiet.sent(&engine(EngineKind::LlamaServer));
         quiet.tokens(1);
         quiet.ended(None);
-        let t = flights.enter("/v1/chat/completions", true, Some(Duration::ZERO));
+        let t = flights.enter(&uri("/v1/chat/completions"), true, Some(Duration::ZERO));
         t.sent(&engine(EngineKind::LlamaServer));
         t.prefill(Prefill {
             done: 262_000,
@@ -546,7 +549,7 @@ mod tests {
             a.message,
             "request 2 (262,144-token prefill) answered in 0 s, 2 events"
         );
-        let failed = flights.enter("/v1/chat/completions", false, Some(Duration::ZERO));
+        let failed = flights.enter(&uri("/v1/chat/completions"), false, Some(Duration::ZERO));
         failed.sent(&engine(EngineKind::Ds4));
         failed.ended(Some(
             "the engine exited while handling the request (exit code 1)",
