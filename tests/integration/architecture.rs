@@ -545,3 +545,56 @@ fn a_named_kind_is_caught() {
         assert_eq!(names_a_kind(passed), None, "{passed}");
     }
 }
+
+/// The workspace's `rust-version` is true: no locked dependency needs a newer Rust (as
+/// `cargo metadata` tells each package's own `rust-version`). clippy's `incompatible_msrv`
+/// keeps the workspace's own code to it.
+#[test]
+fn no_locked_dependency_needs_a_newer_rust_than_the_workspace_declares() {
+    let cargo = std::env::var("CARGO").unwrap_or_else(|_| "cargo".into());
+    let root = std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("..");
+    let out = std::process::Command::new(cargo)
+        .args(["metadata", "--format-version", "1", "--locked", "--offline"])
+        .current_dir(&root)
+        .output()
+        .expect("cargo metadata");
+    assert!(
+        out.status.success(),
+        "cargo metadata: {}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    let meta: serde_json::Value = serde_json::from_slice(&out.stdout).unwrap();
+    // `1.85` is `1.85.0`.
+    let version = |v: &str| -> [u64; 3] {
+        let mut parts = v.split('.').map(|n| n.parse().unwrap_or(0));
+        [(); 3].map(|()| parts.next().unwrap_or(0))
+    };
+    let manifest = std::fs::read_to_string(root.join("Cargo.toml")).unwrap();
+    let declared = manifest
+        .lines()
+        .find_map(|l| l.strip_prefix("rust-version = "))
+        .map(|v| v.trim().trim_matches('"').to_string())
+        .expect("rust-version in the workspace's Cargo.toml");
+    let members: Vec<&str> = meta["workspace_members"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .filter_map(|m| m.as_str())
+        .collect();
+    let mut newer: Vec<String> = meta["packages"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .filter(|p| !members.contains(&p["id"].as_str().unwrap_or_default()))
+        .filter_map(|p| {
+            let needs = p["rust_version"].as_str()?;
+            (version(needs) > version(&declared))
+                .then(|| format!("{} {} needs Rust {needs}", p["name"], p["version"]))
+        })
+        .collect();
+    newer.sort();
+    assert!(
+        newer.is_empty(),
+        "the workspace declares rust-version {declared}, but: {newer:#?}"
+    );
+}
