@@ -32,6 +32,7 @@ mod openai_kind;
 mod packaging;
 mod port_taken;
 mod power;
+mod protocols;
 mod real_engine;
 mod reload;
 mod service;

@@ -528,13 +528,60 @@ pub struct Requests {
     #[serde(flatten)]
     pub all: Totals,
     pub by_profile: BTreeMap<String, Totals>,
+    /// Totals per API (`openai`, `anthropic`, `responses`); absent from older daemons.
+    #[serde(default)]
+    pub by_protocol: BTreeMap<ApiProtocol, Totals>,
     pub recent: Vec<RequestRecord>,
+}
+
+/// The API a request spoke, by its path: where its answer's token counts are.
+#[derive(
+    Debug, Clone, Copy, Default, PartialEq, Eq, PartialOrd, Ord, Hash, Serialize, Deserialize,
+)]
+pub enum ApiProtocol {
+    /// OpenAI's chat and text completions (and llama-server's own `/completion`, and any other
+    /// path that reports llama-server's `timings`): `usage.prompt_tokens`, ...
+    #[default]
+    #[serde(rename = "openai")]
+    OpenAi,
+    /// Anthropic's Messages (`/v1/messages`): `usage.input_tokens`, ...
+    #[serde(rename = "anthropic")]
+    Anthropic,
+    /// OpenAI's Responses (`/v1/responses`): `usage.input_tokens`, ...
+    #[serde(rename = "responses")]
+    Responses,
+}
+
+impl ApiProtocol {
+    pub const ALL: [ApiProtocol; 3] = [
+        ApiProtocol::OpenAi,
+        ApiProtocol::Anthropic,
+        ApiProtocol::Responses,
+    ];
+
+    /// Its name in `/status` and `/metrics`.
+    pub fn as_str(self) -> &'static str {
+        match self {
+            ApiProtocol::OpenAi => "openai",
+            ApiProtocol::Anthropic => "anthropic",
+            ApiProtocol::Responses => "responses",
+        }
+    }
+}
+
+impl fmt::Display for ApiProtocol {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str(self.as_str())
+    }
 }
 
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
 pub struct RequestRecord {
     pub profile: String,
     pub path: String,
+    /// The API it spoke (older daemons counted OpenAI's alone).
+    #[serde(default)]
+    pub protocol: ApiProtocol,
     pub at: f64,
     pub prompt_tokens: u64,
     pub cached_tokens: u64,
@@ -544,6 +591,11 @@ pub struct RequestRecord {
     pub prompt_ms: f64,
     pub decode_ms: f64,
     pub wall_ms: f64,
+    /// The prefill and decode times are dsv4d's clock (from the request's sending to its
+    /// answer's first event, then to its end), the answer having no engine `timings`; with
+    /// neither (a plain answer without `timings`), the times are 0 and the rates absent.
+    #[serde(default)]
+    pub clock_times: bool,
     /// Temperatures, power, GTT and throttling over the request's span.
     #[serde(default)]
     pub resources: Option<telemetry::Resources>,

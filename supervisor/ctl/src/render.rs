@@ -734,6 +734,7 @@ mod tests {
                     long_prompt_prefill_tok_s: Some(122.66),
                 },
                 by_profile: Default::default(),
+                by_protocol: Default::default(),
                 recent: Vec::new(),
             },
             telemetry: None,
@@ -1055,6 +1056,7 @@ hardware    - (no sample yet)
         s.requests.recent.push(RequestRecord {
             profile: "320k".into(),
             path: "/completion".into(),
+            protocol: Default::default(),
             at: 999_700.0,
             prompt_tokens: 262_144,
             cached_tokens: 0,
@@ -1064,6 +1066,7 @@ hardware    - (no sample yet)
             prompt_ms: 7_098_500.0,
             decode_ms: 6000.0,
             wall_ms: 7_104_000.0,
+            clock_times: false,
             resources: Some(Resources {
                 samples: 7104,
                 edge_mean_c: Some(73.2),

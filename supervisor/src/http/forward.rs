@@ -199,7 +199,7 @@ async fn forward(
         .headers
         .insert(header::HOST, lease.engine.connections.host().clone());
     let engine = lease.engine.clone();
-    flight.sent(&engine);
+    let sent = flight.sent(&engine);
     // An engine that tells a prefill's progress in its stream when asked is asked, for a
     // streamed OpenAI request; its progress events are taken out again unless the client
     // asked for them itself.
@@ -231,7 +231,7 @@ async fn forward(
             let sse = content_type.is_some_and(|t| t.starts_with("text/event-stream"));
             let tap = match tap_path {
                 Some(path) if parts.status.is_success() => {
-                    Tap::for_content_type(content_type).map(|tap| {
+                    Tap::new(&path, content_type, sent).map(|tap| {
                         Box::new(Tapped {
                             tap,
                             stats: ctx.parts.stats.clone(),

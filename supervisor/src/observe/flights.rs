@@ -263,15 +263,17 @@ impl Ticket {
         }
     }
 
-    /// Sent to `engine`.
-    pub fn sent(&self, engine: &Arc<EngineRef>) {
+    /// Sent to `engine`, now: returned, for the statistics' clock.
+    pub fn sent(&self, engine: &Arc<EngineRef>) -> Instant {
         let mark = engine.output.written();
+        let at = Instant::now();
         self.with(|f| {
             f.now.stage = Stage::Sent;
             f.now.engine = Some((engine.clone(), mark));
-            f.now.sent = Some(Instant::now());
+            f.now.sent = Some(at);
             None
         });
+        at
     }
 
     /// The engine's stream told how far the prefill has got.

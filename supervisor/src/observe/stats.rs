@@ -1,22 +1,38 @@
-//! Request statistics: what the engine reports about each request (llama-server's `timings`),
-//! kept per request and summed, with token-weighted prefill and decode rates.
+//! Request statistics: what the engine reports about each request, kept per request and
+//! summed, with token-weighted prefill and decode rates.
 //!
 //! Owns: the records and totals. Must not: delay or alter a response; the proxy hands it a
 //! copy of the response's last bytes ([`Tap`]) and the figures are read once the body ended.
 //!
+//! Where the figures are, by the API the request spoke ([`ApiProtocol`], from its path):
+//! llama-server's `timings` (prompt, cached and generated tokens, prefill and decode times)
+//! wherever present, in any shape; else the answer's `usage`, read as its API defines it:
+//! OpenAI's `prompt_tokens` (cached ones included, in `prompt_tokens_details.cached_tokens`)
+//! and `completion_tokens`; Responses' `input_tokens` (cached ones included, in
+//! `input_tokens_details.cached_tokens`) and `output_tokens`, in a stream those of its
+//! `response.completed` event; Anthropic's `input_tokens` (cache reads and writes excluded),
+//! `cache_creation_input_tokens`, `cache_read_input_tokens` and `output_tokens`, in a stream
+//! `message_start`'s usage with `message_delta`'s output count. With `usage` alone, the
+//! times of a stream are dsv4d's clock: from the request's sending to the first event of its
+//! answer (not a comment line) is the prefill, the rest the decode; a plain answer comes
+//! whole, so its tokens count but it has no times and no rates.
+//!
 //! Weighted rates are how one would compute them by hand over many requests: total tokens
 //! over total time, so a long request counts for what it is (a mean of per-request rates
-//! would let a 10-token reply weigh as much as a 40K-token one). Prefill is also given over
-//! requests with at least [`LONG_PROMPT`] new prompt tokens, where the figure means
-//! something (a short prompt's prefill is dominated by fixed costs).
+//! would let a 10-token reply weigh as much as a 40K-token one); requests without times
+//! count for tokens, not for rates. Prefill is also given over requests with at least
+//! [`LONG_PROMPT`] new prompt tokens, where the figure means something (a short prompt's
+//! prefill is dominated by fixed costs).
 
 use std::collections::{BTreeMap, VecDeque};
 use std::sync::{Arc, Mutex};
 
 use bytes::Bytes;
+use tokio::time::Instant;
 // The document types are the client's own: what the daemon serves is by construction what
 // `dsv4ctl` and other clients parse.
 use dsv4_client::telemetry::Resources;
+pub use dsv4_client::ApiProtocol;
 pub use dsv4_client::{RequestRecord as Record, Requests as Report, Totals as Summary};
 use serde::Deserialize;
 
@@ -40,6 +56,67 @@ pub struct Timings {
     pub predicted_ms: f64,
 }
 
+/// Where a request's prefill and decode times came from.
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub enum Times {
+    /// llama-server's `timings`.
+    Engine { prompt_ms: f64, decode_ms: f64 },
+    /// dsv4d's clock: sent to the first event, then to the end.
+    Clock { prompt_ms: f64, decode_ms: f64 },
+    /// A plain answer without `timings`: it came whole.
+    Unknown,
+}
+
+impl Times {
+    fn ms(self) -> Option<(f64, f64)> {
+        match self {
+            Times::Engine {
+                prompt_ms,
+                decode_ms,
+            }
+            | Times::Clock {
+                prompt_ms,
+                decode_ms,
+            } => Some((prompt_ms, decode_ms)),
+            Times::Unknown => None,
+        }
+    }
+}
+
+/// What an answer told of its request.
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub struct Figures {
+    pub protocol: ApiProtocol,
+    /// New prompt tokens: those the engine computed.
+    pub prompt_n: u64,
+    /// Prompt tokens taken from the cache.
+    pub cache_n: u64,
+    pub predicted_n: u64,
+    pub times: Times,
+}
+
+impl Figures {
+    fn timed(protocol: ApiProtocol, t: &Timings) -> Figures {
+        Figures {
+            protocol,
+            prompt_n: t.prompt_n,
+            cache_n: t.cache_n,
+            predicted_n: t.predicted_n,
+            times: Times::Engine {
+                prompt_ms: t.prompt_ms,
+                decode_ms: t.predicted_ms,
+            },
+        }
+    }
+}
+
+impl From<Timings> for Figures {
+    /// An OpenAI answer's `timings`.
+    fn from(t: Timings) -> Figures {
+        Figures::timed(ApiProtocol::OpenAi, &t)
+    }
+}
+
 /// Running sums over the requests of one profile, or of all.
 #[derive(Debug, Clone, Default, PartialEq)]
 struct Sums {
@@ -47,6 +124,9 @@ struct Sums {
     pub prompt_tokens: u64,
     pub cached_tokens: u64,
     pub generated_tokens: u64,
+    /// The tokens of the requests with times, which the rates are of.
+    pub timed_prompt_tokens: u64,
+    pub timed_generated_tokens: u64,
     pub prompt_ms: f64,
     pub decode_ms: f64,
     pub long_prompt_requests: u64,
@@ -55,17 +135,22 @@ struct Sums {
 }
 
 impl Sums {
-    fn add(&mut self, t: &Timings) {
+    fn add(&mut self, f: &Figures) {
         self.requests += 1;
-        self.prompt_tokens += t.prompt_n;
-        self.cached_tokens += t.cache_n;
-        self.generated_tokens += t.predicted_n;
-        self.prompt_ms += t.prompt_ms;
-        self.decode_ms += t.predicted_ms;
-        if t.prompt_n >= LONG_PROMPT {
+        self.prompt_tokens += f.prompt_n;
+        self.cached_tokens += f.cache_n;
+        self.generated_tokens += f.predicted_n;
+        let Some((prompt_ms, decode_ms)) = f.times.ms() else {
+            return;
+        };
+        self.timed_prompt_tokens += f.prompt_n;
+        self.timed_generated_tokens += f.predicted_n;
+        self.prompt_ms += prompt_ms;
+        self.decode_ms += decode_ms;
+        if f.prompt_n >= LONG_PROMPT {
             self.long_prompt_requests += 1;
-            self.long_prompt_tokens += t.prompt_n;
-            self.long_prompt_ms += t.prompt_ms;
+            self.long_prompt_tokens += f.prompt_n;
+            self.long_prompt_ms += prompt_ms;
         }
     }
 
@@ -75,8 +160,8 @@ impl Sums {
             prompt_tokens: self.prompt_tokens,
             cached_tokens: self.cached_tokens,
             generated_tokens: self.generated_tokens,
-            decode_tok_s: rate(self.generated_tokens, self.decode_ms),
-            prefill_tok_s: rate(self.prompt_tokens, self.prompt_ms),
+            decode_tok_s: rate(self.timed_generated_tokens, self.decode_ms),
+            prefill_tok_s: rate(self.timed_prompt_tokens, self.prompt_ms),
             long_prompt_requests: self.long_prompt_requests,
             long_prompt_prefill_tok_s: rate(self.long_prompt_tokens, self.long_prompt_ms),
         }
@@ -91,7 +176,17 @@ fn rate(tokens: u64, ms: f64) -> Option<f64> {
 struct Inner {
     all: Sums,
     by_profile: BTreeMap<String, Sums>,
+    /// In the order of [`ApiProtocol::ALL`].
+    by_protocol: [Sums; 3],
     records: VecDeque<Record>,
+}
+
+fn protocol_index(p: ApiProtocol) -> usize {
+    match p {
+        ApiProtocol::OpenAi => 0,
+        ApiProtocol::Anthropic => 1,
+        ApiProtocol::Responses => 2,
+    }
 }
 
 /// The statistics, shared by the proxy (which adds) and the status endpoint (which reads).
@@ -101,51 +196,60 @@ pub struct Stats {
 }
 
 impl Stats {
-    /// Records a finished request; `resources`: what its span cost, from the monitor.
-    pub fn record(
+    /// Records a finished request (its [`Figures`], or an OpenAI answer's [`Timings`]);
+    /// `resources`: what its span cost, from the monitor.
+    pub fn record<F: Into<Figures> + Copy>(
         &self,
         profile: impl Into<String>,
         path: impl Into<String>,
-        t: &Timings,
+        figures: &F,
         wall_ms: f64,
         resources: Option<Resources>,
     ) {
+        let f: Figures = (*figures).into();
         let at = dsv4_client::clock::unix_now();
         // Owned: the proxy hands over its copies.
         let (profile, path) = (profile.into(), path.into());
+        let (prompt_ms, decode_ms) = f.times.ms().unwrap_or((0.0, 0.0));
+        let timed = f.times.ms().is_some();
         let record = Record {
             profile,
             path,
+            protocol: f.protocol,
             at,
-            prompt_tokens: t.prompt_n,
-            cached_tokens: t.cache_n,
-            generated_tokens: t.predicted_n,
-            prefill_tok_s: rate(t.prompt_n, t.prompt_ms),
-            decode_tok_s: rate(t.predicted_n, t.predicted_ms),
-            prompt_ms: t.prompt_ms,
-            decode_ms: t.predicted_ms,
+            prompt_tokens: f.prompt_n,
+            cached_tokens: f.cache_n,
+            generated_tokens: f.predicted_n,
+            prefill_tok_s: rate(f.prompt_n, prompt_ms).filter(|_| timed),
+            decode_tok_s: rate(f.predicted_n, decode_ms).filter(|_| timed),
+            prompt_ms,
+            decode_ms,
             wall_ms,
+            clock_times: matches!(f.times, Times::Clock { .. }),
             resources,
         };
         tracing::debug!(
             profile = record.profile,
             path = record.path,
-            prompt_tokens = t.prompt_n,
-            cached_tokens = t.cache_n,
-            generated_tokens = t.predicted_n,
+            protocol = f.protocol.as_str(),
+            prompt_tokens = f.prompt_n,
+            cached_tokens = f.cache_n,
+            generated_tokens = f.predicted_n,
             prefill_tok_s = record.prefill_tok_s.unwrap_or(0.0),
             decode_tok_s = record.decode_tok_s.unwrap_or(0.0),
+            clock_times = record.clock_times,
             wall_ms,
             "request done"
         );
         let mut g = self.inner.lock().unwrap_or_else(|p| p.into_inner());
-        g.all.add(t);
+        g.all.add(&f);
+        g.by_protocol[protocol_index(f.protocol)].add(&f);
         // The profile's name is copied only the first time it is seen.
         match g.by_profile.get_mut(&record.profile) {
-            Some(sums) => sums.add(t),
+            Some(sums) => sums.add(&f),
             None => {
                 let mut sums = Sums::default();
-                sums.add(t);
+                sums.add(&f);
                 g.by_profile.insert(record.profile.clone(), sums);
             }
         }
@@ -155,7 +259,7 @@ impl Stats {
         g.records.push_back(record);
     }
 
-    /// Totals, per-profile totals, and the last `recent` records.
+    /// Totals, per-profile and per-protocol totals, and the last `recent` records.
     pub fn report(&self, recent: usize) -> Report {
         let g = self.inner.lock().unwrap_or_else(|p| p.into_inner());
         Report {
@@ -164,6 +268,13 @@ impl Stats {
                 .by_profile
                 .iter()
                 .map(|(k, v)| (k.clone(), v.summary()))
+                .collect(),
+            // The protocols that had requests.
+            by_protocol: ApiProtocol::ALL
+                .into_iter()
+                .map(|p| (p, &g.by_protocol[protocol_index(p)]))
+                .filter(|(_, sums)| sums.requests > 0)
+                .map(|(p, sums)| (p, sums.summary()))
                 .collect(),
             recent: g
                 .records
@@ -175,28 +286,46 @@ impl Stats {
     }
 }
 
-/// The last bytes of a response, to read its `timings` once it has ended. The last frame is
+/// The protocol of a request to `path` (as the engine routes it): where its answer's counts
+/// are. Any other path is read as OpenAI's (llama-server's `timings`, OpenAI's `usage`).
+pub fn protocol_of(path: &str) -> ApiProtocol {
+    match path {
+        "/v1/messages" => ApiProtocol::Anthropic,
+        "/v1/responses" | "/responses" => ApiProtocol::Responses,
+        _ => ApiProtocol::OpenAi,
+    }
+}
+
+/// The last bytes of a response, to read its figures once it has ended. The last frame is
 /// held as it came (a small JSON answer is one frame: nothing is copied); earlier ones are
-/// copied, up to the bound, as the next one arrives.
+/// copied, up to the bound, as the next one arrives. Of a stream, it also notes when its
+/// first event came, and of an Anthropic stream the `usage` of its `message_start`, which
+/// may be long gone from the tail by the end.
 #[derive(Debug)]
 pub struct Tap {
     cap: usize,
     buf: Vec<u8>,
     last: Bytes,
+    protocol: ApiProtocol,
+    /// An event stream: when the request was sent, and when its first event came.
+    stream: Option<(Instant, Option<Instant>)>,
+    /// An Anthropic stream's opening usage, once seen.
+    start: Option<Usage>,
 }
 
 impl Tap {
-    /// A tap for a response of this content type, or none when it cannot carry timings.
-    pub fn for_content_type(content_type: Option<&str>) -> Option<Tap> {
+    /// A tap for the answer to a request to `path` sent at `sent`, or none when the answer's
+    /// content type cannot carry figures.
+    pub fn new(path: &str, content_type: Option<&str>, sent: Instant) -> Option<Tap> {
         let ct = content_type?;
         let is = |prefix: &str| {
             ct.get(..prefix.len())
                 .is_some_and(|p| p.eq_ignore_ascii_case(prefix))
         };
-        let cap = if is("text/event-stream") {
-            TAIL_SSE
+        let (cap, stream) = if is("text/event-stream") {
+            (TAIL_SSE, Some((sent, None)))
         } else if is("application/json") {
-            TAIL_JSON
+            (TAIL_JSON, None)
         } else {
             return None;
         };
@@ -204,10 +333,23 @@ impl Tap {
             cap,
             buf: Vec::new(),
             last: Bytes::new(),
+            protocol: protocol_of(path),
+            stream,
+            start: None,
         })
     }
 
     pub fn push(&mut self, data: &Bytes) {
+        if let Some((_, first @ None)) = &mut self.stream {
+            // The first frame that is not a comment (ds4-server's `: prefill` lines).
+            if data.trim_ascii_start().first().is_some_and(|c| *c != b':') {
+                *first = Some(Instant::now());
+            }
+        }
+        if self.protocol == ApiProtocol::Anthropic && self.stream.is_some() && self.start.is_none()
+        {
+            self.start = message_start_usage(data);
+        }
         let earlier = std::mem::replace(&mut self.last, data.clone());
         if data.len() >= self.cap {
             self.buf.clear();
@@ -226,17 +368,146 @@ impl Tap {
         self.buf.len() + self.last.len().min(self.cap)
     }
 
-    /// The last complete `"timings": {...}` object in what was kept.
-    pub fn timings(&self) -> Option<Timings> {
+    /// The request's figures, read at the answer's end: its `timings` (the last complete
+    /// `"timings": {...}` object kept), else its `usage` as its protocol has it.
+    pub fn timings(&self) -> Option<Figures> {
         let last = &self.last[self.last.len().saturating_sub(self.cap)..];
         if self.buf.is_empty() {
-            return find_timings(last);
+            return self.figures(last);
         }
         let mut all = Vec::with_capacity(self.buf.len() + last.len());
         all.extend_from_slice(&self.buf);
         all.extend_from_slice(last);
-        find_timings(&all)
+        self.figures(&all)
     }
+
+    fn figures(&self, tail: &[u8]) -> Option<Figures> {
+        if let Some(t) = find_timings(tail) {
+            return Some(Figures::timed(self.protocol, &t));
+        }
+        let usage = find_usage(tail);
+        let (prompt_n, cache_n, predicted_n) = counts(self.protocol, usage, self.start)?;
+        let times = match self.stream {
+            Some((sent, Some(first))) => Times::Clock {
+                prompt_ms: ms(first - sent),
+                decode_ms: ms(first.elapsed()),
+            },
+            _ => Times::Unknown,
+        };
+        Some(Figures {
+            protocol: self.protocol,
+            prompt_n,
+            cache_n,
+            predicted_n,
+            times,
+        })
+    }
+}
+
+fn ms(d: std::time::Duration) -> f64 {
+    d.as_secs_f64() * 1000.0
+}
+
+/// A `usage` object in any of the three APIs' shapes (the fields used here).
+#[derive(Debug, Clone, Copy, Default, PartialEq, Deserialize)]
+struct Usage {
+    // OpenAI chat and completions.
+    prompt_tokens: Option<u64>,
+    completion_tokens: Option<u64>,
+    prompt_tokens_details: Option<Details>,
+    // Anthropic and Responses.
+    input_tokens: Option<u64>,
+    output_tokens: Option<u64>,
+    // Responses.
+    input_tokens_details: Option<Details>,
+    // Anthropic.
+    cache_read_input_tokens: Option<u64>,
+    cache_creation_input_tokens: Option<u64>,
+}
+
+#[derive(Debug, Clone, Copy, Default, PartialEq, Deserialize)]
+struct Details {
+    cached_tokens: Option<u64>,
+}
+
+/// New prompt, cached prompt and generated tokens, as `protocol` gives them in `usage`
+/// (`start`: an Anthropic stream's opening usage, for what its closing one leaves out).
+fn counts(
+    protocol: ApiProtocol,
+    usage: Option<Usage>,
+    start: Option<Usage>,
+) -> Option<(u64, u64, u64)> {
+    let cached = |d: Option<Details>| d.and_then(|d| d.cached_tokens).unwrap_or(0);
+    match protocol {
+        ApiProtocol::OpenAi => {
+            let u = usage?;
+            let cached = cached(u.prompt_tokens_details);
+            Some((
+                u.prompt_tokens?.saturating_sub(cached),
+                cached,
+                u.completion_tokens?,
+            ))
+        }
+        ApiProtocol::Responses => {
+            let u = usage?;
+            let cached = cached(u.input_tokens_details);
+            Some((
+                u.input_tokens?.saturating_sub(cached),
+                cached,
+                u.output_tokens?,
+            ))
+        }
+        ApiProtocol::Anthropic => {
+            // The closing usage's fields, else the opening one's (`message_delta` may carry
+            // the output count alone).
+            let (last, first) = (usage.or(start)?, start.unwrap_or_default());
+            let input = last.input_tokens.or(first.input_tokens)?;
+            let written = last
+                .cache_creation_input_tokens
+                .or(first.cache_creation_input_tokens)
+                .unwrap_or(0);
+            let read = last
+                .cache_read_input_tokens
+                .or(first.cache_read_input_tokens)
+                .unwrap_or(0);
+            Some((input + written, read, last.output_tokens?))
+        }
+    }
+}
+
+/// The last `"usage"` key followed by a complete object that reads as [`Usage`]. Read once
+/// an answer without `timings` ended (serde: not on any answer's way).
+fn find_usage(buf: &[u8]) -> Option<Usage> {
+    const KEY: &[u8] = b"\"usage\"";
+    static FINDER: std::sync::LazyLock<memchr::memmem::Finder<'static>> =
+        std::sync::LazyLock::new(|| memchr::memmem::Finder::new(KEY));
+    let mut end = buf.len();
+    while let Some(at) = FINDER.find_iter(&buf[..end]).last() {
+        if let Some(u) = object_after(&buf[at + KEY.len()..])
+            .and_then(|o| serde_json::from_slice::<Usage>(o).ok())
+        {
+            return Some(u);
+        }
+        end = at;
+    }
+    None
+}
+
+/// The usage of the `message_start` event in an Anthropic stream's frame, if whole in it.
+fn message_start_usage(frame: &[u8]) -> Option<Usage> {
+    static START: std::sync::LazyLock<memchr::memmem::Finder<'static>> =
+        std::sync::LazyLock::new(|| memchr::memmem::Finder::new(b"\"message_start\""));
+    let at = START.find(frame)?;
+    let rest = &frame[at..];
+    // The event's data line.
+    let line = &rest[..memchr::memchr(b'\n', rest).unwrap_or(rest.len())];
+    find_usage(line)
+}
+
+/// The object of `: {...}` right after a key, whole.
+fn object_after(rest: &[u8]) -> Option<&[u8]> {
+    let i = object_start(rest)?;
+    Some(&rest[i..value_end(rest, i)?])
 }
 
 /// Finds the last `"timings"` key followed by a complete JSON object, and parses it.
@@ -751,7 +1022,12 @@ mod tests {
 
     #[test]
     fn the_tap_keeps_only_the_tail() {
-        let mut tap = Tap::for_content_type(Some("text/event-stream; charset=utf-8")).unwrap();
+        let mut tap = Tap::new(
+            "/v1/chat/completions",
+            Some("text/event-stream; charset=utf-8"),
+            Instant::now(),
+        )
+        .unwrap();
         let filler = Bytes::from(vec![b'x'; TAIL_SSE]);
         tap.push(&Bytes::from_static(
             b"{\"timings\":{\"prompt_n\":1,\"prompt_ms\":1,\"predicted_n\":1,\"predicted_ms\":1}}",
@@ -761,7 +1037,7 @@ mod tests {
         assert_eq!(tap.held(), TAIL_SSE);
         assert!(tap.timings().is_none(), "old bytes were not dropped");
         // Frames that each fit, whose sum does not: only the newest bytes are kept, in order.
-        let mut tap = Tap::for_content_type(Some("Application/JSON")).unwrap();
+        let mut tap = Tap::new("/completion", Some("Application/JSON"), Instant::now()).unwrap();
         let timings = Bytes::from_static(
             b"\"timings\":{\"prompt_n\":2,\"prompt_ms\":1,\"predicted_n\":1,\"predicted_ms\":1}",
         );
@@ -770,10 +1046,282 @@ mod tests {
             tap.push(frame);
             assert!(tap.held() <= TAIL_JSON);
         }
-        assert_eq!(tap.timings().map(|t| t.prompt_n), Some(2));
+        assert_eq!(tap.timings().map(|f| f.prompt_n), Some(2));
         tap.push(&third);
         assert_eq!(tap.timings(), None, "the timings are older than the bound");
-        assert!(Tap::for_content_type(Some("text/plain")).is_none());
-        assert!(Tap::for_content_type(None).is_none());
+        assert!(Tap::new("/v1/messages", Some("text/plain"), Instant::now()).is_none());
+        assert!(Tap::new("/v1/messages", None, Instant::now()).is_none());
+    }
+
+    /// Feeds `frames` to a tap for `path` and reads its figures.
+    fn tapped(path: &str, content_type: &str, frames: &[&str]) -> Option<Figures> {
+        let mut tap = Tap::new(path, Some(content_type), Instant::now()).unwrap();
+        for f in frames {
+            tap.push(&Bytes::copy_from_slice(f.as_bytes()));
+        }
+        tap.timings()
+    }
+
+    fn counted(f: Option<Figures>) -> Option<(ApiProtocol, u64, u64, u64)> {
+        f.map(|f| (f.protocol, f.prompt_n, f.cache_n, f.predicted_n))
+    }
+
+    /// Each API's answers, plain and streamed, as llama-server and ds4-server write them
+    /// (captured from both): the counts are read from `usage` where there are no `timings`.
+    #[test]
+    fn every_protocols_usage_is_read_as_it_defines_it() {
+        use ApiProtocol::*;
+        const JSON: &str = "application/json";
+        const SSE: &str = "text/event-stream";
+        type Case<'a> = (
+            &'a str,
+            &'a str,
+            &'a [&'a str],
+            (ApiProtocol, u64, u64, u64),
+        );
+        let cases: [Case; 8] = [
+            // llama-server's Anthropic answer: input_tokens leaves the cache reads out.
+            (
+                "/v1/messages",
+                JSON,
+                &[r#"{"id":"x","type":"message","content":[{"type":"text","text":"\"usage\": {"}],"stop_reason":"max_tokens","usage":{"cache_read_input_tokens":24,"input_tokens":1,"output_tokens":8}}"#],
+                (Anthropic, 1, 24, 8),
+            ),
+            // ds4-server's: cache writes are new tokens too.
+            (
+                "/v1/messages",
+                JSON,
+                &[r#"{"type":"message","usage":{"input_tokens":3,"output_tokens":5,"cache_read_input_tokens":7,"cache_creation_input_tokens":10}}"#],
+                (Anthropic, 13, 7, 5),
+            ),
+            // A stream: message_start's input counts, message_delta's output count, each in
+            // its own frame.
+            (
+                "/v1/messages",
+                SSE,
+                &[
+                    "event: message_start\ndata: {\"type\":\"message_start\",\"message\":{\"id\":\"m\",\"content\":[],\"usage\":{\"cache_read_input_tokens\":24,\"input_tokens\":1,\"output_tokens\":0}}}\n\n",
+                    "event: content_block_delta\ndata: {\"type\":\"content_block_delta\",\"index\":0,\"delta\":{\"type\":\"text_delta\",\"text\":\"a\"}}\n\n",
+                    "event: message_delta\ndata: {\"type\":\"message_delta\",\"delta\":{\"stop_reason\":\"max_tokens\"},\"usage\":{\"output_tokens\":8}}\n\n",
+                    "event: message_stop\ndata: {\"type\":\"message_stop\"}\n\n",
+                ],
+                (Anthropic, 1, 24, 8),
+            ),
+            // Responses: input_tokens includes the cached ones.
+            (
+                "/v1/responses",
+                JSON,
+                &[r#"{"object":"response","output":[],"status":"completed","usage":{"input_tokens":25,"output_tokens":8,"total_tokens":33,"input_tokens_details":{"cached_tokens":24}}}"#],
+                (Responses, 1, 24, 8),
+            ),
+            // ds4-server's stream: response.completed's usage.
+            (
+                "/v1/responses",
+                SSE,
+                &[
+                    "event: response.created\ndata: {\"type\":\"response.created\",\"response\":{\"status\":\"in_progress\"}}\n\n",
+                    "event: response.output_text.delta\ndata: {\"type\":\"response.output_text.delta\",\"delta\":\"a\"}\n\n",
+                    "event: response.completed\ndata: {\"type\":\"response.completed\",\"response\":{\"status\":\"completed\",\"usage\":{\"input_tokens\":30,\"input_tokens_details\":{\"cached_tokens\":20,\"cache_write_tokens\":10},\"output_tokens\":4,\"output_tokens_details\":{\"reasoning_tokens\":0},\"total_tokens\":34}}}\n\n",
+                ],
+                (Responses, 10, 20, 4),
+            ),
+            // llama-server's stream: its timings beside the usage win.
+            (
+                "/v1/responses",
+                SSE,
+                &["event: response.completed\ndata: {\"type\":\"response.completed\",\"response\":{\"usage\":{\"input_tokens\":25,\"output_tokens\":8,\"input_tokens_details\":{\"cached_tokens\":24}}},\"timings\":{\"cache_n\":24,\"prompt_n\":1,\"prompt_ms\":0.258,\"predicted_n\":8,\"predicted_ms\":0.903}}\n\n"],
+                (Responses, 1, 24, 8),
+            ),
+            // OpenAI's usage without timings (ds4-server), cached tokens included.
+            (
+                "/v1/chat/completions",
+                JSON,
+                &[r#"{"choices":[],"usage":{"prompt_tokens":12,"completion_tokens":3,"total_tokens":15,"prompt_tokens_details":{"cached_tokens":8,"cache_write_tokens":4}}}"#],
+                (OpenAi, 4, 8, 3),
+            ),
+            (
+                "/v1/chat/completions",
+                SSE,
+                &[
+                    ": prefill\n\n",
+                    "data: {\"choices\":[{\"delta\":{\"content\":\"a\"}}]}\n\n",
+                    "data: {\"choices\":[],\"usage\":{\"prompt_tokens\":5,\"completion_tokens\":1}}\n\ndata: [DONE]\n\n",
+                ],
+                (OpenAi, 5, 0, 1),
+            ),
+        ];
+        for (path, ct, frames, want) in cases {
+            let got = tapped(path, ct, frames);
+            assert_eq!(counted(got), Some(want), "{path} {frames:?}");
+            let f = got.unwrap();
+            // Timings give the times; else a stream has the clock's, a plain answer none.
+            let engine = frames.iter().any(|f| f.contains("timings"));
+            match f.times {
+                Times::Engine { .. } => assert!(engine),
+                Times::Clock {
+                    prompt_ms,
+                    decode_ms,
+                } => {
+                    assert!(!engine && ct == SSE);
+                    assert!(prompt_ms >= 0.0 && decode_ms >= 0.0);
+                }
+                Times::Unknown => assert!(!engine && ct == JSON),
+            }
+        }
+    }
+
+    #[test]
+    fn answers_without_counts_are_not_counted() {
+        for (path, body) in [
+            // count_tokens: no generation.
+            ("/v1/messages/count_tokens", r#"{"input_tokens":25}"#),
+            // Embeddings: no completion tokens.
+            (
+                "/v1/embeddings",
+                r#"{"data":[],"usage":{"prompt_tokens":4,"total_tokens":4}}"#,
+            ),
+            // Another API's usage on an OpenAI path.
+            (
+                "/v1/chat/completions",
+                r#"{"usage":{"input_tokens":4,"output_tokens":1}}"#,
+            ),
+            ("/v1/responses", r#"{"usage":{"prompt_tokens":4}}"#),
+            ("/v1/messages", r#"{"usage":{"output_tokens":4}}"#),
+            (
+                "/v1/messages",
+                r#"{"usage":{"input_tokens":"4","output_tokens":4}}"#,
+            ),
+            (
+                "/v1/responses",
+                r#"{"usage":{"input_tokens":4,"output_tokens":"#,
+            ),
+        ] {
+            assert_eq!(
+                tapped(path, "application/json", &[body]),
+                None,
+                "{path} {body}"
+            );
+        }
+    }
+
+    #[test]
+    fn the_clock_splits_a_stream_at_its_first_event_and_comments_do_not_count() {
+        let sent = Instant::now();
+        let mut tap = Tap::new("/v1/messages", Some("text/event-stream"), sent).unwrap();
+        tap.push(&Bytes::from_static(b": prefill\n\n"));
+        assert_eq!(tap.stream, Some((sent, None)));
+        tap.push(&Bytes::from_static(
+            b"event: message_start\ndata: {\"type\":\"message_start\",\"message\":{\"usage\":{\"input_tokens\":9,\"output_tokens\":1}}}\n\n",
+        ));
+        let first = tap
+            .stream
+            .and_then(|(_, f)| f)
+            .expect("the first event's time");
+        assert!(first >= sent);
+        assert_eq!(tap.start.and_then(|u| u.input_tokens), Some(9));
+        // The opening event long gone from the tail, its counts are still known.
+        tap.push(&Bytes::from(vec![b'x'; TAIL_SSE]));
+        tap.push(&Bytes::from_static(
+            b"event: message_delta\ndata: {\"type\":\"message_delta\",\"usage\":{\"output_tokens\":40}}\n\n",
+        ));
+        let f = tap.timings().unwrap();
+        assert_eq!((f.prompt_n, f.cache_n, f.predicted_n), (9, 0, 40));
+        let Times::Clock {
+            prompt_ms,
+            decode_ms,
+        } = f.times
+        else {
+            panic!("{:?}", f.times)
+        };
+        assert_eq!(prompt_ms, ms(first - sent));
+        assert!(decode_ms >= 0.0);
+    }
+
+    #[test]
+    fn untimed_requests_count_for_tokens_not_for_rates() {
+        let s = Stats::default();
+        s.record(
+            "a",
+            "/v1/chat/completions",
+            &t(100, 1000.0, 10, 1000.0),
+            1.0,
+            None,
+        );
+        let plain = Figures {
+            protocol: ApiProtocol::Anthropic,
+            prompt_n: 5000,
+            cache_n: 7,
+            predicted_n: 500,
+            times: Times::Unknown,
+        };
+        s.record("a", "/v1/messages", &plain, 1.0, None);
+        let clocked = Figures {
+            protocol: ApiProtocol::Responses,
+            prompt_n: 2000,
+            cache_n: 0,
+            predicted_n: 20,
+            times: Times::Clock {
+                prompt_ms: 1000.0,
+                decode_ms: 2000.0,
+            },
+        };
+        s.record("a", "/v1/responses", &clocked, 1.0, None);
+        let r = s.report(10);
+        assert_eq!(r.all.requests, 3);
+        assert_eq!(r.all.prompt_tokens, 7100);
+        assert_eq!(r.all.cached_tokens, 7);
+        assert_eq!(r.all.generated_tokens, 530);
+        // (100 + 2000) tokens over 2 s; (10 + 20) over 3 s; the plain answer in neither.
+        assert_eq!(r.all.prefill_tok_s, Some(1050.0));
+        assert_eq!(r.all.decode_tok_s, Some(10.0));
+        assert_eq!(r.all.long_prompt_requests, 1);
+        assert_eq!(r.all.long_prompt_prefill_tok_s, Some(2000.0));
+        let names: Vec<&str> = r.by_protocol.keys().map(|p| p.as_str()).collect();
+        assert_eq!(names, ["openai", "anthropic", "responses"]);
+        let anthropic = &r.by_protocol[&ApiProtocol::Anthropic];
+        assert_eq!((anthropic.requests, anthropic.prompt_tokens), (1, 5000));
+        assert_eq!(anthropic.prefill_tok_s, None);
+        assert_eq!(
+            r.by_protocol[&ApiProtocol::Responses].decode_tok_s,
+            Some(10.0)
+        );
+        let [openai, messages, responses] = &r.recent[..] else {
+            panic!("{:?}", r.recent)
+        };
+        assert_eq!(
+            (openai.protocol, openai.clock_times, openai.decode_tok_s),
+            (ApiProtocol::OpenAi, false, Some(10.0))
+        );
+        assert_eq!(
+            (
+                messages.protocol,
+                messages.prompt_ms,
+                messages.prefill_tok_s
+            ),
+            (ApiProtocol::Anthropic, 0.0, None)
+        );
+        assert!(responses.clock_times);
+        // Only the protocols that had requests are listed.
+        let s = Stats::default();
+        s.record("a", "/v1/responses", &clocked, 1.0, None);
+        assert_eq!(s.report(1).by_protocol.len(), 1);
+    }
+
+    #[test]
+    fn a_record_from_an_older_daemon_is_an_openai_one() {
+        let old = r#"{"profile":"p","path":"/completion","at":1.0,"prompt_tokens":1,
+            "cached_tokens":0,"generated_tokens":1,"prefill_tok_s":null,"decode_tok_s":null,
+            "prompt_ms":1.0,"decode_ms":1.0,"wall_ms":2.0}"#;
+        let r: Record = serde_json::from_str(old).unwrap();
+        assert_eq!((r.protocol, r.clock_times), (ApiProtocol::OpenAi, false));
+        let old = r#"{"requests":0,"prompt_tokens":0,"cached_tokens":0,"generated_tokens":0,
+            "decode_tok_s":null,"prefill_tok_s":null,"long_prompt_requests":0,
+            "long_prompt_prefill_tok_s":null,"by_profile":{},"recent":[]}"#;
+        let r: Report = serde_json::from_str(old).unwrap();
+        assert!(r.by_protocol.is_empty());
+        assert_eq!(
+            serde_json::to_value(Stats::default().report(0)).unwrap()["by_protocol"],
+            serde_json::json!({})
+        );
     }
 }

@@ -123,7 +123,6 @@ impl Plan {
     }
 
     /// The whole content at once.
-    #[cfg(test)]
     pub fn content(&self) -> String {
         (0..self.count).map(|i| self.token(i)).collect()
     }

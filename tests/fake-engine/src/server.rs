@@ -563,8 +563,14 @@ async fn handle(
         true => format!(" expect={}", shown(req.headers(), EXPECT.as_str())),
         false => String::new(),
     };
+    // Anthropic's headers only when sent, as `Expect`.
+    let anthropic: String = ["anthropic-version", "anthropic-beta"]
+        .into_iter()
+        .filter(|h| req.headers().contains_key(*h))
+        .map(|h| format!(" {h}={}", shown(req.headers(), h)))
+        .collect();
     engine.log.line(&format!(
-        "request {method} {path} authorization={} x-api-key={}{expect}",
+        "request {method} {path} authorization={} x-api-key={}{expect}{anthropic}",
         shown(req.headers(), AUTHORIZATION.as_str()),
         shown(req.headers(), "x-api-key")
     ));
@@ -657,6 +663,7 @@ async fn route(engine: &Arc<Engine>, req: Request<Incoming>, method: &Method, pa
             generate(engine, req, Flavor::Text).await
         }
         (&Method::POST, "/completion") => generate(engine, req, Flavor::Native).await,
+        (&Method::POST, "/v1/messages") => messages(engine, req).await,
         (&Method::GET, "/slots") => {
             let busy = engine.active.load(Ordering::SeqCst);
             let slots: Vec<Value> = (0..u64::from(engine.cfg.parallel.max(1)))
@@ -903,6 +910,43 @@ async fn read_json(req: Request<Incoming>) -> Result<Value, String> {
         Ok(_) => Err("request body must be a JSON object".to_string()),
         Err(e) => Err(format!("invalid JSON in request body: {e}")),
     }
+}
+
+/// Anthropic's Messages API, plain answers only, as llama-server answers it: the letters,
+/// `usage` in Anthropic's terms (`input_tokens` without the cache reads), no `timings`.
+async fn messages(engine: &Arc<Engine>, req: Request<Incoming>) -> Resp {
+    let body = match read_json(req).await {
+        Ok(v) => v,
+        Err(m) => return bad_request(&m),
+    };
+    if body.get("stream").and_then(Value::as_bool) == Some(true) {
+        return bad_request("the fake engine answers /v1/messages plain only");
+    }
+    let Some(messages) = body.get("messages").and_then(Value::as_array) else {
+        return bad_request("\"messages\" is required and must be an array");
+    };
+    let plan = Plan::letters(gen::max_tokens(&body, &["max_tokens"]));
+    let meta = engine.meta(Flavor::Chat);
+    json_response(
+        StatusCode::OK,
+        &json!({
+            "id": meta.id,
+            "type": "message",
+            "role": "assistant",
+            "content": [{"type": "text", "text": plan.content()}],
+            "model": meta.model,
+            "stop_reason": match plan.finish() {
+                gen::Finish::Length => "max_tokens",
+                _ => "end_turn",
+            },
+            "stop_sequence": null,
+            "usage": {
+                "cache_read_input_tokens": 0,
+                "input_tokens": gen::chat_prompt_chars(messages),
+                "output_tokens": plan.len(),
+            },
+        }),
+    )
 }
 
 /// What a generation request asked for, after validation.
