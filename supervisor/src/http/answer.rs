@@ -8,13 +8,14 @@ use std::task::{Context, Poll};
 use bytes::Bytes;
 use dsv4_engine::OutputTail;
 use http_body::{Body, Frame, SizeHint};
-use serde_json::json;
+use serde_json::Value;
 use tokio::time::Instant;
 
 use crate::http::body::{End, OnEnd, Settle};
 use crate::http::http_error::{with_tail, ErrorCode, ErrorType};
 use crate::http::keepalive::Keepalive;
 use crate::http::progress::{count_events, Progress};
+use crate::http::protocol::{Failure, LastEvent, Protocol};
 use crate::lifecycle::upstream::UpstreamBody;
 use crate::lifecycle::{Lease, ERROR_TAIL_LINES};
 use crate::observe::flights::Ticket;
@@ -43,10 +44,13 @@ pub struct EngineStream {
     pub(crate) sse: Option<OutputTail>,
     /// The break, held back while its error event goes out.
     pub(crate) broken: Option<Broken>,
-    /// An OpenAI event stream the engine ends by closing its connection (ds4-server: no
-    /// chunked framing, so its end and a cut look alike): the last bytes seen, to tell
-    /// whether it ended with `data: [DONE]`. `None` once told, or where a cut shows as one.
-    pub(crate) unframed: Option<LastBytes>,
+    /// The protocol the client speaks: its error event tells a break.
+    pub(crate) protocol: Protocol,
+    /// An event stream the engine ends by closing its connection (ds4-server: no chunked
+    /// framing, so its end and a cut look alike), whose protocol has a last event: the head
+    /// of its last event, to tell whether it ended with it. `None` once told, or where a cut
+    /// shows as one.
+    pub(crate) unframed: Option<LastEvent>,
     /// The request's place among those in flight, moved along as its answer comes.
     pub(crate) flight: Option<Ticket>,
     /// The engine's own progress events, read (and taken out when dsv4d asked for them).
@@ -56,26 +60,6 @@ pub struct EngineStream {
     pub(crate) drained: bool,
     /// What went wrong, as the error event told the client.
     pub(crate) failed: Option<Box<str>>,
-}
-
-/// The last few bytes of a stream.
-#[derive(Default)]
-pub struct LastBytes(Vec<u8>);
-
-impl LastBytes {
-    const KEEP: usize = 32;
-
-    fn push(&mut self, data: &[u8]) {
-        self.0
-            .extend_from_slice(&data[data.len().saturating_sub(Self::KEEP)..]);
-        let extra = self.0.len().saturating_sub(Self::KEEP);
-        self.0.drain(..extra);
-    }
-
-    /// Whether the stream ended with its `[DONE]` event.
-    fn done(&self) -> bool {
-        self.0.trim_ascii_end().ends_with(b"data: [DONE]")
-    }
 }
 
 /// A stream the engine broke off, between its error event and the failure after it.
@@ -229,17 +213,28 @@ impl Body for EngineStream {
         }
         match &polled {
             Poll::Ready(Some(Ok(_))) => {}
-            Poll::Ready(None) if this.unframed.as_ref().is_some_and(|l| !l.done()) => {
+            Poll::Ready(None)
+                if this
+                    .unframed
+                    .as_ref()
+                    .is_some_and(|l| !l.ended(this.protocol.spec().ends)) =>
+            {
                 // Stopped (or crashed) mid-answer: told as llama-server's breaks are, then the
                 // end. (There is no failure to break the connection with: the engine's close
                 // was the end of its body.)
                 this.unframed = None;
                 this.tap = None;
                 let tail = this.sse.as_ref().map(|o| o.last(ERROR_TAIL_LINES));
-                let what = "the engine ended the answer before its end ([DONE]): it was \
-                            stopped or failed";
+                let what = format!(
+                    "the engine ended the answer before its end ({}): it was stopped or failed",
+                    this.protocol.spec().end_name
+                );
+                let event = api_error_event(
+                    this.protocol,
+                    what.clone(),
+                    tail.as_deref().unwrap_or_default(),
+                );
                 this.failed = Some(what.into());
-                let event = api_error_event(what.to_string(), tail.as_deref().unwrap_or_default());
                 return Poll::Ready(Some(Ok(Frame::data(event))));
             }
             Poll::Ready(Some(Err(e))) => {
@@ -250,7 +245,7 @@ impl Body for EngineStream {
                     // so nothing mistakes it for an end.
                     this.failed =
                         Some(format!("the engine broke off the answer: {}", describe(e)).into());
-                    let event = error_event(e, &output.last(ERROR_TAIL_LINES));
+                    let event = error_event(this.protocol, e, &output.last(ERROR_TAIL_LINES));
                     if let Poll::Ready(Some(Err(e))) = polled {
                         this.broken = Some(Broken::Unflushed(e));
                     }
@@ -311,55 +306,30 @@ pub(crate) fn describe(err: &dyn std::error::Error) -> String {
     text
 }
 
-/// The SSE event that tells a streaming client why its answer broke off, in OpenAI's error
-/// shape (the `openai` packages raise it as an `APIError` with this message).
-pub(crate) fn error_event(err: &hyper::Error, tail: &[String]) -> Bytes {
+/// The event that tells a streaming client why its answer broke off, in its protocol's
+/// error shape (each protocol's SDK raises it with this message).
+pub(crate) fn error_event(protocol: Protocol, err: &hyper::Error, tail: &[String]) -> Bytes {
     api_error_event(
+        protocol,
         format!("the engine broke off the answer: {}", describe(err)),
         tail,
     )
 }
 
-/// The OpenAI paths whose event streams end with `data: [DONE]`.
-pub(crate) fn ends_with_done(path: &str) -> bool {
-    matches!(
-        path,
-        "/v1/chat/completions" | "/chat/completions" | "/v1/completions" | "/completions"
-    )
-}
-
-pub(crate) fn api_error_event(what: String, tail: &[String]) -> Bytes {
+pub(crate) fn api_error_event(protocol: Protocol, what: String, tail: &[String]) -> Bytes {
     let message = with_tail(what, tail);
-    let v = json!({
-        "error": { "message": message, "type": ErrorType::Server, "code": ErrorCode::EngineFailed }
-    });
-    Bytes::from(format!("data: {v}\n\n"))
+    protocol.error_event(&Failure {
+        message: &message,
+        kind: ErrorType::Server.as_str(),
+        code: Value::String(ErrorCode::EngineFailed.as_str().into()),
+        status: None,
+    })
 }
 
 #[cfg(test)]
 mod tests {
     use super::*;
     use crate::lifecycle::upstream::UpstreamError;
-
-    #[test]
-    fn an_event_stream_ends_with_done_only_when_its_last_event_is_done() {
-        let ended = |pieces: &[&str]| {
-            let mut last = LastBytes::default();
-            for p in pieces {
-                last.push(p.as_bytes());
-            }
-            last.done()
-        };
-        let chunk = "data: {\"choices\":[{\"delta\":{\"content\":\"x\"}}]}\n\n";
-        assert!(ended(&[chunk, "data: [DONE]\n\n"]));
-        // Split anywhere, in pieces of any size.
-        assert!(ended(&[chunk, "data: [DO", "NE]", "\n", "\n"]));
-        assert!(ended(&["data: [DONE]"]));
-        assert!(!ended(&[chunk]));
-        assert!(!ended(&[]));
-        // A [DONE] somewhere before the end is not the end.
-        assert!(!ended(&["data: [DONE]\n\n", chunk]));
-    }
 
     #[test]
     fn an_error_is_described_with_its_causes_once() {

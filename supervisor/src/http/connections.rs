@@ -549,7 +549,8 @@ fn refusal(max_connections: usize, cap: usize) -> Vec<u8> {
         ErrorCode::TooManyConnections,
         message,
     )
-    .body();
+    // No request has been read: no path, no protocol but OpenAI's.
+    .body(None);
     let mut out = format!(
         "HTTP/1.1 503 Service Unavailable\r\ncontent-type: application/json\r\n\
          content-length: {}\r\nretry-after: 1\r\nconnection: close\r\n\r\n",

@@ -19,9 +19,7 @@ use hyper::body::Incoming;
 use tokio::time::Instant;
 
 use crate::config::Config;
-use crate::http::answer::{
-    describe, ends_with_done, EngineStream, LastBytes, ProxyBody, Release, Tapped,
-};
+use crate::http::answer::{describe, EngineStream, ProxyBody, Release, Tapped};
 use crate::http::body::OnEnd;
 use crate::http::connections;
 use crate::http::ctx::Ctx;
@@ -29,7 +27,8 @@ use crate::http::http_error::{with_tail, ApiError, ErrorCode, ErrorType};
 use crate::http::intake::{self, IntakeError};
 use crate::http::keepalive;
 use crate::http::progress::{self, Progress};
-use crate::http::sse::{self, Protocol};
+use crate::http::protocol::{LastEvent, Protocol, Route, Streams};
+use crate::http::sse;
 use crate::lifecycle::upstream::UpstreamError;
 use crate::lifecycle::ERROR_TAIL_LINES;
 use crate::observe::flights::Ticket;
@@ -48,6 +47,7 @@ fn is_slot_action(req: &Request<Incoming>) -> bool {
 /// conversation's cache, or throw away another client's slot. `GET /slots` still passes.
 /// Judged for `profile`: before the lease, each of the running engine's and the active one
 /// (a switch may be draining toward it); with the lease, the engine that will serve it.
+/// (No protocol's path: its refusal is in OpenAI's shape.)
 fn slots_kept_by_dsv4d(config: &Config, profile: &str) -> Option<Response<ProxyBody>> {
     config.profile(profile)?.kv_checkpoint.as_ref()?;
     Some(
@@ -70,8 +70,10 @@ pub(crate) async fn proxy(
     config: &Arc<Config>,
     req: Request<Incoming>,
     on: &connections::Slot,
+    route: Option<Route>,
 ) -> Response<ProxyBody> {
     let api = &config.supervisor.api;
+    let protocol = route.map(|r| r.protocol);
     let limits = intake::Limits {
         max_body: api.max_body,
         timeout: api.body_timeout,
@@ -105,12 +107,14 @@ pub(crate) async fn proxy(
     let (got, stop) = (reading.got(), reading.evicted());
     let held = match intake::read(body, declared, limits, &ctx.bodies, got, stop).await {
         Ok(held) => held,
-        Err(e) => return intake_refusal(&e),
+        Err(e) => return intake_refusal(&e, protocol),
     };
     drop(reading);
-    let streamed = match parts.method == Method::POST {
-        true => Protocol::of(parts.uri.path()).filter(|_| sse::wants_stream(&held.bytes)),
-        false => None,
+    let streamed = match (parts.method == Method::POST, route) {
+        (true, Some(r)) if r.streams != Streams::No && sse::wants_stream(&held.bytes) => {
+            Some(r.protocol)
+        }
+        _ => None,
     };
     let flight = ctx.parts.flights.enter(
         &parts.uri,
@@ -131,7 +135,7 @@ pub(crate) async fn proxy(
         Request::from_parts(parts, held),
         started,
         slot_action,
-        (flight, streamed),
+        (flight, streamed, route),
     );
     match keepalive {
         None => answer.await,
@@ -155,8 +159,9 @@ async fn forward(
     req: Request<intake::Held>,
     started: Instant,
     slot_action: bool,
-    (flight, streamed): (Ticket, Option<Protocol>),
+    (flight, streamed, route): (Ticket, Option<Protocol>, Option<Route>),
 ) -> Response<ProxyBody> {
+    let protocol = route.map(|r| r.protocol);
     let (mut parts, held) = req.into_parts();
     // A validation that began while this request waited for an engine holds that engine:
     // never a client's. Then back to the validation's gate, to wait for the profile it
@@ -168,11 +173,11 @@ async fn forward(
             .admit(config.supervisor.engine.max_waiting)
             .await
         {
-            return validation_queue_full(max_waiting);
+            return validation_queue_full(max_waiting, protocol);
         }
         let lease = match ctx.parts.lifecycle.acquire().await {
             Ok(lease) => lease,
-            Err(refusal) => return ApiError::from(refusal).into_response(),
+            Err(refusal) => return ApiError::from(refusal).into_response_in(protocol),
         };
         if !ctx.parts.validator.running() {
             break lease;
@@ -186,7 +191,6 @@ async fn forward(
         }
     }
     let tap_path = (parts.method == Method::POST).then(|| parts.uri.path().to_string());
-    let ends_with_done = ends_with_done(parts.uri.path());
     // The target is in origin form already (`judge_path`), as an HTTP/1.1 client sends it to
     // a server it talks to directly.
     parts.version = http::Version::HTTP_11;
@@ -253,7 +257,9 @@ async fn forward(
                 tap,
                 sse: sse.then(|| engine.output.clone()),
                 broken: None,
-                unframed: (sse && unframed && ends_with_done).then(LastBytes::default),
+                protocol: protocol.unwrap_or(Protocol::OpenAi),
+                unframed: (sse && unframed && route.is_some_and(Route::ends_marked))
+                    .then(LastEvent::default),
                 flight: Some(flight),
                 progress: progress.filter(|_| sse),
                 drained: false,
@@ -268,13 +274,13 @@ async fn forward(
             drop(lease);
             let error = engine_error(&engine, &e).await;
             flight.ended(Some(&error.message));
-            error.into_response()
+            error.into_response_in(protocol)
         }
     }
 }
 
 /// The 503 for a request over `max_waiting` while a validation holds the engine.
-fn validation_queue_full(max_waiting: usize) -> Response<ProxyBody> {
+fn validation_queue_full(max_waiting: usize, protocol: Option<Protocol>) -> Response<ProxyBody> {
     ApiError::new(
         StatusCode::SERVICE_UNAVAILABLE,
         ErrorType::Server,
@@ -285,13 +291,13 @@ fn validation_queue_full(max_waiting: usize) -> Response<ProxyBody> {
         ),
     )
     .retry_after(Duration::from_secs(30))
-    .into_response()
+    .into_response_in(protocol)
 }
 
 /// The answer to a request whose body was not read whole.
-fn intake_refusal(e: &IntakeError) -> Response<ProxyBody> {
+fn intake_refusal(e: &IntakeError, protocol: Option<Protocol>) -> Response<ProxyBody> {
     tracing::debug!("refused a request: {e}");
-    let mut r: Response<ProxyBody> = ApiError::from(e).into_response();
+    let mut r: Response<ProxyBody> = ApiError::from(e).into_response_in(protocol);
     // What is left of the body is unread (or unreadable), so the connection cannot carry
     // another request (RFC 9110 15.5.9 asks the same of a 408).
     r.headers_mut()

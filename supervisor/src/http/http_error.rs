@@ -1,5 +1,7 @@
-//! Errors the supervisor itself answers over HTTP, in the OpenAI error shape
-//! `{"error":{"message":..., "type":..., "code":...}}`.
+//! Errors the supervisor itself answers over HTTP, in the error shape of the protocol the
+//! request's path speaks ([`crate::http::protocol`]): OpenAI's
+//! `{"error":{"message":..., "type":..., "code":...}}` on every path but Anthropic's, whose
+//! SDKs read `{"type":"error","error":{"type":..., "message":...}}`.
 //!
 //! Owns: the mapping from a refusal or a proxy failure to a status code, `Retry-After`, and a
 //! message that names the cause (with the tail of the engine's output where there is one).
@@ -8,11 +10,12 @@ use std::time::Duration;
 
 use bytes::Bytes;
 use http::{header, HeaderValue, Response, StatusCode};
-use serde_json::json;
+use serde_json::Value;
 
 pub use dsv4_client::words::{ErrorCode, ErrorType};
 
 use crate::http::intake::IntakeError;
+use crate::http::protocol::{Failure, Protocol};
 use crate::lifecycle::state::Refusal;
 
 /// An error response about to be sent.
@@ -46,15 +49,25 @@ impl ApiError {
         self
     }
 
-    pub fn body(&self) -> Bytes {
-        let v =
-            json!({ "error": { "message": self.message, "type": self.kind, "code": self.code } });
-        Bytes::from(v.to_string())
+    /// The body, in `protocol`'s shape (OpenAI's where there is none).
+    pub fn body(&self, protocol: Option<Protocol>) -> Bytes {
+        protocol.unwrap_or(Protocol::OpenAi).error_body(&Failure {
+            message: &self.message,
+            kind: self.kind.as_str(),
+            code: Value::String(self.code.as_str().into()),
+            status: Some(self.status.as_u16()),
+        })
     }
 
-    /// The response, with a body of any type that can be made from bytes.
+    /// The response, in OpenAI's shape, with a body of any type that can be made from
+    /// bytes: for the paths of no protocol (dsv4d's own, the dashboard's).
     pub fn into_response<B: From<Bytes>>(self) -> Response<B> {
-        let mut r = Response::new(B::from(self.body()));
+        self.into_response_in(None)
+    }
+
+    /// The response to a request at a path of `protocol`, in that protocol's shape.
+    pub fn into_response_in<B: From<Bytes>>(self, protocol: Option<Protocol>) -> Response<B> {
+        let mut r = Response::new(B::from(self.body(protocol)));
         *r.status_mut() = self.status;
         r.headers_mut().insert(
             header::CONTENT_TYPE,

@@ -19,6 +19,7 @@ pub mod keepalive;
 pub mod listener;
 pub mod path;
 pub mod progress;
+pub mod protocol;
 pub mod router;
 pub mod serve;
 pub mod sse;

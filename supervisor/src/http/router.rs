@@ -19,6 +19,7 @@ use crate::http::ctx::Ctx;
 use crate::http::forward::proxy;
 use crate::http::front;
 use crate::http::http_error::{ApiError, ErrorCode, ErrorType};
+use crate::http::protocol::{Protocol, Route};
 use crate::http::ui_actions;
 
 /// The methods served (by dsv4d or the engine); any other gets 405.
@@ -46,7 +47,8 @@ pub(crate) async fn handle(
     // or from a web page not listed gets no further, and a preflight is answered here.
     let caller = match front::admit(&config.supervisor.api, &req) {
         Ok(caller) => caller,
-        Err(refused) => return refused.into_response(),
+        // Before the path is judged: that of the request as sent.
+        Err(refused) => return refused.into_response_in(Protocol::of(req.uri().path())),
     };
     if front::is_preflight(&req) {
         return front::preflight(&caller, req.headers());
@@ -71,7 +73,7 @@ async fn route(
             ErrorCode::MethodNotAllowed,
             format!("method {} is not supported; use {ALLOW}", req.method()),
         )
-        .into_response();
+        .into_response_in(Protocol::of(req.uri().path()));
         r.headers_mut()
             .insert(header::ALLOW, HeaderValue::from_static(ALLOW));
         return r;
@@ -79,7 +81,8 @@ async fn route(
     // From here on the path is the one the engine will route: decoded as it decodes it,
     // and sent to it so that it decodes to exactly that (see `crate::http::path`).
     if let Err(refused) = judge_path(&mut req) {
-        return refused;
+        // The target is as sent (a refused one is left unchanged).
+        return refused.into_response_in(Protocol::of(req.uri().path()));
     }
     let own = matches!(*req.method(), Method::GET | Method::HEAD);
     if own {
@@ -111,11 +114,14 @@ async fn route(
             json!({ "status": "ok", "engine": s.state, "profile": s.profile }),
         );
     }
+    // The path's protocol, once: its errors are told in its shape.
+    let route = Route::of(req.uri().path());
+    let protocol = route.map(|r| r.protocol);
     let keys = ctx.api_keys.get(config);
     let keyed = matches!(keys, Some(Ok(_)));
     if let Err(refused) = crate::http::auth::require(KeyFile::Api, keys, req.headers_mut()) {
         let unauthorized = refused.status == StatusCode::UNAUTHORIZED;
-        let mut r: Response<ProxyBody> = refused.into_response();
+        let mut r: Response<ProxyBody> = refused.into_response_in(protocol);
         if unauthorized {
             r.headers_mut()
                 .insert(header::WWW_AUTHENTICATE, HeaderValue::from_static("Bearer"));
@@ -163,7 +169,7 @@ async fn route(
             );
             r
         }
-        _ => proxy(ctx, config, req, on).await,
+        _ => proxy(ctx, config, req, on, route).await,
     }
 }
 
@@ -201,8 +207,7 @@ fn models(ctx: &Ctx) -> serde_json::Value {
 
 /// Replaces the request's target by its origin form with the path decoded and encoded
 /// canonically; a path that cannot be decoded cleanly is refused with a 400.
-#[allow(clippy::result_large_err)]
-fn judge_path(req: &mut Request<Incoming>) -> Result<(), Response<ProxyBody>> {
+fn judge_path(req: &mut Request<Incoming>) -> Result<(), ApiError> {
     let bad = |why: String| {
         ApiError::new(
             StatusCode::BAD_REQUEST,
@@ -210,7 +215,6 @@ fn judge_path(req: &mut Request<Incoming>) -> Result<(), Response<ProxyBody>> {
             ErrorCode::BadPath,
             why,
         )
-        .into_response()
     };
     let canonical =
         crate::http::path::canonical(req.uri().path()).map_err(|e| bad(e.to_string()))?;

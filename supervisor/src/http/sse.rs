@@ -1,14 +1,16 @@
 //! Event streams as dsv4d writes into them: where, between an engine's events, a line of its
-//! own may go; the comment lines themselves; which requests ask for a stream, and in which
-//! protocol; and the error event of each protocol.
+//! own may go; the comment lines themselves; which requests ask for a stream; and the error
+//! event for an engine's error answer (in its protocol's shape: [`crate::http::protocol`]).
 //!
 //! Owns: [`Place`] (an event-boundary tracker over the bytes of a stream, fed chunk by chunk,
-//! that looks only at each chunk's last line ends), [`Protocol`], [`wants_stream`],
+//! that looks only at each chunk's last line ends), [`wants_stream`],
 //! [`comment`], [`reasoning_chunk`] (`api.loading_reasoning`) and [`error_event`]. Pure: no I/O, no clock; the body that uses them is
 //! [`crate::http::keepalive`].
 
 use bytes::Bytes;
 use serde_json::{json, Value};
+
+use crate::http::protocol::Failure;
 
 /// Where an event stream stands after the bytes so far (the HTML standard's event stream
 /// grammar: lines end with CRLF, LF or CR, and a blank line ends an event).
@@ -137,34 +139,7 @@ pub fn reasoning_chunk(id: u64, created: u64, model: &str, text: &str) -> Bytes 
     Bytes::from(format!("data: {json}\n\n"))
 }
 
-/// The streamed protocols dsv4d keeps alive, by the path they are served at.
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
-pub enum Protocol {
-    /// OpenAI's chat and text completions, and llama-server's `/completion`: `data:` events
-    /// whose errors are `{"error":{...}}`.
-    OpenAi,
-    /// Anthropic's `/v1/messages`: named events, an error is `event: error`.
-    Anthropic,
-    /// OpenAI's Responses API: named events, an error is `event: error` with `type: error`.
-    Responses,
-}
-
-impl Protocol {
-    /// The protocol of a streamed answer at `path` (as the engine routes it); `None` for the
-    /// paths that stream nothing, or nothing dsv4d speaks.
-    pub fn of(path: &str) -> Option<Protocol> {
-        match path {
-            "/v1/chat/completions"
-            | "/chat/completions"
-            | "/v1/completions"
-            | "/completions"
-            | "/completion" => Some(Protocol::OpenAi),
-            "/v1/messages" => Some(Protocol::Anthropic),
-            "/v1/responses" | "/responses" => Some(Protocol::Responses),
-            _ => None,
-        }
-    }
-}
+pub use crate::http::protocol::Protocol;
 
 /// Whether a request body asks for a streamed answer: a JSON object with `"stream": true`.
 /// A body that does not name `"stream"` is not parsed at all.
@@ -216,34 +191,27 @@ pub fn error_event(
         }
     });
     let kind = text(error.and_then(|e| e.get("type"))).unwrap_or_else(|| {
-        match (status, protocol) {
-            (400..=499, _) => "invalid_request_error",
-            (_, Protocol::Anthropic) => "api_error",
+        match status {
+            400..=499 => "invalid_request_error",
             _ => "server_error",
         }
         .to_string()
     });
+    // dsv4d's own code, in OpenAI's shape or in Anthropic's (`details.error_code`).
     let code = error
-        .and_then(|e| e.get("code"))
+        .and_then(|e| {
+            e.get("code")
+                .or_else(|| e.get("details")?.get("error_code"))
+        })
         .filter(|c| !c.is_null())
         .cloned()
         .unwrap_or_else(|| json!(status));
-    let event = match protocol {
-        Protocol::OpenAi => format!(
-            "data: {}\n\n",
-            json!({"error": {"message": message, "type": kind, "code": code, "status": status}})
-        ),
-        Protocol::Anthropic => format!(
-            "event: error\ndata: {}\n\n",
-            json!({"type": "error", "error": {"type": kind, "message": message}})
-        ),
-        Protocol::Responses => format!(
-            "event: error\ndata: {}\n\n",
-            json!({"type": "error", "code": code, "message": message, "param": null,
-                   "sequence_number": 0})
-        ),
-    };
-    Bytes::from(event)
+    protocol.error_event(&Failure {
+        message: &message,
+        kind: &kind,
+        code,
+        status: Some(status),
+    })
 }
 
 #[cfg(test)]
@@ -443,16 +411,6 @@ mod tests {
         assert!(!is_chat("/v1/messages") && !is_chat("/v1/responses"));
     }
 
-    #[test]
-    fn each_protocol_has_its_paths() {
-        assert_eq!(Protocol::of("/v1/chat/completions"), Some(Protocol::OpenAi));
-        assert_eq!(Protocol::of("/completion"), Some(Protocol::OpenAi));
-        assert_eq!(Protocol::of("/v1/messages"), Some(Protocol::Anthropic));
-        assert_eq!(Protocol::of("/v1/responses"), Some(Protocol::Responses));
-        assert_eq!(Protocol::of("/v1/embeddings"), None);
-        assert_eq!(Protocol::of("/tokenize"), None);
-    }
-
     fn data_of(event: &Bytes) -> Value {
         let text = std::str::from_utf8(event).unwrap();
         assert!(text.ends_with("\n\n"), "{text:?}");
@@ -503,7 +461,13 @@ mod tests {
         let v = data_of(&e);
         assert_eq!(
             (v["type"].clone(), v["code"].clone()),
-            (json!("error"), json!(503))
+            (json!("error"), json!("503"))
+        );
+        // With OpenAI's error object beside, which the openai package raises.
+        assert_eq!(v["error"]["status"], 503);
+        assert_eq!(
+            v["error"]["message"],
+            "the engine answered 503 with no message"
         );
     }
 }

@@ -1,0 +1,579 @@
+//! The APIs dsv4d's clients speak, in one table: for each, the paths it is served at, which
+//! of them stream, how a complete event stream ends, how an error event looks in it, and how
+//! an error dsv4d answers itself must look for that API's SDKs to raise it as their own.
+//!
+//! Owns: [`Protocol`], [`SPECS`] (one row per protocol: a new protocol is one more row),
+//! [`Route`] (a path's protocol and how its answers stream, looked up once per request),
+//! [`Failure`] (an error to tell, in any protocol) and [`LastEvent`] (the head of a stream's
+//! last event, to tell a stream that ended from one that was cut when only the connection's
+//! close ends it). Pure: no I/O, no clock.
+
+use bytes::Bytes;
+use serde_json::{json, Value};
+
+/// An API dsv4d forwards and knows the shapes of.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+pub enum Protocol {
+    /// OpenAI's chat and text completions (and llama-server's native `/completion`):
+    /// `data:` events, the last `data: [DONE]`; an error is `{"error":{...}}`.
+    OpenAi,
+    /// Anthropic's Messages: named events, the last `message_stop`; an error is
+    /// `event: error` with `{"type":"error","error":{"type":...,"message":...}}`.
+    Anthropic,
+    /// OpenAI's Responses: named events, the last `response.completed`, `response.failed` or
+    /// `response.incomplete`; an error is `event: error` with `type: error`. Errors of its
+    /// own are in OpenAI's shape.
+    Responses,
+}
+
+/// How the answers at a path stream.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Streams {
+    /// Never (token counts and the like).
+    No,
+    /// When asked (`"stream": true`), and a complete stream ends with one of its protocol's
+    /// [`Spec::ends`].
+    Ended,
+    /// When asked, with no last event of its own (llama-server's native completions): only
+    /// the connection's close or the chunked framing tells its end.
+    Unmarked,
+}
+
+/// What dsv4d knows of one protocol.
+pub struct Spec {
+    pub protocol: Protocol,
+    /// Its name, as logs and documents give it.
+    pub name: &'static str,
+    /// The paths it is served at, as the engine routes them, and how each streams.
+    pub paths: &'static [(&'static str, Streams)],
+    /// How the event that ends a complete stream begins (its first line, or the start of
+    /// it): any of these.
+    pub ends: &'static [&'static [u8]],
+    /// That last event, as a message names it.
+    pub end_name: &'static str,
+    /// The error event that tells a streaming client of `failure`.
+    pub error_event: fn(&Failure) -> Bytes,
+    /// The body of an error dsv4d answers itself, for this protocol's SDKs.
+    pub error_body: fn(&Failure) -> Bytes,
+}
+
+/// The protocols, one row each. OpenAI's chat path comes first: most requests are found at
+/// the first comparison.
+pub static SPECS: [Spec; 3] = [
+    Spec {
+        protocol: Protocol::OpenAi,
+        name: "openai",
+        paths: &[
+            ("/v1/chat/completions", Streams::Ended),
+            ("/chat/completions", Streams::Ended),
+            ("/v1/completions", Streams::Ended),
+            // llama-server routes these two to its native completion, whose stream has no
+            // `[DONE]`.
+            ("/completions", Streams::Unmarked),
+            ("/completion", Streams::Unmarked),
+            ("/v1/chat/completions/input_tokens", Streams::No),
+            ("/chat/completions/input_tokens", Streams::No),
+        ],
+        ends: &[b"data: [DONE]"],
+        end_name: "[DONE]",
+        error_event: openai_event,
+        error_body: openai_body,
+    },
+    Spec {
+        protocol: Protocol::Anthropic,
+        name: "anthropic",
+        paths: &[
+            ("/v1/messages", Streams::Ended),
+            ("/v1/messages/count_tokens", Streams::No),
+        ],
+        ends: &[b"event: message_stop", b"data: {\"type\":\"message_stop\""],
+        end_name: "message_stop",
+        error_event: anthropic_event,
+        error_body: anthropic_body,
+    },
+    Spec {
+        protocol: Protocol::Responses,
+        name: "responses",
+        paths: &[
+            ("/v1/responses", Streams::Ended),
+            ("/responses", Streams::Ended),
+            ("/v1/responses/input_tokens", Streams::No),
+            ("/responses/input_tokens", Streams::No),
+        ],
+        // llama-server names its events; ds4-server sends `data:` alone, its type first.
+        ends: &[
+            b"event: response.completed",
+            b"event: response.failed",
+            b"event: response.incomplete",
+            b"data: {\"type\":\"response.completed\"",
+            b"data: {\"type\":\"response.failed\"",
+            b"data: {\"type\":\"response.incomplete\"",
+        ],
+        end_name: "response.completed",
+        error_event: responses_event,
+        error_body: openai_body,
+    },
+];
+
+impl Protocol {
+    /// Its row of [`SPECS`].
+    pub fn spec(self) -> &'static Spec {
+        let spec = match self {
+            Protocol::OpenAi => &SPECS[0],
+            Protocol::Anthropic => &SPECS[1],
+            Protocol::Responses => &SPECS[2],
+        };
+        debug_assert_eq!(spec.protocol, self);
+        spec
+    }
+
+    pub fn name(self) -> &'static str {
+        self.spec().name
+    }
+
+    /// The protocol of `path` (as the engine routes it), if it has one.
+    pub fn of(path: &str) -> Option<Protocol> {
+        Route::of(path).map(|r| r.protocol)
+    }
+
+    /// The error event that tells a streaming client of `failure`.
+    pub fn error_event(self, failure: &Failure) -> Bytes {
+        (self.spec().error_event)(failure)
+    }
+
+    /// The body of an error dsv4d answers itself.
+    pub fn error_body(self, failure: &Failure) -> Bytes {
+        (self.spec().error_body)(failure)
+    }
+}
+
+/// A path's protocol and how its answers stream.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct Route {
+    pub protocol: Protocol,
+    pub streams: Streams,
+}
+
+impl Route {
+    /// The route of `path`, as the engine routes it: `None` for a path of no protocol
+    /// dsv4d knows (embeddings, tokenize, slots, ...), whose errors are in OpenAI's shape.
+    pub fn of(path: &str) -> Option<Route> {
+        SPECS.iter().find_map(|spec| {
+            spec.paths
+                .iter()
+                .find(|(p, _)| *p == path)
+                .map(|&(_, streams)| Route {
+                    protocol: spec.protocol,
+                    streams,
+                })
+        })
+    }
+
+    /// Whether its streams end with an event of their own.
+    pub fn ends_marked(self) -> bool {
+        self.streams == Streams::Ended
+    }
+}
+
+/// An error to tell a client, in whichever protocol it speaks.
+#[derive(Clone, Debug)]
+pub struct Failure<'a> {
+    pub message: &'a str,
+    /// The type, in OpenAI's words (`server_error`, `invalid_request_error`, ...), or the
+    /// engine's own.
+    pub kind: &'a str,
+    /// dsv4d's code (`engine_failed`, `queue_full`, ...) or the engine's, or the status.
+    pub code: Value,
+    /// The status of the answer that failed; `None` for a stream cut after its 200.
+    pub status: Option<u16>,
+}
+
+/// Anthropic's error type for an answer of `status` (its API's own list: an SDK shows it,
+/// and picks its error class by the status).
+pub fn anthropic_type(status: u16) -> &'static str {
+    match status {
+        401 => "authentication_error",
+        402 => "billing_error",
+        403 => "permission_error",
+        404 => "not_found_error",
+        408 | 504 => "timeout_error",
+        413 => "request_too_large",
+        429 => "rate_limit_error",
+        503 | 529 => "overloaded_error",
+        400..=499 => "invalid_request_error",
+        _ => "api_error",
+    }
+}
+
+/// Whether `kind` is one of Anthropic's error types (an engine's Anthropic error keeps its
+/// own).
+fn is_anthropic_type(kind: &str) -> bool {
+    matches!(
+        kind,
+        "invalid_request_error"
+            | "authentication_error"
+            | "billing_error"
+            | "permission_error"
+            | "not_found_error"
+            | "request_too_large"
+            | "rate_limit_error"
+            | "timeout_error"
+            | "api_error"
+            | "overloaded_error"
+    )
+}
+
+/// The type an Anthropic client is told: the failure's own when it is one of Anthropic's,
+/// else the status's; `api_error` for a cut stream.
+fn anthropic_kind<'a>(f: &Failure<'a>) -> &'a str {
+    match f.status {
+        _ if is_anthropic_type(f.kind) && f.kind != "invalid_request_error" => f.kind,
+        Some(status) => anthropic_type(status),
+        None => "api_error",
+    }
+}
+
+fn openai_error(f: &Failure) -> Value {
+    match f.status {
+        Some(status) => {
+            json!({"error": {"message": f.message, "type": f.kind, "code": f.code, "status": status}})
+        }
+        None => json!({"error": {"message": f.message, "type": f.kind, "code": f.code}}),
+    }
+}
+
+/// `data: {"error":{...}}`: the `openai` packages raise it as an `APIError` with its message.
+fn openai_event(f: &Failure) -> Bytes {
+    Bytes::from(format!("data: {}\n\n", openai_error(f)))
+}
+
+/// `{"error":{"message":...,"type":...,"code":...}}`, as OpenAI answers.
+fn openai_body(f: &Failure) -> Bytes {
+    let v = json!({ "error": { "message": f.message, "type": f.kind, "code": f.code } });
+    Bytes::from(v.to_string())
+}
+
+/// Anthropic's error object, with dsv4d's code where its SDKs read one
+/// (`error.details.error_code`).
+fn anthropic_error(f: &Failure) -> Value {
+    let mut error = json!({"type": anthropic_kind(f), "message": f.message});
+    if let Value::String(code) = &f.code {
+        error["details"] = json!({ "error_code": code });
+    }
+    json!({"type": "error", "error": error})
+}
+
+/// `event: error`: the `anthropic` packages raise it as an `APIStatusError` with its message.
+fn anthropic_event(f: &Failure) -> Bytes {
+    Bytes::from(format!("event: error\ndata: {}\n\n", anthropic_error(f)))
+}
+
+fn anthropic_body(f: &Failure) -> Bytes {
+    Bytes::from(anthropic_error(f).to_string())
+}
+
+/// `event: error` with Responses' fields (`type`, `code`, `message`, `param`,
+/// `sequence_number`), and OpenAI's `error` object beside them, which the `openai` packages
+/// raise as an `APIError` (an event without it they pass on as an event among others).
+fn responses_event(f: &Failure) -> Bytes {
+    let code = match &f.code {
+        Value::String(_) => f.code.clone(),
+        other => Value::String(other.to_string()),
+    };
+    let v = json!({
+        "type": "error", "code": code, "message": f.message, "param": null,
+        "sequence_number": 0, "error": openai_error(f)["error"],
+    });
+    Bytes::from(format!("event: error\ndata: {v}\n\n"))
+}
+
+/// The first bytes of a stream's last event, read chunk by chunk: whether that stream
+/// ended with its protocol's last event. For streams that only the connection's close ends
+/// (ds4-server), where an end and a cut look alike otherwise.
+#[derive(Default)]
+pub struct LastEvent {
+    /// The first bytes of the last event begun (comment blocks aside), its line ends as LF.
+    head: Vec<u8>,
+    at: At,
+}
+
+/// Where the bytes so far stand (the event stream grammar: lines end with CRLF, LF or CR; a
+/// blank line ends an event).
+#[derive(Default, Clone, Copy, PartialEq, Eq)]
+enum At {
+    /// Between events: the start, or after a blank line.
+    #[default]
+    Between,
+    /// Within an event's line: one whose head is kept, or a comment block.
+    Within { kept: bool },
+    /// Just after a line end (`end`) within an event.
+    LineEnd { end: u8, kept: bool },
+}
+
+impl LastEvent {
+    /// The most of an event's beginning kept: the longest of [`Spec::ends`] fits.
+    const KEEP: usize = 40;
+
+    fn keep(&mut self, b: u8) {
+        if self.head.len() < Self::KEEP {
+            self.head.push(b);
+        }
+    }
+
+    pub fn push(&mut self, data: &[u8]) {
+        for &b in data {
+            let line_end = b == b'\n' || b == b'\r';
+            self.at = match self.at {
+                At::Between if line_end => At::Between,
+                At::Between if b == b':' => At::Within { kept: false },
+                At::Between => {
+                    self.head.clear();
+                    self.keep(b);
+                    At::Within { kept: true }
+                }
+                // The LF of a CRLF.
+                At::LineEnd { end: b'\r', kept } if b == b'\n' => At::LineEnd { end: b, kept },
+                // A blank line.
+                At::LineEnd { .. } if line_end => At::Between,
+                At::LineEnd { kept, .. } | At::Within { kept } => {
+                    if kept {
+                        self.keep(if line_end { b'\n' } else { b });
+                    }
+                    match line_end {
+                        true => At::LineEnd { end: b, kept },
+                        false => At::Within { kept },
+                    }
+                }
+            };
+        }
+    }
+
+    /// Whether the last event begins as one of `ends`.
+    pub fn ended(&self, ends: &[&[u8]]) -> bool {
+        ends.iter().any(|e| self.head.starts_with(e))
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn each_path_has_its_protocol_and_stream() {
+        use Protocol::*;
+        use Streams::*;
+        for (path, route) in [
+            ("/v1/chat/completions", Some((OpenAi, Ended))),
+            ("/chat/completions", Some((OpenAi, Ended))),
+            ("/v1/completions", Some((OpenAi, Ended))),
+            ("/completions", Some((OpenAi, Unmarked))),
+            ("/completion", Some((OpenAi, Unmarked))),
+            ("/v1/chat/completions/input_tokens", Some((OpenAi, No))),
+            ("/v1/messages", Some((Anthropic, Ended))),
+            ("/v1/messages/count_tokens", Some((Anthropic, No))),
+            ("/v1/responses", Some((Responses, Ended))),
+            ("/responses", Some((Responses, Ended))),
+            ("/v1/responses/input_tokens", Some((Responses, No))),
+            ("/responses/input_tokens", Some((Responses, No))),
+            ("/v1/embeddings", None),
+            ("/tokenize", None),
+            ("/v1/messages/", None),
+            ("/v1/Messages", None),
+            ("/messages", None),
+            ("", None),
+        ] {
+            let got = Route::of(path).map(|r| (r.protocol, r.streams));
+            assert_eq!(got, route, "{path}");
+        }
+    }
+
+    #[test]
+    fn the_table_is_one_row_per_protocol_and_one_protocol_per_path() {
+        let mut paths = std::collections::HashSet::new();
+        for (i, spec) in SPECS.iter().enumerate() {
+            assert!(std::ptr::eq(spec.protocol.spec(), &SPECS[i]));
+            assert!(!spec.ends.is_empty(), "{}", spec.name);
+            for (path, _) in spec.paths {
+                assert!(paths.insert(*path), "{path} is in two rows");
+                assert_eq!(Protocol::of(path), Some(spec.protocol), "{path}");
+            }
+        }
+    }
+
+    /// The head of the last event after `pieces`, as pushed one by one.
+    fn last(pieces: &[&[u8]]) -> LastEvent {
+        let mut l = LastEvent::default();
+        for p in pieces {
+            l.push(p);
+        }
+        l
+    }
+
+    #[test]
+    fn a_stream_ended_only_when_its_last_event_is_its_protocols_end() {
+        use Protocol::*;
+        let chat = &b"data: {\"choices\":[{\"delta\":{\"content\":\"x\"}}]}\n\n"[..];
+        let anthropic_delta = &b"event: content_block_delta\ndata: {\"type\":\"content_block_delta\",\"index\":0,\"delta\":{\"type\":\"text_delta\",\"text\":\"Hi\"}}\n\n"[..];
+        let anthropic_stop = &b"event: message_stop\ndata: {\"type\":\"message_stop\"}\n\n"[..];
+        let responses_delta =
+            &b"event: response.output_text.delta\ndata: {\"type\":\"response.output_text.delta\",\"delta\":\"Hi\"}\n\n"[..];
+        let llama_done = &b"event: response.completed\ndata: {\"type\":\"response.completed\",\"response\":{\"status\":\"completed\",\"output\":[]}}\n\n"[..];
+        let ds4_done =
+            &b"data: {\"type\":\"response.completed\",\"sequence_number\":9,\"response\":{}}\n\n"[..];
+        let ds4_failed = &b"data: {\"type\":\"response.failed\",\"sequence_number\":9}\n\n"[..];
+        let incomplete = &b"event: response.incomplete\r\ndata: {}\r\n\r\n"[..];
+        for (protocol, stream, ended) in [
+            (OpenAi, vec![chat, b"data: [DONE]\n\n"], true),
+            (OpenAi, vec![chat, b"data: [DONE]"], true),
+            (OpenAi, vec![chat], false),
+            (OpenAi, vec![], false),
+            (OpenAi, vec![b"data: [DONE]\n\n", chat], false),
+            (OpenAi, vec![chat, b"data: [DONE]\n\n", b": bye\n\n"], true),
+            (OpenAi, vec![chat, b"data: [DONE]\r\n\r\n"], true),
+            (Anthropic, vec![anthropic_delta, anthropic_stop], true),
+            (Anthropic, vec![anthropic_delta], false),
+            (Anthropic, vec![anthropic_stop, anthropic_delta], false),
+            (
+                Anthropic,
+                vec![b"data: {\"type\":\"message_stop\"}\n\n"],
+                true,
+            ),
+            (Anthropic, vec![chat, b"data: [DONE]\n\n"], false),
+            (Responses, vec![responses_delta, llama_done], true),
+            (Responses, vec![responses_delta, ds4_done], true),
+            (Responses, vec![responses_delta, ds4_failed], true),
+            (Responses, vec![responses_delta, incomplete], true),
+            (Responses, vec![responses_delta], false),
+            (Responses, vec![llama_done, responses_delta], false),
+            (Responses, vec![b"event: error\ndata: {}\n\n"], false),
+        ] {
+            let whole: Vec<u8> = stream.concat();
+            let ends = protocol.spec().ends;
+            assert_eq!(
+                last(&stream).ended(ends),
+                ended,
+                "{protocol:?} {:?}",
+                String::from_utf8_lossy(&whole)
+            );
+            // Split anywhere, and byte by byte.
+            for cut in 0..=whole.len() {
+                let two = last(&[&whole[..cut], &whole[cut..]]);
+                assert_eq!(two.ended(ends), ended, "{protocol:?} cut at {cut}");
+            }
+            let ones: Vec<&[u8]> = whole.chunks(1).collect();
+            assert_eq!(last(&ones).ended(ends), ended);
+        }
+    }
+
+    fn data_of(event: &Bytes) -> Value {
+        let text = std::str::from_utf8(event).unwrap();
+        assert!(text.ends_with("\n\n"), "{text:?}");
+        let data = text.lines().find_map(|l| l.strip_prefix("data: ")).unwrap();
+        serde_json::from_str(data).unwrap()
+    }
+
+    fn cut(message: &str) -> Failure<'_> {
+        Failure {
+            message,
+            kind: "server_error",
+            code: json!("engine_failed"),
+            status: None,
+        }
+    }
+
+    #[test]
+    fn a_cut_stream_is_told_in_each_protocols_error_event() {
+        let f = cut("the engine broke off the answer: x");
+        let e = Protocol::OpenAi.error_event(&f);
+        assert_eq!(
+            &e[..],
+            &br#"data: {"error":{"code":"engine_failed","message":"the engine broke off the answer: x","type":"server_error"}}"#
+                .iter()
+                .chain(b"\n\n")
+                .copied()
+                .collect::<Vec<u8>>()[..]
+        );
+        let e = Protocol::Anthropic.error_event(&f);
+        assert!(e.starts_with(b"event: error\ndata: "), "{e:?}");
+        assert_eq!(
+            data_of(&e),
+            json!({"type": "error", "error": {"type": "api_error",
+                   "message": "the engine broke off the answer: x",
+                   "details": {"error_code": "engine_failed"}}})
+        );
+        let e = Protocol::Responses.error_event(&f);
+        assert!(e.starts_with(b"event: error\ndata: "), "{e:?}");
+        let v = data_of(&e);
+        assert_eq!(v["type"], "error");
+        assert_eq!(v["code"], "engine_failed");
+        assert_eq!(v["message"], "the engine broke off the answer: x");
+        assert_eq!(v["sequence_number"], 0);
+        assert_eq!(v["error"]["message"], "the engine broke off the answer: x");
+        assert_eq!(v["error"]["type"], "server_error");
+        // Each is one event, leaving the stream between events.
+        for p in [Protocol::OpenAi, Protocol::Anthropic, Protocol::Responses] {
+            let e = p.error_event(&f);
+            assert_eq!(
+                crate::http::sse::Place::Between.after(&e),
+                crate::http::sse::Place::Between
+            );
+        }
+    }
+
+    #[test]
+    fn anthropic_errors_have_anthropics_types_by_status() {
+        for (status, kind) in [
+            (400, "invalid_request_error"),
+            (401, "authentication_error"),
+            (403, "permission_error"),
+            (404, "not_found_error"),
+            (405, "invalid_request_error"),
+            (408, "timeout_error"),
+            (413, "request_too_large"),
+            (429, "rate_limit_error"),
+            (500, "api_error"),
+            (502, "api_error"),
+            (503, "overloaded_error"),
+            (504, "timeout_error"),
+            (529, "overloaded_error"),
+        ] {
+            let f = Failure {
+                message: "m",
+                kind: "unavailable_error",
+                code: json!("queue_full"),
+                status: Some(status),
+            };
+            let v: Value = serde_json::from_slice(&Protocol::Anthropic.error_body(&f)).unwrap();
+            assert_eq!(v["type"], "error", "{status}");
+            assert_eq!(v["error"]["type"], kind, "{status}");
+            assert_eq!(v["error"]["message"], "m");
+            assert_eq!(v["error"]["details"]["error_code"], "queue_full");
+        }
+        // An engine's own Anthropic type stays.
+        let f = Failure {
+            message: "m",
+            kind: "overloaded_error",
+            code: json!(500),
+            status: Some(500),
+        };
+        let v: Value = serde_json::from_slice(&Protocol::Anthropic.error_body(&f)).unwrap();
+        assert_eq!(v["error"]["type"], "overloaded_error");
+        assert_eq!(v["error"].get("details"), None);
+    }
+
+    #[test]
+    fn openai_and_responses_bodies_are_openais_shape() {
+        let f = Failure {
+            message: "invalid API key",
+            kind: "invalid_request_error",
+            code: json!("invalid_api_key"),
+            status: Some(401),
+        };
+        for p in [Protocol::OpenAi, Protocol::Responses] {
+            assert_eq!(
+                &p.error_body(&f)[..],
+                br#"{"error":{"code":"invalid_api_key","message":"invalid API key","type":"invalid_request_error"}}"#
+            );
+        }
+    }
+}
