@@ -32,6 +32,7 @@ mod openai_kind;
 mod packaging;
 mod port_taken;
 mod power;
+mod protocol_errors;
 mod protocols;
 mod real_engine;
 mod reload;

@@ -123,6 +123,7 @@ impl Plan {
     }
 
     /// The whole content at once.
+    #[cfg(test)]
     pub fn content(&self) -> String {
         (0..self.count).map(|i| self.token(i)).collect()
     }
@@ -264,6 +265,10 @@ pub enum Flavor {
     Text,
     /// `POST /completion` (llama.cpp native)
     Native,
+    /// `POST /v1/messages` (Anthropic's Messages)
+    Anthropic,
+    /// `POST /v1/responses` (OpenAI's Responses)
+    Responses,
 }
 
 impl Flavor {
@@ -272,12 +277,60 @@ impl Flavor {
         match self {
             Flavor::Chat => "chatcmpl-",
             Flavor::Text | Flavor::Native => "cmpl-",
+            Flavor::Anthropic => "msg_",
+            Flavor::Responses => "resp_",
         }
     }
 
     /// Whether a stream ends with `data: [DONE]`.
     pub fn ends_with_done(self) -> bool {
-        !matches!(self, Flavor::Native)
+        matches!(self, Flavor::Chat | Flavor::Text)
+    }
+
+    /// One event of a stream: named by its type in the protocols whose events have names.
+    pub fn sse(self, v: &Value) -> Bytes {
+        match (self, v.get("type").and_then(Value::as_str)) {
+            (Flavor::Anthropic | Flavor::Responses, Some(kind)) => {
+                Bytes::from(format!("event: {kind}\ndata: {v}\n\n"))
+            }
+            _ => sse_data(v),
+        }
+    }
+
+    /// The events before the first token (none for OpenAI's and llama's own).
+    pub fn opening(self, meta: &Meta) -> Vec<Value> {
+        match self {
+            Flavor::Anthropic => vec![
+                json!({"type": "message_start", "message": {
+                    "id": meta.id, "type": "message", "role": "assistant", "model": meta.model,
+                    "content": [], "stop_reason": null, "stop_sequence": null,
+                    "usage": {"input_tokens": 0, "output_tokens": 0}}}),
+                json!({"type": "content_block_start", "index": 0,
+                       "content_block": {"type": "text", "text": ""}}),
+            ],
+            Flavor::Responses => vec![json!({"type": "response.created", "sequence_number": 0,
+                "response": {"id": meta.id, "object": "response", "created_at": meta.created,
+                             "status": "in_progress", "model": meta.model, "output": []}})],
+            _ => vec![],
+        }
+    }
+
+    /// The events after the last token: Anthropic's and Responses' (with the whole text
+    /// `content`), or the last chunk of the others.
+    pub fn closing(self, meta: &Meta, content: &str, finish: Finish, t: &Timings) -> Vec<Value> {
+        match self {
+            Flavor::Anthropic => vec![
+                json!({"type": "content_block_stop", "index": 0}),
+                json!({"type": "message_delta",
+                       "delta": {"stop_reason": anthropic_stop(finish), "stop_sequence": null},
+                       "usage": {"output_tokens": t.predicted_n}}),
+                json!({"type": "message_stop"}),
+            ],
+            Flavor::Responses => vec![json!({"type": "response.completed",
+                "sequence_number": t.predicted_n + 1,
+                "response": self.full(meta, content, finish, t)})],
+            _ => vec![self.final_chunk(meta, finish, t)],
+        }
     }
 
     /// One streamed token.
@@ -299,6 +352,10 @@ impl Flavor {
                 "choices": [{"index": 0, "text": text, "logprobs": null, "finish_reason": null}],
             }),
             Flavor::Native => json!({"content": text, "stop": false}),
+            Flavor::Anthropic => json!({"type": "content_block_delta", "index": 0,
+                                        "delta": {"type": "text_delta", "text": text}}),
+            Flavor::Responses => json!({"type": "response.output_text.delta",
+                "item_id": "msg_0", "output_index": 0, "content_index": 0, "delta": text}),
         }
     }
 
@@ -323,6 +380,9 @@ impl Flavor {
                 "usage": t.usage(),
                 "timings": t.to_json(),
             }),
+            Flavor::Anthropic | Flavor::Responses => {
+                unreachable!("their streams close with `closing`")
+            }
             Flavor::Native => json!({
                 "content": "",
                 "stop": true,
@@ -365,6 +425,29 @@ impl Flavor {
                 "usage": t.usage(),
                 "timings": t.to_json(),
             }),
+            Flavor::Anthropic => json!({
+                "id": meta.id,
+                "type": "message",
+                "role": "assistant",
+                "model": meta.model,
+                "content": [{"type": "text", "text": content}],
+                "stop_reason": anthropic_stop(finish),
+                "stop_sequence": null,
+                "usage": {"input_tokens": t.prompt_n, "output_tokens": t.predicted_n},
+            }),
+            Flavor::Responses => json!({
+                "id": meta.id,
+                "object": "response",
+                "created_at": meta.created,
+                "status": "completed",
+                "model": meta.model,
+                "output": [{"type": "message", "id": "msg_0", "role": "assistant",
+                            "status": "completed",
+                            "content": [{"type": "output_text", "text": content,
+                                         "annotations": []}]}],
+                "usage": {"input_tokens": t.prompt_n, "output_tokens": t.predicted_n,
+                          "total_tokens": t.prompt_n + t.predicted_n},
+            }),
             Flavor::Native => json!({
                 "content": content,
                 "id_slot": 0,
@@ -376,6 +459,14 @@ impl Flavor {
                 "timings": t.to_json(),
             }),
         }
+    }
+}
+
+/// Anthropic's `stop_reason` for `finish`.
+fn anthropic_stop(finish: Finish) -> &'static str {
+    match finish.reason() {
+        "length" => "max_tokens",
+        _ => "end_turn",
     }
 }
 

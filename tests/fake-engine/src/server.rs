@@ -421,6 +421,18 @@ fn error_response(status: StatusCode, message: &str, kind: &str) -> Resp {
     json_response(status, &gen::error_body(status.as_u16(), message, kind))
 }
 
+/// llama-server's `/v1/messages/count_tokens`: the prompt's characters, one token each.
+async fn count_tokens(req: Request<Incoming>) -> Resp {
+    match read_json(req).await {
+        Ok(body) => {
+            let messages = body.get("messages").and_then(Value::as_array);
+            let n = messages.map_or(0, |m| gen::chat_prompt_chars(m));
+            json_response(StatusCode::OK, &json!({"input_tokens": n}))
+        }
+        Err(m) => bad_request(&m),
+    }
+}
+
 fn not_found() -> Resp {
     error_response(StatusCode::NOT_FOUND, "File Not Found", "not_found_error")
 }
@@ -663,7 +675,11 @@ async fn route(engine: &Arc<Engine>, req: Request<Incoming>, method: &Method, pa
             generate(engine, req, Flavor::Text).await
         }
         (&Method::POST, "/completion") => generate(engine, req, Flavor::Native).await,
-        (&Method::POST, "/v1/messages") => messages(engine, req).await,
+        (&Method::POST, "/v1/messages") => generate(engine, req, Flavor::Anthropic).await,
+        (&Method::POST, "/v1/responses" | "/responses") => {
+            generate(engine, req, Flavor::Responses).await
+        }
+        (&Method::POST, "/v1/messages/count_tokens") => count_tokens(req).await,
         (&Method::GET, "/slots") => {
             let busy = engine.active.load(Ordering::SeqCst);
             let slots: Vec<Value> = (0..u64::from(engine.cfg.parallel.max(1)))
@@ -723,6 +739,8 @@ async fn route_ds4(
         }
         (&Method::POST, "/v1/chat/completions") => generate(engine, req, Flavor::Chat).await,
         (&Method::POST, "/v1/completions") => generate(engine, req, Flavor::Text).await,
+        (&Method::POST, "/v1/messages") => generate(engine, req, Flavor::Anthropic).await,
+        (&Method::POST, "/v1/responses") => generate(engine, req, Flavor::Responses).await,
         (&Method::POST, "/echo") => echo(req),
         _ => ds4_error(StatusCode::NOT_FOUND, "unknown endpoint"),
     }
@@ -912,43 +930,6 @@ async fn read_json(req: Request<Incoming>) -> Result<Value, String> {
     }
 }
 
-/// Anthropic's Messages API, plain answers only, as llama-server answers it: the letters,
-/// `usage` in Anthropic's terms (`input_tokens` without the cache reads), no `timings`.
-async fn messages(engine: &Arc<Engine>, req: Request<Incoming>) -> Resp {
-    let body = match read_json(req).await {
-        Ok(v) => v,
-        Err(m) => return bad_request(&m),
-    };
-    if body.get("stream").and_then(Value::as_bool) == Some(true) {
-        return bad_request("the fake engine answers /v1/messages plain only");
-    }
-    let Some(messages) = body.get("messages").and_then(Value::as_array) else {
-        return bad_request("\"messages\" is required and must be an array");
-    };
-    let plan = Plan::letters(gen::max_tokens(&body, &["max_tokens"]));
-    let meta = engine.meta(Flavor::Chat);
-    json_response(
-        StatusCode::OK,
-        &json!({
-            "id": meta.id,
-            "type": "message",
-            "role": "assistant",
-            "content": [{"type": "text", "text": plan.content()}],
-            "model": meta.model,
-            "stop_reason": match plan.finish() {
-                gen::Finish::Length => "max_tokens",
-                _ => "end_turn",
-            },
-            "stop_sequence": null,
-            "usage": {
-                "cache_read_input_tokens": 0,
-                "input_tokens": gen::chat_prompt_chars(messages),
-                "output_tokens": plan.len(),
-            },
-        }),
-    )
-}
-
 /// What a generation request asked for, after validation.
 struct Job {
     flavor: Flavor,
@@ -960,7 +941,16 @@ struct Job {
 fn parse_job(flavor: Flavor, body: &Value) -> Result<Job, String> {
     let stream = body.get("stream").and_then(Value::as_bool).unwrap_or(false);
     let (plan, prompt_n) = match flavor {
-        Flavor::Chat => {
+        Flavor::Responses => {
+            let input = match body.get("input") {
+                Some(Value::String(s)) => s.chars().count() as u64,
+                Some(Value::Array(items)) => gen::chat_prompt_chars(items),
+                _ => return Err("'input' is required: a string or an array".to_string()),
+            };
+            let n = gen::max_tokens(body, &["max_output_tokens"]);
+            (Plan::letters(n), input)
+        }
+        Flavor::Chat | Flavor::Anthropic => {
             let Some(messages) = body.get("messages").and_then(Value::as_array) else {
                 return Err("'messages' is required and must be an array".to_string());
             };
@@ -1084,6 +1074,11 @@ async fn stream_job(
     if ds4 {
         crate::ds4_progress();
     }
+    for v in job.flavor.opening(&meta) {
+        if tx.send(job.flavor.sse(&v)).await.is_err() {
+            return;
+        }
+    }
     let prompt_ms = ms_since(t0);
     let t1 = Instant::now();
     let mut pace = Pace::new();
@@ -1093,7 +1088,7 @@ async fn stream_job(
             // ds4-server writes nothing more once stopping: the stream ends, no [DONE].
             return;
         }
-        let event = gen::sse_data(&job.flavor.chunk(&meta, job.plan.token(i)));
+        let event = job.flavor.sse(&job.flavor.chunk(&meta, job.plan.token(i)));
         if tx.send(event).await.is_err() {
             return;
         }
@@ -1106,9 +1101,14 @@ async fn stream_job(
         predicted_n: job.plan.len(),
         predicted_ms: ms_since(t1),
     };
-    let last = gen::sse_data(&job.flavor.final_chunk(&meta, job.plan.finish(), &timings));
-    if tx.send(last).await.is_err() {
-        return;
+    let content: String = (0..job.plan.len()).map(|i| job.plan.token(i)).collect();
+    for v in job
+        .flavor
+        .closing(&meta, &content, job.plan.finish(), &timings)
+    {
+        if tx.send(job.flavor.sse(&v)).await.is_err() {
+            return;
+        }
     }
     if job.flavor.ends_with_done() {
         let _ = tx.send(gen::sse_done()).await;

@@ -1,0 +1,64 @@
+"""responses_client.py BASE_URL MODE TIMEOUT - one request to OpenAI's Responses API through the
+official `openai` package, as an application sends it, with a timeout of TIMEOUT s and no
+retry. BASE_URL is the API root, e.g. http://127.0.0.1:8080/v1. MODE is one of:
+    plain   responses.create(...)
+    stream  responses.create(stream=True, ...), every event read
+
+Prints one line of JSON and exits 0 when the answer came whole:
+    {"text": "...", "status": "...", "events": [TYPE, ...]}
+where status is the response's (for a stream, that of its response.completed, .failed or
+.incomplete event; null when none came);
+or exits 1 when the package raised one of its errors (APIError for an error event that
+carries an error object, APIStatusError and its subclasses for an error answer, ...):
+    {"error": "CLASS", "message": "...", "status": N or null, "body": ...}
+Exits 2 on a usage error or when the openai package is missing (tests/clients/prepare makes a
+venv that has it).
+"""
+
+import json
+import sys
+
+
+def jsonable(v):
+    try:
+        return json.loads(json.dumps(v))
+    except (TypeError, ValueError):
+        return repr(v)
+
+
+def main():
+    if len(sys.argv) != 4 or sys.argv[2] not in ("plain", "stream"):
+        print(f"usage: {sys.argv[0]} BASE_URL plain|stream TIMEOUT", file=sys.stderr)
+        sys.exit(2)
+    base_url, mode, timeout = sys.argv[1], sys.argv[2], float(sys.argv[3])
+    try:
+        import openai
+    except ImportError as e:
+        print(f"responses_client: {sys.executable} has no openai package ({e})", file=sys.stderr)
+        sys.exit(2)
+    client = openai.OpenAI(base_url=base_url, api_key="none", timeout=timeout, max_retries=0)
+    request = {"model": "dsv4", "input": "hello", "max_output_tokens": 8}
+    try:
+        if mode == "plain":
+            r = client.responses.create(**request)
+            out = {"text": r.output_text, "status": r.status, "events": []}
+        else:
+            text, status, events = [], None, []
+            for event in client.responses.create(stream=True, **request):
+                events.append(event.type)
+                if event.type == "response.output_text.delta":
+                    text.append(event.delta)
+                elif event.type in ("response.completed", "response.failed",
+                                    "response.incomplete"):
+                    status = event.response.status
+            out = {"text": "".join(text), "status": status, "events": events}
+    except openai.APIError as e:
+        print(json.dumps({"error": type(e).__name__, "message": e.message,
+                          "status": getattr(e, "status_code", None),
+                          "body": jsonable(e.body)}))
+        sys.exit(1)
+    print(json.dumps(out))
+
+
+if __name__ == "__main__":
+    main()
