@@ -8,6 +8,7 @@ use std::task::{Context, Poll};
 use bytes::Bytes;
 use dsv4_engine::OutputTail;
 use http_body::{Body, Frame, SizeHint};
+use memchr::memmem;
 use serde_json::Value;
 use tokio::time::Instant;
 
@@ -174,8 +175,15 @@ impl Body for EngineStream {
             if let Some(last) = this.unframed.as_mut() {
                 last.push(d);
             }
-            if d.trim_ascii_end().ends_with(b"data: [DONE]") {
-                if let Some(f) = &this.flight {
+            // The protocol's last event: the answer is complete, on its way out.
+            if let (Some(f), Some(_)) = (&this.flight, &this.sse) {
+                if this
+                    .protocol
+                    .spec()
+                    .ends
+                    .iter()
+                    .any(|e| memmem::find(d, e).is_some())
+                {
                     f.ending();
                 }
             }
