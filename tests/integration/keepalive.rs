@@ -305,8 +305,11 @@ async fn a_kept_alive_stream_less_its_comments_is_the_engines_own() {
         !comments(&through).is_empty(),
         "the prefill was too short for a comment: {through:?}"
     );
-    assert!(comments(&own).is_empty());
-    assert_eq!(fixed(&less_comments(&through)), fixed(&own));
+    // llama-server pings (`:`) a stream silent for 30 s itself (`--sse-ping-interval`),
+    // which a loaded machine's prefill may reach: those pass through like any event.
+    assert!(comments(&own).iter().all(|c| *c == ":"), "{own:?}");
+    let pings = |s: &str| s.replace(":\n\n", "");
+    assert_eq!(fixed(&pings(&less_comments(&through))), fixed(&pings(&own)));
     assert!(own.contains("\"content\":\"a\""), "{own}");
 }
 
