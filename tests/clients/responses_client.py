@@ -1,6 +1,7 @@
 """responses_client.py BASE_URL MODE TIMEOUT - one request to OpenAI's Responses API through the
 official `openai` package, as an application sends it, with a timeout of TIMEOUT s and no
-retry. BASE_URL is the API root, e.g. http://127.0.0.1:8080/v1. MODE is one of:
+retry. BASE_URL is the API root, e.g. http://127.0.0.1:8080/v1. MODE is one of, each asking
+"hello" or, after a colon, the text of a file (stream:FILE):
     plain   responses.create(...)
     stream  responses.create(stream=True, ...), every event read
 
@@ -27,17 +28,22 @@ def jsonable(v):
 
 
 def main():
-    if len(sys.argv) != 4 or sys.argv[2] not in ("plain", "stream"):
-        print(f"usage: {sys.argv[0]} BASE_URL plain|stream TIMEOUT", file=sys.stderr)
+    mode, _, prompt_file = sys.argv[2].partition(":") if len(sys.argv) > 2 else ("", "", "")
+    if len(sys.argv) != 4 or mode not in ("plain", "stream"):
+        print(f"usage: {sys.argv[0]} BASE_URL plain|stream[:FILE] TIMEOUT", file=sys.stderr)
         sys.exit(2)
-    base_url, mode, timeout = sys.argv[1], sys.argv[2], float(sys.argv[3])
+    base_url, timeout = sys.argv[1], float(sys.argv[3])
+    prompt = "hello"
+    if prompt_file:
+        with open(prompt_file) as f:
+            prompt = f.read()
     try:
         import openai
     except ImportError as e:
         print(f"responses_client: {sys.executable} has no openai package ({e})", file=sys.stderr)
         sys.exit(2)
     client = openai.OpenAI(base_url=base_url, api_key="none", timeout=timeout, max_retries=0)
-    request = {"model": "dsv4", "input": "hello", "max_output_tokens": 8}
+    request = {"model": "dsv4", "input": prompt, "max_output_tokens": 8}
     try:
         if mode == "plain":
             r = client.responses.create(**request)

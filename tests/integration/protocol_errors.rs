@@ -320,3 +320,60 @@ async fn real_ds4_answers_count_tokens_with_its_own_404_through_dsv4d() {
     let out = anthropic(&d.url(""), "plain", None).await;
     assert!(out["text"].is_string(), "{out}\n{}", d.log());
 }
+
+/// A stream on each API, its engine (the real llama-server, mid-prefill of a long prompt)
+/// stopped by `dsv4ctl stop --now`: each SDK raises the error event dsv4d writes in its
+/// protocol, with the engine's failure, never a stream that merely ends.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn stop_now_under_a_stream_on_the_real_engine_is_an_error_event_each_sdk_raises() {
+    let bus = PrivateBus::start();
+    let dir = temp_dir("daemon");
+    let s = long_context_setup(dir.path()).session_bus(&bus);
+    let d = started(Daemon::start_in(&s, dir)).await;
+    wait_bus_name(&d, &bus).await;
+    let prompts = temp_dir("prompts");
+    for api in ["anthropic", "responses"] {
+        // A prompt no cache holds: its prefill is long, whatever came before.
+        let file = prompts.path().join(format!("{api}.txt"));
+        std::fs::write(&file, format!("{api} {}", long_prompt())).unwrap();
+        let mode = format!("stream:{}", file.display());
+        let url = d.url("");
+        let request = tokio::spawn(async move {
+            match api {
+                "anthropic" => anthropic(&url, &mode, None).await,
+                _ => responses(&url, &mode).await,
+            }
+        });
+        // Stopped once its head is out (dsv4d's own after stream_keepalive, or the
+        // engine's), in its prefill.
+        let t = Instant::now();
+        loop {
+            let s = d.status().await;
+            let flight = &s["in_progress"][0];
+            if flight["phase"] == "prefill" && flight["age_s"].as_f64().unwrap_or(0.0) > 3.0 {
+                break;
+            }
+            assert!(t.elapsed() < PATIENCE, "{s}");
+            tokio::time::sleep(Duration::from_millis(20)).await;
+        }
+        let address = bus.address.clone();
+        let out = tokio::task::spawn_blocking(move || ctl(&address, &["stop", "--now"], None))
+            .await
+            .unwrap();
+        assert!(out.status.success(), "{out:?}");
+        let out = request.await.unwrap();
+        assert!(out["error"].is_string(), "{api}: {out}\n{}", d.log());
+        assert!(
+            out["message"].as_str().unwrap().contains("the engine"),
+            "{api}: {out}"
+        );
+        match api {
+            "anthropic" => {
+                assert_eq!(out["error"], "APIStatusError", "{out}");
+                assert_eq!(out["body"]["type"], "error", "{out}");
+                assert_eq!(out["body"]["error"]["type"], "api_error", "{out}");
+            }
+            _ => assert_eq!(out["error"], "APIError", "{out}"),
+        }
+    }
+}
