@@ -382,7 +382,7 @@ async fn a_request_made_while_the_page_is_open_shows_up_in_it_within_2_s() {
     let took = tokio::task::block_in_place(|| {
         browser.wait_for(
             "document.querySelectorAll('#requests tbody tr').length === 1 && \
-             document.querySelector('#requests tbody td:nth-child(3)').textContent === \
+             document.querySelector('#requests tbody td:nth-child(4)').textContent === \
              '/v1/chat/completions'",
             Duration::from_secs(2) + LOAD_MARGIN,
         )

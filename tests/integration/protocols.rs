@@ -50,6 +50,11 @@ async fn soak(d: &Daemon, ds4: bool, within: Duration) -> Value {
 /// counts the clients read from each answer's `usage`; count_tokens is not a generation and
 /// is not counted. `others`: the requests of other APIs made besides.
 async fn assert_stats(d: &Daemon, report: &Value, others: u64) {
+    assert_stats_of(d, report, ITERATIONS as u64, others).await;
+}
+
+/// [`assert_stats`] after `iterations` requests of each kind.
+async fn assert_stats_of(d: &Daemon, report: &Value, iterations: u64, others: u64) {
     let status = d.status().await;
     let requests = &status["requests"];
     for (protocol, steps) in [
@@ -59,7 +64,7 @@ async fn assert_stats(d: &Daemon, report: &Value, others: u64) {
         let sum = |k: &str| -> u64 { steps.iter().map(|s| report[s][k].as_u64().unwrap()).sum() };
         let t = &requests["by_protocol"][protocol];
         let what = format!("{protocol}: {t}\nclients read: {report}");
-        assert_eq!(t["requests"], 2 * ITERATIONS as u64, "{what}");
+        assert_eq!(t["requests"], 2 * iterations, "{what}");
         let prompt = t["prompt_tokens"].as_u64().unwrap() + t["cached_tokens"].as_u64().unwrap();
         assert_eq!(prompt, sum("input"), "{what}");
         assert_eq!(t["cached_tokens"], sum("cached"), "{what}");
@@ -71,11 +76,7 @@ async fn assert_stats(d: &Daemon, report: &Value, others: u64) {
             "{what}"
         );
     }
-    assert_eq!(
-        requests["requests"],
-        4 * ITERATIONS as u64 + others,
-        "{requests}"
-    );
+    assert_eq!(requests["requests"], 4 * iterations + others, "{requests}");
     let recent = requests["recent"].as_array().unwrap();
     for r in recent {
         let want = match r["path"].as_str().unwrap() {
@@ -113,6 +114,138 @@ async fn the_anthropic_and_responses_clients_50_times_each_on_ds4_server_and_the
     let report = soak(&d, true, Duration::from_secs(600)).await;
     assert!(report.get("count_tokens").is_none(), "{report}");
     assert_stats(&d, &report, 0).await;
+}
+
+/// Each API's statistics where one looks, after the anthropic package's messages (plain and
+/// streamed) and the openai package's responses (plain and streamed), once each, on the real
+/// llama-server: `/metrics` counts them by API, `dsv4ctl status` has totals for each API and
+/// names each request's, the clock-timed rates of the Anthropic stream (llama-server sends it
+/// no timings) marked, and the dashboard in a real browser names them in both its tables.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn each_apis_statistics_are_shown_in_metrics_dsv4ctl_status_and_the_dashboard() {
+    use crate::control::{ctl, wait_bus_name};
+    use crate::dashboard::Browser;
+    let bus = PrivateBus::start();
+    let d = Daemon::start(
+        &real::setup()
+            .session_bus(&bus)
+            .engine("idle_timeout", "10m"),
+    );
+    let base = d.url("");
+    let out = script(
+        &["soak", base.trim_end_matches('/'), "1"],
+        Duration::from_secs(60),
+    )
+    .await;
+    let report: Value = serde_json::from_str(out.lines().last().unwrap_or_default())
+        .unwrap_or_else(|e| panic!("{e}: {out}"));
+    // A request is counted once its answer has ended, as its client reads the end.
+    let t = std::time::Instant::now();
+    while d.status().await["requests"]["requests"] != 4 {
+        assert!(t.elapsed() < PATIENCE, "{}", d.status().await);
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+    assert_stats_of(&d, &report, 1, 0).await;
+
+    let (status, _, body) = d.send("GET", "/metrics", &[], None).await;
+    assert_eq!(status, 200);
+    let metrics = body.as_str().unwrap().to_string();
+    let lines: Vec<&str> = metrics.lines().collect();
+    let generated = |steps: [&str; 2]| -> u64 {
+        steps
+            .iter()
+            .map(|s| report[s]["output"].as_u64().unwrap())
+            .sum()
+    };
+    for line in [
+        "dsv4_api_requests_total{protocol=\"openai\"} 0".to_string(),
+        "dsv4_api_requests_total{protocol=\"anthropic\"} 2".to_string(),
+        "dsv4_api_requests_total{protocol=\"responses\"} 2".to_string(),
+        format!(
+            "dsv4_api_generated_tokens_total{{protocol=\"anthropic\"}} {}",
+            generated(["messages", "messages_stream"])
+        ),
+        format!(
+            "dsv4_api_generated_tokens_total{{protocol=\"responses\"}} {}",
+            generated(["responses", "responses_stream"])
+        ),
+        // The Anthropic stream, timed by dsv4d's clock; llama-server times the Responses one.
+        "dsv4_api_clock_timed_requests_total{protocol=\"anthropic\"} 1".to_string(),
+        "dsv4_api_clock_timed_requests_total{protocol=\"responses\"} 0".to_string(),
+    ] {
+        assert!(lines.contains(&line.as_str()), "no {line} in\n{metrics}");
+    }
+    for protocol in ["anthropic", "responses"] {
+        let rate = format!("dsv4_api_decode_tokens_per_second{{protocol=\"{protocol}\"}} ");
+        assert!(
+            lines.iter().any(|l| l.starts_with(&rate)),
+            "no {rate} in\n{metrics}"
+        );
+    }
+
+    wait_bus_name(&d, &bus).await;
+    let out = tokio::task::block_in_place(|| ctl(&bus.address, &["status"], None));
+    let printed = String::from_utf8_lossy(&out.stdout).into_owned();
+    assert!(
+        out.status.success(),
+        "{printed}{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    for part in [
+        "\nby API         anthropic 2 (prompt tokens ",
+        "\n               responses 2 (prompt tokens ",
+        "ago tiny responses /v1/responses: ",
+        "ago tiny anthropic /v1/messages: ",
+        ", decode ~",
+        "\n~              a rate timed by dsv4d's clock",
+    ] {
+        assert!(printed.contains(part), "no {part:?} in\n{printed}");
+    }
+    assert!(!printed.contains("openai 0"), "{printed}");
+
+    let dom = tokio::task::block_in_place(|| {
+        Browser::opened(
+            &format!("http://{}/ui", d.addr),
+            "document.getElementById('live').textContent === 'live' && \
+             document.querySelectorAll('#requests tbody tr').length === 4",
+        )
+        .eval(
+            "JSON.stringify({ \
+               apis: [...document.querySelectorAll('#apis tbody tr')].map(r => r.cells[0].textContent), \
+               requests: [...document.querySelectorAll('#requests tbody tr')] \
+                 .map(r => r.cells[2].textContent + ' ' + r.cells[3].textContent + ' ' + r.cells[8].textContent), \
+               note: !document.getElementById('clock-note').hidden })",
+        )
+    });
+    let shown: Value = serde_json::from_str(dom.as_str().unwrap()).unwrap();
+    assert_eq!(
+        shown["apis"],
+        serde_json::json!(["anthropic", "responses"]),
+        "{shown}"
+    );
+    let requests: Vec<&str> = shown["requests"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|r| r.as_str().unwrap())
+        .collect();
+    // Newest first: the Responses stream (the engine's timings), the plain Responses answer
+    // (no times: no rate), the Anthropic stream (the clock's) and the plain Anthropic answer.
+    let [stream, plain, messages_stream, messages] = requests[..] else {
+        panic!("{shown}")
+    };
+    assert!(
+        stream.starts_with("responses /v1/responses ") && !stream.ends_with(" -"),
+        "{shown}"
+    );
+    assert!(!stream.contains('~'), "{shown}");
+    assert_eq!(plain, "responses /v1/responses -", "{shown}");
+    assert_eq!(messages, "anthropic /v1/messages -", "{shown}");
+    assert!(
+        messages_stream.starts_with("anthropic /v1/messages ~"),
+        "{shown}"
+    );
+    assert_eq!(shown["note"], true, "{shown}");
 }
 
 /// Under `api.api_keys_file`, the anthropic package (`x-api-key`) and the openai package

@@ -521,6 +521,10 @@ pub struct Totals {
     pub prefill_tok_s: Option<f64>,
     pub long_prompt_requests: u64,
     pub long_prompt_prefill_tok_s: Option<f64>,
+    /// Of the requests with times, those timed by dsv4d's clock (their answers had no engine
+    /// `timings`): when above 0, the rates are (partly) the clock's. Absent from older daemons.
+    #[serde(default)]
+    pub clock_timed_requests: u64,
 }
 
 #[derive(Debug, Clone, Default, PartialEq, Serialize, Deserialize)]

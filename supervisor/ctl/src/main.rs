@@ -63,8 +63,11 @@ enum Command {
     /// the requests in flight and waiting, each request in flight on a line of its own with
     /// its phase (waiting and for what, loading, prefill with its tokens, rate and time
     /// left as far as the engine tells, decoding, ending), when the idle engine will be
-    /// stopped, the last error, and request totals with token-weighted decode and prefill
-    /// rates. Never starts the engine.
+    /// stopped, the last error, request totals with token-weighted decode and prefill
+    /// rates, the same by API (openai, anthropic, responses: those that had requests), and
+    /// the last requests, each with its API. A rate marked ~ was timed by dsv4d's clock: the
+    /// engine's answer had no timings (llama-server's Anthropic streams, ds4-server's
+    /// answers). Never starts the engine.
     ///
     /// With --json, prints the Status() document as JSON.
     Status,
@@ -125,7 +128,8 @@ enum Command {
     /// Watch the engine and the host live
     ///
     /// A terminal view of the engine's state, the requests (each in flight with its phase,
-    /// as in status), memory and throttling, with
+    /// as in status; the finished ones by API, and the last one, ~ marking a rate timed by
+    /// dsv4d's clock), memory and throttling, with
     /// sparklines of GTT, temperature, SoC power and the decode rate of the last requests,
     /// from the daemon's samples (the last ten minutes, then each new one). q, Esc or
     /// Ctrl-C quits. When standard output is not a terminal, prints a line per sample

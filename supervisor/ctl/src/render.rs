@@ -126,6 +126,15 @@ pub fn status_table(doc: &Status, now: f64) -> String {
     ));
     rows.push(("decode", decode(t)));
     rows.push(("prefill", prefill(t)));
+    let apis: Vec<String> = doc
+        .requests
+        .by_protocol
+        .iter()
+        .map(|(p, t)| api_totals(p.as_str(), t))
+        .collect();
+    if !apis.is_empty() {
+        rows.push(("by API", apis.join("\n")));
+    }
     match &doc.telemetry {
         Some(sample) => hardware_rows(&mut rows, sample, now),
         None => rows.push(("hardware", "- (no sample yet)".into())),
@@ -152,7 +161,39 @@ pub fn status_table(doc: &Status, now: f64) -> String {
     if !recent.is_empty() {
         rows.push(("last requests", recent.join("\n")));
     }
+    if rows.iter().any(|(_, v)| v.contains(CLOCK)) {
+        rows.push((CLOCK, CLOCK_MEANS.into()));
+    }
     table(&rows)
+}
+
+/// The mark of a rate timed by dsv4d's clock, and what it means (the status table's legend).
+pub const CLOCK: &str = "~";
+pub const CLOCK_MEANS: &str =
+    "a rate timed by dsv4d's clock: the engine's answer had no timings (Anthropic Messages, \
+     OpenAI Responses)";
+
+/// `rate` tok/s, marked when dsv4d's clock timed it (or some of the requests it is over).
+pub fn marked_rate(rate_tok_s: f64, clock: bool) -> String {
+    let mark = if clock { CLOCK } else { "" };
+    format!("{mark}{} tok/s", rate(rate_tok_s))
+}
+
+/// One API's totals: `anthropic 2 (prompt tokens 100, cached 6, generated 40), decode
+/// ~10.00 tok/s, prefill ~40.00 tok/s`.
+pub fn api_totals(api: &str, t: &Totals) -> String {
+    let clock = t.clock_timed_requests > 0;
+    let mut s = format!(
+        "{api} {} (prompt tokens {}, cached {}, generated {})",
+        t.requests, t.prompt_tokens, t.cached_tokens, t.generated_tokens
+    );
+    if let Some(d) = t.decode_tok_s {
+        s.push_str(&format!(", decode {}", marked_rate(d, clock)));
+    }
+    if let Some(p) = t.prefill_tok_s {
+        s.push_str(&format!(", prefill {}", marked_rate(p, clock)));
+    }
+    s
 }
 
 use dsv4_client::units::format_gib as gib;
@@ -304,16 +345,17 @@ fn power_rows(rows: &mut Vec<(&str, String)>, p: &PowerStatus) {
 /// One request, with what its span cost.
 fn request_line(r: &RequestRecord, now: f64) -> String {
     let mut s = format!(
-        "{} ago {} {}: {} prompt + {} generated tokens in {}",
+        "{} ago {} {} {}: {} prompt + {} generated tokens in {}",
         duration(now - r.at),
         r.profile,
+        r.protocol,
         r.path,
         r.prompt_tokens,
         r.generated_tokens,
         elapsed(Duration::from_secs_f64(r.wall_ms.max(0.0) / 1000.0))
     );
     if let Some(d) = r.decode_tok_s {
-        s.push_str(&format!(", decode {} tok/s", rate(d)));
+        s.push_str(&format!(", decode {}", marked_rate(d, r.clock_times)));
     }
     if let Some(res) = &r.resources {
         if let (Some(mean), Some(max)) = (res.edge_mean_c, res.edge_max_c) {
@@ -402,19 +444,20 @@ fn about(seconds: f64) -> String {
 
 fn decode(t: &Totals) -> String {
     t.decode_tok_s
-        .map_or_else(dash, |r| format!("{} tok/s", rate(r)))
+        .map_or_else(dash, |r| marked_rate(r, t.clock_timed_requests > 0))
 }
 
 /// The prefill rate over prompts of at least 1K new tokens (the figure that tells how fast
 /// a long prompt goes), and the rate over all prompts.
 fn prefill(t: &Totals) -> String {
-    let all = t.prefill_tok_s.map(|r| format!("{} tok/s", rate(r)));
+    let clock = t.clock_timed_requests > 0;
+    let all = t.prefill_tok_s.map(|r| marked_rate(r, clock));
     match (t.long_prompt_prefill_tok_s, t.long_prompt_requests) {
         (Some(long), n) if n > 0 => {
             let requests = if n == 1 { "request" } else { "requests" };
             let mut s = format!(
-                "{} tok/s (prompts >= 1K tokens: {n} {requests})",
-                rate(long)
+                "{} (prompts >= 1K tokens: {n} {requests})",
+                marked_rate(long, clock)
             );
             if let Some(all) = all {
                 s.push_str(&format!("; {all} over all prompts"));
@@ -732,6 +775,7 @@ mod tests {
                     prefill_tok_s: Some(98.2),
                     long_prompt_requests: 3,
                     long_prompt_prefill_tok_s: Some(122.66),
+                    clock_timed_requests: 0,
                 },
                 by_profile: Default::default(),
                 by_protocol: Default::default(),
@@ -1003,6 +1047,92 @@ hardware    - (no sample yet)
         );
     }
 
+    /// Each API that had requests has a line of totals, each request its API, and a rate
+    /// dsv4d's clock timed is marked, the mark said in a legend.
+    #[test]
+    fn the_status_table_names_each_api_and_marks_the_clocks_rates() {
+        use dsv4_client::ApiProtocol;
+        let mut s = status();
+        let totals = |requests, clock_timed_requests, decode: Option<f64>| Totals {
+            requests,
+            prompt_tokens: 100,
+            cached_tokens: 6,
+            generated_tokens: 40,
+            decode_tok_s: decode,
+            prefill_tok_s: decode.map(|d| d * 4.0),
+            long_prompt_requests: 0,
+            long_prompt_prefill_tok_s: None,
+            clock_timed_requests,
+        };
+        s.requests.all.clock_timed_requests = 1;
+        s.requests.by_protocol = [
+            (ApiProtocol::OpenAi, totals(9, 0, Some(13.3512))),
+            (ApiProtocol::Anthropic, totals(2, 1, Some(10.0))),
+            // Plain answers without timings: tokens, no rates.
+            (ApiProtocol::Responses, totals(1, 0, None)),
+        ]
+        .into_iter()
+        .collect();
+        let record = |protocol, path: &str, clock_times, decode| RequestRecord {
+            profile: "320k".into(),
+            path: path.into(),
+            protocol,
+            at: 999_990.0,
+            prompt_tokens: 12,
+            cached_tokens: 0,
+            generated_tokens: 8,
+            prefill_tok_s: decode,
+            decode_tok_s: decode,
+            prompt_ms: 100.0,
+            decode_ms: 800.0,
+            wall_ms: 900.0,
+            clock_times,
+            resources: None,
+        };
+        s.requests.recent = vec![
+            record(ApiProtocol::Responses, "/v1/responses", false, None),
+            record(
+                ApiProtocol::OpenAi,
+                "/v1/chat/completions",
+                false,
+                Some(9.5),
+            ),
+            record(ApiProtocol::Anthropic, "/v1/messages", true, Some(10.0)),
+        ];
+        let table = status_table(&s, 1_000_000.0);
+        let tail: Vec<&str> = table.lines().skip(10).collect();
+        assert_eq!(
+            tail,
+            [
+                "decode         ~13.35 tok/s",
+                "prefill        ~122.7 tok/s (prompts >= 1K tokens: 3 requests); ~98.20 tok/s \
+                 over all prompts",
+                "by API         openai 9 (prompt tokens 100, cached 6, generated 40), decode \
+                 13.35 tok/s, prefill 53.40 tok/s",
+                "               anthropic 2 (prompt tokens 100, cached 6, generated 40), decode \
+                 ~10.00 tok/s, prefill ~40.00 tok/s",
+                "               responses 1 (prompt tokens 100, cached 6, generated 40)",
+                "hardware       - (no sample yet)",
+                "last requests  10s ago 320k anthropic /v1/messages: 12 prompt + 8 generated \
+                 tokens in 0.9s, decode ~10.00 tok/s",
+                "               10s ago 320k openai /v1/chat/completions: 12 prompt + 8 generated \
+                 tokens in 0.9s, decode 9.500 tok/s",
+                "               10s ago 320k responses /v1/responses: 12 prompt + 8 generated \
+                 tokens in 0.9s",
+                "~              a rate timed by dsv4d's clock: the engine's answer had no \
+                 timings (Anthropic Messages, OpenAI Responses)",
+            ],
+            "{table}"
+        );
+        // Without a clock's rate, no mark and no legend.
+        s.requests.all.clock_timed_requests = 0;
+        s.requests.by_protocol.remove(&ApiProtocol::Anthropic);
+        s.requests.recent.pop();
+        let table = status_table(&s, 1_000_000.0);
+        assert!(!table.contains('~'), "{table}");
+        assert!(table.contains("\nby API         openai 9 "), "{table}");
+    }
+
     #[test]
     fn the_status_table_with_the_hardware_and_the_last_requests() {
         use dsv4_client::telemetry::*;
@@ -1089,7 +1219,7 @@ hardware    - (no sample yet)
                 "GPU busy       97%",
                 "mem pressure   some 1.25%, full 0.40% (last 10 s)",
                 "throttling     yes (thermal) for 10s; 12s in all",
-                "last requests  5m ago 320k /completion: 262144 prompt + 32 generated tokens in \
+                "last requests  5m ago 320k openai /completion: 262144 prompt + 32 generated tokens in \
                  1h58m24s, decode 5.300 tok/s, edge 73.2/78.5 C, SoC 85.0 W, GTT peak 81.0 GiB",
             ]
         );

@@ -127,6 +127,7 @@ pub fn header(status: &Status, latest: Option<&Sample>, now: f64) -> Vec<String>
             flights.len() - FLIGHTS_SHOWN
         ));
     }
+    lines.extend(requests_lines(status, now));
     if let Some(s) = latest {
         let memory = s
             .memory
@@ -151,6 +152,49 @@ pub fn header(status: &Status, latest: Option<&Sample>, now: f64) -> Vec<String>
         lines.push(format!("{throttle}  (sample {age} old)"));
     } else {
         lines.push("no sample yet".to_string());
+    }
+    lines
+}
+
+/// The requests by API (those that had any), and the last request with its API: `requests
+/// openai 9 decode 13.35 tok/s, anthropic 2 decode ~10.00 tok/s` and `last  anthropic
+/// /v1/messages  12 prompt + 8 generated tokens, decode ~10.00 tok/s  (10s ago)`; none before
+/// the first request. `~`: a rate dsv4d's clock timed (the foot of the view says so).
+pub fn requests_lines(status: &Status, now: f64) -> Vec<String> {
+    let r = &status.requests;
+    let mut lines = Vec::new();
+    if !r.by_protocol.is_empty() {
+        let apis: Vec<String> = r
+            .by_protocol
+            .iter()
+            .map(|(p, t)| {
+                let decode = t
+                    .decode_tok_s
+                    .map(|d| {
+                        format!(
+                            " decode {}",
+                            render::marked_rate(d, t.clock_timed_requests > 0)
+                        )
+                    })
+                    .unwrap_or_default();
+                format!("{p} {}{decode}", t.requests)
+            })
+            .collect();
+        lines.push(format!("requests {}", apis.join(", ")));
+    }
+    if let Some(last) = r.recent.last() {
+        let decode = last
+            .decode_tok_s
+            .map(|d| format!(", decode {}", render::marked_rate(d, last.clock_times)))
+            .unwrap_or_default();
+        lines.push(format!(
+            "last  {} {}  {} prompt + {} generated tokens{decode}  ({} ago)",
+            last.protocol,
+            last.path,
+            last.prompt_tokens,
+            last.generated_tokens,
+            render::duration(now - last.at)
+        ));
     }
     lines
 }
@@ -264,6 +308,15 @@ async fn view(
     }
 }
 
+/// The foot of the view: how to quit, and what `~` means when a rate above has it.
+fn foot_text(head: &[String]) -> String {
+    if head.iter().any(|l| l.contains(render::CLOCK)) {
+        format!("q quits   {} {}", render::CLOCK, render::CLOCK_MEANS)
+    } else {
+        "q quits".to_string()
+    }
+}
+
 fn draw(
     terminal: &mut ratatui::DefaultTerminal,
     status: &Status,
@@ -344,7 +397,7 @@ fn draw(
                     .style(Style::default().fg(*color));
                 frame.render_widget(spark, *area);
             }
-            frame.render_widget(Paragraph::new("q quits"), foot);
+            frame.render_widget(Paragraph::new(foot_text(&head)), foot);
         })
         .map_err(|e| Failure::Failed(format!("drawing: {e}")))?;
     Ok(())
@@ -413,6 +466,68 @@ mod tests {
         let head = header(&status, None, 0.0);
         assert_eq!(head.len(), 1 + FLIGHTS_SHOWN + 1 + 1, "{head:?}");
         assert_eq!(head[FLIGHTS_SHOWN + 1], "  and 2 more in flight");
+    }
+
+    #[test]
+    fn the_header_gives_the_requests_by_api_and_the_last_one_with_its_api() {
+        use dsv4_client::{ApiProtocol, EngineStatus, RequestRecord, Requests, Totals};
+        let mut status = Status {
+            engine: EngineStatus::stopped("16k"),
+            requests: Requests::default(),
+            telemetry: None,
+            power: None,
+            thermal: None,
+            kv: None,
+            limits: None,
+            in_progress: Vec::new(),
+        };
+        // No request yet: no line of them.
+        assert!(requests_lines(&status, 0.0).is_empty());
+        let totals = |requests, clock_timed_requests, decode_tok_s| Totals {
+            requests,
+            decode_tok_s,
+            clock_timed_requests,
+            ..Totals::default()
+        };
+        status.requests.by_protocol = [
+            (ApiProtocol::OpenAi, totals(9, 0, Some(13.3512))),
+            (ApiProtocol::Anthropic, totals(2, 1, Some(10.0))),
+            (ApiProtocol::Responses, totals(1, 0, None)),
+        ]
+        .into_iter()
+        .collect();
+        status.requests.recent.push(RequestRecord {
+            profile: "16k".into(),
+            path: "/v1/messages".into(),
+            protocol: ApiProtocol::Anthropic,
+            at: 990.0,
+            prompt_tokens: 12,
+            cached_tokens: 0,
+            generated_tokens: 8,
+            prefill_tok_s: Some(40.0),
+            decode_tok_s: Some(10.0),
+            prompt_ms: 300.0,
+            decode_ms: 800.0,
+            wall_ms: 1100.0,
+            clock_times: true,
+            resources: None,
+        });
+        let head = header(&status, None, 1000.0);
+        assert_eq!(
+            head[1..3],
+            [
+                "requests openai 9 decode 13.35 tok/s, anthropic 2 decode ~10.00 tok/s, \
+                 responses 1",
+                "last  anthropic /v1/messages  12 prompt + 8 generated tokens, decode \
+                 ~10.00 tok/s  (10s ago)",
+            ],
+            "{head:?}"
+        );
+        assert!(foot_text(&head).contains("~ a rate timed by dsv4d's clock"));
+        status.requests.recent[0].clock_times = false;
+        status.requests.by_protocol.remove(&ApiProtocol::Anthropic);
+        let head = header(&status, None, 1000.0);
+        assert_eq!(foot_text(&head), "q quits", "{head:?}");
     }
 
     #[test]

@@ -19,7 +19,7 @@ use prometheus_client::registry::Registry;
 use std::sync::atomic::AtomicU64;
 
 use crate::lifecycle::Status;
-use crate::observe::stats::Report;
+use crate::observe::stats::{ApiProtocol, Report, Summary};
 
 /// What `GET /metrics` answers with.
 pub const CONTENT_TYPE: &str = "application/openmetrics-text; version=1.0.0; charset=utf-8";
@@ -40,6 +40,12 @@ struct PhaseLabel {
 #[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
 struct ProfileLabel {
     profile: String,
+}
+
+/// An API by its name (`ApiProtocol::as_str`): three values, whatever the requests.
+#[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
+struct ProtocolLabel {
+    protocol: &'static str,
 }
 
 #[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
@@ -289,62 +295,127 @@ fn in_progress_metrics(reg: &mut Registry, in_progress: &[InProgress]) {
     }
 }
 
+/// The counters of the requests, each by profile and, in a family of its own (so that a sum
+/// over either counts each request once), by API.
+const REQUEST_COUNTERS: [(&str, &str); 4] = [
+    (
+        "requests",
+        "Finished requests whose answers told their tokens",
+    ),
+    ("prompt_tokens", "New (uncached) prompt tokens"),
+    (
+        "cached_prompt_tokens",
+        "Prompt tokens served from the engine's cache",
+    ),
+    ("generated_tokens", "Generated tokens"),
+];
+
+fn counter_values(t: &Summary) -> [u64; 4] {
+    [
+        t.requests,
+        t.prompt_tokens,
+        t.cached_tokens,
+        t.generated_tokens,
+    ]
+}
+
+const REQUEST_RATES: [(&str, &str); 3] = [
+    (
+        "decode_tokens_per_second",
+        "Token-weighted decode rate over all requests with times",
+    ),
+    (
+        "prefill_tokens_per_second",
+        "Token-weighted prefill rate over all requests with times",
+    ),
+    (
+        "long_prompt_prefill_tokens_per_second",
+        "Token-weighted prefill rate, prompts of 1024+ new tokens",
+    ),
+];
+
+fn rate_values(t: &Summary) -> [Option<f64>; 3] {
+    [t.decode_tok_s, t.prefill_tok_s, t.long_prompt_prefill_tok_s]
+}
+
 fn request_metrics(reg: &mut Registry, requests: &Report) {
     // Counters: OpenMetrics names them without `_total` and adds it to each sample.
-    let counters = [
-        ("dsv4_requests", "Finished requests with engine timings."),
-        ("dsv4_prompt_tokens", "New (uncached) prompt tokens."),
-        (
-            "dsv4_cached_prompt_tokens",
-            "Prompt tokens served from the engine's cache.",
-        ),
-        ("dsv4_generated_tokens", "Generated tokens."),
-    ];
-    for (which, (name, help)) in counters.into_iter().enumerate() {
-        let family = add(reg, name, help, Family::<ProfileLabel, Counter>::default());
+    for (which, (name, help)) in REQUEST_COUNTERS.into_iter().enumerate() {
+        let family = add(
+            reg,
+            &format!("dsv4_{name}"),
+            &format!("{help}, by profile."),
+            Family::<ProfileLabel, Counter>::default(),
+        );
         for (profile, t) in &requests.by_profile {
-            let v = [
-                t.requests,
-                t.prompt_tokens,
-                t.cached_tokens,
-                t.generated_tokens,
-            ][which];
             family
                 .get_or_create(&ProfileLabel {
                     profile: profile.clone(),
                 })
-                .inc_by(v);
+                .inc_by(counter_values(t)[which]);
         }
     }
-    let rates = [
-        (
-            "dsv4_decode_tokens_per_second",
-            "Token-weighted decode rate over all requests.",
-        ),
-        (
-            "dsv4_prefill_tokens_per_second",
-            "Token-weighted prefill rate over all requests.",
-        ),
-        (
-            "dsv4_long_prompt_prefill_tokens_per_second",
-            "Token-weighted prefill rate, prompts of 1024+ new tokens.",
-        ),
-    ];
-    for (i, (name, help)) in rates.into_iter().enumerate() {
+    for (i, (name, help)) in REQUEST_RATES.into_iter().enumerate() {
         let family = add(
             reg,
-            name,
-            help,
+            &format!("dsv4_{name}"),
+            &format!("{help}, by profile."),
             Family::<ProfileLabel, FloatGauge>::default(),
         );
         for (profile, t) in &requests.by_profile {
-            let v = [t.decode_tok_s, t.prefill_tok_s, t.long_prompt_prefill_tok_s][i];
-            if let Some(v) = v {
+            if let Some(v) = rate_values(t)[i] {
                 family
                     .get_or_create(&ProfileLabel {
                         profile: profile.clone(),
                     })
                     .set(v);
+            }
+        }
+    }
+    api_metrics(reg, requests);
+}
+
+/// The same figures by API (`protocol`: openai, anthropic, responses): each counter with all
+/// three (0 for an API without requests), each rate where known, and the requests that
+/// dsv4d's clock timed (their answers had no engine timings: their rates are the clock's).
+fn api_metrics(reg: &mut Registry, requests: &Report) {
+    let none = Summary::default();
+    let totals = ApiProtocol::ALL.map(|p| {
+        let label = ProtocolLabel {
+            protocol: p.as_str(),
+        };
+        (label, requests.by_protocol.get(&p).unwrap_or(&none))
+    });
+    for (which, (name, help)) in REQUEST_COUNTERS.into_iter().enumerate() {
+        let family = add(
+            reg,
+            &format!("dsv4_api_{name}"),
+            &format!("{help}, by API."),
+            Family::<ProtocolLabel, Counter>::default(),
+        );
+        for (label, t) in &totals {
+            family.get_or_create(label).inc_by(counter_values(t)[which]);
+        }
+    }
+    let clock = add(
+        reg,
+        "dsv4_api_clock_timed_requests",
+        "Requests timed by dsv4d's clock (their answers had no engine timings), by API.",
+        Family::<ProtocolLabel, Counter>::default(),
+    );
+    for (label, t) in &totals {
+        clock.get_or_create(label).inc_by(t.clock_timed_requests);
+    }
+    for (i, (name, help)) in REQUEST_RATES.into_iter().enumerate() {
+        let family = add(
+            reg,
+            &format!("dsv4_api_{name}"),
+            &format!("{help}, by API (dsv4d's clock where the engine gave no timings)."),
+            Family::<ProtocolLabel, FloatGauge>::default(),
+        );
+        for (label, t) in &totals {
+            if let Some(v) = rate_values(t)[i] {
+                family.get_or_create(label).set(v);
             }
         }
     }
@@ -673,6 +744,104 @@ mod tests {
         // No sample of the host yet: no figures of it.
         assert!(!text.contains("dsv4_gtt_used_bytes"), "{text}");
         assert!(!text.contains("dsv4_throttle_seconds_total{"), "{text}");
+    }
+
+    #[test]
+    fn request_figures_are_given_by_api_as_well_with_three_apis_at_most() {
+        use crate::observe::stats::{Figures, Times};
+        let stats = Stats::default();
+        let figures = |protocol, prompt_n, times| Figures {
+            protocol,
+            prompt_n,
+            cache_n: 3,
+            predicted_n: 20,
+            times,
+        };
+        let clock = Times::Clock {
+            prompt_ms: 1000.0,
+            decode_ms: 2000.0,
+        };
+        let t = Timings {
+            cache_n: 0,
+            prompt_n: 2000,
+            prompt_ms: 10_000.0,
+            predicted_n: 100,
+            predicted_ms: 10_000.0,
+        };
+        stats.record("320k", "/v1/chat/completions", &t, 1.0, None);
+        stats.record(
+            "64k",
+            "/v1/messages",
+            &figures(ApiProtocol::Anthropic, 40, clock),
+            1.0,
+            None,
+        );
+        stats.record(
+            "64k",
+            "/v1/messages",
+            &figures(ApiProtocol::Anthropic, 60, Times::Unknown),
+            1.0,
+            None,
+        );
+        let text = render(
+            &Status::stopped("320k"),
+            &stats.report(0),
+            None,
+            &PowerStatus::default(),
+            &ThermalStatus::default(),
+            &KvStatus::default(),
+            &[],
+        );
+        let got = lines(&text);
+        for line in [
+            "# TYPE dsv4_api_requests counter",
+            "# HELP dsv4_api_requests Finished requests whose answers told their tokens, by API.",
+            "dsv4_api_requests_total{protocol=\"openai\"} 1",
+            "dsv4_api_requests_total{protocol=\"anthropic\"} 2",
+            // An API without requests is counted at 0.
+            "dsv4_api_requests_total{protocol=\"responses\"} 0",
+            "dsv4_api_prompt_tokens_total{protocol=\"anthropic\"} 100",
+            "dsv4_api_cached_prompt_tokens_total{protocol=\"anthropic\"} 6",
+            "dsv4_api_generated_tokens_total{protocol=\"anthropic\"} 40",
+            "dsv4_api_generated_tokens_total{protocol=\"openai\"} 100",
+            "dsv4_api_clock_timed_requests_total{protocol=\"anthropic\"} 1",
+            "dsv4_api_clock_timed_requests_total{protocol=\"openai\"} 0",
+            // The clocked request's rates (the plain one has no times).
+            "dsv4_api_decode_tokens_per_second{protocol=\"anthropic\"} 10.0",
+            "dsv4_api_prefill_tokens_per_second{protocol=\"anthropic\"} 40.0",
+            "dsv4_api_decode_tokens_per_second{protocol=\"openai\"} 10.0",
+            "dsv4_api_long_prompt_prefill_tokens_per_second{protocol=\"openai\"} 200.0",
+            // By profile, as before: each request counted once there too.
+            "dsv4_requests_total{profile=\"320k\"} 1",
+            "dsv4_requests_total{profile=\"64k\"} 2",
+        ] {
+            assert!(got.contains(&line), "missing {line:?} in\n{text}");
+        }
+        // No rate where none is known.
+        assert!(!text.contains("dsv4_api_decode_tokens_per_second{protocol=\"responses\"}"));
+        assert!(
+            !text.contains("_per_second{protocol=\"anthropic\"} 0"),
+            "{text}"
+        );
+        // The label set is bounded: the three APIs, in every family of them.
+        let mut protocols: Vec<&str> = got
+            .iter()
+            .filter(|l| l.starts_with("dsv4_api_"))
+            .filter_map(|l| l.split("protocol=\"").nth(1)?.split('"').next())
+            .collect();
+        protocols.sort_unstable();
+        protocols.dedup();
+        assert_eq!(protocols, ["anthropic", "openai", "responses"], "{text}");
+        for family in [
+            "dsv4_api_requests_total{",
+            "dsv4_api_prompt_tokens_total{",
+            "dsv4_api_cached_prompt_tokens_total{",
+            "dsv4_api_generated_tokens_total{",
+            "dsv4_api_clock_timed_requests_total{",
+        ] {
+            let n = got.iter().filter(|l| l.starts_with(family)).count();
+            assert_eq!(n, 3, "{family}\n{text}");
+        }
     }
 
     #[test]

@@ -132,6 +132,7 @@ struct Sums {
     pub long_prompt_requests: u64,
     pub long_prompt_tokens: u64,
     pub long_prompt_ms: f64,
+    pub clock_timed_requests: u64,
 }
 
 impl Sums {
@@ -143,6 +144,9 @@ impl Sums {
         let Some((prompt_ms, decode_ms)) = f.times.ms() else {
             return;
         };
+        if matches!(f.times, Times::Clock { .. }) {
+            self.clock_timed_requests += 1;
+        }
         self.timed_prompt_tokens += f.prompt_n;
         self.timed_generated_tokens += f.predicted_n;
         self.prompt_ms += prompt_ms;
@@ -164,6 +168,7 @@ impl Sums {
             prefill_tok_s: rate(self.timed_prompt_tokens, self.prompt_ms),
             long_prompt_requests: self.long_prompt_requests,
             long_prompt_prefill_tok_s: rate(self.long_prompt_tokens, self.long_prompt_ms),
+            clock_timed_requests: self.clock_timed_requests,
         }
     }
 }
@@ -1285,6 +1290,14 @@ mod tests {
             r.by_protocol[&ApiProtocol::Responses].decode_tok_s,
             Some(10.0)
         );
+        // The clock's times are told apart, in each total they are part of.
+        assert_eq!(r.all.clock_timed_requests, 1);
+        assert_eq!(
+            r.by_protocol[&ApiProtocol::Responses].clock_timed_requests,
+            1
+        );
+        assert_eq!(r.by_protocol[&ApiProtocol::OpenAi].clock_timed_requests, 0);
+        assert_eq!(anthropic.clock_timed_requests, 0);
         let [openai, messages, responses] = &r.recent[..] else {
             panic!("{:?}", r.recent)
         };
@@ -1319,6 +1332,7 @@ mod tests {
             "long_prompt_prefill_tok_s":null,"by_profile":{},"recent":[]}"#;
         let r: Report = serde_json::from_str(old).unwrap();
         assert!(r.by_protocol.is_empty());
+        assert_eq!(r.all.clock_timed_requests, 0);
         assert_eq!(
             serde_json::to_value(Stats::default().report(0)).unwrap()["by_protocol"],
             serde_json::json!({})

@@ -267,23 +267,48 @@ function showStatus(doc) {
   err.textContent = doc.last_error ? "last error: " + doc.last_error : "";
 
   const all = doc.requests;
+  // A rate dsv4d's clock timed (or some of those it is over) is marked `~` (see #clock-note).
+  let marked = false;
+  const rated = (v, clock) => {
+    const mark = clock && v != null;
+    marked = marked || mark;
+    return (mark ? "~" : "") + fixed(v, 1);
+  };
+  const clockAll = all.clock_timed_requests > 0;
   $("totals").textContent = all.requests === 0 ? "none yet" :
     all.requests + " requests: " + all.prompt_tokens + " prompt tokens (" + all.cached_tokens +
-    " cached), " + all.generated_tokens + " generated; prefill " + fixed(all.prefill_tok_s, 1) +
-    " tok/s, decode " + fixed(all.decode_tok_s, 1) + " tok/s (token-weighted)";
+    " cached), " + all.generated_tokens + " generated; prefill " + rated(all.prefill_tok_s, clockAll) +
+    " tok/s, decode " + rated(all.decode_tok_s, clockAll) + " tok/s (token-weighted)";
+  // Totals by API (those that had requests).
+  const apis = Object.entries(all.by_protocol || {});
+  const apiBody = $("apis").tBodies[0];
+  apiBody.replaceChildren();
+  for (const [name, t] of apis) {
+    const row = apiBody.insertRow();
+    const clock = t.clock_timed_requests > 0;
+    row.dataset.protocol = name;
+    for (const v of [name, t.requests, t.prompt_tokens, t.cached_tokens, t.generated_tokens]) cell(row, v);
+    cell(row, rated(t.prefill_tok_s, clock));
+    cell(row, rated(t.decode_tok_s, clock));
+  }
+  $("apis").hidden = apis.length === 0;
   const body = $("requests").tBodies[0];
   body.replaceChildren();
   for (const r of [...doc.requests.recent].reverse()) {
     const row = body.insertRow();
+    const protocol = r.protocol || "openai";
+    row.dataset.protocol = protocol;
     cell(row, ago(r.at));
     cell(row, r.profile);
+    cell(row, protocol);
     cell(row, r.path);
     cell(row, r.prompt_tokens);
     cell(row, r.cached_tokens);
     cell(row, r.generated_tokens);
-    cell(row, fixed(r.prefill_tok_s, 1));
-    cell(row, fixed(r.decode_tok_s, 1));
+    cell(row, rated(r.prefill_tok_s, r.clock_times));
+    cell(row, rated(r.decode_tok_s, r.clock_times));
   }
+  $("clock-note").hidden = !marked;
 
   const kv = $("kv").tBodies[0];
   kv.replaceChildren();
