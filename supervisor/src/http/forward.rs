@@ -33,6 +33,7 @@ use crate::lifecycle::upstream::UpstreamError;
 use crate::lifecycle::ERROR_TAIL_LINES;
 use crate::observe::flights::Ticket;
 use crate::observe::stats::Tap;
+use dsv4_client::ApiProtocol;
 use dsv4_engine::PrefillReport;
 
 /// Whether `req` is a slot action (`POST /slots/N?action=...`, or anything but a read of
@@ -233,9 +234,11 @@ async fn forward(
                 .get(header::CONTENT_TYPE)
                 .and_then(|v| v.to_str().ok());
             let sse = content_type.is_some_and(|t| t.starts_with("text/event-stream"));
+            // Where the answer's token counts are, by the protocol table.
+            let usage = protocol.map_or(ApiProtocol::OpenAi, |p| p.spec().usage);
             let tap = match tap_path {
                 Some(path) if parts.status.is_success() => {
-                    Tap::new(&path, content_type, sent).map(|tap| {
+                    Tap::new(usage, content_type, sent).map(|tap| {
                         Box::new(Tapped {
                             tap,
                             stats: ctx.parts.stats.clone(),

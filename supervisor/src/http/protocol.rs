@@ -9,6 +9,7 @@
 //! close ends it). Pure: no I/O, no clock.
 
 use bytes::Bytes;
+use dsv4_client::ApiProtocol;
 use serde_json::{json, Value};
 
 /// An API dsv4d forwards and knows the shapes of.
@@ -42,8 +43,6 @@ pub enum Streams {
 /// What dsv4d knows of one protocol.
 pub struct Spec {
     pub protocol: Protocol,
-    /// Its name, as logs and documents give it.
-    pub name: &'static str,
     /// The paths it is served at, as the engine routes them, and how each streams.
     pub paths: &'static [(&'static str, Streams)],
     /// How the event that ends a complete stream begins (its first line, or the start of
@@ -55,6 +54,10 @@ pub struct Spec {
     pub error_event: fn(&Failure) -> Bytes,
     /// The body of an error dsv4d answers itself, for this protocol's SDKs.
     pub error_body: fn(&Failure) -> Bytes,
+    /// The API as the statistics and documents name it, and so where its answers' token
+    /// counts are: the `usage` shape read when an answer has no llama-server `timings` (see
+    /// [`crate::observe::stats`]).
+    pub usage: ApiProtocol,
 }
 
 /// The protocols, one row each. OpenAI's chat path comes first: most requests are found at
@@ -62,7 +65,6 @@ pub struct Spec {
 pub static SPECS: [Spec; 3] = [
     Spec {
         protocol: Protocol::OpenAi,
-        name: "openai",
         paths: &[
             ("/v1/chat/completions", Streams::Ended),
             ("/chat/completions", Streams::Ended),
@@ -78,10 +80,10 @@ pub static SPECS: [Spec; 3] = [
         end_name: "[DONE]",
         error_event: openai_event,
         error_body: openai_body,
+        usage: ApiProtocol::OpenAi,
     },
     Spec {
         protocol: Protocol::Anthropic,
-        name: "anthropic",
         paths: &[
             ("/v1/messages", Streams::Ended),
             ("/v1/messages/count_tokens", Streams::No),
@@ -90,10 +92,10 @@ pub static SPECS: [Spec; 3] = [
         end_name: "message_stop",
         error_event: anthropic_event,
         error_body: anthropic_body,
+        usage: ApiProtocol::Anthropic,
     },
     Spec {
         protocol: Protocol::Responses,
-        name: "responses",
         paths: &[
             ("/v1/responses", Streams::Ended),
             ("/responses", Streams::Ended),
@@ -112,6 +114,7 @@ pub static SPECS: [Spec; 3] = [
         end_name: "response.completed",
         error_event: responses_event,
         error_body: openai_body,
+        usage: ApiProtocol::Responses,
     },
 ];
 
@@ -128,7 +131,7 @@ impl Protocol {
     }
 
     pub fn name(self) -> &'static str {
-        self.spec().name
+        self.spec().usage.as_str()
     }
 
     /// The protocol of `path` (as the engine routes it), if it has one.
@@ -392,7 +395,7 @@ mod tests {
         let mut paths = std::collections::HashSet::new();
         for (i, spec) in SPECS.iter().enumerate() {
             assert!(std::ptr::eq(spec.protocol.spec(), &SPECS[i]));
-            assert!(!spec.ends.is_empty(), "{}", spec.name);
+            assert!(!spec.ends.is_empty(), "{}", spec.usage.as_str());
             for (path, _) in spec.paths {
                 assert!(paths.insert(*path), "{path} is in two rows");
                 assert_eq!(Protocol::of(path), Some(spec.protocol), "{path}");

@@ -291,16 +291,6 @@ impl Stats {
     }
 }
 
-/// The protocol of a request to `path` (as the engine routes it): where its answer's counts
-/// are. Any other path is read as OpenAI's (llama-server's `timings`, OpenAI's `usage`).
-pub fn protocol_of(path: &str) -> ApiProtocol {
-    match path {
-        "/v1/messages" => ApiProtocol::Anthropic,
-        "/v1/responses" | "/responses" => ApiProtocol::Responses,
-        _ => ApiProtocol::OpenAi,
-    }
-}
-
 /// The last bytes of a response, to read its figures once it has ended. The last frame is
 /// held as it came (a small JSON answer is one frame: nothing is copied); earlier ones are
 /// copied, up to the bound, as the next one arrives. Of a stream, it also notes when its
@@ -319,9 +309,10 @@ pub struct Tap {
 }
 
 impl Tap {
-    /// A tap for the answer to a request to `path` sent at `sent`, or none when the answer's
-    /// content type cannot carry figures.
-    pub fn new(path: &str, content_type: Option<&str>, sent: Instant) -> Option<Tap> {
+    /// A tap for the answer to a request of `protocol` (its `usage` shape: the protocol
+    /// table's, `crate::http::protocol`) sent at `sent`, or none when the answer's content
+    /// type cannot carry figures.
+    pub fn new(protocol: ApiProtocol, content_type: Option<&str>, sent: Instant) -> Option<Tap> {
         let ct = content_type?;
         let is = |prefix: &str| {
             ct.get(..prefix.len())
@@ -338,7 +329,7 @@ impl Tap {
             cap,
             buf: Vec::new(),
             last: Bytes::new(),
-            protocol: protocol_of(path),
+            protocol,
             stream,
             start: None,
         })
@@ -764,6 +755,12 @@ fn number_end(b: &[u8], at: usize) -> Option<usize> {
 
 #[cfg(test)]
 mod tests {
+    /// The `usage` shape of a request to `path`, as the protocol table gives it.
+    fn api(path: &str) -> ApiProtocol {
+        crate::http::protocol::Route::of(path)
+            .map_or(ApiProtocol::OpenAi, |r| r.protocol.spec().usage)
+    }
+
     use super::*;
 
     fn t(prompt_n: u64, prompt_ms: f64, predicted_n: u64, predicted_ms: f64) -> Timings {
@@ -1028,7 +1025,7 @@ mod tests {
     #[test]
     fn the_tap_keeps_only_the_tail() {
         let mut tap = Tap::new(
-            "/v1/chat/completions",
+            api("/v1/chat/completions"),
             Some("text/event-stream; charset=utf-8"),
             Instant::now(),
         )
@@ -1042,7 +1039,8 @@ mod tests {
         assert_eq!(tap.held(), TAIL_SSE);
         assert!(tap.timings().is_none(), "old bytes were not dropped");
         // Frames that each fit, whose sum does not: only the newest bytes are kept, in order.
-        let mut tap = Tap::new("/completion", Some("Application/JSON"), Instant::now()).unwrap();
+        let mut tap =
+            Tap::new(api("/completion"), Some("Application/JSON"), Instant::now()).unwrap();
         let timings = Bytes::from_static(
             b"\"timings\":{\"prompt_n\":2,\"prompt_ms\":1,\"predicted_n\":1,\"predicted_ms\":1}",
         );
@@ -1054,13 +1052,13 @@ mod tests {
         assert_eq!(tap.timings().map(|f| f.prompt_n), Some(2));
         tap.push(&third);
         assert_eq!(tap.timings(), None, "the timings are older than the bound");
-        assert!(Tap::new("/v1/messages", Some("text/plain"), Instant::now()).is_none());
-        assert!(Tap::new("/v1/messages", None, Instant::now()).is_none());
+        assert!(Tap::new(api("/v1/messages"), Some("text/plain"), Instant::now()).is_none());
+        assert!(Tap::new(api("/v1/messages"), None, Instant::now()).is_none());
     }
 
     /// Feeds `frames` to a tap for `path` and reads its figures.
     fn tapped(path: &str, content_type: &str, frames: &[&str]) -> Option<Figures> {
-        let mut tap = Tap::new(path, Some(content_type), Instant::now()).unwrap();
+        let mut tap = Tap::new(api(path), Some(content_type), Instant::now()).unwrap();
         for f in frames {
             tap.push(&Bytes::copy_from_slice(f.as_bytes()));
         }
@@ -1212,7 +1210,7 @@ mod tests {
     #[test]
     fn the_clock_splits_a_stream_at_its_first_event_and_comments_do_not_count() {
         let sent = Instant::now();
-        let mut tap = Tap::new("/v1/messages", Some("text/event-stream"), sent).unwrap();
+        let mut tap = Tap::new(api("/v1/messages"), Some("text/event-stream"), sent).unwrap();
         tap.push(&Bytes::from_static(b": prefill\n\n"));
         assert_eq!(tap.stream, Some((sent, None)));
         tap.push(&Bytes::from_static(
