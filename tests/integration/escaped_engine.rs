@@ -134,9 +134,15 @@ async fn an_engine_out_of_its_group_left_by_a_killed_daemon_is_ended_at_the_next
         "the engine went with its wrapper; nothing to test"
     );
 
-    let d = Daemon::start_in(&setup, dir);
+    let mut d = Daemon::start_in(&setup, dir);
     wait_gone(engine, "the next dsv4d's start", &d).await;
     d.log_with(&["ending an engine process a previous dsv4d left running"])
         .await;
     serve(&d).await;
+    // Its own engine, out of its group too, goes with its shutdown, not left behind.
+    let own = nth_engine(&d, 0).await;
+    d.signal(Signal::SIGTERM);
+    let st = d.wait_exit(PATIENCE).await;
+    assert_eq!(st.code(), Some(0), "{}", d.log());
+    assert!(!alive(own), "engine {own} outlived the daemon's shutdown");
 }
