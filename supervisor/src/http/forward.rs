@@ -121,6 +121,7 @@ pub(crate) async fn proxy(
         &parts.uri,
         streamed.is_some(),
         config.supervisor.notify.long_request,
+        started,
     );
     // A streamed answer is kept from going silent (see `crate::http::keepalive`); any other
     // request goes on as it is.

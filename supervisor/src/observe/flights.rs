@@ -87,6 +87,10 @@ enum Stage {
 pub struct Ticket {
     key: usize,
     register: Arc<Register>,
+    /// Its record's `came` and `long`, to tell without the lock that its prefill cannot
+    /// have been long (nearly every request's end).
+    came: Instant,
+    long: Option<Duration>,
 }
 
 impl Flights {
@@ -100,13 +104,19 @@ impl Flights {
         }
     }
 
-    /// Registers a request for `uri` whose body has been read.
-    pub fn enter(&self, uri: &http::Uri, stream: bool, long: Option<Duration>) -> Ticket {
+    /// Registers a request for `uri` that came at `came`, its body read.
+    pub fn enter(
+        &self,
+        uri: &http::Uri,
+        stream: bool,
+        long: Option<Duration>,
+        came: Instant,
+    ) -> Ticket {
         let flight = Flight {
             id: self.inner.count.fetch_add(1, Ordering::Relaxed) + 1,
             uri: uri.clone(),
             stream,
-            came: Instant::now(),
+            came,
             long,
             now: Now::default(),
         };
@@ -114,6 +124,8 @@ impl Flights {
         Ticket {
             key,
             register: self.inner.clone(),
+            came,
+            long,
         }
     }
 
@@ -265,7 +277,11 @@ impl Ticket {
 
     /// Sent to `engine`, now: returned, for the statistics' clock.
     pub fn sent(&self, engine: &Arc<EngineRef>) -> Instant {
-        let mark = engine.output.written();
+        // Only an engine that tells its prefill in its lines needs to know where they start.
+        let mark = match engine.kind.prefill {
+            PrefillReport::Lines(_) => engine.output.written(),
+            _ => 0,
+        };
         let at = Instant::now();
         self.with(|f| {
             f.now.stage = Stage::Sent;
@@ -315,6 +331,10 @@ impl Ticket {
 
     /// The answer ended (`failed`: with this error). A request whose prefill was long says so.
     pub fn ended(&self, failed: Option<&str>) {
+        // A prefill is no longer than the request's whole time.
+        if self.long.is_none_or(|long| self.came.elapsed() < long) {
+            return;
+        }
         self.with(|f| {
             let long = f.long?;
             let now = &f.now;
@@ -411,7 +431,7 @@ mod tests {
     #[tokio::test]
     async fn a_waiting_request_says_what_it_waits_for() {
         let flights = Flights::default();
-        let _t = flights.enter(&uri("/v1/chat/completions"), true, None);
+        let _t = flights.enter(&uri("/v1/chat/completions"), true, None, Instant::now());
         let loading = Loading {
             profile: "64k".into(),
             since: Instant::now() - Duration::from_secs(23),
@@ -447,8 +467,8 @@ mod tests {
     #[tokio::test]
     async fn a_request_moves_through_its_phases_and_leaves() {
         let flights = Flights::default();
-        let t = flights.enter(&uri("/v1/chat/completions"), true, None);
-        let later = flights.enter(&uri("/v1/completions"), false, None);
+        let t = flights.enter(&uri("/v1/chat/completions"), true, None, Instant::now());
+        let later = flights.enter(&uri("/v1/completions"), false, None, Instant::now());
         t.sent(&engine(EngineKind::LlamaServer));
         let shown = |f: &Flights| f.in_progress(None, State::Ready, false);
         let first = &shown(&flights)[0];
@@ -489,8 +509,8 @@ mod tests {
         ds4.output
             .push("an earlier request's line: ds4-server: chat ctx=0..9:9 prompt start".into());
         let (a, b) = (
-            flights.enter(&uri("/v1/chat/completions"), true, None),
-            flights.enter(&uri("/v1/chat/completions"), false, None),
+            flights.enter(&uri("/v1/chat/completions"), true, None, Instant::now()),
+            flights.enter(&uri("/v1/chat/completions"), false, None, Instant::now()),
         );
         a.sent(&ds4);
         b.sent(&ds4);
@@ -525,11 +545,16 @@ mod tests {
         let mut heard = alerts.subscribe();
         let flights = Flights::new(alerts);
         // Any prefill is long at a threshold of zero; none is without one.
-        let quiet = flights.enter(&uri("/v1/chat/completions"), true, None);
+        let quiet = flights.enter(&uri("/v1/chat/completions"), true, None, Instant::now());
         quiet.sent(&engine(EngineKind::LlamaServer));
         quiet.tokens(1);
         quiet.ended(None);
-        let t = flights.enter(&uri("/v1/chat/completions"), true, Some(Duration::ZERO));
+        let t = flights.enter(
+            &uri("/v1/chat/completions"),
+            true,
+            Some(Duration::ZERO),
+            Instant::now(),
+        );
         t.sent(&engine(EngineKind::LlamaServer));
         t.prefill(Prefill {
             done: 262_000,
@@ -551,7 +576,12 @@ mod tests {
             a.message,
             "request 2 (262,144-token prefill) answered in 0 s, 2 events"
         );
-        let failed = flights.enter(&uri("/v1/chat/completions"), false, Some(Duration::ZERO));
+        let failed = flights.enter(
+            &uri("/v1/chat/completions"),
+            false,
+            Some(Duration::ZERO),
+            Instant::now(),
+        );
         failed.sent(&engine(EngineKind::Ds4));
         failed.ended(Some(
             "the engine exited while handling the request (exit code 1)",
