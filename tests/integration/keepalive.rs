@@ -61,6 +61,14 @@ async fn curl_stream(d: &Daemon, body: &Value) -> String {
 
 /// One streamed request of `body` to `path` by curl; what curl printed.
 async fn curl_stream_at(d: &Daemon, path: &str, body: &Value) -> String {
+    let run = curl_run(d, path, body).await;
+    assert!(run.status.success(), "curl: {}", run.explain());
+    run.stdout
+}
+
+/// curl's run of a streamed request of `body` to `path` (`-N`: as it comes), however it
+/// ended.
+pub(crate) async fn curl_run(d: &Daemon, path: &str, body: &Value) -> crate::soak::ClientRun {
     need_curl();
     let mut cmd = tokio::process::Command::new("curl");
     cmd.args([
@@ -73,9 +81,7 @@ async fn curl_stream_at(d: &Daemon, path: &str, body: &Value) -> String {
     .arg("--data-binary")
     .arg(body.to_string())
     .arg(d.url(path));
-    let run = run_client(cmd, Duration::from_secs(90)).await.unwrap();
-    assert!(run.status.success(), "curl: {}", run.explain());
-    run.stdout
+    run_client(cmd, Duration::from_secs(90)).await.unwrap()
 }
 
 /// The comment lines of an event stream.

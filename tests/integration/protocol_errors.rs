@@ -10,8 +10,8 @@
 use std::time::{Duration, Instant};
 
 use crate::control::{ctl, wait_bus_name};
-use crate::keepalive::{long_context_setup, long_prompt, started};
-use crate::soak::{need_curl, python, run_client};
+use crate::keepalive::{curl_run, long_context_setup, long_prompt, started};
+use crate::soak::{python, run_client};
 use crate::support::real::{ds4_engine, ds4_setup};
 use crate::support::*;
 use serde_json::{json, Value};
@@ -70,20 +70,16 @@ fn dying(ds4: bool) -> Setup {
 
 /// What curl prints of a streamed request of `body` at `path`, however the stream ends.
 async fn raw(d: &Daemon, path: &str, body: &Value) -> String {
-    need_curl();
-    let mut cmd = tokio::process::Command::new("curl");
-    cmd.args([
-        "-sN",
-        "--max-time",
-        "60",
-        "-H",
-        "content-type: application/json",
-    ])
-    .arg("--data-binary")
-    .arg(body.to_string())
-    .arg(d.url(path));
-    let run = run_client(cmd, Duration::from_secs(90)).await.unwrap();
-    run.stdout
+    curl_run(d, path, body).await.stdout
+}
+
+/// `dsv4ctl stop --now` over `bus`, which must succeed.
+async fn stop_now(bus: &PrivateBus) {
+    let address = bus.address.clone();
+    let out = tokio::task::spawn_blocking(move || ctl(&address, &["stop", "--now"], None))
+        .await
+        .unwrap();
+    assert!(out.status.success(), "{out:?}");
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -274,11 +270,7 @@ async fn stop_now_under_an_anthropic_request_on_the_real_engine_is_the_packages_
         assert!(t.elapsed() < PATIENCE, "{}", d.status().await);
         tokio::time::sleep(Duration::from_millis(20)).await;
     }
-    let address = bus.address.clone();
-    let out = tokio::task::spawn_blocking(move || ctl(&address, &["stop", "--now"], None))
-        .await
-        .unwrap();
-    assert!(out.status.success(), "{out:?}");
+    stop_now(&bus).await;
     let out = request.await.unwrap();
     assert_eq!(out["error"], "InternalServerError", "{out}\n{}", d.log());
     assert_eq!(out["status"], 502, "{out}");
@@ -356,11 +348,7 @@ async fn stop_now_under_a_stream_on_the_real_engine_is_an_error_event_each_sdk_r
             assert!(t.elapsed() < PATIENCE, "{s}");
             tokio::time::sleep(Duration::from_millis(20)).await;
         }
-        let address = bus.address.clone();
-        let out = tokio::task::spawn_blocking(move || ctl(&address, &["stop", "--now"], None))
-            .await
-            .unwrap();
-        assert!(out.status.success(), "{out:?}");
+        stop_now(&bus).await;
         let out = request.await.unwrap();
         assert!(out["error"].is_string(), "{api}: {out}\n{}", d.log());
         assert!(

@@ -408,6 +408,23 @@ pub struct Status {
     pub in_progress: Vec<InProgress>,
 }
 
+impl Status {
+    /// The document of a supervisor that has done nothing yet: no engine, no request, no
+    /// part reported.
+    pub fn stopped(profile: impl Into<String>) -> Status {
+        Status {
+            engine: EngineStatus::stopped(profile),
+            requests: Requests::default(),
+            telemetry: None,
+            power: None,
+            thermal: None,
+            kv: None,
+            limits: None,
+            in_progress: Vec::new(),
+        }
+    }
+}
+
 /// A request in flight, as [`Status::in_progress`] shows it.
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
 pub struct InProgress {
@@ -723,17 +740,7 @@ mod tests {
 
     #[test]
     fn a_status_from_an_older_daemon_still_parses() {
-        let mut v = serde_json::to_value(Status {
-            engine: EngineStatus::stopped("320k"),
-            requests: Requests::default(),
-            telemetry: None,
-            power: None,
-            thermal: None,
-            kv: None,
-            limits: None,
-            in_progress: Vec::new(),
-        })
-        .unwrap();
+        let mut v = serde_json::to_value(Status::stopped("320k")).unwrap();
         let top = v.as_object_mut().unwrap();
         top.remove("engine_key");
         top.remove("restart_pending");

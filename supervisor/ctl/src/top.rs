@@ -425,7 +425,7 @@ mod tests {
     #[test]
     fn the_header_lists_the_requests_in_flight() {
         use dsv4_client::words::Phase;
-        use dsv4_client::{EngineStatus, InProgress, PrefillProgress, Requests};
+        use dsv4_client::{InProgress, PrefillProgress};
         let flight = |id| InProgress {
             id,
             path: "/v1/chat/completions".into(),
@@ -445,16 +445,7 @@ mod tests {
             }),
             tokens: 0,
         };
-        let mut status = Status {
-            engine: EngineStatus::stopped("16k"),
-            requests: Requests::default(),
-            telemetry: None,
-            power: None,
-            thermal: None,
-            kv: None,
-            limits: None,
-            in_progress: Vec::new(),
-        };
+        let mut status = Status::stopped("16k");
         assert_eq!(header(&status, None, 0.0).len(), 2);
         status.in_progress = vec![flight(3)];
         assert_eq!(
@@ -470,17 +461,8 @@ mod tests {
 
     #[test]
     fn the_header_gives_the_requests_by_api_and_the_last_one_with_its_api() {
-        use dsv4_client::{ApiProtocol, EngineStatus, RequestRecord, Requests, Totals};
-        let mut status = Status {
-            engine: EngineStatus::stopped("16k"),
-            requests: Requests::default(),
-            telemetry: None,
-            power: None,
-            thermal: None,
-            kv: None,
-            limits: None,
-            in_progress: Vec::new(),
-        };
+        use dsv4_client::{ApiProtocol, RequestRecord, Totals};
+        let mut status = Status::stopped("16k");
         // No request yet: no line of them.
         assert!(requests_lines(&status, 0.0).is_empty());
         let totals = |requests, clock_timed_requests, decode_tok_s| Totals {
