@@ -17,10 +17,13 @@
 //! 9. [`parts`]: the handles both faces below serve from, bundled once.
 //! 10. [`http`]: the API: listener, front door, keys, bodies, the proxy, its errors.
 //! 11. [`control`]: D-Bus, systemd, reloads, exit when idle.
+//! 12. [`doctor`]: `dsv4d --doctor`: the machine checked against every promise, from the
+//!     service's own place.
 
 pub mod actions;
 pub mod config;
 pub mod control;
+pub mod doctor;
 pub mod host;
 pub mod http;
 pub mod kv;

@@ -149,6 +149,7 @@ const LAYERS: &[&str] = &[
     "parts",
     "http",
     "control",
+    "doctor",
 ];
 
 /// The daemon library's source files (not its binaries), as paths below `supervisor/src`.

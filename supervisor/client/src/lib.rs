@@ -7,6 +7,7 @@
 //! internals; `dsv4ctl` links this crate only.
 
 pub mod clock;
+pub mod doctor;
 pub mod duration;
 pub mod kv;
 pub mod telemetry;
