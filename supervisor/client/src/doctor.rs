@@ -50,6 +50,9 @@ pub struct DropIn {
 pub struct Check {
     /// A stable name, `group.what`: `files.model`, `memory.fit`, `power.ppd_amdgpu_dpm`.
     pub id: String,
+    /// The profile it is about, for a check made once per profile.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub profile: Option<String>,
     pub verdict: Verdict,
     /// What was found, with its figures: one line.
     pub found: String,
@@ -69,6 +72,7 @@ impl Check {
     pub fn new(id: impl Into<String>, verdict: Verdict, found: impl Into<String>) -> Check {
         Check {
             id: id.into(),
+            profile: None,
             verdict,
             found: found.into(),
             fix: None,
@@ -98,6 +102,11 @@ impl Check {
         self
     }
 
+    pub fn profile(mut self, profile: impl Into<String>) -> Check {
+        self.profile = Some(profile.into());
+        self
+    }
+
     pub fn source(mut self, source: impl Into<String>) -> Check {
         self.source = Some(source.into());
         self
@@ -111,7 +120,11 @@ impl Check {
 
 /// The worst verdict of `checks` (`Ok` for none).
 pub fn worst(checks: &[Check]) -> Verdict {
-    checks.iter().map(|c| c.verdict).max().unwrap_or(Verdict::Ok)
+    checks
+        .iter()
+        .map(|c| c.verdict)
+        .max()
+        .unwrap_or(Verdict::Ok)
 }
 
 #[cfg(test)]

@@ -8,6 +8,7 @@
 //! error or a daemon that cannot be reached. Errors are one line on stderr, `dsv4ctl: ...`.
 
 mod bus;
+mod doctor;
 mod error;
 mod notify;
 mod render;
@@ -204,6 +205,51 @@ enum Command {
         #[command(subcommand)]
         action: ConfigAction,
     },
+    /// Check this machine against everything dsv4 needs, and say how to fix what fails
+    ///
+    /// One line per check: ok, skip (could not look here), WARN or FAIL, what it found with
+    /// its figures, and for a problem the exact fix. It checks, from the service's own place
+    /// (as the dsv4 user inside dsv4.service's sandbox, through systemd-run; run it with
+    /// sudo for that, else these run as you and it says so): the configuration; each
+    /// profile's engine program, model files and vision projector; the state folder; the
+    /// GPU's device nodes; the engine build (--version, and every extra_args flag against
+    /// its --help); each model file's GGUF header; whether each profile fits in memory, by
+    /// the daemon's own admission rule, with its margin; power-profiles-daemon's amdgpu_dpm
+    /// action and the platform profile power-saver picks; and a dry run of the GPU-level
+    /// helper (dsv4-sysfs@). As you: the kernel and firmware versions, amdgpu resets and
+    /// GPU faults in this boot's kernel log, the IOMMU, the GTT ceiling (ttm.pages_limit)
+    /// and the VRAM carve-out. Then the daemon over D-Bus, dsv4.socket, your membership of
+    /// the dsv4 group, and the desktop notification agent. It changes nothing, unless
+    /// --fix is given: then it writes the systemd drop-ins the checks offer (a model in a
+    /// folder the dsv4 user cannot enter; the device nodes' groups), reloads systemd and
+    /// checks again. See docs/doctor.md for every check. Exits 0 when no check failed, 1
+    /// when one did. With --json, prints the checks as a JSON array.
+    Doctor {
+        /// The configuration to check [default: the one dsv4.service runs with, else
+        /// /etc/dsv4/supervisor.yaml]
+        #[arg(long, value_name = "FILE")]
+        config: Option<std::path::PathBuf>,
+        /// Write the drop-ins that fix what they can (needs root), then check again
+        #[arg(long)]
+        fix: bool,
+        /// Run the service's checks as you, not in the service's sandbox
+        #[arg(long)]
+        no_sandbox: bool,
+        /// Where --fix writes drop-ins
+        #[arg(
+            long,
+            value_name = "DIR",
+            default_value = "/etc/systemd/system",
+            hide = true
+        )]
+        unit_dir: std::path::PathBuf,
+        /// Read /sys and /proc below DIR (a fixture tree) [default: dsv4.service's --sysroot]
+        #[arg(long, value_name = "DIR", hide = true)]
+        sysroot: Option<std::path::PathBuf>,
+        /// Read this saved kernel log instead of this boot's journal
+        #[arg(long, value_name = "FILE")]
+        kernel_log: Option<std::path::PathBuf>,
+    },
     /// Print a shell completion script
     ///
     /// Prints the completion script for SHELL to standard output. For example, for bash:
@@ -269,6 +315,26 @@ async fn run(cli: Cli) -> Result<(), Failure> {
         return config_check(file);
     }
     let bus = resolve_bus(cli.bus, std::env::var("DSV4_BUS").ok().as_deref())?;
+    if let Command::Doctor {
+        config,
+        fix,
+        no_sandbox,
+        unit_dir,
+        sysroot,
+        kernel_log,
+    } = cli.command
+    {
+        let req = doctor::Request {
+            config,
+            fix,
+            no_sandbox,
+            sysroot,
+            kernel_log,
+            unit_dir,
+            bus,
+        };
+        return doctor::run(req, json).await;
+    }
     if let Command::NotifyAgent { states } = cli.command {
         // It waits for the daemon rather than requiring it.
         return notify::run(bus, states).await;
@@ -301,6 +367,7 @@ async fn run(cli: Cli) -> Result<(), Failure> {
         }
         Command::Completions { .. }
         | Command::Config { .. }
+        | Command::Doctor { .. }
         | Command::NotifyAgent { .. }
         | Command::Man => {
             unreachable!("handled above")
@@ -312,13 +379,7 @@ async fn run(cli: Cli) -> Result<(), Failure> {
 /// CLI needs none of the daemon's code and the two can never disagree.
 fn config_check(file: Option<std::path::PathBuf>) -> Result<(), Failure> {
     use std::path::PathBuf;
-    let dsv4d = std::env::var_os("DSV4D")
-        .map(PathBuf::from)
-        .or_else(|| {
-            let sibling = std::env::current_exe().ok()?.parent()?.join("dsv4d");
-            sibling.is_file().then_some(sibling)
-        })
-        .unwrap_or_else(|| PathBuf::from("dsv4d"));
+    let dsv4d = doctor::dsv4d_path();
     let file = file.unwrap_or_else(|| PathBuf::from("/etc/dsv4/supervisor.yaml"));
     let status = std::process::Command::new(&dsv4d)
         .arg("--check-config")
@@ -760,13 +821,13 @@ fn print_lines(lines: &[String], json: bool) -> Result<(), Failure> {
     print(&out)
 }
 
-fn print_json<T: serde::Serialize>(v: &T) -> Result<(), Failure> {
+pub(crate) fn print_json<T: serde::Serialize>(v: &T) -> Result<(), Failure> {
     let text = serde_json::to_string_pretty(v)
         .map_err(|e| Failure::Failed(format!("cannot write JSON: {e}")))?;
     println_out(&text)
 }
 
-fn println_out(s: &str) -> Result<(), Failure> {
+pub(crate) fn println_out(s: &str) -> Result<(), Failure> {
     print(&format!("{s}\n"))
 }
 

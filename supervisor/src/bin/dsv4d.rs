@@ -68,6 +68,19 @@ struct Args {
     /// Check the configuration, print every problem (or a summary), and exit: 0 valid, 1 not.
     #[arg(long)]
     check_config: bool,
+    /// Check this machine against what the configuration needs (the files, the GPU's
+    /// devices, the engine build, memory, power, the kernel), print the checks as JSON and
+    /// exit: 0 when none failed, 1 when one did. `dsv4ctl doctor` runs it as the service
+    /// user inside the service's sandbox, and prints the result.
+    #[arg(long)]
+    doctor: bool,
+    /// With --doctor: the checks made from the service's place (service), those only the
+    /// host shows (host: the kernel and its log), or both (all).
+    #[arg(long, value_name = "PART", default_value = "all", requires = "doctor")]
+    part: dsv4::doctor::Part,
+    /// With --doctor: read this saved kernel log instead of this boot's journal.
+    #[arg(long, value_name = "FILE", requires = "doctor")]
+    kernel_log: Option<PathBuf>,
     /// Print the manual page (roff) and exit, for packages: dsv4d --man > dsv4d.8
     #[arg(long, hide = true)]
     man: bool,
@@ -92,6 +105,9 @@ fn main() -> std::process::ExitCode {
     }
     if args.check_config {
         return check_config(&args.config);
+    }
+    if args.doctor {
+        return doctor(&args);
     }
     // Before any thread exists (the log writer is one): taking the activation fds edits the
     // environment.
@@ -138,6 +154,39 @@ fn check_config(path: &std::path::Path) -> std::process::ExitCode {
             println!("{problems}");
             std::process::ExitCode::FAILURE
         }
+    }
+}
+
+/// `--doctor`: the checks as a JSON array on stdout.
+fn doctor(args: &Args) -> std::process::ExitCode {
+    use dsv4::doctor::{Options, Verdict};
+    let sysroot = match SysRoot::new(&args.sysroot) {
+        Ok(root) => root,
+        Err(e) => return fail(anyhow::Error::new(e).context("--sysroot")),
+    };
+    let opts = Options {
+        config: args.config.clone(),
+        sysroot,
+        kernel_log: args.kernel_log.clone(),
+        part: args.part,
+    };
+    let runtime = match tokio::runtime::Builder::new_current_thread()
+        .enable_all()
+        .build()
+    {
+        Ok(rt) => rt,
+        Err(e) => return fail(anyhow::Error::new(e).context("starting the async runtime")),
+    };
+    let checks = runtime.block_on(dsv4::doctor::run(&opts));
+    runtime.shutdown_timeout(std::time::Duration::from_secs(2));
+    match serde_json::to_string_pretty(&checks) {
+        Ok(json) => println!("{json}"),
+        Err(e) => return fail(anyhow::Error::new(e).context("writing the checks")),
+    }
+    if dsv4_client::doctor::worst(&checks) == Verdict::Fail {
+        std::process::ExitCode::FAILURE
+    } else {
+        std::process::ExitCode::SUCCESS
     }
 }
 

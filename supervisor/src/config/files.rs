@@ -112,6 +112,22 @@ fn check_shards(shown: &Shown, model: &Path) -> Option<String> {
     })
 }
 
+/// Every file of the model named `model`: its shards when it is the first of several
+/// (`name-00001-of-00004.gguf`), else itself.
+pub fn model_files(model: &Path) -> Vec<PathBuf> {
+    let shards = model
+        .file_name()
+        .and_then(|n| n.to_str())
+        .and_then(split_shard_name)
+        .filter(|(_, index, _)| *index == 1);
+    match (shards, model.parent()) {
+        (Some((prefix, _, count)), Some(folder)) => (1..=count)
+            .map(|i| folder.join(format!("{prefix}-{i:05}-of-{count:05}.gguf")))
+            .collect(),
+        _ => vec![model.to_path_buf()],
+    }
+}
+
 /// `prefix-NNNNN-of-MMMMM.gguf` -> (prefix, N, M).
 fn split_shard_name(name: &str) -> Option<(&str, u32, u32)> {
     let (rest, count) = name.strip_suffix(".gguf")?.rsplit_once("-of-")?;
@@ -280,6 +296,17 @@ mod tests {
             Some(("IQ2_XXS", 1, 4))
         );
         assert_eq!(split_shard_name("a-00004-of-00004.gguf"), Some(("a", 4, 4)));
+        assert_eq!(
+            model_files(Path::new("/m/a-00001-of-00002.gguf")),
+            [
+                PathBuf::from("/m/a-00001-of-00002.gguf"),
+                PathBuf::from("/m/a-00002-of-00002.gguf")
+            ]
+        );
+        assert_eq!(
+            model_files(Path::new("/m/a.gguf")),
+            [PathBuf::from("/m/a.gguf")]
+        );
         for name in [
             "IQ2_XXS.gguf",
             "-00001-of-00004.gguf",

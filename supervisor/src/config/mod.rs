@@ -11,7 +11,7 @@
 
 mod error;
 mod files;
-pub use files::{same_file, shared_key_file};
+pub use files::{model_files, same_file, shared_key_file};
 mod load;
 pub mod names;
 pub mod profiles;
@@ -67,6 +67,12 @@ impl Config {
     /// last good configuration (with its keys) in force; it refuses every keyed request.
     pub fn load_for_reload(path: &Path) -> Result<Config, ConfigError> {
         load::load(path, true, false)
+    }
+
+    /// As [`load`](Self::load), without looking at the files and programs it names: for the
+    /// doctor, which checks each of those itself, as the service user.
+    pub fn load_without_files(path: &Path) -> Result<Config, ConfigError> {
+        load::load(path, false, false)
     }
 
     /// A short report for `dsv4d --check-config`: a first line naming the file, the number of

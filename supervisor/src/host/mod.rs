@@ -3,6 +3,7 @@
 //! any file of its own without a FIFO or a device hanging it (`regular`), and the process's
 //! own open-file limits ([`open_file_limits`]).
 
+pub mod gguf;
 pub mod hw;
 pub mod load_times;
 pub mod regular;

@@ -12,6 +12,7 @@ pub mod engine_ref;
 pub mod gate;
 pub mod leftover;
 pub mod loading;
+pub mod need;
 pub mod refusal;
 pub mod state;
 pub mod upstream;

@@ -67,8 +67,11 @@ pub struct EngineFailure {
 /// start an engine (the actor hands the rules fresh figures then; see [`Machine::set_memory`]).
 #[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
 pub struct MemoryCheck {
-    /// The active profile's `planned_memory`; `None`: not known, so never refused.
+    /// The active profile's need: its `planned_memory`, else the estimate from its files
+    /// and flags (`lifecycle::need`); `None`: not known, so never refused.
     pub planned: Option<u64>,
+    /// Whether `planned` is the estimate rather than `planned_memory`.
+    pub estimated: bool,
     /// `memory.reserve`: what must stay available after the engine has taken its share.
     pub reserve: u64,
     /// MemAvailable and the GPU's GTT and VRAM (the firmware's carve-out), when readable.
@@ -79,6 +82,8 @@ pub struct MemoryCheck {
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub struct MemoryShort {
     pub profile_planned: u64,
+    /// Whether that need is the estimate rather than `planned_memory`.
+    pub estimated: bool,
     pub reserve: u64,
     pub available: Option<u64>,
     /// The GPU memory the model lives in, when the GPU reports it.
@@ -92,16 +97,21 @@ impl MemoryShort {
     pub fn describe(&self, profile: &str) -> String {
         let gib = dsv4_client::units::format_gib;
         let needs = gib(self.profile_planned);
+        let whence = if self.estimated {
+            "estimated from its files and flags; set planned_memory to override"
+        } else {
+            "planned_memory"
+        };
         match self.gpu {
             Some((pool, free, total)) => format!(
                 "not enough GPU memory to start profile {profile}: it needs {needs} \
-                 (planned_memory), and the GPU has {} of {} free of {}",
+                 ({whence}), and the GPU has {} of {} free of {}",
                 gib(free),
                 pool.name(),
                 gib(total)
             ),
             None if self.pool == Some(MemoryPool::Vram) => format!(
-                "not enough memory to start profile {profile}: its {needs} (planned_memory) \
+                "not enough memory to start profile {profile}: its {needs} ({whence}) \
                  go to VRAM, but {} of system memory is available, and memory.reserve keeps \
                  {} free",
                 self.available.map_or_else(|| "less".to_string(), gib),
@@ -109,7 +119,7 @@ impl MemoryShort {
             ),
             None => format!(
                 "not enough memory to start profile {profile}: it needs {needs} \
-                 (planned_memory), {} is available, and memory.reserve keeps {} free",
+                 ({whence}), {} is available, and memory.reserve keeps {} free",
                 self.available.map_or_else(|| "less".to_string(), gib),
                 gib(self.reserve)
             ),
@@ -129,6 +139,7 @@ impl MemoryCheck {
         let pool = gpu.pool();
         let short = |gpu| MemoryShort {
             profile_planned: planned,
+            estimated: self.estimated,
             reserve: self.reserve,
             available: self.now.available,
             pool,

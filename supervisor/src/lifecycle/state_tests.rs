@@ -632,6 +632,7 @@ const GIB: u64 = 1 << 30;
 fn memory(fits: bool) -> MemoryCheck {
     MemoryCheck {
         planned: Some(88 * GIB),
+        estimated: false,
         reserve: 8 * GIB,
         now: MemoryFigures {
             available: Some(if fits { 118 * GIB } else { 52 * GIB }),
@@ -650,6 +651,7 @@ fn admission_weighs_available_memory_the_reserve_and_gtt() {
     let check = |available: Option<u64>, gtt_used: Option<u64>, planned: Option<u64>| {
         MemoryCheck {
             planned,
+            estimated: false,
             reserve: 8 * GIB,
             now: MemoryFigures {
                 available,
@@ -706,6 +708,7 @@ fn with_a_large_vram_carve_out_admission_counts_vram_not_gtt() {
     // 96 GiB of VRAM set in the BIOS: 32 GiB of system RAM left, 16 GiB of GTT.
     let carve_out = |vram_used: u64, available: u64| MemoryCheck {
         planned: Some(88 * GIB),
+        estimated: false,
         reserve: 8 * GIB,
         now: MemoryFigures {
             available: Some(available * GIB),

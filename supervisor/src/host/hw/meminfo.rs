@@ -16,6 +16,13 @@ pub fn read(root: &SysRoot) -> Option<Memory> {
     parse(&root.read(PATH).ok()?)
 }
 
+/// `MemAvailable` less `CmaFree` (absent: 0): what a start may take.
+pub fn admissible(root: &SysRoot) -> Option<u64> {
+    let text = root.read(PATH).ok()?;
+    let available = parse(&text)?.available;
+    Some(available.saturating_sub(bytes(&text, "CmaFree").unwrap_or(0)))
+}
+
 pub fn parse(text: &str) -> Option<Memory> {
     Some(Memory {
         total: bytes(text, "MemTotal")?,

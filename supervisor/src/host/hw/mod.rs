@@ -29,9 +29,13 @@ const LOOK_AGAIN: Duration = Duration::from_secs(60);
 
 /// Reads the [`MemoryFigures`] a start is admitted on (the card is looked for each time: this
 /// is for the rare moments an engine starts or stops, not for sampling).
+///
+/// What is available is `MemAvailable` less `CmaFree`: the contiguous-allocation area counts
+/// as free, but only movable pages may use it, and the GPU's pinned buffers are not movable
+/// (Strix Halo deployments admit on the same figure).
 pub fn memory_now(root: &SysRoot) -> MemoryFigures {
     MemoryFigures {
-        available: meminfo::read(root).map(|m| m.available),
+        available: meminfo::admissible(root),
         gpu: amdgpu::Card::find(root).map_or_else(GpuMemory::default, |c| c.memory(root)),
     }
 }

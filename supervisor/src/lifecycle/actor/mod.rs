@@ -192,6 +192,7 @@ pub fn spawn(
         exited: false,
         stalled: false,
         memory_read: MemoryFigures::default(),
+        need: None,
         next_spawned: None,
         not_admitted_said: None,
         gate: gate.clone(),
@@ -256,6 +257,9 @@ struct Actor {
     stalled: bool,
     /// The memory figures read before the event being handled (off the runtime's thread).
     memory_read: MemoryFigures,
+    /// The active profile's memory need, read off the runtime's thread (its model's header)
+    /// once per profile and configuration: (profile, the configuration it was read for, it).
+    need: Option<(String, Arc<Config>, super::need::Need)>,
     /// Tells the check of the last engine's memory that the next engine is spawned.
     next_spawned: Option<watch::Sender<bool>>,
     /// When a start refused for memory was last logged and alerted.
@@ -364,6 +368,7 @@ impl Actor {
                 // Fresh figures for the admission rule, should this event start an engine,
                 // read on a blocking worker (sysfs reads may stall).
                 self.memory_read = memory_now_off_thread(&self.sysroot).await;
+                self.read_need().await;
                 self.machine.set_memory(self.memory_check());
             }
             let effects = self.machine.step(event, Instant::now());
@@ -534,16 +539,44 @@ impl Actor {
         None
     }
 
-    /// What a start of the active profile would need, and what the machine had when
+    /// Reads the active profile's need, unless it was read for this profile and
+    /// configuration already.
+    async fn read_need(&mut self) {
+        let name = self.machine.profile();
+        if let Some((n, c, _)) = &self.need {
+            if n == name && Arc::ptr_eq(c, &self.config) {
+                return;
+            }
+        }
+        let Some(profile) = self.config.profile(name).cloned() else {
+            self.need = None;
+            return;
+        };
+        let need = tokio::task::spawn_blocking(move || super::need::of(&profile))
+            .await
+            .unwrap_or_default();
+        for what in &need.unknown {
+            tracing::debug!("memory need of profile {name}: cannot read {what}");
+        }
+        self.need = Some((name.to_string(), self.config.clone(), need));
+    }
+
+    /// What a start of the active profile would need (its `planned_memory`, else the
+    /// estimate from its files and flags), and what the machine had when
     /// [`Actor::memory_read`] was read.
     fn memory_check(&self) -> MemoryCheck {
-        let planned = self
-            .config
-            .profile(self.machine.profile())
-            .and_then(|p| p.planned_memory);
+        let name = self.machine.profile();
+        let need = self
+            .need
+            .as_ref()
+            .filter(|(n, c, _)| n == name && Arc::ptr_eq(c, &self.config))
+            .map(|(_, _, need)| need);
+        let planned = need.and_then(|n| n.charged());
+        let estimated = need.is_some_and(|n| n.planned.is_none());
         let reserve = self.config.supervisor.memory.reserve;
         MemoryCheck {
             planned,
+            estimated,
             reserve,
             now: self.memory_read,
         }

@@ -68,6 +68,35 @@ impl Ppd {
         self.proxy.get_property("ActiveProfile").await
     }
 
+    /// `Version` (0.20 and later; older ones have no such property).
+    pub async fn version(&self) -> zbus::Result<String> {
+        self.proxy.get_property("Version").await
+    }
+
+    /// `Actions`: the actions this daemon has (`trickle_charge`, `amdgpu_dpm`, ...).
+    pub async fn actions(&self) -> zbus::Result<Vec<String>> {
+        self.proxy.get_property("Actions").await
+    }
+
+    /// `ActionsInfo` (0.30 and later): each action's `Name` and whether it is `Enabled`,
+    /// as far as the daemon says.
+    pub async fn actions_enabled(&self) -> zbus::Result<Vec<(String, Option<bool>)>> {
+        use std::collections::HashMap;
+        use zbus::zvariant::OwnedValue;
+        let infos: Vec<HashMap<String, OwnedValue>> =
+            self.proxy.get_property("ActionsInfo").await?;
+        Ok(infos
+            .into_iter()
+            .filter_map(|info| {
+                let name = String::try_from(info.get("Name")?.try_clone().ok()?).ok()?;
+                let enabled = info
+                    .get("Enabled")
+                    .and_then(|v| bool::try_from(v.try_clone().ok()?).ok());
+                Some((name, enabled))
+            })
+            .collect())
+    }
+
     /// `ProfileReleased(cookie)` from now on.
     pub async fn released(&self) -> zbus::Result<zbus::proxy::SignalStream<'static>> {
         self.proxy.receive_signal("ProfileReleased").await

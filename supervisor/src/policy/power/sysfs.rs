@@ -314,6 +314,20 @@ impl Writer {
         state.is_ok()
     }
 
+    /// Writes `req` through the helper unit only, never directly: the doctor's dry run of
+    /// the privileged path. The error says why it failed.
+    pub async fn write_through_helper(&self, req: &Request) -> Result<(), String> {
+        let bus = self.system_bus().await?;
+        match tokio::time::timeout(HELPER_TIMEOUT, run_helper(&bus, req)).await {
+            Ok(result) => result,
+            Err(_) => Err(format!(
+                "{} did not finish within {}s",
+                req.unit(),
+                HELPER_TIMEOUT.as_secs()
+            )),
+        }
+    }
+
     /// Writes `req`; the error names the file, the value and each way that was tried.
     pub async fn write(&self, req: &Request) -> Result<(), String> {
         let path = self.root.path(&req.file());

@@ -1,0 +1,365 @@
+//! Can the service reach what its profiles name: the engine program, the model files, the
+//! vision projector, its state folder, and the GPU's device nodes?
+//!
+//! Run as the service user inside the service's sandbox, [`access::check`] answers as the
+//! engine will be answered. A file behind a folder the service user may not enter (a model
+//! in a 0700 home) gets two fixes: move it, or a drop-in that puts an empty read-only folder
+//! in place of the closed one, with only the needed folders bound into it
+//! (`TemporaryFileSystem=` plus `BindReadOnlyPaths=`, the combination systemd.exec(5)
+//! describes for this), which `dsv4ctl doctor --fix` may write. Owns: these checks and that
+//! drop-in. Must not: change a mode or move a file.
+
+use std::collections::BTreeSet;
+use std::path::{Path, PathBuf};
+
+use crate::config::{Config, Profile};
+use crate::host::sysroot::SysRoot;
+
+use super::access::{self, Denied, Who, EXEC, READ, WRITE};
+use super::{Check, DropIn};
+
+/// The service the drop-ins are for.
+pub const SERVICE: &str = "dsv4.service";
+/// The drop-in that opens closed folders to the service.
+pub const PATHS_DROP_IN: &str = "50-doctor-paths.conf";
+/// The drop-in that adds the device nodes' groups to the service.
+pub const GROUPS_DROP_IN: &str = "50-doctor-groups.conf";
+/// Where models the service can always reach may go.
+pub const MODELS_HOME: &str = "/var/lib/dsv4/models";
+
+/// A file a profile needs, and what for.
+struct Needed {
+    profile: String,
+    id: &'static str,
+    path: PathBuf,
+    want: u32,
+    /// The key to edit in the profile when it moves.
+    key: &'static str,
+    profile_file: PathBuf,
+}
+
+/// A bare program name, looked up in `PATH` as the engine's spawn does.
+pub fn resolve_command(command: &Path) -> PathBuf {
+    if command.components().count() > 1 || command.is_absolute() {
+        return command.to_path_buf();
+    }
+    let path = std::env::var_os("PATH").unwrap_or_default();
+    std::env::split_paths(&path)
+        .map(|dir| dir.join(command))
+        .find(|p| p.is_file())
+        .unwrap_or_else(|| command.to_path_buf())
+}
+
+fn needed(profile: &Profile) -> Vec<Needed> {
+    let item = |id, path: PathBuf, want, key| Needed {
+        profile: profile.name.clone(),
+        id,
+        path,
+        want,
+        key,
+        profile_file: profile.file.clone(),
+    };
+    let mut out = vec![item(
+        "files.command",
+        resolve_command(&profile.command),
+        EXEC,
+        "command",
+    )];
+    if let Some(model) = &profile.params.model {
+        for file in crate::config::model_files(model) {
+            out.push(item("files.model", file, READ, "model"));
+        }
+    }
+    if let Some(mmproj) = &profile.params.mmproj {
+        out.push(item("files.mmproj", mmproj.clone(), READ, "mmproj"));
+    }
+    out
+}
+
+/// The checks for every profile's files and the state folder; the paths drop-in, when one
+/// would help, is attached to each check it fixes.
+pub fn checks(config: &Config, who: &Who, try_it: bool) -> Vec<Check> {
+    let mut out = Vec::new();
+    // Profiles may share a model: each file is checked once, for the first profile naming it.
+    let mut seen = BTreeSet::new();
+    let mut closed: Vec<(usize, PathBuf, PathBuf)> = Vec::new();
+    for profile in config.profiles.values() {
+        for n in needed(profile) {
+            if !seen.insert((n.id, n.path.clone())) {
+                continue;
+            }
+            let check = match access::check(who, &n.path, n.want, try_it) {
+                Ok(meta) if n.want == EXEC && meta.is_dir() => Check::fail(
+                    n.id,
+                    format!("{} is a folder, not a program", n.path.display()),
+                    format!("set `command:` in {} to the engine's program", shown(&n)),
+                ),
+                Ok(meta) => Check::ok(
+                    n.id,
+                    format!(
+                        "{} ({}){}",
+                        n.path.display(),
+                        dsv4_client::units::format_size(meta.len()),
+                        if n.want == EXEC {
+                            ", runs"
+                        } else {
+                            ", readable"
+                        }
+                    ),
+                ),
+                Err(denied) => {
+                    let found = denied.describe(&n.path, n.want);
+                    let check = Check::fail(n.id, found, fix_for(&n, &denied));
+                    if let Denied::Folder { dir, .. } = &denied {
+                        closed.push((out.len(), dir.clone(), n.path.clone()));
+                    }
+                    check
+                }
+            };
+            out.push(check.profile(&n.profile));
+        }
+    }
+    if let Some(drop_in) = paths_drop_in(closed.iter().map(|(_, d, p)| (d.as_path(), p.as_path())))
+    {
+        for (i, _, _) in &closed {
+            let check = &mut out[*i];
+            check.fix = Some(format!(
+                "{}; or run `sudo dsv4ctl doctor --fix` to write /etc/systemd/system/{SERVICE}.d/{} \
+                 (an empty read-only folder in place of the closed one, with only the needed \
+                 folders in it)",
+                check.fix.take().unwrap_or_default(),
+                drop_in.name
+            ));
+            check.drop_in = Some(drop_in.clone());
+        }
+    }
+    out.push(state_dir(&config.supervisor.state_dir, who, try_it));
+    out
+}
+
+fn shown(n: &Needed) -> String {
+    n.profile_file.display().to_string()
+}
+
+/// What to do about a file the service cannot use.
+fn fix_for(n: &Needed, denied: &Denied) -> String {
+    let name = n
+        .path
+        .file_name()
+        .map_or_else(String::new, |f| f.to_string_lossy().into_owned());
+    match denied {
+        Denied::Missing => format!("set `{}:` in {} to a file that exists", n.key, shown(n)),
+        Denied::Folder { dir, .. } => format!(
+            "move it where the service can read it (`sudo mkdir -p {MODELS_HOME} && sudo mv {} \
+             {MODELS_HOME}/`, then set `{}:` in {} to {MODELS_HOME}/{name}), or give the \
+             dsv4 user search permission on {}",
+            n.path.display(),
+            n.key,
+            shown(n),
+            dir.display()
+        ),
+        Denied::File { .. } if n.want == EXEC => {
+            format!("`sudo chmod a+rx {}`", n.path.display())
+        }
+        Denied::File { .. } => format!("`sudo chmod a+r {}`", n.path.display()),
+        Denied::System(_) => format!(
+            "move it where the service can read it ({MODELS_HOME}) and set `{}:` in {}",
+            n.key,
+            shown(n)
+        ),
+    }
+}
+
+/// A path as a unit file's list entry: quoted when it has blanks or quotes.
+fn unit_path(p: &Path) -> String {
+    let s = p.display().to_string();
+    if s.chars()
+        .any(|c| c.is_whitespace() || c == '"' || c == '\'' || c == '\\')
+    {
+        format!("\"{}\"", s.replace('\\', "\\\\").replace('"', "\\\""))
+    } else {
+        s
+    }
+}
+
+/// The drop-in for files behind closed folders: each `(closed folder, file)` gets the folder
+/// replaced by an empty read-only one, and the file's own folder (or, when that is the
+/// closed one, the file) bound into it.
+pub fn paths_drop_in<'a>(closed: impl IntoIterator<Item = (&'a Path, &'a Path)>) -> Option<DropIn> {
+    let mut tmpfs = BTreeSet::new();
+    let mut binds = BTreeSet::new();
+    for (dir, file) in closed {
+        tmpfs.insert(dir.to_path_buf());
+        let parent = file.parent().unwrap_or(Path::new("/"));
+        let bind = if parent != dir && parent.starts_with(dir) {
+            parent
+        } else {
+            file
+        };
+        binds.insert(bind.to_path_buf());
+    }
+    if tmpfs.is_empty() {
+        return None;
+    }
+    // A bind inside another bind is already there.
+    let kept: Vec<&PathBuf> = binds
+        .iter()
+        .filter(|b| !binds.iter().any(|o| o != *b && b.starts_with(o)))
+        .collect();
+    let mut text = String::from(
+        "# Written by `dsv4ctl doctor --fix`: the dsv4 user may not enter the folders below.\n\
+         # The service sees each as an empty read-only folder holding only what its profiles\n\
+         # need. Delete this file to undo it (then `systemctl daemon-reload`).\n[Service]\n",
+    );
+    for dir in &tmpfs {
+        text += &format!("TemporaryFileSystem={}:ro\n", unit_path(dir));
+    }
+    for bind in kept {
+        text += &format!("BindReadOnlyPaths={}\n", unit_path(bind));
+    }
+    Some(DropIn {
+        unit: SERVICE.into(),
+        name: PATHS_DROP_IN.into(),
+        text,
+    })
+}
+
+/// `state_dir` must be the service's to write.
+fn state_dir(dir: &Path, who: &Who, try_it: bool) -> Check {
+    let id = "files.state_dir";
+    match access::check(who, dir, READ | WRITE | EXEC, try_it) {
+        Ok(_) => Check::ok(id, format!("{} is writable", dir.display())),
+        Err(denied) => Check::fail(
+            id,
+            denied.describe(dir, WRITE),
+            format!(
+                "leave `state_dir` at the unit's StateDirectory (/var/lib/dsv4), or make {} the \
+                 dsv4 user's (`sudo chown dsv4:dsv4 {}`)",
+                dir.display(),
+                dir.display()
+            ),
+        ),
+    }
+}
+
+/// The GPU's device nodes under `root`: `/dev/kfd` (ROCm) and each `/dev/dri/renderD*`, and
+/// the `/dev/dri/card*` nodes when `vulkan` (a Vulkan build opens them too).
+pub fn devices(root: &SysRoot, who: &Who, try_it: bool, vulkan: bool) -> Vec<Check> {
+    let id = "gpu.devices";
+    if crate::host::hw::amdgpu::Card::find(root).is_none() {
+        return vec![Check::skip(id, "no AMD GPU found under /sys/class/drm")];
+    }
+    let dri = root.list("/dev/dri");
+    let mut nodes: Vec<String> = vec!["/dev/kfd".into()];
+    nodes.extend(
+        dri.iter()
+            .filter(|n| n.starts_with("renderD") || (vulkan && n.starts_with("card")))
+            .map(|n| format!("/dev/dri/{n}")),
+    );
+    let (mut ok, mut missing_kfd, mut problems, mut groups) =
+        (Vec::new(), false, Vec::new(), BTreeSet::new());
+    for node in &nodes {
+        let path = root.path(node);
+        match access::check(who, &path, READ | WRITE, try_it) {
+            Ok(_) => ok.push(node.clone()),
+            Err(Denied::Missing) if node == "/dev/kfd" => missing_kfd = true,
+            Err(Denied::Missing) => problems.push(format!("{node} does not exist")),
+            Err(denied) => {
+                if let Denied::File { group, .. } = &denied {
+                    groups.insert(access::group_name(*group));
+                }
+                problems.push(denied.describe(Path::new(node), READ | WRITE));
+            }
+        }
+    }
+    if !dri.iter().any(|n| n.starts_with("renderD")) {
+        problems.push("no /dev/dri/renderD* node".into());
+    }
+    let mut out = Vec::new();
+    if problems.is_empty() {
+        out.push(Check::ok(
+            id,
+            format!("{} open for reading and writing", ok.join(", ")),
+        ));
+    } else {
+        let fix = if groups.is_empty() {
+            "check that the amdgpu driver is loaded (`lsmod | grep amdgpu`) and that the unit's \
+             DeviceAllow= lines name the nodes"
+                .to_string()
+        } else {
+            let list: Vec<&str> = groups.iter().map(String::as_str).collect();
+            format!(
+                "add the nodes' group to the service: a drop-in with `[Service]` \
+                 `SupplementaryGroups={}` (`sudo dsv4ctl doctor --fix` writes it)",
+                list.join(" ")
+            )
+        };
+        let mut check = Check::fail(
+            id,
+            format!("as {}: {}", who.describe(), problems.join("; ")),
+            fix,
+        );
+        if !groups.is_empty() {
+            let list: Vec<&str> = groups.iter().map(String::as_str).collect();
+            check = check.drop_in(DropIn {
+                unit: SERVICE.into(),
+                name: GROUPS_DROP_IN.into(),
+                text: format!(
+                    "# Written by `dsv4ctl doctor --fix`: the GPU's device nodes belong to \
+                     these groups.\n[Service]\nSupplementaryGroups={}\n",
+                    list.join(" ")
+                ),
+            });
+        }
+        out.push(check);
+    }
+    if missing_kfd {
+        out.push(Check::warn(
+            "gpu.kfd",
+            "no /dev/kfd: a ROCm (HIP) build of the engine cannot reach the GPU; a Vulkan build \
+             does not need it",
+            "load amdgpu with its compute support (a kernel with CONFIG_HSA_AMD), or use a \
+             Vulkan build",
+        ));
+    }
+    out
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn the_drop_in_binds_the_needed_folders_into_an_empty_one() {
+        let d = paths_drop_in([
+            (
+                Path::new("/home/ada"),
+                Path::new("/home/ada/engine/llama-server"),
+            ),
+            (Path::new("/home/ada"), Path::new("/home/ada/models/m.gguf")),
+            (
+                Path::new("/home/ada"),
+                Path::new("/home/ada/models/m-2.gguf"),
+            ),
+            (Path::new("/srv/closed"), Path::new("/srv/closed/x.gguf")),
+            (Path::new("/home/b b"), Path::new("/home/b b/m/x.gguf")),
+        ])
+        .unwrap();
+        assert_eq!(d.unit, "dsv4.service");
+        let lines: Vec<&str> = d.text.lines().filter(|l| !l.starts_with('#')).collect();
+        assert_eq!(
+            lines,
+            [
+                "[Service]",
+                "TemporaryFileSystem=/home/ada:ro",
+                "TemporaryFileSystem=\"/home/b b\":ro",
+                "TemporaryFileSystem=/srv/closed:ro",
+                "BindReadOnlyPaths=/home/ada/engine",
+                "BindReadOnlyPaths=/home/ada/models",
+                "BindReadOnlyPaths=\"/home/b b/m\"",
+                "BindReadOnlyPaths=/srv/closed/x.gguf",
+            ]
+        );
+        assert_eq!(paths_drop_in([]), None);
+    }
+}
