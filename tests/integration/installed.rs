@@ -399,3 +399,130 @@ fn the_installed_units_run_as_shipped_under_a_real_systemd() {
         "the service's port was not its own:\n{journal}"
     );
 }
+
+/// The engine and the model in a folder of another user (0700, as Debian makes homes), as a
+/// new user puts them: the installed doctor, run as root, checks them as the dsv4 user in
+/// the service's sandbox and names them; its --fix writes the drop-in, and the engine then
+/// starts through the socket as shipped.
+#[test]
+fn the_doctor_names_a_model_in_a_closed_home_and_its_fix_lets_the_engine_start() {
+    if !install_allowed() {
+        eprintln!("not run: it installs the package (CI=true or DSV4_TEST_INSTALL=1)");
+        return;
+    }
+    let _one_at_a_time = package_lock();
+    let _installed = Installed::new();
+    let w = tempfile::Builder::new()
+        .prefix("dsv4-doctor-")
+        .tempdir_in("/var/cache")
+        .unwrap();
+    std::fs::set_permissions(w.path(), std::fs::Permissions::from_mode(0o755)).unwrap();
+    lay_out(w.path());
+    // A healthy box's kernel, firmware and device nodes in the sysroot.
+    let root = w.path().join("root");
+    run(Command::new("cp")
+        .arg("-a")
+        .arg(repo().join("tests/fixtures/doctor/healthy/."))
+        .arg(&root));
+    for node in ["dev/kfd", "dev/dri/renderD128"] {
+        write_public(&root.join(node), "");
+        std::fs::set_permissions(root.join(node), std::fs::Permissions::from_mode(0o666)).unwrap();
+    }
+    std::fs::create_dir_all("/home").unwrap();
+    let home = tempfile::Builder::new()
+        .prefix("dsv4-doctor-")
+        .tempdir_in("/home")
+        .unwrap();
+    let (server, model) = real::engine();
+    copy_public(&server, &home.path().join("engine/llama-server"), 0o755);
+    copy_public(&model, &home.path().join("models/tiny.gguf"), 0o644);
+    for d in ["engine", "models"] {
+        std::fs::set_permissions(home.path().join(d), std::fs::Permissions::from_mode(0o755))
+            .unwrap();
+    }
+    std::fs::set_permissions(home.path(), std::fs::Permissions::from_mode(0o700)).unwrap();
+    std::fs::remove_file(w.path().join("etc/profiles/probe.yaml")).unwrap();
+    write_public(
+        &w.path().join("etc/profiles/tiny.yaml"),
+        &format!(
+            "description: the real llama-server, from a home folder\nengine: llama-server\n\
+             command: {}\nmodel: {}\ncontext: 1024\nparallel: 1\nextra_args: [--no-webui]\n",
+            home.path().join("engine/llama-server").display(),
+            home.path().join("models/tiny.gguf").display()
+        ),
+    );
+    let units = unit_folder(w.path());
+    let ns = Ns::boot(&units, "test.target", &w.path().join("console.log"), true);
+    ns.wait("dsv4.socket listening", || {
+        ns.out("systemctl is-active dsv4.socket") == "active"
+    });
+    let log = root.join("kernel.log");
+    let doctor = |more: &str| {
+        let o = ns.sh(&format!(
+            "dsv4ctl doctor --kernel-log {} {more}",
+            log.display()
+        ));
+        (
+            o.status.code(),
+            String::from_utf8_lossy(&o.stdout).into_owned(),
+            String::from_utf8_lossy(&o.stderr).into_owned(),
+        )
+    };
+
+    // Before: it ran as dsv4 in the sandbox, and names the program and the model.
+    let (code, text, err) = doctor("");
+    assert_eq!(code, Some(1), "{text}{err}");
+    assert!(
+        text.lines()
+            .any(|l| l.starts_with("ok    service.sandbox") && l.contains("as dsv4 inside")),
+        "{text}"
+    );
+    for id in ["files.command [tiny]", "files.model [tiny]"] {
+        let line = text
+            .lines()
+            .find(|l| l.starts_with(&format!("FAIL  {id}")))
+            .unwrap_or_else(|| panic!("no FAIL {id}:\n{text}"));
+        assert!(
+            line.contains(&format!("the folder {} is 0700", home.path().display())),
+            "{line}"
+        );
+    }
+    assert!(text.contains("sudo dsv4ctl doctor --fix"), "{text}");
+    // The engine cannot start meanwhile.
+    let chat = r#"-H 'content-type: application/json' -d '{"messages":[{"role":"user","content":"hi"}],"max_tokens":8}' http://127.0.0.1:8080/v1/chat/completions"#;
+    let (code, _) = curl(&ns, &format!("--max-time 10 {chat}"));
+    assert_ne!(code, 200);
+
+    // The fix: the drop-in, systemd reloaded, the checks again: nothing fails now.
+    let (code, text, err) = doctor(&format!("--fix --unit-dir {}", units.display()));
+    assert_eq!(code, Some(0), "{text}{err}\n{}", ns.journal());
+    let drop_in = units.join("dsv4.service.d/50-doctor-paths.conf");
+    assert!(
+        err.contains(&format!("wrote {}", drop_in.display())),
+        "{err}"
+    );
+    let written = std::fs::read_to_string(&drop_in).unwrap();
+    assert!(
+        written.contains(&format!("TemporaryFileSystem={}:ro", home.path().display())),
+        "{written}"
+    );
+    assert!(
+        text.lines()
+            .any(|l| l.starts_with("ok    files.model [tiny]")),
+        "{text}"
+    );
+    assert!(
+        text.lines()
+            .any(|l| l.starts_with("ok    power.gpu_helper")),
+        "{text}"
+    );
+
+    // And the engine starts and serves, as the dsv4 user, through the socket.
+    ns.wait("dsv4.socket listening", || {
+        ns.out("systemctl is-active dsv4.socket") == "active"
+    });
+    let (code, body) = curl(&ns, chat);
+    assert_eq!(code, 200, "{body}\n{}", ns.journal());
+    let v: serde_json::Value = serde_json::from_str(&body).unwrap();
+    assert_eq!(v["choices"][0]["message"]["content"], "abcdefgh", "{v}");
+}

@@ -14,6 +14,7 @@ mod connections;
 mod control;
 mod cors;
 mod dashboard;
+mod doctor;
 mod ds4;
 mod ds4_real;
 mod engine_connections;

@@ -23,15 +23,15 @@ const PPD: (&str, &str, &str) = (
 
 /// A private bus of the system type with a real power-profiles-daemon (its placeholder
 /// driver: power-saver and balanced) and polkitd, which lets root hold and switch profiles.
-struct SystemBus {
+pub(crate) struct SystemBus {
     dir: TempDir,
-    address: String,
+    pub(crate) address: String,
     children: Vec<Child>,
     conn: zbus::Connection,
 }
 
 impl SystemBus {
-    async fn start() -> SystemBus {
+    pub(crate) async fn start() -> SystemBus {
         let dir = temp_dir("system-bus");
         // polkitd drops to its own user: the socket's folder must be traversable.
         std::fs::set_permissions(

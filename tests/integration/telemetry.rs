@@ -241,6 +241,46 @@ async fn a_start_that_does_not_fit_in_memory_is_refused_with_its_figures() {
     assert_eq!(d.spawns(), 1);
 }
 
+/// A profile without `planned_memory` is charged the estimate from its files, and what is
+/// available leaves the CMA area out: a 60 GiB model on a box with 110 GiB available, 60 of
+/// them CMA, is refused, and says both.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn without_planned_memory_the_estimate_is_charged_against_memory_less_cma() {
+    let bus = PrivateBus::start();
+    let tree = fixture_copy("strix-halo");
+    set_available(tree.path(), 110);
+    let meminfo = tree.path().join("proc/meminfo");
+    let text = std::fs::read_to_string(&meminfo).unwrap();
+    std::fs::write(
+        &meminfo,
+        format!("{text}CmaTotal: {0} kB\nCmaFree: {0} kB\n", 60u64 << 20),
+    )
+    .unwrap();
+    let d = Daemon::start(&sampled(tree.path()).session_bus(&bus));
+    // The fake engine's model, made as large as 60 GiB of weights (sparse).
+    let model = d.dir().join("profiles/models/320k.gguf");
+    std::fs::OpenOptions::new()
+        .write(true)
+        .open(&model)
+        .unwrap()
+        .set_len(60 << 30)
+        .unwrap();
+    let (status, _, v) = d
+        .send("POST", "/v1/chat/completions", &[], Some(chat(3, false)))
+        .await;
+    assert_eq!(status, 503, "{v}");
+    assert_eq!(v["error"]["code"], "insufficient_memory", "{v}");
+    let message = v["error"]["message"].as_str().unwrap();
+    assert!(
+        message.starts_with(
+            "not enough memory to start profile 320k: it needs 60.0 GiB (estimated from its \
+             files and flags; set planned_memory to override), 50.0 GiB is available"
+        ),
+        "{message}"
+    );
+    assert_eq!(d.spawns(), 0, "{}", d.fake_log());
+}
+
 /// An engine started on a fixture copy, with a 1 s `memory.return_timeout`, and the stop to
 /// call once the test has changed the tree: what it returns is the first alert within `wait`.
 struct Returning {

@@ -155,6 +155,19 @@ async fn gpu_helper(config: &Config, root: &SysRoot, bus: Option<zbus::Connectio
     let Some(bus) = bus else {
         return Check::skip(id, "no system bus: the helper could not be started");
     };
+    let has_systemd = match zbus::fdo::DBusProxy::new(&bus).await {
+        Ok(dbus) => match zbus::names::BusName::try_from("org.freedesktop.systemd1") {
+            Ok(name) => dbus.name_has_owner(name).await.unwrap_or(false),
+            Err(_) => false,
+        },
+        Err(_) => false,
+    };
+    if !has_systemd {
+        return Check::skip(
+            id,
+            "no systemd on the system bus: the helper could not be started",
+        );
+    }
     let Some(card) = gpu::card_of(&file) else {
         return Check::skip(id, format!("{file} is not a card's level file"));
     };

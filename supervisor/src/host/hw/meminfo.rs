@@ -64,4 +64,18 @@ mod tests {
         assert_eq!(parse("MemTotal: 10 kB\n"), None);
         assert_eq!(parse("\u{0}\u{ff}garbage"), None);
     }
+
+    #[test]
+    fn what_a_start_may_take_leaves_the_cma_area_out() {
+        let dir = tempfile::tempdir().unwrap();
+        std::fs::create_dir_all(dir.path().join("proc")).unwrap();
+        let root = SysRoot::new(dir.path()).unwrap();
+        let write = |text: &str| std::fs::write(dir.path().join("proc/meminfo"), text).unwrap();
+        write("MemTotal: 100 kB\nMemAvailable: 70 kB\nCmaTotal: 40 kB\nCmaFree: 30 kB\n");
+        assert_eq!(admissible(&root), Some(40 * 1024));
+        write("MemTotal: 100 kB\nMemAvailable: 70 kB\n");
+        assert_eq!(admissible(&root), Some(70 * 1024));
+        write("MemTotal: 100 kB\nMemAvailable: 10 kB\nCmaFree: 30 kB\n");
+        assert_eq!(admissible(&root), Some(0));
+    }
 }
