@@ -249,11 +249,12 @@ fn a_model_in_a_closed_home_is_named_with_both_fixes() {
     let (out, checks) = doctor(&m, NO_BUS);
     std::fs::set_permissions(&home, std::fs::Permissions::from_mode(0o755)).unwrap();
     assert_eq!(out.status.code(), Some(1), "{}", shown(&checks));
-    // The configuration names the same file: its load fails too, and says why.
+    // Only the model's check, and the configuration's load where the loader's own look at
+    // the file is refused as well (root's is not: the bits are read for the service user).
     let p = problems(&checks);
-    assert_eq!(
-        p.keys().collect::<Vec<_>>(),
-        ["config.load", "files.model"],
+    assert!(p.contains_key("files.model"), "{}", shown(&checks));
+    assert!(
+        p.keys().all(|k| k == "files.model" || k == "config.load"),
         "{}",
         shown(&checks)
     );

@@ -149,6 +149,21 @@ fn fix_for(n: &Needed, denied: &Denied) -> String {
         .map_or_else(String::new, |f| f.to_string_lossy().into_owned());
     match denied {
         Denied::Missing => format!("set `{}:` in {} to a file that exists", n.key, shown(n)),
+        Denied::Folder { dir, .. } if n.key == "command" => {
+            // A build keeps its libraries beside the program: the folder moves whole.
+            let folder = n.path.parent().unwrap_or(Path::new("/"));
+            let folder_name = folder
+                .file_name()
+                .map_or_else(String::new, |f| f.to_string_lossy().into_owned());
+            format!(
+                "install the build where the service can run it (`sudo cp -a {} /opt/`, then \
+                 set `command:` in {} to /opt/{folder_name}/{name}), or give the dsv4 user \
+                 search permission on {}",
+                folder.display(),
+                shown(n),
+                dir.display()
+            )
+        }
         Denied::Folder { dir, .. } => format!(
             "move it where the service can read it (`sudo mkdir -p {MODELS_HOME} && sudo mv {} \
              {MODELS_HOME}/`, then set `{}:` in {} to {MODELS_HOME}/{name}), or give the \

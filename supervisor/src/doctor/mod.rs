@@ -13,7 +13,6 @@ pub mod access;
 pub mod engine;
 pub mod files;
 pub mod flags;
-pub mod gguf;
 pub mod kernel;
 pub mod memory;
 pub mod power;
