@@ -475,3 +475,125 @@ fn dsv4ctl_doctor_prints_a_line_per_check_with_the_fix_and_exits_by_the_worst() 
     assert_eq!(find(&checks, "engine.model").verdict, Verdict::Fail);
     assert_eq!(find(&checks, "service.sandbox").verdict, Verdict::Warn);
 }
+
+/// One change to a healthy box, and the one check it must turn: (what, the change, the
+/// check, its verdict, words of its fix).
+type Breakage = (
+    &'static str,
+    fn(&Machine),
+    &'static str,
+    Verdict,
+    &'static str,
+);
+
+#[test]
+fn each_other_breakage_turns_exactly_its_check() {
+    let table: [Breakage; 7] = [
+        (
+            "an unknown key",
+            |m| {
+                let text = std::fs::read_to_string(m.config()).unwrap();
+                std::fs::write(m.config(), format!("{text}bogus_key: 1\n")).unwrap();
+            },
+            "config.load",
+            Verdict::Fail,
+            "dsv4ctl config check",
+        ),
+        (
+            "a state folder of another user",
+            |m| close(&m.dir.path().join("state"), 0o700),
+            "files.state_dir",
+            Verdict::Fail,
+            "chown dsv4:dsv4",
+        ),
+        (
+            "no /dev/kfd",
+            |m| std::fs::remove_file(m.root().join("dev/kfd")).unwrap(),
+            "gpu.kfd",
+            Verdict::Warn,
+            "Vulkan build",
+        ),
+        (
+            "an engine build missing a library",
+            |m| {
+                let script = m.dir.path().join("bin/llama-server");
+                write(
+                    &script,
+                    "#!/bin/sh\necho 'llama-server: error while loading shared libraries: \
+                     libggml-hip.so: cannot open shared object file: No such file or directory' \
+                     >&2\nexit 127\n",
+                );
+                std::fs::set_permissions(&script, std::fs::Permissions::from_mode(0o755)).unwrap();
+                let text = std::fs::read_to_string(m.profile()).unwrap();
+                let (server, _) = real::engine();
+                std::fs::write(
+                    m.profile(),
+                    text.replace(&server.display().to_string(), &script.display().to_string()),
+                )
+                .unwrap();
+            },
+            "engine.runs",
+            Verdict::Fail,
+            "LD_LIBRARY_PATH",
+        ),
+        (
+            "a GTT of half the RAM",
+            |m| {
+                let dev = m
+                    .root()
+                    .join("sys/devices/pci0000:00/0000:00:08.1/0000:c5:00.0");
+                std::fs::write(dev.join("mem_info_gtt_total"), format!("{}\n", 62u64 << 30))
+                    .unwrap();
+                std::fs::remove_file(m.root().join("sys/module/ttm/parameters/pages_limit"))
+                    .unwrap();
+                write(
+                    &m.root().join("proc/cmdline"),
+                    "BOOT_IMAGE=/vmlinuz ro quiet\n",
+                );
+            },
+            "memory.gtt_limit",
+            Verdict::Warn,
+            "ttm.pages_limit=",
+        ),
+        (
+            "an old kernel",
+            |m| {
+                write(
+                    &m.root().join("proc/sys/kernel/osrelease"),
+                    "6.12.48+deb13-amd64\n",
+                )
+            },
+            "kernel.version",
+            Verdict::Warn,
+            "6.18.4 or later",
+        ),
+        (
+            "the firmware reported broken",
+            |m| {
+                let status = m.root().join("var/lib/dpkg/status");
+                let text = std::fs::read_to_string(&status).unwrap();
+                std::fs::write(&status, text.replace("20251111-1", "20251125-1")).unwrap();
+            },
+            "kernel.firmware",
+            Verdict::Warn,
+            "20251125",
+        ),
+    ];
+    for (what, change, id, verdict, fix) in table {
+        let m = healthy();
+        change(&m);
+        let (out, checks) = doctor(&m, NO_BUS);
+        let failed = verdict == Verdict::Fail;
+        assert_eq!(out.status.success(), !failed, "{what}: {}", shown(&checks));
+        let p = problems(&checks);
+        assert_eq!(
+            p.keys().collect::<Vec<_>>(),
+            [id],
+            "{what}: {}",
+            shown(&checks)
+        );
+        assert_eq!(p[id].verdict, verdict, "{what}");
+        let f = p[id].fix.as_deref().unwrap_or_default();
+        assert!(f.contains(fix), "{what}: {f}");
+    }
+}

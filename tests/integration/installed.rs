@@ -477,6 +477,13 @@ fn the_doctor_names_a_model_in_a_closed_home_and_its_fix_lets_the_engine_start()
             .any(|l| l.starts_with("ok    service.sandbox") && l.contains("as dsv4 inside")),
         "{text}"
     );
+    assert!(
+        text.lines().any(|l| l.starts_with("ok    service.user")
+            && l.contains("checked as dsv4 (groups ")
+            && l.contains("render")
+            && l.contains("video")),
+        "{text}"
+    );
     for id in ["files.command [tiny]", "files.model [tiny]"] {
         let line = text
             .lines()
