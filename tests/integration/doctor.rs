@@ -597,3 +597,33 @@ fn each_other_breakage_turns_exactly_its_check() {
         assert!(f.contains(fix), "{what}: {f}");
     }
 }
+
+/// Without `state_dir` in the file, the state folder is the one systemd made for the unit
+/// (`$STATE_DIRECTORY`, from `StateDirectory=`): what the service would use, as the doctor's
+/// check of it shows.
+#[test]
+fn without_state_dir_the_units_state_directory_is_used() {
+    let m = healthy();
+    let text = std::fs::read_to_string(m.config()).unwrap();
+    let text: String = text
+        .lines()
+        .filter(|l| !l.starts_with("state_dir:"))
+        .map(|l| format!("{l}\n"))
+        .collect();
+    std::fs::write(m.config(), text).unwrap();
+    let state = m.dir.path().join("systemd-state");
+    std::fs::create_dir_all(&state).unwrap();
+    let out = Command::new(DSV4D)
+        .args(["--doctor", "--part", "service", "--config"])
+        .arg(m.config())
+        .arg("--sysroot")
+        .arg(m.root())
+        .env("STATE_DIRECTORY", format!("{}:/elsewhere", state.display()))
+        .env("DBUS_SYSTEM_BUS_ADDRESS", NO_BUS)
+        .env("DSV4_LOG", "off")
+        .stdin(Stdio::null())
+        .output_within(HANG);
+    let checks: Vec<Check> = serde_json::from_slice(&out.stdout).unwrap();
+    let c = find(&checks, "files.state_dir");
+    assert_eq!(c.found, format!("{} is writable", state.display()));
+}

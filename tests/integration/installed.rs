@@ -95,24 +95,30 @@ fn unit_folder(w: &Path) -> PathBuf {
             .unwrap_or_else(|e| panic!("{} not installed: {e}", u));
     }
     let sysroot = w.join("root");
-    let paths = |unit: &str, exec: String| {
+    let paths = |unit: &str, exec: String, more: String| {
         let d = units.join(format!("{unit}.d"));
         std::fs::create_dir_all(&d).unwrap();
         std::fs::write(
             d.join("paths.conf"),
             format!(
-                "[Service]\nExecStart=\nExecStart={exec}\nReadWritePaths={}\n",
+                "[Service]\nExecStart=\nExecStart={exec}\nReadWritePaths={}\n{more}",
                 sysroot.display()
             ),
         )
         .unwrap();
     };
+    let config = w.join("etc/supervisor.yaml");
     paths(
         "dsv4.service",
         format!(
             "/usr/bin/dsv4d --config {} --sysroot {}",
-            w.join("etc/supervisor.yaml").display(),
+            config.display(),
             sysroot.display()
+        ),
+        format!(
+            "ExecReload=\nExecReload=/usr/bin/dsv4d --check-config --config {}\n\
+             ExecReload=/bin/kill -HUP $MAINPID\n",
+            config.display()
         ),
     );
     paths(
@@ -121,6 +127,7 @@ fn unit_folder(w: &Path) -> PathBuf {
             "/usr/libexec/dsv4/dsv4-sysfs --sysroot {} %i",
             sysroot.display()
         ),
+        String::new(),
     );
     units
 }
@@ -299,6 +306,26 @@ fn the_installed_units_run_as_shipped_under_a_real_systemd() {
     let user = ns.out("ps -o user= -p $(systemctl show -p MainPID --value dsv4.service)");
     assert_eq!(user, "dsv4");
 
+    // A reload checks the edit first, as the service: a bad one fails `systemctl reload`,
+    // says why in the journal at error priority, and the daemon keeps serving.
+    let config = w.path().join("etc/supervisor.yaml");
+    let good = std::fs::read_to_string(&config).unwrap();
+    write_public(&config, &format!("{good}bogus_key: 1\n"));
+    let o = ns.sh("systemctl reload dsv4.service");
+    assert!(!o.status.success(), "a bad edit reloaded");
+    ns.wait("the check's words at error priority", || {
+        ns.out("journalctl --no-pager -o cat -p err -u dsv4")
+            .contains("bogus_key: unknown key `bogus_key`")
+    });
+    write_public(&config, &good);
+    let o = ns.sh("systemctl reload dsv4.service");
+    assert!(
+        o.status.success(),
+        "{}\n{}",
+        String::from_utf8_lossy(&o.stderr),
+        ns.journal()
+    );
+
     // While it runs: the GPU on auto and the CPU policies on powersave, written through
     // dsv4-sysfs@ (dsv4d itself cannot: the files are root's and /sys is read-only to it).
     ns.wait("the GPU level on auto", || level() == "auto");
@@ -398,6 +425,38 @@ fn the_installed_units_run_as_shipped_under_a_real_systemd() {
         !journal.contains("was taken by another process"),
         "the service's port was not its own:\n{journal}"
     );
+
+    // Each line goes to the journal at its level's priority: a start refused for memory is
+    // a warning; the daemon's info lines are not.
+    write_public(
+        &w.path().join("etc/profiles/huge.yaml"),
+        &format!(
+            "engine: llama-server\ncommand: {}\nmodel: {}\ncontext: 1024\n\
+             planned_memory: 500GiB\n",
+            w.path().join("bin/llama-server").display(),
+            w.path().join("models/tiny.gguf").display()
+        ),
+    );
+    let o = ns.sh("dsv4ctl stop && systemctl reload dsv4.service");
+    assert!(o.status.success(), "{}", String::from_utf8_lossy(&o.stderr));
+    ns.wait("the reloaded profiles", || {
+        ns.out("dsv4ctl profiles").contains("huge")
+    });
+    let o = ns.sh("dsv4ctl profile huge");
+    assert!(o.status.success(), "{}", String::from_utf8_lossy(&o.stderr));
+    let (code, body) = curl(&ns, chat);
+    assert_eq!(code, 503, "{body}");
+    ns.wait("the refusal at warning priority", || {
+        ns.out("journalctl --no-pager -o cat -p warning -u dsv4")
+            .contains("not enough memory to start profile huge")
+    });
+    let warnings = ns.out("journalctl --no-pager -o cat -p warning -u dsv4");
+    assert!(
+        !warnings.contains("listening on socket-activated fd"),
+        "{warnings}"
+    );
+    let all = ns.out("journalctl --no-pager -o cat -u dsv4");
+    assert!(all.contains("listening on socket-activated fd"), "{all}");
 }
 
 /// The engine and the model in a folder of another user (0700, as Debian makes homes), as a

@@ -479,7 +479,8 @@ async fn a_bad_config_is_fatal_with_the_file_line_and_field() {
         .write(dir.path(), &dir.path().join("fake.log"));
     let text = std::fs::read_to_string(&config).unwrap();
     let out = run_dsv4d(["--config", config.to_str().unwrap(), "--bus", "none"]);
-    assert_eq!(out.status.code(), Some(1));
+    // EX_CONFIG, which the unit's RestartPreventExitStatus=78 does not restart.
+    assert_eq!(out.status.code(), Some(78));
     let err = String::from_utf8_lossy(&out.stderr);
     let line = text
         .lines()
@@ -663,4 +664,29 @@ async fn an_engine_the_oom_killer_ends_is_said_to_be_out_of_memory() {
         ),
         "{error}"
     );
+}
+
+/// On a terminal (a pseudo-terminal from script(1)) the log is coloured, unless `NO_COLOR`
+/// is set to anything but the empty string (no-color.org).
+#[test]
+fn the_log_is_coloured_on_a_terminal_unless_no_color_is_set() {
+    let dir = temp_dir("no-color");
+    let missing = dir.path().join("missing.yaml");
+    let run = |no_color: &str| {
+        let out = std::process::Command::new("script")
+            .args(["-qec"])
+            .arg(format!(
+                "NO_COLOR='{no_color}' {DSV4D} --config {} --bus none",
+                missing.display()
+            ))
+            .arg("/dev/null")
+            .stdin(std::process::Stdio::null())
+            .output_within(HANG);
+        String::from_utf8_lossy(&out.stdout).into_owned()
+    };
+    let coloured = run("");
+    assert!(coloured.contains("\x1b[31mERROR"), "{coloured:?}");
+    let plain = run("1");
+    assert!(plain.contains("ERROR"), "{plain:?}");
+    assert!(!plain.contains('\x1b'), "{plain:?}");
 }

@@ -135,14 +135,36 @@ fn main() -> std::process::ExitCode {
         Ok(rt) => rt,
         Err(e) => return fail(anyhow::Error::new(e).context("starting the async runtime")),
     };
+    let socket_activated = !activated.is_empty();
     let result = runtime.block_on(run(args, activated));
     // A blocking read that never returns (a stalled sysfs file) must not hold the exit.
     runtime.shutdown_timeout(std::time::Duration::from_secs(2));
     match result {
         Ok(()) => std::process::ExitCode::SUCCESS,
+        // EX_CONFIG (sysexits.h): the unit's RestartPreventExitStatus=78 keeps systemd from
+        // starting it again and again on a configuration that cannot work until it is edited.
+        Err(e) if e.is::<ConfigInvalid>() && !socket_activated => {
+            fail(e);
+            std::process::ExitCode::from(EX_CONFIG)
+        }
         Err(e) => fail(e),
     }
 }
+
+/// The exit code for a configuration that cannot be used (sysexits.h's EX_CONFIG).
+const EX_CONFIG: u8 = 78;
+
+/// The configuration's problems, as the loader lists them.
+#[derive(Debug)]
+struct ConfigInvalid(String);
+
+impl std::fmt::Display for ConfigInvalid {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str(&self.0)
+    }
+}
+
+impl std::error::Error for ConfigInvalid {}
 
 fn check_config(path: &std::path::Path) -> std::process::ExitCode {
     match Config::load(path) {
@@ -151,7 +173,15 @@ fn check_config(path: &std::path::Path) -> std::process::ExitCode {
             std::process::ExitCode::SUCCESS
         }
         Err(problems) => {
-            println!("{problems}");
+            // Run by the unit's ExecReload=, its output is the journal's: at error priority.
+            let prefix = if dsv4::control::log_format::stdout_is_journal() {
+                "<3>"
+            } else {
+                ""
+            };
+            for line in problems.to_string().lines() {
+                println!("{prefix}{line}");
+            }
             std::process::ExitCode::FAILURE
         }
     }
@@ -229,15 +259,24 @@ fn init_logging() -> tracing_appender::non_blocking::WorkerGuard {
             LOG_WRITE_BUFFER,
             std::io::stderr(),
         ));
+    // Colours only on a terminal, and not when NO_COLOR is set (no-color.org); under
+    // journald, each line carries its priority instead of a time.
+    let no_color = std::env::var_os("NO_COLOR").is_some_and(|v| !v.is_empty());
+    let journal = dsv4::control::log_format::stderr_is_journal();
+    let format = if journal {
+        dsv4::control::log_format::LogFormat::journal()
+    } else {
+        dsv4::control::log_format::LogFormat::new()
+    };
     tracing_subscriber::fmt()
         .with_env_filter(filter)
         .with_writer(writer)
-        .with_ansi(std::io::stderr().is_terminal())
+        .with_ansi(std::io::stderr().is_terminal() && !no_color && !journal)
         // Reporting a failed log write is itself a write to stderr, and one that panics when
         // stderr is gone (a closed pipe): a daemon must outlive its log reader. (Kept by the
         // layer when the format changes next.)
         .log_internal_errors(false)
-        .event_format(dsv4::control::log_format::LogFormat::new())
+        .event_format(format)
         .init();
     guard
 }
@@ -295,7 +334,7 @@ struct Stopping {
 /// Reads the configuration, takes the API socket, ends what a previous dsv4d left running,
 /// and starts the lifecycle actor, the monitor, the policies and the control interface.
 async fn build(args: Args, activated: Vec<(std::os::fd::OwnedFd, String)>) -> Result<Daemon> {
-    let config = Config::load(&args.config).map_err(|e| anyhow::anyhow!("{e}"))?;
+    let config = Config::load(&args.config).map_err(|e| ConfigInvalid(e.to_string()))?;
     let config = Arc::new(config);
     let sysroot = SysRoot::new(&args.sysroot)?;
     if sysroot != SysRoot::default() {

@@ -251,7 +251,15 @@ impl Check<'_> {
         s.profiles_dir = base.join(&s.profiles_dir);
         self.when(s.default_profile.is_empty(), "default_profile", EMPTY);
         self.add("state_dir", text_problem(&s.state_dir.to_string_lossy()));
-        s.state_dir = base.join(&s.state_dir);
+        // Not written: the state folder systemd made for the unit (`StateDirectory=`, first of
+        // `$STATE_DIRECTORY`'s), so a user unit needs no state_dir of its own.
+        let from_systemd = std::env::var_os("STATE_DIRECTORY")
+            .and_then(|dirs| std::env::split_paths(&dirs).next())
+            .filter(|d| d.is_absolute());
+        match from_systemd {
+            Some(dir) if !self.doc.written("state_dir") => s.state_dir = dir,
+            _ => s.state_dir = base.join(&s.state_dir),
+        }
         let never = s.api.stream_keepalive.is_some_and(|d| d.is_zero());
         let message = "must be greater than 0 (null = no keep-alive)";
         self.when(never, "api.stream_keepalive", message);

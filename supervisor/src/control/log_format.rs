@@ -24,6 +24,12 @@ use tracing_subscriber::registry::LookupSpan;
 /// tracing-subscriber's full format, with the engine's lines written directly.
 pub struct LogFormat {
     default: Format,
+    /// The same without the time, for the journal.
+    untimed: Format<tracing_subscriber::fmt::format::Full, ()>,
+    /// Writing to the journal: each line starts with its level's syslog priority (`<3>` to
+    /// `<7>`, sd-daemon(3)), which journald takes for the entry's priority, and carries no
+    /// time (the journal stamps each entry).
+    journal: bool,
 }
 
 impl LogFormat {
@@ -31,8 +37,54 @@ impl LogFormat {
     pub fn new() -> Self {
         LogFormat {
             default: Format::default().with_target(false),
+            untimed: Format::default().with_target(false).without_time(),
+            journal: false,
         }
     }
+
+    /// For stderr connected to journald: priorities, no time.
+    pub fn journal() -> Self {
+        LogFormat {
+            journal: true,
+            ..LogFormat::new()
+        }
+    }
+}
+
+/// The syslog priority of a level, as sd-daemon(3)'s prefixes write it.
+pub fn priority(level: &tracing::Level) -> &'static str {
+    match *level {
+        tracing::Level::ERROR => "<3>",
+        tracing::Level::WARN => "<4>",
+        tracing::Level::INFO => "<6>",
+        _ => "<7>",
+    }
+}
+
+/// Whether stderr is the journal's stream: `$JOURNAL_STREAM` (`DEVICE:INODE`, set by
+/// systemd) names the file stderr is, per systemd.exec(5).
+pub fn stderr_is_journal() -> bool {
+    use std::os::fd::AsFd;
+    is_journal(std::io::stderr().as_fd())
+}
+
+/// Whether stdout is the journal's stream (see [`stderr_is_journal`]).
+pub fn stdout_is_journal() -> bool {
+    use std::os::fd::AsFd;
+    is_journal(std::io::stdout().as_fd())
+}
+
+fn is_journal(fd: std::os::fd::BorrowedFd<'_>) -> bool {
+    let Some(stream) = std::env::var_os("JOURNAL_STREAM") else {
+        return false;
+    };
+    let Some((dev, ino)) = stream.to_str().and_then(|s| s.split_once(':')) else {
+        return false;
+    };
+    let Ok(st) = nix::sys::stat::fstat(fd) else {
+        return false;
+    };
+    dev.parse::<u64>().ok() == Some(st.st_dev) && ino.parse::<u64>().ok() == Some(st.st_ino)
 }
 
 impl Default for LogFormat {
@@ -53,17 +105,26 @@ where
         event: &Event<'_>,
     ) -> fmt::Result {
         let meta = event.metadata();
+        if self.journal {
+            writer.write_str(priority(meta.level()))?;
+        }
         // With colours (a terminal), tracing-subscriber's own: it colours the level.
         if meta.target() != dsv4_engine::LOG_TARGET
             || writer.has_ansi_escapes()
             || ctx.lookup_current().is_some()
         {
+            if self.journal {
+                return self.untimed.format_event(ctx, writer, event);
+            }
             return self.default.format_event(ctx, writer, event);
         }
-        if SystemTime.format_time(&mut writer).is_err() {
-            writer.write_str("<unknown time>")?;
+        if !self.journal {
+            if SystemTime.format_time(&mut writer).is_err() {
+                writer.write_str("<unknown time>")?;
+            }
+            writer.write_char(' ')?;
         }
-        write!(writer, " {:>5} ", meta.level().as_str())?;
+        write!(writer, "{:>5} ", meta.level().as_str())?;
         let mut fields = Fields {
             writer: &mut writer,
             text: String::new(),
@@ -236,6 +297,29 @@ mod tests {
         assert_eq!(ours, theirs);
         assert!(ours.iter().any(|l| l.contains("\\x1b[31mred")), "{ours:?}");
         assert!(ours.iter().any(|l| l.contains("\\u{9b}31m")), "{ours:?}");
+    }
+
+    #[test]
+    fn for_the_journal_each_line_starts_with_its_priority_and_has_no_time() {
+        let out = Buffer::default();
+        let w = out.clone();
+        let sub = tracing_subscriber::fmt()
+            .with_writer(move || w.clone())
+            .with_ansi(false)
+            .event_format(LogFormat::journal())
+            .finish();
+        tracing::subscriber::with_default(sub, || {
+            tracing::error!("the engine exited");
+            tracing::warn!("not enough memory");
+            tracing::info!(target: "engine", "an engine line");
+            tracing::debug!("a detail");
+        });
+        let text = String::from_utf8(out.0.lock().unwrap().clone()).unwrap();
+        assert_eq!(
+            text,
+            "<3>ERROR the engine exited\n<4> WARN not enough memory\n\
+             <6> INFO an engine line\n"
+        );
     }
 
     #[test]
