@@ -556,8 +556,11 @@ fn the_doctor_names_a_model_in_a_closed_home_and_its_fix_lets_the_engine_start()
     assert!(text.contains("sudo dsv4ctl doctor --fix"), "{text}");
     // The engine cannot start meanwhile.
     let chat = r#"-H 'content-type: application/json' -d '{"messages":[{"role":"user","content":"hi"}],"max_tokens":8}' http://127.0.0.1:8080/v1/chat/completions"#;
-    let (code, _) = curl(&ns, &format!("--max-time 10 {chat}"));
-    assert_ne!(code, 200);
+    let (code, body) = curl(&ns, &format!("--max-time 10 {chat}"));
+    // ...and the client is told why.
+    assert_eq!(code, 503, "{body}");
+    assert!(body.contains("config_invalid"), "{body}");
+    assert!(body.contains("Permission denied"), "{body}");
 
     // The fix: the drop-in, systemd reloaded, the checks again: nothing fails now.
     let (code, text, err) = doctor(&format!("--fix --unit-dir {}", units.display()));

@@ -2,6 +2,7 @@
 //! API socket handed over the way systemd socket activation does.
 
 use std::os::unix::fs::PermissionsExt;
+use std::process::{Command, Stdio};
 use std::time::{Duration, Instant};
 
 use crate::support::*;
@@ -689,4 +690,99 @@ fn the_log_is_coloured_on_a_terminal_unless_no_color_is_set() {
     let plain = run("1");
     assert!(plain.contains("ERROR"), "{plain:?}");
     assert!(!plain.contains('\x1b'), "{plain:?}");
+}
+
+/// Socket-activated with a configuration it cannot use, dsv4d answers every request, the one
+/// that activated it first, with 503 `config_invalid` naming each problem and its place (in
+/// the shape of the request's protocol), `/health` too; and once the file is fixed it starts
+/// afresh on the same socket, same pid, and serves.
+#[test]
+fn socket_activated_with_a_bad_config_every_request_is_told_why_until_it_is_fixed() {
+    use std::os::fd::AsRawFd;
+    let dir = temp_dir("unusable");
+    let config = Setup::default()
+        .top_level("idle_timeout", "5m")
+        .write(dir.path(), &dir.path().join("fake.log"));
+    let good = std::fs::read_to_string(&config).unwrap();
+    let listener = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
+    let addr = listener.local_addr().unwrap();
+    // A client already waits, as the one whose connection made systemd start the service.
+    let first = std::thread::spawn(move || curl_json(addr, "/v1/chat/completions"));
+    let mut cmd = Command::new("/bin/sh");
+    cmd.arg("-c")
+        .arg("LISTEN_PID=$$ LISTEN_FDS=1 LISTEN_FDNAMES=api exec \"$0\" \"$@\"")
+        .arg(DSV4D)
+        .args(["--bus", "none", "--config"])
+        .arg(&config)
+        .env("DSV4_LOG", "info")
+        .stdin(Stdio::null())
+        .stdout(Stdio::null())
+        .stderr(Stdio::null());
+    hand_over_listener(&mut cmd, listener.as_raw_fd());
+    let mut child = cmd.spawn().unwrap();
+    drop(listener);
+    let pid = child.id();
+    let (code, v) = first.join().unwrap();
+    assert_eq!(code, 503, "{v}");
+    assert_eq!(v["error"]["code"], "config_invalid", "{v}");
+    let message = v["error"]["message"].as_str().unwrap();
+    assert!(
+        message.contains("supervisor.yaml:") && message.contains("unknown key `idle_timeout`"),
+        "{message}"
+    );
+    // Many in a row, each answered; Anthropic's path in Anthropic's shape; /health alike.
+    for _ in 0..20 {
+        assert_eq!(curl_json(addr, "/v1/chat/completions").0, 503);
+    }
+    let (code, v) = curl_json(addr, "/v1/messages");
+    assert_eq!(code, 503);
+    assert_eq!(v["type"], "error", "{v}");
+    let (code, v) = curl_json(addr, "/health");
+    assert_eq!(code, 503);
+    assert_eq!(v["error"]["code"], "config_invalid", "{v}");
+
+    // Fixed: the same process, started afresh on its socket, serves.
+    let fixed: String = good
+        .lines()
+        .filter(|l| !l.starts_with("idle_timeout:"))
+        .map(|l| format!("{l}\n"))
+        .collect();
+    std::fs::write(&config, fixed).unwrap();
+    let t = Instant::now();
+    loop {
+        let (code, v) = curl_json(addr, "/v1/chat/completions");
+        if code == 200 {
+            break;
+        }
+        assert_eq!(code, 503, "{v}");
+        assert!(t.elapsed() < PATIENCE, "never served after the fix: {v}");
+        std::thread::sleep(Duration::from_millis(100));
+    }
+    assert!(child.try_wait().unwrap().is_none(), "dsv4d exited");
+    assert!(alive(i64::from(pid)));
+    nix::sys::signal::kill(
+        nix::unistd::Pid::from_raw(pid as i32),
+        nix::sys::signal::Signal::SIGTERM,
+    )
+    .unwrap();
+    let st = child.wait().unwrap();
+    assert_eq!(st.code(), Some(0));
+}
+
+/// POST a chat to `path` with curl: the status and the JSON body.
+fn curl_json(addr: std::net::SocketAddr, path: &str) -> (u16, serde_json::Value) {
+    let out = Command::new("curl")
+        .args(["-sS", "--max-time", "20", "-w", "\n%{http_code}", "-H"])
+        .arg("content-type: application/json")
+        .arg("-d")
+        .arg(chat(2, false).to_string())
+        .arg(format!("http://{addr}{path}"))
+        .output_within(HANG);
+    let text = String::from_utf8_lossy(&out.stdout).into_owned();
+    let (body, code) = text.rsplit_once('\n').unwrap_or(("", &text));
+    let code = code.trim().parse().unwrap_or(0);
+    (
+        code,
+        serde_json::from_str(body).unwrap_or(serde_json::Value::Null),
+    )
 }

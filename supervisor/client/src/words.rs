@@ -219,6 +219,7 @@ words! {
         InsufficientMemory = "insufficient_memory",
         TooHot = "too_hot",
         ShuttingDown = "shutting_down",
+        ConfigInvalid = "config_invalid",
         EngineFailed = "engine_failed",
         // The dashboard's actions.
         NotFound = "not_found",

@@ -114,7 +114,7 @@ fn main() -> std::process::ExitCode {
     // SAFETY: no other thread exists yet (the runtime and the log writer start below), and
     // this is the only call.
     let activated = unsafe { listener::take_activation_fds() };
-    let _log = init_logging();
+    let log = init_logging();
     // Everything dsv4d and its engine write (state, KV checkpoints, the engine's secret) is
     // its user's alone, whatever umask it was started with (the unit sets the same).
     nix::sys::stat::umask(nix::sys::stat::Mode::from_bits_truncate(0o077));
@@ -140,7 +140,13 @@ fn main() -> std::process::ExitCode {
     // A blocking read that never returns (a stalled sysfs file) must not hold the exit.
     runtime.shutdown_timeout(std::time::Duration::from_secs(2));
     match result {
-        Ok(()) => std::process::ExitCode::SUCCESS,
+        Ok(Ended::Done) => std::process::ExitCode::SUCCESS,
+        Ok(Ended::StartAfresh(fd)) => {
+            // Every line written before the program is replaced.
+            drop(log);
+            let e = dsv4::control::unusable::exec_again(fd);
+            fail(anyhow::Error::new(e).context("starting dsv4d afresh on its socket"))
+        }
         // EX_CONFIG (sysexits.h): the unit's RestartPreventExitStatus=78 keeps systemd from
         // starting it again and again on a configuration that cannot work until it is edited.
         Err(e) if e.is::<ConfigInvalid>() && !socket_activated => {
@@ -303,11 +309,40 @@ fn active_profile(config: &Config) -> String {
 }
 
 /// The daemon: built, then serving until a signal or its idle exit, then stopping.
-async fn run(args: Args, activated: Vec<(std::os::fd::OwnedFd, String)>) -> Result<()> {
+/// How a run ended.
+enum Ended {
+    Done,
+    /// The configuration was unusable at start and loads now: execute dsv4d again on this
+    /// socket (the activated API socket, kept open).
+    StartAfresh(std::os::fd::RawFd),
+}
+
+async fn run(args: Args, activated: Vec<(std::os::fd::OwnedFd, String)>) -> Result<Ended> {
+    // Socket-activated, a client already waits: it and every next one get the reason, not an
+    // empty reply (see control::unusable).
+    if !activated.is_empty() {
+        if let Err(problems) = Config::load(&args.config) {
+            let problems = problems.to_string();
+            tracing::error!(
+                "the configuration cannot be used; every request gets 503 config_invalid \
+                 until it is fixed: {problems}"
+            );
+            let (std_listener, _) = listener::api_listener(activated, "")?;
+            let listener = tokio::net::TcpListener::from_std(std_listener)
+                .context("serving the activated socket")?;
+            dsv4::control::unusable::serve(&listener, &args.config, problems).await;
+            let fd = std::os::fd::IntoRawFd::into_raw_fd(
+                listener
+                    .into_std()
+                    .context("keeping the activated socket")?,
+            );
+            return Ok(Ended::StartAfresh(fd));
+        }
+    }
     let daemon = build(args, activated).await?;
     let stopping = daemon.serve().await?;
     stopping.shutdown().await;
-    Ok(())
+    Ok(Ended::Done)
 }
 
 /// A daemon built and not yet serving: its listener, and its parts running.

@@ -8,8 +8,6 @@
 use std::path::{Path, PathBuf};
 use std::time::Duration;
 
-use dsv4_engine::EngineKind;
-
 use crate::config::Profile;
 use crate::host::gguf;
 
@@ -197,7 +195,7 @@ async fn flag_check(profile: &Profile, command: &Path) -> Check {
 pub fn model_checks(profile: &Profile) -> Vec<Check> {
     let name = &profile.name;
     let Some(model) = &profile.params.model else {
-        let check = if profile.engine == EngineKind::OpenAi {
+        let check = if !profile.engine.describe().requires_model {
             Check::ok("engine.model", "the engine names its model itself")
         } else {
             Check::skip("engine.model", "the profile names no model")

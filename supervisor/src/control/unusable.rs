@@ -1,0 +1,177 @@
+//! A socket-activated dsv4d whose configuration cannot be used: every request is answered,
+//! and the daemon starts for real once the files are fixed.
+//!
+//! systemd hands dsv4d the API socket with the request that activated it waiting on it.
+//! Exiting would leave that client, and the next ones, with an empty reply or a hang while
+//! systemd restarts the service again and again. Instead each request gets 503
+//! `config_invalid` with every problem and its place, in the error shape of its path's
+//! protocol, and `/health` says the same. The files are read again every second; once they
+//! load, the caller executes dsv4d afresh on the same socket (`LISTEN_FDS`), so no
+//! connection waiting in its backlog is lost. Owns: that waiting state. Must not: start an
+//! engine, or read anything but the configuration.
+
+use std::convert::Infallible;
+use std::path::Path;
+use std::time::Duration;
+
+use bytes::Bytes;
+use http::StatusCode;
+use http_body_util::Full;
+use hyper::body::Incoming;
+use hyper::{Request, Response};
+
+use crate::config::Config;
+use crate::http::http_error::{ApiError, ErrorCode, ErrorType};
+use crate::http::protocol::Protocol;
+
+/// How often the files are read again.
+const LOOK_AGAIN: Duration = Duration::from_secs(1);
+/// What a client is told to wait before it asks again.
+const RETRY_AFTER: Duration = Duration::from_secs(5);
+
+/// The answer to every request while `problems` stand.
+pub fn answer(path: &str, problems: &str) -> Response<Full<Bytes>> {
+    let message = format!(
+        "dsv4d's configuration cannot be used, so no engine starts until it is fixed (the files \
+         are read again every second): {}",
+        problems.lines().collect::<Vec<_>>().join("; ")
+    );
+    let mut r = ApiError::new(
+        StatusCode::SERVICE_UNAVAILABLE,
+        ErrorType::Unavailable,
+        ErrorCode::ConfigInvalid,
+        message,
+    )
+    .retry_after(RETRY_AFTER)
+    .into_response_in(Protocol::of(path));
+    r.headers_mut().insert(
+        http::header::CONNECTION,
+        http::HeaderValue::from_static("close"),
+    );
+    r
+}
+
+/// Answers every request on `listener` until the configuration at `config` loads; returns
+/// then, for the caller to start dsv4d afresh. `problems` are the first load's.
+pub async fn serve(listener: &tokio::net::TcpListener, config: &Path, problems: String) {
+    let _ = sd_notify::notify(&[
+        sd_notify::NotifyState::Ready,
+        sd_notify::NotifyState::Status("configuration invalid: every request gets 503"),
+    ]);
+    let problems = std::sync::Arc::new(std::sync::Mutex::new(problems));
+    let mut watchdog = tokio::time::interval(watchdog_every());
+    let mut look = tokio::time::interval(LOOK_AGAIN);
+    look.tick().await;
+    loop {
+        tokio::select! {
+            accepted = listener.accept() => {
+                let Ok((stream, _)) = accepted else { continue };
+                let problems = problems.clone();
+                tokio::spawn(async move {
+                    let service = hyper::service::service_fn(move |req: Request<Incoming>| {
+                        let text = problems.lock().map(|p| p.clone()).unwrap_or_default();
+                        async move { Ok::<_, Infallible>(answer(req.uri().path(), &text)) }
+                    });
+                    let io = hyper_util::rt::TokioIo::new(stream);
+                    let _ = hyper::server::conn::http1::Builder::new()
+                        .keep_alive(false)
+                        .serve_connection(io, service)
+                        .await;
+                });
+            }
+            _ = look.tick() => {
+                let path = config.to_path_buf();
+                let loaded = tokio::task::spawn_blocking(move || Config::load(&path)).await;
+                match loaded {
+                    Ok(Ok(_)) => {
+                        tracing::info!("the configuration loads now: starting afresh");
+                        return;
+                    }
+                    Ok(Err(e)) => {
+                        let text = e.to_string();
+                        if let Ok(mut p) = problems.lock() {
+                            if *p != text {
+                                tracing::error!("the configuration still cannot be used: {text}");
+                                *p = text;
+                            }
+                        }
+                    }
+                    Err(_) => {}
+                }
+            }
+            _ = watchdog.tick() => {
+                let _ = sd_notify::notify(&[sd_notify::NotifyState::Watchdog]);
+            }
+        }
+    }
+}
+
+/// Half the service's watchdog interval, or a minute when it has none.
+fn watchdog_every() -> Duration {
+    sd_notify::watchdog_enabled()
+        .filter(|d| !d.is_zero())
+        .map_or(Duration::from_secs(60), |d| d / 2)
+}
+
+/// Executes this program again with its own arguments, on `fd`, the activated socket, as
+/// systemd passes one (fd 3, `LISTEN_FDS=1`, `LISTEN_FDNAMES=api`, `LISTEN_PID` this
+/// process). Returns only on failure.
+pub fn exec_again(fd: std::os::fd::RawFd) -> std::io::Error {
+    use std::ffi::CString;
+    use std::os::unix::ffi::OsStrExt;
+    const FIRST: std::os::fd::RawFd = 3;
+    // SAFETY: dup2 and fcntl on fds this process owns; the process is about to be replaced.
+    unsafe {
+        if fd != FIRST && libc_dup2(fd, FIRST) < 0 {
+            return std::io::Error::last_os_error();
+        }
+    }
+    if let Err(e) = nix::fcntl::fcntl(
+        unsafe { std::os::fd::BorrowedFd::borrow_raw(FIRST) },
+        nix::fcntl::FcntlArg::F_SETFD(nix::fcntl::FdFlag::empty()),
+    ) {
+        return e.into();
+    }
+    let cstr = |b: &[u8]| CString::new(b).unwrap_or_default();
+    let args: Vec<CString> = std::env::args_os().map(|a| cstr(a.as_bytes())).collect();
+    let mut env: Vec<CString> = std::env::vars_os()
+        .filter(|(k, _)| !k.as_bytes().starts_with(b"LISTEN_"))
+        .map(|(k, v)| {
+            let mut kv = k.as_bytes().to_vec();
+            kv.push(b'=');
+            kv.extend_from_slice(v.as_bytes());
+            cstr(&kv)
+        })
+        .collect();
+    env.push(cstr(
+        format!("LISTEN_PID={}", std::process::id()).as_bytes(),
+    ));
+    env.push(cstr(b"LISTEN_FDS=1"));
+    env.push(cstr(b"LISTEN_FDNAMES=api"));
+    let exe = cstr(b"/proc/self/exe");
+    match nix::unistd::execve(&exe, &args, &env) {
+        Err(e) => e.into(),
+        Ok(never) => match never {},
+    }
+}
+
+/// dup2(2), through nix.
+///
+/// # Safety
+///
+/// `to` is replaced: nothing else of this process may own it.
+unsafe fn libc_dup2(from: std::os::fd::RawFd, to: std::os::fd::RawFd) -> i32 {
+    use std::os::fd::FromRawFd;
+    let from = unsafe { std::os::fd::BorrowedFd::borrow_raw(from) };
+    let mut target = unsafe { std::os::fd::OwnedFd::from_raw_fd(to) };
+    match nix::unistd::dup2(from, &mut target) {
+        Ok(()) => {
+            std::mem::forget(target);
+            0
+        }
+        Err(_) => {
+            std::mem::forget(target);
+            -1
+        }
+    }
+}
