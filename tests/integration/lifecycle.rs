@@ -708,12 +708,14 @@ fn socket_activated_with_a_bad_config_every_request_is_told_why_until_it_is_fixe
     let addr = listener.local_addr().unwrap();
     // A client already waits, as the one whose connection made systemd start the service.
     let first = std::thread::spawn(move || curl_json(addr, "/v1/chat/completions"));
+    let bus = PrivateBus::start();
     let mut cmd = Command::new("/bin/sh");
     cmd.arg("-c")
         .arg("LISTEN_PID=$$ LISTEN_FDS=1 LISTEN_FDNAMES=api exec \"$0\" \"$@\"")
         .arg(DSV4D)
-        .args(["--bus", "none", "--config"])
+        .args(["--bus", "session", "--config"])
         .arg(&config)
+        .env("DBUS_SESSION_BUS_ADDRESS", &bus.address)
         .env("DSV4_LOG", "info")
         .stdin(Stdio::null())
         .stdout(Stdio::null())
@@ -740,6 +742,29 @@ fn socket_activated_with_a_bad_config_every_request_is_told_why_until_it_is_fixe
     let (code, v) = curl_json(addr, "/health");
     assert_eq!(code, 503);
     assert_eq!(v["error"]["code"], "config_invalid", "{v}");
+    // dsv4ctl status says the same.
+    let status = |bus: &PrivateBus| {
+        Command::new(env!("CARGO_BIN_EXE_dsv4ctl-under-test"))
+            .args(["--bus", "session", "status"])
+            .env("DBUS_SESSION_BUS_ADDRESS", &bus.address)
+            .stdin(Stdio::null())
+            .output_within(HANG)
+    };
+    let t = Instant::now();
+    let out = loop {
+        let out = status(&bus);
+        // The name is taken once the first answers are out; wait for it, not for time.
+        if out.status.code() != Some(2) || t.elapsed() > PATIENCE {
+            break out;
+        }
+        std::thread::sleep(Duration::from_millis(50));
+    };
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert_eq!(out.status.code(), Some(1), "{err}");
+    assert!(
+        err.contains("config_invalid") && err.contains("idle_timeout"),
+        "{err}"
+    );
 
     // Fixed: the same process, started afresh on its socket, serves.
     let fixed: String = good
@@ -760,6 +785,14 @@ fn socket_activated_with_a_bad_config_every_request_is_told_why_until_it_is_fixe
     }
     assert!(child.try_wait().unwrap().is_none(), "dsv4d exited");
     assert!(alive(i64::from(pid)));
+    let t = Instant::now();
+    while !status(&bus).status.success() {
+        assert!(
+            t.elapsed() < PATIENCE,
+            "dsv4ctl status never reached the started daemon"
+        );
+        std::thread::sleep(Duration::from_millis(50));
+    }
     nix::sys::signal::kill(
         nix::unistd::Pid::from_raw(pid as i32),
         nix::sys::signal::Signal::SIGTERM,

@@ -330,7 +330,7 @@ async fn run(args: Args, activated: Vec<(std::os::fd::OwnedFd, String)>) -> Resu
             let (std_listener, _) = listener::api_listener(activated, "")?;
             let listener = tokio::net::TcpListener::from_std(std_listener)
                 .context("serving the activated socket")?;
-            dsv4::control::unusable::serve(&listener, &args.config, problems).await;
+            dsv4::control::unusable::serve(&listener, args.bus.0, &args.config, problems).await;
             let fd = std::os::fd::IntoRawFd::into_raw_fd(
                 listener
                     .into_std()

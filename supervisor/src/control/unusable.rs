@@ -7,7 +7,8 @@
 //! `config_invalid` with every problem and its place, in the error shape of its path's
 //! protocol, and `/health` says the same. The files are read again every second; once they
 //! load, the caller executes dsv4d afresh on the same socket (`LISTEN_FDS`), so no
-//! connection waiting in its backlog is lost. Owns: that waiting state. Must not: start an
+//! connection waiting in its backlog is lost. On D-Bus, `Status()` answers with the same
+//! problems. Owns: that waiting state. Must not: start an
 //! engine, or read anything but the configuration.
 
 use std::convert::Infallible;
@@ -51,14 +52,72 @@ pub fn answer(path: &str, problems: &str) -> Response<Full<Bytes>> {
     r
 }
 
-/// Answers every request on `listener` until the configuration at `config` loads; returns
-/// then, for the caller to start dsv4d afresh. `problems` are the first load's.
-pub async fn serve(listener: &tokio::net::TcpListener, config: &Path, problems: String) {
+/// The control interface meanwhile: `Status()` answers with the problems, as an error, so
+/// `dsv4ctl status` says what the API says.
+struct Unusable {
+    problems: std::sync::Arc<std::sync::Mutex<String>>,
+}
+
+#[zbus::interface(name = "io.github.dsv4.Supervisor1")]
+impl Unusable {
+    async fn status(&self) -> zbus::fdo::Result<String> {
+        let text = self.problems.lock().map(|p| p.clone()).unwrap_or_default();
+        Err(zbus::fdo::Error::Failed(format!(
+            "config_invalid: dsv4d's configuration cannot be used, so no engine starts until \
+             it is fixed: {}",
+            text.lines().collect::<Vec<_>>().join("; ")
+        )))
+    }
+}
+
+/// Takes the daemon's name on `bus` and serves [`Unusable`] there; `None` when it cannot
+/// (the reason is logged).
+async fn on_bus(
+    bus: dsv4_client::Bus,
+    problems: std::sync::Arc<std::sync::Mutex<String>>,
+) -> Option<zbus::Connection> {
+    let builder = match bus {
+        dsv4_client::Bus::System => zbus::connection::Builder::system(),
+        dsv4_client::Bus::Session => zbus::connection::Builder::session(),
+    };
+    let built = async {
+        builder?
+            .name(dsv4_client::BUS_NAME)?
+            .serve_at(dsv4_client::OBJECT_PATH, Unusable { problems })?
+            .build()
+            .await
+    };
+    match built.await {
+        Ok(c) => Some(c),
+        Err(e) => {
+            tracing::warn!(
+                "cannot take {} on the {bus} bus: {e}",
+                dsv4_client::BUS_NAME
+            );
+            None
+        }
+    }
+}
+
+/// Answers every request on `listener` (and `Status()` on `bus`) until the configuration at
+/// `config` loads; returns then, for the caller to start dsv4d afresh. `problems` are the
+/// first load's.
+pub async fn serve(
+    listener: &tokio::net::TcpListener,
+    bus: Option<dsv4_client::Bus>,
+    config: &Path,
+    problems: String,
+) {
     let _ = sd_notify::notify(&[
         sd_notify::NotifyState::Ready,
         sd_notify::NotifyState::Status("configuration invalid: every request gets 503"),
     ]);
     let problems = std::sync::Arc::new(std::sync::Mutex::new(problems));
+    // Kept until this function returns; the program that follows takes the name again.
+    let _bus = match bus {
+        Some(b) => on_bus(b, problems.clone()).await,
+        None => None,
+    };
     let mut watchdog = tokio::time::interval(watchdog_every());
     let mut look = tokio::time::interval(LOOK_AGAIN);
     look.tick().await;
