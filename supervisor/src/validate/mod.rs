@@ -392,7 +392,7 @@ impl Validator {
         result.tests.push(prefill?);
         // The vision projector is llama-server's (ds4-server has none).
         if has_mmproj && api == Api::Native {
-            let image = test_image_uri().map_err(|e| format!("cannot make the test image: {e}"))?;
+            let image = test_image_uri();
             for (name, decode) in [("vision_prefill", false), ("vision_decode", true)] {
                 let vision = self
                     .test(name, runs, engine, || async {
