@@ -263,7 +263,7 @@ impl EngineChild {
             .stdout(Stdio::piped())
             .stderr(Stdio::piped())
             .process_group(0);
-        let parent = std::process::id() as libc::pid_t;
+        let parent = nix::unistd::getpid();
         // SAFETY: the closure runs in the forked child before exec and calls only
         // async-signal-safe syscalls (umask, prctl, getppid); it allocates nothing (the error
         // is a raw OS error).
@@ -271,21 +271,12 @@ impl EngineChild {
             cmd.pre_exec(move || {
                 // What the engine writes (llama-server's slot files: a conversation's KV
                 // cache) is private, whatever umask dsv4d was started with.
-                libc::umask(0o077);
-                if libc::prctl(
-                    libc::PR_SET_PDEATHSIG,
-                    libc::SIGKILL as libc::c_ulong,
-                    0,
-                    0,
-                    0,
-                ) != 0
-                {
-                    return Err(io::Error::last_os_error());
-                }
+                nix::sys::stat::umask(nix::sys::stat::Mode::from_bits_truncate(0o077));
+                nix::sys::prctl::set_pdeathsig(nix::sys::signal::Signal::SIGKILL)?;
                 // The parent may have died between fork and prctl: then nobody will ever
                 // send the death signal, so give up now.
-                if libc::getppid() != parent {
-                    return Err(io::Error::from_raw_os_error(libc::ESRCH));
+                if nix::unistd::getppid() != parent {
+                    return Err(nix::errno::Errno::ESRCH.into());
                 }
                 Ok(())
             });
