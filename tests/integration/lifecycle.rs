@@ -819,3 +819,32 @@ fn curl_json(addr: std::net::SocketAddr, path: &str) -> (u16, serde_json::Value)
         serde_json::from_str(body).unwrap_or(serde_json::Value::Null),
     )
 }
+
+/// `DSV4_LOG` is read as a level and `target=level` directives: `off` silences the log (the
+/// one-line `dsv4d:` error stays), `debug` lets debug lines through, and a filter that cannot
+/// be read is said, with info used.
+#[test]
+fn dsv4_log_is_a_level_and_target_directives() {
+    let run = |filter: &str| {
+        let out = Command::new(DSV4D)
+            .args(["--config", "/nonexistent/dsv4.yaml", "--bus", "none"])
+            .env("DSV4_LOG", filter)
+            .stdin(Stdio::null())
+            .output_within(HANG);
+        String::from_utf8_lossy(&out.stderr).into_owned()
+    };
+    let off = run("off");
+    assert!(!off.contains(" ERROR "), "{off}");
+    assert!(off.contains("dsv4d: "), "{off}");
+    let targeted = run("warn,dsv4::http=info");
+    assert!(targeted.contains(" INFO open-file limit"), "{targeted}");
+    let warn = run("warn");
+    assert!(!warn.contains(" INFO "), "{warn}");
+    assert!(warn.contains(" ERROR "), "{warn}");
+    let bad = run("bad===");
+    assert!(
+        bad.contains("DSV4_LOG=\"bad===\" is not a log filter"),
+        "{bad}"
+    );
+    assert!(bad.contains(" INFO "), "{bad}");
+}

@@ -238,19 +238,23 @@ fn fail(e: anyhow::Error) -> std::process::ExitCode {
 /// returned guard flushes what is left when `main` ends.
 fn init_logging() -> tracing_appender::non_blocking::WorkerGuard {
     use std::io::IsTerminal;
-    use tracing_subscriber::EnvFilter;
+    use tracing_subscriber::filter::{LevelFilter, Targets};
+    // `DSV4_LOG`: a level, and `target=level` directives (`debug,dsv4::http=trace`), read
+    // by tracing-subscriber's `Targets`, which needs no regex engine.
     let spec = std::env::var("DSV4_LOG").unwrap_or_default();
+    let info = || Targets::new().with_default(LevelFilter::INFO);
     let mut filter = match spec.trim() {
-        "" => EnvFilter::new("info"),
-        given => EnvFilter::try_new(given).unwrap_or_else(|_| EnvFilter::new("info")),
+        "" => info(),
+        given => given.parse::<Targets>().unwrap_or_else(|e| {
+            eprintln!("dsv4d: DSV4_LOG={given:?} is not a log filter ({e}); logging at info");
+            info()
+        }),
     };
     // The file watcher traces every event in the watched folders, the writes of a log file
     // kept there among them: at `trace` each line it logged made another event, a loop that
     // took half a core. It stays at info unless DSV4_LOG names it.
     if !spec.contains("notify") {
-        if let Ok(quiet) = "notify=info".parse() {
-            filter = filter.add_directive(quiet);
-        }
+        filter = filter.with_target("notify", LevelFilter::INFO);
     }
     // The queue's slots are allocated, and touched, up front: the default 128,000 lines took
     // 4 MiB, 40% of the idle daemon's memory (measured). A burst longer than this waits for
@@ -274,16 +278,17 @@ fn init_logging() -> tracing_appender::non_blocking::WorkerGuard {
     } else {
         dsv4::control::log_format::LogFormat::new()
     };
-    tracing_subscriber::fmt()
-        .with_env_filter(filter)
+    use tracing_subscriber::layer::SubscriberExt as _;
+    use tracing_subscriber::util::SubscriberInitExt as _;
+    let fmt = tracing_subscriber::fmt::layer()
         .with_writer(writer)
         .with_ansi(std::io::stderr().is_terminal() && !no_color && !journal)
         // Reporting a failed log write is itself a write to stderr, and one that panics when
         // stderr is gone (a closed pipe): a daemon must outlive its log reader. (Kept by the
         // layer when the format changes next.)
         .log_internal_errors(false)
-        .event_format(format)
-        .init();
+        .event_format(format);
+    tracing_subscriber::registry().with(fmt).with(filter).init();
     guard
 }
 
