@@ -148,6 +148,23 @@ fn list(items: &[String], max: usize) -> String {
     }
 }
 
+/// The search path a bare program name of a profile is looked up in: the profile's
+/// `env.PATH` when it sets one (the engine is spawned with it), else the daemon's `PATH`.
+pub fn program_search_path(env_path: Option<&str>) -> OsString {
+    match env_path {
+        Some(p) => OsString::from(p),
+        None => env::var_os("PATH").unwrap_or_default(),
+    }
+}
+
+/// The first executable file `dir/name` for the folders of `search` (a `PATH` value).
+pub fn find_in_path(name: &str, search: &std::ffi::OsStr) -> Option<PathBuf> {
+    env::split_paths(search)
+        .filter(|dir| !dir.as_os_str().is_empty())
+        .map(|dir| dir.join(name))
+        .find(|p| fs::metadata(p).is_ok_and(|m| m.is_file() && m.permissions().mode() & 0o111 != 0))
+}
+
 /// The engine program: a path (`written` contains a `/`, resolved to `resolved`) must be an
 /// executable file; a bare name must be found in `PATH`, the profile's `env.PATH` when it sets
 /// one (the engine is spawned with it), else the daemon's. `dir` is the profiles folder, for
@@ -161,19 +178,19 @@ pub(crate) fn check_command(
 ) -> Option<String> {
     let executable = |m: &Metadata| m.permissions().mode() & 0o111 != 0;
     if !written.contains('/') {
-        let (search, from) = match env_path {
-            Some(p) => (OsString::from(p), ", from env.PATH"),
-            None => (env::var_os("PATH").unwrap_or_default(), ""),
+        let from = if env_path.is_some() {
+            ", from env.PATH"
+        } else {
+            ""
         };
+        let search = program_search_path(env_path);
         let search = search.to_string_lossy();
         if search.is_empty() {
             return Some(format!(
                 "{written} is not a path and PATH is empty or not set: write the full path"
             ));
         }
-        let found = search.split(':').filter(|dir| !dir.is_empty()).any(|dir| {
-            fs::metadata(Path::new(dir).join(written)).is_ok_and(|m| m.is_file() && executable(&m))
-        });
+        let found = find_in_path(written, search.as_ref().as_ref()).is_some();
         let mut message = format!("{written} not found in PATH ({search}{from})");
         let local = dir.join(written);
         if local.exists() {

@@ -11,7 +11,7 @@
 
 mod error;
 mod files;
-pub use files::{model_files, same_file, shared_key_file};
+pub use files::{find_in_path, model_files, program_search_path, same_file, shared_key_file};
 mod load;
 pub mod names;
 pub mod profiles;

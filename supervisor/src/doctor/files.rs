@@ -38,16 +38,19 @@ struct Needed {
     profile_file: PathBuf,
 }
 
-/// A bare program name, looked up in `PATH` as the engine's spawn does.
-pub fn resolve_command(command: &Path) -> PathBuf {
-    if command.components().count() > 1 || command.is_absolute() {
-        return command.to_path_buf();
-    }
-    let path = std::env::var_os("PATH").unwrap_or_default();
-    std::env::split_paths(&path)
-        .map(|dir| dir.join(command))
-        .find(|p| p.is_file())
-        .unwrap_or_else(|| command.to_path_buf())
+/// The program a profile runs: its `command`, or a bare name looked up as the engine's
+/// spawn looks it up (the profile's `env.PATH`, else `PATH`), by the configuration's own
+/// lookup.
+pub fn resolve_command(profile: &Profile) -> PathBuf {
+    let command = &profile.command;
+    let bare = command.components().count() == 1 && !command.is_absolute();
+    let name = command.to_str().filter(|_| bare);
+    name.and_then(|name| {
+        let search =
+            crate::config::program_search_path(profile.env.get("PATH").map(String::as_str));
+        crate::config::find_in_path(name, &search)
+    })
+    .unwrap_or_else(|| command.clone())
 }
 
 fn needed(profile: &Profile) -> Vec<Needed> {
@@ -61,7 +64,7 @@ fn needed(profile: &Profile) -> Vec<Needed> {
     };
     let mut out = vec![item(
         "files.command",
-        resolve_command(&profile.command),
+        resolve_command(profile),
         EXEC,
         "command",
     )];
