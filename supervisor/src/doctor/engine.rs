@@ -11,7 +11,7 @@ use std::time::Duration;
 use crate::config::Profile;
 use crate::host::gguf;
 
-use super::{flags, Check};
+use super::{flags, Check, RunError};
 
 /// How long `--version` or `--help` may take.
 const RUN_LIMIT: Duration = Duration::from_secs(20);
@@ -26,28 +26,21 @@ struct Ran {
 
 async fn run(profile: &Profile, command: &Path, arg: &str) -> Result<Ran, String> {
     let mut cmd = tokio::process::Command::new(command);
-    cmd.arg(arg)
-        .envs(&profile.env)
-        .stdin(std::process::Stdio::null())
-        .stdout(std::process::Stdio::piped())
-        .stderr(std::process::Stdio::piped())
-        .kill_on_drop(true);
-    let child = cmd
-        .spawn()
-        .map_err(|e| format!("cannot run {} {arg}: {e}", command.display()))?;
-    match tokio::time::timeout(RUN_LIMIT, child.wait_with_output()).await {
-        Err(_) => Err(format!(
+    cmd.arg(arg).envs(&profile.env);
+    match super::run_bounded(cmd, RUN_LIMIT).await {
+        Err(RunError::Spawn(e)) => Err(format!("cannot run {} {arg}: {e}", command.display())),
+        Err(RunError::Timeout) => Err(format!(
             "{} {arg} did not finish within {} s",
             command.display(),
             RUN_LIMIT.as_secs()
         )),
-        Ok(Err(e)) => Err(format!("{} {arg}: {e}", command.display())),
-        Ok(Ok(out)) => {
-            let mut output = String::from_utf8_lossy(&out.stdout).into_owned();
-            output += &String::from_utf8_lossy(&out.stderr);
+        Err(RunError::Wait(e)) => Err(format!("{} {arg}: {e}", command.display())),
+        Ok(ran) => {
+            let mut output = ran.stdout;
+            output += &ran.stderr;
             output.truncate(output.floor_char_boundary(OUTPUT_LIMIT));
             Ok(Ran {
-                code: out.status.code(),
+                code: ran.status.code(),
                 output,
             })
         }

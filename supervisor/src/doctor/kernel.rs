@@ -16,7 +16,7 @@ use std::time::Duration;
 use crate::host::hw::{amdgpu, meminfo};
 use crate::host::sysroot::SysRoot;
 
-use super::Check;
+use super::{Check, RunError};
 
 /// How long `journalctl` may take.
 const JOURNAL_LIMIT: Duration = Duration::from_secs(20);
@@ -37,47 +37,28 @@ pub enum KernelLog {
 
 /// This boot's kernel messages, from the journal (`journalctl -k -b 0`); a caller outside
 /// the journal's readers gets them said to be unreadable, with the reason.
-pub fn read_log() -> KernelLog {
-    let child = std::process::Command::new("journalctl")
-        .args(["-k", "-b", "0", "-o", "short-monotonic", "--no-pager", "-q"])
-        .stdin(std::process::Stdio::null())
-        .stdout(std::process::Stdio::piped())
-        .stderr(std::process::Stdio::piped())
-        .spawn();
-    let child = match child {
-        Ok(c) => c,
-        Err(e) => return KernelLog::Unreadable(format!("cannot run journalctl: {e}")),
-    };
-    let (tx, rx) = std::sync::mpsc::channel();
-    let pid = child.id();
-    std::thread::spawn(move || {
-        let _ = tx.send(child.wait_with_output());
-    });
-    match rx.recv_timeout(JOURNAL_LIMIT) {
-        Err(_) => {
-            let _ = nix::sys::signal::kill(
-                nix::unistd::Pid::from_raw(pid as i32),
-                nix::sys::signal::Signal::SIGKILL,
-            );
-            KernelLog::Unreadable(format!(
-                "journalctl did not answer within {} s",
-                JOURNAL_LIMIT.as_secs()
-            ))
-        }
-        Ok(Err(e)) => KernelLog::Unreadable(format!("journalctl: {e}")),
-        Ok(Ok(out)) => {
-            let text = String::from_utf8_lossy(&out.stdout).into_owned();
-            let err = String::from_utf8_lossy(&out.stderr).trim().to_string();
-            if !out.status.success() {
+pub async fn read_log() -> KernelLog {
+    let mut cmd = tokio::process::Command::new("journalctl");
+    cmd.args(["-k", "-b", "0", "-o", "short-monotonic", "--no-pager", "-q"]);
+    match super::run_bounded(cmd, JOURNAL_LIMIT).await {
+        Err(RunError::Spawn(e)) => KernelLog::Unreadable(format!("cannot run journalctl: {e}")),
+        Err(RunError::Timeout) => KernelLog::Unreadable(format!(
+            "journalctl did not answer within {} s",
+            JOURNAL_LIMIT.as_secs()
+        )),
+        Err(RunError::Wait(e)) => KernelLog::Unreadable(format!("journalctl: {e}")),
+        Ok(ran) => {
+            let err = ran.stderr.trim().to_string();
+            if !ran.status.success() {
                 KernelLog::Unreadable(format!(
                     "journalctl -k failed: {}",
                     if err.is_empty() {
-                        out.status.to_string()
+                        ran.status.to_string()
                     } else {
                         err
                     }
                 ))
-            } else if text.trim().is_empty() {
+            } else if ran.stdout.trim().is_empty() {
                 KernelLog::Unreadable(if err.is_empty() {
                     "journalctl -k gave no kernel messages for this boot (no permission to read \
                      the system journal?)"
@@ -86,7 +67,7 @@ pub fn read_log() -> KernelLog {
                     err
                 })
             } else {
-                KernelLog::Text(text)
+                KernelLog::Text(ran.stdout)
             }
         }
     }

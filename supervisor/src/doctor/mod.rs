@@ -29,6 +29,48 @@ use crate::host::sysroot::SysRoot;
 /// How long the system bus may take to answer the connection.
 const BUS_LIMIT: Duration = Duration::from_secs(5);
 
+/// What a bounded run of a program gave.
+#[derive(Debug)]
+pub struct Ran {
+    pub status: std::process::ExitStatus,
+    pub stdout: String,
+    pub stderr: String,
+}
+
+/// Why a bounded run gave nothing.
+#[derive(Debug)]
+pub enum RunError {
+    /// It could not be started.
+    Spawn(std::io::Error),
+    /// Its output could not be read, or its end waited for.
+    Wait(std::io::Error),
+    /// It did not end within the limit, and was killed.
+    Timeout,
+}
+
+/// Runs `cmd` with stdin closed and both outputs read, for at most `limit`: past it the
+/// program is killed. The doctor runs the engine (`--version`, `--help`) and `journalctl`
+/// so.
+pub async fn run_bounded(
+    mut cmd: tokio::process::Command,
+    limit: Duration,
+) -> Result<Ran, RunError> {
+    cmd.stdin(std::process::Stdio::null())
+        .stdout(std::process::Stdio::piped())
+        .stderr(std::process::Stdio::piped())
+        .kill_on_drop(true);
+    let child = cmd.spawn().map_err(RunError::Spawn)?;
+    match tokio::time::timeout(limit, child.wait_with_output()).await {
+        Err(_) => Err(RunError::Timeout),
+        Ok(Err(e)) => Err(RunError::Wait(e)),
+        Ok(Ok(out)) => Ok(Ran {
+            status: out.status,
+            stdout: String::from_utf8_lossy(&out.stdout).into_owned(),
+            stderr: String::from_utf8_lossy(&out.stderr).into_owned(),
+        }),
+    }
+}
+
 /// Which checks a run makes.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum Part {
@@ -71,9 +113,7 @@ pub async fn run(opts: &Options) -> Vec<Check> {
     if opts.part != Part::Service {
         let log = match &opts.kernel_log {
             Some(path) => kernel::read_log_file(path),
-            None => tokio::task::spawn_blocking(kernel::read_log)
-                .await
-                .unwrap_or_else(|e| kernel::KernelLog::Unreadable(e.to_string())),
+            None => kernel::read_log().await,
         };
         out.extend(kernel::checks(&opts.sysroot, &log));
     }
