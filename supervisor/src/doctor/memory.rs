@@ -28,7 +28,7 @@ pub fn checks(config: &Config, root: &SysRoot) -> Vec<Check> {
             reserve,
             now,
         };
-        let Some(charged) = check.planned else {
+        if check.planned.is_none() {
             out.push(
                 Check::skip(
                     "memory.fit",
@@ -37,9 +37,8 @@ pub fn checks(config: &Config, root: &SysRoot) -> Vec<Check> {
                 .profile(&profile.name),
             );
             continue;
-        };
+        }
         let gpu = now.gpu;
-        let pool = gpu.pool();
         let gtt_free = match (gpu.gtt_used, gpu.gtt_total) {
             (Some(u), Some(t)) => Some(t.saturating_sub(u)),
             _ => None,
@@ -63,28 +62,16 @@ pub fn checks(config: &Config, root: &SysRoot) -> Vec<Check> {
                  ceiling (ttm.pages_limit, see memory.gtt_limit); or stop what else holds \
                  memory. A running engine counts: check with `dsv4ctl stop` first",
             ),
-            None => {
-                // What is left after the start, by the tighter of the two rules.
-                let by_ram = now
-                    .available
-                    .map(|a| a.saturating_sub(charged).saturating_sub(reserve));
-                let by_gtt = match pool {
-                    Some(dsv4_client::telemetry::MemoryPool::Vram) => None,
-                    _ => gtt_free.map(|f| f.saturating_sub(charged)),
-                };
-                let margin = match (by_ram, by_gtt) {
-                    (Some(a), Some(b)) => Some(a.min(b)),
-                    (a, b) => a.or(b),
-                };
-                Check::ok(
-                    "memory.fit",
-                    format!(
-                        "fits{}: {}",
-                        margin.map_or(String::new(), |m| format!(" with {} to spare", gib(m))),
-                        figures.join(", ")
-                    ),
-                )
-            }
+            None => Check::ok(
+                "memory.fit",
+                format!(
+                    "fits{}: {}",
+                    check
+                        .margin()
+                        .map_or(String::new(), |m| format!(" with {} to spare", gib(m))),
+                    figures.join(", ")
+                ),
+            ),
         };
         out.push(check.profile(&profile.name));
     }

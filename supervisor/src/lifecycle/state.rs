@@ -145,10 +145,7 @@ impl MemoryCheck {
             pool,
             gpu,
         };
-        let (charged, used, total) = match pool {
-            Some(MemoryPool::Vram) => (0, gpu.vram_used, gpu.vram_total),
-            _ => (planned, gpu.gtt_used, gpu.gtt_total),
-        };
+        let (charged, used, total) = self.sides(planned);
         if let Some(available) = self.now.available {
             if available.saturating_sub(charged) < self.reserve || available < charged {
                 return Some(short(None));
@@ -162,6 +159,36 @@ impl MemoryCheck {
             }
         }
         None
+    }
+
+    /// What a start of `planned` bytes is charged against: (what MemAvailable is charged,
+    /// the GPU pool's used and total). A model in a large VRAM carve-out charges VRAM, not
+    /// system RAM; otherwise it charges both RAM and GTT.
+    fn sides(&self, planned: u64) -> (u64, Option<u64>, Option<u64>) {
+        let gpu = self.now.gpu;
+        match gpu.pool() {
+            Some(MemoryPool::Vram) => (0, gpu.vram_used, gpu.vram_total),
+            _ => (planned, gpu.gtt_used, gpu.gtt_total),
+        }
+    }
+
+    /// What a start that fits would leave, by the tighter of the rule's two sides:
+    /// MemAvailable less its charge and the reserve, and the GPU pool's free memory less the
+    /// need. `None` when the start would not fit, or no figure is known.
+    pub fn margin(&self) -> Option<u64> {
+        let planned = self.planned?;
+        if self.shortfall().is_some() {
+            return None;
+        }
+        let (charged, used, total) = self.sides(planned);
+        let by_ram = self
+            .now
+            .available
+            .map(|a| a.saturating_sub(charged).saturating_sub(self.reserve));
+        let by_gpu = used
+            .zip(total)
+            .map(|(u, t)| t.saturating_sub(u).saturating_sub(planned));
+        by_ram.into_iter().chain(by_gpu).min()
     }
 }
 

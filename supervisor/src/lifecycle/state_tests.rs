@@ -1693,3 +1693,37 @@ fn leases_through_the_gate_count_for_idleness() {
         w.m.phase()
     );
 }
+
+#[test]
+fn the_margin_is_the_tighter_side_of_the_rule_and_none_when_it_does_not_fit() {
+    // 88 GiB planned, 8 GiB reserve: 118 available leaves 22 of RAM; GTT 112 - 1 - 88 = 23.
+    assert_eq!(memory(true).margin(), Some(22 * GIB));
+    assert_eq!(memory(false).margin(), None);
+    // A smaller GTT is the tighter side.
+    let mut gtt = memory(true);
+    gtt.now.gpu.gtt_total = Some(100 * GIB);
+    assert_eq!(gtt.margin(), Some(11 * GIB));
+    // In a VRAM carve-out, RAM is not charged: 40 available less the reserve is 32, and
+    // VRAM 96 - 1 - 88 = 7.
+    let vram = MemoryCheck {
+        planned: Some(88 * GIB),
+        estimated: false,
+        reserve: 8 * GIB,
+        now: MemoryFigures {
+            available: Some(40 * GIB),
+            gpu: GpuMemory {
+                gtt_used: Some(GIB / 2),
+                gtt_total: Some(16 * GIB),
+                vram_used: Some(GIB),
+                vram_total: Some(96 * GIB),
+            },
+        },
+    };
+    assert_eq!(vram.margin(), Some(7 * GIB));
+    // Nothing known, nothing said.
+    let unknown = MemoryCheck {
+        planned: None,
+        ..memory(true)
+    };
+    assert_eq!(unknown.margin(), None);
+}
