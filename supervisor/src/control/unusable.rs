@@ -179,12 +179,16 @@ pub fn exec_again(fd: std::os::fd::RawFd) -> std::io::Error {
     use std::ffi::CString;
     use std::os::unix::ffi::OsStrExt;
     const FIRST: std::os::fd::RawFd = 3;
-    // SAFETY: dup2 and fcntl on fds this process owns; the process is about to be replaced.
-    unsafe {
-        if fd != FIRST && libc_dup2(fd, FIRST) < 0 {
-            return std::io::Error::last_os_error();
+    if fd != FIRST {
+        // SAFETY: `fd` is the listener this process owns, and fd 3 is free or taken over:
+        // nothing else uses it, and the process is about to be replaced.
+        match unsafe { nix::unistd::dup2_raw(std::os::fd::BorrowedFd::borrow_raw(fd), FIRST) } {
+            // The new fd lives on into the program that follows.
+            Ok(kept) => std::mem::forget(kept),
+            Err(e) => return e.into(),
         }
     }
+    // A dup2 clears close-on-exec; fd 3 itself may have it (the listener was made so).
     if let Err(e) = nix::fcntl::fcntl(
         unsafe { std::os::fd::BorrowedFd::borrow_raw(FIRST) },
         nix::fcntl::FcntlArg::F_SETFD(nix::fcntl::FdFlag::empty()),
@@ -211,26 +215,5 @@ pub fn exec_again(fd: std::os::fd::RawFd) -> std::io::Error {
     match nix::unistd::execve(&exe, &args, &env) {
         Err(e) => e.into(),
         Ok(never) => match never {},
-    }
-}
-
-/// dup2(2), through nix.
-///
-/// # Safety
-///
-/// `to` is replaced: nothing else of this process may own it.
-unsafe fn libc_dup2(from: std::os::fd::RawFd, to: std::os::fd::RawFd) -> i32 {
-    use std::os::fd::FromRawFd;
-    let from = unsafe { std::os::fd::BorrowedFd::borrow_raw(from) };
-    let mut target = unsafe { std::os::fd::OwnedFd::from_raw_fd(to) };
-    match nix::unistd::dup2(from, &mut target) {
-        Ok(()) => {
-            std::mem::forget(target);
-            0
-        }
-        Err(_) => {
-            std::mem::forget(target);
-            -1
-        }
     }
 }
