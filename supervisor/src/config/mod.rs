@@ -17,6 +17,7 @@ pub mod names;
 pub mod profiles;
 mod raw;
 mod rules;
+pub use rules::kv_cache_type_size;
 
 /// A YAML text as JSON (a profile's settings, kept with a validation run); `None` when it is
 /// not YAML.

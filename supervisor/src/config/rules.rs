@@ -46,15 +46,34 @@ pub(crate) fn check_env_name(name: &str) -> Option<String> {
 }
 
 /// The cache types llama-server accepts for `-ctk`/`-ctv` (llama.cpp `common/arg.cpp`,
-/// `kv_cache_types`).
-const KV_CACHE_TYPES: &[&str] = &[
-    "f32", "f16", "bf16", "q8_0", "q4_0", "q4_1", "iq4_nl", "q5_0", "q5_1",
+/// `kv_cache_types`), each with its size as ggml stores it: bytes per block and elements
+/// per block.
+const KV_CACHE_TYPES: &[(&str, u64, u64)] = &[
+    ("f32", 4, 1),
+    ("f16", 2, 1),
+    ("bf16", 2, 1),
+    ("q8_0", 34, 32),
+    ("q4_0", 18, 32),
+    ("q4_1", 20, 32),
+    ("iq4_nl", 18, 32),
+    ("q5_0", 22, 32),
+    ("q5_1", 24, 32),
 ];
 
 pub(crate) fn check_kv_cache(kv: &str) -> Option<String> {
-    let types = KV_CACHE_TYPES.join(", ");
-    let known = KV_CACHE_TYPES.contains(&kv);
+    let names: Vec<&str> = KV_CACHE_TYPES.iter().map(|(n, _, _)| *n).collect();
+    let known = names.contains(&kv);
+    let types = names.join(", ");
     (!known).then(|| format!("unknown cache type {kv:?}: expected one of {types}"))
+}
+
+/// A KV cache type's size: (bytes, per this many elements); `None` for a type llama-server
+/// does not accept.
+pub fn kv_cache_type_size(kv: &str) -> Option<(u64, u64)> {
+    KV_CACHE_TYPES
+        .iter()
+        .find(|(n, _, _)| *n == kv)
+        .map(|(_, bytes, per)| (*bytes, *per))
 }
 
 #[cfg(test)]

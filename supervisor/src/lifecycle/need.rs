@@ -65,21 +65,6 @@ impl Need {
     }
 }
 
-/// Bytes per cached element of a KV cache type (`-ctk`/`-ctv`), per ggml's block sizes.
-fn kv_type_bytes(kind: Option<&str>) -> (u64, u64) {
-    // (bytes, per elements)
-    match kind.map(str::to_ascii_lowercase).as_deref() {
-        Some("f32") => (4, 1),
-        Some("q8_0") => (34, 32),
-        Some("q4_0") => (18, 32),
-        Some("q4_1") => (20, 32),
-        Some("q5_0") => (22, 32),
-        Some("q5_1") => (24, 32),
-        Some("iq4_nl") => (18, 32),
-        _ => (2, 1),
-    }
-}
-
 /// The KV cache of `tokens` tokens for a model of this shape.
 pub fn kv_bytes(meta: &gguf::Meta, tokens: u64, cache_type: Option<&str>) -> Option<u64> {
     let layers = meta.block_count?;
@@ -95,7 +80,10 @@ pub fn kv_bytes(meta: &gguf::Meta, tokens: u64, cache_type: Option<&str>) -> Opt
             kv_heads * (k + v)
         }
     };
-    let (bytes, per) = kv_type_bytes(cache_type);
+    // The configuration's own table of cache types; f16, llama-server's default, when unset.
+    let (bytes, per) = cache_type
+        .and_then(crate::config::kv_cache_type_size)
+        .unwrap_or((2, 1));
     let elems = layers.checked_mul(tokens)?.checked_mul(per_token_elems)?;
     Some(elems / per * bytes)
 }
