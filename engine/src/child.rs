@@ -327,7 +327,8 @@ impl EngineChild {
             // Its marked processes outside it (or still in it) are the engine too: it has
             // ended once they have. Signals reach them meanwhile (see `signal`).
             if let Some(tag) = &marked {
-                while !procs::marked(Path::new(PROC), tag).is_empty() {
+                let mut survivors = procs::Survivors::default();
+                while !survivors.look(Path::new(PROC), tag) {
                     tokio::time::sleep(MARKED_POLL).await;
                 }
             }
@@ -696,17 +697,19 @@ mod tests {
         }
     }
 
+    /// The engine's pid from `file`, once it runs `sleep 300`: the shell writes the file just
+    /// before it execs, and a process that is in the middle of `exec` shows no mark.
     async fn pid_from(file: &Path) -> u32 {
         for _ in 0..500 {
-            if let Some(pid) = std::fs::read_to_string(file)
+            let pid: Option<u32> = std::fs::read_to_string(file)
                 .ok()
-                .and_then(|t| t.trim().parse().ok())
-            {
+                .and_then(|t| t.trim().parse().ok());
+            if let Some(pid) = pid.filter(|p| procs::cmdline(Path::new(PROC), *p) == "sleep 300") {
                 return pid;
             }
             tokio::time::sleep(Duration::from_millis(10)).await;
         }
-        panic!("no pid in {}", file.display());
+        panic!("no engine running sleep 300 in {}", file.display());
     }
 
     #[tokio::test]

@@ -39,6 +39,56 @@ pub fn marked(proc: &Path, tag: &str) -> Vec<u32> {
     pids
 }
 
+/// The live processes that carry `tag`, each with its start time (see [`Stat::start`]).
+fn marked_with_start(proc: &Path, tag: &str) -> Vec<(u32, u64)> {
+    marked(proc, tag)
+        .into_iter()
+        .filter_map(|pid| Some((pid, stat(proc, pid)?.start)))
+        .collect()
+}
+
+/// How many looks in a row must find none of an engine's processes before it has ended.
+///
+/// One look can miss a process that is there: while it `exec`s, its environment reads as
+/// empty (between the new memory map and the arguments put on its stack), so a launcher that
+/// daemonizes through `setsid sh -c 'exec engine'` has moments with no mark to be seen.
+/// Two looks a poll apart do not both fall in such a moment.
+const EMPTY_LOOKS: u32 = 2;
+
+/// An engine's processes once its first one has exited, followed until the last is gone.
+///
+/// Each process seen with the mark is followed by pid and start time until it ends, even if
+/// its mark can no longer be read (it `exec`s again, or clears its environment): it is still
+/// the engine's. The engine has ended when [`EMPTY_LOOKS`] looks in a row find none.
+#[derive(Debug, Default)]
+pub struct Survivors {
+    followed: std::collections::BTreeMap<u32, u64>,
+    empty_looks: u32,
+}
+
+impl Survivors {
+    /// One look at `proc`: whether the engine marked `tag` has ended.
+    pub fn look(&mut self, proc: &Path, tag: &str) -> bool {
+        let found = marked_with_start(proc, tag);
+        self.update(&found, |pid, start| {
+            stat(proc, pid).is_some_and(|s| s.start == start && s.state != 'Z' && s.state != 'X')
+        })
+    }
+
+    /// The rule behind [`Survivors::look`]: `found` are the marked processes seen now,
+    /// `lives` says whether a followed one still runs.
+    fn update(&mut self, found: &[(u32, u64)], lives: impl Fn(u32, u64) -> bool) -> bool {
+        self.followed.extend(found.iter().copied());
+        self.followed.retain(|pid, start| lives(*pid, *start));
+        if self.followed.is_empty() {
+            self.empty_looks += 1;
+        } else {
+            self.empty_looks = 0;
+        }
+        self.empty_looks >= EMPTY_LOOKS
+    }
+}
+
 /// Whether `pid` is alive (not a zombie) and carries `tag`.
 pub fn is_marked(proc: &Path, pid: u32, tag: &str) -> bool {
     let dir = proc.join(pid.to_string());
@@ -51,9 +101,13 @@ pub fn is_marked(proc: &Path, pid: u32, tag: &str) -> bool {
 pub struct Stat {
     pub state: char,
     pub pgrp: u32,
+    /// When it started, in clock ticks after boot: with the pid, it names one process (a
+    /// pid is used again once its process is gone).
+    pub start: u64,
 }
 
-/// `/proc/PID/stat`'s state and process group, or `None` for a process that is gone.
+/// `/proc/PID/stat`'s state, process group and start time, or `None` for a process that is
+/// gone.
 pub fn stat(proc: &Path, pid: u32) -> Option<Stat> {
     let text = std::fs::read_to_string(proc.join(pid.to_string()).join("stat")).ok()?;
     parse_stat(&text)
@@ -67,7 +121,10 @@ pub fn parse_stat(text: &str) -> Option<Stat> {
     let state = fields.next()?.chars().next()?;
     let _ppid = fields.next()?;
     let pgrp = fields.next()?.parse().ok()?;
-    Some(Stat { state, pgrp })
+    // After the group: session, tty_nr, tpgid, flags, four fault counts, four times,
+    // priority, nice, num_threads and itrealvalue, then starttime (field 22).
+    let start = fields.nth(16)?.parse().ok()?;
+    Some(Stat { state, pgrp, start })
 }
 
 /// Whether the environment file holds `MARK_VAR=tag` (another user's is unreadable, so never
@@ -304,16 +361,90 @@ mod tests {
 
     #[test]
     fn stat_lines_with_odd_command_names() {
-        let s = parse_stat("42 (a) b (c)) S 1 777 777 0 -1").unwrap();
+        // Shaped like a real line (proc(5)), with starttime 123456.
+        let s = parse_stat(
+            "42 (a) b (c)) S 1 777 777 0 -1 4194560 120 0 0 0 1 2 0 0 20 0 1 0 123456 \
+             8392704 250 18446744073709551615 1 1 0 0 0 0 0 0 0 0 0 17 1 0 0 0 0 0",
+        )
+        .unwrap();
         assert_eq!(
             s,
             Stat {
                 state: 'S',
-                pgrp: 777
+                pgrp: 777,
+                start: 123456,
             }
         );
-        assert_eq!(parse_stat("42 (x) Z 1 9").unwrap().state, 'Z');
+        let zombie = "42 (x) Z 1 9 9 0 -1 4227084 0 0 0 0 0 0 0 0 20 0 1 0 99 0 0";
+        assert_eq!(parse_stat(zombie).unwrap().state, 'Z');
+        // Cut before the start time, or not a stat line at all.
+        assert_eq!(parse_stat("42 (x) Z 1 9"), None);
         assert_eq!(parse_stat("garbage"), None);
+    }
+
+    #[test]
+    fn our_own_stat_line_parses() {
+        let me = std::process::id();
+        let s = stat(Path::new("/proc"), me).unwrap();
+        assert_ne!(s.state, 'Z');
+        assert!(s.start > 0, "{s:?}");
+    }
+
+    #[test]
+    fn survivors_end_after_looks_in_a_row_that_find_none() {
+        // Each step: the marked processes a look finds, the followed ones that live on, and
+        // whether the engine has ended after it.
+        type Step = (&'static [(u32, u64)], &'static [(u32, u64)], bool);
+        let cases: &[(&str, &[Step])] = &[
+            (
+                "nothing was ever left",
+                &[(&[], &[], false), (&[], &[], true)],
+            ),
+            (
+                "a process execs while the first look is made",
+                &[
+                    (&[], &[], false),
+                    (&[(7, 100)], &[(7, 100)], false),
+                    (&[], &[], false),
+                    (&[], &[], true),
+                ],
+            ),
+            (
+                "a followed process whose mark cannot be read is still the engine's",
+                &[
+                    (&[(7, 100)], &[(7, 100)], false),
+                    (&[], &[(7, 100)], false),
+                    (&[], &[(7, 100)], false),
+                    (&[], &[], false),
+                    (&[], &[], true),
+                ],
+            ),
+            (
+                "its pid used again by another process is not followed",
+                &[
+                    (&[(7, 100)], &[(7, 100)], false),
+                    (&[], &[(7, 555)], false),
+                    (&[], &[(7, 555)], true),
+                ],
+            ),
+            (
+                "a child seen after its parent ended keeps the engine alive",
+                &[
+                    (&[(7, 100)], &[(7, 100)], false),
+                    (&[], &[], false),
+                    (&[(9, 140)], &[(9, 140)], false),
+                    (&[], &[], false),
+                    (&[], &[], true),
+                ],
+            ),
+        ];
+        for (name, steps) in cases {
+            let mut s = Survivors::default();
+            for (i, (found, living, ended)) in steps.iter().enumerate() {
+                let got = s.update(found, |pid, start| living.contains(&(pid, start)));
+                assert_eq!(got, *ended, "{name}: look {i}");
+            }
+        }
     }
 
     #[test]
