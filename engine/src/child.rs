@@ -462,9 +462,12 @@ fn spawn_pump(
         let _ = fcntl(&fd, FcntlArg::F_SETFL(flags));
     }
     let file = std::fs::File::from(fd);
+    // Its lines are logged in the span it was started in (the daemon's, of this engine).
+    let span = tracing::Span::current();
     let spawned = std::thread::Builder::new()
         .name(format!("engine-{which}"))
         .spawn(move || {
+            let _in = span.enter();
             pump(file, tail, also, pid, which);
             drop(done);
         });
@@ -649,8 +652,9 @@ impl LogBatch {
                     text.push('\n');
                     text.push_str(line);
                 }
-                // The pid and stream in the heading: fields would follow the last line.
-                tracing::info!(target: crate::LOG_TARGET, "engine pid={pid} {which}, {n} lines:{text}");
+                // The text format writes the pid and stream in a heading (fields would follow
+                // the last line); the journal makes an entry of each line.
+                tracing::info!(target: crate::LOG_TARGET, pid, stream = which, lines = n, "{text}");
             }
         }
         self.lines.clear();

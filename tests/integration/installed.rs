@@ -306,6 +306,14 @@ fn the_installed_units_run_as_shipped_under_a_real_systemd() {
     let user = ns.out("ps -o user= -p $(systemctl show -p MainPID --value dsv4.service)");
     assert_eq!(user, "dsv4");
 
+    // The journal's fields: the engine's own lines under its profile and stream.
+    ns.wait("the engine's lines under its profile", || {
+        ns.out("journalctl --no-pager -o cat -u dsv4 PROFILE=tiny ENGINE_STREAM=stderr")
+            .contains("listening")
+    });
+    let tiny = ns.out("journalctl --no-pager -o cat -u dsv4 PROFILE=tiny");
+    assert!(tiny.contains("starting engine"), "{tiny}");
+
     // A reload checks the edit first, as the service: a bad one fails `systemctl reload`,
     // says why in the journal at error priority, and the daemon keeps serving.
     let config = w.path().join("etc/supervisor.yaml");
@@ -437,6 +445,24 @@ fn the_installed_units_run_as_shipped_under_a_real_systemd() {
             w.path().join("models/tiny.gguf").display()
         ),
     );
+    // And an engine that crashes as it starts, with a last word.
+    write_public(
+        &w.path().join("bin/crash-engine"),
+        // Before its last word, a burst of lines, each of which the journal keeps.
+        "#!/bin/sh\ni=0\nwhile [ $i -lt 3000 ]; do echo \"burst line $i\"; i=$((i+1)); done >&2\n\
+         echo 'crash-engine: giving up' >&2\nexit 3\n",
+    );
+    run(Command::new("chmod")
+        .arg("0755")
+        .arg(w.path().join("bin/crash-engine")));
+    write_public(
+        &w.path().join("etc/profiles/crash.yaml"),
+        &format!(
+            "engine: llama-server\ncommand: {}\nmodel: {}\ncontext: 1024\n",
+            w.path().join("bin/crash-engine").display(),
+            w.path().join("models/tiny.gguf").display()
+        ),
+    );
     let o = ns.sh("dsv4ctl stop && systemctl reload dsv4.service");
     assert!(o.status.success(), "{}", String::from_utf8_lossy(&o.stderr));
     ns.wait("the reloaded profiles", || {
@@ -446,14 +472,55 @@ fn the_installed_units_run_as_shipped_under_a_real_systemd() {
     assert!(o.status.success(), "{}", String::from_utf8_lossy(&o.stderr));
     let (code, body) = curl(&ns, chat);
     assert_eq!(code, 503, "{body}");
-    ns.wait("the refusal at warning priority", || {
-        ns.out("journalctl --no-pager -o cat -p warning -u dsv4")
+    ns.wait("the refusal at warning priority, under its profile", || {
+        ns.out("journalctl --no-pager -o cat -p warning -u dsv4 PROFILE=huge")
             .contains("not enough memory to start profile huge")
     });
+    // The crash: a warning under its profile, and its last word under its profile, pid
+    // and stream.
+    let o = ns.sh("dsv4ctl profile crash");
+    assert!(o.status.success(), "{}", String::from_utf8_lossy(&o.stderr));
+    let (code, body) = curl(&ns, chat);
+    assert!(code >= 500, "{code} {body}");
+    ns.wait("the crash at warning priority, under its profile", || {
+        ns.out("journalctl --no-pager -o cat -p warning -u dsv4 PROFILE=crash")
+            .contains("exit code 3")
+    });
+    let word = ns.out("journalctl --no-pager -o export -u dsv4 PROFILE=crash ENGINE_STREAM=stderr");
+    assert!(word.contains("MESSAGE=crash-engine: giving up"), "{word}");
+    // Each start's burst whole and in order, under that engine's pid (entries in the export
+    // format are separated by a blank line).
+    let mut bursts: std::collections::BTreeMap<String, Vec<String>> = Default::default();
+    for entry in word.split("\n\n") {
+        let field = |name: &str| {
+            entry
+                .lines()
+                .find_map(|l| l.strip_prefix(name).map(str::to_string))
+        };
+        if let (Some(pid), Some(m)) = (field("ENGINE_PID="), field("MESSAGE=burst line ")) {
+            bursts.entry(pid).or_default().push(m);
+        }
+    }
+    assert!(!bursts.is_empty(), "no burst in the journal");
+    let whole: Vec<String> = (0..3000).map(|i| i.to_string()).collect();
+    for (pid, lines) in &bursts {
+        assert!(
+            lines == &whole,
+            "engine {pid}: {} of 3000 burst lines",
+            lines.len()
+        );
+    }
+    assert!(word.contains("ENGINE_PID="), "{word}");
+    assert!(word.contains("GENERATION="), "{word}");
+    assert!(word.contains("PRIORITY=6"), "{word}");
     let warnings = ns.out("journalctl --no-pager -o cat -p warning -u dsv4");
     assert!(
         !warnings.contains("listening on socket-activated fd"),
         "{warnings}"
+    );
+    assert!(
+        !warnings.contains("giving up"),
+        "the engine's lines are at info priority: {warnings}"
     );
     let all = ns.out("journalctl --no-pager -o cat -u dsv4");
     assert!(all.contains("listening on socket-activated fd"), "{all}");

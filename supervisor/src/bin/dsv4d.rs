@@ -232,13 +232,17 @@ fn fail(e: anyhow::Error) -> std::process::ExitCode {
     std::process::ExitCode::FAILURE
 }
 
-/// Logs go to stderr (the journal under systemd) from a thread of their own, so that the
-/// engine's chatter (llama-server logs several lines per request) never makes a request
-/// wait for a write. Nothing is dropped: a full buffer makes the logger wait instead. The
-/// returned guard flushes what is left when `main` ends.
-fn init_logging() -> tracing_appender::non_blocking::WorkerGuard {
+/// Logs go to stderr, or to the journal under systemd, from a thread of their own, so that
+/// the engine's chatter (llama-server logs several lines per request) never makes a request
+/// wait for a write. Nothing is dropped: a full queue makes the logger wait instead. The
+/// returned guard writes what is left when `main` ends.
+fn init_logging() -> dsv4::log::sink::Guard {
+    use dsv4::control::log_format;
+    use dsv4::log::{journal, sink};
     use std::io::IsTerminal;
     use tracing_subscriber::filter::{LevelFilter, Targets};
+    use tracing_subscriber::layer::SubscriberExt as _;
+    use tracing_subscriber::util::SubscriberInitExt as _;
     // `DSV4_LOG`: a level, and `target=level` directives (`debug,dsv4::http=trace`), read
     // by tracing-subscriber's `Targets`, which needs no regex engine.
     let spec = std::env::var("DSV4_LOG").unwrap_or_default();
@@ -256,33 +260,31 @@ fn init_logging() -> tracing_appender::non_blocking::WorkerGuard {
     if !spec.contains("notify") {
         filter = filter.with_target("notify", LevelFilter::INFO);
     }
-    // The queue's slots are allocated, and touched, up front: the default 128,000 lines took
-    // 4 MiB, 40% of the idle daemon's memory (measured). A burst longer than this waits for
-    // the writer (lossy off) rather than dropping lines.
-    let (writer, guard) = tracing_appender::non_blocking::NonBlockingBuilder::default()
-        .buffered_lines_limit(LOG_QUEUE_LINES)
-        .lossy(false)
-        .thread_name("dsv4d-log")
-        // Buffered: the writer thread flushes once it has emptied its queue, so a batch of
-        // engine lines (see dsv4-engine's pump) costs one write instead of one per line.
-        .finish(std::io::BufWriter::with_capacity(
-            LOG_WRITE_BUFFER,
-            std::io::stderr(),
-        ));
-    // Colours only on a terminal, and not when NO_COLOR is set (no-color.org); under
-    // journald, each line carries its priority instead of a time.
+    // Under journald (stderr is its stream, and its native socket takes entries), each event
+    // is an entry with its priority and fields; else text on stderr.
+    let to_journal = log_format::stderr_is_journal();
+    let socket = to_journal.then(sink::connect_journal).flatten();
+    // The queue holds this many events; a burst longer than this waits for the writer.
+    let native = socket.is_some();
+    let (sink, guard) = sink::start(LOG_QUEUE_LINES, LOG_WRITE_BUFFER, socket);
+    if native {
+        tracing_subscriber::registry()
+            .with(journal::JournalLayer::new(sink))
+            .with(filter)
+            .init();
+        return guard;
+    }
+    // Colours only on a terminal, and not when NO_COLOR is set (no-color.org); a journal
+    // stream whose socket is closed to us gets each line with its priority, without a time.
     let no_color = std::env::var_os("NO_COLOR").is_some_and(|v| !v.is_empty());
-    let journal = dsv4::control::log_format::stderr_is_journal();
-    let format = if journal {
-        dsv4::control::log_format::LogFormat::journal()
+    let format = if to_journal {
+        log_format::LogFormat::journal()
     } else {
-        dsv4::control::log_format::LogFormat::new()
+        log_format::LogFormat::new()
     };
-    use tracing_subscriber::layer::SubscriberExt as _;
-    use tracing_subscriber::util::SubscriberInitExt as _;
     let fmt = tracing_subscriber::fmt::layer()
-        .with_writer(writer)
-        .with_ansi(std::io::stderr().is_terminal() && !no_color && !journal)
+        .with_writer(sink)
+        .with_ansi(std::io::stderr().is_terminal() && !no_color && !to_journal)
         // Reporting a failed log write is itself a write to stderr, and one that panics when
         // stderr is gone (a closed pipe): a daemon must outlive its log reader. (Kept by the
         // layer when the format changes next.)

@@ -125,16 +125,49 @@ where
             writer.write_char(' ')?;
         }
         write!(writer, "{:>5} ", meta.level().as_str())?;
+        // A batch of the engine's lines (a `lines` field): a heading with its pid and stream,
+        // then the lines, each after a newline.
+        let mut batch = Batch::default();
+        event.record(&mut batch);
+        let heading = batch.lines.is_some();
+        if let (Some(n), Some(pid)) = (batch.lines, batch.pid) {
+            write!(writer, "engine pid={pid} {}, {n} lines:", batch.stream)?;
+        }
         let mut fields = Fields {
             writer: &mut writer,
             text: String::new(),
             first: true,
+            skip_batch_fields: heading,
             result: Ok(()),
         };
         event.record(&mut fields);
         fields.result?;
         writeln!(writer)
     }
+}
+
+/// A batch's heading: the `pid`, `stream` and `lines` fields of an engine's event.
+#[derive(Default)]
+struct Batch {
+    pid: Option<u64>,
+    stream: String,
+    lines: Option<u64>,
+}
+
+impl Visit for Batch {
+    fn record_u64(&mut self, field: &Field, value: u64) {
+        match field.name() {
+            "pid" => self.pid = Some(value),
+            "lines" => self.lines = Some(value),
+            _ => {}
+        }
+    }
+    fn record_str(&mut self, field: &Field, value: &str) {
+        if field.name() == "stream" {
+            self.stream = value.to_string();
+        }
+    }
+    fn record_debug(&mut self, _: &Field, _: &dyn fmt::Debug) {}
 }
 
 /// Writes an event's fields as tracing-subscriber's default visitor does: the message first
@@ -144,10 +177,16 @@ struct Fields<'w, 'a> {
     /// The message, formatted before it is escaped.
     text: String,
     first: bool,
+    /// A batch's `pid`, `stream` and `lines` are in its heading, not after its last line.
+    skip_batch_fields: bool,
     result: fmt::Result,
 }
 
 impl Fields<'_, '_> {
+    fn skip(&self, field: &Field) -> bool {
+        self.skip_batch_fields && matches!(field.name(), "pid" | "stream" | "lines")
+    }
+
     fn pad(&mut self) -> fmt::Result {
         if !std::mem::take(&mut self.first) {
             self.writer.write_char(' ')?;
@@ -158,7 +197,7 @@ impl Fields<'_, '_> {
 
 impl Visit for Fields<'_, '_> {
     fn record_str(&mut self, field: &Field, value: &str) {
-        if self.result.is_err() {
+        if self.result.is_err() || self.skip(field) {
             return;
         }
         self.result = match field.name() {
@@ -170,7 +209,7 @@ impl Visit for Fields<'_, '_> {
     }
 
     fn record_debug(&mut self, field: &Field, value: &dyn fmt::Debug) {
-        if self.result.is_err() {
+        if self.result.is_err() || self.skip(field) {
             return;
         }
         self.result = match field.name() {
@@ -256,6 +295,11 @@ mod tests {
 
     /// Logs the same events through tracing-subscriber's format and through ours.
     fn both(log: impl Fn()) -> (Vec<String>, Vec<String>) {
+        both_as(&log, &log)
+    }
+
+    /// Logs `theirs` through tracing-subscriber's format and `ours` through ours.
+    fn both_as(theirs_log: &dyn Fn(), log: &dyn Fn()) -> (Vec<String>, Vec<String>) {
         let theirs = Buffer::default();
         let ours = Buffer::default();
         let w = theirs.clone();
@@ -264,14 +308,14 @@ mod tests {
             .with_ansi(false)
             .with_target(false)
             .finish();
-        tracing::subscriber::with_default(sub, &log);
+        tracing::subscriber::with_default(sub, theirs_log);
         let w = ours.clone();
         let sub = tracing_subscriber::fmt()
             .with_writer(move || w.clone())
             .with_ansi(false)
             .event_format(LogFormat::new())
             .finish();
-        tracing::subscriber::with_default(sub, &log);
+        tracing::subscriber::with_default(sub, log);
         (theirs.lines(), ours.lines())
     }
 
@@ -285,15 +329,29 @@ mod tests {
             "\x1b]8;;http://example.invalid/\x1b\\a link\x1b]8;;\x1b\\",
             "emoji \u{1f600} and \u{3042}",
         ];
-        let (theirs, ours) = both(|| {
+        // A batch is written as tracing-subscriber writes its heading and lines as one
+        // message.
+        let logged = |batch: &dyn Fn(u32, &str, &str)| {
             for line in lines {
                 let (pid, which) = (42u32, "stderr");
                 tracing::info!(target: "engine", pid, stream = which, "{line}");
                 let text: String = lines.iter().map(|l| format!("\n{l}")).collect();
-                tracing::info!(target: "engine", "engine pid={pid} {which}, 6 lines:{text}");
+                batch(pid, which, &text);
                 tracing::warn!(target: "engine", "{line}");
             }
-        });
+        };
+        let (theirs, ours) = both_as(
+            &|| {
+                logged(
+                    &|pid, which, text| tracing::info!(target: "engine", "engine pid={pid} {which}, 6 lines:{text}"),
+                )
+            },
+            &|| {
+                logged(
+                    &|pid, which, text| tracing::info!(target: "engine", pid, stream = which, lines = 6u64, "{text}"),
+                )
+            },
+        );
         assert_eq!(ours, theirs);
         assert!(ours.iter().any(|l| l.contains("\\x1b[31mred")), "{ours:?}");
         assert!(ours.iter().any(|l| l.contains("\\u{9b}31m")), "{ours:?}");

@@ -10,6 +10,7 @@ use std::time::Duration;
 
 use hyper_util::rt::{TokioIo, TokioTimer};
 use tokio::net::TcpListener;
+use tracing::Instrument as _;
 
 use crate::http::body::{End, OnEnd};
 use crate::http::connections;
@@ -69,12 +70,14 @@ pub async fn serve(
             let (ctx, slot) = (ctx.clone(), slot.clone());
             hyper::service::service_fn(move |req| {
                 let (ctx, slot) = (ctx.clone(), slot.clone());
+                let span = crate::log::journal::request_span();
                 async move {
                     // In flight until its response body ends.
                     let busy = slot.busy();
                     let resp = handle(&ctx, req, &slot).await;
                     Ok::<_, Infallible>(resp.map(|b| OnEnd::new(b, move |_: End| drop(busy))))
                 }
+                .instrument(span)
             })
         };
         let io = TokioIo::new(stream);

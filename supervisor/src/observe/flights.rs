@@ -112,8 +112,12 @@ impl Flights {
         long: Option<Duration>,
         came: Instant,
     ) -> Ticket {
+        let id = self.inner.count.fetch_add(1, Ordering::Relaxed) + 1;
+        // The request's span, if it has one, carries its number (see
+        // `crate::log::journal`).
+        tracing::Span::current().record("request_id", id);
         let flight = Flight {
-            id: self.inner.count.fetch_add(1, Ordering::Relaxed) + 1,
+            id,
             uri: uri.clone(),
             stream,
             came,

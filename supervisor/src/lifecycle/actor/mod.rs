@@ -34,6 +34,7 @@ use dsv4_client::AlertKind;
 use dsv4_engine::{EngineChild, OutputTail};
 use nix::sys::signal::Signal;
 use tokio::sync::{mpsc, oneshot, watch};
+use tracing::Instrument as _;
 // The clock tests can pause; the std clock is banned in this crate (supervisor/clippy.toml).
 use tokio::time::Instant;
 
@@ -118,6 +119,8 @@ struct Engine {
     port_tries: u32,
     /// Another process was found listening on its port (see `probe`).
     port_taken: Option<dsv4_engine::procs::Stranger>,
+    /// Its span: its profile, generation and pid (see `crate::log::journal`).
+    span: tracing::Span,
 }
 
 impl Drop for Engine {
@@ -316,36 +319,46 @@ impl Actor {
             }
             // Each turn first closes the gate, so the rules see every lease it gave, and takes
             // in a reload published meanwhile, so a command sent after it was seen sees it.
-            let event = tokio::select! {
-                biased;
-                Some(i) = internal.recv() => {
-                    self.begin_turn().await;
-                    self.internal_event(i)
-                }
-                changed = self.config_rx.changed(), if config_open => {
-                    config_open = changed.is_ok();
-                    self.begin_turn().await;
-                    None
-                }
-                c = commands.recv(), if commands_open => {
-                    self.begin_turn().await;
-                    match c {
-                        Some(c) => self.command(c).await,
-                        // Every handle is gone: nobody can use the engine any more.
-                        None => {
-                            commands_open = false;
-                            Some(Event::Shutdown)
+            // The turn runs in the span of the engine generation it acts on, whose fields
+            // the journal's entries carry (see `crate::log::journal`).
+            let span = self.turn_span();
+            let event = async {
+                tokio::select! {
+                    biased;
+                    Some(i) = internal.recv() => {
+                        self.begin_turn().await;
+                        self.internal_event(i)
+                    }
+                    changed = self.config_rx.changed(), if config_open => {
+                        config_open = changed.is_ok();
+                        self.begin_turn().await;
+                        None
+                    }
+                    c = commands.recv(), if commands_open => {
+                        self.begin_turn().await;
+                        match c {
+                            Some(c) => self.command(c).await,
+                            // Every handle is gone: nobody can use the engine any more.
+                            None => {
+                                commands_open = false;
+                                Some(Event::Shutdown)
+                            }
                         }
                     }
+                    _ = &mut timer, if armed.is_some() => {
+                        self.begin_turn().await;
+                        armed = None;
+                        Some(Event::Tick)
+                    }
                 }
-                _ = &mut timer, if armed.is_some() => {
-                    self.begin_turn().await;
-                    armed = None;
-                    Some(Event::Tick)
-                }
-            };
+            }
+            .instrument(span)
+            .await;
             match event {
-                Some(event) => self.handle(event).await,
+                Some(event) => {
+                    let span = self.turn_span();
+                    self.handle(event).instrument(span).await
+                }
                 None => self.flush_outbox(),
             }
             self.open_gate();

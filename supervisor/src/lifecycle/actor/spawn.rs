@@ -20,6 +20,15 @@ impl Actor {
         self.spawn_attempt(gen, profile_name, 0)
     }
 
+    /// The span of the current engine generation, or of the active profile with none: the
+    /// turn that acts on it runs in it.
+    pub(super) fn turn_span(&self) -> tracing::Span {
+        match &self.engine {
+            Some(e) => e.span.clone(),
+            None => crate::log::journal::engine_span(self.machine.profile(), None),
+        }
+    }
+
     /// Starts the engine of `gen`; `port_tries` earlier engines of this start found their port
     /// taken by another process.
     pub(super) fn spawn_attempt(
@@ -129,10 +138,13 @@ impl Actor {
                 );
             }
         }
-        let child = match EngineChild::spawn(&spec) {
+        // The engine's output readers log in its span (see `crate::log::journal`).
+        let span = crate::log::journal::engine_span(profile_name, Some(gen));
+        let child = match span.in_scope(|| EngineChild::spawn(&spec)) {
             Ok(c) => c,
             Err(e) => return fail(e.to_string()),
         };
+        span.record("engine_pid", child.pid());
         let state_dir = &self.config.supervisor.state_dir;
         // A start that moved to another port loads since its first spawn.
         let since = match (port_tries, self.loading.borrow().as_ref()) {
@@ -226,6 +238,7 @@ impl Actor {
             _group: group,
             port_tries,
             port_taken: None,
+            span,
         });
         None
     }
