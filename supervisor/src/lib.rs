@@ -20,8 +20,10 @@
 //! 12. [`control`]: D-Bus, systemd, reloads, exit when idle, the text of log lines.
 //! 13. [`doctor`]: `dsv4d --doctor`: the machine checked against every promise, from the
 //!     service's own place.
+//! 14. [`cli`]: dsv4d's command line.
 
 pub mod actions;
+pub mod cli;
 pub mod config;
 pub mod control;
 pub mod doctor;

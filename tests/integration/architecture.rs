@@ -151,6 +151,7 @@ const LAYERS: &[&str] = &[
     "http",
     "control",
     "doctor",
+    "cli",
 ];
 
 /// The daemon library's source files (not its binaries), as paths below `supervisor/src`.

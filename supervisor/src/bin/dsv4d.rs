@@ -4,11 +4,11 @@
 //! lifecycle actor and the HTTP front, and on SIGTERM/SIGINT drains and stops the engine
 //! before it exits 0.
 
-use std::path::PathBuf;
 use std::sync::Arc;
 
 use anyhow::{Context, Result};
 use clap::Parser;
+use dsv4::cli::Args;
 use dsv4::config::Config;
 use dsv4::control::dbus;
 use dsv4::control::reload::Reloader;
@@ -22,7 +22,6 @@ use dsv4::lifecycle::engine_key::KeyFolder;
 use dsv4::lifecycle::Services;
 use dsv4::observe::stats::Stats;
 use dsv4::parts::Parts;
-use dsv4_client::Bus;
 use tokio::signal::unix::{signal, SignalKind};
 
 /// How long an engine a previous dsv4d left running gets between SIGTERM and SIGKILL. Short:
@@ -35,74 +34,8 @@ const LOG_QUEUE_LINES: usize = 4096;
 /// empty); a longer line goes out on its own.
 const LOG_WRITE_BUFFER: usize = 64 * 1024;
 
-/// `--bus`: a bus, or `none` for no control interface.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-struct BusChoice(Option<Bus>);
-
-fn parse_bus_choice(s: &str) -> Result<BusChoice, String> {
-    match s.trim() {
-        "none" => Ok(BusChoice(None)),
-        other => other
-            .parse::<Bus>()
-            .map(|b| BusChoice(Some(b)))
-            .map_err(|_| format!("expected system, session or none, not {s:?}")),
-    }
-}
-
-/// The on-demand supervisor for a local LLM engine (llama-server or ds4-server).
-#[derive(Debug, Parser)]
-#[command(name = "dsv4d", version, about)]
-struct Args {
-    /// The supervisor configuration file.
-    #[arg(long, value_name = "FILE", default_value = "/etc/dsv4/supervisor.yaml")]
-    config: PathBuf,
-    /// Root below which every /sys and /proc file is read (for fixture trees).
-    #[arg(long, value_name = "DIR", default_value = "/")]
-    sysroot: PathBuf,
-    /// Address to listen on when not socket-activated (overrides api.listen).
-    #[arg(long, value_name = "ADDR")]
-    listen: Option<String>,
-    /// Where the control interface lives (D-Bus): system, session, or none to disable it.
-    #[arg(long, value_name = "BUS", default_value = "system", value_parser = parse_bus_choice)]
-    bus: BusChoice,
-    /// Check the configuration, print every problem (or a summary), and exit: 0 valid, 1 not.
-    #[arg(long)]
-    check_config: bool,
-    /// Check this machine against what the configuration needs (the files, the GPU's
-    /// devices, the engine build, memory, power, the kernel), print the checks as JSON and
-    /// exit: 0 when none failed, 1 when one did. `dsv4ctl doctor` runs it as the service
-    /// user inside the service's sandbox, and prints the result.
-    #[arg(long)]
-    doctor: bool,
-    /// With --doctor: the checks made from the service's place (service), those only the
-    /// host shows (host: the kernel and its log), or both (all).
-    #[arg(long, value_name = "PART", default_value = "all", requires = "doctor")]
-    part: dsv4::doctor::Part,
-    /// With --doctor: read this saved kernel log instead of this boot's journal.
-    #[arg(long, value_name = "FILE", requires = "doctor")]
-    kernel_log: Option<PathBuf>,
-    /// Print the manual page (roff) and exit, for packages: dsv4d --man > dsv4d.8
-    #[arg(long, hide = true)]
-    man: bool,
-    /// Members of this group (and root) may start, stop and switch profiles over D-Bus.
-    #[arg(long, value_name = "GROUP", default_value = dsv4_client::CONTROL_GROUP)]
-    control_group: String,
-}
-
 fn main() -> std::process::ExitCode {
     let args = Args::parse();
-    if args.man {
-        use clap::CommandFactory;
-        let mut page = Vec::new();
-        let man = clap_mangen::Man::new(Args::command()).section("8");
-        return match man
-            .render(&mut page)
-            .and_then(|()| std::io::Write::write_all(&mut std::io::stdout(), &page))
-        {
-            Ok(()) => std::process::ExitCode::SUCCESS,
-            Err(e) => fail(anyhow::Error::new(e).context("writing the manual page")),
-        };
-    }
     if args.check_config {
         return check_config(&args.config);
     }
