@@ -113,9 +113,10 @@ impl Flights {
         came: Instant,
     ) -> Ticket {
         let id = self.inner.count.fetch_add(1, Ordering::Relaxed) + 1;
-        // The request's span, if it has one, carries its number (see
-        // `crate::log::journal`).
-        tracing::Span::current().record("request_id", id);
+        // The request's span carries its number (see `crate::log::journal`).
+        if crate::log::journal::enabled() {
+            tracing::Span::current().record("request_id", id);
+        }
         let flight = Flight {
             id,
             uri: uri.clone(),
