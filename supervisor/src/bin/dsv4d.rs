@@ -114,7 +114,7 @@ fn check_config(path: &std::path::Path) -> std::process::ExitCode {
         Err(problems) => {
             // Run by the unit's ExecReload=, its output is the journal's: at error priority.
             let prefix = if dsv4::control::log_format::stdout_is_journal() {
-                "<3>"
+                dsv4::control::log_format::priority(&tracing::Level::ERROR)
             } else {
                 ""
             };

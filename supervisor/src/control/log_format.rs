@@ -53,12 +53,7 @@ impl LogFormat {
 
 /// The syslog priority of a level, as sd-daemon(3)'s prefixes write it.
 pub fn priority(level: &tracing::Level) -> &'static str {
-    match *level {
-        tracing::Level::ERROR => "<3>",
-        tracing::Level::WARN => "<4>",
-        tracing::Level::INFO => "<6>",
-        _ => "<7>",
-    }
+    crate::log::entry::prefix(crate::log::journal::priority(level))
 }
 
 /// Whether stderr is the journal's stream: `$JOURNAL_STREAM` (`DEVICE:INODE`, set by

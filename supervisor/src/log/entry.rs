@@ -50,9 +50,16 @@ impl Entry {
     }
 }
 
+/// sd-daemon(3)'s prefix for a syslog priority (0 to 7; a higher one is written as 7),
+/// which journald reads at the start of a line on the stream.
+pub fn prefix(priority: u8) -> &'static str {
+    const PREFIXES: [&str; 8] = ["<0>", "<1>", "<2>", "<3>", "<4>", "<5>", "<6>", "<7>"];
+    PREFIXES[usize::from(priority.min(7))]
+}
+
 /// One entry's message as a line for stderr, with its priority prefix.
 pub fn line_as_text(priority: u8, message: &str) -> String {
-    format!("<{priority}>{message}\n")
+    format!("{}{message}\n", prefix(priority))
 }
 
 /// An entry with `message` (one of `entry`'s [`Entry::messages`]) in journald's native

@@ -280,7 +280,7 @@ mod tests {
     use super::*;
 
     #[test]
-    fn entries_reach_the_socket_one_datagram_each_and_text_is_kept_in_order() {
+    fn entries_reach_the_socket_one_datagram_each_in_order() {
         let dir = tempfile::tempdir().unwrap();
         let path = dir.path().join("journal");
         let server = UnixDatagram::bind(&path).unwrap();
