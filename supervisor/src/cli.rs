@@ -39,6 +39,10 @@ pub struct Args {
     /// Check the configuration, print every problem (or a summary), and exit: 0 valid, 1 not.
     #[arg(long)]
     pub check_config: bool,
+    /// With --check-config: also print supervisor.yaml with its drop-ins laid over it, each
+    /// value with the file and line it comes from.
+    #[arg(long, requires = "check_config")]
+    pub merged: bool,
     /// Check this machine against what the configuration needs (the files, the GPU's
     /// devices, the engine build, memory, power, the kernel), print the checks as JSON and
     /// exit: 0 when none failed, 1 when one did. `dsv4ctl doctor` runs it as the service

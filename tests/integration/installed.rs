@@ -326,6 +326,16 @@ fn the_installed_units_run_as_shipped_under_a_real_systemd() {
             .contains("bogus_key: unknown key `bogus_key`")
     });
     write_public(&config, &good);
+    // So does a bad drop-in, named with its own file.
+    let dropin = w.path().join("etc/supervisor.yaml.d/50-local.yaml");
+    write_public(&dropin, "engine:\n  max_waiting: lots\n");
+    let o = ns.sh("systemctl reload dsv4.service");
+    assert!(!o.status.success(), "a bad drop-in reloaded");
+    ns.wait("the drop-in's mistake at error priority", || {
+        ns.out("journalctl --no-pager -o cat -p err -u dsv4")
+            .contains("supervisor.yaml.d/50-local.yaml:2:16: engine.max_waiting: invalid type")
+    });
+    std::fs::remove_file(&dropin).unwrap();
     let o = ns.sh("systemctl reload dsv4.service");
     assert!(
         o.status.success(),

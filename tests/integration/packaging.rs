@@ -24,9 +24,11 @@ const EXPECTED: &[&str] = &[
     "./usr/lib/sysusers.d/dsv4.conf",
     "./usr/lib/tmpfiles.d/dsv4.conf",
     "./etc/dsv4/supervisor.yaml",
+    "./etc/dsv4/supervisor.yaml.d/",
     "./etc/dsv4/profiles/64k.yaml",
     "./etc/dsv4/profiles/320k.yaml",
     "./usr/share/man/man8/dsv4d.8.gz",
+    "./usr/share/man/man5/supervisor.yaml.5.gz",
     "./usr/share/man/man1/dsv4ctl.1.gz",
     "./usr/share/bash-completion/completions/dsv4ctl",
     "./usr/share/zsh/vendor-completions/_dsv4ctl",
@@ -80,6 +82,12 @@ fn the_deb_builds_installs_and_purges_clean() {
     assert_eq!(page.trim(), "/usr/share/man/man1/dsv4ctl.1.gz");
     let page = run(Command::new("man").args(["-w", "8", "dsv4d"]));
     assert_eq!(page.trim(), "/usr/share/man/man8/dsv4d.8.gz");
+    let page = run(Command::new("man").args(["-w", "5", "supervisor.yaml"]));
+    assert_eq!(page.trim(), "/usr/share/man/man5/supervisor.yaml.5.gz");
+    assert!(
+        Path::new("/etc/dsv4/supervisor.yaml.d").is_dir(),
+        "no drop-in folder"
+    );
     assert!(Path::new("/var/lib/dsv4").is_dir(), "no state folder");
     let passwd = std::fs::read_to_string("/etc/passwd").unwrap();
     assert!(

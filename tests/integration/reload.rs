@@ -21,6 +21,25 @@ async fn wait_log(d: &Daemon, needle: &str, within: Duration) {
     }
 }
 
+/// A daemon with `idle_timeout: 1h` on a private bus; a proxy that reads properties from the
+/// daemon itself (not from a cache that follows PropertiesChanged), and its alerts.
+async fn on_a_bus() -> (
+    Setup,
+    PrivateBus,
+    Daemon,
+    dsv4_client::Supervisor1Proxy<'static>,
+    dsv4_client::AlertStream,
+) {
+    let bus = PrivateBus::start();
+    let setup = Setup::default()
+        .engine("idle_timeout", "1h")
+        .session_bus(&bus);
+    let d = Daemon::start(&setup);
+    let proxy = live_proxy(&bus, &d).await;
+    let alerts = proxy.receive_alert().await.unwrap();
+    (setup, bus, d, proxy, alerts)
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_new_idle_timeout_applies_to_the_running_engine() {
     let setup = Setup::default().engine("idle_timeout", "1h");
@@ -49,15 +68,7 @@ async fn a_new_idle_timeout_applies_to_the_running_engine() {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn an_invalid_edit_is_rejected_whole_with_an_alert() {
-    let bus = PrivateBus::start();
-    let setup = Setup::default()
-        .engine("idle_timeout", "1h")
-        .session_bus(&bus);
-    let d = Daemon::start(&setup);
-    // Properties are read from the daemon itself, not from a cache that follows
-    // PropertiesChanged.
-    let proxy = live_proxy(&bus, &d).await;
-    let mut alerts = proxy.receive_alert().await.unwrap();
+    let (setup, _bus, d, proxy, mut alerts) = on_a_bus().await;
 
     // Two mistakes: the whole change is refused, including the valid-looking part.
     let bad = setup
@@ -90,6 +101,43 @@ async fn an_invalid_edit_is_rejected_whole_with_an_alert() {
         "{s}"
     );
     assert_eq!(proxy.state().await.unwrap(), State::Ready.as_str());
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_drop_in_folder_made_while_running_is_watched_and_its_mistakes_placed() {
+    let (_setup, _bus, d, _proxy, mut alerts) = on_a_bus().await;
+    let (status, _, _) = body_json(d.post("/v1/chat/completions", chat(2, false)).await).await;
+    assert_eq!(status, 200);
+
+    // The folder is made after the start: once it is watched, a file saved in it counts.
+    let dropins = d.dir().join("supervisor.yaml.d");
+    std::fs::create_dir(&dropins).unwrap();
+    wait_log(&d, "supervisor.yaml.d", PATIENCE).await;
+
+    // A mistake is named in the drop-in's own file; the last good configuration stays.
+    replace_file(
+        &dropins.join("10-local.yaml"),
+        "engine:\n  idle_timeout: 1s\n  max_waiting: lots\n",
+    );
+    let alert = tokio::time::timeout(PATIENCE, alerts.next())
+        .await
+        .expect("no Alert signal")
+        .unwrap();
+    let message = alert.args().unwrap().message.to_string();
+    assert!(
+        message.contains("supervisor.yaml.d/10-local.yaml:3:16: engine.max_waiting:"),
+        "{message}"
+    );
+    assert_eq!(d.status().await["state"], "ready");
+
+    // Fixed, it is laid over supervisor.yaml: the idle engine stops within the new timeout.
+    replace_file(
+        &dropins.join("10-local.yaml"),
+        "engine:\n  idle_timeout: 1s\n",
+    );
+    d.wait_state(State::Stopped, PATIENCE).await;
+    d.log_with(&["configuration reloaded"]).await;
+    assert_eq!(d.spawns(), 1, "the reload restarted the engine");
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

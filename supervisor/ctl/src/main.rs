@@ -277,11 +277,16 @@ enum KvAction {
 
 #[derive(Debug, Subcommand)]
 enum ConfigAction {
-    /// Check FILE (default /etc/dsv4/supervisor.yaml): exit 0 when valid, 1 when not
+    /// Check FILE (default /etc/dsv4/supervisor.yaml) with its drop-ins
+    /// (FILE.d/*.yaml): exit 0 when valid, 1 when not
     Check {
         /// The supervisor.yaml to check
         #[arg(value_name = "FILE")]
         file: Option<std::path::PathBuf>,
+        /// Also print the file with its drop-ins laid over it, each value with the file and
+        /// line it comes from
+        #[arg(long)]
+        merged: bool,
     },
 }
 
@@ -309,10 +314,10 @@ async fn run(cli: Cli) -> Result<(), Failure> {
         return write_out(&script);
     }
     if let Command::Config {
-        action: ConfigAction::Check { file },
+        action: ConfigAction::Check { file, merged },
     } = cli.command
     {
-        return config_check(file);
+        return config_check(file, merged);
     }
     let bus = resolve_bus(cli.bus, std::env::var("DSV4_BUS").ok().as_deref())?;
     if let Command::Doctor {
@@ -377,21 +382,21 @@ async fn run(cli: Cli) -> Result<(), Failure> {
 
 /// `config check`: the daemon's own loader judges, through `dsv4d --check-config`, so the
 /// CLI needs none of the daemon's code and the two can never disagree.
-fn config_check(file: Option<std::path::PathBuf>) -> Result<(), Failure> {
+fn config_check(file: Option<std::path::PathBuf>, merged: bool) -> Result<(), Failure> {
     use std::path::PathBuf;
     let dsv4d = doctor::dsv4d_path();
     let file = file.unwrap_or_else(|| PathBuf::from("/etc/dsv4/supervisor.yaml"));
-    let status = std::process::Command::new(&dsv4d)
-        .arg("--check-config")
-        .arg("--config")
-        .arg(&file)
-        .status()
-        .map_err(|e| {
-            Failure::Usage(format!(
-                "cannot run {}: {e} (set DSV4D to the path of dsv4d)",
-                dsv4d.display()
-            ))
-        })?;
+    let mut command = std::process::Command::new(&dsv4d);
+    command.arg("--check-config").arg("--config").arg(&file);
+    if merged {
+        command.arg("--merged");
+    }
+    let status = command.status().map_err(|e| {
+        Failure::Usage(format!(
+            "cannot run {}: {e} (set DSV4D to the path of dsv4d)",
+            dsv4d.display()
+        ))
+    })?;
     match status.code() {
         Some(0) => Ok(()),
         Some(1) => Err(Failure::Failed(format!(

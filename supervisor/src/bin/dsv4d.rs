@@ -37,7 +37,7 @@ const LOG_WRITE_BUFFER: usize = 64 * 1024;
 fn main() -> std::process::ExitCode {
     let args = Args::parse();
     if args.check_config {
-        return check_config(&args.config);
+        return check_config(&args.config, args.merged);
     }
     if args.doctor {
         return doctor(&args);
@@ -105,7 +105,18 @@ impl std::fmt::Display for ConfigInvalid {
 
 impl std::error::Error for ConfigInvalid {}
 
-fn check_config(path: &std::path::Path) -> std::process::ExitCode {
+fn check_config(path: &std::path::Path, merged: bool) -> std::process::ExitCode {
+    // The merged settings first, when asked for: the verdict stays the last thing said.
+    if merged {
+        match Config::merged(path) {
+            Ok(text) => {
+                println!("# {} with its drop-ins, as read:", path.display());
+                print!("{text}");
+                println!();
+            }
+            Err(_) => println!("# no merged settings: a file cannot be read (below)\n"),
+        }
+    }
     match Config::load(path) {
         Ok(config) => {
             println!("{}", config.summary());

@@ -66,16 +66,10 @@ pub(super) fn load(
         problems.push(Problem::new(&shown.path(&file), "", message));
     }
     let text = text.ok();
-    let (shown_file, source) = (shown.path(&file), text.as_deref().unwrap_or(""));
-    // A null `exit_when_idle` or `notify.long_request` means never, and a null
-    // `api.stream_keepalive` off, not the default.
-    let never = |path: &str| {
-        matches!(
-            path,
-            "exit_when_idle" | "api.stream_keepalive" | "notify.long_request"
-        )
-    };
-    let (doc, raw) = Doc::read::<Supervisor>(shown_file, source, never, &mut problems);
+    let dropins = read_dropins(&file, &shown, &mut problems);
+    let mut layers = vec![(shown.path(&file), text.as_deref().unwrap_or(""))];
+    layers.extend(dropins.iter().map(|(f, t)| (shown.path(f), t.as_str())));
+    let (doc, raw) = Doc::read_layers::<Supervisor>(&layers, never, &mut problems);
     // When supervisor.yaml cannot be read, the profiles are still checked, in the default
     // folder; since that may not be the folder meant, it is not reported as missing or empty.
     let parsed = text.is_some() && raw.is_some();
@@ -105,13 +99,96 @@ pub(super) fn load(
             profiles,
         });
     }
-    // supervisor.yaml first, then the other files in the order they were checked (each file's
-    // problems are found together), each by position, the problems without one first.
-    problems.sort_by_key(|p| p.file != doc.file);
+    // supervisor.yaml first, then its drop-ins, then the other files in the order they were
+    // checked (each file's problems are found together), each by position, the problems
+    // without one first.
+    problems.sort_by_key(|p| doc.rank(p));
     for file in problems.chunk_by_mut(|a, b| a.file == b.file) {
         file.sort_by_key(|p| (p.line.unwrap_or(0), p.column.unwrap_or(0)));
     }
     Err(ConfigError { dir, problems })
+}
+
+/// A null `exit_when_idle` or `notify.long_request` means never, and a null
+/// `api.stream_keepalive` off, not the default.
+fn never(path: &str) -> bool {
+    matches!(
+        path,
+        "exit_when_idle" | "api.stream_keepalive" | "notify.long_request"
+    )
+}
+
+/// The drop-in folder of the configuration file `file`: `supervisor.yaml.d` beside it.
+pub(super) fn dropin_dir(file: &Path) -> PathBuf {
+    let mut name = file.file_name().unwrap_or_default().to_os_string();
+    name.push(".d");
+    file.with_file_name(name)
+}
+
+/// The drop-ins of `file`, in the order they are laid over it: each `*.yaml` in its
+/// drop-in folder by name (byte order, as `ls` with `LC_ALL=C`), hidden files left out. No
+/// folder is no drop-ins.
+pub(super) fn dropin_files(file: &Path) -> Result<Vec<PathBuf>, std::io::Error> {
+    let dir = dropin_dir(file);
+    let entries = match fs::read_dir(&dir) {
+        Ok(entries) => entries,
+        Err(e) if e.kind() == std::io::ErrorKind::NotFound => return Ok(Vec::new()),
+        Err(e) => return Err(e),
+    };
+    let mut names = Vec::new();
+    for entry in entries {
+        let name = entry?.file_name();
+        let text = name.as_encoded_bytes();
+        if text.ends_with(b".yaml") && !text.starts_with(b".") {
+            names.push(name);
+        }
+    }
+    names.sort();
+    Ok(names.into_iter().map(|n| dir.join(n)).collect())
+}
+
+/// Reads the drop-ins of `file`; each that cannot be read is a problem of its own.
+fn read_dropins(file: &Path, shown: &Shown, problems: &mut Vec<Problem>) -> Vec<(PathBuf, String)> {
+    let files = match dropin_files(file) {
+        Ok(files) => files,
+        Err(e) => {
+            let dir = dropin_dir(file);
+            let message = format!("cannot read the drop-in folder {}: {e}", dir.display());
+            problems.push(Problem::new(&shown.path(&dir), "", message));
+            return Vec::new();
+        }
+    };
+    let mut read = Vec::new();
+    for path in files {
+        match super::yaml::read_file(&path) {
+            Ok(text) => read.push((path, text)),
+            Err(e) => problems.push(Problem::new(&shown.path(&path), "", e)),
+        }
+    }
+    read
+}
+
+/// `supervisor.yaml` at `path` with its drop-ins laid over it, as YAML, each value with the
+/// file and line it comes from.
+pub(super) fn merged(path: &Path) -> Result<String, ConfigError> {
+    let file = std::path::absolute(path).unwrap_or_else(|_| path.to_path_buf());
+    let dir = file.parent().map(Path::to_path_buf).unwrap_or_default();
+    let shown = Shown(dir.clone());
+    let mut problems = Vec::new();
+    let text = match super::yaml::read_file(&file) {
+        Ok(text) => text,
+        Err(e) => {
+            problems.push(Problem::new(&shown.path(&file), "", e));
+            return Err(ConfigError { dir, problems });
+        }
+    };
+    let dropins = read_dropins(&file, &shown, &mut problems);
+    let mut layers = vec![(shown.path(&file), text.as_str())];
+    layers.extend(dropins.iter().map(|(f, t)| (shown.path(f), t.as_str())));
+    match Doc::merged_text(&layers, never, &mut problems) {
+        Some(text) if problems.is_empty() => Ok(text),
+        _ => Err(ConfigError { dir, problems }),
+    }
 }
 
 impl Check<'_> {

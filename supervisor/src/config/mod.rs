@@ -76,6 +76,19 @@ impl Config {
         load::load(path, false, false)
     }
 
+    /// `supervisor.yaml` at `path` with its drop-ins (`supervisor.yaml.d/*.yaml`) laid over
+    /// it, as YAML: every key that is written, each value with the file and line it comes
+    /// from (`dsv4d --check-config --merged`). An error only when a file cannot be read or
+    /// is not YAML; the settings are not checked.
+    pub fn merged(path: &Path) -> Result<String, ConfigError> {
+        load::merged(path)
+    }
+
+    /// The drop-in folder of this configuration: `supervisor.yaml.d` beside the file.
+    pub fn dropin_dir(&self) -> PathBuf {
+        load::dropin_dir(&self.file)
+    }
+
     /// A short report for `dsv4d --check-config`: a first line naming the file, the number of
     /// profiles and the default, then one line per profile.
     ///
@@ -92,6 +105,11 @@ impl Config {
         let plural = if count == 1 { "" } else { "s" };
         let default = &s.default_profile;
         let mut out = format!("{name} OK: {count} profile{plural} in {dir}, default {default}");
+        let dropins = load::dropin_files(&self.file).unwrap_or_default();
+        if !dropins.is_empty() {
+            let names: Vec<String> = dropins.iter().map(|f| shown.text(f)).collect();
+            out += &format!("; drop-ins, in order: {}", names.join(", "));
+        }
         for (name, p) in &self.profiles {
             out += &format!("\n  {name}: {}", p.engine);
             match p.context() {

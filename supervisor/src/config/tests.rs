@@ -343,6 +343,163 @@ fn an_empty_file_means_every_default() {
     assert_eq!(d.thermal.on_critical, OnCritical::Notify);
 }
 
+/// supervisor.yaml and its drop-ins, in `dir`, with one valid profile.
+fn with_dropins(dir: &TempDir, main: &str, dropins: &[(&str, &str)]) -> PathBuf {
+    let file = dir.write("supervisor.yaml", main);
+    for (name, text) in dropins {
+        dir.write(&format!("supervisor.yaml.d/{name}"), text);
+    }
+    dir.write("profiles/320k.yaml", MINIMAL_PROFILE);
+    dir.engine_files("profiles");
+    file
+}
+
+#[test]
+fn drop_ins_are_laid_over_the_file_in_name_order() {
+    let dir = TempDir::new("dropins");
+    let main = "engine:\n  idle_timeout: 10m\n  stop_timeout: 30s\nexit_when_idle: 1h\n\
+                api:\n  cors_origins: [http://a.example]\n";
+    let file = with_dropins(
+        &dir,
+        main,
+        &[
+            // Applied second: its idle_timeout wins over 10-a's.
+            ("20-b.yaml", "engine:\n  idle_timeout: 7m\n"),
+            // A mapping merges; a null changes nothing, unless null is the value (never).
+            (
+                "10-a.yaml",
+                "engine:\n  idle_timeout: 5m\n  stop_timeout: null\nexit_when_idle: null\n",
+            ),
+            // A list replaces the list before it.
+            ("30-c.yaml", "api:\n  cors_origins: [http://b.example]\n"),
+            // Not drop-ins: another extension, a hidden file.
+            ("40-d.yaml.dpkg-old", "engine: {idle_timeout: 1s}\n"),
+            (".50-e.yaml", "engine: {idle_timeout: 2s}\n"),
+            // An empty one is no change.
+            ("60-f.yaml", "# nothing yet\n"),
+        ],
+    );
+    let config = Config::load(&file).unwrap();
+    let s = &config.supervisor;
+    assert_eq!(s.engine.idle_timeout, Duration::from_secs(420));
+    assert_eq!(s.engine.stop_timeout, Duration::from_secs(30));
+    assert_eq!(s.exit_when_idle, None);
+    assert_eq!(s.api.cors_origins, ["http://b.example"]);
+    assert_eq!(config.dropin_dir(), dir.path().join("supervisor.yaml.d"));
+    assert!(
+        config.summary().contains(
+            "; drop-ins, in order: supervisor.yaml.d/10-a.yaml, supervisor.yaml.d/20-b.yaml, \
+             supervisor.yaml.d/30-c.yaml, supervisor.yaml.d/60-f.yaml\n"
+        ),
+        "{}",
+        config.summary()
+    );
+    // Without the folder, the file alone.
+    fs::remove_dir_all(dir.path().join("supervisor.yaml.d")).unwrap();
+    let config = Config::load(&file).unwrap();
+    assert_eq!(
+        config.supervisor.engine.idle_timeout,
+        Duration::from_secs(600)
+    );
+    assert_eq!(config.supervisor.api.cors_origins, ["http://a.example"]);
+}
+
+#[test]
+fn a_drop_in_mistake_is_placed_in_its_own_file() {
+    let dir = TempDir::new("dropin-mistakes");
+    let main = "engine:\n  idle_timeout: 0s\napi:\n  listen: nowhere\n";
+    let file = with_dropins(
+        &dir,
+        main,
+        &[
+            // Fixes the main file's idle_timeout; its own mistakes are its own.
+            (
+                "10-a.yaml",
+                "engine:\n  idle_timeout: 5m\n  max_waiting: lots\n  idle_timout: 1m\n",
+            ),
+            ("20-b.yaml", "memory:\n  reserve: [1]\n"),
+            ("30-c.yaml", "- a list\n"),
+            ("40-d.yaml", "power: {cpu: [\n"),
+            // A rule between keys is placed where the key is written last.
+            ("50-e.yaml", "api:\n  min_body_rate: 1TiB\n"),
+        ],
+    );
+    let found = errors(Config::load(&file));
+    let want = [
+        "supervisor.yaml:4:11: api.listen: invalid address",
+        "supervisor.yaml.d/10-a.yaml:3:16: engine.max_waiting: invalid type: string \"lots\"",
+        "supervisor.yaml.d/10-a.yaml:4:3: engine.idle_timout: unknown key `idle_timout`",
+        "supervisor.yaml.d/20-b.yaml:2:12: memory.reserve: invalid type: sequence",
+        "supervisor.yaml.d/30-c.yaml:1:1: a drop-in must be a mapping of settings",
+        "supervisor.yaml.d/40-d.yaml:2:1: ",
+        "supervisor.yaml.d/50-e.yaml:2:18: api.min_body_rate: ",
+    ];
+    assert_eq!(found.len(), want.len(), "{found:#?}");
+    for (found, want) in found.iter().zip(want) {
+        assert!(
+            found.starts_with(want),
+            "{found}\n  does not start with\n{want}"
+        );
+    }
+    // A drop-in that cannot be read is a problem of its own, as a folder in its place is.
+    let dir = TempDir::new("dropin-unreadable");
+    let file = with_dropins(&dir, "", &[]);
+    fs::create_dir_all(dir.path().join("supervisor.yaml.d/10-a.yaml")).unwrap();
+    let found = errors(Config::load(&file));
+    assert_eq!(
+        found,
+        ["supervisor.yaml.d/10-a.yaml: is a folder, not a regular file"]
+    );
+}
+
+#[test]
+fn merged_settings_say_where_each_value_comes_from() {
+    let dir = TempDir::new("dropins-merged");
+    let main =
+        "engine:\n  idle_timeout: 10m\n  stop_timeout: 30s\napi:\n  listen: \"127.0.0.1:8080\"\n";
+    let file = with_dropins(
+        &dir,
+        main,
+        &[
+            (
+                "10-a.yaml",
+                "engine:\n  idle_timeout: 5m\napi: {listen: \"[::1]:9000\", cors_origins: []}\n",
+            ),
+            (
+                "20-b.yaml",
+                "api:\n  cors_origins: ['http://a.example', http://b.example]\n\
+                 exit_when_idle: null\nmemory:\n  reserve:\n",
+            ),
+        ],
+    );
+    let text = Config::merged(&file).unwrap();
+    assert_eq!(
+        text,
+        "engine:\n  idle_timeout: 5m  # supervisor.yaml.d/10-a.yaml:2\n  \
+         stop_timeout: 30s  # supervisor.yaml:3\n\
+         api:\n  listen: \"[::1]:9000\"  # supervisor.yaml.d/10-a.yaml:3\n  \
+         cors_origins:\n    \
+         - http://a.example  # supervisor.yaml.d/20-b.yaml:2\n    \
+         - http://b.example  # supervisor.yaml.d/20-b.yaml:2\n\
+         exit_when_idle: null  # supervisor.yaml.d/20-b.yaml:3\n\
+         memory: {}  # supervisor.yaml.d/20-b.yaml:4\n"
+    );
+    // Read back as a file of its own, it is the same settings.
+    let layered = Config::load(&file).unwrap().supervisor;
+    let alone = Config::load(&dir.write("merged.yaml", &text))
+        .unwrap()
+        .supervisor;
+    assert_eq!(alone, layered);
+    // A drop-in that is not YAML: no merged settings, and where it fails.
+    dir.write("supervisor.yaml.d/30-c.yaml", "a: [\n");
+    let found = errors(Config::merged(&file).map(|_| Config::load(&file).unwrap()));
+    assert_eq!(found.len(), 1, "{found:?}");
+    assert!(
+        found[0].starts_with("supervisor.yaml.d/30-c.yaml:2:1: "),
+        "{found:?}"
+    );
+}
+
 #[test]
 fn enum_spellings() {
     let read = |text: &str| {

@@ -1,4 +1,5 @@
-//! Reading one YAML file into a serde type, reporting every mistake in it with its position.
+//! Reading a YAML file, with its drop-ins laid over it, into a serde type, reporting every
+//! mistake with its file and position.
 //!
 //! The text is parsed once into nodes with their marks ([`dsv4_yaml`]); this project's own
 //! deserializer reads the type from them, and every mistake it finds names the path of the
@@ -7,6 +8,12 @@
 //! not fit: its entry is then taken out of the nodes and the type read again from them, until
 //! it reads, so one run reports every mistake (up to [`MAX_VALUE_PROBLEMS`] values that do
 //! not fit).
+//!
+//! Drop-ins ([`Doc::read_layers`]) are parsed alone, then laid over the file in order: a
+//! mapping merges into the mapping under the same key, anything else (a scalar, a list)
+//! replaces what was there, and a key set to null in a drop-in changes nothing (unless null
+//! is that key's value). Each entry remembers the file that wrote it last, so a mistake is
+//! placed in the file it comes from.
 
 use std::cell::RefCell;
 use std::collections::{HashMap, HashSet};
@@ -65,13 +72,18 @@ struct Entry {
     /// The key; for an item, the item.
     key: Marker,
     value: Marker,
+    /// Which of [`Doc::files`] it is written in.
+    file: usize,
 }
 
-/// A file that was read: problems found afterwards get their key's position from it.
+/// A file that was read (with its drop-ins): problems found afterwards get their key's file
+/// and position from it.
 #[derive(Debug, Default)]
 pub(crate) struct Doc {
-    /// As shown in messages.
+    /// The file, as shown in messages.
     pub file: PathBuf,
+    /// The file, then its drop-ins in the order they were laid over it.
+    pub files: Vec<PathBuf>,
     /// Every entry by path: `engine.idle_timeout`, `extra_args[2]`.
     entries: HashMap<String, Entry>,
     /// Entries whose value is a plain null (not written, as far as the settings go).
@@ -93,19 +105,25 @@ impl Doc {
         null_is_value: fn(&str) -> bool,
         problems: &mut Vec<Problem>,
     ) -> (Doc, Option<T>) {
-        let mut doc = Doc {
-            file,
-            ..Doc::default()
+        Doc::read_layers(&[(file, text)], null_is_value, problems)
+    }
+
+    /// As [`read`](Self::read), for the first of `layers` with the others laid over it in
+    /// order (its drop-ins: each `(file, text)`). A drop-in that is not YAML, or not a
+    /// mapping, is reported and left out: the rest is still read, so that their mistakes
+    /// are found too.
+    pub fn read_layers<T: DeserializeOwned + Default>(
+        layers: &[(PathBuf, &str)],
+        null_is_value: fn(&str) -> bool,
+        problems: &mut Vec<Problem>,
+    ) -> (Doc, Option<T>) {
+        let before = problems.len();
+        let (mut doc, root) = Doc::merge(layers, null_is_value, problems);
+        let Some(mut root) = root else {
+            // The file itself is not YAML, or every file is empty.
+            let empty = problems[before..].iter().all(|p| p.file != doc.file);
+            return (doc, empty.then(T::default));
         };
-        let mut root = match dsv4_yaml::parse(text) {
-            Ok(Some(root)) => root,
-            Ok(None) => return (doc, Some(T::default())),
-            Err((at, message)) => {
-                problems.push(Problem::new(&doc.file, "", message).at(Some(at)));
-                return (doc, None);
-            }
-        };
-        doc.record(&mut root, "", null_is_value);
         let mut unknown_seen = HashSet::new();
         // How many values' problems were reported: only the first is certain to be the file's
         // own, so a later one that cannot be set aside ends the reading unsaid.
@@ -154,26 +172,124 @@ impl Doc {
         }
     }
 
-    /// Records where each entry inside `node` (at `path`) is written, and takes out those
-    /// whose value is a plain null (a key set to null counts as not written), unless
-    /// `null_is_value` says the null is the value.
-    fn record(&mut self, node: &mut Node, path: &str, null_is_value: fn(&str) -> bool) {
+    /// Parses each of `layers` and lays each over the ones before: the document (`None` when
+    /// every file is empty or the first is not YAML).
+    fn merge(
+        layers: &[(PathBuf, &str)],
+        null_is_value: fn(&str) -> bool,
+        problems: &mut Vec<Problem>,
+    ) -> (Doc, Option<Node>) {
+        let mut doc = Doc {
+            file: layers.first().map(|l| l.0.clone()).unwrap_or_default(),
+            files: layers.iter().map(|l| l.0.clone()).collect(),
+            ..Doc::default()
+        };
+        let mut root: Option<Node> = None;
+        for (i, (file, text)) in layers.iter().enumerate() {
+            let mut node = match dsv4_yaml::parse(text) {
+                Ok(Some(node)) => node,
+                Ok(None) => continue,
+                Err((at, message)) => {
+                    problems.push(Problem::new(file, "", message).at(Some(at)));
+                    if i == 0 {
+                        // Its drop-ins are not laid over what could not be read.
+                        return (doc, None);
+                    }
+                    continue;
+                }
+            };
+            if i > 0 && !matches!(node.kind, Kind::Map(_)) {
+                if !node.is_null() {
+                    let message = "a drop-in must be a mapping of settings, as the file it \
+                                   is laid over is";
+                    let at = dsv4_yaml::position(&node.mark);
+                    problems.push(Problem::new(file, "", message).at(Some(at)));
+                }
+                continue;
+            }
+            let mut layer = Doc::default();
+            layer.record(&mut node, "", null_is_value, i);
+            match root.as_mut() {
+                None => root = Some(node),
+                // The file's own mistake (a list where its settings belong) is its own.
+                Some(base) if !base.is_null() && !matches!(base.kind, Kind::Map(_)) => continue,
+                Some(base) => doc.overlay(base, node, ""),
+            }
+            doc.take(layer);
+        }
+        (doc, root)
+    }
+
+    /// Lays `top` over `base` (at `path`): mappings merge key by key, anything else replaces
+    /// what was there, and what was recorded inside it is forgotten.
+    fn overlay(&mut self, base: &mut Node, mut top: Node, path: &str) {
+        if let (Kind::Map(under), Kind::Map(over)) = (&mut base.kind, &mut top.kind) {
+            for (key, value) in std::mem::take(over) {
+                // The last of two equal keys is the one read.
+                match under.iter_mut().rev().find(|(k, _)| k.text() == key.text()) {
+                    Some((_, old)) => {
+                        let child = dsv4_yaml::key_path(path, key.text());
+                        self.overlay(old, value, &child);
+                    }
+                    None => under.push((key, value)),
+                }
+            }
+            return;
+        }
+        let inside = |p: &String| {
+            path.is_empty()
+                || p.strip_prefix(path)
+                    .is_some_and(|rest| rest.starts_with('.') || rest.starts_with('['))
+        };
+        self.entries.retain(|p, _| !inside(p));
+        self.nulls.retain(|p| !inside(p));
+        *base = top;
+    }
+
+    /// Takes the entries recorded for a drop-in: a null it took out changes nothing already
+    /// written.
+    fn take(&mut self, layer: Doc) {
+        for (path, entry) in layer.entries {
+            let null = layer.nulls.contains(&path);
+            if null && self.entries.contains_key(&path) {
+                continue;
+            }
+            if null {
+                self.nulls.insert(path.clone());
+            } else {
+                self.nulls.remove(&path);
+            }
+            self.entries.insert(path, entry);
+        }
+    }
+
+    /// Records where each entry inside `node` (at `path`, in the file `file`) is written, and
+    /// takes out those whose value is a plain null (a key set to null counts as not written),
+    /// unless `null_is_value` says the null is the value.
+    fn record(
+        &mut self,
+        node: &mut Node,
+        path: &str,
+        null_is_value: fn(&str) -> bool,
+        file: usize,
+    ) {
         match &mut node.kind {
             Kind::Scalar { .. } => {}
             Kind::Seq(items) => {
                 for (i, item) in items.iter_mut().enumerate() {
                     let child = format!("{path}[{i}]");
-                    self.record(item, &child, null_is_value);
+                    self.record(item, &child, null_is_value, file);
                     let (key, value) = (item.mark, item.mark);
-                    self.entries.insert(child, Entry { key, value });
+                    self.entries.insert(child, Entry { key, value, file });
                 }
             }
             Kind::Map(entries) => entries.retain_mut(|(key, value)| {
                 let child = dsv4_yaml::key_path(path, key.text());
-                self.record(value, &child, null_is_value);
+                self.record(value, &child, null_is_value, file);
                 let entry = Entry {
                     key: key.mark,
                     value: value.mark,
+                    file,
                 };
                 // The last of two equal keys is the one read.
                 self.entries.insert(child.clone(), entry);
@@ -209,7 +325,8 @@ impl Doc {
     /// A problem reported under `field` about the entry at `path` (an item `extra_args[2]`
     /// under `extra_args`), or about its key's name (`on_key`).
     pub fn at(&self, field: &str, path: &str, on_key: bool, message: impl Into<String>) -> Problem {
-        let spot = self.entries.get(path).map(|e| {
+        let entry = self.entries.get(path);
+        let spot = entry.map(|e| {
             let m = if on_key || e.value.line() != e.key.line() {
                 e.key
             } else {
@@ -218,7 +335,15 @@ impl Doc {
             // 1-based, the column in characters.
             (m.line(), m.col() + 1)
         });
-        Problem::new(&self.file, field, message).at(spot)
+        let file = entry.and_then(|e| self.files.get(e.file));
+        Problem::new(file.unwrap_or(&self.file), field, message).at(spot)
+    }
+
+    /// Where `problem`'s file comes in the order files are reported: the file, then its
+    /// drop-ins, then any other file.
+    pub fn rank(&self, problem: &Problem) -> usize {
+        let found = self.files.iter().position(|f| *f == problem.file);
+        found.unwrap_or(self.files.len())
     }
 
     /// The first of `paths` that is written, else the first: where a rule between keys is
@@ -238,6 +363,111 @@ impl Doc {
     pub fn dropped(&self, path: &str) -> bool {
         self.dropped.contains(path)
     }
+}
+
+impl Doc {
+    /// `layers` merged as [`read_layers`](Self::read_layers) merges them, written out as
+    /// YAML, each value with a comment saying the file and line it comes from; `None`, with
+    /// the problems, when a file is not YAML. Keys set to null are left out, as they count
+    /// as not written.
+    pub fn merged_text(
+        layers: &[(PathBuf, &str)],
+        null_is_value: fn(&str) -> bool,
+        problems: &mut Vec<Problem>,
+    ) -> Option<String> {
+        let before = problems.len();
+        let (doc, root) = Doc::merge(layers, null_is_value, problems);
+        if problems.len() > before {
+            return None;
+        }
+        let mut out = String::new();
+        if let Some(root) = root {
+            doc.write(&mut out, &root, "", 0);
+        }
+        Some(out)
+    }
+
+    /// Writes `node` (at `path`, as a block `depth` levels in) to `out`.
+    fn write(&self, out: &mut String, node: &Node, path: &str, depth: usize) {
+        let indent = "  ".repeat(depth);
+        match &node.kind {
+            Kind::Map(entries) if !entries.is_empty() => {
+                for (key, value) in entries {
+                    let child = dsv4_yaml::key_path(path, key.text());
+                    out.push_str(&format!("{indent}{}:", written_scalar(key.text(), false)));
+                    self.write_value(out, value, &child, depth);
+                }
+            }
+            Kind::Seq(items) if !items.is_empty() => {
+                for (i, item) in items.iter().enumerate() {
+                    out.push_str(&format!("{indent}-"));
+                    self.write_value(out, item, &format!("{path}[{i}]"), depth);
+                }
+            }
+            _ => {
+                out.push_str(&indent);
+                self.write_value(out, node, path, depth);
+            }
+        }
+    }
+
+    /// Writes the value of the entry at `path` after its key or dash: on the same line with
+    /// its origin when it is a scalar or empty, else as a block one level in.
+    fn write_value(&self, out: &mut String, value: &Node, path: &str, depth: usize) {
+        let leaf = match &value.kind {
+            Kind::Scalar { text, plain } => Some(written_scalar(text, *plain)),
+            Kind::Map(entries) if entries.is_empty() => Some("{}".to_string()),
+            Kind::Seq(items) if items.is_empty() => Some("[]".to_string()),
+            _ => None,
+        };
+        match leaf {
+            Some(text) => {
+                out.push(' ');
+                out.push_str(&text);
+                if let Some(e) = self.entries.get(path) {
+                    let file = self.files.get(e.file).unwrap_or(&self.file);
+                    out.push_str(&format!("  # {}:{}", file.display(), e.key.line()));
+                }
+                out.push('\n');
+            }
+            None => {
+                out.push('\n');
+                self.write(out, value, path, depth + 1);
+            }
+        }
+    }
+}
+
+/// A scalar as it can be written back: a plain one as it was written (so it keeps its
+/// type); a quoted one, or a key, plain when that reads as the same text, else in double
+/// quotes (a JSON string is a YAML double-quoted scalar).
+fn written_scalar(text: &str, plain: bool) -> String {
+    if plain && text.is_empty() {
+        return "null".to_string();
+    }
+    // Written plain after a key or a dash, as it was, a plain scalar reads the same.
+    if plain && !text.contains('\n') {
+        return text.to_string();
+    }
+    let simple = !text.is_empty()
+        && !text.contains([
+            '\n', '#', '"', '\'', '{', '}', '[', ']', ',', '&', '*', '!', '|', '>',
+        ])
+        && !text.contains(": ")
+        && !text.ends_with([':', ' '])
+        && !text.starts_with([' ', '-', '?', '%', '@', '`']);
+    // Written plain, a quoted text that looks like a number, a boolean or null would be read
+    // as one.
+    let lower = text.to_ascii_lowercase();
+    let typed = text.parse::<f64>().is_ok()
+        || matches!(
+            lower.as_str(),
+            "null" | "~" | "true" | "false" | ".inf" | "-.inf" | ".nan"
+        );
+    if simple && !typed {
+        return text.to_string();
+    }
+    serde_json::to_string(text).unwrap_or_else(|_| format!("{text:?}"))
 }
 
 /// Takes the mapping entry whose value is `value` out of `node`; whether it was there.
@@ -273,6 +503,47 @@ mod tests {
             })
             .collect();
         (shown, read.is_some())
+    }
+
+    #[test]
+    fn a_scalar_is_written_back_to_read_as_it_was() {
+        let table = [
+            // (text, plain, written)
+            ("5m", true, "5m"),
+            ("", true, "null"),
+            ("127.0.0.1:8080", true, "127.0.0.1:8080"),
+            ("-ub", true, "-ub"),
+            ("it's", true, "it's"),
+            ("a\n\nb", true, "\"a\\n\\nb\""),
+            // Quoted text stays text: plain when it reads so, else quoted.
+            ("http://a.example", false, "http://a.example"),
+            ("5", false, "\"5\""),
+            ("1e3", false, "\"1e3\""),
+            ("true", false, "\"true\""),
+            ("Null", false, "\"Null\""),
+            ("~", false, "\"~\""),
+            ("", false, "\"\""),
+            ("[::1]:9000", false, "\"[::1]:9000\""),
+            ("a: b", false, "\"a: b\""),
+            ("a #b", false, "\"a #b\""),
+            ("-x", false, "\"-x\""),
+            (" x", false, "\" x\""),
+            ("x:", false, "\"x:\""),
+            ("say \"hi\"", false, "\"say \\\"hi\\\"\""),
+        ];
+        for (text, plain, want) in table {
+            assert_eq!(written_scalar(text, plain), want, "{text:?} plain={plain}");
+            // And it reads back as the same text.
+            let node = dsv4_yaml::parse(&format!("k: {want}\n")).unwrap().unwrap();
+            let Kind::Map(entries) = node.kind else {
+                panic!()
+            };
+            let read = match &entries[0].1.kind {
+                Kind::Scalar { text, .. } if !(plain && text == "null") => text.clone(),
+                _ => String::new(),
+            };
+            assert_eq!(read, text, "{want}");
+        }
     }
 
     #[test]

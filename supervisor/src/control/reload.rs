@@ -1,5 +1,5 @@
-//! Configuration reload, on SIGHUP and when a YAML file in the config or profiles folder
-//! changes.
+//! Configuration reload, on SIGHUP and when a YAML file in the config folder, its drop-in
+//! folder (`supervisor.yaml.d`) or the profiles folder changes.
 //!
 //! Owns: the file watcher and the decision to accept a new configuration. Must not: apply
 //! settings itself; a valid configuration is published on the config watch, the one place
@@ -39,14 +39,16 @@ pub struct Reloader {
 }
 
 /// Whether a file event can change the configuration: a YAML file (or the config file
-/// itself) created, written, renamed or removed. Reads are not (the loader's own reads
-/// would otherwise trigger it again).
-fn relevant(ev: &notify::Event, config_file: &Path) -> bool {
+/// itself, or its drop-in folder) created, written, renamed or removed. Reads are not (the
+/// loader's own reads would otherwise trigger it again).
+fn relevant(ev: &notify::Event, config_file: &Path, dropins: &Path) -> bool {
     if matches!(ev.kind, EventKind::Access(_)) {
         return false;
     }
     ev.paths.iter().any(|p| {
-        p == config_file || matches!(p.extension().and_then(|e| e.to_str()), Some("yaml" | "yml"))
+        p == config_file
+            || p == dropins
+            || matches!(p.extension().and_then(|e| e.to_str()), Some("yaml" | "yml"))
     })
 }
 
@@ -61,10 +63,12 @@ impl Reloader {
             }
         };
         let (tx, mut rx) = mpsc::unbounded_channel::<()>();
-        let config_file = self.config.borrow().file.clone();
-        let file = config_file.clone();
+        let (file, dropins) = {
+            let config = self.config.borrow();
+            (config.file.clone(), config.dropin_dir())
+        };
         let watcher = notify::recommended_watcher(move |res: notify::Result<notify::Event>| {
-            if res.is_ok_and(|ev| relevant(&ev, &file)) {
+            if res.is_ok_and(|ev| relevant(&ev, &file, &dropins)) {
                 let _ = tx.send(());
             }
         });
@@ -84,6 +88,11 @@ impl Reloader {
                 _ = async { hup.as_mut().unwrap().recv().await }, if hup.is_some() => "SIGHUP",
                 Some(()) = rx.recv() => {
                     while let Ok(Some(())) = tokio::time::timeout(DEBOUNCE, rx.recv()).await {}
+                    // A drop-in folder just made is watched before it is read, so that a file
+                    // written into it from now on is seen.
+                    if let Some(w) = watcher.as_mut() {
+                        self.watch_folders(w, &mut watched);
+                    }
                     "a configuration file changed"
                 }
                 _ = self.config.closed() => return,
@@ -92,10 +101,15 @@ impl Reloader {
         }
     }
 
-    /// Watches the config file's folder and the profiles folder (again, if it moved).
+    /// Watches the config file's folder, its drop-in folder when there is one, and the
+    /// profiles folder (again, if it moved).
     fn watch_folders(&self, w: &mut notify::RecommendedWatcher, watched: &mut Vec<PathBuf>) {
         let c = self.config.borrow().clone();
         let mut want: Vec<PathBuf> = c.file.parent().map(Path::to_path_buf).into_iter().collect();
+        let dropins = c.dropin_dir();
+        if dropins.is_dir() {
+            want.push(dropins);
+        }
         want.push(c.supervisor.profiles_dir.clone());
         want.dedup();
         if *watched == want {
@@ -110,6 +124,8 @@ impl Reloader {
                 Err(e) => tracing::warn!("cannot watch {}: {e}", dir.display()),
             }
         }
+        let shown: Vec<_> = watched.iter().map(|d| d.display().to_string()).collect();
+        tracing::debug!("watching for configuration changes: {}", shown.join(", "));
     }
 
     async fn reload(&self, why: &str) {
@@ -219,46 +235,36 @@ mod tests {
     }
 
     #[test]
-    fn only_changes_to_yaml_files_count() {
+    fn only_changes_to_yaml_files_and_the_drop_in_folder_count() {
         let cfg = Path::new("/etc/dsv4/supervisor.yaml");
-        assert!(relevant(
-            &ev(
-                EventKind::Modify(ModifyKind::Any),
-                "/etc/dsv4/profiles/64k.yaml"
+        let dropins = Path::new("/etc/dsv4/supervisor.yaml.d");
+        let modify = EventKind::Modify(ModifyKind::Any);
+        let create = EventKind::Create(CreateKind::File);
+        let folder = EventKind::Create(CreateKind::Folder);
+        let read = EventKind::Access(AccessKind::Any);
+        let table = [
+            (modify, "/etc/dsv4/profiles/64k.yaml", true),
+            (create, "/etc/dsv4/profiles/x.yml", true),
+            (modify, "/etc/dsv4/supervisor.yaml", true),
+            (create, "/etc/dsv4/supervisor.yaml.d/10-local.yaml", true),
+            (folder, "/etc/dsv4/supervisor.yaml.d", true),
+            (
+                EventKind::Remove(notify::event::RemoveKind::Folder),
+                "/etc/dsv4/supervisor.yaml.d",
+                true,
             ),
-            cfg
-        ));
-        assert!(relevant(
-            &ev(
-                EventKind::Create(CreateKind::File),
-                "/etc/dsv4/profiles/x.yml"
-            ),
-            cfg
-        ));
-        assert!(relevant(
-            &ev(
-                EventKind::Modify(ModifyKind::Any),
-                "/etc/dsv4/supervisor.yaml"
-            ),
-            cfg
-        ));
-        assert!(!relevant(
-            &ev(
-                EventKind::Access(AccessKind::Any),
-                "/etc/dsv4/supervisor.yaml"
-            ),
-            cfg
-        ));
-        assert!(!relevant(
-            &ev(
-                EventKind::Create(CreateKind::File),
-                "/etc/dsv4/.supervisor.yaml.swp"
-            ),
-            cfg
-        ));
-        assert!(!relevant(
-            &ev(EventKind::Modify(ModifyKind::Any), "/etc/dsv4/keys"),
-            cfg
-        ));
+            (read, "/etc/dsv4/supervisor.yaml", false),
+            (read, "/etc/dsv4/supervisor.yaml.d/10-local.yaml", false),
+            (create, "/etc/dsv4/.supervisor.yaml.swp", false),
+            (create, "/etc/dsv4/supervisor.yaml.d/README", false),
+            (modify, "/etc/dsv4/keys", false),
+        ];
+        for (kind, path, counts) in table {
+            assert_eq!(
+                relevant(&ev(kind, path), cfg, dropins),
+                counts,
+                "{kind:?} {path}"
+            );
+        }
     }
 }
