@@ -449,6 +449,26 @@ fn start_proxyd(activate: &Path, engine: SocketAddr) -> Result<(Started, SocketA
     Ok((p, addr))
 }
 
+/// A daemon of the build at `bin` (`BENCH_BASELINE_DSV4D`), with `setup`, its engine
+/// started; its wrapper drops the path of this build's dsv4d, which the harness appends.
+async fn start_baseline(setup: &Setup, bin: &Path) -> Result<(Daemon, TempDir), String> {
+    if !bin.is_file() {
+        return Err(format!("{} is not a file", bin.display()));
+    }
+    let dir = temp_dir("baseline");
+    let wrapper = dir.path().join("baseline-dsv4d");
+    let script = format!("#!/bin/sh\nshift\nexec '{}' \"$@\"\n", bin.display());
+    std::fs::write(&wrapper, script).map_err(|e| e.to_string())?;
+    std::fs::set_permissions(
+        &wrapper,
+        std::os::unix::fs::PermissionsExt::from_mode(0o755),
+    )
+    .map_err(|e| e.to_string())?;
+    let d = Daemon::start(&setup.clone().wrapper(&[wrapper.to_str().unwrap()]));
+    check(d.addr, None, Duration::from_secs(60)).map_err(|e| format!("did not answer: {e}"))?;
+    Ok((d, dir))
+}
+
 fn median(mut v: Vec<f64>) -> f64 {
     v.retain(|x| x.is_finite());
     if v.is_empty() {
@@ -545,6 +565,24 @@ pub async fn run() {
         },
     ];
     let mut started = Vec::new();
+    // Another build of dsv4d, measured in the same rounds (interleaved with this one): a
+    // before-and-after of a change. It runs the same setup, with an engine of its own.
+    let baseline = std::env::var_os("BENCH_BASELINE_DSV4D").map(PathBuf::from);
+    let mut _baseline_daemon = None;
+    if let Some(bin) = baseline {
+        match start_baseline(&setup, &bin).await {
+            Ok((b, dir)) => {
+                routes.push(Route {
+                    name: "dsv4d, baseline".into(),
+                    slug: "dsv4d-baseline".into(),
+                    addr: b.addr,
+                    own: Own::Process(b.child.id()),
+                });
+                _baseline_daemon = Some((b, dir));
+            }
+            Err(e) => skipped.push(format!("dsv4d, baseline: {e}")),
+        }
+    }
     // The floor of dsv4d's own stack: hyper's server and client on one tokio thread, nothing
     // else (tests/bare-proxy).
     match start_bare(engine) {

@@ -11,7 +11,8 @@
 //!
 //! Run: `cargo bench -p dsv4-tests --bench proxy` (env `BENCH_REQUESTS`, `BENCH_TOKENS`,
 //! `BENCH_STARTS` scale it; `BENCH_WRK_SECONDS`, `BENCH_ROUNDS`, `BENCH_NGINX_WORKERS`,
-//! `BENCH_ENGINE_CONNECTIONS` the proxies section). `BENCH_ONLY=proxies` runs only the proxies
+//! `BENCH_ENGINE_CONNECTIONS`, `BENCH_BASELINE_DSV4D` (another build's dsv4d-under-test, measured
+//! beside this one in the same rounds) the proxies section). `BENCH_ONLY=proxies` runs only the proxies
 //! section, `BENCH_ONLY=classic` only the others.
 
 #[path = "../integration/support/mod.rs"]

@@ -475,3 +475,46 @@ async fn connect_and_trace_get_405_and_never_start_the_engine() {
     assert_eq!(d.spawns(), 0);
     assert!(!d.fake_log().contains("start pid="), "{}", d.fake_log());
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn api_keys_from_a_systemd_credential() {
+    const KEY: &str = "sk-dsv4-credential-0123456789abcdef";
+    // The folder as systemd hands it to the service ($CREDENTIALS_DIRECTORY): the service's
+    // own, read-only, the file 0440 (systemd 254 and later show an ACL mask as group bits).
+    let creds = temp_dir("credentials");
+    let file = creds.path().join("api-keys");
+    std::fs::write(&file, format!("{KEY}\n")).unwrap();
+    std::fs::set_permissions(&file, std::fs::Permissions::from_mode(0o440)).unwrap();
+    std::fs::set_permissions(creds.path(), std::fs::Permissions::from_mode(0o500)).unwrap();
+    let setup = Setup::default().api("api_keys_file", "credential:api-keys");
+    let d = api_daemon(
+        setup
+            .clone()
+            .daemon_env("CREDENTIALS_DIRECTORY", creds.path().to_str().unwrap()),
+    );
+    let (status, _, _) = chat_with(&d, &[]).await;
+    assert_eq!(status, 401);
+    let bearer = format!("Bearer {KEY}");
+    let (status, _, body) = chat_with(&d, &[("authorization", &bearer)]).await;
+    assert_eq!(status, 200, "{body}");
+
+    // Without the credentials, dsv4d refuses to start and says what the unit needs...
+    let config = d.dir().join("supervisor.yaml");
+    let out = run_dsv4d(["--config", config.to_str().unwrap(), "--bus", "none"]);
+    assert_eq!(out.status.code(), Some(78));
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert!(
+        err.contains("api.api_keys_file: names the systemd credential \"api-keys\"")
+            && err.contains("LoadCredential=api-keys:/etc/dsv4/api-keys"),
+        "{err}"
+    );
+    // ...while a check by hand leaves the credential to the service's own check.
+    let out = run_dsv4d(["--check-config", "--config", config.to_str().unwrap()]);
+    let said = String::from_utf8_lossy(&out.stdout);
+    assert!(out.status.success(), "{said}");
+    assert!(
+        said.contains("api.api_keys_file: the systemd credential \"api-keys\""),
+        "{said}"
+    );
+    std::fs::set_permissions(creds.path(), std::fs::Permissions::from_mode(0o700)).unwrap();
+}

@@ -117,7 +117,7 @@ fn check_config(path: &std::path::Path, merged: bool) -> std::process::ExitCode 
             Err(_) => println!("# no merged settings: a file cannot be read (below)\n"),
         }
     }
-    match Config::load(path) {
+    match Config::load_to_check(path) {
         Ok(config) => {
             println!("{}", config.summary());
             std::process::ExitCode::SUCCESS

@@ -256,6 +256,26 @@ pub(crate) fn check_makeable_dir(shown: &Shown, dir: &Path) -> Option<String> {
 
 /// The API keys file: a regular file that only its owner may read or write, since it holds
 /// secrets (the same rule as `auth::ApiKeys::load`, which reads it).
+/// Whether `path` is one of the service's systemd credentials: a file right inside
+/// `$CREDENTIALS_DIRECTORY`. systemd makes that folder for the service alone (its user may
+/// read it, nobody may write it), and from systemd 254 gives the files group bits through
+/// an ACL mask (mode 0440): the mode and owner rules of a key file do not apply to them.
+pub fn is_credential(path: &Path) -> bool {
+    credential_in(path, std::env::var_os("CREDENTIALS_DIRECTORY").as_deref())
+}
+
+/// Whether `path` is a file right inside the credentials folder `dir`.
+fn credential_in(path: &Path, dir: Option<&std::ffi::OsStr>) -> bool {
+    let dir = dir.filter(|d| !d.is_empty()).map(Path::new);
+    dir.is_some_and(|dir| path.parent() == Some(dir) && path.file_name().is_some())
+}
+
+/// What is wrong with the credential file at `path`: only that it is not a regular file
+/// (see [`is_credential`]).
+pub(crate) fn check_credential_file(shown: &Shown, path: &Path) -> Option<String> {
+    regular(shown, path, "file", None).err()
+}
+
 pub(crate) fn check_secret_file(shown: &Shown, path: &Path) -> Option<String> {
     let mode = match regular(shown, path, "file", None) {
         Ok(m) => m.permissions().mode() & 0o7777,
@@ -345,5 +365,25 @@ mod tests {
         let items: Vec<String> = (1..=6).map(|i| i.to_string()).collect();
         assert_eq!(list(&items[..2], 4), "1, 2");
         assert_eq!(list(&items, 4), "1, 2, 3, 4, and 2 more");
+    }
+
+    #[test]
+    fn a_credential_is_a_file_right_inside_the_credentials_folder() {
+        let dir = Some(std::ffi::OsStr::new("/run/credentials/dsv4.service"));
+        let table = [
+            ("/run/credentials/dsv4.service/api-keys", dir, true),
+            ("/run/credentials/dsv4.service/sub/api-keys", dir, false),
+            ("/run/credentials/dsv4.service", dir, false),
+            ("/etc/dsv4/api-keys", dir, false),
+            ("/run/credentials/dsv4.service/api-keys", None, false),
+            ("/api-keys", Some(std::ffi::OsStr::new("")), false),
+        ];
+        for (path, dir, want) in table {
+            assert_eq!(
+                credential_in(Path::new(path), dir),
+                want,
+                "{path} in {dir:?}"
+            );
+        }
     }
 }

@@ -45,12 +45,54 @@ struct Check<'a> {
     check_key_file: bool,
     doc: &'a Doc,
     problems: &'a mut Vec<Problem>,
+    credentials: &'a Credentials,
 }
+
+/// Where a key file written `credential:NAME` is: systemd's credentials folder for the
+/// service (`$CREDENTIALS_DIRECTORY`, set for a unit with `LoadCredential=`).
+#[derive(Debug, Clone)]
+pub(crate) enum Credentials {
+    /// The folder.
+    In(PathBuf),
+    /// There is none: a key file that is a credential is a problem.
+    Missing,
+    /// There is none here, and the credential is checked where it is: left as written,
+    /// unchecked (`dsv4d --check-config` run by hand; the service's own check has them).
+    Elsewhere,
+}
+
+impl Credentials {
+    /// As this process has them; `elsewhere` when their absence is not a problem.
+    pub fn from_env(elsewhere: bool) -> Credentials {
+        match std::env::var_os("CREDENTIALS_DIRECTORY") {
+            Some(dir) if !dir.is_empty() => Credentials::In(PathBuf::from(dir)),
+            _ if elsewhere => Credentials::Elsewhere,
+            _ => Credentials::Missing,
+        }
+    }
+}
+
+/// The prefix of a key file that is a systemd credential: `credential:api-keys`.
+pub(crate) const CREDENTIAL: &str = "credential:";
 
 pub(super) fn load(
     path: &Path,
     check_files: bool,
     check_key_file: bool,
+) -> Result<Config, ConfigError> {
+    load_with(
+        path,
+        check_files,
+        check_key_file,
+        &Credentials::from_env(false),
+    )
+}
+
+pub(super) fn load_with(
+    path: &Path,
+    check_files: bool,
+    check_key_file: bool,
+    credentials: &Credentials,
 ) -> Result<Config, ConfigError> {
     let file = std::path::absolute(path).unwrap_or_else(|_| path.to_path_buf());
     // The folder of supervisor.yaml: its relative paths and the paths in messages start there.
@@ -80,6 +122,7 @@ pub(super) fn load(
         check_key_file: check_files && check_key_file,
         doc: &doc,
         problems: &mut problems,
+        credentials,
     };
     let dir_known = check.supervisor(&mut supervisor, &dir) && parsed;
     let (files, profiles) = check.profiles(&supervisor.profiles_dir, dir_known);
@@ -192,6 +235,30 @@ pub(super) fn merged(path: &Path) -> Result<String, ConfigError> {
 }
 
 impl Check<'_> {
+    /// The file of the systemd credential `name`: `None` when it is checked elsewhere.
+    fn credential(&self, name: &str) -> Result<Option<PathBuf>, String> {
+        let plain = !name.is_empty()
+            && name != "."
+            && name != ".."
+            && !name.contains('/')
+            && text_problem(name).is_none();
+        if !plain {
+            return Err(format!(
+                "{CREDENTIAL} must be followed by a credential's name, as in the unit's \
+                 LoadCredential=NAME:FILE (no '/', not empty)"
+            ));
+        }
+        match self.credentials {
+            Credentials::In(dir) => Ok(Some(dir.join(name))),
+            Credentials::Elsewhere => Ok(None),
+            Credentials::Missing => Err(format!(
+                "names the systemd credential {name:?}, but there are none \
+                 ($CREDENTIALS_DIRECTORY is not set): give dsv4.service \
+                 LoadCredential={name}:/etc/dsv4/{name} (a drop-in; see docs/security.md)"
+            )),
+        }
+    }
+
     /// A problem about the value at `path`.
     fn to(&mut self, path: &str, message: impl Into<String>) {
         self.problems.push(self.doc.problem(path, message));
@@ -255,13 +322,27 @@ impl Check<'_> {
         ] {
             let Some(keys) = file else { continue };
             let written = keys.to_string_lossy().into_owned();
-            *keys = base.join(&*keys);
-            let message = match written.is_empty() {
-                true => Some("must not be empty (use null for no keys)".to_string()),
-                false if self.check_key_file => {
-                    self.on_disk(&written, |shown| files::check_secret_file(shown, keys))
+            let credential = written.strip_prefix(CREDENTIAL);
+            let message = match credential.map(|name| self.credential(name)) {
+                // Left as written, unchecked.
+                Some(Ok(None)) => continue,
+                Some(Ok(Some(file))) => {
+                    *keys = file;
+                    self.check_key_file
+                        .then(|| files::check_credential_file(self.shown, keys))
+                        .flatten()
                 }
-                false => text_problem(&written),
+                Some(Err(message)) => Some(message),
+                None => {
+                    *keys = base.join(&*keys);
+                    match written.is_empty() {
+                        true => Some("must not be empty (use null for no keys)".to_string()),
+                        false if self.check_key_file => {
+                            self.on_disk(&written, |shown| files::check_secret_file(shown, keys))
+                        }
+                        false => text_problem(&written),
+                    }
+                }
             };
             self.add(path, message);
         }

@@ -11,7 +11,9 @@
 
 mod error;
 mod files;
-pub use files::{find_in_path, model_files, program_search_path, same_file, shared_key_file};
+pub use files::{
+    find_in_path, is_credential, model_files, program_search_path, same_file, shared_key_file,
+};
 mod load;
 pub mod names;
 pub mod profiles;
@@ -73,7 +75,15 @@ impl Config {
     /// As [`load`](Self::load), without looking at the files and programs it names: for the
     /// doctor, which checks each of those itself, as the service user.
     pub fn load_without_files(path: &Path) -> Result<Config, ConfigError> {
-        load::load(path, false, false)
+        load::load_with(path, false, false, &load::Credentials::from_env(true))
+    }
+
+    /// As [`load`](Self::load), for `dsv4d --check-config`: a key file that is a systemd
+    /// credential (`credential:NAME`) is checked when this process has the service's
+    /// credentials (`$CREDENTIALS_DIRECTORY`, as the unit's `ExecReload=` check has), and
+    /// else left as written, which [`summary`](Self::summary) says.
+    pub fn load_to_check(path: &Path) -> Result<Config, ConfigError> {
+        load::load_with(path, true, true, &load::Credentials::from_env(true))
     }
 
     /// `supervisor.yaml` at `path` with its drop-ins (`supervisor.yaml.d/*.yaml`) laid over
@@ -109,6 +119,21 @@ impl Config {
         if !dropins.is_empty() {
             let names: Vec<String> = dropins.iter().map(|f| shown.text(f)).collect();
             out += &format!("; drop-ins, in order: {}", names.join(", "));
+        }
+        for (key, file) in [
+            ("api.api_keys_file", &s.api.api_keys_file),
+            ("api.admin_keys_file", &s.api.admin_keys_file),
+        ] {
+            let written = file.as_deref().map(|f| f.to_string_lossy());
+            if let Some(name) = written
+                .as_deref()
+                .and_then(|w| w.strip_prefix(load::CREDENTIAL))
+            {
+                out += &format!(
+                    "\n  {key}: the systemd credential {name:?}, which only the service has: \
+                     checked by `systemctl reload dsv4`"
+                );
+            }
         }
         for (name, p) in &self.profiles {
             out += &format!("\n  {name}: {}", p.engine);

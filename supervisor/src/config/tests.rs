@@ -1037,6 +1037,79 @@ fn api_keys_must_be_private() {
 }
 
 #[test]
+fn a_key_file_may_be_a_systemd_credential() {
+    use load::Credentials;
+    let dir = TempDir::new("credential");
+    let text =
+        "api:\n  api_keys_file: credential:api-keys\n  admin_keys_file: credential:admin-keys\n";
+    let file = dir.write("supervisor.yaml", text);
+    dir.write("profiles/320k.yaml", MINIMAL_PROFILE);
+    dir.engine_files("profiles");
+    // The service's folder of credentials, as systemd makes it: each file 0400.
+    let creds = dir.path().join("credentials");
+    dir.write_mode("credentials/api-keys", "k\n", 0o400);
+    dir.write_mode("credentials/admin-keys", "a\n", 0o400);
+    let load = |c: &Credentials| load::load_with(&file, true, true, c);
+    let config = load(&Credentials::In(creds.clone())).unwrap();
+    assert_eq!(
+        config.supervisor.api.api_keys_file,
+        Some(creds.join("api-keys"))
+    );
+    assert_eq!(
+        config.supervisor.api.admin_keys_file,
+        Some(creds.join("admin-keys"))
+    );
+    // systemd 254 and later show group bits (an ACL mask): the folder is the service's alone,
+    // so the mode is not held against a credential; what is there must still be a file.
+    dir.write_mode("credentials/api-keys", "k\n", 0o440);
+    assert!(load(&Credentials::In(creds.clone())).is_ok());
+    fs::remove_file(creds.join("api-keys")).unwrap();
+    fs::create_dir(creds.join("api-keys")).unwrap();
+    let found = errors(load(&Credentials::In(creds.clone())));
+    assert_eq!(found.len(), 1, "{found:?}");
+    assert!(
+        found[0].starts_with("supervisor.yaml:2:18: api.api_keys_file: ")
+            && found[0].ends_with("is a folder, not a file"),
+        "{found:?}"
+    );
+    // Without the service's credentials: a problem that says what the unit needs...
+    let found = errors(load(&Credentials::Missing));
+    assert_eq!(
+        found[0],
+        "supervisor.yaml:2:18: api.api_keys_file: names the systemd credential \"api-keys\", \
+         but there are none ($CREDENTIALS_DIRECTORY is not set): give dsv4.service \
+         LoadCredential=api-keys:/etc/dsv4/api-keys (a drop-in; see docs/security.md)"
+    );
+    // ...or, for a check by hand, left to the service's own check, and said so.
+    let config = load(&Credentials::Elsewhere).unwrap();
+    assert!(
+        config.summary().contains(
+            "\n  api.api_keys_file: the systemd credential \"api-keys\", which only the \
+             service has: checked by `systemctl reload dsv4`"
+        ),
+        "{}",
+        config.summary()
+    );
+    // One credential for both is one file for both.
+    dir.write("supervisor.yaml", &text.replace("admin-keys", "api-keys"));
+    let found = errors(load(&Credentials::Elsewhere));
+    assert!(
+        found[0].contains("is the same file as api.api_keys_file"),
+        "{found:?}"
+    );
+    // A name, not a path.
+    for bad in ["", "../keys", "a/b", "."] {
+        let text = format!("api: {{api_keys_file: \"credential:{bad}\"}}\n");
+        dir.write("supervisor.yaml", &text);
+        let found = errors(load(&Credentials::In(creds.clone())));
+        assert!(
+            found[0].contains("credential: must be followed by a credential's name"),
+            "{bad}: {found:?}"
+        );
+    }
+}
+
+#[test]
 fn one_file_cannot_hold_both_the_api_and_the_admin_keys() {
     let dir = TempDir::new("shared-keys");
     dir.write("profiles/320k.yaml", MINIMAL_PROFILE);

@@ -99,8 +99,10 @@ impl ApiKeys {
             std::io::ErrorKind::InvalidData => format!("the {what} file {e}"),
             _ => format!("cannot open the {what} file {shown}: {e}"),
         })?;
+        // A systemd credential's folder is the service's alone, made by systemd.
+        let credential = crate::config::is_credential(path);
         let mode = meta.permissions().mode() & 0o7777;
-        if mode & 0o077 != 0 {
+        if mode & 0o077 != 0 && !credential {
             return Err(format!(
                 "the {what} file {shown} may be read or written by group or others \
                  (mode {mode:04o}); run chmod 600 {shown}"
@@ -110,7 +112,8 @@ impl ApiKeys {
         let dir = std::fs::metadata(dir.unwrap_or(Path::new(".")))
             .map_err(|e| format!("cannot read the folder of the {what} file {shown}: {e}"))?;
         let me = nix::unistd::geteuid().as_raw();
-        if let Some(problem) = owner_problem(meta.uid(), dir.uid(), dir.mode(), me) {
+        let owner = (!credential).then(|| owner_problem(meta.uid(), dir.uid(), dir.mode(), me));
+        if let Some(problem) = owner.flatten() {
             return Err(format!("the {what} file {shown} {problem}"));
         }
         let mut text = String::new();
