@@ -128,7 +128,7 @@ async fn a_drop_in_folder_made_while_running_is_watched_and_its_mistakes_placed(
         message.contains("supervisor.yaml.d/10-local.yaml:3:16: engine.max_waiting:"),
         "{message}"
     );
-    assert_eq!(d.status().await["state"], "ready");
+    assert_eq!(d.status().await["state"], State::Ready.as_str());
 
     // Fixed, it is laid over supervisor.yaml: the idle engine stops within the new timeout.
     replace_file(

@@ -502,3 +502,49 @@ async fn a_ds4_profile_is_validated_from_its_stream() {
     }
     assert_eq!(d.status().await["profile"], "320k");
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn each_test_reports_joules_per_token_and_where_the_power_was_read() {
+    let bus = PrivateBus::start();
+    let tree = fixture_copy("strix-halo");
+    let hwmon = tree
+        .path()
+        .join("sys/devices/pci0000:00/0000:00:08.1/0000:c5:00.0/hwmon/hwmon3");
+    let s = fake_setup(&bus, "10")
+        .args(&["--sysroot", tree.path().to_str().unwrap()])
+        .top_level("monitor", "{ interval: 200ms, idle_interval: 200ms }");
+    let d = Daemon::start(&s);
+    wait_bus_name(&d, &bus).await;
+    for (file, watts, source) in [
+        ("power1_average", 85.0, "power1_average"),
+        // A driver without the average: the instant reading, named so.
+        ("power1_input", 61.0, "power1_input"),
+    ] {
+        if file == "power1_input" {
+            std::fs::remove_file(hwmon.join("power1_average")).unwrap();
+        }
+        std::fs::write(hwmon.join(file), format!("{}\n", (watts * 1e6) as u64)).unwrap();
+        let out = ctl(&bus, &["--json", "validate", "--runs", "2"]);
+        assert_eq!(out.status.code(), Some(0), "{}", text(&out.stderr));
+        let r: ValidationResult = serde_json::from_slice(&out.stdout).unwrap();
+        // Decode runs for seconds: the monitor's samples cover it.
+        let decode = &r.tests[0];
+        assert_eq!(decode.name, "decode");
+        assert_eq!(decode.telemetry.soc_power_mean_w, Some(watts), "{decode:?}");
+        for t in &r.tests {
+            let m = &t.telemetry;
+            let Some(w) = m.soc_power_mean_w else {
+                continue;
+            };
+            let j = m.joules_per_token.expect("a power figure and no J/token");
+            assert!((j - w / t.mean).abs() < 1e-9, "{t:?}");
+            let shown = serde_json::to_value(m.soc_power_source).unwrap();
+            assert_eq!(shown, source, "{t:?}");
+        }
+        // The table says it too.
+        let out = ctl(&bus, &["validate", "--runs", "1"]);
+        let table = text(&out.stdout);
+        assert!(table.contains(&format!("W ({source})")), "{table}");
+        assert!(table.contains(" J/token"), "{table}");
+    }
+}

@@ -279,10 +279,34 @@ impl<'de> Deserialize<'de> for Temperatures {
 pub struct Power {
     /// The SoC, as the amdgpu hwmon reports it (`power1_average`; on an APU the whole chip).
     pub soc: Option<f64>,
+    /// The file `soc` was read from.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub soc_source: Option<PowerSource>,
     /// From `gpu_metrics`: the socket, the APU and the GFX block.
     pub socket: Option<f64>,
     pub apu: Option<f64>,
     pub gfx: Option<f64>,
+}
+
+/// Which of the amdgpu hwmon's files a power figure was read from: `power1_average` (the
+/// firmware's average over its own window) where the driver has it, else `power1_input`
+/// (the instant reading). On an APU either is the whole SoC, CPU cores included.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+pub enum PowerSource {
+    #[serde(rename = "power1_average")]
+    Average,
+    #[serde(rename = "power1_input")]
+    Input,
+}
+
+impl PowerSource {
+    /// The file's name.
+    pub fn file(self) -> &'static str {
+        match self {
+            PowerSource::Average => "power1_average",
+            PowerSource::Input => "power1_input",
+        }
+    }
 }
 
 /// Why the hardware held itself back.

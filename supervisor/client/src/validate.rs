@@ -37,6 +37,13 @@ pub struct TestTelemetry {
     pub edge_mean_c: Option<f64>,
     pub edge_max_c: Option<f64>,
     pub soc_power_mean_w: Option<f64>,
+    /// The hwmon file the SoC power was read from (`power1_average` or `power1_input`).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub soc_power_source: Option<crate::telemetry::PowerSource>,
+    /// Energy per token: the mean SoC power over the test's span divided by its mean rate
+    /// (joules per generated token for a decode test, per prefilled token for a prefill).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub joules_per_token: Option<f64>,
     pub gtt_before_bytes: Option<u64>,
     pub gtt_after_bytes: Option<u64>,
     pub available_before_bytes: Option<u64>,

@@ -570,7 +570,13 @@ pub fn validation_table(r: &ValidationResult) -> String {
             parts.push(format!("edge {mean:.1}/{max:.1} C"));
         }
         if let Some(w) = m.soc_power_mean_w {
-            parts.push(format!("SoC {w:.1} W"));
+            match m.soc_power_source {
+                Some(source) => parts.push(format!("SoC {w:.1} W ({})", source.file())),
+                None => parts.push(format!("SoC {w:.1} W")),
+            }
+        }
+        if let Some(j) = m.joules_per_token {
+            parts.push(format!("{j:.2} J/token"));
         }
         if let (Some(a), Some(b)) = (m.gtt_before_bytes, m.gtt_after_bytes) {
             parts.push(format!("GTT {} -> {}", gib(a), gib(b)));

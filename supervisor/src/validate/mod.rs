@@ -494,6 +494,9 @@ impl Validator {
         };
         let values: Vec<f64> = details.iter().map(|d| d.value).collect();
         let (mean, sd) = mean_sd(&values);
+        let soc_power_source = [&after, &before]
+            .into_iter()
+            .find_map(|s| s.as_ref().and_then(|s| s.power.soc_source));
         Ok(TestResult {
             name: name.to_string(),
             unit: "tok/s".into(),
@@ -504,6 +507,8 @@ impl Validator {
                 edge_mean_c: span.edge_mean_c,
                 edge_max_c: span.edge_max_c,
                 soc_power_mean_w: span.soc_power_mean_w,
+                soc_power_source,
+                joules_per_token: joules_per_token(span.soc_power_mean_w, mean),
                 gtt_before_bytes: gtt(&before),
                 gtt_after_bytes: gtt(&after),
                 available_before_bytes: available(&before),
@@ -517,6 +522,13 @@ impl Validator {
             details,
         })
     }
+}
+
+/// Joules per token at `watts` (the mean power over a test) and `rate` tokens a second;
+/// `None` without a power figure or a rate.
+fn joules_per_token(watts: Option<f64>, rate: f64) -> Option<f64> {
+    let j = watts? / rate;
+    (rate > 0.0 && j.is_finite()).then_some(j)
 }
 
 /// One cold run of `prompt`: its prefill rate, over the tokens the engine evaluated (ds4-server
@@ -591,5 +603,24 @@ mod tests {
             Some("320k")
         );
         assert!(!dir.path().join(RUNNING).exists());
+    }
+
+    #[test]
+    fn energy_per_token_is_the_mean_power_over_the_rate() {
+        let table = [
+            // The seeds' decode: 16.02 tok/s at about 85 W.
+            (Some(85.0), 16.02, Some(85.0 / 16.02)),
+            (Some(60.0), 300.0, Some(0.2)),
+            (None, 16.0, None),
+            (Some(85.0), 0.0, None),
+            (Some(85.0), f64::NAN, None),
+        ];
+        for (watts, rate, want) in table {
+            let got = joules_per_token(watts, rate);
+            match (got, want) {
+                (Some(g), Some(w)) => assert!((g - w).abs() < 1e-9, "{watts:?} {rate}: {g}"),
+                _ => assert_eq!(got, want, "{watts:?} {rate}"),
+            }
+        }
     }
 }

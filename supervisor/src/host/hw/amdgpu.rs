@@ -114,12 +114,21 @@ impl Card {
             .map(|m| m as f64 / 1000.0)
     }
 
-    /// The power the hwmon reports (W): the whole SoC on an APU.
-    pub fn power_watts(&self, root: &SysRoot) -> Option<f64> {
-        self.hwmon_value(root, "power1_average")
-            .or_else(|| self.hwmon_value(root, "power1_input"))
-            .filter(|uw| *uw >= 0)
-            .map(|uw| uw as f64 / 1_000_000.0)
+    /// The power the hwmon reports (W): the whole SoC on an APU; `power1_average` where
+    /// there is one, else `power1_input`, and which.
+    pub fn power_watts(
+        &self,
+        root: &SysRoot,
+    ) -> Option<(f64, dsv4_client::telemetry::PowerSource)> {
+        use dsv4_client::telemetry::PowerSource;
+        [PowerSource::Average, PowerSource::Input]
+            .into_iter()
+            .find_map(|source| {
+                let uw = self.hwmon_value(root, source.file())?;
+                Some((uw, source))
+            })
+            .filter(|(uw, _)| *uw >= 0)
+            .map(|(uw, source)| (uw as f64 / 1_000_000.0, source))
     }
 
     /// The `gpu_metrics` table: `None` when the card has none, else what it decodes to.

@@ -104,7 +104,7 @@ impl Sampler {
         let mut throttle_reading = None;
         let gpu = self.card.as_ref().map(|card| {
             temperatures.set(Sensor::Edge, card.edge_celsius(root));
-            power.soc = card.power_watts(root);
+            (power.soc, power.soc_source) = card.power_watts(root).unzip();
             match card.metrics(root) {
                 Some(Ok(m)) => {
                     temperatures.set(Sensor::Gfx, m.gfx_celsius);

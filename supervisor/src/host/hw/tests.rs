@@ -94,6 +94,10 @@ fn odd_and_missing_files_are_absent_figures_not_errors() {
     assert_eq!(sample.temperatures.get(Sensor::Edge), None);
     // power1_input when there is no power1_average.
     assert_eq!(sample.power.soc, Some(61.0));
+    assert_eq!(
+        sample.power.soc_source,
+        Some(dsv4_client::telemetry::PowerSource::Input)
+    );
     // A table that does not decode: its figures are absent, the rest stand.
     assert_eq!(
         (sample.power.socket, sample.temperatures.get(Sensor::Gfx)),
