@@ -384,13 +384,15 @@ async fn validating_the_running_profile_never_replaces_its_checkpoint() {
     let kv = d.dir().join("profiles/kv");
     let users = files_in(&kv);
     assert!(users.keys().any(|n| n.ends_with(".json")), "{users:?}");
-    // The engine serves again (restoring it), and the validation runs on that same engine.
+    // The engine serves again (restoring it), and the validation begins on that same engine.
     let (status, _, _) = body_json(d.post("/v1/chat/completions", chat(4, false)).await).await;
     assert_eq!(status, 200);
     let generation = d.status().await["generation"].clone();
     let out = ctl(&bus, &["validate", "--profile", "320k", "--runs", "1"]);
     assert_eq!(out.status.code(), Some(0), "{}", text(&out.stderr));
-    assert_eq!(d.status().await["generation"], generation);
+    // One restart, the load test's cold one; neither engine touched the checkpoint.
+    let after = d.status().await["generation"].as_u64();
+    assert_eq!(after, generation.as_u64().map(|g| g + 1));
     // Its stop saves nothing: the folder is as the user's stop left it.
     let out = ctl(&bus, &["stop"]);
     assert_eq!(out.status.code(), Some(0), "{}", text(&out.stderr));
@@ -437,6 +439,9 @@ async fn requests_queued_when_a_validation_begins_get_the_service_profile() {
         assert_eq!(status, 200, "{v}");
         assert_eq!(v["model"], "320k.gguf", "{v}");
     }
+    // The load test's stop and cold start, in between, kept them waiting, not refused.
+    let load = kept(&d).pop().unwrap().load.unwrap();
+    assert!(load.cold_seconds > 0.0, "{load:?}");
 }
 
 /// A ds4-server profile (the fake engine in its ds4 mode: the OpenAI API only, no timings,
@@ -547,4 +552,51 @@ async fn each_test_reports_joules_per_token_and_where_the_power_was_read() {
         assert!(table.contains(&format!("W ({source})")), "{table}");
         assert!(table.contains(" J/token"), "{table}");
     }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_load_is_timed_warm_then_with_the_model_dropped_from_the_page_cache() {
+    let bus = PrivateBus::start();
+    let d = Daemon::start(&fake_setup(&bus, "1"));
+    wait_bus_name(&d, &bus).await;
+    // A model of 8 MiB, read once: in the page cache when the validation begins.
+    let model = d.dir().join("profiles/models/64k.gguf");
+    let mut bytes = b"GGUF".to_vec();
+    bytes.resize(8 << 20, 0);
+    std::fs::write(&model, &bytes).unwrap();
+    std::fs::File::open(&model).unwrap().sync_all().unwrap();
+    let _ = std::fs::read(&model).unwrap();
+    let spawns = d.spawns();
+
+    let out = ctl(&bus, &["validate", "--runs", "1"]);
+    let stdout = text(&out.stdout);
+    assert_eq!(
+        out.status.code(),
+        Some(0),
+        "{stdout}\n{}",
+        text(&out.stderr)
+    );
+    let r = kept(&d).pop().unwrap();
+    let load = r.load.expect("no load test in the result");
+    assert!(load.warm_seconds > 0.0, "{load:?}");
+    assert!(load.cold_seconds > 0.0, "{load:?}");
+    assert_eq!(load.files, [model.display().to_string()]);
+    assert_eq!(load.bytes, 8 << 20);
+    assert!(load.method.contains("llama.cpp's default mmap"), "{load:?}");
+    // The cold load began with the model out of the page cache.
+    assert!(
+        load.cached_before_cold < load.cached_before_warm,
+        "{load:?}"
+    );
+    // The switch's start and the cold one: two engines of the validation profile.
+    assert_eq!(d.spawns(), spawns + 2, "{load:?}");
+    assert!(
+        stdout.contains(&format!(
+            "load: {:.1} s with the page cache as it was",
+            load.warm_seconds
+        )),
+        "{stdout}"
+    );
+    d.log_with(&["load after 8.0 MiB dropped from the page cache"])
+        .await;
 }

@@ -340,6 +340,9 @@ pub struct EngineStatus {
     pub idle_deadline: Option<f64>,
     /// Unix time (s) at which the engine became ready.
     pub ready_since: Option<f64>,
+    /// How long the running engine took from its spawn until it served, in seconds.
+    #[serde(default)]
+    pub load_seconds: Option<f64>,
     /// Consecutive failed starts.
     pub failures: u32,
     /// Why the last start failed or the engine died.
@@ -377,6 +380,7 @@ impl EngineStatus {
             restart_pending: false,
             engine_key: None,
             kv_step: None,
+            load_seconds: None,
         }
     }
 }

@@ -77,6 +77,24 @@ pub struct TestResult {
     pub details: Vec<RunDetail>,
 }
 
+/// The load test: the engine's spawn-to-ready time with the page cache as it was (`warm`),
+/// and after the model's files were dropped from it (`cold`).
+#[derive(Debug, Clone, Default, PartialEq, Serialize, Deserialize)]
+pub struct LoadTest {
+    /// The load the switch to the profile made (for a validation of the running profile,
+    /// that engine's own).
+    pub warm_seconds: f64,
+    pub cold_seconds: f64,
+    /// The model's files (dropped from the page cache before the cold load), and their bytes.
+    pub files: Vec<String>,
+    pub bytes: u64,
+    /// Of those bytes, how many the page cache held before each load (`mincore`).
+    pub cached_before_warm: u64,
+    pub cached_before_cold: u64,
+    /// How the engine reads its model, as far as its flags say.
+    pub method: String,
+}
+
 /// The whole run: what `--json` prints and what is kept in `state_dir/validations/`.
 #[derive(Debug, Clone, Default, PartialEq, Serialize, Deserialize)]
 pub struct ValidationResult {
@@ -93,6 +111,9 @@ pub struct ValidationResult {
     /// The validation profile's settings (its YAML, read as JSON).
     pub settings: serde_json::Value,
     pub tests: Vec<TestResult>,
+    /// The load test, when it ran (not in results of older daemons).
+    #[serde(default)]
+    pub load: Option<LoadTest>,
     /// Why it ended early, when it did (the tests done so far are kept).
     #[serde(default)]
     pub error: Option<String>,

@@ -563,6 +563,18 @@ pub fn validation_table(r: &ValidationResult) -> String {
             t.unit
         ));
     }
+    if let Some(l) = &r.load {
+        out.push_str(&format!(
+            "load: {:.1} s with the page cache as it was ({} of {} cached), {:.1} s with the \
+             model dropped from it ({} cached); the model is {}\n",
+            l.warm_seconds,
+            size(l.cached_before_warm),
+            size(l.bytes),
+            l.cold_seconds,
+            size(l.cached_before_cold),
+            l.method
+        ));
+    }
     for t in &r.tests {
         let m = &t.telemetry;
         let mut parts = Vec::new();
@@ -765,6 +777,7 @@ mod tests {
                 waiting: 0,
                 idle_deadline: Some(1_000_890.4),
                 ready_since: Some(999_808.0),
+                load_seconds: Some(54.2),
                 failures: 0,
                 last_error: None,
                 restart_pending: false,

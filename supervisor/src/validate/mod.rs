@@ -36,6 +36,7 @@ use crate::lifecycle::actor::{Handle, Lease};
 use crate::lifecycle::engine_ref::EngineRef;
 use crate::observe::monitor::Telemetry;
 
+mod load;
 mod measure;
 
 /// The largest validation result read back (one run's figures: a few KiB).
@@ -350,11 +351,15 @@ impl Validator {
             message: format!("switching to profile {profile} (drain and restart)"),
             ..Progress::default()
         });
+        // What the page cache holds of the model before the switch loads it.
+        let files = (self.0.config.borrow().profile(profile)).map(load::files);
+        let before = self.cached(&files.unwrap_or_default()).await;
         lifecycle
             .set_profile(profile)
             .await
             .map_err(|e| e.to_string())?;
         let lease = self.lease_on(profile).await?;
+        let lease = self.load_test(profile, lease, before, result).await?;
         let engine = &lease.engine.clone();
         let (api, has_mmproj) = {
             let config = self.0.config.borrow();
@@ -420,6 +425,126 @@ impl Validator {
         }
         drop(lease);
         Ok(())
+    }
+
+    /// The load test, around the switch: `before` is what the page cache held of the
+    /// model's files before it. The warm load is the switch's own (the engine `lease`
+    /// holds; for a validation of the running profile, that engine's load). Then the engine
+    /// is stopped, the model's files dropped from the page cache, and the load timed again.
+    /// The lease on the engine the rest of the suite runs on.
+    async fn load_test(
+        &self,
+        profile: &str,
+        lease: Lease,
+        before: u64,
+        result: &mut ValidationResult,
+    ) -> Result<Lease, String> {
+        let p = self.0.config.borrow().profile(profile).cloned();
+        let p = p.ok_or_else(|| format!("no profile {profile}"))?;
+        let files = load::files(&p);
+        let method = load::method(p.engine, &p.params.extra_args);
+        let warm = self.load_seconds(lease.engine.gen).await?;
+        self.say(Progress {
+            step: "load".into(),
+            test: Some("load".into()),
+            value: Some(warm),
+            message: format!("load with the page cache as it was: {warm:.1} s ({method})"),
+            ..Progress::default()
+        });
+        let mut load = dsv4_client::validate::LoadTest {
+            warm_seconds: warm,
+            files: files.iter().map(|f| f.display().to_string()).collect(),
+            bytes: files
+                .iter()
+                .filter_map(|f| f.metadata().ok())
+                .map(|m| m.len())
+                .sum(),
+            cached_before_warm: before,
+            method,
+            ..Default::default()
+        };
+        // Client requests wait at the validation's gate meanwhile, and the engine is idle
+        // (the lease was the only one): a planned stop refuses no one.
+        let gone = lease.engine.gen;
+        drop(lease);
+        self.stopped(gone).await?;
+        let dropped = files.clone();
+        let bytes = tokio::task::spawn_blocking(move || load::drop_from_cache(&dropped))
+            .await
+            .map_err(|e| e.to_string())??;
+        load.bytes = bytes;
+        load.cached_before_cold = self.cached(&files).await;
+        let lease = self.lease_after(profile, gone).await?;
+        let cold = self.load_seconds(lease.engine.gen).await?;
+        self.say(Progress {
+            step: "load".into(),
+            test: Some("load".into()),
+            value: Some(cold),
+            message: format!(
+                "load after {} dropped from the page cache: {cold:.1} s",
+                crate::config::format_size(bytes)
+            ),
+            ..Progress::default()
+        });
+        load.cold_seconds = cold;
+        result.load = Some(load);
+        Ok(lease)
+    }
+
+    /// How many bytes of `files` the page cache holds.
+    async fn cached(&self, files: &[PathBuf]) -> u64 {
+        let files = files.to_vec();
+        tokio::task::spawn_blocking(move || load::cached(&files))
+            .await
+            .unwrap_or_default()
+    }
+
+    /// Stops the engine of generation `gen` and waits until it is gone: the status then
+    /// names another generation or none, which stays true once it is.
+    async fn stopped(&self, gen: u64) -> Result<(), String> {
+        let lifecycle = &self.0.lifecycle;
+        let within =
+            self.0.config.borrow().supervisor.engine.stop_timeout * 2 + Duration::from_secs(30);
+        lifecycle.stop(false).await.map_err(|e| e.to_string())?;
+        let mut status = lifecycle.watch_status();
+        let gone = status.wait_for(|s| {
+            s.generation != Some(gen) && s.engine_pid.is_none()
+                || s.generation.is_some_and(|g| g > gen)
+        });
+        let outcome = match tokio::time::timeout(within, gone).await {
+            Ok(Ok(_)) => Ok(()),
+            Ok(Err(_)) => Err("the lifecycle went away".into()),
+            Err(_) => Err(format!(
+                "the engine did not stop within {} s",
+                within.as_secs()
+            )),
+        };
+        outcome
+    }
+
+    /// How long the engine of generation `gen` took to load, once its status says.
+    async fn load_seconds(&self, gen: u64) -> Result<f64, String> {
+        let mut status = self.0.lifecycle.watch_status();
+        let loaded = status.wait_for(|s| s.generation == Some(gen) && s.load_seconds.is_some());
+        let seconds = match tokio::time::timeout(Duration::from_secs(10), loaded).await {
+            Ok(Ok(s)) => s.load_seconds,
+            _ => None,
+        };
+        seconds
+            .ok_or_else(|| format!("the load time of engine generation {gen} was never published"))
+    }
+
+    /// A lease on an engine of `profile` newer than generation `gen`.
+    async fn lease_after(&self, profile: &str, gen: u64) -> Result<Lease, String> {
+        for _ in 0..100 {
+            let lease = self.lease_on(profile).await?;
+            if lease.engine.gen > gen {
+                return Ok(lease);
+            }
+            drop(lease);
+            tokio::time::sleep(Duration::from_millis(20)).await;
+        }
+        Err(format!("no new engine of profile {profile} came up"))
     }
 
     /// A lease on an engine of `profile` (a lease on the old engine, granted before the

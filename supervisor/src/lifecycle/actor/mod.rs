@@ -103,6 +103,8 @@ struct Engine {
     /// When it was sent SIGTERM (how long ds4-server's save took is measured from it).
     term_at: Option<Instant>,
     ready_at: Option<SystemTime>,
+    /// From the spawn until it served.
+    load_took: Option<Duration>,
     /// Its spawn: how long it took to load is counted from it.
     spawned_at: Instant,
     /// The memory figures just before it started, to check that they come back after it.

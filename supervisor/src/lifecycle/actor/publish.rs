@@ -14,6 +14,7 @@ impl Actor {
             if e.ready_at.is_none() {
                 e.ready_at = Some(SystemTime::now());
                 let (profile, took) = (e.shared.profile.clone(), e.spawned_at.elapsed());
+                e.load_took = Some(took);
                 self.loaded(profile, took);
             }
         }
@@ -30,6 +31,11 @@ impl Actor {
         // allocated (every request publishes twice, and mostly only the figures moved).
         let engine_pid = self.engine.as_ref().map(|e| e.shared.pid);
         let ready_since = self.engine.as_ref().and_then(|e| e.ready_at).and_then(unix);
+        let load_seconds = self
+            .engine
+            .as_ref()
+            .and_then(|e| e.load_took)
+            .map(|d| d.as_secs_f64());
         let last_error = m.last_failure().map(|f| f.summary.as_str());
         let restart_pending = self
             .engine
@@ -54,6 +60,7 @@ impl Actor {
                 && old.engine_pid == engine_pid
                 && old.generation == m.phase().gen()
                 && old.ready_since == ready_since
+                && old.load_seconds == load_seconds
                 && old.failures == m.failures()
                 && old.last_error.as_deref() == last_error
                 && old.restart_pending == restart_pending
@@ -87,6 +94,7 @@ impl Actor {
             waiting: m.waiting(),
             idle_deadline,
             ready_since,
+            load_seconds,
             failures: m.failures(),
             last_error: last_error.map(String::from),
             restart_pending,

@@ -231,6 +231,7 @@ impl Actor {
             validated: false,
             term_at: None,
             ready_at: None,
+            load_took: None,
             spawned_at: since,
             memory_before: before,
             oom_kills_before: crate::host::hw::cgroup::oom_kills(&self.sysroot).map(|(_, n)| n),
