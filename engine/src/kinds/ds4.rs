@@ -59,7 +59,16 @@ pub const KIND: Kind = Kind {
     prefill: PrefillReport::Lines(prefill_line),
     settings_argv,
     address_flags: true,
+    load_method,
 };
+
+/// Resident whole by default; `--ssd-streaming` streams the experts from the disk.
+fn load_method(extra_args: &[String]) -> String {
+    match extra_args.iter().any(|a| a == "--ssd-streaming") {
+        true => "streamed from the disk as needed (--ssd-streaming)".to_string(),
+        false => "loaded whole, resident (ds4-server's default)".to_string(),
+    }
+}
 
 /// `-m --ctx --prefill-chunk --kv-disk-dir --kv-disk-space-mb`.
 fn settings_argv(p: &EngineParams, _host: &str, _port: u16) -> Vec<OsString> {
@@ -221,6 +230,13 @@ pub fn prefill_line(line: &str) -> Option<PrefillLine> {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn the_load_method_follows_ssd_streaming() {
+        assert!(load_method(&[]).contains("loaded whole, resident"));
+        let streamed = load_method(&["--ssd-streaming".to_string()]);
+        assert!(streamed.contains("(--ssd-streaming)"), "{streamed}");
+    }
 
     #[test]
     fn ds4_shutdown_lines_are_read() {

@@ -53,7 +53,26 @@ pub const KIND: Kind = Kind {
     },
     settings_argv,
     address_flags: true,
+    load_method,
 };
+
+/// llama.cpp maps the model by default; `--no-mmap` reads it whole (the last of `--mmap`
+/// and `--no-mmap` wins, as in its own parsing), and `--mlock` locks it in memory.
+fn load_method(extra_args: &[String]) -> String {
+    let no_mmap = extra_args
+        .iter()
+        .rev()
+        .find(|a| *a == "--mmap" || *a == "--no-mmap")
+        .is_some_and(|a| a == "--no-mmap");
+    let mut method = match no_mmap {
+        true => "read whole into memory (--no-mmap)".to_string(),
+        false => "mapped, pages read as they are first used (llama.cpp's default mmap)".to_string(),
+    };
+    if extra_args.iter().any(|a| a == "--mlock") {
+        method.push_str(", locked in memory (--mlock)");
+    }
+    method
+}
 
 /// `-m -c -np -ctk/-ctv -fa -ngl -b -ub --mmproj --slot-save-path`.
 fn settings_argv(p: &EngineParams, _host: &str, _port: u16) -> Vec<OsString> {
@@ -135,6 +154,30 @@ mod progress_tests {
             let got =
                 prompt_progress(data.as_bytes()).map(|p| (p.done, p.total, p.cached, p.seconds));
             assert_eq!(got, want, "{data}");
+        }
+    }
+}
+
+#[cfg(test)]
+mod load_tests {
+    use super::load_method;
+
+    #[test]
+    fn the_load_method_is_what_the_flags_say() {
+        let args = |a: &[&str]| a.iter().map(|s| s.to_string()).collect::<Vec<_>>();
+        let table = [
+            (args(&[]), "mapped, pages read"),
+            (args(&["--mmap"]), "mapped, pages read"),
+            (args(&["--no-mmap"]), "read whole into memory (--no-mmap)"),
+            (args(&["--no-mmap", "--mmap"]), "mapped, pages read"),
+            (
+                args(&["-ub", "512", "--mlock"]),
+                "locked in memory (--mlock)",
+            ),
+        ];
+        for (extra, want) in table {
+            let got = load_method(&extra);
+            assert!(got.contains(want), "{extra:?}: {got}");
         }
     }
 }

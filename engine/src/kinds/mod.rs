@@ -58,6 +58,9 @@ pub struct Kind {
     /// Whether dsv4d sets the address itself, `--host HOST --port PORT` last in the argv
     /// (else the settings' argv names it).
     pub address_flags: bool,
+    /// How the engine reads its model, as far as the profile's `extra_args` say, in words
+    /// for the validation's load test.
+    pub load_method: fn(&[String]) -> String,
 }
 
 impl Kind {

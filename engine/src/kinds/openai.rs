@@ -51,6 +51,7 @@ pub const KIND: Kind = Kind {
     prefill: PrefillReport::None,
     settings_argv,
     address_flags: false,
+    load_method: |_| "not known: the server's own flags decide".to_string(),
 };
 
 /// The placeholders `args` may hold, filled in at each start.

@@ -9,8 +9,6 @@
 use std::os::fd::AsFd;
 use std::path::PathBuf;
 
-use dsv4_engine::EngineKind;
-
 use crate::config::Profile;
 
 /// The files of `profile` its engine reads at load: the model (every shard) and the vision
@@ -41,35 +39,6 @@ pub fn drop_from_cache(files: &[PathBuf]) -> Result<u64, String> {
         bytes += len;
     }
     Ok(bytes)
-}
-
-/// How the engine of `kind` reads its model with `extra_args`, where its flags say so.
-pub fn method(kind: EngineKind, extra_args: &[String]) -> String {
-    let has = |flag: &str| extra_args.iter().any(|a| a == flag);
-    match kind {
-        EngineKind::LlamaServer => {
-            // The last of --mmap and --no-mmap wins, as in llama.cpp's own parsing.
-            let no_mmap = extra_args
-                .iter()
-                .rev()
-                .find(|a| *a == "--mmap" || *a == "--no-mmap")
-                .is_some_and(|a| a == "--no-mmap");
-            let mut method = match no_mmap {
-                true => "read whole into memory (--no-mmap)".to_string(),
-                false => "mapped, pages read as they are first used (llama.cpp's default mmap)"
-                    .to_string(),
-            };
-            if has("--mlock") {
-                method.push_str(", locked in memory (--mlock)");
-            }
-            method
-        }
-        EngineKind::Ds4 => match has("--ssd-streaming") {
-            true => "streamed from the disk as needed (--ssd-streaming)".to_string(),
-            false => "loaded whole, resident (ds4-server's default)".to_string(),
-        },
-        EngineKind::OpenAi => "not known: the engine's own flags decide".to_string(),
-    }
 }
 
 /// How many bytes of `files` are in the page cache, by `mincore(2)` on a mapping of each
@@ -132,41 +101,6 @@ pub fn resident(path: &std::path::Path) -> std::io::Result<(u64, u64)> {
 #[cfg(test)]
 mod tests {
     use super::*;
-
-    fn args(a: &[&str]) -> Vec<String> {
-        a.iter().map(|s| s.to_string()).collect()
-    }
-
-    #[test]
-    fn the_method_is_what_the_flags_say() {
-        let llama = EngineKind::LlamaServer;
-        let table = [
-            (llama, args(&[]), "mapped, pages read"),
-            (llama, args(&["--mmap"]), "mapped, pages read"),
-            (
-                llama,
-                args(&["--no-mmap"]),
-                "read whole into memory (--no-mmap)",
-            ),
-            (llama, args(&["--no-mmap", "--mmap"]), "mapped, pages read"),
-            (
-                llama,
-                args(&["-ub", "512", "--mlock"]),
-                "locked in memory (--mlock)",
-            ),
-            (EngineKind::Ds4, args(&[]), "loaded whole, resident"),
-            (
-                EngineKind::Ds4,
-                args(&["--ssd-streaming"]),
-                "streamed from the disk as needed (--ssd-streaming)",
-            ),
-            (EngineKind::OpenAi, args(&["--no-mmap"]), "not known"),
-        ];
-        for (kind, extra, want) in table {
-            let got = method(kind, &extra);
-            assert!(got.contains(want), "{kind:?} {extra:?}: {got}");
-        }
-    }
 
     #[test]
     fn a_dropped_file_leaves_the_page_cache() {

@@ -442,7 +442,7 @@ impl Validator {
         let p = self.0.config.borrow().profile(profile).cloned();
         let p = p.ok_or_else(|| format!("no profile {profile}"))?;
         let files = load::files(&p);
-        let method = load::method(p.engine, &p.params.extra_args);
+        let method = (p.engine.describe().load_method)(&p.params.extra_args);
         let warm = self.load_seconds(lease.engine.gen).await?;
         self.say(Progress {
             step: "load".into(),
