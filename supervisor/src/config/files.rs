@@ -261,12 +261,18 @@ pub(crate) fn check_makeable_dir(shown: &Shown, dir: &Path) -> Option<String> {
 /// read it, nobody may write it), and from systemd 254 gives the files group bits through
 /// an ACL mask (mode 0440): the mode and owner rules of a key file do not apply to them.
 pub fn is_credential(path: &Path) -> bool {
-    credential_in(path, std::env::var_os("CREDENTIALS_DIRECTORY").as_deref())
+    credential_in(path, credentials_dir().as_deref())
+}
+
+/// The service's credentials folder, `$CREDENTIALS_DIRECTORY`, when systemd set it.
+pub(crate) fn credentials_dir() -> Option<PathBuf> {
+    std::env::var_os("CREDENTIALS_DIRECTORY")
+        .filter(|d| !d.is_empty())
+        .map(PathBuf::from)
 }
 
 /// Whether `path` is a file right inside the credentials folder `dir`.
-fn credential_in(path: &Path, dir: Option<&std::ffi::OsStr>) -> bool {
-    let dir = dir.filter(|d| !d.is_empty()).map(Path::new);
+fn credential_in(path: &Path, dir: Option<&Path>) -> bool {
     dir.is_some_and(|dir| path.parent() == Some(dir) && path.file_name().is_some())
 }
 
@@ -369,14 +375,14 @@ mod tests {
 
     #[test]
     fn a_credential_is_a_file_right_inside_the_credentials_folder() {
-        let dir = Some(std::ffi::OsStr::new("/run/credentials/dsv4.service"));
+        let dir = Some(Path::new("/run/credentials/dsv4.service"));
         let table = [
             ("/run/credentials/dsv4.service/api-keys", dir, true),
             ("/run/credentials/dsv4.service/sub/api-keys", dir, false),
             ("/run/credentials/dsv4.service", dir, false),
             ("/etc/dsv4/api-keys", dir, false),
             ("/run/credentials/dsv4.service/api-keys", None, false),
-            ("/api-keys", Some(std::ffi::OsStr::new("")), false),
+            ("/api-keys", Some(Path::new("")), false),
         ];
         for (path, dir, want) in table {
             assert_eq!(

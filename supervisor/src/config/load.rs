@@ -64,10 +64,10 @@ pub(crate) enum Credentials {
 impl Credentials {
     /// As this process has them; `elsewhere` when their absence is not a problem.
     pub fn from_env(elsewhere: bool) -> Credentials {
-        match std::env::var_os("CREDENTIALS_DIRECTORY") {
-            Some(dir) if !dir.is_empty() => Credentials::In(PathBuf::from(dir)),
-            _ if elsewhere => Credentials::Elsewhere,
-            _ => Credentials::Missing,
+        match files::credentials_dir() {
+            Some(dir) => Credentials::In(dir),
+            None if elsewhere => Credentials::Elsewhere,
+            None => Credentials::Missing,
         }
     }
 }
@@ -109,8 +109,7 @@ pub(super) fn load_with(
     }
     let text = text.ok();
     let dropins = read_dropins(&file, &shown, &mut problems);
-    let mut layers = vec![(shown.path(&file), text.as_deref().unwrap_or(""))];
-    layers.extend(dropins.iter().map(|(f, t)| (shown.path(f), t.as_str())));
+    let layers = layers(&shown, &file, text.as_deref().unwrap_or(""), &dropins);
     let (doc, raw) = Doc::read_layers::<Supervisor>(&layers, never, &mut problems);
     // When supervisor.yaml cannot be read, the profiles are still checked, in the default
     // folder; since that may not be the folder meant, it is not reported as missing or empty.
@@ -211,6 +210,18 @@ fn read_dropins(file: &Path, shown: &Shown, problems: &mut Vec<Problem>) -> Vec<
     read
 }
 
+/// The file `file` with the text `text`, then its drop-ins, each as messages show it.
+fn layers<'a>(
+    shown: &Shown,
+    file: &Path,
+    text: &'a str,
+    dropins: &'a [(PathBuf, String)],
+) -> Vec<(PathBuf, &'a str)> {
+    let mut layers = vec![(shown.path(file), text)];
+    layers.extend(dropins.iter().map(|(f, t)| (shown.path(f), t.as_str())));
+    layers
+}
+
 /// `supervisor.yaml` at `path` with its drop-ins laid over it, as YAML, each value with the
 /// file and line it comes from.
 pub(super) fn merged(path: &Path) -> Result<String, ConfigError> {
@@ -226,8 +237,7 @@ pub(super) fn merged(path: &Path) -> Result<String, ConfigError> {
         }
     };
     let dropins = read_dropins(&file, &shown, &mut problems);
-    let mut layers = vec![(shown.path(&file), text.as_str())];
-    layers.extend(dropins.iter().map(|(f, t)| (shown.path(f), t.as_str())));
+    let layers = layers(&shown, &file, &text, &dropins);
     match Doc::merged_text(&layers, never, &mut problems) {
         Some(text) if problems.is_empty() => Ok(text),
         _ => Err(ConfigError { dir, problems }),

@@ -352,14 +352,17 @@ impl Validator {
             ..Progress::default()
         });
         // What the page cache holds of the model before the switch loads it.
-        let files = (self.0.config.borrow().profile(profile)).map(load::files);
-        let before = self.cached(&files.unwrap_or_default()).await;
+        let files = self.0.config.borrow().profile(profile).map(load::files);
+        let files = files.unwrap_or_default();
+        let before = self.cached(&files).await;
         lifecycle
             .set_profile(profile)
             .await
             .map_err(|e| e.to_string())?;
         let lease = self.lease_on(profile).await?;
-        let lease = self.load_test(profile, lease, before, result).await?;
+        let lease = self
+            .load_test(profile, lease, &files, before, result)
+            .await?;
         let engine = &lease.engine.clone();
         let (api, has_mmproj) = {
             let config = self.0.config.borrow();
@@ -428,7 +431,7 @@ impl Validator {
     }
 
     /// The load test, around the switch: `before` is what the page cache held of the
-    /// model's files before it. The warm load is the switch's own (the engine `lease`
+    /// model's `files` before it. The warm load is the switch's own (the engine `lease`
     /// holds; for a validation of the running profile, that engine's load). Then the engine
     /// is stopped, the model's files dropped from the page cache, and the load timed again.
     /// The lease on the engine the rest of the suite runs on.
@@ -436,13 +439,16 @@ impl Validator {
         &self,
         profile: &str,
         lease: Lease,
+        files: &[PathBuf],
         before: u64,
         result: &mut ValidationResult,
     ) -> Result<Lease, String> {
-        let p = self.0.config.borrow().profile(profile).cloned();
-        let p = p.ok_or_else(|| format!("no profile {profile}"))?;
-        let files = load::files(&p);
-        let method = (p.engine.describe().load_method)(&p.params.extra_args);
+        let method = {
+            let config = self.0.config.borrow();
+            let p = config.profile(profile);
+            let p = p.ok_or_else(|| format!("no profile {profile}"))?;
+            (p.engine.describe().load_method)(&p.params.extra_args)
+        };
         let warm = self.load_seconds(lease.engine.gen).await?;
         self.say(Progress {
             step: "load".into(),
@@ -451,29 +457,16 @@ impl Validator {
             message: format!("load with the page cache as it was: {warm:.1} s ({method})"),
             ..Progress::default()
         });
-        let mut load = dsv4_client::validate::LoadTest {
-            warm_seconds: warm,
-            files: files.iter().map(|f| f.display().to_string()).collect(),
-            bytes: files
-                .iter()
-                .filter_map(|f| f.metadata().ok())
-                .map(|m| m.len())
-                .sum(),
-            cached_before_warm: before,
-            method,
-            ..Default::default()
-        };
         // Client requests wait at the validation's gate meanwhile, and the engine is idle
         // (the lease was the only one): a planned stop refuses no one.
         let gone = lease.engine.gen;
         drop(lease);
         self.stopped(gone).await?;
-        let dropped = files.clone();
+        let dropped = files.to_vec();
         let bytes = tokio::task::spawn_blocking(move || load::drop_from_cache(&dropped))
             .await
             .map_err(|e| e.to_string())??;
-        load.bytes = bytes;
-        load.cached_before_cold = self.cached(&files).await;
+        let cached_before_cold = self.cached(files).await;
         let lease = self.lease_after(profile, gone).await?;
         let cold = self.load_seconds(lease.engine.gen).await?;
         self.say(Progress {
@@ -486,8 +479,15 @@ impl Validator {
             ),
             ..Progress::default()
         });
-        load.cold_seconds = cold;
-        result.load = Some(load);
+        result.load = Some(dsv4_client::validate::LoadTest {
+            warm_seconds: warm,
+            cold_seconds: cold,
+            files: files.iter().map(|f| f.display().to_string()).collect(),
+            bytes,
+            cached_before_warm: before,
+            cached_before_cold,
+            method,
+        });
         Ok(lease)
     }
 
