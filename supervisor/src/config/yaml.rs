@@ -456,15 +456,9 @@ fn written_scalar(text: &str, plain: bool) -> String {
         && !text.contains(": ")
         && !text.ends_with([':', ' '])
         && !text.starts_with([' ', '-', '?', '%', '@', '`']);
-    // Written plain, a quoted text that looks like a number, a boolean or null would be read
-    // as one.
-    let lower = text.to_ascii_lowercase();
-    let typed = text.parse::<f64>().is_ok()
-        || matches!(
-            lower.as_str(),
-            "null" | "~" | "true" | "false" | ".inf" | "-.inf" | ".nan"
-        );
-    if simple && !typed {
+    // Written plain, a quoted text that the core schema reads as a number, a boolean or null
+    // would be read as one.
+    if simple && dsv4_yaml::plain_reads_as_text(text) {
         return text.to_string();
     }
     serde_json::to_string(text).unwrap_or_else(|_| format!("{text:?}"))
@@ -519,6 +513,9 @@ mod tests {
             ("http://a.example", false, "http://a.example"),
             ("5", false, "\"5\""),
             ("1e3", false, "\"1e3\""),
+            ("0x1F", false, "\"0x1F\""),
+            ("0o17", false, "\"0o17\""),
+            ("+.inf", false, "\"+.inf\""),
             ("true", false, "\"true\""),
             ("Null", false, "\"Null\""),
             ("~", false, "\"~\""),

@@ -117,6 +117,12 @@ fn is_null(text: &str) -> bool {
     matches!(text, "" | "~" | "null" | "Null" | "NULL")
 }
 
+/// Whether `text`, written as a plain scalar, reads as that text under YAML 1.2's core
+/// schema (not as null, a boolean or a number), as [`De`] resolves it.
+pub fn plain_reads_as_text(text: &str) -> bool {
+    matches!(Scalar::of(text), Scalar::Text(_))
+}
+
 /// A position as messages give it: 1-based line and column (in characters).
 pub fn position(m: &Marker) -> (usize, usize) {
     (m.line(), m.col() + 1)
