@@ -43,6 +43,11 @@ impl EngineKv {
 /// Checkpoints one failed save may remove to make room.
 const MAX_EVICTIONS: u32 = 16;
 
+/// How long a failed restore waits to learn whether the engine died of it. An engine that
+/// aborts (SIGABRT, perhaps writing a core) may break the connection a good while before
+/// its exit is reaped; only a failing restore waits, and only until the exit is seen.
+const DEATH_WITHIN: Duration = Duration::from_secs(3);
+
 #[derive(Debug, Deserialize)]
 struct Props {
     #[serde(default)]
@@ -279,7 +284,7 @@ pub async fn restore(
                 }
                 // An engine that aborts on the file (llama-server does on some damage) breaks
                 // the connection: tell that from a refusal.
-                let why = match engine.gone_within(Duration::from_millis(100)).await {
+                let why = match engine.gone_within(DEATH_WITHIN).await {
                     true => format!("the engine died restoring it ({e})"),
                     false => format!("the engine refused it: {e}"),
                 };
