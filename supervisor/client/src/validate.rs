@@ -4,7 +4,7 @@
 use serde::{Deserialize, Serialize};
 
 /// What `Validate(s)` is asked to run.
-#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[derive(Debug, Clone, Default, PartialEq, Serialize, Deserialize)]
 pub struct ValidateRequest {
     /// The validation profile (`64k` when not given).
     pub profile: Option<String>,
@@ -16,6 +16,41 @@ pub struct ValidateRequest {
     /// Tokens of the prefill test (4,096 when not given).
     #[serde(default)]
     pub prefill: Option<u64>,
+    /// Run every cell of the profile's `matrix:` (`dsv4ctl validate --matrix`).
+    #[serde(default)]
+    pub matrix: bool,
+    /// Narrows the matrix: for an axis named here, only the values given (`cpu` and `gpu`
+    /// values by name, an argument axis's variants by number from 1 or by their arguments
+    /// joined with spaces).
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub only: Vec<Narrowing>,
+}
+
+/// `--only AXIS=VALUE[,VALUE...]`.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct Narrowing {
+    pub axis: String,
+    pub values: Vec<String>,
+}
+
+impl std::str::FromStr for Narrowing {
+    type Err = String;
+
+    /// `cpu=power-saver,performance`, `ub=2`, `load=--no-mmap`.
+    fn from_str(s: &str) -> Result<Narrowing, String> {
+        let (axis, values) = s
+            .split_once('=')
+            .ok_or_else(|| format!("`{s}` is not AXIS=VALUE[,VALUE...]"))?;
+        let axis = axis.trim();
+        if axis.is_empty() {
+            return Err(format!("`{s}` names no axis"));
+        }
+        let values: Vec<String> = values.split(',').map(|v| v.trim().to_string()).collect();
+        Ok(Narrowing {
+            axis: axis.to_string(),
+            values,
+        })
+    }
 }
 
 /// One line of progress (`ValidationProgress` signal).
@@ -114,12 +149,190 @@ pub struct ValidationResult {
     /// The load test, when it ran (not in results of older daemons).
     #[serde(default)]
     pub load: Option<LoadTest>,
+    /// For `--matrix`: every cell's settings and figures, and the verdict (`tests` and `load`
+    /// are then empty: each cell has its own).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub matrix: Option<Matrix>,
     /// Why it ended early, when it did (the tests done so far are kept).
     #[serde(default)]
     pub error: Option<String>,
     /// Where the daemon saved it.
     #[serde(default)]
     pub file: Option<String>,
+}
+
+/// The settings of one matrix cell: the CPU power profile and GPU level (when the matrix has
+/// those axes) and, for each argument axis, the variant taken.
+#[derive(Debug, Clone, Default, PartialEq, Eq, Hash, Serialize, Deserialize)]
+pub struct CellSettings {
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub cpu: Option<String>,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub gpu: Option<String>,
+    #[serde(default)]
+    pub args: Vec<ArgChoice>,
+}
+
+/// One argument axis's variant in a cell.
+#[derive(Debug, Clone, Default, PartialEq, Eq, Hash, Serialize, Deserialize)]
+pub struct ArgChoice {
+    pub axis: String,
+    /// Its number on the axis, from 1.
+    pub variant: u32,
+    /// Added after the profile's own `extra_args`.
+    pub args: Vec<String>,
+}
+
+impl CellSettings {
+    /// `cpu=power-saver gpu=auto ub=[-ub 512] load=[]`.
+    pub fn label(&self) -> String {
+        let mut parts = Vec::new();
+        if let Some(cpu) = &self.cpu {
+            parts.push(format!("cpu={cpu}"));
+        }
+        if let Some(gpu) = &self.gpu {
+            parts.push(format!("gpu={gpu}"));
+        }
+        for a in &self.args {
+            parts.push(format!("{}=[{}]", a.axis, a.args.join(" ")));
+        }
+        match parts.is_empty() {
+            true => "(the profile as it is)".to_string(),
+            false => parts.join(" "),
+        }
+    }
+
+    /// Every argument the cell adds, axis after axis.
+    pub fn added_args(&self) -> Vec<String> {
+        self.args.iter().flat_map(|a| a.args.clone()).collect()
+    }
+}
+
+/// One cell's run.
+#[derive(Debug, Clone, Default, PartialEq, Serialize, Deserialize)]
+pub struct Cell {
+    /// Its place in the run, from 1.
+    pub index: u32,
+    pub settings: CellSettings,
+    pub tests: Vec<TestResult>,
+    #[serde(default)]
+    pub load: Option<LoadTest>,
+    /// The host over the cell's tests (peak temperature, mean SoC power, seconds throttled,
+    /// GTT peak).
+    #[serde(default)]
+    pub host: crate::telemetry::Resources,
+    /// What the power policy said it had in force during the cell (`power-saver held
+    /// through ...`, or why not), and the GPU level it saw.
+    #[serde(default)]
+    pub applied_cpu: Option<String>,
+    #[serde(default)]
+    pub applied_gpu: Option<String>,
+    /// The engine's command line during the cell.
+    #[serde(default)]
+    pub argv: Vec<String>,
+    /// Why the cell failed, when it did (the run goes on with the next one).
+    #[serde(default)]
+    pub error: Option<String>,
+}
+
+impl Cell {
+    pub fn test(&self, name: &str) -> Option<&TestResult> {
+        self.tests.iter().find(|t| t.name == name)
+    }
+}
+
+/// A matrix run: its cells in the order they ran, and the verdict.
+#[derive(Debug, Clone, Default, PartialEq, Serialize, Deserialize)]
+pub struct Matrix {
+    pub cells: Vec<Cell>,
+    /// How many cells the matrix has (more than ran, when it ended early).
+    pub planned: u32,
+    /// Times a client request paused the matrix to be served on the service profile.
+    #[serde(default)]
+    pub pauses: u32,
+    #[serde(default)]
+    pub verdict: Option<Verdict>,
+    /// The verdict's settings as YAML for the service profile (never applied by dsv4d).
+    #[serde(default)]
+    pub snippet: Option<String>,
+}
+
+/// Which cell to run the service with.
+#[derive(Debug, Clone, Default, PartialEq, Serialize, Deserialize)]
+pub struct Verdict {
+    /// The cell with the highest mean decode rate.
+    pub fastest: u32,
+    /// The cells whose decode is within the noise of the fastest (the `--compare` rule).
+    pub within_noise: Vec<u32>,
+    /// Among those, the one with the fewest joules per generated token (the fastest when
+    /// no cell has a power figure).
+    pub pick: u32,
+    /// Why that one, in words.
+    pub reason: String,
+}
+
+/// The verdict over `cells`: `None` when no cell has a decode figure.
+pub fn verdict(cells: &[Cell]) -> Option<Verdict> {
+    let measured: Vec<(&Cell, &TestResult)> = cells
+        .iter()
+        .filter(|c| c.error.is_none())
+        .filter_map(|c| Some((c, c.test("decode")?)))
+        .collect();
+    let (fastest, best) =
+        measured
+            .iter()
+            .copied()
+            .reduce(|a, b| if b.1.mean > a.1.mean { b } else { a })?;
+    let within: Vec<(&Cell, &TestResult)> = measured
+        .iter()
+        .copied()
+        .filter(|(_, t)| !beyond_noise(best, t).0)
+        .collect();
+    let energy = |t: &TestResult| t.telemetry.joules_per_token;
+    let frugal = within
+        .iter()
+        .copied()
+        .filter(|(_, t)| energy(t).is_some())
+        .reduce(|a, b| match energy(b.1) < energy(a.1) {
+            true => b,
+            false => a,
+        });
+    let (pick, reason) = match frugal {
+        Some((c, t)) => {
+            let j = energy(t).unwrap_or_default();
+            let reason = match c.index == fastest.index {
+                true => format!(
+                    "the fastest decode ({:.2} tok/s), and the fewest joules per token \
+                     ({j:.2} J) of the {} cells within its noise",
+                    t.mean,
+                    within.len()
+                ),
+                false => format!(
+                    "decode {:.2} tok/s, within the noise of the fastest ({:.2} tok/s, cell \
+                     {}), at the fewest joules per token ({j:.2} J) of the {} cells within it",
+                    t.mean,
+                    best.mean,
+                    fastest.index,
+                    within.len()
+                ),
+            };
+            (c.index, reason)
+        }
+        None => (
+            fastest.index,
+            format!(
+                "the fastest decode ({:.2} tok/s); no cell has a power figure to compare \
+                 energy by",
+                best.mean
+            ),
+        ),
+    };
+    Some(Verdict {
+        fastest: fastest.index,
+        within_noise: within.iter().map(|(c, _)| c.index).collect(),
+        pick,
+        reason,
+    })
 }
 
 /// The mean and the sample standard deviation.
@@ -161,14 +374,35 @@ fn pooled_sd(a: &TestResult, b: &TestResult) -> f64 {
     (num / (na + nb - 2.0)).sqrt()
 }
 
+/// Whether `now` is slower than `before` beyond the noise: the larger of twice the pooled SD
+/// and 5% of `before`'s mean. With the threshold.
+fn beyond_noise(before: &TestResult, now: &TestResult) -> (bool, f64) {
+    let threshold = (2.0 * pooled_sd(before, now)).max(0.05 * before.mean.abs());
+    (before.mean - now.mean > threshold, threshold)
+}
+
 /// Each test of `now` that `before` has too, with the change; tok/s: lower is slower.
 pub fn compare(before: &ValidationResult, now: &ValidationResult) -> Vec<Comparison> {
-    now.tests
+    compare_tests(&before.tests, &now.tests)
+}
+
+/// One matrix run against an earlier one, cell by cell: each cell of `now` whose settings
+/// `before` ran too, with its comparison.
+pub fn compare_cells<'a>(before: &'a Matrix, now: &'a Matrix) -> Vec<(&'a Cell, Vec<Comparison>)> {
+    now.cells
         .iter()
+        .filter_map(|c| {
+            let old = before.cells.iter().find(|o| o.settings == c.settings)?;
+            Some((c, compare_tests(&old.tests, &c.tests)))
+        })
+        .collect()
+}
+
+fn compare_tests(before: &[TestResult], now: &[TestResult]) -> Vec<Comparison> {
+    now.iter()
         .filter_map(|t| {
-            let old = before.tests.iter().find(|o| o.name == t.name)?;
-            let threshold = (2.0 * pooled_sd(old, t)).max(0.05 * old.mean.abs());
-            let drop = old.mean - t.mean;
+            let old = before.iter().find(|o| o.name == t.name)?;
+            let (flagged, threshold) = beyond_noise(old, t);
             Some(Comparison {
                 name: t.name.clone(),
                 before: old.mean,
@@ -179,7 +413,7 @@ pub fn compare(before: &ValidationResult, now: &ValidationResult) -> Vec<Compari
                     0.0
                 },
                 threshold,
-                flagged: drop > threshold,
+                flagged,
             })
         })
         .collect()
@@ -244,5 +478,127 @@ mod tests {
         assert!(!compare(&now, &before)[0].flagged);
         // A test only one run has is left out.
         assert!(compare(&result(&[("vision_decode", &[1.0])]), &now).is_empty());
+    }
+
+    fn cell(index: u32, cpu: &str, decode: &[f64], watts: Option<f64>) -> Cell {
+        let (mean, sd) = mean_sd(decode);
+        Cell {
+            index,
+            settings: CellSettings {
+                cpu: Some(cpu.to_string()),
+                ..CellSettings::default()
+            },
+            tests: vec![TestResult {
+                name: "decode".into(),
+                runs: decode.to_vec(),
+                mean,
+                sd,
+                telemetry: TestTelemetry {
+                    soc_power_mean_w: watts,
+                    joules_per_token: watts.map(|w| w / mean),
+                    ..TestTelemetry::default()
+                },
+                ..TestResult::default()
+            }],
+            ..Cell::default()
+        }
+    }
+
+    #[test]
+    fn the_verdict_is_the_most_frugal_cell_within_the_noise_of_the_fastest() {
+        // The seeds' findings: power-saver decodes as fast for 17 W less; the GPU on low
+        // costs a fifth of decode and is out whatever it saves.
+        let cells = [
+            cell(1, "performance", &[16.01, 16.03, 16.02], Some(102.0)),
+            cell(2, "power-saver", &[16.00, 16.02, 16.04], Some(85.0)),
+            cell(3, "gpu-low", &[12.58, 12.59, 12.60], Some(60.0)),
+        ];
+        let v = verdict(&cells).unwrap();
+        assert_eq!(v.fastest, 1, "{v:?}");
+        assert_eq!(v.within_noise, vec![1, 2]);
+        assert_eq!(v.pick, 2, "{v:?}");
+        assert!(v.reason.contains("cell 1"), "{}", v.reason);
+        // The fastest is also the most frugal: its own words.
+        let v = verdict(&cells[..1]).unwrap();
+        assert_eq!((v.fastest, v.pick), (1, 1));
+        assert!(v.reason.starts_with("the fastest decode"), "{}", v.reason);
+        // Without power figures: the fastest.
+        let dark = [
+            cell(1, "performance", &[16.0], None),
+            cell(2, "power-saver", &[16.5], None),
+        ];
+        let v = verdict(&dark).unwrap();
+        assert_eq!((v.fastest, v.pick), (2, 2));
+        assert!(
+            v.reason.contains("no cell has a power figure"),
+            "{}",
+            v.reason
+        );
+        // A failed cell is never picked, and no decode at all is no verdict.
+        let mut failed = cell(3, "balanced", &[30.0], Some(1.0));
+        failed.error = Some("the engine went away".into());
+        let v = verdict(&[cells[1].clone(), failed]).unwrap();
+        assert_eq!(v.pick, 2);
+        assert_eq!(verdict(&[]), None);
+    }
+
+    #[test]
+    fn matrix_runs_compare_cell_by_cell() {
+        let before = Matrix {
+            cells: vec![
+                cell(1, "performance", &[16.0, 16.1, 16.0], None),
+                cell(2, "power-saver", &[16.0, 16.1, 16.0], None),
+            ],
+            ..Matrix::default()
+        };
+        let now = Matrix {
+            cells: vec![
+                cell(1, "power-saver", &[12.0, 12.1, 12.0], None),
+                cell(2, "balanced", &[16.0], None),
+            ],
+            ..Matrix::default()
+        };
+        let c = compare_cells(&before, &now);
+        // Matched by settings, not by place: power-saver is cell 2 before, 1 now.
+        assert_eq!(c.len(), 1, "{c:?}");
+        assert_eq!(c[0].0.settings.cpu.as_deref(), Some("power-saver"));
+        assert!(c[0].1[0].flagged);
+    }
+
+    #[test]
+    fn narrowing_reads_axis_and_values() {
+        let n: Narrowing = "cpu=power-saver, performance".parse().unwrap();
+        assert_eq!(n.axis, "cpu");
+        assert_eq!(n.values, vec!["power-saver", "performance"]);
+        let n: Narrowing = "load=--no-mmap".parse().unwrap();
+        assert_eq!(n.values, vec!["--no-mmap"]);
+        assert!("cpu"
+            .parse::<Narrowing>()
+            .unwrap_err()
+            .contains("AXIS=VALUE"));
+        assert!("=x".parse::<Narrowing>().is_err());
+    }
+
+    #[test]
+    fn a_cell_is_labelled_by_its_settings() {
+        let s = CellSettings {
+            cpu: Some("power-saver".into()),
+            gpu: Some("low".into()),
+            args: vec![
+                ArgChoice {
+                    axis: "ub".into(),
+                    variant: 2,
+                    args: vec!["-ub".into(), "2048".into()],
+                },
+                ArgChoice {
+                    axis: "load".into(),
+                    variant: 1,
+                    args: vec![],
+                },
+            ],
+        };
+        assert_eq!(s.label(), "cpu=power-saver gpu=low ub=[-ub 2048] load=[]");
+        assert_eq!(s.added_args(), vec!["-ub", "2048"]);
+        assert_eq!(CellSettings::default().label(), "(the profile as it is)");
     }
 }

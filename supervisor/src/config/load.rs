@@ -16,6 +16,7 @@ use dsv4_engine::{EngineKind, EngineParams, KeyPassing};
 
 use super::error::Problem;
 use super::files::{self, Shown};
+use super::matrix;
 use super::names;
 use super::raw::RawProfile;
 use super::rules;
@@ -710,6 +711,7 @@ impl Check<'_> {
                 self.item("extra_args", i, message);
             }
         }
+        let matrix = raw.matrix.map(|m| self.matrix(m));
         let env = raw.env.unwrap_or_default();
         for (key, value) in &env {
             let path = format!("env.{key}");
@@ -755,7 +757,82 @@ impl Check<'_> {
             // The key is for engines whose slots dsv4d keeps; others keep their own checkpoints
             // (kv_disk_dir) or none.
             kv_checkpoint: kv_checkpoint.filter(|_| slots),
+            matrix,
         }
+    }
+
+    /// `matrix:`: every axis lists something, `cpu` and `gpu` name what they can, every
+    /// argument passes the rules of `extra_args`, and the cells are not too many.
+    fn matrix(&mut self, raw: matrix::RawMatrix) -> matrix::Matrix {
+        use matrix::{RawValues, Values, CPU_VALUES, GPU_VALUES};
+        let mut axes = Vec::new();
+        for (name, values) in raw.0 {
+            let path = format!("matrix.{name}");
+            let empty = match &values {
+                RawValues::Names(v) => v.is_empty(),
+                RawValues::Args(v) => v.is_empty(),
+            };
+            self.when(empty, &path, "lists no value: give at least one");
+            let values = match values {
+                RawValues::Names(names) => {
+                    let known: &[&str] = match name.as_str() {
+                        "cpu" => &CPU_VALUES,
+                        _ => &GPU_VALUES,
+                    };
+                    for (i, n) in names.iter().enumerate() {
+                        let message = format!(
+                            "`{n}` is not a {} this axis takes: {}",
+                            if name == "cpu" {
+                                "power profile"
+                            } else {
+                                "GPU level"
+                            },
+                            known.join(", ")
+                        );
+                        self.when(
+                            !known.contains(&n.as_str()),
+                            &format!("{path}[{i}]"),
+                            message,
+                        );
+                        let twice = names[..i].contains(n);
+                        self.when(
+                            twice,
+                            &format!("{path}[{i}]"),
+                            format!("`{n}` is listed twice"),
+                        );
+                    }
+                    match name.as_str() {
+                        "cpu" => Values::Cpu(names),
+                        _ => Values::Gpu(names),
+                    }
+                }
+                RawValues::Args(variants) => {
+                    for (i, args) in variants.iter().enumerate() {
+                        for (j, arg) in args.iter().enumerate() {
+                            let at = format!("{path}[{i}][{j}]");
+                            let message = match arg.contains('\0') {
+                                true => Some("contains a NUL byte".to_string()),
+                                false => rules::check_extra_arg(arg),
+                            };
+                            self.add(&at, message);
+                        }
+                        let twice = variants[..i].contains(args);
+                        let message = format!("variant {} repeats an earlier one", i + 1);
+                        self.when(twice, &format!("{path}[{i}]"), message);
+                    }
+                    Values::Args(variants)
+                }
+            };
+            axes.push(matrix::Axis { name, values });
+        }
+        let m = matrix::Matrix { axes };
+        let size = m.size();
+        let message = format!(
+            "has {size} cells (every combination of its axes); at most {} are allowed",
+            matrix::MAX_CELLS
+        );
+        self.when(size > matrix::MAX_CELLS, "matrix", message);
+        m
     }
 
     /// How the engine is given its key: `key_env: NAME`, `key_arg: FLAG`, or neither.

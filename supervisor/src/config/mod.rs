@@ -15,6 +15,7 @@ pub use files::{
     find_in_path, is_credential, model_files, program_search_path, same_file, shared_key_file,
 };
 mod load;
+pub mod matrix;
 pub mod names;
 pub mod profiles;
 mod raw;
@@ -434,6 +435,8 @@ pub struct Profile {
     pub env: BTreeMap<String, String>,
     /// llama-server: KV checkpoints across stops (`kv_checkpoint`); `None`: off.
     pub kv_checkpoint: Option<KvCheckpoint>,
+    /// The settings `dsv4ctl validate --matrix` compares (`matrix:`).
+    pub matrix: Option<matrix::Matrix>,
 }
 
 /// `kv_checkpoint:` of a llama-server profile: the slots' KV cache is saved to `dir` on every

@@ -49,6 +49,8 @@ pub(crate) struct RawProfile {
     pub kv_checkpoint: Option<RawKvCheckpoint>,
     pub extra_args: Option<Vec<String>>,
     pub env: Option<BTreeMap<String, String>>,
+    /// The settings `dsv4ctl validate --matrix` compares on this profile.
+    pub matrix: Option<super::matrix::RawMatrix>,
     /// The engine's whole argv, with `{port}` and `{host}` (engines whose command line the
     /// profile gives).
     pub args: Option<Vec<String>>,

@@ -236,6 +236,7 @@ kv_checkpoint: {{ dir: kv, max_size: 40GiB, save_timeout: 90s }}
                     planned_memory: None,
                     env: BTreeMap::new(),
                     kv_checkpoint: None,
+                    matrix: None,
                 },
             ),
             (
@@ -272,6 +273,7 @@ kv_checkpoint: {{ dir: kv, max_size: 40GiB, save_timeout: 90s }}
                         save_timeout: Duration::from_secs(90),
                         restore_timeout: KvCheckpoint::DEFAULT_RESTORE_TIMEOUT,
                     }),
+                    matrix: None,
                     env: BTreeMap::from([
                         ("HOME".to_string(), "/tmp".to_string()),
                         ("LLAMA_ARG_THREADS".to_string(), "8".to_string()),
@@ -640,7 +642,7 @@ fn unknown_key_is_reported_with_position_and_path() {
              `description`, `engine`, `command`, `model`, `mmproj`, `context`, `parallel`, \
              `batch`, `ubatch`, `kv_cache`, `flash_attn`, `gpu_layers`, `prefill_chunk`, \
              `kv_disk_dir`, `kv_disk_space`, `planned_memory`, `kv_checkpoint`, `extra_args`, `env`, \
-             `args`, `health`, `key_env`, `key_arg`, `stop_signal`, `stop_grace`; \
+             `matrix`, `args`, `health`, `key_env`, `key_arg`, `stop_signal`, `stop_grace`; \
              did you mean `model`?",
         ]
     );
@@ -699,6 +701,71 @@ fn default_profile_must_exist() {
             "supervisor.yaml: default_profile: no profile named \"320k\" in profiles; \
           available: 64k"
         ]
+    );
+}
+
+#[test]
+fn a_matrix_is_read_in_order_and_each_mistake_is_placed() {
+    let dir = TempDir::new("matrix");
+    let file = dir.write("supervisor.yaml", "default_profile: 64k\n");
+    dir.engine_files("profiles");
+    dir.write(
+        "profiles/64k.yaml",
+        &format!(
+            "{MINIMAL_PROFILE}matrix:\n  ub:\n    - [-ub, '512']\n    - [-ub, '2048']\n  \
+             cpu: [power-saver, performance]\n  load: [[], [--no-mmap]]\n"
+        ),
+    );
+    let config = Config::load(&file).unwrap();
+    let m = config.profile("64k").unwrap().matrix.clone().unwrap();
+    let names: Vec<&str> = m.axes.iter().map(|a| a.name.as_str()).collect();
+    assert_eq!(names, ["ub", "cpu", "load"], "the order written");
+    assert_eq!(m.size(), 8);
+    let cells = m.cells(&[]).unwrap();
+    assert_eq!(
+        cells[1].label(),
+        "cpu=power-saver ub=[-ub 512] load=[--no-mmap]"
+    );
+    assert_eq!(cells[2].label(), "cpu=performance ub=[-ub 512] load=[]");
+
+    dir.write(
+        "profiles/64k.yaml",
+        &format!(
+            "{MINIMAL_PROFILE}matrix:\n  cpu: [power-saver, turbo, power-saver]\n  gpu: []\n  \
+             ub: [[-ub, '512'], [--port, '9'], [-ub, '512']]\n"
+        ),
+    );
+    let problems = errors(Config::load(&file));
+    assert_eq!(problems.len(), 5, "{problems:#?}");
+    let want = [
+        (
+            "profiles/64k.yaml:5:22: matrix.cpu[1]",
+            "`turbo` is not a power profile",
+        ),
+        (
+            "profiles/64k.yaml:5:29: matrix.cpu[2]",
+            "`power-saver` is listed twice",
+        ),
+        ("profiles/64k.yaml:6:8: matrix.gpu", "lists no value"),
+        ("matrix.ub[1][0]", "--port"),
+        ("matrix.ub[2]", "variant 3 repeats an earlier one"),
+    ];
+    for ((at, what), got) in want.iter().zip(&problems) {
+        assert!(
+            got.contains(at) && got.contains(what),
+            "{got}: wanted {at} {what}"
+        );
+    }
+
+    let axes: String = (0..7).map(|i| format!("  a{i}: [[], [-x]]\n")).collect();
+    dir.write(
+        "profiles/64k.yaml",
+        &format!("{MINIMAL_PROFILE}matrix:\n{axes}"),
+    );
+    let problems = errors(Config::load(&file));
+    assert!(
+        problems[0].contains("matrix: has 128 cells") && problems[0].contains("at most 64"),
+        "{problems:?}"
     );
 }
 

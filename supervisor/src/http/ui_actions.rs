@@ -112,6 +112,7 @@ pub async fn act(
                 runs: runs.unwrap_or(1),
                 long,
                 prefill,
+                ..Default::default()
             };
             actions
                 .validate(req, BY)
