@@ -56,19 +56,39 @@ pub const KIND: Kind = Kind {
     load_method,
 };
 
-/// llama.cpp maps the model by default; `--no-mmap` reads it whole (the last of `--mmap`
-/// and `--no-mmap` wins, as in its own parsing), and `--mlock` locks it in memory.
+/// llama.cpp maps the model by default. Newer builds choose with `-lm`/`--load-mode`
+/// (`auto`, `none`, `mmap`, `mlock`, `mmap+mlock`); older ones with `--no-mmap`, `--mmap`
+/// and `--mlock`. The last of the flags that choose wins, as in its own parsing.
 fn load_method(extra_args: &[String]) -> String {
-    let no_mmap = extra_args
-        .iter()
-        .rev()
-        .find(|a| *a == "--mmap" || *a == "--no-mmap")
-        .is_some_and(|a| a == "--no-mmap");
-    let mut method = match no_mmap {
-        true => "read whole into memory (--no-mmap)".to_string(),
-        false => "mapped, pages read as they are first used (llama.cpp's default mmap)".to_string(),
-    };
-    if extra_args.iter().any(|a| a == "--mlock") {
+    const DEFAULT: &str = "mapped (llama.cpp's default mmap)";
+    let mut chosen: Option<String> = None;
+    let mut locked = false;
+    let mut args = extra_args.iter();
+    while let Some(arg) = args.next() {
+        let mode = match arg.as_str() {
+            "-lm" | "--load-mode" => args.next().cloned(),
+            other => other.strip_prefix("--load-mode=").map(String::from),
+        };
+        if let Some(mode) = mode {
+            chosen = Some(match mode.as_str() {
+                "auto" => format!("{DEFAULT}, unless a device cannot map (--load-mode auto)"),
+                "none" => "read whole into memory (--load-mode none)".to_string(),
+                "mmap" => "mapped (--load-mode mmap)".to_string(),
+                "mlock" => "read into memory and locked there (--load-mode mlock)".to_string(),
+                "mmap+mlock" => "mapped and locked in memory (--load-mode mmap+mlock)".to_string(),
+                other => format!("--load-mode {other}"),
+            });
+            continue;
+        }
+        match arg.as_str() {
+            "--no-mmap" => chosen = Some("read whole into memory (--no-mmap)".to_string()),
+            "--mmap" => chosen = Some(DEFAULT.to_string()),
+            "--mlock" => locked = true,
+            _ => {}
+        }
+    }
+    let mut method = chosen.unwrap_or_else(|| DEFAULT.to_string());
+    if locked {
         method.push_str(", locked in memory (--mlock)");
     }
     method
@@ -166,10 +186,24 @@ mod load_tests {
     fn the_load_method_is_what_the_flags_say() {
         let args = |a: &[&str]| a.iter().map(|s| s.to_string()).collect::<Vec<_>>();
         let table = [
-            (args(&[]), "mapped, pages read"),
-            (args(&["--mmap"]), "mapped, pages read"),
+            (args(&[]), "mapped (llama.cpp's default mmap)"),
+            (args(&["--mmap"]), "mapped (llama.cpp's default mmap)"),
             (args(&["--no-mmap"]), "read whole into memory (--no-mmap)"),
-            (args(&["--no-mmap", "--mmap"]), "mapped, pages read"),
+            (args(&["--no-mmap", "--mmap"]), "llama.cpp's default mmap"),
+            (
+                args(&["-lm", "none"]),
+                "read whole into memory (--load-mode none)",
+            ),
+            (
+                args(&["--load-mode=mlock"]),
+                "locked there (--load-mode mlock)",
+            ),
+            (
+                args(&["--no-mmap", "--load-mode", "mmap"]),
+                "mapped (--load-mode mmap)",
+            ),
+            (args(&["-lm", "none", "--mmap"]), "llama.cpp's default mmap"),
+            (args(&["-lm", "dio"]), "--load-mode dio"),
             (
                 args(&["-ub", "512", "--mlock"]),
                 "locked in memory (--mlock)",
