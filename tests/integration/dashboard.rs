@@ -471,6 +471,84 @@ async fn alerts_and_validation_runs_show_up_in_the_page() {
     );
 }
 
+/// The last matrix run shows with a row per cell, its pick marked, the verdict and the
+/// suggested change, even when a plain validation ran after it.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_last_matrix_shows_its_cells_and_verdict_in_the_page() {
+    use dsv4_client::validate::{Cell, CellSettings, Matrix, TestResult, ValidationResult};
+    let d = Daemon::start(&Setup::default());
+    let runs = d.dir().join("state/validations");
+    std::fs::create_dir_all(&runs).unwrap();
+    let cell = |index: u32, cpu: &str, decode: f64, watts: f64| Cell {
+        index,
+        settings: CellSettings {
+            cpu: Some(cpu.into()),
+            ..Default::default()
+        },
+        tests: vec![TestResult {
+            name: "decode".into(),
+            runs: vec![decode],
+            mean: decode,
+            telemetry: dsv4_client::validate::TestTelemetry {
+                soc_power_mean_w: Some(watts),
+                joules_per_token: Some(watts / decode),
+                ..Default::default()
+            },
+            ..Default::default()
+        }],
+        ..Default::default()
+    };
+    let mut m = Matrix {
+        cells: vec![
+            cell(1, "performance", 16.02, 102.0),
+            cell(2, "power-saver", 16.0, 85.0),
+        ],
+        planned: 2,
+        snippet: Some("power:\n  cpu: power-saver\n".into()),
+        ..Default::default()
+    };
+    m.verdict = dsv4_client::validate::verdict(&m.cells);
+    let matrix = ValidationResult {
+        profile: "64k".into(),
+        started: 1_790_000_000.0,
+        matrix: Some(m),
+        ..Default::default()
+    };
+    let plain = ValidationResult {
+        profile: "64k".into(),
+        started: 1_790_003_600.0,
+        ..Default::default()
+    };
+    for (name, run) in [("matrix", &matrix), ("plain", &plain)] {
+        let file = runs.join(format!("{name}.json"));
+        std::fs::write(file, serde_json::to_vec(run).unwrap()).unwrap();
+    }
+    let url = format!("http://{}/ui", d.addr);
+    let mut browser = tokio::task::block_in_place(|| {
+        Browser::opened(
+            &url,
+            "document.querySelectorAll('#matrix tbody tr').length > 0",
+        )
+    });
+    let shown = tokio::task::block_in_place(|| {
+        browser.eval(
+            "[document.querySelectorAll('#matrix tbody tr').length, \
+              document.querySelector('#matrix tbody tr.picked td:nth-child(2)').textContent, \
+              document.getElementById('matrix-verdict').textContent, \
+              document.getElementById('matrix-snippet').textContent, \
+              document.getElementById('matrix-none').hidden]",
+        )
+    });
+    assert_eq!(shown[0], 2, "{shown}");
+    assert_eq!(shown[1], "cpu=power-saver", "{shown}");
+    assert!(
+        shown[2].as_str().unwrap().contains("Verdict: cell 2:"),
+        "{shown}"
+    );
+    assert_eq!(shown[3], "power:\n  cpu: power-saver\n", "{shown}");
+    assert_eq!(shown[4], true, "{shown}");
+}
+
 const ADMIN: &str = "sk-dsv4-admin-fedcba9876543210";
 
 /// POSTs the dashboard action `name` with `headers` and a JSON `body`.

@@ -28,6 +28,7 @@ mod installed;
 mod keepalive;
 mod kv;
 mod lifecycle;
+mod matrix;
 mod notify;
 mod openai_kind;
 mod packaging;

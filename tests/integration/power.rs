@@ -129,7 +129,7 @@ impl SystemBus {
             .unwrap()
     }
 
-    async fn active(&self) -> String {
+    pub(crate) async fn active(&self) -> String {
         self.ppd()
             .await
             .get_property("ActiveProfile")
@@ -138,7 +138,7 @@ impl SystemBus {
     }
 
     /// The applications holding a profile, and the profile each holds.
-    async fn holds(&self) -> Vec<(String, String)> {
+    pub(crate) async fn holds(&self) -> Vec<(String, String)> {
         let holds: Vec<HashMap<String, OwnedValue>> = self
             .ppd()
             .await
@@ -158,7 +158,7 @@ impl SystemBus {
             .collect()
     }
 
-    async fn wait_active(&self, want: &str, within: Duration) {
+    pub(crate) async fn wait_active(&self, want: &str, within: Duration) {
         let t = Instant::now();
         loop {
             let now = self.active().await;

@@ -227,9 +227,6 @@ pub struct Cell {
     pub applied_cpu: Option<String>,
     #[serde(default)]
     pub applied_gpu: Option<String>,
-    /// The engine's command line during the cell.
-    #[serde(default)]
-    pub argv: Vec<String>,
     /// Why the cell failed, when it did (the run goes on with the next one).
     #[serde(default)]
     pub error: Option<String>,
@@ -303,13 +300,13 @@ pub fn verdict(cells: &[Cell]) -> Option<Verdict> {
             let reason = match c.index == fastest.index {
                 true => format!(
                     "the fastest decode ({:.2} tok/s), and the fewest joules per token \
-                     ({j:.2} J) of the {} cells within its noise",
+                     ({j:.3} J) of the {} cells within its noise",
                     t.mean,
                     within.len()
                 ),
                 false => format!(
                     "decode {:.2} tok/s, within the noise of the fastest ({:.2} tok/s, cell \
-                     {}), at the fewest joules per token ({j:.2} J) of the {} cells within it",
+                     {}), at the fewest joules per token ({j:.3} J) of the {} cells within it",
                     t.mean,
                     best.mean,
                     fastest.index,

@@ -164,6 +164,17 @@ enum Command {
     /// and 5%). Exits 1 when the run ended early (with the reason) or a drop was flagged.
     /// Client requests that arrive meanwhile wait and are served on the restored profile.
     /// Ctrl-C cancels the run (the daemon switches back).
+    ///
+    /// --matrix runs the suite on every cell of the profile's `matrix:` key (CPU power
+    /// profiles, GPU levels, engine argument variants), each cell with its settings
+    /// applied through the daemon's own power paths and the engine restarted with its
+    /// arguments. Prints a row per cell (decode and prefill with their SD, warm and cold
+    /// load, mean SoC power, joules per token, peak temperature, seconds throttled, GTT
+    /// peak), a verdict (the cell with the fewest joules per token among those within the
+    /// noise of the fastest decode) and the YAML change for the service profile, which is
+    /// never applied by itself. A client request during a cell waits for its end; the matrix
+    /// then pauses while the service profile serves, and goes on after engine.idle_timeout
+    /// without requests.
     Validate {
         /// The validation profile
         #[arg(long, default_value = "64k")]
@@ -182,6 +193,14 @@ enum Command {
         /// a result file
         #[arg(long, value_name = "PATH|last")]
         compare: Option<String>,
+        /// Compare the settings of the profile's matrix: key, cell by cell
+        #[arg(long)]
+        matrix: bool,
+        /// With --matrix, run only these values of an axis (a variant by its number from 1
+        /// or its arguments); may be given for several axes, e.g. --only cpu=power-saver
+        /// --only ub=2
+        #[arg(long, value_name = "AXIS=VALUE[,VALUE]", requires = "matrix")]
+        only: Vec<dsv4_client::validate::Narrowing>,
     },
     /// List or remove the saved KV caches (checkpoints)
     ///
@@ -361,12 +380,16 @@ async fn run(cli: Cli) -> Result<(), Failure> {
             long,
             prefill,
             compare,
+            matrix,
+            only,
         } => {
             let req = dsv4_client::validate::ValidateRequest {
                 profile: Some(profile),
                 runs,
                 long,
                 prefill,
+                matrix,
+                only,
             };
             validate(&daemon, json, req, compare).await
         }
@@ -655,10 +678,12 @@ async fn validate(
                     .validations(&profile)
                     .await?
                     .into_iter()
-                    .next()
+                    // A matrix is compared with a matrix, a plain run with a plain run.
+                    .find(|r| r.matrix.is_some() == req.matrix)
                     .ok_or_else(|| {
+                        let kind = if req.matrix { "matrix" } else { "validation" };
                         Failure::Failed(format!(
-                            "no earlier validation of profile {profile} to compare with"
+                            "no earlier {kind} of profile {profile} to compare with"
                         ))
                     })?,
             ),
@@ -722,15 +747,33 @@ async fn validate(
             else => return Err(Failure::Unreachable("the daemon's signals stopped".into())),
         }
     };
-    let comparison = earlier
-        .as_ref()
-        .map(|e| (e, dsv4_client::validate::compare(e, &result)));
+    let comparison = earlier.as_ref().map(|e| match (&e.matrix, &result.matrix) {
+        (Some(before), Some(now)) => {
+            let cells = dsv4_client::validate::compare_cells(before, now);
+            let flat = cells
+                .iter()
+                .flat_map(|(cell, c)| {
+                    c.iter().map(|c| dsv4_client::validate::Comparison {
+                        name: format!("cell {} {}", cell.index, c.name),
+                        ..c.clone()
+                    })
+                })
+                .collect();
+            (e, flat, Some(render::matrix_comparison(e, &cells)))
+        }
+        _ => (e, dsv4_client::validate::compare(e, &result), None),
+    });
     if json {
         print_json(&result)?;
     } else {
-        print(&render::validation_table(&result))?;
-        if let Some((e, c)) = &comparison {
-            print(&render::comparison_table(e, c))?;
+        match &result.matrix {
+            Some(m) => print(&render::matrix_table(&result, m))?,
+            None => print(&render::validation_table(&result))?,
+        }
+        match &comparison {
+            Some((_, _, Some(text))) => print(text)?,
+            Some((e, c, None)) => print(&render::comparison_table(e, c))?,
+            None => {}
         }
     }
     if let Some(why) = &result.error {
@@ -739,7 +782,20 @@ async fn validate(
             result.previous_profile
         )));
     }
-    if let Some((_, c)) = &comparison {
+    let failed: Vec<String> = result
+        .matrix
+        .iter()
+        .flat_map(|m| &m.cells)
+        .filter(|c| c.error.is_some())
+        .map(|c| c.index.to_string())
+        .collect();
+    if !failed.is_empty() {
+        return Err(Failure::Failed(format!(
+            "cells that failed: {} (the table says why)",
+            failed.join(", ")
+        )));
+    }
+    if let Some((_, c, _)) = &comparison {
         let slower: Vec<String> = c
             .iter()
             .filter(|c| c.flagged)

@@ -6,7 +6,7 @@ use std::time::Duration;
 use dsv4_client::kv::{KvCheckpoint, KvProfile, KvStep};
 use dsv4_client::telemetry::{Memory, Sample, Sensor};
 use dsv4_client::units::{spoken_duration, thousands};
-use dsv4_client::validate::{Comparison, ValidationResult};
+use dsv4_client::validate::{Cell, Comparison, Matrix, ValidationResult};
 use dsv4_client::words::{GpuLevel, Phase, ThermalLevel, WaitingFor};
 use dsv4_client::{
     EngineStatus, InProgress, PowerStatus, ProfileInfo, RequestRecord, Status, ThermalStatus,
@@ -610,25 +610,152 @@ pub fn comparison_table(earlier: &ValidationResult, c: &[Comparison]) -> String 
     let mut out = format!(
         "compared with the run of {} (engine build {}):\n",
         earlier.profile,
-        if earlier.engine_build.is_empty() {
-            "?"
-        } else {
-            &earlier.engine_build
-        }
+        build(earlier)
     );
     for c in c {
+        out.push_str(&comparison_line(c));
+    }
+    out
+}
+
+/// One test against the earlier run: before, now, the change, and whether it is slower
+/// beyond the noise.
+fn comparison_line(c: &Comparison) -> String {
+    format!(
+        "{:<14} {:>12.3} -> {:>12.3} {:>+7.1}%  {}\n",
+        c.name,
+        c.before,
+        c.now,
+        c.change_pct,
+        if c.flagged {
+            format!("SLOWER beyond the noise ({:.3})", c.threshold)
+        } else {
+            "ok".to_string()
+        }
+    )
+}
+
+/// The engine build of `r`, or `?`.
+fn build(r: &ValidationResult) -> &str {
+    match r.engine_build.is_empty() {
+        true => "?",
+        false => &r.engine_build,
+    }
+}
+
+/// `dsv4ctl validate --matrix`: a row per cell, the cells' settings, the verdict and the
+/// change it suggests.
+pub fn matrix_table(r: &ValidationResult, m: &Matrix) -> String {
+    let mut out = format!(
+        "matrix of profile {}: {} of {} cells (engine build {}, kernel {})\n",
+        r.profile,
+        m.cells.len(),
+        m.planned,
+        build(r),
+        if r.kernel.is_empty() { "?" } else { &r.kernel }
+    );
+    if m.pauses > 0 {
         out.push_str(&format!(
-            "{:<14} {:>12.3} -> {:>12.3} {:>+7.1}%  {}\n",
-            c.name,
-            c.before,
-            c.now,
-            c.change_pct,
-            if c.flagged {
-                format!("SLOWER beyond the noise ({:.3})", c.threshold)
-            } else {
-                "ok".to_string()
-            }
+            "paused {} time(s) to serve client requests\n",
+            m.pauses
         ));
+    }
+    out.push_str(&format!(
+        "{:<5} {:>16} {:>18} {:>15} {:>7} {:>8} {:>7} {:>10} {:>10}\n",
+        "cell",
+        "decode tok/s",
+        "prefill tok/s",
+        "load warm/cold",
+        "SoC W",
+        "J/token",
+        "peak C",
+        "throttled",
+        "GTT peak"
+    ));
+    let rate = |t: Option<&dsv4_client::validate::TestResult>| match t {
+        Some(t) => format!("{:.2} ± {:.2}", t.mean, t.sd),
+        None => "-".into(),
+    };
+    let or_dash = |v: Option<String>| v.unwrap_or_else(|| "-".into());
+    for c in &m.cells {
+        let decode = c.test("decode");
+        out.push_str(&format!(
+            "{:<5} {:>16} {:>18} {:>15} {:>7} {:>8} {:>7} {:>10} {:>10}\n",
+            c.index,
+            rate(decode),
+            rate(c.test("prefill")),
+            or_dash(
+                c.load
+                    .as_ref()
+                    .map(|l| format!("{:.1}/{:.1} s", l.warm_seconds, l.cold_seconds))
+            ),
+            or_dash(c.host.soc_power_mean_w.map(|w| format!("{w:.1}"))),
+            or_dash(
+                decode
+                    .and_then(|t| t.telemetry.joules_per_token)
+                    .map(|j| format!("{j:.3}"))
+            ),
+            or_dash(c.host.edge_max_c.map(|t| format!("{t:.1}"))),
+            format!("{:.0} s", c.host.throttle_seconds),
+            or_dash(c.host.gtt_peak_bytes.map(gib)),
+        ));
+    }
+    for c in &m.cells {
+        let mut applied = Vec::new();
+        if let Some(cpu) = &c.applied_cpu {
+            applied.push(format!("CPU: {cpu}"));
+        }
+        if let Some(gpu) = &c.applied_gpu {
+            applied.push(format!("GPU level {gpu}"));
+        }
+        if let Some(l) = &c.load {
+            applied.push(l.method.clone());
+        }
+        out.push_str(&format!("  {}: {}", c.index, c.settings.label()));
+        if !applied.is_empty() {
+            out.push_str(&format!(" ({})", applied.join("; ")));
+        }
+        out.push('\n');
+        if let Some(why) = &c.error {
+            out.push_str(&format!("     failed: {why}\n"));
+        }
+    }
+    match &m.verdict {
+        Some(v) => {
+            let within: Vec<String> = v.within_noise.iter().map(u32::to_string).collect();
+            out.push_str(&format!(
+                "verdict: cell {}: {} (cells within the noise of the fastest: {})\n",
+                v.pick,
+                v.reason,
+                within.join(", ")
+            ));
+        }
+        None => out.push_str("verdict: none (no cell has a decode figure)\n"),
+    }
+    if let Some(snippet) = &m.snippet {
+        out.push_str("the change for the service profile (dsv4d does not make it):\n");
+        for line in snippet.lines() {
+            out.push_str(&format!("  {line}\n"));
+        }
+    }
+    out
+}
+
+/// `dsv4ctl validate --matrix --compare`: each cell against the same settings' cell of the
+/// earlier matrix.
+pub fn matrix_comparison(earlier: &ValidationResult, c: &[(&Cell, Vec<Comparison>)]) -> String {
+    let mut out = format!(
+        "compared cell by cell with the matrix of {} (engine build {}):\n",
+        earlier.profile,
+        build(earlier)
+    );
+    if c.is_empty() {
+        out.push_str("  no cell of this run has the settings of one of that run\n");
+    }
+    for (cell, comparisons) in c {
+        for c in comparisons {
+            out.push_str(&format!("{:<5} {}", cell.index, comparison_line(c)));
+        }
     }
     out
 }

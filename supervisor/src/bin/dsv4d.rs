@@ -369,10 +369,14 @@ async fn build(args: Args, activated: Vec<(std::os::fd::OwnedFd, String)>) -> Re
     dsv4::validate::recover(&config.supervisor.state_dir);
     let profile = active_profile(&config);
     let alerts = Alerts::default();
+    // A validation matrix cell's settings: the lifecycle adds its arguments, the power
+    // policy applies its profile and level, the validator sets and clears it.
+    let trial = dsv4::lifecycle::trial::Trial::default();
     let services = Services {
         alerts: alerts.clone(),
         sysroot: sysroot.clone(),
         key_folder: Some(key_folder),
+        trial: trial.clone(),
     };
     // The configuration in force, in one place: replaced by reloads (SIGHUP, or an edited
     // file), read from here by everything that uses it.
@@ -386,19 +390,22 @@ async fn build(args: Args, activated: Vec<(std::os::fd::OwnedFd, String)>) -> Re
     );
     let thermal =
         dsv4::policy::thermal::spawn(config_rx.clone(), telemetry.clone(), lifecycle.clone());
-    let validator = dsv4::validate::Validator::new(
-        lifecycle.clone(),
-        telemetry.clone(),
-        config_rx.clone(),
-        sysroot.clone(),
-    );
     let power = dsv4::policy::power::spawn(dsv4::policy::power::Parts {
         config: config_rx.clone(),
         lifecycle: lifecycle.watch_status(),
         telemetry: telemetry.clone(),
-        sysroot,
+        sysroot: sysroot.clone(),
         alerts: alerts.clone(),
+        trial: trial.clone(),
     });
+    let validator = dsv4::validate::Validator::new(
+        lifecycle.clone(),
+        telemetry.clone(),
+        config_rx.clone(),
+        sysroot,
+        trial,
+        power.clone(),
+    );
     tracing::info!(profile, "ready; the engine starts on the first request");
     // What the API and the control interface both serve from.
     let parts = Parts {

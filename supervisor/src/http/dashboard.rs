@@ -143,10 +143,37 @@ fn validations(ctx: &Ctx) -> serde_json::Value {
                 "finished": r.finished,
                 "error": r.error,
                 "tests": tests,
+                "matrix": r.matrix.as_ref().map(matrix_summary),
             })
         })
         .collect();
     json!(runs)
+}
+
+/// A matrix run as the page shows it: a row per cell, the verdict and the snippet.
+fn matrix_summary(m: &dsv4_client::validate::Matrix) -> serde_json::Value {
+    let cells: Vec<_> = m
+        .cells
+        .iter()
+        .map(|c| {
+            let decode = c.test("decode");
+            json!({
+                "index": c.index,
+                "settings": c.settings.label(),
+                "decode": decode.map(|t| json!({ "mean": t.mean, "sd": t.sd })),
+                "prefill": c.test("prefill").map(|t| json!({ "mean": t.mean, "sd": t.sd })),
+                "soc_w": c.host.soc_power_mean_w,
+                "joules_per_token": decode.and_then(|t| t.telemetry.joules_per_token),
+                "error": c.error,
+            })
+        })
+        .collect();
+    json!({
+        "planned": m.planned,
+        "cells": cells,
+        "verdict": m.verdict.as_ref().map(|v| json!({ "pick": v.pick, "reason": v.reason })),
+        "snippet": m.snippet,
+    })
 }
 
 /// Whether the page may act: admin keys are configured and readable, or why they cannot be

@@ -2,7 +2,8 @@
 //! what the actor owns: the engine's key (`engine_key`), its connections (`upstream`), the
 //! leases given without asking it while the engine serves (`gate`), the engines a crashed
 //! daemon left (`leftover`), the words of a refusal (`refusal`), the alerts it raises
-//! (`alert`), and the load under way (`loading`). The KV steps the actor runs are the `kv`
+//! (`alert`), the load under way (`loading`), and a validation matrix cell's settings
+//! (`trial`). The KV steps the actor runs are the `kv`
 //! subsystem's (`crate::kv::slots`).
 
 pub mod actor;
@@ -15,6 +16,7 @@ pub mod loading;
 pub mod need;
 pub mod refusal;
 pub mod state;
+pub mod trial;
 pub mod upstream;
 
 pub use engine_ref::EngineRef;

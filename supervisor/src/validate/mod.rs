@@ -19,7 +19,7 @@
 //! decide about the engine; it goes through the lifecycle's handle like any client.
 
 use std::path::{Path, PathBuf};
-use std::sync::atomic::{AtomicUsize, Ordering};
+use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
@@ -34,9 +34,12 @@ use crate::config::Config;
 use crate::host::sysroot::SysRoot;
 use crate::lifecycle::actor::{Handle, Lease};
 use crate::lifecycle::engine_ref::EngineRef;
+use crate::lifecycle::trial::Trial;
 use crate::observe::monitor::Telemetry;
+use crate::policy::power::Power;
 
 mod load;
+mod matrix;
 mod measure;
 
 /// The largest validation result read back (one run's figures: a few KiB).
@@ -75,6 +78,12 @@ struct Inner {
     events: broadcast::Sender<ValidationEvent>,
     /// The running validation's cancel switch.
     cancel: Mutex<Option<watch::Sender<bool>>>,
+    /// A matrix cell's settings, which the engine and the power policy take up.
+    trial: Trial,
+    /// The power policy, whose status says what a cell had in force.
+    power: Power,
+    /// Client requests admitted: a paused matrix resumes once none came for a while.
+    admitted: AtomicU64,
 }
 
 /// The validation runner; cheap to clone.
@@ -106,6 +115,8 @@ impl Validator {
         telemetry: Telemetry,
         config: watch::Receiver<Arc<Config>>,
         sysroot: SysRoot,
+        trial: Trial,
+        power: Power,
     ) -> Validator {
         let (gate, _) = watch::channel(false);
         let (events, _) = broadcast::channel(256);
@@ -118,6 +129,9 @@ impl Validator {
             waiting: AtomicUsize::new(0),
             events,
             cancel: Mutex::new(None),
+            trial,
+            power,
+            admitted: AtomicU64::new(0),
         }))
     }
 
@@ -132,6 +146,7 @@ impl Validator {
     /// A client request passes when no validation runs, else waits for its end; `Err` when
     /// `max_waiting` requests wait already (the caller answers 503).
     pub async fn admit(&self, max_waiting: usize) -> Result<(), usize> {
+        self.0.admitted.fetch_add(1, Ordering::Relaxed);
         // The common case, without a receiver made and dropped for every request.
         if !self.running() {
             return Ok(());
@@ -184,6 +199,10 @@ impl Validator {
                 )));
             }
         }
+        let cells = match req.matrix {
+            true => Some(matrix::cells(&config, &profile, &req)?),
+            false => None,
+        };
         let mut slot = self.0.cancel.lock().unwrap_or_else(|p| p.into_inner());
         if slot.is_some() {
             return Err(StartError::Running);
@@ -198,7 +217,9 @@ impl Validator {
         tokio::spawn(async move {
             let run = {
                 let (this, name, previous) = (this.clone(), name.clone(), previous.clone());
-                tokio::spawn(async move { this.run(&name, &previous, &req, cancel_rx).await })
+                tokio::spawn(
+                    async move { this.run(&name, &previous, &req, cells, cancel_rx).await },
+                )
             };
             let result = match run.await {
                 Ok(result) => result,
@@ -253,6 +274,7 @@ impl Validator {
     /// After a run that did not end by itself: back to `previous`, the gate open.
     async fn aborted(&self, profile: &str, previous: &str, why: String) -> ValidationResult {
         tracing::error!("the validation of profile {profile} failed: {why}");
+        self.0.trial.set(None);
         self.0.lifecycle.suspend_kv(None).await;
         if self.0.lifecycle.status().profile == profile && profile != previous {
             let _ = self.0.lifecycle.set_profile(previous).await;
@@ -281,6 +303,7 @@ impl Validator {
         profile: &str,
         previous: &str,
         req: &ValidateRequest,
+        cells: Option<Vec<dsv4_client::validate::CellSettings>>,
         mut cancel: watch::Receiver<bool>,
     ) -> ValidationResult {
         let config = self.0.config.borrow().clone();
@@ -307,12 +330,22 @@ impl Validator {
         // not replace the profile's real one, or push others out of the folder.
         lifecycle.suspend_kv(Some(profile)).await;
         let outcome = tokio::select! {
-            r = self.suite(profile, req, &mut result) => r,
+            r = async {
+                match cells {
+                    Some(cells) => self.matrix(profile, &previous, req, cells, &mut result).await,
+                    None => self.suite(profile, req, &mut result).await,
+                }
+            } => r,
             _ = cancel.wait_for(|c| *c) => Err("cancelled (CancelValidation)".to_string()),
         };
         if let Err(why) = outcome {
             tracing::warn!("validation of profile {profile} ended early: {why}");
             result.error = Some(why);
+        }
+        // The engines after it run as configured.
+        self.0.trial.set(None);
+        if let Some(m) = result.matrix.as_mut() {
+            matrix::conclude(&config, &previous, m);
         }
         // Back, whatever happened (the lease went with the suite), unless someone chose
         // another profile meanwhile.
@@ -352,25 +385,42 @@ impl Validator {
             ..Progress::default()
         });
         // What the page cache holds of the model before the switch loads it.
-        let files = self.0.config.borrow().profile(profile).map(load::files);
-        let files = files.unwrap_or_default();
+        let files = self.files(profile);
         let before = self.cached(&files).await;
         lifecycle
             .set_profile(profile)
             .await
             .map_err(|e| e.to_string())?;
         let lease = self.lease_on(profile).await?;
-        let lease = self
-            .load_test(profile, lease, &files, before, result)
+        let (lease, load) = self.load_test(profile, lease, &files, before).await?;
+        result.load = Some(load);
+        result.engine_build = build_info(&lease.engine).await.unwrap_or_default();
+        self.tests(profile, req, &lease.engine, &mut result.tests)
             .await?;
-        let engine = &lease.engine.clone();
+        drop(lease);
+        Ok(())
+    }
+
+    /// The files of `profile`'s model.
+    fn files(&self, profile: &str) -> Vec<PathBuf> {
+        let files = self.0.config.borrow().profile(profile).map(load::files);
+        files.unwrap_or_default()
+    }
+
+    /// The suite's tests on `engine`, each added to `tests` as it ends.
+    async fn tests(
+        &self,
+        profile: &str,
+        req: &ValidateRequest,
+        engine: &EngineRef,
+        tests: &mut Vec<TestResult>,
+    ) -> Result<(), String> {
         let (api, has_mmproj) = {
             let config = self.0.config.borrow();
             let p = config.profile(profile);
             let api = Api::of(p.map(|p| p.engine).unwrap_or_default());
             (api, p.is_some_and(|p| p.params.mmproj.is_some()))
         };
-        result.engine_build = build_info(engine).await.unwrap_or_default();
         let runs = req.runs;
         // Each run's number, for the streamed API's marks.
         let mut run = 0;
@@ -387,7 +437,7 @@ impl Validator {
                 }
             })
             .await;
-        result.tests.push(decode?);
+        tests.push(decode?);
         let prompt = api
             .prompt(engine, req.prefill.unwrap_or(PREFILL_TOKENS))
             .await?;
@@ -397,7 +447,7 @@ impl Validator {
                 prefill_run(api, engine, &prompt, 1, run)
             })
             .await;
-        result.tests.push(prefill?);
+        tests.push(prefill?);
         // The vision projector is llama-server's (ds4-server has none).
         if has_mmproj && api == Api::Native {
             let image = test_image_uri();
@@ -413,7 +463,7 @@ impl Validator {
                         Ok(RunDetail { value, ..d.detail })
                     })
                     .await;
-                result.tests.push(vision?);
+                tests.push(vision?);
             }
         }
         if let Some(n) = req.long {
@@ -424,9 +474,8 @@ impl Validator {
                     prefill_run(api, engine, &prompt, 32, run)
                 })
                 .await;
-            result.tests.push(long?);
+            tests.push(long?);
         }
-        drop(lease);
         Ok(())
     }
 
@@ -434,20 +483,22 @@ impl Validator {
     /// model's `files` before it. The warm load is the switch's own (the engine `lease`
     /// holds; for a validation of the running profile, that engine's load). Then the engine
     /// is stopped, the model's files dropped from the page cache, and the load timed again.
-    /// The lease on the engine the rest of the suite runs on.
+    /// The lease on the engine the rest of the suite runs on, and the figures.
     async fn load_test(
         &self,
         profile: &str,
         lease: Lease,
         files: &[PathBuf],
         before: u64,
-        result: &mut ValidationResult,
-    ) -> Result<Lease, String> {
+    ) -> Result<(Lease, dsv4_client::validate::LoadTest), String> {
         let method = {
             let config = self.0.config.borrow();
             let p = config.profile(profile);
             let p = p.ok_or_else(|| format!("no profile {profile}"))?;
-            (p.engine.describe().load_method)(&p.params.extra_args)
+            // A matrix cell's arguments count: `--no-mmap` may be one.
+            let mut args = p.params.extra_args.clone();
+            args.extend(self.0.trial.args_for(profile));
+            (p.engine.describe().load_method)(&args)
         };
         let warm = self.load_seconds(lease.engine.gen).await?;
         self.say(Progress {
@@ -479,7 +530,7 @@ impl Validator {
             ),
             ..Progress::default()
         });
-        result.load = Some(dsv4_client::validate::LoadTest {
+        let load = dsv4_client::validate::LoadTest {
             warm_seconds: warm,
             cold_seconds: cold,
             files: files.iter().map(|f| f.display().to_string()).collect(),
@@ -487,8 +538,8 @@ impl Validator {
             cached_before_warm: before,
             cached_before_cold,
             method,
-        });
-        Ok(lease)
+        };
+        Ok((lease, load))
     }
 
     /// How many bytes of `files` the page cache holds.

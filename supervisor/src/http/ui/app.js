@@ -366,7 +366,38 @@ function thermalEvent(t) {
   addEvent("thermal " + t.level, t.sensor + temp + ": " + t.message, Date.now() / 1000);
 }
 
+// The newest run that was a matrix: a row per cell, its verdict and the change it suggests.
+function showMatrix(runs) {
+  const run = runs.find((r) => r.matrix);
+  const table = $("matrix");
+  $("matrix-none").hidden = !!run;
+  table.hidden = !run;
+  $("matrix-snippet").hidden = !run || !run.matrix.snippet;
+  $("matrix-verdict").textContent = "";
+  if (!run) return;
+  const m = run.matrix;
+  const body = table.tBodies[0];
+  body.replaceChildren();
+  const rate = (t) => (t ? fixed(t.mean, 2) + " ± " + fixed(t.sd, 2) : "-");
+  for (const c of m.cells) {
+    const row = body.insertRow();
+    if (m.verdict && m.verdict.pick === c.index) row.className = "picked";
+    cell(row, String(c.index));
+    cell(row, c.settings);
+    cell(row, rate(c.decode));
+    cell(row, rate(c.prefill));
+    cell(row, c.soc_w != null ? fixed(c.soc_w, 1) : "-");
+    cell(row, c.joules_per_token != null ? fixed(c.joules_per_token, 3) : "-");
+    cell(row, c.error || "");
+  }
+  $("matrix-verdict").textContent = run.profile + ", " + ago(run.started) + ", " + m.cells.length +
+    " of " + m.planned + " cells. " +
+    (m.verdict ? "Verdict: cell " + m.verdict.pick + ": " + m.verdict.reason : "No verdict.");
+  $("matrix-snippet").textContent = m.snippet || "";
+}
+
 function showValidations(runs) {
+  showMatrix(runs);
   const body = $("validations").tBodies[0];
   body.replaceChildren();
   for (const r of runs) {

@@ -19,10 +19,12 @@ mod memory;
 mod messages;
 mod probe;
 mod publish;
+mod services;
 mod spawn;
 
 pub use handle::Handle;
 pub use messages::Lease;
+pub use services::Services;
 
 use std::collections::{HashMap, VecDeque};
 use std::sync::atomic::AtomicU64;
@@ -144,17 +146,6 @@ struct KvTask {
     deadline: Option<Instant>,
 }
 
-/// What the actor uses from the rest of the daemon.
-#[derive(Debug, Clone, Default)]
-pub struct Services {
-    /// Gets an alert when an engine dies while it serves.
-    pub alerts: Alerts,
-    /// Where the host's memory figures are read before each start.
-    pub sysroot: SysRoot,
-    /// Where each engine's key is written; `None`: `engine-keys` below `state_dir`.
-    pub key_folder: Option<KeyFolder>,
-}
-
 /// Starts the actor on the current tokio runtime.
 pub fn spawn(
     config_rx: watch::Receiver<Arc<Config>>,
@@ -166,6 +157,7 @@ pub fn spawn(
         alerts,
         sysroot,
         key_folder,
+        trial,
     } = services;
     let key_folder = key_folder.unwrap_or_else(|| KeyFolder::below(&config.supervisor.state_dir));
     let (cmd_tx, cmd_rx) = mpsc::channel(1024);
@@ -193,6 +185,7 @@ pub fn spawn(
         alerts,
         sysroot,
         key_folder,
+        trial,
         outbox: Vec::new(),
         exited: false,
         stalled: false,
@@ -254,6 +247,8 @@ struct Actor {
     alerts: Alerts,
     sysroot: SysRoot,
     key_folder: KeyFolder,
+    /// A validation matrix cell's arguments for its profile's engine.
+    trial: crate::lifecycle::trial::Trial,
     /// Answers held back until the status they imply is published, so a caller that reads
     /// the status right after its answer sees its own change.
     outbox: Vec<Reply>,

@@ -52,6 +52,16 @@ impl Actor {
                 "profile `{profile_name}` is not in the configuration any more"
             ));
         };
+        // A validation matrix cell adds its arguments after the profile's own.
+        let added = self.trial.args_for(profile_name);
+        let params = match added.is_empty() {
+            true => std::borrow::Cow::Borrowed(&profile.params),
+            false => {
+                let mut params = profile.params.clone();
+                params.extra_args.extend(added);
+                std::borrow::Cow::Owned(params)
+            }
+        };
         let port = match free_port() {
             Ok(p) => p,
             Err(e) => {
@@ -62,7 +72,7 @@ impl Actor {
         };
         // A fresh secret for each engine that can require one: a key that outlived its engine
         // (read from a file of the old generation, say) opens nothing.
-        let key = match profile.engine.key_passing(&profile.params).takes_key() {
+        let key = match profile.engine.key_passing(&params).takes_key() {
             true => match self.key_folder.issue(gen) {
                 Ok(key) => Some(key),
                 Err(e) => return fail(e.to_string()),
@@ -72,7 +82,7 @@ impl Actor {
         let given = key.as_ref().map(EngineKey::given);
         let launch = profile
             .engine
-            .launch(&profile.params, "127.0.0.1", port, given.as_ref());
+            .launch(&params, "127.0.0.1", port, given.as_ref());
         // Every process of this engine carries the mark, whatever it starts: a next dsv4d
         // ends what is left of it only by the mark (see `crate::lifecycle::leftover`).
         let tag = match leftover::new_tag() {
@@ -173,7 +183,7 @@ impl Actor {
                 None
             }
         };
-        let stop = profile.engine.stop(&profile.params);
+        let stop = profile.engine.stop(&params);
         self.machine.set_interrupt_grace(stop.interrupt_grace);
         self.machine.set_stop_grace(stop.grace);
         self.machine.set_kv_steps(
@@ -198,7 +208,7 @@ impl Actor {
             kind: profile.engine.describe(),
         });
         let probe = tokio::spawn(probe_ready(
-            profile.engine.readiness(&profile.params),
+            profile.engine.readiness(&params),
             shared.clone(),
             Arc::from(tag.as_str()),
             self.internal.clone(),

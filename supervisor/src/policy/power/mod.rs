@@ -156,6 +156,9 @@ pub struct Parts {
     pub telemetry: Telemetry,
     pub sysroot: SysRoot,
     pub alerts: Alerts,
+    /// A validation matrix cell's CPU profile and GPU level, in place of `power:`'s for its
+    /// profile's engine.
+    pub trial: crate::lifecycle::trial::Trial,
 }
 
 /// Starts the task: first it gives back what a daemon that crashed had left changed.
@@ -201,6 +204,8 @@ pub fn spawn(parts: Parts) -> Power {
 
 /// What is in force while an engine runs.
 struct Applied {
+    /// The settings applied (`power:`, or a matrix cell's).
+    wanted: crate::config::Power,
     method: Method,
     hold: Option<(Ppd, u32)>,
     /// The user chose a profile while it was held: PPD ended the hold.
@@ -230,7 +235,18 @@ impl Task {
         // Once the monitor is gone (it never is, but a closed channel is always ready).
         let mut samples_open = true;
         loop {
-            let engine = self.parts.lifecycle.borrow_and_update().state.has_engine();
+            let (engine, profile) = {
+                let status = self.parts.lifecycle.borrow_and_update();
+                (status.state.has_engine(), status.engine_profile.clone())
+            };
+            // A new engine that is to run with other settings (the next cell of a validation
+            // matrix): what the last one had is given back first.
+            if engine && self.applied.is_some() {
+                let wanted = self.wanted(profile.as_deref());
+                if self.applied.as_ref().is_some_and(|a| a.wanted != wanted) {
+                    self.undo().await;
+                }
+            }
             if engine && self.applied.is_none() {
                 released = self.apply().await;
             } else if !engine && self.applied.is_some() {
@@ -268,6 +284,14 @@ impl Task {
                 }
             }
         }
+    }
+
+    /// The power settings for an engine of `profile`.
+    fn wanted(&self, profile: Option<&str>) -> crate::config::Power {
+        let config = self.parts.config.borrow();
+        self.parts
+            .trial
+            .power_for(profile, &config.supervisor.power)
     }
 
     fn update(&self, f: impl FnOnce(&mut PowerStatus)) {
@@ -357,7 +381,8 @@ impl Task {
 
     async fn apply(&mut self) -> Option<zbus::proxy::SignalStream<'static>> {
         let config = self.parts.config.borrow().clone();
-        let power = &config.supervisor.power;
+        let profile = self.parts.lifecycle.borrow().engine_profile.clone();
+        let power = &self.wanted(profile.as_deref());
         let root = self.parts.sysroot.clone();
         let state_dir = config.supervisor.state_dir.clone();
         let soc_before = self.parts.telemetry.latest().and_then(|s| s.power.soc);
@@ -489,6 +514,7 @@ impl Task {
             }
         }
         self.applied = Some(Applied {
+            wanted: power.clone(),
             method,
             hold,
             released_by_user: false,
