@@ -453,3 +453,81 @@ async fn a_matrix_that_cannot_run_is_refused_with_the_reason_and_nothing_changes
     assert_eq!(d.spawns(), 0);
     assert_eq!(d.status().await["profile"], "320k");
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_cancelled_matrix_and_a_restarted_daemon_leave_the_settings_as_they_were() {
+    let bus = SystemBus::start().await;
+    let session = PrivateBus::start();
+    let tree = fixture_copy("strix-halo");
+    let level = tree
+        .path()
+        .join(DEVICE)
+        .join("power_dpm_force_performance_level");
+    let s = fake_matrix(&session, &bus, tree.path());
+    let d = Daemon::start(&s);
+    wait_bus_name(&d, &session).await;
+
+    // Cancelled in cell 1 (power-saver held, the GPU on low).
+    let run = validate_in_background(&session, &["--matrix", "--runs", "3"]);
+    wait_log(&d, "validation: decode run 1/3", PATIENCE).await;
+    assert_eq!(std::fs::read_to_string(&level).unwrap(), "low\n");
+    let conn = zbus::connection::Builder::address(session.address.as_str())
+        .unwrap()
+        .build()
+        .await
+        .unwrap();
+    let control = dsv4_client::Supervisor1Proxy::new(&conn).await.unwrap();
+    assert!(control.cancel_validation().await.unwrap());
+    let out = tokio::task::spawn_blocking(move || run.join().unwrap())
+        .await
+        .unwrap();
+    assert_eq!(out.status.code(), Some(1), "{}", text(&out.stderr));
+    assert!(
+        text(&out.stderr).contains("cancelled"),
+        "{}",
+        text(&out.stderr)
+    );
+    // The profile that was active, with the settings as configured (the GPU on auto), and
+    // the user's own profile once its engine stops.
+    assert_eq!(d.status().await["profile"], "320k");
+    let t = Instant::now();
+    while std::fs::read_to_string(&level).unwrap() != "auto\n" {
+        assert!(
+            t.elapsed() < PATIENCE,
+            "the level stayed the cell's:\n{}",
+            d.log()
+        );
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+    let out = ctl(&session, &["stop"]);
+    assert_eq!(out.status.code(), Some(0), "{}", text(&out.stderr));
+    bus.wait_active("balanced", PATIENCE).await;
+    let kept_run = kept(&d).pop().unwrap();
+    assert_eq!(
+        kept_run.matrix.unwrap().cells.len(),
+        0,
+        "cell 1 never ended"
+    );
+
+    // A restart (SIGTERM, as systemctl restart) in cell 1: everything given back on the way
+    // out, and the next start on the profile that was active.
+    let run = validate_in_background(&session, &["--matrix", "--runs", "3"]);
+    // This run's first decode: the second in the log.
+    let t = Instant::now();
+    while d.log().matches("validation: decode run 1/3").count() < 2 {
+        assert!(t.elapsed() < PATIENCE, "{}", d.log());
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+    bus.wait_active("power-saver", PATIENCE).await;
+    assert_eq!(std::fs::read_to_string(&level).unwrap(), "low\n");
+    let dir = d.stop().await;
+    assert_eq!(std::fs::read_to_string(&level).unwrap(), "auto\n");
+    bus.wait_active("balanced", PATIENCE).await;
+    assert!(bus.holds().await.is_empty());
+    let d = Daemon::start_in(&s, dir);
+    wait_bus_name(&d, &session).await;
+    let _ = tokio::task::spawn_blocking(move || run.join().unwrap())
+        .await
+        .unwrap();
+    assert_eq!(d.status().await["profile"], "320k", "{}", d.log());
+}

@@ -276,11 +276,15 @@ impl Validator {
         tracing::error!("the validation of profile {profile} failed: {why}");
         self.0.trial.set(None);
         self.0.lifecycle.suspend_kv(None).await;
+        let mut back = true;
         if self.0.lifecycle.status().profile == profile && profile != previous {
-            let _ = self.0.lifecycle.set_profile(previous).await;
+            back = self.0.lifecycle.set_profile(previous).await.is_ok();
         }
         let state_dir = self.0.config.borrow().supervisor.state_dir.clone();
-        let _ = std::fs::remove_file(state_dir.join(RUNNING));
+        // Kept when the switch back failed: the next start goes back instead.
+        if back {
+            let _ = std::fs::remove_file(state_dir.join(RUNNING));
+        }
         self.0.gate.send_replace(false);
         ValidationResult {
             profile: profile.to_string(),
@@ -349,6 +353,7 @@ impl Validator {
         }
         // Back, whatever happened (the lease went with the suite), unless someone chose
         // another profile meanwhile.
+        let mut back = true;
         if lifecycle.status().profile == profile && profile != previous {
             self.say(Progress {
                 step: "switching back".into(),
@@ -359,9 +364,14 @@ impl Validator {
                 let why = format!("cannot switch back to profile {previous}: {e}");
                 tracing::error!("{why}");
                 result.error.get_or_insert(why);
+                back = false;
             }
         }
-        let _ = std::fs::remove_file(state_dir.join(RUNNING));
+        // Kept when the switch back failed (the daemon is shutting down, say): its next
+        // start goes back to `previous` instead.
+        if back {
+            let _ = std::fs::remove_file(state_dir.join(RUNNING));
+        }
         lifecycle.suspend_kv(None).await;
         self.0.gate.send_replace(false);
         result.finished = dsv4_client::clock::unix_now();
