@@ -19,7 +19,7 @@ use crate::control::wait_bus_name;
 use crate::power::SystemBus;
 use crate::support::real::engine;
 use crate::support::*;
-use crate::validate::{ctl, kept, text, tiny_16k, validate_in_background, wait_log};
+use crate::validate::{ctl, kept, padded_model, text, validate_in_background, wait_log, PAD_MIB};
 
 const DEVICE: &str = "sys/devices/pci0000:00/0000:00:08.1/0000:c5:00.0";
 
@@ -109,16 +109,10 @@ async fn watch(
     }
 }
 
-/// The service profile `svc` and the validation profile `64k` (the tiny model with a 16K
-/// context, at its own path) with `matrix`, on `bus`'s PPD and the fixture `tree`.
-fn setup(
-    bus: &SystemBus,
-    session: &PrivateBus,
-    tree: &Path,
-    model_16k: &Path,
-    matrix: &str,
-) -> Setup {
-    let (_, model) = engine();
+/// The service profile `svc` (the tiny model) and the validation profile `64k` (`model`, at
+/// its own path) with `matrix`, on `bus`'s PPD and the fixture `tree`.
+fn setup(bus: &SystemBus, session: &PrivateBus, tree: &Path, model: &Path, matrix: &str) -> Setup {
+    let (_, tiny) = engine();
     let mut s = Setup::default()
         .engine("idle_timeout", "10m")
         .top_level("power", "{ method: auto, cpu: power-saver, gpu: auto }")
@@ -126,13 +120,11 @@ fn setup(
         .daemon_env("DBUS_SYSTEM_BUS_ADDRESS", &bus.address)
         .args(&["--sysroot", tree.to_str().unwrap()])
         .session_bus(session);
-    s.custom_profiles.insert(
-        "svc".into(),
-        crate::support::real::profile(&model, 4096, ""),
-    );
+    s.custom_profiles
+        .insert("svc".into(), crate::support::real::profile(&tiny, 4096, ""));
     s.custom_profiles.insert(
         "64k".into(),
-        crate::support::real::profile(model_16k, 16384, &format!("matrix:\n{matrix}")),
+        crate::support::real::profile(model, 4096, &format!("matrix:\n{matrix}")),
     );
     s.default_profile = "svc".into();
     s
@@ -146,9 +138,10 @@ async fn every_cell_runs_with_its_settings_in_force_and_the_verdict_is_the_fruga
     let bus = SystemBus::start().await;
     let session = PrivateBus::start();
     let tree = fixture_copy("strix-halo");
-    let dir = temp_dir("daemon");
-    let model_16k = tiny_16k(dir.path());
-    let d = Daemon::start_in(&setup(&bus, &session, tree.path(), &model_16k, MATRIX), dir);
+    // The padded model: each load takes long enough (a few tenths of a second) that the
+    // watcher has written the cell's watts well before its decode test begins.
+    let model = padded_model(PAD_MIB);
+    let d = Daemon::start(&setup(&bus, &session, tree.path(), &model, MATRIX));
     wait_bus_name(&d, &session).await;
     let before = bus.active().await;
     assert_eq!(before, "balanced");
@@ -156,7 +149,7 @@ async fn every_cell_runs_with_its_settings_in_force_and_the_verdict_is_the_fruga
     let stop = Arc::new(AtomicBool::new(false));
     let seen = Arc::new(Mutex::new(Vec::new()));
     let out = {
-        let watcher = watch(&bus, tree.path(), &model_16k, stop.clone(), seen.clone());
+        let watcher = watch(&bus, tree.path(), &model, stop.clone(), seen.clone());
         let run = async {
             let run =
                 validate_in_background(&session, &["--matrix", "--runs", "2", "--prefill", "256"]);

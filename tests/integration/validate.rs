@@ -608,12 +608,12 @@ async fn the_load_is_timed_warm_then_with_the_model_dropped_from_the_page_cache(
 /// takes clearly longer than mapping it from the page cache, also with every core busy. On
 /// a 2-core VM whose virtio disk reads about 2 GB/s, with both cores kept busy: warm
 /// 0.16-0.32 s, cold 0.49-0.71 s (with 384 MiB, warm 0.29 s and cold 0.36 s in one run).
-const PAD_MIB: u32 = 768;
+pub(crate) const PAD_MIB: u32 = 768;
 
 /// The tiny model with `mib` MiB more weights (the generator's `--pad-mib`), kept in the
 /// engine cache beside the tiny model and made again when the generator changes. The cache
 /// is on the disk, not a tmpfs: a tmpfs file's pages are the file, and no advice drops them.
-fn padded_model(mib: u32) -> std::path::PathBuf {
+pub(crate) fn padded_model(mib: u32) -> std::path::PathBuf {
     use std::hash::{Hash, Hasher};
     let dir = crate::support::real::cache_dir().join("models");
     let out = dir.join(format!("tiny-pad-{mib}mib.gguf"));
