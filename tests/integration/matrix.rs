@@ -16,7 +16,7 @@ use dsv4_client::validate::{CellSettings, ValidationResult};
 use dsv4_client::State;
 
 use crate::control::wait_bus_name;
-use crate::power::SystemBus;
+use crate::power::{wait_level, SystemBus};
 use crate::support::real::engine;
 use crate::support::*;
 use crate::validate::{ctl, kept, padded_model, text, validate_in_background, wait_log, PAD_MIB};
@@ -399,15 +399,7 @@ async fn a_daemon_killed_in_a_cell_has_every_setting_given_back_at_its_next_star
     // back at the start.
     bus.wait_active("balanced", PATIENCE).await;
     assert!(bus.holds().await.is_empty());
-    let t = Instant::now();
-    while std::fs::read_to_string(&level).unwrap() != "auto\n" {
-        assert!(
-            t.elapsed() < PATIENCE,
-            "the level was not given back:\n{}",
-            d.log()
-        );
-        tokio::time::sleep(Duration::from_millis(20)).await;
-    }
+    wait_level(&level, "auto", "the level was not given back", &d).await;
     assert_eq!(d.status().await["profile"], "320k", "{}", d.log());
     // The next engine runs as configured, not as the cell said.
     let (status, _, _) = body_json(d.post("/v1/chat/completions", chat(2, false)).await).await;
@@ -483,15 +475,7 @@ async fn a_cancelled_matrix_and_a_restarted_daemon_leave_the_settings_as_they_we
     // The profile that was active, with the settings as configured (the GPU on auto), and
     // the user's own profile once its engine stops.
     assert_eq!(d.status().await["profile"], "320k");
-    let t = Instant::now();
-    while std::fs::read_to_string(&level).unwrap() != "auto\n" {
-        assert!(
-            t.elapsed() < PATIENCE,
-            "the level stayed the cell's:\n{}",
-            d.log()
-        );
-        tokio::time::sleep(Duration::from_millis(20)).await;
-    }
+    wait_level(&level, "auto", "the level stayed the cell's", &d).await;
     let out = ctl(&session, &["stop"]);
     assert_eq!(out.status.code(), Some(0), "{}", text(&out.stderr));
     bus.wait_active("balanced", PATIENCE).await;

@@ -181,6 +181,15 @@ impl Drop for SystemBus {
     }
 }
 
+/// Waits until the GPU level file `level` reads `want`; `what` says what did not happen.
+pub(crate) async fn wait_level(level: &Path, want: &str, what: &str, d: &Daemon) {
+    let t = Instant::now();
+    while std::fs::read_to_string(level).unwrap() != format!("{want}\n") {
+        assert!(t.elapsed() < PATIENCE, "{what}:\n{}", d.log());
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+}
+
 fn on_system_bus(bus: &SystemBus) -> Setup {
     Setup::default()
         .top_level("power", "{ method: auto }")
@@ -476,18 +485,10 @@ async fn a_gpu_on_low_is_set_to_auto_for_the_engine_with_an_alert_and_back_after
     // Something sets it low while the engine runs (as PPD's amdgpu_dpm action does): set
     // back at the next sample.
     std::fs::write(&level, "low\n").unwrap();
-    let t = Instant::now();
-    while std::fs::read_to_string(&level).unwrap() != "auto\n" {
-        assert!(t.elapsed() < PATIENCE, "not set back:\n{}", d.log());
-        tokio::time::sleep(Duration::from_millis(50)).await;
-    }
+    wait_level(&level, "auto", "not set back", &d).await;
     // The stop gives the user's level back.
     d.wait_state(State::Stopped, PATIENCE).await;
-    let t = Instant::now();
-    while std::fs::read_to_string(&level).unwrap() != "low\n" {
-        assert!(t.elapsed() < PATIENCE, "not given back:\n{}", d.log());
-        tokio::time::sleep(Duration::from_millis(50)).await;
-    }
+    wait_level(&level, "low", "not given back", &d).await;
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

@@ -810,11 +810,7 @@ impl Check<'_> {
                     for (i, args) in variants.iter().enumerate() {
                         for (j, arg) in args.iter().enumerate() {
                             let at = format!("{path}[{i}][{j}]");
-                            let message = match arg.contains('\0') {
-                                true => Some("contains a NUL byte".to_string()),
-                                false => rules::check_extra_arg(arg),
-                            };
-                            self.add(&at, message);
+                            self.add(&at, rules::check_extra_arg(arg));
                         }
                         let twice = variants[..i].contains(args);
                         let message = format!("variant {} repeats an earlier one", i + 1);

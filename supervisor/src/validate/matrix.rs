@@ -97,7 +97,7 @@ impl Validator {
         result: &mut ValidationResult,
     ) -> Result<(), String> {
         let planned = cells.len() as u32;
-        result.matrix = Some(Matrix {
+        let m = result.matrix.insert(Matrix {
             planned,
             ..Matrix::default()
         });
@@ -105,9 +105,7 @@ impl Validator {
             let index = i as u32 + 1;
             if self.0.waiting.load(Ordering::SeqCst) > 0 {
                 self.pause(profile, previous).await?;
-                if let Some(m) = result.matrix.as_mut() {
-                    m.pauses += 1;
-                }
+                m.pauses += 1;
             }
             self.say(Progress {
                 step: "cell".into(),
@@ -122,9 +120,7 @@ impl Validator {
             if let Some(why) = &cell.error {
                 tracing::warn!("validation matrix: cell {index} failed: {why}");
             }
-            if let Some(m) = result.matrix.as_mut() {
-                m.cells.push(cell);
-            }
+            m.cells.push(cell);
         }
         Ok(())
     }
@@ -228,9 +224,10 @@ impl Validator {
         lifecycle.suspend_kv(Some(profile)).await;
         self.say(Progress {
             step: "resumed".into(),
-            message: format!("no request for {}: the matrix goes on", {
+            message: format!(
+                "no request for {}: the matrix goes on",
                 crate::config::format_duration(idle)
-            }),
+            ),
             ..Progress::default()
         });
         Ok(())

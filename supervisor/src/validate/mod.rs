@@ -276,15 +276,7 @@ impl Validator {
         tracing::error!("the validation of profile {profile} failed: {why}");
         self.0.trial.set(None);
         self.0.lifecycle.suspend_kv(None).await;
-        let mut back = true;
-        if self.0.lifecycle.status().profile == profile && profile != previous {
-            back = self.0.lifecycle.set_profile(previous).await.is_ok();
-        }
-        let state_dir = self.0.config.borrow().supervisor.state_dir.clone();
-        // Kept when the switch back failed: the next start goes back instead.
-        if back {
-            let _ = std::fs::remove_file(state_dir.join(RUNNING));
-        }
+        let _ = self.switch_back(profile, previous).await;
         self.0.gate.send_replace(false);
         ValidationResult {
             profile: profile.to_string(),
@@ -294,6 +286,27 @@ impl Validator {
             error: Some(format!("the validation failed inside dsv4d: {why}")),
             ..ValidationResult::default()
         }
+    }
+
+    /// Back to `previous`, unless someone chose another profile meanwhile. The mark of the
+    /// running validation goes only once that worked: after a failed switch (the daemon
+    /// shutting down, say) the next start goes back instead.
+    async fn switch_back(&self, profile: &str, previous: &str) -> Result<(), String> {
+        let lifecycle = &self.0.lifecycle;
+        if lifecycle.status().profile == profile && profile != previous {
+            self.say(Progress {
+                step: "switching back".into(),
+                message: format!("switching back to profile {previous}"),
+                ..Progress::default()
+            });
+            lifecycle
+                .set_profile(previous)
+                .await
+                .map_err(|e| format!("cannot switch back to profile {previous}: {e}"))?;
+        }
+        let state_dir = self.0.config.borrow().supervisor.state_dir.clone();
+        let _ = std::fs::remove_file(state_dir.join(RUNNING));
+        Ok(())
     }
 
     fn say(&self, p: Progress) {
@@ -351,26 +364,10 @@ impl Validator {
         if let Some(m) = result.matrix.as_mut() {
             matrix::conclude(&config, &previous, m);
         }
-        // Back, whatever happened (the lease went with the suite), unless someone chose
-        // another profile meanwhile.
-        let mut back = true;
-        if lifecycle.status().profile == profile && profile != previous {
-            self.say(Progress {
-                step: "switching back".into(),
-                message: format!("switching back to profile {previous}"),
-                ..Progress::default()
-            });
-            if let Err(e) = lifecycle.set_profile(&previous).await {
-                let why = format!("cannot switch back to profile {previous}: {e}");
-                tracing::error!("{why}");
-                result.error.get_or_insert(why);
-                back = false;
-            }
-        }
-        // Kept when the switch back failed (the daemon is shutting down, say): its next
-        // start goes back to `previous` instead.
-        if back {
-            let _ = std::fs::remove_file(state_dir.join(RUNNING));
+        // Back, whatever happened (the lease went with the suite).
+        if let Err(why) = self.switch_back(profile, &previous).await {
+            tracing::error!("{why}");
+            result.error.get_or_insert(why);
         }
         lifecycle.suspend_kv(None).await;
         self.0.gate.send_replace(false);
