@@ -10,7 +10,7 @@ use std::os::unix::fs::PermissionsExt;
 use std::path::{Path, PathBuf};
 use std::process::{Command, Output, Stdio};
 
-use dsv4_client::doctor::{Check, Verdict};
+use dsv4_client::doctor::{Check, Closed, Fix, Verdict};
 
 use crate::power::SystemBus;
 use crate::support::*;
@@ -268,21 +268,25 @@ fn a_model_in_a_closed_home_is_named_with_both_fixes() {
     let fix = c.fix.as_deref().unwrap();
     assert!(fix.contains("/var/lib/dsv4/models"), "{fix}");
     assert!(fix.contains("sudo dsv4ctl doctor --fix"), "{fix}");
-    let drop_in = c.drop_in.as_ref().unwrap();
-    assert_eq!(drop_in.unit, "dsv4.service");
+    // The fix is data: the closed folder and the file; dsv4ctl composes the drop-in.
+    let fix = c.fixable.as_ref().unwrap();
+    assert_eq!(
+        fix,
+        &Fix::Paths {
+            closed: vec![Closed {
+                folder: home.clone(),
+                file: models.join("tiny.gguf"),
+            }]
+        }
+    );
+    let text = fix.drop_in().unwrap();
     assert!(
-        drop_in
-            .text
-            .contains(&format!("TemporaryFileSystem={}:ro\n", home.display())),
-        "{}",
-        drop_in.text
+        text.contains(&format!("TemporaryFileSystem=\"{}:ro\"\n", home.display())),
+        "{text}"
     );
     assert!(
-        drop_in
-            .text
-            .contains(&format!("BindReadOnlyPaths={}\n", models.display())),
-        "{}",
-        drop_in.text
+        text.contains(&format!("BindReadOnlyPaths=\"{}\"\n", models.display())),
+        "{text}"
     );
 }
 
@@ -299,12 +303,12 @@ fn device_nodes_of_a_group_the_service_lacks_fail_with_the_group_drop_in() {
         "SupplementaryGroups=",
     );
     assert!(c.found.contains("/dev/kfd"), "{}", c.found);
-    let drop_in = c.drop_in.as_ref().unwrap();
+    let fix = c.fixable.as_ref().unwrap();
     assert!(
-        drop_in.text.contains("SupplementaryGroups="),
-        "{}",
-        drop_in.text
+        matches!(fix, Fix::Groups { groups } if !groups.is_empty()),
+        "{fix:?}"
     );
+    assert!(fix.drop_in().unwrap().contains("SupplementaryGroups="));
 }
 
 #[test]
@@ -626,4 +630,81 @@ fn without_state_dir_the_units_state_directory_is_used() {
     let checks: Vec<Check> = serde_json::from_slice(&out.stdout).unwrap();
     let c = find(&checks, "files.state_dir");
     assert_eq!(c.found, format!("{} is writable", state.display()));
+}
+
+/// The probe's way of forging the service's answer: an engine program that, asked for its
+/// `--version` by the service's check, writes a list of checks into its parent's standard
+/// output and kills the parent. `--fix` takes nothing from it: the run did not end as the
+/// doctor ends, so its output is refused whole, and nothing is written anywhere.
+#[test]
+fn a_forged_answer_writes_nothing() {
+    if !nix::unistd::geteuid().is_root() {
+        eprintln!("not run: --fix writes as root only");
+        return;
+    }
+    let m = healthy();
+    let units = m.dir.path().join("units");
+    std::fs::create_dir_all(&units).unwrap();
+    let outside = m.dir.path().join("outside");
+    let forged = [
+        // The old shape: a unit, a file name and its text, walking out of the unit folder.
+        format!(
+            r#"[{{"id":"gpu.devices","verdict":"fail","found":"x","drop_in":{{"unit":"../../../{}","name":"x.conf","text":"[Service]\nUser=root\n"}}}}]"#,
+            outside.display()
+        ),
+        // The new shape at its worst: a folder and a file it does not hold, and root's group.
+        r#"[{"id":"files.model","verdict":"fail","found":"x","fixable":{"kind":"paths","closed":[{"folder":"/","file":"/etc/shadow"}]}},{"id":"gpu.devices","verdict":"fail","found":"x","fixable":{"kind":"groups","groups":["root"]}}]"#.to_string(),
+    ];
+    for (kill, json) in [true, false]
+        .into_iter()
+        .flat_map(|k| forged.iter().map(move |j| (k, j)))
+    {
+        let program = m.dir.path().join("forge");
+        let kill_line = if kill { "kill -9 \"$PPID\"\n" } else { "" };
+        write(
+            &program,
+            &format!(
+                "#!/bin/sh\nif [ \"$1\" = --version ]; then\n  printf '%s' '{json}' > /proc/$PPID/fd/1\n  {kill_line}fi\nexit 0\n"
+            ),
+        );
+        std::fs::set_permissions(&program, std::fs::Permissions::from_mode(0o755)).unwrap();
+        let profile = std::fs::read_to_string(m.profile()).unwrap();
+        let (server, _) = real::engine();
+        std::fs::write(
+            m.profile(),
+            profile.replace(
+                &server.display().to_string(),
+                &program.display().to_string(),
+            ),
+        )
+        .unwrap();
+        let unit_dir = units.display().to_string();
+        let out = dsv4ctl_doctor(&m, &["--fix", "--unit-dir", &unit_dir]);
+        let err = String::from_utf8_lossy(&out.stderr);
+        assert_ne!(out.status.code(), Some(0), "kill {kill}: {err}");
+        let expected = if kill {
+            "not as the doctor ends"
+        } else {
+            "is not a list of checks"
+        };
+        assert!(err.contains(expected), "kill {kill}: {err}");
+        let written: Vec<_> = walk(&units);
+        assert!(written.is_empty(), "kill {kill}: {written:?}");
+        assert!(!outside.exists(), "kill {kill}");
+        std::fs::write(m.profile(), profile).unwrap();
+    }
+}
+
+/// Every file below `dir`.
+fn walk(dir: &Path) -> Vec<PathBuf> {
+    let mut out = Vec::new();
+    for e in std::fs::read_dir(dir).unwrap().flatten() {
+        let path = e.path();
+        if path.is_dir() {
+            out.extend(walk(&path));
+        } else {
+            out.push(path);
+        }
+    }
+    out
 }

@@ -537,9 +537,11 @@ fn the_installed_units_run_as_shipped_under_a_real_systemd() {
 }
 
 /// The engine and the model in a folder of another user (0700, as Debian makes homes), as a
-/// new user puts them: the installed doctor, run as root, checks them as the dsv4 user in
-/// the service's sandbox and names them; its --fix writes the drop-in, and the engine then
-/// starts through the socket as shipped.
+/// new user puts them: the installed doctor, run as root, checks them as the dsv4 user, first
+/// on this machine, where no systemd runs (so without the sandbox, said so), then in the
+/// service's sandbox, and names them; its --fix writes the drop-in, and the engine then
+/// starts through the socket as shipped. The folders' names hold what a unit file reads
+/// specially (`:`, `%`, a blank): the drop-in binds exactly them.
 #[test]
 fn the_doctor_names_a_model_in_a_closed_home_and_its_fix_lets_the_engine_start() {
     if !install_allowed() {
@@ -566,13 +568,14 @@ fn the_doctor_names_a_model_in_a_closed_home_and_its_fix_lets_the_engine_start()
     }
     std::fs::create_dir_all("/home").unwrap();
     let home = tempfile::Builder::new()
-        .prefix("dsv4-doctor-")
+        .prefix("dsv4-doctor:%-")
         .tempdir_in("/home")
         .unwrap();
+    let models = "mo:d%els x";
     let (server, model) = real::engine();
     copy_public(&server, &home.path().join("engine/llama-server"), 0o755);
-    copy_public(&model, &home.path().join("models/tiny.gguf"), 0o644);
-    for d in ["engine", "models"] {
+    copy_public(&model, &home.path().join(models).join("tiny.gguf"), 0o644);
+    for d in ["engine", models] {
         std::fs::set_permissions(home.path().join(d), std::fs::Permissions::from_mode(0o755))
             .unwrap();
     }
@@ -582,17 +585,63 @@ fn the_doctor_names_a_model_in_a_closed_home_and_its_fix_lets_the_engine_start()
         &w.path().join("etc/profiles/tiny.yaml"),
         &format!(
             "description: the real llama-server, from a home folder\nengine: llama-server\n\
-             command: {}\nmodel: {}\ncontext: 1024\nparallel: 1\nextra_args: [--no-webui]\n",
+             command: \"{}\"\nmodel: \"{}\"\ncontext: 1024\nparallel: 1\n\
+             extra_args: [--no-webui]\n",
             home.path().join("engine/llama-server").display(),
-            home.path().join("models/tiny.gguf").display()
+            home.path().join(models).join("tiny.gguf").display()
         ),
     );
+    let log = root.join("kernel.log");
+
+    // Here, where no systemd runs: root still checks as dsv4, and says the sandbox could
+    // not be applied.
+    let o = Command::new("dsv4ctl")
+        .arg("doctor")
+        .arg("--config")
+        .arg(w.path().join("etc/supervisor.yaml"))
+        .arg("--sysroot")
+        .arg(&root)
+        .arg("--kernel-log")
+        .arg(&log)
+        .env(
+            "DBUS_SYSTEM_BUS_ADDRESS",
+            "unix:path=/nonexistent/dsv4-no-bus",
+        )
+        .stdin(std::process::Stdio::null())
+        .output()
+        .unwrap();
+    let text = String::from_utf8_lossy(&o.stdout);
+    assert_eq!(
+        o.status.code(),
+        Some(1),
+        "{text}{}",
+        String::from_utf8_lossy(&o.stderr)
+    );
+    let sandbox = text
+        .lines()
+        .find(|l| l.starts_with("WARN  service.sandbox"))
+        .unwrap_or_else(|| panic!("{text}"));
+    assert!(sandbox.contains("no running systemd"), "{sandbox}");
+    assert!(sandbox.contains("ran as dsv4 (uid"), "{sandbox}");
+    assert!(
+        text.lines()
+            .any(|l| l.starts_with("ok    service.user") && l.contains("checked as dsv4")),
+        "{text}"
+    );
+    let model_line = text
+        .lines()
+        .find(|l| l.starts_with("FAIL  files.model [tiny]"))
+        .unwrap_or_else(|| panic!("no FAIL files.model:\n{text}"));
+    assert!(
+        model_line.contains(&format!("the folder {} is 0700", home.path().display())),
+        "{model_line}"
+    );
+
     let units = unit_folder(w.path());
     let ns = Ns::boot(&units, "test.target", &w.path().join("console.log"), true);
     ns.wait("dsv4.socket listening", || {
         ns.out("systemctl is-active dsv4.socket") == "active"
     });
-    let log = root.join("kernel.log");
     let doctor = |more: &str| {
         let o = ns.sh(&format!(
             "dsv4ctl doctor --kernel-log {} {more}",
@@ -648,9 +697,27 @@ fn the_doctor_names_a_model_in_a_closed_home_and_its_fix_lets_the_engine_start()
         "{err}"
     );
     let written = std::fs::read_to_string(&drop_in).unwrap();
+    // The closed folder, its `:` escaped for systemd's second reading and `%` doubled.
+    let escaped = home
+        .path()
+        .display()
+        .to_string()
+        .replace(':', "\\\\:")
+        .replace('%', "%%");
     assert!(
-        written.contains(&format!("TemporaryFileSystem={}:ro", home.path().display())),
+        written.contains(&format!("TemporaryFileSystem=\"{escaped}:ro\"")),
         "{written}"
+    );
+    let verify = Command::new("systemd-analyze")
+        .arg("verify")
+        .arg(units.join("dsv4.service"))
+        .env("SYSTEMD_UNIT_PATH", format!("{}:", units.display()))
+        .output()
+        .unwrap();
+    let said = String::from_utf8_lossy(&verify.stderr);
+    assert!(
+        !said.contains("50-doctor-paths.conf"),
+        "systemd-analyze verify on the drop-in: {said}"
     );
     assert!(
         text.lines()

@@ -14,20 +14,22 @@ use std::collections::BTreeMap;
 use std::path::{Path, PathBuf};
 use std::process::Command;
 
-use dsv4_client::doctor::{worst, Check, DropIn, Verdict};
+use dsv4_client::doctor::{worst, Check, Fix, Verdict, SERVICE};
 use dsv4_client::Bus;
 
 use crate::error::Failure;
 
-/// The service whose sandbox the checks run in.
-const SERVICE: &str = "dsv4.service";
 const SOCKET: &str = "dsv4.socket";
 const NOTIFY_UNIT: &str = "dsv4-notify.service";
 const DEFAULT_CONFIG: &str = "/etc/dsv4/supervisor.yaml";
+/// The service's user, as the package makes it, where systemd cannot say the unit's.
+const SERVICE_USER: &str = "dsv4";
 
 /// The unit properties that make the service's sandbox, passed on to `systemd-run` as they
 /// are (`RuntimeDirectory=` is left out: the transient unit would remove the running
-/// service's at its end).
+/// service's at its end). The mounts (`TemporaryFileSystem=`, `BindPaths=`,
+/// `BindReadOnlyPaths=`) are read over D-Bus instead ([`mounts`]): `systemctl show` prints
+/// their paths unescaped, which a blank or a `:` in one would garble.
 const SANDBOX: &[&str] = &[
     "User",
     "Group",
@@ -44,9 +46,6 @@ const SANDBOX: &[&str] = &[
     "ReadWritePaths",
     "ReadOnlyPaths",
     "InaccessiblePaths",
-    "TemporaryFileSystem",
-    "BindPaths",
-    "BindReadOnlyPaths",
     "StateDirectory",
     "StateDirectoryMode",
     "ProtectKernelTunables",
@@ -71,6 +70,8 @@ pub struct Request {
 #[derive(Debug, Default)]
 struct Unit {
     props: BTreeMap<String, Vec<String>>,
+    /// Whether `systemctl show` answered: a systemd runs, and may be asked.
+    reachable: bool,
 }
 
 impl Unit {
@@ -82,6 +83,7 @@ impl Unit {
         }
         let out = cmd.output().ok().filter(|o| o.status.success());
         Unit {
+            reachable: out.is_some(),
             props: out.map_or_else(BTreeMap::new, |o| {
                 parse_show(&String::from_utf8_lossy(&o.stdout))
             }),
@@ -150,16 +152,27 @@ pub fn dsv4d_path() -> PathBuf {
         .unwrap_or_else(|| PathBuf::from("dsv4d"))
 }
 
-/// The checks `dsv4d --doctor` printed, or the reason there are none.
+/// The checks `dsv4d --doctor` printed, or the reason there are none. Only a run that ended
+/// as the doctor ends (0: none failed, 1: one did) is read: output of a run killed or ended
+/// otherwise may be anyone's, and is refused whole, as is anything that is not exactly a
+/// list of checks.
 fn parse_checks(out: &std::process::Output, what: &str) -> Result<Vec<Check>, String> {
+    let err = String::from_utf8_lossy(&out.stderr);
+    let err = err.trim();
+    if !matches!(out.status.code(), Some(0 | 1)) {
+        let why = if err.is_empty() { "" } else { ": " };
+        return Err(format!(
+            "{what} ended with {}, not as the doctor ends (0 or 1): its output is not \
+             taken{why}{err}",
+            out.status
+        ));
+    }
     serde_json::from_slice(&out.stdout).map_err(|e| {
-        let err = String::from_utf8_lossy(&out.stderr);
-        let err = err.trim();
         format!(
             "{what} gave no checks ({}): {}",
             out.status,
             if err.is_empty() {
-                e.to_string()
+                format!("its output is not a list of checks: {e}")
             } else {
                 err.to_string()
             }
@@ -171,112 +184,283 @@ fn is_root() -> bool {
     nix::unistd::geteuid().is_root()
 }
 
-/// One run of every check.
-async fn checks(req: &Request) -> Result<Vec<Check>, Failure> {
-    let unit = Unit::read();
-    let dsv4d = dsv4d_path();
-    let config = req
-        .config
-        .clone()
-        .or_else(|| unit.exec_arg("--config"))
-        .unwrap_or_else(|| PathBuf::from(DEFAULT_CONFIG));
-    let sysroot = req
-        .sysroot
-        .clone()
-        .or_else(|| unit.exec_arg("--sysroot"))
-        .unwrap_or_else(|| PathBuf::from("/"));
-    let mut daemon_args: Vec<String> = vec![
-        "--doctor".into(),
-        "--config".into(),
-        config.display().to_string(),
-        "--sysroot".into(),
-        sysroot.display().to_string(),
-    ];
-    let mut out = Vec::new();
+/// Where the checks look: the service unit as systemd has it, the configuration and the
+/// sysroot (given, else the unit's, else the defaults).
+struct Place {
+    unit: Unit,
+    /// The unit's mounts as `systemd-run -p` arguments, or why they could not be read.
+    mounts: Result<Vec<String>, String>,
+    dsv4d: PathBuf,
+    config: PathBuf,
+    sysroot: PathBuf,
+}
 
-    // The service's part: in its sandbox when it can be, else as the caller, said so.
-    let mut service_args = daemon_args.clone();
-    service_args.extend(["--part".into(), "service".into()]);
-    let sandboxed = if req.no_sandbox {
-        Err("--no-sandbox was given".to_string())
-    } else if !unit.loaded() {
-        Err(format!("{SERVICE} is not installed"))
-    } else if !is_root() {
-        Err("only root may run a check as the service user".to_string())
-    } else {
-        let dsv4d_abs = std::fs::canonicalize(&dsv4d).unwrap_or(dsv4d.clone());
-        let mut cmd = Command::new("systemd-run");
-        cmd.args([
-            "--pipe",
-            "--wait",
-            "--quiet",
-            "--collect",
-            "--service-type=exec",
-        ])
-        .args(["--unit", &format!("dsv4-doctor-{}", std::process::id())])
-        .args(unit.sandbox_args())
-        .arg("--")
-        .arg(&dsv4d_abs)
-        .args(&service_args)
-        .stdin(std::process::Stdio::null());
-        match cmd.output() {
-            Err(e) => Err(format!("cannot run systemd-run: {e}")),
-            Ok(o) => parse_checks(&o, "the check inside the sandbox"),
+impl Place {
+    async fn new(req: &Request) -> Place {
+        let unit = Unit::read();
+        let mounts = match unit.loaded() && !req.no_sandbox && is_root() {
+            true => mounts().await,
+            false => Ok(Vec::new()),
+        };
+        let config = req
+            .config
+            .clone()
+            .or_else(|| unit.exec_arg("--config"))
+            .unwrap_or_else(|| PathBuf::from(DEFAULT_CONFIG));
+        let sysroot = req
+            .sysroot
+            .clone()
+            .or_else(|| unit.exec_arg("--sysroot"))
+            .unwrap_or_else(|| PathBuf::from("/"));
+        Place {
+            unit,
+            mounts,
+            dsv4d: dsv4d_path(),
+            config,
+            sysroot,
         }
+    }
+
+    /// `dsv4d --doctor --config C --sysroot S --part PART`.
+    fn args(&self, part: &str) -> Vec<String> {
+        vec![
+            "--doctor".into(),
+            "--config".into(),
+            self.config.display().to_string(),
+            "--sysroot".into(),
+            self.sysroot.display().to_string(),
+            "--part".into(),
+            part.into(),
+        ]
+    }
+}
+
+/// The service's mounts, read from systemd over the system bus, as `systemd-run -p`
+/// arguments escaped the way it reads them.
+async fn mounts() -> Result<Vec<String>, String> {
+    use dsv4_client::doctor::{bind_entry, tmpfs_entry, Reader};
+    let read = async {
+        let bus = zbus::Connection::system().await?;
+        let dest = "org.freedesktop.systemd1";
+        let manager = zbus::Proxy::new(
+            &bus,
+            dest,
+            "/org/freedesktop/systemd1",
+            "org.freedesktop.systemd1.Manager",
+        )
+        .await?;
+        let path: zbus::zvariant::OwnedObjectPath = manager.call("GetUnit", &(SERVICE,)).await?;
+        let service =
+            zbus::Proxy::new(&bus, dest, path, "org.freedesktop.systemd1.Service").await?;
+        let tmpfs: Vec<(String, String)> = service.get_property("TemporaryFileSystem").await?;
+        let mut binds = Vec::new();
+        for name in ["BindReadOnlyPaths", "BindPaths"] {
+            let list: Vec<(String, String, bool, u64)> = service.get_property(name).await?;
+            binds.extend(list.into_iter().map(|b| (name, b)));
+        }
+        Ok::<_, zbus::Error>((tmpfs, binds))
     };
-    match sandboxed {
-        Ok(checks) => {
-            let user = unit.one("User").unwrap_or("root").to_string();
-            out.push(Check::ok(
-                "service.sandbox",
-                format!("the service's checks ran as {user} inside {SERVICE}'s sandbox"),
-            ));
-            out.extend(checks);
-        }
-        Err(why) => {
-            let fix = if unit.loaded() {
-                "run `sudo dsv4ctl doctor` to check what the service itself can reach"
-            } else {
-                "install the package (its dsv4.service), then run `sudo dsv4ctl doctor`"
-            };
-            out.push(Check::warn(
-                "service.sandbox",
-                format!("{why}: the service's checks ran as you, outside its sandbox"),
-                fix,
-            ));
-            let o = Command::new(&dsv4d)
-                .args(&service_args)
-                .stdin(std::process::Stdio::null())
-                .output()
-                .map_err(|e| {
-                    Failure::Usage(format!(
-                        "cannot run {}: {e} (set DSV4D to the path of dsv4d)",
-                        dsv4d.display()
-                    ))
-                })?;
-            out.extend(parse_checks(&o, "dsv4d --doctor").map_err(Failure::Usage)?);
-        }
+    let (tmpfs, binds) = read
+        .await
+        .map_err(|e| format!("cannot read {SERVICE}'s mounts from systemd: {e}"))?;
+    let mut args = Vec::new();
+    for (path, options) in tmpfs {
+        let entry = tmpfs_entry(Path::new(&path), &options, Reader::Run).map_err(|e| e.0)?;
+        args.extend(["-p".into(), format!("TemporaryFileSystem={entry}")]);
     }
+    const MS_REC: u64 = 16384;
+    for (name, (source, dest, ignore_missing, flags)) in binds {
+        let options = if flags & MS_REC != 0 {
+            "rbind"
+        } else {
+            "norbind"
+        };
+        let entry = bind_entry(Path::new(&source), Path::new(&dest), options, Reader::Run)
+            .map_err(|e| e.0)?;
+        let dash = if ignore_missing { "-" } else { "" };
+        args.extend(["-p".into(), format!("{name}={dash}{entry}")]);
+    }
+    Ok(args)
+}
 
-    // The host's part, as the caller (the kernel's log is not the service's to read).
-    daemon_args.extend(["--part".into(), "host".into()]);
-    if let Some(log) = &req.kernel_log {
-        daemon_args.extend(["--kernel-log".into(), log.display().to_string()]);
+/// How the service's checks run.
+enum Runner {
+    /// As the service user inside a copy of the unit's sandbox (`systemd-run`).
+    Sandbox,
+    /// As the service user, by root, where no systemd could apply the sandbox: why not.
+    AsUser(nix::unistd::User, String),
+    /// As the caller: why not as the service user.
+    Caller(String),
+}
+
+impl Runner {
+    fn choose(req: &Request, unit: &Unit) -> Runner {
+        if req.no_sandbox {
+            return Runner::Caller("--no-sandbox was given".into());
+        }
+        if !is_root() {
+            return Runner::Caller("only root may run a check as the service user".into());
+        }
+        if unit.loaded() {
+            return Runner::Sandbox;
+        }
+        let why = match unit.reachable {
+            false => "no running systemd could apply dsv4.service's sandbox (systemctl cannot \
+                      reach one)"
+                .to_string(),
+            true => format!("{SERVICE} is not installed"),
+        };
+        let name = unit.one("User").unwrap_or(SERVICE_USER);
+        match nix::unistd::User::from_name(name).ok().flatten() {
+            Some(user) => Runner::AsUser(user, why),
+            None => Runner::Caller(format!("{why}, and there is no user {name}")),
+        }
     }
-    let o = Command::new(&dsv4d)
-        .args(&daemon_args)
+}
+
+/// One run of every check.
+async fn checks(req: &Request, place: &Place) -> Result<Vec<Check>, Failure> {
+    let mut out = service_checks(req, place)?;
+    // The host's part, as the caller (the kernel's log is not the service's to read).
+    let mut args = place.args("host");
+    if let Some(log) = &req.kernel_log {
+        args.extend(["--kernel-log".into(), log.display().to_string()]);
+    }
+    let o = Command::new(&place.dsv4d)
+        .args(&args)
         .stdin(std::process::Stdio::null())
         .output()
-        .map_err(|e| Failure::Usage(format!("cannot run {}: {e}", dsv4d.display())))?;
+        .map_err(|e| Failure::Usage(format!("cannot run {}: {e}", place.dsv4d.display())))?;
     out.extend(parse_checks(&o, "dsv4d --doctor --part host").map_err(Failure::Usage)?);
 
     out.push(daemon_check(req.bus).await);
-    if unit.loaded() {
+    if place.unit.loaded() {
         out.push(socket_check());
     }
     out.push(group_check());
     out.push(notify_check());
     Ok(out)
+}
+
+/// The service's part: in its sandbox when it can be, else as its user, else as the caller,
+/// said so in `service.sandbox`.
+fn service_checks(req: &Request, place: &Place) -> Result<Vec<Check>, Failure> {
+    let args = place.args("service");
+    let cannot = |e: std::io::Error| {
+        Failure::Usage(format!(
+            "cannot run {}: {e} (set DSV4D to the path of dsv4d)",
+            place.dsv4d.display()
+        ))
+    };
+    let mut out = Vec::new();
+    match Runner::choose(req, &place.unit) {
+        Runner::Sandbox => {
+            let checks = sandboxed(place, &args);
+            if let Ok(checks) = checks {
+                let user = place.unit.one("User").unwrap_or("root");
+                out.push(Check::ok(
+                    "service.sandbox",
+                    format!("the service's checks ran as {user} inside {SERVICE}'s sandbox"),
+                ));
+                out.extend(checks);
+                return Ok(out);
+            }
+            let why = checks.err().unwrap_or_default();
+            out.push(as_caller_check(&why, &place.unit));
+        }
+        Runner::AsUser(user, why) => {
+            out.push(Check::warn(
+                "service.sandbox",
+                format!(
+                    "{why}: the service's checks ran as {} (uid {}, with its groups), without \
+                     the sandbox (ProtectHome=, DeviceAllow=, the unit's SupplementaryGroups=)",
+                    user.name, user.uid
+                ),
+                "run `sudo dsv4ctl doctor` where systemd runs the service, to check the \
+                 sandbox itself",
+            ));
+            let o = as_user(&place.dsv4d, &args, &user).map_err(cannot)?;
+            out.extend(parse_checks(&o, "dsv4d --doctor").map_err(Failure::Usage)?);
+            return Ok(out);
+        }
+        Runner::Caller(why) => out.push(as_caller_check(&why, &place.unit)),
+    }
+    let o = Command::new(&place.dsv4d)
+        .args(&args)
+        .stdin(std::process::Stdio::null())
+        .output()
+        .map_err(cannot)?;
+    out.extend(parse_checks(&o, "dsv4d --doctor").map_err(Failure::Usage)?);
+    Ok(out)
+}
+
+/// `service.sandbox` for checks that ran as the caller, and why.
+fn as_caller_check(why: &str, unit: &Unit) -> Check {
+    let fix = if unit.loaded() {
+        "run `sudo dsv4ctl doctor` to check what the service itself can reach"
+    } else {
+        "install the package (its dsv4.service), then run `sudo dsv4ctl doctor`"
+    };
+    Check::warn(
+        "service.sandbox",
+        format!("{why}: the service's checks ran as you, outside its sandbox"),
+        fix,
+    )
+}
+
+/// The service's checks through `systemd-run`, with the unit's user and sandbox.
+fn sandboxed(place: &Place, args: &[String]) -> Result<Vec<Check>, String> {
+    let mounts = place.mounts.as_ref().map_err(Clone::clone)?;
+    let dsv4d = std::fs::canonicalize(&place.dsv4d).unwrap_or(place.dsv4d.clone());
+    let mut cmd = Command::new("systemd-run");
+    cmd.args([
+        "--pipe",
+        "--wait",
+        "--quiet",
+        "--collect",
+        "--service-type=exec",
+    ])
+    .args(["--unit", &format!("dsv4-doctor-{}", std::process::id())])
+    .args(place.unit.sandbox_args())
+    .args(mounts)
+    .arg("--")
+    .arg(&dsv4d)
+    .args(args)
+    .stdin(std::process::Stdio::null());
+    match cmd.output() {
+        Err(e) => Err(format!("cannot run systemd-run: {e}")),
+        Ok(o) => parse_checks(&o, "the check inside the sandbox"),
+    }
+}
+
+/// `dsv4d ARGS` run as `user`, with its own group and supplementary groups, by root.
+fn as_user(
+    dsv4d: &Path,
+    args: &[String],
+    user: &nix::unistd::User,
+) -> std::io::Result<std::process::Output> {
+    use std::os::unix::process::CommandExt;
+    let name = std::ffi::CString::new(user.name.clone())
+        .map_err(|e| std::io::Error::new(std::io::ErrorKind::InvalidInput, e))?;
+    let groups = nix::unistd::getgrouplist(&name, user.gid)?;
+    let (uid, gid) = (user.uid, user.gid);
+    let mut cmd = Command::new(dsv4d);
+    cmd.args(args)
+        .env("HOME", &user.dir)
+        .env("USER", &user.name)
+        .current_dir("/")
+        .stdin(std::process::Stdio::null());
+    // SAFETY: between fork and exec only these three system calls run, each
+    // async-signal-safe; the group list was made before the fork.
+    unsafe {
+        cmd.pre_exec(move || {
+            nix::unistd::setgroups(&groups)?;
+            nix::unistd::setgid(gid)?;
+            nix::unistd::setuid(uid)?;
+            Ok(())
+        });
+    }
+    cmd.output()
 }
 
 /// `daemon.bus`: whether dsv4d answers, and in what state.
@@ -423,14 +607,93 @@ fn notify_check() -> Check {
     }
 }
 
-/// Writes each distinct drop-in of a failed or warned check; returns what was written.
-fn write_fixes(checks: &[Check], unit_dir: &Path) -> Result<Vec<PathBuf>, Failure> {
-    let mut drop_ins: BTreeMap<(String, String), &DropIn> = BTreeMap::new();
+/// The fixes of the failed or warned checks, one per kind, each composed and checked: what
+/// to write in `dsv4.service.d/` (its fixed name, its text), or why nothing is written.
+fn composed(checks: &[Check], sysroot: &Path) -> Result<Vec<(&'static str, String)>, Failure> {
+    let mut fixes: Vec<Fix> = Vec::new();
     for c in checks.iter().filter(|c| c.verdict >= Verdict::Warn) {
-        if let Some(d) = &c.drop_in {
-            drop_ins.insert((d.unit.clone(), d.name.clone()), d);
+        let Some(fix) = &c.fixable else { continue };
+        if !fixes.iter_mut().any(|f| f.merge(fix)) {
+            fixes.push(fix.clone());
         }
     }
+    let refused = |why: String| {
+        Failure::Failed(format!(
+            "--fix refused the fix the service's check offered, and wrote nothing: {why}"
+        ))
+    };
+    let mut out = Vec::new();
+    for fix in &fixes {
+        confirm(fix, sysroot).map_err(refused)?;
+        let text = fix.drop_in().map_err(|e| refused(e.0))?;
+        out.push((fix.file_name(), text));
+    }
+    Ok(out)
+}
+
+/// What root sees itself, against what the service user's check said: a folder to open is
+/// one that exists and that others may not enter; a group to add is one that a GPU device
+/// node under `sysroot` belongs to.
+fn confirm(fix: &Fix, sysroot: &Path) -> Result<(), String> {
+    use std::os::unix::fs::MetadataExt;
+    match fix {
+        Fix::Paths { closed } => {
+            for c in closed {
+                let meta = std::fs::metadata(&c.folder)
+                    .map_err(|e| format!("{}: {e}", c.folder.display()))?;
+                if !meta.is_dir() || meta.mode() & 0o001 != 0 {
+                    return Err(format!(
+                        "{} is not a folder closed to others (mode {:04o}): there is nothing to \
+                         open",
+                        c.folder.display(),
+                        meta.mode() & 0o7777
+                    ));
+                }
+            }
+            Ok(())
+        }
+        Fix::Groups { groups } => {
+            let owners = gpu_node_groups(sysroot);
+            match groups.iter().find(|g| !owners.contains(*g)) {
+                Some(g) => Err(format!(
+                    "the group {g:?} owns none of the GPU's device nodes under {}",
+                    sysroot.join("dev").display()
+                )),
+                None => Ok(()),
+            }
+        }
+    }
+}
+
+/// The groups (by name, and by number when it has none) of `/dev/kfd` and `/dev/dri/*`
+/// under `sysroot`.
+fn gpu_node_groups(sysroot: &Path) -> std::collections::BTreeSet<String> {
+    use std::os::unix::fs::MetadataExt;
+    let dri = sysroot.join("dev/dri");
+    let nodes = std::fs::read_dir(&dri)
+        .into_iter()
+        .flatten()
+        .flatten()
+        .map(|e| e.path())
+        .chain([sysroot.join("dev/kfd")]);
+    let mut out = std::collections::BTreeSet::new();
+    for gid in nodes
+        .filter_map(|p| std::fs::metadata(p).ok())
+        .map(|m| m.gid())
+    {
+        let group = nix::unistd::Group::from_gid(nix::unistd::Gid::from_raw(gid));
+        out.insert(gid.to_string());
+        if let Ok(Some(g)) = group {
+            out.insert(g.name);
+        }
+    }
+    out
+}
+
+/// Writes the drop-ins the failed or warned checks offer, each under its own fixed name in
+/// `unit_dir/dsv4.service.d/`; returns what was written.
+fn write_fixes(checks: &[Check], unit_dir: &Path, sysroot: &Path) -> Result<Vec<PathBuf>, Failure> {
+    let drop_ins = composed(checks, sysroot)?;
     if drop_ins.is_empty() {
         return Ok(Vec::new());
     }
@@ -439,12 +702,12 @@ fn write_fixes(checks: &[Check], unit_dir: &Path) -> Result<Vec<PathBuf>, Failur
             "--fix writes systemd drop-ins: run it as root (sudo dsv4ctl doctor --fix)".into(),
         ));
     }
+    let dir = unit_dir.join(format!("{SERVICE}.d"));
     let mut written = Vec::new();
-    for ((unit, name), d) in drop_ins {
-        let dir = unit_dir.join(format!("{unit}.d"));
-        let path = dir.join(&name);
+    for (name, text) in drop_ins {
+        let path = dir.join(name);
         std::fs::create_dir_all(&dir)
-            .and_then(|()| std::fs::write(&path, &d.text))
+            .and_then(|()| std::fs::write(&path, text))
             .map_err(|e| Failure::Failed(format!("cannot write {}: {e}", path.display())))?;
         written.push(path);
     }
@@ -508,9 +771,10 @@ fn summary(checks: &[Check]) -> String {
 }
 
 pub async fn run(req: Request, json: bool) -> Result<(), Failure> {
-    let mut all = checks(&req).await?;
+    let place = Place::new(&req).await;
+    let mut all = checks(&req, &place).await?;
     if req.fix {
-        let written = write_fixes(&all, &req.unit_dir)?;
+        let written = write_fixes(&all, &req.unit_dir, &place.sysroot)?;
         if written.is_empty() {
             eprintln!("dsv4ctl: nothing to fix with a drop-in");
         } else {
@@ -518,7 +782,7 @@ pub async fn run(req: Request, json: bool) -> Result<(), Failure> {
                 eprintln!("dsv4ctl: wrote {}", path.display());
             }
             eprintln!("dsv4ctl: systemd reloaded; checking again");
-            all = checks(&req).await?;
+            all = checks(&req, &place).await?;
         }
     }
     if json {
@@ -553,7 +817,10 @@ mod tests {
              ExecStart={ path=/usr/bin/dsv4d ; argv[]=/usr/bin/dsv4d --config /e/s.yaml \
              --sysroot /r ; ignore_errors=no ; start_time=[n/a] }\n",
         );
-        let unit = Unit { props };
+        let unit = Unit {
+            props,
+            reachable: true,
+        };
         assert_eq!(
             unit.sandbox_args(),
             [
@@ -581,5 +848,47 @@ mod tests {
             render(&Check::ok("a.b", "fine").fix("never shown")),
             format!("ok    {:<24} fine", "a.b")
         );
+    }
+
+    /// What root sees itself overrules the service's word: only a folder closed to others
+    /// is opened, and only a group of a GPU device node is added.
+    #[test]
+    fn a_fix_is_confirmed_by_what_root_sees() {
+        use std::os::unix::fs::{MetadataExt, PermissionsExt};
+        let dir = std::env::temp_dir().join(format!("dsv4ctl-confirm-{}", std::process::id()));
+        let root = dir.join("root");
+        std::fs::create_dir_all(root.join("dev/dri")).unwrap();
+        std::fs::write(root.join("dev/kfd"), "").unwrap();
+        let gid = std::fs::metadata(root.join("dev/kfd")).unwrap().gid();
+        let name = nix::unistd::Group::from_gid(nix::unistd::Gid::from_raw(gid))
+            .unwrap()
+            .map_or(gid.to_string(), |g| g.name);
+        let groups = |g: &str| Fix::Groups {
+            groups: vec![g.to_string()],
+        };
+        assert_eq!(confirm(&groups(&name), &root), Ok(()));
+        assert_eq!(confirm(&groups(&gid.to_string()), &root), Ok(()));
+        let e = confirm(&groups("dsv4-no-such-group"), &root).unwrap_err();
+        assert!(e.contains("owns none of the GPU's device nodes"), "{e}");
+
+        let closed = dir.join("home");
+        std::fs::create_dir_all(&closed).unwrap();
+        let paths = Fix::Paths {
+            closed: vec![dsv4_client::doctor::Closed {
+                folder: closed.clone(),
+                file: closed.join("m.gguf"),
+            }],
+        };
+        std::fs::set_permissions(&closed, std::fs::Permissions::from_mode(0o700)).unwrap();
+        assert_eq!(confirm(&paths, &root), Ok(()));
+        std::fs::set_permissions(&closed, std::fs::Permissions::from_mode(0o755)).unwrap();
+        let e = confirm(&paths, &root).unwrap_err();
+        assert!(
+            e.contains("not a folder closed to others (mode 0755)"),
+            "{e}"
+        );
+        std::fs::remove_dir_all(&closed).unwrap();
+        assert!(confirm(&paths, &root).is_err());
+        std::fs::remove_dir_all(&dir).unwrap();
     }
 }

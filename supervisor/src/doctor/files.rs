@@ -15,15 +15,10 @@ use std::path::{Path, PathBuf};
 use crate::config::{Config, Profile};
 use crate::host::sysroot::SysRoot;
 
-use super::access::{self, Denied, Who, EXEC, READ, WRITE};
-use super::{Check, DropIn};
+use dsv4_client::doctor::{Closed, Fix, PATHS_DROP_IN, SERVICE};
 
-/// The service the drop-ins are for.
-pub const SERVICE: &str = "dsv4.service";
-/// The drop-in that opens closed folders to the service.
-pub const PATHS_DROP_IN: &str = "50-doctor-paths.conf";
-/// The drop-in that adds the device nodes' groups to the service.
-pub const GROUPS_DROP_IN: &str = "50-doctor-groups.conf";
+use super::access::{self, Denied, Who, EXEC, READ, WRITE};
+use super::Check;
 /// Where models the service can always reach may go.
 pub const MODELS_HOME: &str = "/var/lib/dsv4/models";
 
@@ -85,7 +80,7 @@ pub fn checks(config: &Config, who: &Who, try_it: bool) -> Vec<Check> {
     let mut out = Vec::new();
     // Profiles may share a model: each file is checked once, for the first profile naming it.
     let mut seen = BTreeSet::new();
-    let mut closed: Vec<(usize, PathBuf, PathBuf)> = Vec::new();
+    let mut closed: Vec<(usize, Closed)> = Vec::new();
     for profile in config.profiles.values() {
         for n in needed(profile) {
             if !seen.insert((n.id, n.path.clone())) {
@@ -114,7 +109,8 @@ pub fn checks(config: &Config, who: &Who, try_it: bool) -> Vec<Check> {
                     let found = denied.describe(&n.path, n.want);
                     let check = Check::fail(n.id, found, fix_for(&n, &denied));
                     if let Denied::Folder { dir, .. } = &denied {
-                        closed.push((out.len(), dir.clone(), n.path.clone()));
+                        let (folder, file) = (dir.clone(), n.path.clone());
+                        closed.push((out.len(), Closed { folder, file }));
                     }
                     check
                 }
@@ -122,19 +118,18 @@ pub fn checks(config: &Config, who: &Who, try_it: bool) -> Vec<Check> {
             out.push(check.profile(&n.profile));
         }
     }
-    if let Some(drop_in) = paths_drop_in(closed.iter().map(|(_, d, p)| (d.as_path(), p.as_path())))
-    {
-        for (i, _, _) in &closed {
-            let check = &mut out[*i];
-            check.fix = Some(format!(
-                "{}; or run `sudo dsv4ctl doctor --fix` to write /etc/systemd/system/{SERVICE}.d/{} \
-                 (an empty read-only folder in place of the closed one, with only the needed \
-                 folders in it)",
-                check.fix.take().unwrap_or_default(),
-                drop_in.name
-            ));
-            check.drop_in = Some(drop_in.clone());
-        }
+    let fix = Fix::Paths {
+        closed: closed.iter().map(|(_, c)| c.clone()).collect(),
+    };
+    for (i, _) in closed.iter().filter(|_| fix.drop_in().is_ok()) {
+        let check = &mut out[*i];
+        check.fix = Some(format!(
+            "{}; or run `sudo dsv4ctl doctor --fix` to write /etc/systemd/system/{SERVICE}.d/\
+             {PATHS_DROP_IN} (an empty read-only folder in place of the closed one, with only \
+             the needed folders in it)",
+            check.fix.take().unwrap_or_default(),
+        ));
+        check.fixable = Some(fix.clone());
     }
     out.push(state_dir(&config.supervisor.state_dir, who, try_it));
     out
@@ -186,60 +181,6 @@ fn fix_for(n: &Needed, denied: &Denied) -> String {
             shown(n)
         ),
     }
-}
-
-/// A path as a unit file's list entry: quoted when it has blanks or quotes.
-fn unit_path(p: &Path) -> String {
-    let s = p.display().to_string();
-    if s.chars()
-        .any(|c| c.is_whitespace() || c == '"' || c == '\'' || c == '\\')
-    {
-        format!("\"{}\"", s.replace('\\', "\\\\").replace('"', "\\\""))
-    } else {
-        s
-    }
-}
-
-/// The drop-in for files behind closed folders: each `(closed folder, file)` gets the folder
-/// replaced by an empty read-only one, and the file's own folder (or, when that is the
-/// closed one, the file) bound into it.
-pub fn paths_drop_in<'a>(closed: impl IntoIterator<Item = (&'a Path, &'a Path)>) -> Option<DropIn> {
-    let mut tmpfs = BTreeSet::new();
-    let mut binds = BTreeSet::new();
-    for (dir, file) in closed {
-        tmpfs.insert(dir.to_path_buf());
-        let parent = file.parent().unwrap_or(Path::new("/"));
-        let bind = if parent != dir && parent.starts_with(dir) {
-            parent
-        } else {
-            file
-        };
-        binds.insert(bind.to_path_buf());
-    }
-    if tmpfs.is_empty() {
-        return None;
-    }
-    // A bind inside another bind is already there.
-    let kept: Vec<&PathBuf> = binds
-        .iter()
-        .filter(|b| !binds.iter().any(|o| o != *b && b.starts_with(o)))
-        .collect();
-    let mut text = String::from(
-        "# Written by `dsv4ctl doctor --fix`: the dsv4 user may not enter the folders below.\n\
-         # The service sees each as an empty read-only folder holding only what its profiles\n\
-         # need. Delete this file to undo it (then `systemctl daemon-reload`).\n[Service]\n",
-    );
-    for dir in &tmpfs {
-        text += &format!("TemporaryFileSystem={}:ro\n", unit_path(dir));
-    }
-    for bind in kept {
-        text += &format!("BindReadOnlyPaths={}\n", unit_path(bind));
-    }
-    Some(DropIn {
-        unit: SERVICE.into(),
-        name: PATHS_DROP_IN.into(),
-        text,
-    })
 }
 
 /// `state_dir` must be the service's to write.
@@ -318,15 +259,8 @@ pub fn devices(root: &SysRoot, who: &Who, try_it: bool, vulkan: bool) -> Vec<Che
             fix,
         );
         if !groups.is_empty() {
-            let list: Vec<&str> = groups.iter().map(String::as_str).collect();
-            check = check.drop_in(DropIn {
-                unit: SERVICE.into(),
-                name: GROUPS_DROP_IN.into(),
-                text: format!(
-                    "# Written by `dsv4ctl doctor --fix`: the GPU's device nodes belong to \
-                     these groups.\n[Service]\nSupplementaryGroups={}\n",
-                    list.join(" ")
-                ),
+            check = check.fixable(Fix::Groups {
+                groups: groups.iter().cloned().collect(),
             });
         }
         out.push(check);
@@ -341,43 +275,4 @@ pub fn devices(root: &SysRoot, who: &Who, try_it: bool, vulkan: bool) -> Vec<Che
         ));
     }
     out
-}
-
-#[cfg(test)]
-mod tests {
-    use super::*;
-
-    #[test]
-    fn the_drop_in_binds_the_needed_folders_into_an_empty_one() {
-        let d = paths_drop_in([
-            (
-                Path::new("/home/ada"),
-                Path::new("/home/ada/engine/llama-server"),
-            ),
-            (Path::new("/home/ada"), Path::new("/home/ada/models/m.gguf")),
-            (
-                Path::new("/home/ada"),
-                Path::new("/home/ada/models/m-2.gguf"),
-            ),
-            (Path::new("/srv/closed"), Path::new("/srv/closed/x.gguf")),
-            (Path::new("/home/b b"), Path::new("/home/b b/m/x.gguf")),
-        ])
-        .unwrap();
-        assert_eq!(d.unit, "dsv4.service");
-        let lines: Vec<&str> = d.text.lines().filter(|l| !l.starts_with('#')).collect();
-        assert_eq!(
-            lines,
-            [
-                "[Service]",
-                "TemporaryFileSystem=/home/ada:ro",
-                "TemporaryFileSystem=\"/home/b b\":ro",
-                "TemporaryFileSystem=/srv/closed:ro",
-                "BindReadOnlyPaths=/home/ada/engine",
-                "BindReadOnlyPaths=/home/ada/models",
-                "BindReadOnlyPaths=\"/home/b b/m\"",
-                "BindReadOnlyPaths=/srv/closed/x.gguf",
-            ]
-        );
-        assert_eq!(paths_drop_in([]), None);
-    }
 }

@@ -21,7 +21,7 @@ use std::collections::BTreeSet;
 use std::path::PathBuf;
 use std::time::Duration;
 
-pub use dsv4_client::doctor::{Check, DropIn, Verdict};
+pub use dsv4_client::doctor::{Check, Fix, Verdict};
 
 use crate::config::Config;
 use crate::host::sysroot::SysRoot;
