@@ -518,3 +518,85 @@ async fn api_keys_from_a_systemd_credential() {
     );
     std::fs::set_permissions(creds.path(), std::fs::Permissions::from_mode(0o700)).unwrap();
 }
+
+/// Keyless `GET /v1/models` for `within`: every status answered.
+async fn keyless_for(d: &Daemon, within: Duration) -> Vec<u16> {
+    let t = std::time::Instant::now();
+    let mut out = Vec::new();
+    while t.elapsed() < within {
+        out.push(d.send("GET", "/v1/models", &[], None).await.0);
+        tokio::time::sleep(Duration::from_millis(10)).await;
+    }
+    out
+}
+
+/// The probe's two ways of losing the keys: the drop-in that sets `api.api_keys_file` moved
+/// out of its folder, and rewritten slowly (read while half-written). Neither turns keys off:
+/// keyless requests get 401 throughout, the refusal is logged and alerted, and the drop-in
+/// back in place is taken again. Only a restart without the setting turns keys off, and that
+/// start says so at warning.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_reload_never_turns_keys_off() {
+    let bus = PrivateBus::start();
+    let keyed = Setup::default()
+        .api_keys_file(&format!("{KEY}\n"), 0o600)
+        .session_bus(&bus);
+    let d = api_daemon(keyed);
+    let mut alerts = alert_stream(&bus, &d).await;
+    // The setting moves into a drop-in of its own, as `credential:` setups keep it.
+    let folder = d.dir().join("supervisor.yaml.d");
+    std::fs::create_dir(&folder).unwrap();
+    let dropin = folder.join("10-keys.yaml");
+    let text = format!("api:\n  api_keys_file: {API_KEYS_FILE}\n");
+    replace_file(&dropin, &text);
+    let plain = Setup::default().session_bus(&bus).listen_flag();
+    replace_file(
+        &d.dir().join("supervisor.yaml"),
+        &d.config_text(&plain, "supervisor.yaml"),
+    );
+    let mut statuses = keyless_for(&d, Duration::from_secs(2)).await;
+    let (status, _, v) = models_until(&d, 200).await;
+    assert_eq!(status, 200, "{v}");
+
+    // Moved out of the folder.
+    let aside = d.dir().join("10-keys.yaml.aside");
+    std::fs::rename(&dropin, &aside).unwrap();
+    statuses.extend(keyless_for(&d, Duration::from_secs(2)).await);
+    let refused = "it has no api.api_keys_file where the configuration in force has";
+    d.log_with(&[refused, "keys are turned off only by a restart"])
+        .await;
+    let alert = tokio::time::timeout(PATIENCE, alerts.next())
+        .await
+        .unwrap_or_else(|_| panic!("no Alert\n{}", d.log()))
+        .unwrap();
+    let args = alert.args().unwrap();
+    assert_eq!(args.kind, dsv4_client::AlertKind::Config);
+    assert!(args.message.contains(refused), "{}", args.message);
+    std::fs::rename(&aside, &dropin).unwrap();
+    statuses.extend(keyless_for(&d, Duration::from_secs(1)).await);
+
+    // Rewritten slowly: half of it, a pause longer than the debounce, then the rest.
+    let before = d.log().matches(refused).count();
+    {
+        use std::io::Write;
+        let mut f = std::fs::File::create(&dropin).unwrap();
+        f.write_all(b"api:\n").unwrap();
+        f.sync_all().unwrap();
+        statuses.extend(keyless_for(&d, Duration::from_millis(1500)).await);
+        f.write_all(&text.as_bytes()["api:\n".len()..]).unwrap();
+    }
+    statuses.extend(keyless_for(&d, Duration::from_secs(2)).await);
+    assert!(d.log().matches(refused).count() > before, "{}", d.log());
+    let let_through = statuses.iter().filter(|s| **s != 401).count();
+    assert_eq!(let_through, 0, "{statuses:?}\n{}", d.log());
+    let (status, _, v) = models_until(&d, 200).await;
+    assert_eq!(status, 200, "{v}");
+
+    // A restart without the setting: keys are off, and the start says so.
+    std::fs::remove_file(&dropin).unwrap();
+    let dir = d.stop().await;
+    let d = Daemon::start_in(&plain, dir);
+    d.log_with(&["api.api_keys_file is not set, where the configuration dsv4d ran with before"])
+        .await;
+    assert_eq!(d.send("GET", "/v1/models", &[], None).await.0, 200);
+}

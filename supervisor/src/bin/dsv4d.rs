@@ -367,6 +367,7 @@ async fn build(args: Args, activated: Vec<(std::os::fd::OwnedFd, String)>) -> Re
     }
 
     dsv4::validate::recover(&config.supervisor.state_dir);
+    dsv4::control::reload::note_start(&config);
     let profile = active_profile(&config);
     let alerts = Alerts::default();
     // A validation matrix cell's settings: the lifecycle adds its arguments, the power

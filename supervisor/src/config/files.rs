@@ -22,6 +22,29 @@ pub(crate) const EXAMPLE_COMMANDS: &[&str] =
 
 const EXAMPLE: &str = "this is the example path shipped in the profile";
 
+/// Whether a configuration file or folder (`what`, at `path`) is held as a key file is:
+/// owned by root or by dsv4d's user (`me`), and not writable by group or others, who could
+/// otherwise change what dsv4d does (its listen address, its keys). The problem, naming it
+/// with its owner or mode and the command that mends it.
+pub(crate) fn held(what: &str, path: &Path, meta: &Metadata, me: u32) -> Option<String> {
+    use std::os::unix::fs::MetadataExt;
+    let (shown, mode) = (path.display(), meta.mode() & 0o7777);
+    if meta.uid() != 0 && meta.uid() != me {
+        return Some(format!(
+            "{what} {shown} is owned by uid {}, not by root or dsv4d's user (uid {me}): it is \
+             refused (`sudo chown root: {shown}`)",
+            meta.uid()
+        ));
+    }
+    if mode & 0o022 != 0 {
+        return Some(format!(
+            "{what} {shown} may be written by group or others (mode {mode:04o}): it is refused \
+             (`sudo chmod go-w {shown}`)"
+        ));
+    }
+    None
+}
+
 /// Shows paths in messages relative to its path (the folder of `supervisor.yaml`) when they
 /// are inside it.
 #[derive(Debug, Clone)]

@@ -190,12 +190,20 @@ pub(super) fn dropin_files(file: &Path) -> Result<Vec<PathBuf>, std::io::Error> 
     Ok(names.into_iter().map(|n| dir.join(n)).collect())
 }
 
-/// Reads the drop-ins of `file`; each that cannot be read is a problem of its own.
+/// Reads the drop-ins of `file`; each that cannot be read, or that is not held as a key file
+/// is ([`files::held`]: root's or dsv4d's user's, not writable by group or others), is a
+/// problem of its own. A folder not so held gives one problem, and no drop-in is read.
 fn read_dropins(file: &Path, shown: &Shown, problems: &mut Vec<Problem>) -> Vec<(PathBuf, String)> {
+    let dir = dropin_dir(file);
+    let me = nix::unistd::geteuid().as_raw();
+    let folder = fs::metadata(&dir).ok();
+    if let Some(message) = folder.and_then(|m| files::held("the drop-in folder", &dir, &m, me)) {
+        problems.push(Problem::new(&shown.path(&dir), "", message));
+        return Vec::new();
+    }
     let files = match dropin_files(file) {
         Ok(files) => files,
         Err(e) => {
-            let dir = dropin_dir(file);
             let message = format!("cannot read the drop-in folder {}: {e}", dir.display());
             problems.push(Problem::new(&shown.path(&dir), "", message));
             return Vec::new();
@@ -203,7 +211,8 @@ fn read_dropins(file: &Path, shown: &Shown, problems: &mut Vec<Problem>) -> Vec<
     };
     let mut read = Vec::new();
     for path in files {
-        match super::yaml::read_file(&path) {
+        let held = |m: &fs::Metadata| files::held("the drop-in", &path, m, me);
+        match super::yaml::read_file_held(&path, held) {
             Ok(text) => read.push((path, text)),
             Err(e) => problems.push(Problem::new(&shown.path(&path), "", e)),
         }

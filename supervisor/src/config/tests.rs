@@ -406,6 +406,54 @@ fn drop_ins_are_laid_over_the_file_in_name_order() {
     assert_eq!(config.supervisor.api.cors_origins, ["http://a.example"]);
 }
 
+/// A drop-in is held to the key files' rules: one that group or others may write, or that
+/// neither root nor dsv4d's user owns, is refused with its name, its mode or owner and the
+/// command that mends it; a folder so open refuses every drop-in in it.
+#[test]
+fn a_drop_in_others_may_write_is_refused() {
+    let dir = TempDir::new("dropin-modes");
+    let file = with_dropins(
+        &dir,
+        "engine:\n  idle_timeout: 10m\n",
+        &[("10-listen.yaml", "api:\n  listen: 0.0.0.0:18080\n")],
+    );
+    let folder = dir.path().join("supervisor.yaml.d");
+    let dropin = folder.join("10-listen.yaml");
+    let mode = |p: &Path, m: u32| fs::set_permissions(p, fs::Permissions::from_mode(m)).unwrap();
+    assert_eq!(
+        Config::load(&file).unwrap().supervisor.api.listen,
+        "0.0.0.0:18080"
+    );
+
+    mode(&dropin, 0o666);
+    let found = errors(Config::load(&file));
+    assert_eq!(found.len(), 1, "{found:#?}");
+    assert!(
+        found[0].starts_with("supervisor.yaml.d/10-listen.yaml: the drop-in ")
+            && found[0].contains("may be written by group or others (mode 0666)")
+            && found[0].contains(&format!("sudo chmod go-w {}", dropin.display())),
+        "{found:#?}"
+    );
+    mode(&dropin, 0o644);
+    mode(&folder, 0o777);
+    let found = errors(Config::load(&file));
+    assert_eq!(found.len(), 1, "{found:#?}");
+    assert!(
+        found[0].starts_with("supervisor.yaml.d: the drop-in folder ")
+            && found[0].contains("(mode 0777)"),
+        "{found:#?}"
+    );
+    mode(&folder, 0o755);
+    if nix::unistd::geteuid().is_root() {
+        nix::unistd::chown(&dropin, Some(65534.into()), None).unwrap();
+        let found = errors(Config::load(&file));
+        assert!(
+            found.len() == 1 && found[0].contains("is owned by uid 65534, not by root"),
+            "{found:#?}"
+        );
+    }
+}
+
 #[test]
 fn a_drop_in_mistake_is_placed_in_its_own_file() {
     let dir = TempDir::new("dropin-mistakes");

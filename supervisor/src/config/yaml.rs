@@ -36,6 +36,15 @@ pub(crate) const MAX_BYTES: u64 = 256 << 10;
 /// `host::regular` does for the state files, which this layer is below: a FIFO would hang the
 /// open).
 pub(crate) fn read_file(path: &std::path::Path) -> Result<String, String> {
+    read_file_held(path, |_| None)
+}
+
+/// As [`read_file`], after `held` found nothing wrong with the file opened (its owner and
+/// mode, judged on what was opened, not on whatever the path names a moment later).
+pub(crate) fn read_file_held(
+    path: &std::path::Path,
+    held: impl FnOnce(&std::fs::Metadata) -> Option<String>,
+) -> Result<String, String> {
     use std::io::Read;
     use std::os::unix::fs::{FileTypeExt, OpenOptionsExt};
     let file = std::fs::OpenOptions::new()
@@ -43,8 +52,11 @@ pub(crate) fn read_file(path: &std::path::Path) -> Result<String, String> {
         .custom_flags(nix::libc::O_NONBLOCK)
         .open(path)
         .map_err(|e| format!("cannot read: {e}"))?;
-    let kind = file.metadata().map_err(|e| format!("cannot read: {e}"))?;
-    let kind = kind.file_type();
+    let meta = file.metadata().map_err(|e| format!("cannot read: {e}"))?;
+    if let Some(problem) = held(&meta) {
+        return Err(problem);
+    }
+    let kind = meta.file_type();
     if !kind.is_file() {
         let what = match () {
             _ if kind.is_dir() => "a folder",

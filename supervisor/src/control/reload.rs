@@ -12,9 +12,16 @@
 //! unreadable, open to group or others, empty) refuses every keyed request with 503, with an
 //! `Alert`, until a reload finds it good: the last good keys never outlive a revocation.
 //!
+//! Keys never switch off by themselves: a reload whose configuration would drop
+//! `api.api_keys_file` or `api.admin_keys_file` (a drop-in removed, or read half-written) is
+//! refused like an invalid one, with a warning and an `Alert`; only a restart takes keys
+//! away, and a start without the keys the last configuration had says so at warning (the
+//! settings are remembered in `state_dir/keys-required`).
+//!
 //! Folders are watched, not files: editors save by writing a new file and renaming it over
 //! the old one, which a watch on the file itself would lose. Events are debounced, so a
-//! save that touches several files is one reload.
+//! save that touches several files is one reload, and a configuration is applied only once
+//! it reads the same twice, [`DEBOUNCE`] apart: a file still being written is not.
 
 use std::path::{Path, PathBuf};
 use std::sync::Arc;
@@ -29,8 +36,12 @@ use crate::config::Config;
 use crate::http::auth::KeyFile;
 use crate::lifecycle::alert::Alerts;
 
-/// Quiet time after the last file event before reloading.
+/// Quiet time after the last file event before reloading, and between the two reads that
+/// must agree.
 const DEBOUNCE: Duration = Duration::from_millis(250);
+/// How many reads a configuration that keeps changing gets before this reload gives up on it
+/// (the next change reads it again).
+const STABLE_TRIES: usize = 40;
 
 pub struct Reloader {
     pub path: PathBuf,
@@ -130,32 +141,67 @@ impl Reloader {
 
     async fn reload(&self, why: &str) {
         let old = self.config.borrow().clone();
-        let path = self.path.clone();
-        let loaded = tokio::task::spawn_blocking(move || Config::load_for_reload(&path)).await;
-        let in_force = match loaded {
-            Ok(Ok(new)) => self.apply(why, &old, new).await,
-            Ok(Err(problems)) => {
-                tracing::error!("{why}: the new configuration is rejected, the last good one stays:\n{problems}");
-                self.alerts.raise(
-                    AlertKind::Config,
-                    format!("configuration change rejected; the last good configuration stays:\n{problems}"),
-                );
-                // Not its keys: they are read again, as after any reload, so that a key
-                // file made unusable refuses requests instead of the old keys staying good.
-                keyed(&old).then(|| {
-                    let again = Arc::new((*old).clone());
-                    self.config.send_replace(again.clone());
-                    again
-                })
-            }
-            Err(e) => {
-                tracing::error!("{why}: loading the configuration failed: {e}");
-                None
-            }
+        let Some(loaded) = self.load_stable(why).await else {
+            return;
         };
-        if let Some(config) = in_force {
-            self.check_keys(why, &config).await;
+        let problem = match loaded {
+            Ok(new) => match keys_dropped(&old, &new) {
+                dropped if dropped.is_empty() => {
+                    if let Some(config) = self.apply(why, &old, new).await {
+                        self.check_keys(why, &config).await;
+                    }
+                    return;
+                }
+                dropped => format!(
+                    "it has no {} where the configuration in force has: keys are turned off \
+                     only by a restart (`systemctl restart dsv4`), never by a reload",
+                    dropped.join(" and ")
+                ),
+            },
+            Err(problems) => problems.to_string(),
+        };
+        tracing::error!(
+            "{why}: the new configuration is rejected, the last good one stays:\n{problem}"
+        );
+        self.alerts.raise(
+            AlertKind::Config,
+            format!("configuration change rejected; the last good configuration stays:\n{problem}"),
+        );
+        // Not its keys: they are read again, as after any reload, so that a key file made
+        // unusable refuses requests instead of the old keys staying good.
+        if keyed(&old) {
+            let again = Arc::new((*old).clone());
+            self.config.send_replace(again.clone());
+            self.check_keys(why, &again).await;
         }
+    }
+
+    /// The configuration, once two reads [`DEBOUNCE`] apart agree; `None` when it kept
+    /// changing (still being written) or could not be loaded at all.
+    async fn load_stable(&self, why: &str) -> Option<Result<Config, crate::config::ConfigError>> {
+        let load = || {
+            let path = self.path.clone();
+            tokio::task::spawn_blocking(move || Config::load_for_reload(&path))
+        };
+        let mut last = load().await;
+        for _ in 0..STABLE_TRIES {
+            tokio::time::sleep(DEBOUNCE).await;
+            let again = load().await;
+            match (&last, &again) {
+                (Ok(a), Ok(b)) if same(a, b) => return again.ok(),
+                (Err(e), _) | (_, Err(e)) => {
+                    tracing::error!("{why}: loading the configuration failed: {e}");
+                    return None;
+                }
+                _ => last = again,
+            }
+        }
+        tracing::warn!(
+            "{why}: the configuration still changed after {} s of reading it; not applied \
+             until it reads the same twice",
+            (DEBOUNCE * STABLE_TRIES as u32).as_secs()
+        );
+        None
     }
 
     /// Hands a loaded configuration on; returns it when it is now in force.
@@ -179,6 +225,9 @@ impl Reloader {
             if changed {
                 tracing::warn!("{what} changed: it takes effect when dsv4d restarts");
             }
+        }
+        if key_settings(&new) != key_settings(old) {
+            remember_keys(&new);
         }
         let new = Arc::new(new);
         // The lifecycle actor takes it from there too, before its next command.
@@ -214,6 +263,65 @@ impl Reloader {
                 ),
             );
         }
+    }
+}
+
+/// Whether two loads read the same: the same configuration, or the same problems.
+fn same(
+    a: &Result<Config, crate::config::ConfigError>,
+    b: &Result<Config, crate::config::ConfigError>,
+) -> bool {
+    match (a, b) {
+        (Ok(a), Ok(b)) => a == b,
+        (Err(a), Err(b)) => a.to_string() == b.to_string(),
+        _ => false,
+    }
+}
+
+/// The key settings `config` has, by name.
+pub fn key_settings(config: &Config) -> Vec<&'static str> {
+    [
+        (KeyFile::Api, "api.api_keys_file"),
+        (KeyFile::Admin, "api.admin_keys_file"),
+    ]
+    .into_iter()
+    .filter(|(f, _)| f.path(config).is_some())
+    .map(|(_, name)| name)
+    .collect()
+}
+
+/// The key settings `old` has and `new` lacks.
+fn keys_dropped(old: &Config, new: &Config) -> Vec<&'static str> {
+    let now = key_settings(new);
+    key_settings(old)
+        .into_iter()
+        .filter(|k| !now.contains(k))
+        .collect()
+}
+
+/// At a start: a warning for each key setting the last configuration in force had and this
+/// one lacks (keys turned off by the restart), then this one's remembered.
+pub fn note_start(config: &Config) {
+    let state_dir = &config.supervisor.state_dir;
+    let now = key_settings(config);
+    let before = crate::host::state_file::load_keys(state_dir).unwrap_or_default();
+    for gone in before.iter().filter(|k| !now.contains(&k.as_str())) {
+        tracing::warn!(
+            "{gone} is not set, where the configuration dsv4d ran with before had it: its keys \
+             are off since this start"
+        );
+    }
+    remember_keys(config);
+}
+
+/// Remembers the key settings of `config`, now in force.
+fn remember_keys(config: &Config) {
+    let state_dir = &config.supervisor.state_dir;
+    if let Err(e) = crate::host::state_file::save_keys(state_dir, &key_settings(config)) {
+        tracing::warn!(
+            "cannot remember the key settings in {}: {e}",
+            state_dir.display()
+        );
     }
 }
 

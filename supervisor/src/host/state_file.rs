@@ -1,7 +1,9 @@
 //! What dsv4d remembers across restarts, in `state_dir`: the active profile, and how a file
 //! there is written.
 //!
-//! Owns: the file `state_dir/profile` (one line, the profile name), and [`write_atomic`].
+//! Owns: the file `state_dir/profile` (one line, the profile name), the file
+//! `state_dir/keys-required` (the key settings the last configuration in force had, one a
+//! line), and [`write_atomic`].
 //! Must not: decide which profile is valid (the caller checks the name against the
 //! configuration).
 
@@ -22,6 +24,30 @@ pub fn load_profile(state_dir: &Path) -> Option<String> {
 /// Remembers `name`.
 pub fn save_profile(state_dir: &Path, name: &str) -> io::Result<()> {
     write_atomic(&profile_file(state_dir), format!("{name}\n").as_bytes())
+}
+
+fn keys_file(state_dir: &Path) -> PathBuf {
+    state_dir.join("keys-required")
+}
+
+/// The key settings (`api.api_keys_file`, `api.admin_keys_file`) the last configuration in
+/// force had; `None` when none was remembered.
+pub fn load_keys(state_dir: &Path) -> Option<Vec<String>> {
+    let text = super::regular::read_state(&keys_file(state_dir))?;
+    Some(
+        text.lines()
+            .map(str::trim)
+            .filter(|l| !l.is_empty())
+            .map(String::from)
+            .collect(),
+    )
+}
+
+/// Remembers the key settings of the configuration in force.
+pub fn save_keys(state_dir: &Path, settings: &[&str]) -> io::Result<()> {
+    let mut text = settings.join("\n");
+    text.push('\n');
+    write_atomic(&keys_file(state_dir), text.trim_start().as_bytes())
 }
 
 /// Writes `path` atomically and durably, creating its folder when missing: the bytes go to
