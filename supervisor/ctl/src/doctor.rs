@@ -782,6 +782,8 @@ pub async fn run(req: Request, json: bool) -> Result<(), Failure> {
                 eprintln!("dsv4ctl: wrote {}", path.display());
             }
             eprintln!("dsv4ctl: systemd reloaded; checking again");
+            // The unit as systemd now has it, the drop-ins' mounts among its settings.
+            let place = Place::new(&req).await;
             all = checks(&req, &place).await?;
         }
     }
