@@ -51,6 +51,8 @@ pub struct SpawnSpec {
     pub tail_lines: usize,
     /// A second tail that also gets every line (a log that runs across engine restarts).
     pub also: Option<OutputTail>,
+    /// The secrets taken out of every output line before it is kept or logged.
+    pub redact: crate::Redactor,
     /// The mark every process of this engine carries ([`crate::procs::MARK_VAR`]): with one,
     /// the engine is all its marked processes, wherever they went (see [`EngineChild`]).
     pub mark: Option<String>,
@@ -284,31 +286,22 @@ impl EngineChild {
         let mut child = cmd.spawn().map_err(|e| SpawnError::new(&spec.program, e))?;
         let pid = child.id().unwrap_or(0);
         let output = OutputTail::new(spec.tail_lines);
+        let sinks = Sinks {
+            tail: output.clone(),
+            also: spec.also.clone(),
+            redact: spec.redact.clone(),
+        };
         // Each reader holds a sender and drops it when its pipe ends.
         let mut pumps_done = Vec::new();
         if let Some(out) = child.stdout.take() {
             let (done, rx) = tokio::sync::oneshot::channel::<()>();
             pumps_done.push(rx);
-            spawn_pump(
-                out.into_owned_fd(),
-                output.clone(),
-                spec.also.clone(),
-                pid,
-                "stdout",
-                done,
-            );
+            spawn_pump(out.into_owned_fd(), sinks.clone(), pid, "stdout", done);
         }
         if let Some(err) = child.stderr.take() {
             let (done, rx) = tokio::sync::oneshot::channel::<()>();
             pumps_done.push(rx);
-            spawn_pump(
-                err.into_owned_fd(),
-                output.clone(),
-                spec.also.clone(),
-                pid,
-                "stderr",
-                done,
-            );
+            spawn_pump(err.into_owned_fd(), sinks.clone(), pid, "stderr", done);
         }
         let (tx, rx) = watch::channel(None);
         let mark: Option<Arc<str>> = spec.mark.as_deref().map(Into::into);
@@ -442,8 +435,7 @@ impl Drop for EngineChild {
 /// requests. The thread ends when the pipe closes.
 fn spawn_pump(
     fd: io::Result<std::os::fd::OwnedFd>,
-    tail: OutputTail,
-    also: Option<OutputTail>,
+    sinks: Sinks,
     pid: u32,
     which: &'static str,
     done: tokio::sync::oneshot::Sender<()>,
@@ -468,7 +460,7 @@ fn spawn_pump(
         .name(format!("engine-{which}"))
         .spawn(move || {
             let _in = span.enter();
-            pump(file, tail, also, pid, which);
+            pump(file, sinks, pid, which);
             drop(done);
         });
     if let Err(e) = spawned {
@@ -476,13 +468,32 @@ fn spawn_pump(
     }
 }
 
-fn pump(
-    file: std::fs::File,
+/// Where each output line goes: the engine's tail, the daemon's log across engines, and
+/// the journal, secrets taken out first.
+#[derive(Clone)]
+struct Sinks {
     tail: OutputTail,
     also: Option<OutputTail>,
-    pid: u32,
-    which: &'static str,
-) {
+    redact: crate::Redactor,
+}
+
+impl Sinks {
+    fn push(&self, raw: &[u8], batch: &mut LogBatch) {
+        // Valid UTF-8 (nearly always) is checked by the fast path for ASCII.
+        let text = match std::str::from_utf8(raw) {
+            Ok(text) => std::borrow::Cow::Borrowed(text),
+            Err(_) => String::from_utf8_lossy(raw),
+        };
+        let line: Arc<str> = self.redact.line(&text).into();
+        if let Some(also) = &self.also {
+            also.push(line.clone());
+        }
+        self.tail.push(line.clone());
+        batch.push(line);
+    }
+}
+
+fn pump(file: std::fs::File, sinks: Sinks, pid: u32, which: &'static str) {
     use std::os::fd::AsFd;
     let mut reader = std::io::BufReader::with_capacity(READ_BUFFER, file);
     let mut buf = Vec::with_capacity(256);
@@ -535,28 +546,14 @@ fn pump(
                 } else {
                     &buf
                 };
-                // Valid UTF-8 (nearly always) is checked by the fast path for ASCII.
-                let line: Arc<str> = match std::str::from_utf8(kept) {
-                    Ok(text) => text.into(),
-                    Err(_) => String::from_utf8_lossy(kept).into(),
-                };
+                sinks.push(kept, &mut batch);
                 has_redrawn = false;
-                if let Some(also) = &also {
-                    also.push(line.clone());
-                }
-                tail.push(line.clone());
-                batch.push(line);
             }
         }
     }
     // An engine that ended while drawing a progress bar: its last state belongs in the tail.
     if has_redrawn && !redrawn.is_empty() {
-        let line: Arc<str> = String::from_utf8_lossy(&redrawn).into();
-        if let Some(also) = &also {
-            also.push(line.clone());
-        }
-        tail.push(line.clone());
-        batch.push(line);
+        sinks.push(&redrawn, &mut batch);
     }
     batch.flush();
 }
@@ -674,6 +671,7 @@ mod tests {
             env: vec![("DSV4_TEST_VAR".into(), "hello".into())],
             tail_lines: 3,
             also: None,
+            redact: Default::default(),
             mark: None,
         }
     }
@@ -696,6 +694,7 @@ mod tests {
             pidfile.display()
         );
         SpawnSpec {
+            redact: Default::default(),
             mark: Some(new_mark()),
             ..sh(&script)
         }
@@ -999,6 +998,7 @@ mod tests {
             env: vec![],
             tail_lines: 10,
             also: None,
+            redact: Default::default(),
             mark: None,
         };
         let err = EngineChild::spawn(&spec).unwrap_err();

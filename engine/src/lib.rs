@@ -12,6 +12,7 @@ pub mod adapter;
 pub mod child;
 pub mod kinds;
 pub mod procs;
+pub mod redact;
 
 pub use adapter::{
     EngineKind, EngineParams, FlashAttn, GivenKey, GpuLayers, KeyPassing, Launch, Readiness, Stop,
@@ -21,6 +22,7 @@ pub use kinds::openai::{check_args, check_key_arg, parse_health, parse_stop_sign
 pub use kinds::{
     Kind, KvKeeping, KvSaved, OwnKv, Prefill, PrefillLine, PrefillReport, ValidationApi,
 };
+pub use redact::{Redactor, Secrets};
 
 /// The tracing target of the engine's output lines, as they go to the log.
 pub const LOG_TARGET: &str = "engine";

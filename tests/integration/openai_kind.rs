@@ -5,6 +5,7 @@
 //! tests, these fail with the command that installs what they need: they never pass by
 //! skipping.
 
+use std::os::unix::fs::PermissionsExt;
 use std::path::Path;
 use std::time::Duration;
 
@@ -297,4 +298,100 @@ async fn the_engines_port_wants_its_key(seen: &EngineSeen) {
         )
         .await;
     assert_eq!(status, 200, "the engine's port with the key: {v}");
+}
+
+/// POSTs `body` with `headers`; the status and the whole answer as text (an event stream
+/// read to its end).
+async fn post_text(d: &Daemon, body: serde_json::Value, headers: &[(&str, &str)]) -> (u16, String) {
+    use http_body_util::BodyExt;
+    let client = hyper_util::client::legacy::Client::builder(hyper_util::rt::TokioExecutor::new())
+        .build_http::<http_body_util::Full<bytes::Bytes>>();
+    let mut req = hyper::Request::post(d.url("/v1/chat/completions"))
+        .header("content-type", "application/json");
+    for (k, v) in headers {
+        req = req.header(*k, *v);
+    }
+    let req = req
+        .body(http_body_util::Full::new(bytes::Bytes::from(
+            body.to_string(),
+        )))
+        .unwrap();
+    let resp = client.request(req).await.unwrap();
+    let status = resp.status().as_u16();
+    let bytes = resp.into_body().collect().await.unwrap().to_bytes();
+    (status, String::from_utf8_lossy(&bytes).into_owned())
+}
+
+/// An engine that prints its key (and a client's API key it was handed) as it starts, then
+/// fails: its words reach the client's 503, a stream's error event, `/status`, the log and
+/// `dsv4ctl logs` with `<engine key>` and `<api key>` where the secrets were, never the
+/// secrets themselves.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_engine_that_prints_its_key_never_shows_it() {
+    const API_KEY: &str = "sk-dsv4-test-0123456789abcdef";
+    let bus = PrivateBus::start();
+    let dir = temp_dir("prints-key");
+    let seen = dir.path().join("seen-keys");
+    let program = dir.path().join("chatty-engine");
+    std::fs::write(
+        &program,
+        format!(
+            "#!/bin/sh\nprintf '%s\\n' \"$LLAMA_API_KEY\" >> {}\n\
+             echo \"starting with key $LLAMA_API_KEY; a client sent {API_KEY}\"\nexit 3\n",
+            seen.display()
+        ),
+    )
+    .unwrap();
+    std::fs::set_permissions(&program, std::fs::Permissions::from_mode(0o755)).unwrap();
+    let mut s = Setup::default()
+        .api_keys_file(&format!("{API_KEY}\n"), 0o600)
+        .session_bus(&bus);
+    s.custom_profiles.insert(
+        "generic".into(),
+        format!(
+            "engine: openai\ncommand: {}\nargs: [--port, \"{{port}}\"]\nhealth: /health\n\
+             key_env: LLAMA_API_KEY\n",
+            program.display()
+        ),
+    );
+    s.default_profile = "generic".into();
+    let d = Daemon::start(&s);
+    let key = [("x-api-key", API_KEY)];
+    let (status, plain) = post_text(&d, chat(2, false), &key).await;
+    assert_eq!(status, 503, "{plain}");
+    let (_, streamed) = post_text(&d, chat(2, true), &key).await;
+    let proxy = live_proxy(&bus, &d).await;
+    let (_, lines) = proxy.logs(0, 100).await.unwrap();
+    let status_json = d.status().await.to_string();
+    let secrets: Vec<String> = std::fs::read_to_string(&seen)
+        .unwrap()
+        .lines()
+        .map(String::from)
+        .collect();
+    assert!(
+        !secrets.is_empty() && secrets.iter().all(|k| k.len() == 64),
+        "{secrets:?}"
+    );
+    let logs = lines.join("\n");
+    for (what, text) in [
+        ("the 503", &plain),
+        ("the stream", &streamed),
+        ("dsv4ctl logs", &logs),
+        ("/status", &status_json),
+        ("the log", &d.log()),
+    ] {
+        for secret in secrets.iter().map(String::as_str).chain([API_KEY]) {
+            assert!(!text.contains(secret), "{what} shows a secret: {text}");
+        }
+    }
+    for (what, text) in [
+        ("the 503", &plain),
+        ("the stream", &streamed),
+        ("dsv4ctl logs", &logs),
+    ] {
+        assert!(
+            text.contains("starting with key <engine key>; a client sent <api key>"),
+            "{what}: {text}"
+        );
+    }
 }

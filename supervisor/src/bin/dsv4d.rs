@@ -378,7 +378,11 @@ async fn build(args: Args, activated: Vec<(std::os::fd::OwnedFd, String)>) -> Re
         sysroot: sysroot.clone(),
         key_folder: Some(key_folder),
         trial: trial.clone(),
+        redact: Default::default(),
     };
+    // The keys taken out of the engines' output: each engine's own, and the API and admin
+    // keys, which their caches tell it as they read them.
+    let redact = services.redact.clone();
     // The configuration in force, in one place: replaced by reloads (SIGHUP, or an edited
     // file), read from here by everything that uses it.
     let (config_tx, config_rx) = tokio::sync::watch::channel(config.clone());
@@ -440,10 +444,11 @@ async fn build(args: Args, activated: Vec<(std::os::fd::OwnedFd, String)>) -> Re
         }
         .run(),
     );
+    use dsv4::http::auth::{KeyCache, KeyFile};
     let ctx = Arc::new(Ctx {
         parts,
-        api_keys: Default::default(),
-        admin_keys: dsv4::http::auth::KeyCache::new(dsv4::http::auth::KeyFile::Admin),
+        api_keys: KeyCache::new(KeyFile::Api, redact.clone()),
+        admin_keys: KeyCache::new(KeyFile::Admin, redact),
         bodies: Default::default(),
         connections: Default::default(),
         activity,
@@ -451,6 +456,9 @@ async fn build(args: Args, activated: Vec<(std::os::fd::OwnedFd, String)>) -> Re
         alerts,
         watchers: Default::default(),
     });
+    // Read now, so that the engines' output loses them from the first line on.
+    let _ = ctx.api_keys.get(&config);
+    let _ = ctx.admin_keys.get(&config);
     Ok(Daemon {
         listener,
         origin,

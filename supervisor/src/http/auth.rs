@@ -164,6 +164,13 @@ impl ApiKeys {
         &self.short
     }
 
+    /// The keys as text (each was read as text).
+    pub fn texts(&self) -> impl Iterator<Item = String> + '_ {
+        self.keys
+            .iter()
+            .map(|k| String::from_utf8_lossy(k).into_owned())
+    }
+
     /// How many keys there are.
     pub fn count(&self) -> usize {
         self.keys.len()
@@ -334,6 +341,8 @@ impl KeyFile {
 pub struct KeyCache {
     file: KeyFile,
     slot: Mutex<Option<Cached>>,
+    /// Told the keys each time they are read: they are taken out of the engines' output.
+    redact: dsv4_engine::Redactor,
 }
 
 type Cached = (Arc<Config>, Result<Arc<ApiKeys>, String>);
@@ -345,11 +354,12 @@ impl fmt::Debug for KeyCache {
 }
 
 impl KeyCache {
-    /// A cache of the keys in `file`.
-    pub fn new(file: KeyFile) -> KeyCache {
+    /// A cache of the keys in `file`, which tells `redact` the keys it reads.
+    pub fn new(file: KeyFile, redact: dsv4_engine::Redactor) -> KeyCache {
         KeyCache {
             file,
             slot: Mutex::default(),
+            redact,
         }
     }
 
@@ -368,6 +378,11 @@ impl KeyCache {
         let keys = self.file.read(path, config).map(Arc::new);
         match &keys {
             Ok(k) => {
+                let which = match self.file {
+                    KeyFile::Api => dsv4_engine::Secrets::Api,
+                    KeyFile::Admin => dsv4_engine::Secrets::Admin,
+                };
+                self.redact.set(which, k.texts());
                 tracing::info!(
                     "{what}s required: {} key(s) from {}",
                     k.count(),

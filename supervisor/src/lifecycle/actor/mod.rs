@@ -158,6 +158,7 @@ pub fn spawn(
         sysroot,
         key_folder,
         trial,
+        redact,
     } = services;
     let key_folder = key_folder.unwrap_or_else(|| KeyFolder::below(&config.supervisor.state_dir));
     let (cmd_tx, cmd_rx) = mpsc::channel(1024);
@@ -186,6 +187,7 @@ pub fn spawn(
         sysroot,
         key_folder,
         trial,
+        redact,
         outbox: Vec::new(),
         exited: false,
         stalled: false,
@@ -249,6 +251,8 @@ struct Actor {
     key_folder: KeyFolder,
     /// A validation matrix cell's arguments for its profile's engine.
     trial: crate::lifecycle::trial::Trial,
+    /// The keys taken out of every engine's output lines.
+    redact: dsv4_engine::Redactor,
     /// Answers held back until the status they imply is published, so a caller that reads
     /// the status right after its answer sees its own change.
     outbox: Vec<Reply>,

@@ -15,4 +15,6 @@ pub struct Services {
     pub key_folder: Option<KeyFolder>,
     /// A validation matrix cell's arguments, added at each spawn of its profile's engine.
     pub trial: crate::lifecycle::trial::Trial,
+    /// The keys taken out of every engine's output lines (each engine's own added to them).
+    pub redact: dsv4_engine::Redactor,
 }

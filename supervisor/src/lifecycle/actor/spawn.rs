@@ -97,17 +97,19 @@ impl Actor {
             .map(|(k, v)| (k.into(), v.into()))
             .chain(launch.env)
             .collect();
+        // The engine's key never shows in its output lines, nor do the API keys.
+        let secret = given.map(|k| k.secret).filter(|s| !s.is_empty());
         let spec = SpawnSpec {
             program: profile.command.clone(),
             args: launch.args,
             env,
             tail_lines: TAIL_LINES,
             also: Some(self.log.clone()),
+            redact: self.redact.with_engine_key(secret),
             mark: Some(tag.clone()),
         };
         // The argv as any local user sees it in /proc; a key in it (`key_arg`) is not shown
         // in the log all the same.
-        let secret = given.map(|k| k.secret).filter(|s| !s.is_empty());
         let shown: Vec<_> = spec
             .args
             .iter()
