@@ -15,24 +15,25 @@ use bytes::{Bytes, BytesMut};
 use dsv4_engine::Prefill;
 use memchr::memmem::Finder;
 
-/// The request `body` with `"field":true` put first in its top-level object; `None` when it
-/// names `field` already (the client asked, or declined, itself) or is not an object.
+/// The request `body` with `"field":true` put last in its top-level object; `None` when the
+/// body does not parse as a JSON object (left to the engine to refuse, with its own error
+/// positions), or when its top level names `field` already, written plainly or escaped (the
+/// client asked, or declined, itself). Put at the end, so that every byte the client wrote
+/// keeps its place.
 pub fn ask(body: &[u8], field: &str) -> Option<Bytes> {
-    let quoted = format!("\"{field}\"");
-    if memchr::memmem::find(body, quoted.as_bytes()).is_some() {
+    let keys: std::collections::HashMap<String, serde::de::IgnoredAny> =
+        serde_json::from_slice(body).ok()?;
+    if keys.contains_key(field) {
         return None;
     }
-    let open = body.iter().position(|b| !b.is_ascii_whitespace())?;
-    if body[open] != b'{' {
-        return None;
-    }
-    let rest = &body[open + 1..];
-    let empty = rest.trim_ascii_start().starts_with(b"}");
-    let mut out = Vec::with_capacity(body.len() + quoted.len() + 7);
-    out.extend_from_slice(&body[..=open]);
-    out.extend_from_slice(quoted.as_bytes());
-    out.extend_from_slice(if empty { b":true" } else { b":true," });
-    out.extend_from_slice(rest);
+    // It parsed as an object: its last byte other than blanks is the closing brace.
+    let close = body.iter().rposition(|b| !b.is_ascii_whitespace())?;
+    let comma = if keys.is_empty() { "" } else { "," };
+    let added = format!("{comma}\"{field}\":true");
+    let mut out = Vec::with_capacity(body.len() + added.len());
+    out.extend_from_slice(&body[..close]);
+    out.extend_from_slice(added.as_bytes());
+    out.extend_from_slice(&body[close..]);
     Some(Bytes::from(out))
 }
 
@@ -195,25 +196,38 @@ mod tests {
     use dsv4_engine::kinds::llama_server::prompt_progress;
 
     #[test]
-    fn the_engines_field_is_put_first_unless_the_body_names_it() {
+    fn the_engines_field_is_put_last_unless_the_top_level_names_it() {
         let asked = |body: &str| ask(body.as_bytes(), "return_progress").map(|b| b.to_vec());
         let s = |t: &str| Some(t.as_bytes().to_vec());
         assert_eq!(
             asked(r#"{"stream":true,"messages":[]}"#),
-            s(r#"{"return_progress":true,"stream":true,"messages":[]}"#)
+            s(r#"{"stream":true,"messages":[],"return_progress":true}"#)
         );
         assert_eq!(
-            asked(" \n{ \"stream\": true }"),
-            s(" \n{\"return_progress\":true, \"stream\": true }")
+            asked(" \n{ \"stream\": true }\n"),
+            s(" \n{ \"stream\": true ,\"return_progress\":true}\n")
         );
         assert_eq!(asked("{}"), s(r#"{"return_progress":true}"#));
-        assert_eq!(asked("{ }"), s(r#"{"return_progress":true }"#));
-        // The client's own choice stands, either way.
+        assert_eq!(asked("{ }"), s(r#"{ "return_progress":true}"#));
+        // The client's own choice stands, either way, written plainly or escaped.
         assert_eq!(asked(r#"{"return_progress":false,"stream":true}"#), None);
         assert_eq!(asked(r#"{"stream":true,"return_progress":true}"#), None);
-        // Not an object: left to the engine to refuse.
+        assert_eq!(
+            asked(r#"{"return\u005fprogress":true,"stream":true}"#),
+            None
+        );
+        // The name deeper down, or in the text, is not the client's choice.
+        assert_eq!(
+            asked(r#"{"messages":[{"content":"\"return_progress\""}],"x":{"return_progress":1}}"#),
+            s(
+                r#"{"messages":[{"content":"\"return_progress\""}],"x":{"return_progress":1},"return_progress":true}"#
+            )
+        );
+        // Not an object, or not JSON: left to the engine to refuse, byte for byte.
         assert_eq!(asked("[1]"), None);
         assert_eq!(asked(""), None);
+        assert_eq!(asked(r#"{"stream":true,}"#), None);
+        assert_eq!(asked(r#"{"stream":true} x"#), None);
     }
 
     fn progress_event(processed: u64) -> String {
