@@ -4,6 +4,9 @@ BASE_URL is the server's root, e.g. http://127.0.0.1:8080 (the package adds /v1/
 MODE is one of, each asking "hello" or, after a colon, the text of a file (plain:FILE):
     plain         messages.create(...)
     stream        messages.create(stream=True, ...), every event read
+    helper        messages.stream(...), the package's stream helper, which builds the message
+                  from the events (it refuses one that does not open with message_start); every
+                  event read, then its final message (its input tokens in "input_tokens")
     count_tokens  messages.count_tokens(...)
 API_KEY goes in x-api-key (default "none").
 
@@ -30,8 +33,8 @@ def jsonable(v):
 
 def main():
     mode, _, prompt_file = sys.argv[2].partition(":") if len(sys.argv) > 2 else ("", "", "")
-    if len(sys.argv) not in (4, 5) or mode not in ("plain", "stream", "count_tokens"):
-        print(f"usage: {sys.argv[0]} BASE_URL plain|stream|count_tokens[:FILE] TIMEOUT "
+    if len(sys.argv) not in (4, 5) or mode not in ("plain", "stream", "helper", "count_tokens"):
+        print(f"usage: {sys.argv[0]} BASE_URL plain|stream|helper|count_tokens[:FILE] TIMEOUT "
               "[API_KEY]", file=sys.stderr)
         sys.exit(2)
     base_url, timeout = sys.argv[1], float(sys.argv[3])
@@ -58,6 +61,15 @@ def main():
             m = client.messages.create(**request)
             out = {"text": "".join(b.text for b in m.content if b.type == "text"),
                    "stop_reason": m.stop_reason, "events": []}
+        elif mode == "helper":
+            events = []
+            with client.messages.stream(**request) as stream:
+                for event in stream:
+                    events.append(event.type)
+                m = stream.get_final_message()
+            out = {"text": "".join(b.text for b in m.content if b.type == "text"),
+                   "stop_reason": m.stop_reason, "events": events,
+                   "input_tokens": m.usage.input_tokens}
         else:
             text, stop, events = [], None, []
             for event in client.messages.create(stream=True, **request):

@@ -4,6 +4,11 @@ retry. BASE_URL is the API root, e.g. http://127.0.0.1:8080/v1. MODE is one of, 
 "hello" or, after a colon, the text of a file (stream:FILE):
     plain   responses.create(...)
     stream  responses.create(stream=True, ...), every event read
+    helper  responses.stream(...), the package's stream helper, which checks that the stream
+            opens with response.created and stays one response; every event read, then its
+            final response (its id in "ids"). It needs events with output_index, which
+            llama-server's lack.
+A stream's "ids" are those of the responses its events name, in order, each once.
 
 Prints one line of JSON and exits 0 when the answer came whole:
     {"text": "...", "status": "...", "events": [TYPE, ...]}
@@ -29,8 +34,9 @@ def jsonable(v):
 
 def main():
     mode, _, prompt_file = sys.argv[2].partition(":") if len(sys.argv) > 2 else ("", "", "")
-    if len(sys.argv) != 4 or mode not in ("plain", "stream"):
-        print(f"usage: {sys.argv[0]} BASE_URL plain|stream[:FILE] TIMEOUT", file=sys.stderr)
+    if len(sys.argv) != 4 or mode not in ("plain", "stream", "helper"):
+        print(f"usage: {sys.argv[0]} BASE_URL plain|stream|helper[:FILE] TIMEOUT",
+              file=sys.stderr)
         sys.exit(2)
     base_url, timeout = sys.argv[1], float(sys.argv[3])
     prompt = "hello"
@@ -48,16 +54,27 @@ def main():
         if mode == "plain":
             r = client.responses.create(**request)
             out = {"text": r.output_text, "status": r.status, "events": []}
+        elif mode == "helper":
+            events = []
+            with client.responses.stream(**request) as stream:
+                for event in stream:
+                    events.append(event.type)
+                final = stream.get_final_response()
+            out = {"text": final.output_text, "status": final.status, "events": events,
+                   "ids": [final.id]}
         else:
-            text, status, events = [], None, []
+            text, status, events, ids = [], None, [], []
             for event in client.responses.create(stream=True, **request):
                 events.append(event.type)
+                named = getattr(getattr(event, "response", None), "id", None)
+                if named and named not in ids:
+                    ids.append(named)
                 if event.type == "response.output_text.delta":
                     text.append(event.delta)
                 elif event.type in ("response.completed", "response.failed",
                                     "response.incomplete"):
                     status = event.response.status
-            out = {"text": "".join(text), "status": status, "events": events}
+            out = {"text": "".join(text), "status": status, "events": events, "ids": ids}
     except openai.APIError as e:
         print(json.dumps({"error": type(e).__name__, "message": e.message,
                           "status": getattr(e, "status_code", None),

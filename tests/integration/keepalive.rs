@@ -14,7 +14,6 @@ use std::time::{Duration, Instant};
 use crate::soak::{need_curl, python, run_client};
 use crate::support::real::{ds4_engine, ds4_setup, LlamaServer};
 use crate::support::*;
-use crate::validate::tiny_16k;
 use dsv4_client::State;
 use serde_json::{json, Value};
 
@@ -24,8 +23,9 @@ const OPENAI_STREAM: &str = concat!(env!("CARGO_MANIFEST_DIR"), "/clients/openai
 const CLIENT_TIMEOUT: f64 = 5.0;
 
 /// A prompt of the tiny llama model whose prefill, on one thread, takes longer than
-/// `CLIENT_TIMEOUT` (one character is one token).
-const LONG_PROMPT_TOKENS: usize = 14_000;
+/// `CLIENT_TIMEOUT` (one character is one token): about 10 s, and 4.8 s at 14,000 tokens on
+/// an idle machine, so twice that.
+pub(crate) const LONG_PROMPT_TOKENS: usize = 28_000;
 
 /// A prompt of the tiny ds4 model whose prefill, on its CPU path, takes longer than
 /// `CLIENT_TIMEOUT`.
@@ -218,23 +218,22 @@ async fn a_start_that_fails_after_dsv4ds_own_head_ends_the_stream_with_its_error
 /// thread; the engine started. The model file is kept in the daemon's folder. With
 /// `api.loading_reasoning`, which must add nothing to a stream the engine has begun.
 pub(crate) async fn long_context_daemon() -> Daemon {
-    let dir = temp_dir("daemon");
-    let s = long_context_setup(dir.path());
-    started(Daemon::start_in(&s, dir)).await
+    started(Daemon::start(&long_context_setup())).await
 }
 
-/// The setup of [`long_context_daemon`], its model in `dir`.
-pub(crate) fn long_context_setup(dir: &std::path::Path) -> Setup {
-    let model = tiny_16k(dir);
+/// The setup of [`long_context_daemon`]: a profile `32k` of the tiny model with a context of
+/// 32K tokens.
+pub(crate) fn long_context_setup() -> Setup {
+    let model = crate::support::real::tiny_with_context(32_768);
     let mut s = Setup::default()
         .api("stream_keepalive", "2s")
         .api("loading_reasoning", "true")
         .engine("idle_timeout", "10m");
     s.custom_profiles.insert(
-        "16k".into(),
-        crate::support::real::profile(&model, 16384, ""),
+        "32k".into(),
+        crate::support::real::profile(&model, 32_768, ""),
     );
-    s.default_profile = "16k".into();
+    s.default_profile = "32k".into();
     s
 }
 
@@ -302,7 +301,7 @@ fn fixed(stream: &str) -> String {
 async fn a_kept_alive_stream_less_its_comments_is_the_engines_own() {
     let d = long_context_daemon().await;
     // The same model file: its path is in every chunk.
-    let direct = LlamaServer::start_on(&d.dir().join("tiny-16k.gguf"), 16384);
+    let direct = LlamaServer::start_on(&crate::support::real::tiny_with_context(32_768), 32_768);
     let mut body = chat_request(&long_prompt(), 12);
     body["stream"] = json!(true);
     let through = raw_stream(&d.url("/v1/chat/completions"), &body).await;

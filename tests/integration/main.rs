@@ -7,6 +7,7 @@
 mod support;
 
 mod actor;
+mod agents;
 mod api_access;
 mod architecture;
 mod bodies;

@@ -258,7 +258,7 @@ async fn a_wrong_x_api_key_is_the_anthropic_packages_authentication_error() {
 async fn stop_now_under_an_anthropic_request_on_the_real_engine_is_the_packages_own_502() {
     let bus = PrivateBus::start();
     let dir = temp_dir("daemon");
-    let s = long_context_setup(dir.path()).session_bus(&bus);
+    let s = long_context_setup().session_bus(&bus);
     let d = started(Daemon::start_in(&s, dir)).await;
     wait_bus_name(&d, &bus).await;
     // A long prompt: its prefill is under way when the stop comes.
@@ -320,7 +320,7 @@ async fn real_ds4_answers_count_tokens_with_its_own_404_through_dsv4d() {
 async fn stop_now_under_a_stream_on_the_real_engine_is_an_error_event_each_sdk_raises() {
     let bus = PrivateBus::start();
     let dir = temp_dir("daemon");
-    let s = long_context_setup(dir.path()).session_bus(&bus);
+    let s = long_context_setup().session_bus(&bus);
     let d = started(Daemon::start_in(&s, dir)).await;
     wait_bus_name(&d, &bus).await;
     let prompts = temp_dir("prompts");

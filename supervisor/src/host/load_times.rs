@@ -43,6 +43,17 @@ pub fn estimate(book: &Book, profile: &str) -> Option<Duration> {
         .map(|s| Duration::from_secs_f64(*s))
 }
 
+/// The shortest and the longest of `profile`'s last loads; `None` before its first.
+pub fn range(book: &Book, profile: &str) -> Option<(Duration, Duration)> {
+    let loads = book.get(profile)?.iter().copied();
+    let loads: Vec<f64> = loads
+        .filter(|s| s.is_finite() && (0.0..=LONGEST).contains(s))
+        .collect();
+    let low = loads.iter().copied().reduce(f64::min)?;
+    let high = loads.iter().copied().reduce(f64::max)?;
+    Some((Duration::from_secs_f64(low), Duration::from_secs_f64(high)))
+}
+
 /// `book` with a load of `profile` that took `took` added, keeping the last [`KEEP`].
 pub fn add(mut book: Book, profile: &str, took: Duration) -> Book {
     let loads = book.entry(profile.to_string()).or_default();

@@ -61,6 +61,9 @@ pub struct EngineStream {
     pub(crate) drained: bool,
     /// What went wrong, as the error event told the client.
     pub(crate) failed: Option<Box<str>>,
+    /// The protocol's last event has gone out: the answer is complete, even if the client
+    /// closes before the body's last chunk (Codex does, at `response.completed`).
+    pub(crate) ended: bool,
 }
 
 /// A stream the engine broke off, between its error event and the failure after it.
@@ -77,6 +80,11 @@ pub struct Release {
 
 impl Settle<EngineStream> for Release {
     fn settle(mut self, how: End, body: &mut EngineStream) {
+        // A client that leaves once the last event is out leaves a complete answer.
+        let how = match (how, body.ended) {
+            (End::Dropped, true) => End::Completed,
+            (how, _) => how,
+        };
         if how == End::Completed {
             self.lease.served();
         }
@@ -176,14 +184,9 @@ impl Body for EngineStream {
                 last.push(d);
             }
             // The protocol's last event: the answer is complete, on its way out.
-            if let (Some(f), Some(_)) = (&this.flight, &this.sse) {
-                if this
-                    .protocol
-                    .spec()
-                    .ends
-                    .iter()
-                    .any(|e| memmem::find(d, e).is_some())
-                {
+            if this.sse.is_some() && ends_here(d, this.protocol.spec().ends) {
+                this.ended = true;
+                if let Some(f) = &this.flight {
                     f.ending();
                 }
             }
@@ -277,6 +280,14 @@ impl Body for EngineStream {
     }
 }
 
+/// Whether `chunk` holds a line that begins one of `ends` (at its start, or after a line
+/// end: never within an event's JSON, where a line end cannot be).
+fn ends_here(chunk: &[u8], ends: &[&[u8]]) -> bool {
+    ends.iter().any(|e| {
+        memmem::find_iter(chunk, e).any(|at| at == 0 || matches!(chunk[at - 1], b'\n' | b'\r'))
+    })
+}
+
 /// A response being watched for its `timings`.
 pub struct Tapped {
     pub(crate) tap: Tap,
@@ -338,6 +349,25 @@ pub(crate) fn api_error_event(protocol: Protocol, what: String, tail: &[String])
 mod tests {
     use super::*;
     use crate::lifecycle::upstream::UpstreamError;
+
+    #[test]
+    fn an_end_counts_only_at_a_line_start() {
+        let ends: &[&[u8]] = &[b"event: message_stop", b"data: [DONE]"];
+        for (chunk, ended) in [
+            (&b"event: message_stop\ndata: {}\n\n"[..], true),
+            (b"data: {\"a\":1}\n\ndata: [DONE]\n\n", true),
+            (b"data: {\"text\":\"say data: [DONE] now\"}\n\n", false),
+            (b"data: {\"text\":\"event: message_stop\"}\r\n\r\n", false),
+            (b"\r\ndata: [DONE]", true),
+        ] {
+            assert_eq!(
+                ends_here(chunk, ends),
+                ended,
+                "{}",
+                String::from_utf8_lossy(chunk)
+            );
+        }
+    }
 
     #[test]
     fn an_error_is_described_with_its_causes_once() {

@@ -131,6 +131,8 @@ pub(crate) async fn proxy(
     let reasoning =
         (keepalive.is_some() && api.loading_reasoning && sse::is_chat(parts.uri.path()))
             .then(|| keepalive::Reasoning::new(sse::model_of(&held.bytes)));
+    // The APIs whose clients count events get events of their own API as keep-alives.
+    let opening = keepalive.and_then(|(_, protocol)| keepalive::opening(protocol, &held.bytes));
     let answer = forward(
         ctx.clone(),
         config.clone(),
@@ -145,10 +147,8 @@ pub(crate) async fn proxy(
             let wrap = |k| ProxyBody::Streamed(Box::new(k));
             let lifecycle = ctx.parts.lifecycle.clone();
             let answer = Box::pin(answer);
-            keepalive::respond(
-                answer, period, protocol, lifecycle, started, wrap, reasoning,
-            )
-            .await
+            let extra = keepalive::Extra { reasoning, opening };
+            keepalive::respond(answer, period, protocol, lifecycle, started, wrap, extra).await
         }
     }
 }
@@ -268,6 +268,7 @@ async fn forward(
                 progress: progress.filter(|_| sse),
                 drained: false,
                 failed: None,
+                ended: false,
             };
             Response::from_parts(
                 parts,

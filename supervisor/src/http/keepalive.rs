@@ -42,6 +42,7 @@ use http::{header, HeaderValue, Response, StatusCode};
 use http_body::{Body, Frame, SizeHint};
 use tokio::time::{Instant, Interval, MissedTickBehavior};
 
+use crate::http::opening::{Api, Opening};
 use crate::http::sse::{self, Place, Protocol, ERROR_BODY_MAX};
 use crate::lifecycle::Handle;
 
@@ -69,10 +70,36 @@ impl Reasoning {
     }
 }
 
+/// What a stream's keep-alives carry besides the comment.
+#[derive(Debug, Default)]
+pub struct Extra {
+    /// `api.loading_reasoning`, on a chat stream: the waiting's words as reasoning too.
+    pub reasoning: Option<Reasoning>,
+    /// An API whose clients count events: events of its own ([`crate::http::opening`]).
+    pub opening: Option<Opening>,
+}
+
+/// The opening of a streamed request of `protocol` with `body`, for the APIs whose clients
+/// count events (Anthropic Messages, OpenAI Responses): named by the request's model.
+pub fn opening(protocol: Protocol, body: &[u8]) -> Option<Opening> {
+    static STREAMS: AtomicU64 = AtomicU64::new(1);
+    let api = match protocol {
+        Protocol::Anthropic => Api::Anthropic,
+        Protocol::Responses => Api::Responses,
+        Protocol::OpenAi => return None,
+    };
+    let created = std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .map_or(0, |d| d.as_secs());
+    let model = sse::model_of(body).unwrap_or_else(|| "dsv4".into());
+    let stream = STREAMS.fetch_add(1, Ordering::Relaxed);
+    Some(Opening::new(api, model, stream, created))
+}
+
 /// What a streamed request is answered with: the engine's answer when it comes within
 /// `period`, else dsv4d's own head at once and the answer later (see the module docs).
-/// `wrap` makes a body of the kind `B` of a [`Keepalive`]; `reasoning`, for a chat stream
-/// with `api.loading_reasoning`, has the waiting's words go out as reasoning too.
+/// `wrap` makes a body of the kind `B` of a [`Keepalive`]; `extra` is what its keep-alives
+/// carry besides the comment.
 pub async fn respond<B>(
     mut answer: Answer<B>,
     period: Duration,
@@ -80,11 +107,12 @@ pub async fn respond<B>(
     lifecycle: Handle,
     since: Instant,
     wrap: fn(Keepalive<B>) -> B,
-    reasoning: Option<Reasoning>,
+    extra: Extra,
 ) -> Response<B>
 where
     B: Body<Data = Bytes, Error = hyper::Error> + Unpin + Send + 'static,
 {
+    let Extra { reasoning, opening } = extra;
     let keepalive = |phase| Keepalive {
         phase,
         tick: {
@@ -99,7 +127,8 @@ where
         since,
         quiet_since: Instant::now(),
         first: None,
-        reasoning: reasoning.clone(),
+        reasoning,
+        opening,
     };
     match tokio::time::timeout(period, &mut answer).await {
         Ok(resp) if is_event_stream(&resp) => {
@@ -149,6 +178,9 @@ pub struct Keepalive<B> {
     first: Option<Bytes>,
     /// `api.loading_reasoning`, on a chat stream.
     reasoning: Option<Reasoning>,
+    /// An API whose clients count events: its events among the keep-alives, and the
+    /// engine's opening changed to follow them.
+    opening: Option<Opening>,
 }
 
 enum Phase<B> {
@@ -162,6 +194,9 @@ enum Phase<B> {
         got: Vec<u8>,
     },
     Relaying(B),
+    /// The engine's stream ended with an event held back by the [`Opening`]: that event
+    /// (in `first`), then the end.
+    Flushing(Option<Result<Frame<Bytes>, hyper::Error>>),
     Ended,
 }
 
@@ -169,8 +204,8 @@ impl<B> Keepalive<B> {
     /// What a comment says now.
     fn words(&self) -> String {
         match &self.phase {
-            Phase::Relaying(_) | Phase::Ended => format!(
-                "dsv4 waiting for the engine: {} s",
+            Phase::Relaying(_) | Phase::Flushing(_) | Phase::Ended => format!(
+                "dsv4 waiting for the engine's answer: {} s",
                 self.quiet_since.elapsed().as_secs()
             ),
             Phase::Waiting(_) | Phase::Collecting { .. } => {
@@ -188,12 +223,27 @@ impl<B> Keepalive<B> {
         }
     }
 
+    /// What a keep-alive writes with the stream between events at `place`: the comment, and
+    /// after it, in one frame, the API's own event ([`Opening`]) where its clients count
+    /// events.
+    fn keepalive(&mut self, place: Place) -> Bytes {
+        let comment = sse::comment(place, &self.words());
+        let Some(opening) = self.opening.as_mut() else {
+            return comment;
+        };
+        let event = opening.keepalive();
+        let mut both = Vec::with_capacity(comment.len() + event.len());
+        both.extend_from_slice(&comment);
+        both.extend_from_slice(&event);
+        Bytes::from(both)
+    }
+
     /// What a tick writes while the answer is still to come, with dsv4d's own head out and
-    /// the stream between events: the comment, and with [`Reasoning`] the same words as a
+    /// the stream between events: the keep-alive, and with [`Reasoning`] the same words as a
     /// `reasoning_content` delta after it, in one frame.
-    fn waiting_words(&self) -> Bytes {
+    fn waiting_words(&mut self) -> Bytes {
         let words = self.words();
-        let comment = sse::comment(Place::Between, &words);
+        let comment = self.keepalive(Place::Between);
         let Some(reasoning) = &self.reasoning else {
             return comment;
         };
@@ -255,7 +305,10 @@ where
                 Phase::Waiting(answer) => {
                     if let Poll::Ready(resp) = answer.as_mut().poll(cx) {
                         this.phase = Self::answered(resp);
+                        // The answer's coming counts as a sound: the next words come after
+                        // a full period of silence, not at the next tick.
                         this.quiet_since = Instant::now();
+                        this.heard = true;
                         continue;
                     }
                 }
@@ -300,18 +353,40 @@ where
                 },
                 Phase::Relaying(body) => match Pin::new(body).poll_frame(cx) {
                     Poll::Ready(Some(Ok(frame))) => {
+                        let frame = match (frame.into_data(), this.opening.as_mut()) {
+                            (Ok(d), Some(opening)) => Frame::data(opening.relay(d)),
+                            (Ok(d), None) => Frame::data(d),
+                            (Err(frame), _) => frame,
+                        };
                         if let Some(d) = frame.data_ref() {
                             this.heard = true;
+                            if d.is_empty() {
+                                // All of it held, until its event's end comes.
+                                continue;
+                            }
                             this.place = this.place.after(d);
                         }
                         return Poll::Ready(Some(Ok(frame)));
                     }
                     Poll::Ready(end) => {
                         this.phase = Phase::Ended;
+                        if let Some(rest) = this.opening.as_mut().and_then(Opening::rest) {
+                            this.first = Some(rest);
+                            this.phase = Phase::Flushing(end);
+                            continue;
+                        }
                         return Poll::Ready(end);
                     }
                     Poll::Pending => {}
                 },
+                Phase::Flushing(end) => {
+                    if let Some(rest) = this.first.take() {
+                        return Poll::Ready(Some(Ok(Frame::data(rest))));
+                    }
+                    let end = end.take();
+                    this.phase = Phase::Ended;
+                    return Poll::Ready(end);
+                }
                 Phase::Ended => return Poll::Ready(None),
             }
             // Nothing to pass on now: the clock's turn.
@@ -324,8 +399,8 @@ where
                     return Poll::Ready(Some(Ok(Frame::data(this.waiting_words()))));
                 }
                 Poll::Ready(_) if this.place.between() => {
-                    let comment = sse::comment(this.place, &this.words());
-                    return Poll::Ready(Some(Ok(Frame::data(comment))));
+                    let keepalive = this.keepalive(this.place);
+                    return Poll::Ready(Some(Ok(Frame::data(keepalive))));
                 }
                 // Within an event: only its end may come next.
                 Poll::Ready(_) => {}
@@ -338,7 +413,7 @@ where
         match &self.phase {
             Phase::Relaying(body) => self.first.is_none() && body.is_end_stream(),
             Phase::Ended => true,
-            Phase::Waiting(_) | Phase::Collecting { .. } => false,
+            Phase::Waiting(_) | Phase::Collecting { .. } | Phase::Flushing(_) => false,
         }
     }
 

@@ -17,6 +17,7 @@ pub mod http_error;
 pub mod intake;
 pub mod keepalive;
 pub mod listener;
+pub mod opening;
 pub mod path;
 pub mod progress;
 pub mod protocol;

@@ -64,6 +64,9 @@ async fn route(
     mut req: Request<Incoming>,
     on: &connections::Slot,
 ) -> Response<ProxyBody> {
+    // Each request as it comes (`DSV4_LOG=dsv4::http=debug`): which agent probes what, how
+    // often a client resends. The path only: a query may hold what is not the log's.
+    tracing::debug!("request: {} {}", req.method(), req.uri().path());
     if !ALLOWED_METHODS.contains(req.method()) {
         // CONNECT, TRACE and the like: nothing here or in the engine serves them, so they
         // are answered here and never start the engine.
@@ -169,8 +172,46 @@ async fn route(
             );
             r
         }
+        // A probe never starts the engine: `GET /` and every `HEAD` of a path the engine
+        // serves (an agent's look before it asks anything, a browser's first visit) are the
+        // engine's only while it serves.
+        (true, path)
+            if (req.method() == Method::HEAD || path == "/")
+                && ctx.parts.lifecycle.status().state != dsv4_client::State::Ready =>
+        {
+            probed(ctx, req.method(), path)
+        }
         _ => proxy(ctx, config, req, on, route).await,
     }
+}
+
+/// dsv4d's answer to a probe while the engine does not serve: for `/`, 200 and a line that
+/// says where things are; for any other path, 404 (as llama-server answers a `HEAD` of a path
+/// it does not serve). A `HEAD` gets the head alone.
+fn probed(ctx: &Ctx, method: &Method, path: &str) -> Response<ProxyBody> {
+    let s = ctx.parts.lifecycle.status();
+    let (status, text) = match path {
+        "/" => (
+            StatusCode::OK,
+            format!(
+                "dsv4d: the engine is {} (profile {}); it starts at the first request to the \
+                 APIs under /v1. Status: /status; dashboard: /ui\n",
+                s.state, s.profile
+            ),
+        ),
+        _ => (StatusCode::NOT_FOUND, String::new()),
+    };
+    let body = match *method == Method::HEAD {
+        true => Bytes::new(),
+        false => Bytes::from(text),
+    };
+    let mut r = Response::new(ProxyBody::from(body));
+    *r.status_mut() = status;
+    r.headers_mut().insert(
+        header::CONTENT_TYPE,
+        HeaderValue::from_static("text/plain; charset=utf-8"),
+    );
+    r
 }
 
 pub(crate) fn json_response(status: StatusCode, v: serde_json::Value) -> Response<ProxyBody> {

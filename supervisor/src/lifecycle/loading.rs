@@ -16,15 +16,38 @@ pub struct Loading {
     pub since: Instant,
     /// What this profile's last loads took (their median); `None` before its first.
     pub about: Option<Duration>,
+    /// The shortest and the longest of them.
+    pub past: Option<(Duration, Duration)>,
+}
+
+/// Seconds as the words show them: tenths below 10 s, whole seconds above.
+fn seconds(d: Duration) -> String {
+    let s = d.as_secs_f64();
+    match s < 10.0 {
+        true => format!("{:.1}", (s * 10.0).round() / 10.0),
+        false => format!("{}", s.round()),
+    }
 }
 
 impl Loading {
-    /// `dsv4 loading 320k: 23 s of about 54 s`, `elapsed` into the load; the first load of a
-    /// profile says only the seconds.
+    /// `dsv4 loading 320k: 23 s of about 54 s`, `elapsed` into the load; where the last
+    /// loads varied (the longest more than half again the shortest, a warm load against a
+    /// cold one), their range instead: `dsv4 loading 320k: 20 s, past loads 0.2-45 s`. The
+    /// first load of a profile says only the seconds.
     pub fn describe(&self, elapsed: Duration) -> String {
         let mut text = format!("dsv4 loading {}: {} s", self.profile, elapsed.as_secs());
-        if let Some(about) = self.about {
-            text.push_str(&format!(" of about {} s", about.as_secs_f64().round()));
+        match (self.past, self.about) {
+            (Some((low, high)), _) if high.as_secs_f64() > 1.5 * low.as_secs_f64() + 0.5 => {
+                text.push_str(&format!(
+                    ", past loads {}-{} s",
+                    seconds(low),
+                    seconds(high)
+                ));
+            }
+            (_, Some(about)) => {
+                text.push_str(&format!(" of about {} s", about.as_secs_f64().round()));
+            }
+            _ => {}
         }
         text
     }
@@ -40,12 +63,26 @@ mod tests {
             profile: "320k".into(),
             since: Instant::now(),
             about: Some(Duration::from_millis(53_600)),
+            past: None,
         };
         assert_eq!(
             l.describe(Duration::from_millis(23_900)),
             "dsv4 loading 320k: 23 s of about 54 s"
         );
+        // Loads that varied: their range, not a median that fits none of them.
+        l.past = Some((Duration::from_millis(240), Duration::from_millis(45_400)));
+        assert_eq!(
+            l.describe(Duration::from_secs(20)),
+            "dsv4 loading 320k: 20 s, past loads 0.2-45 s"
+        );
+        // Close enough: the median.
+        l.past = Some((Duration::from_millis(52_000), Duration::from_millis(56_000)));
+        assert_eq!(
+            l.describe(Duration::from_millis(23_900)),
+            "dsv4 loading 320k: 23 s of about 54 s"
+        );
         l.about = None;
+        l.past = None;
         assert_eq!(l.describe(Duration::from_secs(3)), "dsv4 loading 320k: 3 s");
     }
 }

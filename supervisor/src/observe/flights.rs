@@ -441,6 +441,7 @@ mod tests {
             profile: "64k".into(),
             since: Instant::now() - Duration::from_secs(23),
             about: Some(Duration::from_secs(54)),
+            past: None,
         };
         let shown = one(&flights, Some(&loading), State::Starting, false);
         assert_eq!(

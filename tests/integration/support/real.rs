@@ -46,6 +46,27 @@ pub fn engine() -> (PathBuf, PathBuf) {
     (server, model)
 }
 
+/// The tiny model with a context of `ctx` tokens, made once into the engine's cache (by the
+/// generator `tests/engine/prepare` runs, with the venv it made).
+pub fn tiny_with_context(ctx: u32) -> PathBuf {
+    let out = cache_dir().join(format!("models/tiny-ctx{ctx}.gguf"));
+    if out.is_file() {
+        return out;
+    }
+    let tmp = out.with_extension(format!("tmp.{}", std::process::id()));
+    let generator = Path::new(env!("CARGO_MANIFEST_DIR")).join("engine/make_tiny_gguf.py");
+    let o = Command::new(cache_dir().join("venv/bin/python"))
+        .arg(&generator)
+        .arg(&tmp)
+        .args(["--ctx", &ctx.to_string()])
+        .stdin(Stdio::null())
+        .output()
+        .unwrap_or_else(|e| panic!("cannot run {}: {e}", generator.display()));
+    assert!(o.status.success(), "{}", String::from_utf8_lossy(&o.stderr));
+    std::fs::rename(&tmp, &out).unwrap();
+    out
+}
+
 /// Arguments every test engine gets: no web page, and one thread. The tests run many engines
 /// at once on a small machine, and llama.cpp's threads wait for each other by spinning, which
 /// makes an engine with more threads than free cores many times slower.

@@ -163,15 +163,13 @@ impl Actor {
             (1.., Some(l)) if l.profile == profile_name => l.since,
             _ => Instant::now(),
         };
-        let about = crate::host::load_times::estimate(
-            &crate::host::load_times::read(state_dir),
-            profile_name,
-        );
+        let book = crate::host::load_times::read(state_dir);
         self.loading
             .send_replace(Some(crate::lifecycle::loading::Loading {
                 profile: profile_name.to_string(),
                 since,
-                about,
+                about: crate::host::load_times::estimate(&book, profile_name),
+                past: crate::host::load_times::range(&book, profile_name),
             }));
         let group = match leftover::Guard::write(state_dir, child.pid(), &tag) {
             Ok(g) => Some(g),

@@ -1,0 +1,449 @@
+//! Keep-alives the agents count: events of the stream's own API that carry no content.
+//!
+//! Claude Code (Anthropic Messages) and Codex (OpenAI Responses) time a stream by its events,
+//! not its bytes: an SSE comment resets neither watchdog, and an Anthropic `ping` is dropped by
+//! the SDK Claude Code is built on before its watchdog sees it. llama-server sends a streamed
+//! answer's head at once but its first event only when the prefill is done, so a prefill of an
+//! hour, or a cold start, is an hour without an event. While the engine is silent, dsv4d
+//! writes what each API's clients count and ignore as content:
+//!
+//! - **Anthropic**: its own `message_start` (when the engine has not sent one), then
+//!   `message_delta` events that change nothing (`stop_reason` null, no tokens). The engine's
+//!   own `message_start`, when it comes after dsv4d's, becomes a `message_delta` that carries
+//!   its usage (the prompt's tokens), since a message starts once;
+//! - **Responses**: its own `response.created` (likewise), then `response.in_progress` events
+//!   with the same response. The engine's own `response.created` and `response.in_progress`,
+//!   when they come after dsv4d's, are dropped, and the engine's response id is written as
+//!   dsv4d's in the rest of the stream, so that a client that checks the response's identity
+//!   (the `openai` package's stream helper) sees one response.
+//!
+//! Owns: [`Opening`], one per stream of those APIs. Pure: no I/O, no clock. The body that uses
+//! it is [`crate::http::keepalive::Keepalive`], which calls [`Opening::keepalive`] only where
+//! the stream is between events.
+
+use bytes::{Bytes, BytesMut};
+use serde_json::{json, Value};
+
+/// The most held back while waiting for an event's end; past it, the stream passes as it
+/// comes and nothing more is changed (an engine that ends its events otherwise than with a
+/// blank line of LFs).
+const CARRY_MAX: usize = 64 << 10;
+
+/// The APIs whose clients count events.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Api {
+    Anthropic,
+    Responses,
+}
+
+/// Who opened the stream with its API's first event.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+enum Opened {
+    /// No one yet: the engine's events are read until its opening has passed.
+    No,
+    /// dsv4d: the engine's opening is changed to follow it.
+    Ours,
+    /// The engine, before any keep-alive: its events pass as they are.
+    Engines,
+    /// Given up on reading (no event's end within [`CARRY_MAX`]): everything passes.
+    Blind,
+}
+
+/// One stream's opening and keep-alives (see the module docs).
+#[derive(Debug)]
+pub struct Opening {
+    api: Api,
+    /// dsv4d's own message or response id.
+    id: String,
+    model: String,
+    /// Unix seconds, for a response's `created_at`.
+    created: u64,
+    opened: Opened,
+    /// Responses: the engine's response id, once read.
+    engine_id: Option<String>,
+    /// Anthropic: the engine's `message_start` has come (changed, when dsv4d opened).
+    engine_started: bool,
+    /// The start of an engine event whose end has not come yet.
+    carry: BytesMut,
+    /// The sequence number of dsv4d's next Responses event.
+    sequence: u64,
+}
+
+impl Opening {
+    /// For a stream of `api` whose request names `model`; `stream` numbers dsv4d's ids,
+    /// `created` is the time in Unix seconds.
+    pub fn new(api: Api, model: String, stream: u64, created: u64) -> Opening {
+        let id = match api {
+            Api::Anthropic => format!("msg_dsv4_{stream:016x}"),
+            Api::Responses => format!("resp_dsv4_{stream:016x}"),
+        };
+        Opening {
+            api,
+            id,
+            model,
+            created,
+            opened: Opened::No,
+            engine_id: None,
+            engine_started: false,
+            carry: BytesMut::new(),
+            sequence: 0,
+        }
+    }
+
+    /// The event a keep-alive writes now, between events: the API's opening when no one has
+    /// opened the stream yet, else one that says the answer is in progress.
+    pub fn keepalive(&mut self) -> Bytes {
+        if self.opened == Opened::No {
+            self.opened = Opened::Ours;
+            return self.open();
+        }
+        match self.api {
+            Api::Anthropic => event(
+                "message_delta",
+                &json!({"type": "message_delta",
+                        "delta": {"stop_reason": null, "stop_sequence": null},
+                        "usage": {"output_tokens": 0}}),
+            ),
+            Api::Responses => {
+                let id = match self.opened {
+                    Opened::Ours => self.id.clone(),
+                    _ => self.engine_id.clone().unwrap_or_else(|| self.id.clone()),
+                };
+                let response = self.response(&id);
+                self.next_event("response.in_progress", response)
+            }
+        }
+    }
+
+    fn open(&mut self) -> Bytes {
+        match self.api {
+            Api::Anthropic => event(
+                "message_start",
+                &json!({"type": "message_start", "message": {
+                    "id": self.id, "type": "message", "role": "assistant", "content": [],
+                    "model": self.model, "stop_reason": null, "stop_sequence": null,
+                    "usage": {"input_tokens": 0, "output_tokens": 0}}}),
+            ),
+            Api::Responses => {
+                let response = self.response(&self.id);
+                self.next_event("response.created", response)
+            }
+        }
+    }
+
+    fn response(&self, id: &str) -> Value {
+        json!({"id": id, "object": "response", "created_at": self.created,
+               "status": "in_progress", "model": self.model, "output": []})
+    }
+
+    fn next_event(&mut self, kind: &str, response: Value) -> Bytes {
+        let sequence = self.sequence;
+        self.sequence += 1;
+        event(
+            kind,
+            &json!({"type": kind, "sequence_number": sequence, "response": response}),
+        )
+    }
+
+    /// Whether every engine byte from now on passes as it is.
+    fn passing(&self) -> bool {
+        match self.opened {
+            Opened::Blind => true,
+            Opened::Engines => self.api == Api::Anthropic || self.engine_id.is_some(),
+            Opened::Ours => self.api == Api::Anthropic && self.engine_started,
+            Opened::No => false,
+        }
+    }
+
+    /// A chunk of the engine's stream, as the client gets it: whole events only while they
+    /// are read (the rest of the chunk is held for the next), changed as the module docs say.
+    pub fn relay(&mut self, chunk: Bytes) -> Bytes {
+        if self.passing() && self.carry.is_empty() {
+            return chunk;
+        }
+        self.carry.extend_from_slice(&chunk);
+        let end = memchr::memmem::rfind(&self.carry, b"\n\n").map_or(0, |at| at + 2);
+        if end == 0 {
+            if self.carry.len() > CARRY_MAX {
+                self.opened = Opened::Blind;
+                return std::mem::take(&mut self.carry).freeze();
+            }
+            return Bytes::new();
+        }
+        let whole = self.carry.split_to(end).freeze();
+        let mut out = BytesMut::with_capacity(whole.len());
+        let mut at = 0;
+        while at < whole.len() {
+            let len =
+                memchr::memmem::find(&whole[at..], b"\n\n").map_or(whole.len() - at, |e| e + 2);
+            let one = whole.slice(at..at + len);
+            at += len;
+            if self.passing() {
+                out.extend_from_slice(&one);
+            } else {
+                self.read(one, &mut out);
+            }
+        }
+        if self.passing() {
+            // Read enough: the part of an event held goes on now, and the rest as it comes.
+            out.extend_from_slice(&std::mem::take(&mut self.carry));
+        }
+        out.freeze()
+    }
+
+    /// What is held back at the stream's end (an event its engine never ended).
+    pub fn rest(&mut self) -> Option<Bytes> {
+        (!self.carry.is_empty()).then(|| std::mem::take(&mut self.carry).freeze())
+    }
+
+    /// One whole engine event, read while the stream's opening is in question: written into
+    /// `out` as it is, changed, or not at all.
+    fn read(&mut self, one: Bytes, out: &mut BytesMut) {
+        let (name, data) = parse(&one);
+        let name = name.as_deref();
+        match (self.api, name) {
+            (Api::Anthropic, Some("message_start")) => {
+                self.engine_started = true;
+                if self.opened == Opened::Ours {
+                    let usage = data
+                        .as_ref()
+                        .and_then(|d| d.get("message")?.get("usage").cloned())
+                        .unwrap_or_else(|| json!({"output_tokens": 0}));
+                    out.extend_from_slice(&event(
+                        "message_delta",
+                        &json!({"type": "message_delta",
+                                "delta": {"stop_reason": null, "stop_sequence": null},
+                                "usage": usage}),
+                    ));
+                    return;
+                }
+                self.opened = Opened::Engines;
+            }
+            (Api::Responses, Some(kind @ ("response.created" | "response.in_progress"))) => {
+                let id = data
+                    .as_ref()
+                    .and_then(|d| d.get("response")?.get("id")?.as_str());
+                if self.engine_id.is_none() {
+                    self.engine_id = id.map(String::from);
+                }
+                if self.opened == Opened::Ours {
+                    return;
+                }
+                if kind == "response.created" {
+                    self.opened = Opened::Engines;
+                }
+            }
+            _ => {}
+        }
+        match (&self.engine_id, self.opened) {
+            (Some(engine), Opened::Ours) => out.extend_from_slice(&swap_id(&one, engine, &self.id)),
+            _ => out.extend_from_slice(&one),
+        }
+    }
+}
+
+/// An event named `name` with `data`, ended by a blank line.
+fn event(name: &str, data: &Value) -> Bytes {
+    Bytes::from(format!("event: {name}\ndata: {data}\n\n"))
+}
+
+/// An event's name (its `event:` field, else its data's `type`, as ds4-server writes its
+/// Responses events) and its data read as JSON.
+fn parse(one: &[u8]) -> (Option<String>, Option<Value>) {
+    let text = String::from_utf8_lossy(one);
+    let mut name = None;
+    let mut data = String::new();
+    for line in text.lines() {
+        if let Some(v) = line.strip_prefix("event:") {
+            name = Some(v.trim().to_string());
+        } else if let Some(v) = line.strip_prefix("data:") {
+            if !data.is_empty() {
+                data.push('\n');
+            }
+            data.push_str(v.strip_prefix(' ').unwrap_or(v));
+        }
+    }
+    let data: Option<Value> = serde_json::from_str(&data).ok();
+    let typed = || data.as_ref()?.get("type")?.as_str().map(String::from);
+    (name.or_else(typed), data)
+}
+
+/// `one` with every `"engine"` (the id as a JSON string) written as `"ours"`.
+fn swap_id(one: &Bytes, engine: &str, ours: &str) -> Bytes {
+    let from = format!("\"{engine}\"");
+    if memchr::memmem::find(one, from.as_bytes()).is_none() {
+        return one.clone();
+    }
+    let to = format!("\"{ours}\"");
+    let mut out = Vec::with_capacity(one.len());
+    let mut rest = &one[..];
+    while let Some(at) = memchr::memmem::find(rest, from.as_bytes()) {
+        out.extend_from_slice(&rest[..at]);
+        out.extend_from_slice(to.as_bytes());
+        rest = &rest[at + from.len()..];
+    }
+    out.extend_from_slice(rest);
+    Bytes::from(out)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    const START: &str = "event: message_start\ndata: {\"type\":\"message_start\",\"message\":{\"id\":\"chatcmpl-x\",\"type\":\"message\",\"role\":\"assistant\",\"content\":[],\"model\":\"m\",\"stop_reason\":null,\"stop_sequence\":null,\"usage\":{\"cache_read_input_tokens\":0,\"input_tokens\":25,\"output_tokens\":0}}}\n\n";
+    const BLOCK: &str = "event: content_block_start\ndata: {\"type\":\"content_block_start\",\"index\":0,\"content_block\":{\"type\":\"text\",\"text\":\"\"}}\n\nevent: content_block_delta\ndata: {\"type\":\"content_block_delta\",\"index\":0,\"delta\":{\"type\":\"text_delta\",\"text\":\"a\"}}\n\n";
+    const CREATED: &str = "event: response.created\ndata: {\"type\":\"response.created\",\"response\":{\"id\":\"resp_engine1\",\"object\":\"response\",\"status\":\"in_progress\"}}\n\n";
+    const IN_PROGRESS: &str = "event: response.in_progress\ndata: {\"type\":\"response.in_progress\",\"response\":{\"id\":\"resp_engine1\",\"object\":\"response\",\"status\":\"in_progress\"}}\n\n";
+    const DELTA: &str = "event: response.output_text.delta\ndata: {\"type\":\"response.output_text.delta\",\"item_id\":\"msg_1\",\"delta\":\"a\"}\n\n";
+    const COMPLETED: &str = "event: response.completed\ndata: {\"type\":\"response.completed\",\"response\":{\"id\":\"resp_engine1\",\"object\":\"response\",\"status\":\"completed\"}}\n\n";
+
+    /// The events of `stream`: each one's name and data.
+    fn events(stream: &[u8]) -> Vec<(String, Value)> {
+        String::from_utf8_lossy(stream)
+            .split("\n\n")
+            .filter(|e| !e.is_empty())
+            .map(|e| {
+                let (name, data) = parse(e.as_bytes());
+                (name.unwrap(), data.unwrap())
+            })
+            .collect()
+    }
+
+    /// `engine` relayed through a fresh opening, cut at `cut`, with keep-alives where the
+    /// steps say: `k` a keep-alive, `e` the next piece of the engine's stream.
+    fn run(api: Api, steps: &str, pieces: &[&str]) -> Vec<(String, Value)> {
+        let mut o = Opening::new(api, "m".into(), 1, 7);
+        let mut out = Vec::new();
+        let mut pieces = pieces.iter();
+        for step in steps.chars() {
+            match step {
+                'k' => out.extend_from_slice(&o.keepalive()),
+                _ => {
+                    out.extend_from_slice(&o.relay(Bytes::from(pieces.next().unwrap().to_string())))
+                }
+            }
+        }
+        out.extend_from_slice(&o.rest().unwrap_or_default());
+        events(&out)
+    }
+
+    fn names(events: &[(String, Value)]) -> Vec<&str> {
+        events.iter().map(|(n, _)| n.as_str()).collect()
+    }
+
+    #[test]
+    fn an_anthropic_stream_is_opened_by_dsv4d_and_the_engines_start_carries_its_usage() {
+        let engine = format!("{START}{BLOCK}");
+        // Silent, then the engine: its message_start becomes a delta with its usage.
+        let got = run(Api::Anthropic, "kke", &[&engine]);
+        assert_eq!(
+            names(&got),
+            [
+                "message_start",
+                "message_delta",
+                "message_delta",
+                "content_block_start",
+                "content_block_delta"
+            ]
+        );
+        assert_eq!(got[0].1["message"]["id"], "msg_dsv4_0000000000000001");
+        assert_eq!(got[0].1["message"]["usage"]["input_tokens"], 0);
+        assert_eq!(got[1].1["delta"]["stop_reason"], Value::Null);
+        assert_eq!(got[2].1["usage"]["input_tokens"], 25);
+        assert_eq!(got[2].1["delta"]["stop_reason"], Value::Null);
+        // The engine first: its stream as it is, and later keep-alives are deltas.
+        let got = run(Api::Anthropic, "eke", &[START, BLOCK]);
+        assert_eq!(
+            names(&got),
+            [
+                "message_start",
+                "message_delta",
+                "content_block_start",
+                "content_block_delta"
+            ]
+        );
+        assert_eq!(got[0].1["message"]["id"], "chatcmpl-x");
+    }
+
+    #[test]
+    fn a_responses_stream_is_one_response_whoever_opened_it() {
+        let engine = [CREATED, IN_PROGRESS, DELTA, COMPLETED];
+        let got = run(Api::Responses, "kkeeee", &engine);
+        assert_eq!(
+            names(&got),
+            [
+                "response.created",
+                "response.in_progress",
+                "response.output_text.delta",
+                "response.completed"
+            ]
+        );
+        for (_, data) in [&got[0], &got[1], &got[3]] {
+            assert_eq!(
+                data["response"]["id"], "resp_dsv4_0000000000000001",
+                "{data}"
+            );
+        }
+        assert_eq!(got[0].1["sequence_number"], 0);
+        assert_eq!(got[1].1["sequence_number"], 1);
+        // The engine first: its own, and dsv4d's keep-alives name its response.
+        let got = run(Api::Responses, "eekee", &engine);
+        assert_eq!(
+            names(&got),
+            [
+                "response.created",
+                "response.in_progress",
+                "response.in_progress",
+                "response.output_text.delta",
+                "response.completed"
+            ]
+        );
+        assert!(got
+            .iter()
+            .all(|(_, d)| d.get("response").is_none_or(|r| r["id"] == "resp_engine1")));
+    }
+
+    #[test]
+    fn cut_anywhere_the_client_gets_the_same_events() {
+        for (api, engine) in [
+            (Api::Anthropic, format!("{START}{BLOCK}")),
+            (
+                Api::Responses,
+                format!("{CREATED}{IN_PROGRESS}{DELTA}{COMPLETED}"),
+            ),
+        ] {
+            let whole = run(api, "ke", &[&engine]);
+            for cut in 0..=engine.len() {
+                let (a, b) = engine.split_at(cut);
+                assert_eq!(run(api, "kee", &[a, b]), whole, "{api:?} cut at {cut}");
+            }
+        }
+    }
+
+    #[test]
+    fn events_named_by_their_type_alone_are_read_too() {
+        // ds4-server writes its Responses events without an `event:` line.
+        let untyped = |e: &str| e.split_once('\n').map(|(_, d)| d.to_string()).unwrap();
+        let engine = [untyped(CREATED), untyped(DELTA), untyped(COMPLETED)];
+        let pieces: Vec<&str> = engine.iter().map(String::as_str).collect();
+        let got = run(Api::Responses, "keee", &pieces);
+        assert_eq!(
+            names(&got),
+            [
+                "response.created",
+                "response.output_text.delta",
+                "response.completed"
+            ]
+        );
+        assert_eq!(got[2].1["response"]["id"], "resp_dsv4_0000000000000001");
+    }
+
+    #[test]
+    fn a_stream_without_event_ends_passes_whole() {
+        let mut o = Opening::new(Api::Anthropic, "m".into(), 1, 7);
+        let long = "x".repeat(CARRY_MAX + 1);
+        assert_eq!(o.relay(Bytes::from(long.clone())), long.as_bytes());
+        assert_eq!(o.relay(Bytes::from_static(b"y")), &b"y"[..]);
+        assert_eq!(o.rest(), None);
+    }
+}
