@@ -61,6 +61,9 @@ pub struct EngineStream {
     pub(crate) drained: bool,
     /// What went wrong, as the error event told the client.
     pub(crate) failed: Option<Box<str>>,
+    /// The bytes so far end a line (or there are none): a `data:` at the next chunk's start
+    /// begins a line.
+    pub(crate) line_start: bool,
     /// The protocol's last event has gone out: the answer is complete, even if the client
     /// closes before the body's last chunk (Codex does, at `response.completed`).
     pub(crate) ended: bool,
@@ -192,11 +195,12 @@ impl Body for EngineStream {
             }
             let Some(progress) = this.progress.as_mut() else {
                 if let (Some(f), true) = (&this.flight, this.sse.is_some()) {
-                    let events = count_events(d);
+                    let events = count_events(d, this.line_start);
                     if events > 0 {
                         f.tokens(events);
                     }
                 }
+                this.line_start = d.last().is_none_or(|b| matches!(b, b'\n' | b'\r'));
                 break;
             };
             let fed = progress.feed(d.clone());

@@ -268,6 +268,7 @@ async fn forward(
                 progress: progress.filter(|_| sse),
                 drained: false,
                 failed: None,
+                line_start: true,
                 ended: false,
             };
             Response::from_parts(

@@ -179,15 +179,20 @@ fn is_answer(event: &[u8]) -> bool {
     data.is_some_and(|d| d.trim_ascii() != b"[DONE]")
 }
 
-/// The answer's own events in a chunk of a stream not otherwise read (the `data:` lines that
-/// begin in it, `[DONE]` left out).
-pub fn count_events(chunk: &[u8]) -> u64 {
+/// The answer's own events in a chunk of a stream not otherwise read: the `data:` lines that
+/// begin in it (`[DONE]` left out). A line begins at the chunk's start only when
+/// `line_start` says the chunk before ended a line; elsewhere after a line end. So the
+/// model's own text (`"data: x"` within an event's JSON, where no line ends) is not counted.
+pub fn count_events(chunk: &[u8], line_start: bool) -> u64 {
     static DATA: std::sync::LazyLock<Finder<'static>> =
         std::sync::LazyLock::new(|| Finder::new(b"data: "));
-    static DONE: std::sync::LazyLock<Finder<'static>> =
-        std::sync::LazyLock::new(|| Finder::new(b"data: [DONE]"));
-    let all = DATA.find_iter(chunk).count() as u64;
-    all - DONE.find_iter(chunk).count() as u64
+    let begins = |at: usize| match at {
+        0 => line_start,
+        at => matches!(chunk[at - 1], b'\n' | b'\r'),
+    };
+    DATA.find_iter(chunk)
+        .filter(|&at| begins(at) && !chunk[at + 6..].starts_with(b"[DONE]"))
+        .count() as u64
 }
 
 #[cfg(test)]
@@ -301,8 +306,17 @@ mod tests {
 
     #[test]
     fn an_answers_events_are_counted_without_done() {
-        assert_eq!(count_events(format!("{TOKEN}{TOKEN}{DONE}").as_bytes()), 2);
-        assert_eq!(count_events(b""), 0);
-        assert_eq!(count_events(DONE.as_bytes()), 0);
+        assert_eq!(
+            count_events(format!("{TOKEN}{TOKEN}{DONE}").as_bytes(), true),
+            2
+        );
+        assert_eq!(count_events(b"", true), 0);
+        assert_eq!(count_events(DONE.as_bytes(), true), 0);
+        // The model's own text is no event (the probe's `data: data: x`, 12 events: 12).
+        let text = "data: {\"choices\":[{\"delta\":{\"content\":\"data: data: x\"}}]}\n\n";
+        assert_eq!(count_events(text.repeat(12).as_bytes(), true), 12);
+        // A chunk that begins within a line: its first `data: ` is within it.
+        assert_eq!(count_events(b"data: x\n\n", false), 0);
+        assert_eq!(count_events(b"\r\ndata: x", false), 1);
     }
 }
