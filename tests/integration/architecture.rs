@@ -300,6 +300,40 @@ fn test_files(files: &[std::path::PathBuf], root: &std::path::Path) -> Vec<std::
     out
 }
 
+/// docs/design.md's layout of the daemon's library names every folder and file of
+/// `supervisor/src` (`lib.rs`, the list of subsystems, aside), and nothing that is not there.
+#[test]
+fn the_design_names_every_part_of_the_library() {
+    let here = std::path::Path::new(env!("CARGO_MANIFEST_DIR"));
+    let design = std::fs::read_to_string(here.join("../docs/design.md")).unwrap();
+    let at = design
+        .find("The daemon's library, `supervisor/src/`")
+        .expect("the library's layout in docs/design.md");
+    let block = design[at..].split("```").nth(1).unwrap();
+    let named: std::collections::BTreeSet<String> = block
+        .lines()
+        .filter(|l| !l.starts_with(' ') && !l.is_empty())
+        .filter_map(|l| l.split_whitespace().next().map(String::from))
+        .collect();
+    let actual: std::collections::BTreeSet<String> =
+        std::fs::read_dir(here.join("../supervisor/src"))
+            .unwrap()
+            .flatten()
+            .map(|e| {
+                let name = e.file_name().to_string_lossy().into_owned();
+                match e.path().is_dir() {
+                    true => format!("{name}/"),
+                    false => name,
+                }
+            })
+            .filter(|n| n != "lib.rs")
+            .collect();
+    assert_eq!(
+        named, actual,
+        "docs/design.md's layout against supervisor/src"
+    );
+}
+
 /// The imports between the daemon's subsystems run only downward, and no file imports
 /// (through a chain of files) one that imports it back: read from the source itself.
 #[test]
