@@ -1,16 +1,17 @@
-//! The engine kinds and the settings they are started with. What each kind is (argv,
-//! readiness, stop, key, KV, validation) is its description's, in [`crate::kinds`].
+//! The engine kinds: which one a profile runs, and what is asked of it through its
+//! description. What each kind is (argv, readiness, stop, key, KV, validation) is its
+//! description's, in [`crate::kinds`]; the settings it is started with are
+//! [`crate::settings`]'s.
 
-use std::borrow::Cow;
 use std::ffi::OsString;
 use std::fmt;
-use std::path::{Path, PathBuf};
+use std::path::Path;
 use std::str::FromStr;
-use std::time::Duration;
-
-use nix::sys::signal::Signal;
 
 use crate::kinds::{self, Kind};
+pub use crate::settings::{
+    EngineParams, FlashAttn, GivenKey, GpuLayers, KeyPassing, Launch, Readiness, Stop,
+};
 
 /// Which engine a profile runs. The default is the kind a profile without a valid `engine:`
 /// is taken for while its problems are reported (such a profile is never used).
@@ -131,57 +132,6 @@ impl EngineKind {
     }
 }
 
-/// The key dsv4d made for one engine: the private file it is written to, and its value.
-#[derive(Debug, Clone, Copy)]
-pub struct GivenKey<'a> {
-    pub file: &'a Path,
-    pub secret: &'a str,
-}
-
-/// What an engine is started with (see [`EngineKind::launch`]).
-#[derive(Debug, Clone, PartialEq, Eq)]
-pub struct Launch {
-    pub args: Vec<OsString>,
-    /// Added to its environment, after the profile's `env`.
-    pub env: Vec<(OsString, OsString)>,
-}
-
-/// How an engine is given the key that it then requires on every request but its
-/// readiness check.
-#[derive(Debug, Clone, PartialEq, Eq, Default)]
-pub enum KeyPassing {
-    /// It is given none: any local user can use its port.
-    #[default]
-    None,
-    /// `FLAG FILE`: it reads the key from the private file named after the flag.
-    File(&'static str),
-    /// In the environment variable of this name (`/proc/PID/environ` is readable by its own
-    /// user alone).
-    Env(String),
-    /// `FLAG KEY` on its command line, which every local user can read in
-    /// `/proc/PID/cmdline`: only when a profile asks for it.
-    Arg(String),
-}
-
-impl KeyPassing {
-    /// Whether the engine is given a key at all.
-    pub fn takes_key(&self) -> bool {
-        !matches!(self, KeyPassing::None)
-    }
-}
-
-/// How an engine is stopped: `signal` to its process group; SIGINT after `interrupt_grace`
-/// when it has one; SIGKILL after `grace` (`None`: the supervisor's `engine.stop_timeout`).
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub struct Stop {
-    pub signal: Signal,
-    /// `signal` -> SIGINT, for an engine that may deadlock in its handler; `None`: never
-    /// interrupted, it gets the whole grace.
-    pub interrupt_grace: Option<Duration>,
-    /// `signal` -> SIGKILL; `None`: `engine.stop_timeout`.
-    pub grace: Option<Duration>,
-}
-
 impl fmt::Display for EngineKind {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         f.write_str(self.name())
@@ -203,94 +153,6 @@ impl FromStr for EngineKind {
         })
     }
 }
-
-/// How readiness is probed. Until it succeeds a refused connection and any other answer
-/// both mean "still loading", which covers both ways engines load: llama-server binds its
-/// port at once and answers `/health` with 503 while it loads; ds4-server opens its port only
-/// once the model is loaded.
-#[derive(Debug, Clone, PartialEq, Eq)]
-pub enum Readiness {
-    /// `GET path` answers 200.
-    Get(Cow<'static, str>),
-    /// The port accepts a connection (for an engine that opens it only once it can serve).
-    Connect,
-}
-
-impl Readiness {
-    /// The path asked, when readiness is an answer to a request.
-    pub fn path(&self) -> Option<&str> {
-        match self {
-            Readiness::Get(path) => Some(path),
-            Readiness::Connect => None,
-        }
-    }
-}
-
-/// `-fa on|off|auto`.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub enum FlashAttn {
-    On,
-    Off,
-    Auto,
-}
-
-impl FlashAttn {
-    pub fn as_str(self) -> &'static str {
-        match self {
-            FlashAttn::On => "on",
-            FlashAttn::Off => "off",
-            FlashAttn::Auto => "auto",
-        }
-    }
-}
-
-/// `-ngl`: every layer, or a count.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub enum GpuLayers {
-    All,
-    Count(u32),
-}
-
-impl fmt::Display for GpuLayers {
-    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        match self {
-            GpuLayers::All => f.write_str("all"),
-            GpuLayers::Count(n) => write!(f, "{n}"),
-        }
-    }
-}
-
-/// The engine settings of a profile, already validated; `None` leaves the engine's default.
-#[derive(Debug, Clone, Default, PartialEq, Eq)]
-pub struct EngineParams {
-    pub model: Option<PathBuf>,
-    pub mmproj: Option<PathBuf>,
-    pub context: Option<u32>,
-    pub parallel: Option<u32>,
-    pub batch: Option<u32>,
-    pub ubatch: Option<u32>,
-    pub kv_cache: Option<String>,
-    pub flash_attn: Option<FlashAttn>,
-    pub gpu_layers: Option<GpuLayers>,
-    pub prefill_chunk: Option<u32>,
-    pub kv_disk_dir: Option<PathBuf>,
-    pub kv_disk_space_mb: Option<u64>,
-    /// llama-server `--slot-save-path`: where slots are saved and restored from.
-    pub slot_save_path: Option<PathBuf>,
-    pub extra_args: Vec<String>,
-    /// The engine's whole argv, with `{port}` and `{host}` (a kind whose command line the
-    /// profile gives: `args`).
-    pub args: Vec<String>,
-    /// How its readiness shows (`health`).
-    pub health: Option<Readiness>,
-    /// How it is given its key (`key_env`, `key_arg`).
-    pub key: KeyPassing,
-    /// `stop_signal`; `None`: the kind's.
-    pub stop_signal: Option<Signal>,
-    /// `stop_grace`: stop signal to SIGKILL; `None`: `engine.stop_timeout`.
-    pub stop_grace: Option<Duration>,
-}
-
 #[cfg(test)]
 mod tests {
     use super::*;

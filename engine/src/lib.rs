@@ -13,6 +13,7 @@ pub mod child;
 pub mod kinds;
 pub mod procs;
 pub mod redact;
+pub mod settings;
 
 pub use adapter::{
     EngineKind, EngineParams, FlashAttn, GivenKey, GpuLayers, KeyPassing, Launch, Readiness, Stop,

@@ -156,7 +156,12 @@ const LAYERS: &[&str] = &[
 
 /// The daemon library's source files (not its binaries), as paths below `supervisor/src`.
 fn library_files() -> Vec<std::path::PathBuf> {
-    let root = std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("../supervisor/src");
+    source_files(&std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("../supervisor/src"))
+}
+
+/// A crate's source files below `root` (its `bin/` aside), as paths below it.
+fn source_files(root: &std::path::Path) -> Vec<std::path::PathBuf> {
+    let root = root.to_path_buf();
     let mut out = Vec::new();
     let mut dirs = vec![root.clone()];
     while let Some(dir) = dirs.pop() {
@@ -185,7 +190,10 @@ fn module_of(file: &std::path::Path) -> Vec<String> {
         .iter()
         .map(|p| p.to_string_lossy().into_owned())
         .collect();
-    if parts.last().is_some_and(|p| p == "mod" || p == "lib") {
+    if parts
+        .last()
+        .is_some_and(|p| p == "mod" || p == "lib" || p == "main")
+    {
         parts.pop();
     }
     parts
@@ -344,13 +352,8 @@ fn imports_run_only_downward_and_in_no_circle() {
     let tests = test_files(&files, &root);
     assert!(tests.len() > 3, "too few test modules found: {tests:?}");
     files.retain(|f| !tests.contains(f));
-    let modules: std::collections::BTreeMap<Vec<String>, std::path::PathBuf> =
-        files.iter().map(|f| (module_of(f), f.clone())).collect();
     let layer = |name: &str| LAYERS.iter().position(|l| *l == name);
     let mut wrong = Vec::new();
-    let mut edges: std::collections::BTreeMap<usize, std::collections::BTreeSet<usize>> =
-        Default::default();
-    let index = |f: &std::path::PathBuf| files.iter().position(|g| g == f).unwrap();
     for file in &files {
         let module = module_of(file);
         let Some(own) = module.first() else {
@@ -367,23 +370,39 @@ fn imports_run_only_downward_and_in_no_circle() {
         let text = std::fs::read_to_string(root.join(file)).unwrap();
         for (line, path) in paths_in(&text, &module) {
             let target = &path[0];
-            match layer(target) {
-                Some(l) if l > own_layer => wrong.push(format!(
+            if let Some(l) = layer(target).filter(|l| *l > own_layer) {
+                wrong.push(format!(
                     "supervisor/src/{}:{line}: `{own}` (layer {}) imports crate::{} from `{target}` \
                      (layer {}), which is above it",
                     file.display(),
                     own_layer + 1,
                     path.join("::"),
                     l + 1
-                )),
-                Some(_) => {}
-                None => continue,
+                ));
             }
-            // The file the path leads to: its longest prefix that is a module. A module's
-            // own folder (declarations, re-exports) is not an edge of the circle check.
+        }
+    }
+    wrong.extend(import_circle(&root, &files));
+    assert!(wrong.is_empty(), "\n{}", wrong.join("\n"));
+}
+
+/// An import circle among `files` (below `root`): a file that imports, through a chain of
+/// files, one that imports it back. A module's own folder (declarations, re-exports) is no
+/// edge. The circle, in words, if there is one.
+fn import_circle(root: &std::path::Path, files: &[std::path::PathBuf]) -> Option<String> {
+    let modules: std::collections::BTreeMap<Vec<String>, &std::path::PathBuf> =
+        files.iter().map(|f| (module_of(f), f)).collect();
+    let index = |f: &std::path::PathBuf| files.iter().position(|g| g == f).unwrap();
+    let mut edges: std::collections::BTreeMap<usize, std::collections::BTreeSet<usize>> =
+        Default::default();
+    for file in files {
+        let module = module_of(file);
+        let text = std::fs::read_to_string(root.join(file)).unwrap();
+        for (_, path) in paths_in(&text, &module) {
+            // The file the path leads to: its longest prefix that is a module.
             let found = (1..=path.len())
                 .rev()
-                .find_map(|k| modules.get(&path[..k]).map(|f| (k, f)));
+                .find_map(|k| modules.get(&path[..k]).map(|f| (k, *f)));
             if let Some((k, to)) = found {
                 let into_own_folder = module.len() < k && path[..module.len()] == module[..];
                 if to != file && !into_own_folder {
@@ -424,10 +443,31 @@ fn imports_run_only_downward_and_in_no_circle() {
             if let Some(c) = circle(start, &edges, &mut state, &mut Vec::new()) {
                 let shown: Vec<String> =
                     c.iter().map(|&i| files[i].display().to_string()).collect();
-                wrong.push(format!("an import circle: {}", shown.join(" -> ")));
-                break;
+                return Some(format!("an import circle: {}", shown.join(" -> ")));
             }
         }
+    }
+    None
+}
+
+/// No file of any crate of the workspace imports, through a chain of files, one that imports
+/// it back (the daemon's library is held by the test above, with its layers).
+#[test]
+fn no_crate_has_an_import_circle() {
+    let here = std::path::Path::new(env!("CARGO_MANIFEST_DIR"));
+    let mut wrong = Vec::new();
+    for krate in [
+        "engine/src",
+        "supervisor/client/src",
+        "supervisor/ctl/src",
+        "supervisor/yaml/src",
+    ] {
+        let root = here.join("..").join(krate);
+        let mut files = source_files(&root);
+        assert!(!files.is_empty(), "no source files in {krate}");
+        let tests = test_files(&files, &root);
+        files.retain(|f| !tests.contains(f));
+        wrong.extend(import_circle(&root, &files).map(|c| format!("{krate}: {c}")));
     }
     assert!(wrong.is_empty(), "\n{}", wrong.join("\n"));
 }

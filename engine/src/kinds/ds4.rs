@@ -16,7 +16,7 @@ use super::{
 };
 use nix::sys::signal::Signal;
 
-use crate::adapter::{EngineParams, KeyPassing, Readiness, Stop};
+use crate::settings::{EngineParams, KeyPassing, Readiness, Stop};
 
 pub const KIND: Kind = Kind {
     name: "ds4",

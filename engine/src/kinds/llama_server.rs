@@ -15,7 +15,7 @@ use std::time::Duration;
 use super::{after_key, json_number, Argv, Kind, KvKeeping, Prefill, PrefillReport, ValidationApi};
 use nix::sys::signal::Signal;
 
-use crate::adapter::{EngineParams, KeyPassing, Readiness, Stop};
+use crate::settings::{EngineParams, KeyPassing, Readiness, Stop};
 
 pub const KIND: Kind = Kind {
     name: "llama-server",

@@ -15,7 +15,7 @@ pub mod openai;
 
 use std::ffi::OsString;
 
-use crate::adapter::{EngineParams, KeyPassing, Readiness, Stop};
+use crate::settings::{EngineParams, KeyPassing, Readiness, Stop};
 
 /// What dsv4 knows about one engine kind.
 #[derive(Debug)]

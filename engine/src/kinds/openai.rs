@@ -15,7 +15,7 @@ use std::ffi::OsString;
 use nix::sys::signal::Signal;
 
 use super::{Kind, KvKeeping, PrefillReport, ValidationApi};
-use crate::adapter::{EngineParams, KeyPassing, Readiness, Stop};
+use crate::settings::{EngineParams, KeyPassing, Readiness, Stop};
 
 pub const KIND: Kind = Kind {
     name: "openai",
