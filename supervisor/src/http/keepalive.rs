@@ -42,7 +42,7 @@ use http::{header, HeaderValue, Response, StatusCode};
 use http_body::{Body, Frame, SizeHint};
 use tokio::time::{Instant, Interval, MissedTickBehavior};
 
-use crate::http::opening::{Api, Opening};
+use crate::http::opening::Opening;
 use crate::http::sse::{self, Place, Protocol, ERROR_BODY_MAX};
 use crate::lifecycle::Handle;
 
@@ -83,17 +83,15 @@ pub struct Extra {
 /// count events (Anthropic Messages, OpenAI Responses): named by the request's model.
 pub fn opening(protocol: Protocol, body: &[u8]) -> Option<Opening> {
     static STREAMS: AtomicU64 = AtomicU64::new(1);
-    let api = match protocol {
-        Protocol::Anthropic => Api::Anthropic,
-        Protocol::Responses => Api::Responses,
-        Protocol::OpenAi => return None,
-    };
+    if protocol == Protocol::OpenAi {
+        return None;
+    }
     let created = std::time::SystemTime::now()
         .duration_since(std::time::UNIX_EPOCH)
         .map_or(0, |d| d.as_secs());
     let model = sse::model_of(body).unwrap_or_else(|| "dsv4".into());
     let stream = STREAMS.fetch_add(1, Ordering::Relaxed);
-    Some(Opening::new(api, model, stream, created))
+    Opening::new(protocol, model, stream, created)
 }
 
 /// What a streamed request is answered with: the engine's answer when it comes within

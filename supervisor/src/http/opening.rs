@@ -24,14 +24,16 @@
 use bytes::{Bytes, BytesMut};
 use serde_json::{json, Value};
 
+use crate::http::protocol::Protocol;
+
 /// The most held back while waiting for an event's end; past it, the stream passes as it
 /// comes and nothing more is changed (an engine that ends its events otherwise than with a
 /// blank line of LFs).
 const CARRY_MAX: usize = 64 << 10;
 
-/// The APIs whose clients count events.
+/// The APIs whose clients count events: the two with events of their own.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
-pub enum Api {
+enum Api {
     Anthropic,
     Responses,
 }
@@ -70,14 +72,20 @@ pub struct Opening {
 }
 
 impl Opening {
-    /// For a stream of `api` whose request names `model`; `stream` numbers dsv4d's ids,
-    /// `created` is the time in Unix seconds.
-    pub fn new(api: Api, model: String, stream: u64, created: u64) -> Opening {
+    /// For a stream of `protocol` whose request names `model`; `stream` numbers dsv4d's ids,
+    /// `created` is the time in Unix seconds. `None` for OpenAI's chat and completions, whose
+    /// clients count bytes (comments keep them).
+    pub fn new(protocol: Protocol, model: String, stream: u64, created: u64) -> Option<Opening> {
+        let api = match protocol {
+            Protocol::Anthropic => Api::Anthropic,
+            Protocol::Responses => Api::Responses,
+            Protocol::OpenAi => return None,
+        };
         let id = match api {
             Api::Anthropic => format!("msg_dsv4_{stream:016x}"),
             Api::Responses => format!("resp_dsv4_{stream:016x}"),
         };
-        Opening {
+        Some(Opening {
             api,
             id,
             model,
@@ -87,7 +95,7 @@ impl Opening {
             engine_started: false,
             carry: BytesMut::new(),
             sequence: 0,
-        }
+        })
     }
 
     /// The event a keep-alive writes now, between events: the API's opening when no one has
@@ -311,8 +319,8 @@ mod tests {
 
     /// `engine` relayed through a fresh opening, cut at `cut`, with keep-alives where the
     /// steps say: `k` a keep-alive, `e` the next piece of the engine's stream.
-    fn run(api: Api, steps: &str, pieces: &[&str]) -> Vec<(String, Value)> {
-        let mut o = Opening::new(api, "m".into(), 1, 7);
+    fn run(api: Protocol, steps: &str, pieces: &[&str]) -> Vec<(String, Value)> {
+        let mut o = Opening::new(api, "m".into(), 1, 7).unwrap();
         let mut out = Vec::new();
         let mut pieces = pieces.iter();
         for step in steps.chars() {
@@ -335,7 +343,7 @@ mod tests {
     fn an_anthropic_stream_is_opened_by_dsv4d_and_the_engines_start_carries_its_usage() {
         let engine = format!("{START}{BLOCK}");
         // Silent, then the engine: its message_start becomes a delta with its usage.
-        let got = run(Api::Anthropic, "kke", &[&engine]);
+        let got = run(Protocol::Anthropic, "kke", &[&engine]);
         assert_eq!(
             names(&got),
             [
@@ -352,7 +360,7 @@ mod tests {
         assert_eq!(got[2].1["usage"]["input_tokens"], 25);
         assert_eq!(got[2].1["delta"]["stop_reason"], Value::Null);
         // The engine first: its stream as it is, and later keep-alives are deltas.
-        let got = run(Api::Anthropic, "eke", &[START, BLOCK]);
+        let got = run(Protocol::Anthropic, "eke", &[START, BLOCK]);
         assert_eq!(
             names(&got),
             [
@@ -368,7 +376,7 @@ mod tests {
     #[test]
     fn a_responses_stream_is_one_response_whoever_opened_it() {
         let engine = [CREATED, IN_PROGRESS, DELTA, COMPLETED];
-        let got = run(Api::Responses, "kkeeee", &engine);
+        let got = run(Protocol::Responses, "kkeeee", &engine);
         assert_eq!(
             names(&got),
             [
@@ -387,7 +395,7 @@ mod tests {
         assert_eq!(got[0].1["sequence_number"], 0);
         assert_eq!(got[1].1["sequence_number"], 1);
         // The engine first: its own, and dsv4d's keep-alives name its response.
-        let got = run(Api::Responses, "eekee", &engine);
+        let got = run(Protocol::Responses, "eekee", &engine);
         assert_eq!(
             names(&got),
             [
@@ -406,9 +414,9 @@ mod tests {
     #[test]
     fn cut_anywhere_the_client_gets_the_same_events() {
         for (api, engine) in [
-            (Api::Anthropic, format!("{START}{BLOCK}")),
+            (Protocol::Anthropic, format!("{START}{BLOCK}")),
             (
-                Api::Responses,
+                Protocol::Responses,
                 format!("{CREATED}{IN_PROGRESS}{DELTA}{COMPLETED}"),
             ),
         ] {
@@ -426,7 +434,7 @@ mod tests {
         let untyped = |e: &str| e.split_once('\n').map(|(_, d)| d.to_string()).unwrap();
         let engine = [untyped(CREATED), untyped(DELTA), untyped(COMPLETED)];
         let pieces: Vec<&str> = engine.iter().map(String::as_str).collect();
-        let got = run(Api::Responses, "keee", &pieces);
+        let got = run(Protocol::Responses, "keee", &pieces);
         assert_eq!(
             names(&got),
             [
@@ -440,7 +448,7 @@ mod tests {
 
     #[test]
     fn a_stream_without_event_ends_passes_whole() {
-        let mut o = Opening::new(Api::Anthropic, "m".into(), 1, 7);
+        let mut o = Opening::new(Protocol::Anthropic, "m".into(), 1, 7).unwrap();
         let long = "x".repeat(CARRY_MAX + 1);
         assert_eq!(o.relay(Bytes::from(long.clone())), long.as_bytes());
         assert_eq!(o.relay(Bytes::from_static(b"y")), &b"y"[..]);
