@@ -75,10 +75,15 @@ pub fn format_size(bytes: u64) -> String {
     }
 }
 
+/// Bytes as GiB: the one conversion every figure of memory in GiB goes through.
+pub fn gib(bytes: u64) -> f64 {
+    bytes as f64 / (1u64 << 30) as f64
+}
+
 /// A size in GiB whatever its size, in the same format: for figures read side by side
 /// (`81.4 GiB in use, 0.6 GiB before it started`).
 pub fn format_gib(bytes: u64) -> String {
-    format!("{:.1} GiB", bytes as f64 / (1u64 << 30) as f64)
+    format!("{:.1} GiB", gib(bytes))
 }
 
 /// A count with its thousands grouped: `262,144`.

@@ -12,6 +12,7 @@ use std::io::Write;
 use std::time::Duration;
 
 use dsv4_client::telemetry::{Sample, Sensor};
+use dsv4_client::units::gib;
 use dsv4_client::Status;
 use ratatui::crossterm::event::{self, Event, KeyCode, KeyEventKind, KeyModifiers};
 use ratatui::layout::{Constraint, Layout};
@@ -95,10 +96,6 @@ fn range(values: &[Option<f64>], unit: &str, digits: usize) -> String {
     let lo = known.iter().copied().fold(f64::INFINITY, f64::min);
     let hi = known.iter().copied().fold(f64::NEG_INFINITY, f64::max);
     format!("{cur:.digits$} {unit} ({lo:.digits$} .. {hi:.digits$})")
-}
-
-fn gib(b: u64) -> f64 {
-    b as f64 / (1u64 << 30) as f64
 }
 
 /// The header: the engine, the requests and the memory, in a few lines.

@@ -46,10 +46,7 @@ pub fn status_line(e: &EngineStatus, sample: Option<&Sample>) -> String {
     }
     if let Some(s) = sample {
         if let Some(gtt) = s.gpu.as_ref().and_then(|g| g.memory.gtt_used) {
-            line.push_str(&format!(
-                ", GTT {:.1} GiB",
-                gtt as f64 / (1u64 << 30) as f64
-            ));
+            line.push_str(&format!(", GTT {}", dsv4_client::units::format_gib(gtt)));
         }
         if let Some(t) = s.temperatures.get(Sensor::Edge) {
             line.push_str(&format!(", {t:.0} C"));

@@ -35,7 +35,7 @@ pub(super) async fn memory_comes_back<F: FnOnce() + Send + 'static>(
     settled: F,
     mut next: watch::Receiver<bool>,
 ) {
-    let gib = |b: u64| b as f64 / (1u64 << 30) as f64;
+    let gib = dsv4_client::units::gib;
     let started = Instant::now();
     let mut settled = Some(settled);
     let tell = |settled: &mut Option<F>| {

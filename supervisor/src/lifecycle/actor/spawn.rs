@@ -133,8 +133,8 @@ impl Actor {
         }
         match before.available {
             Some(bytes) => tracing::info!(
-                "memory available before the start: {:.1} GiB",
-                bytes as f64 / (1u64 << 30) as f64
+                "memory available before the start: {}",
+                dsv4_client::units::format_gib(bytes)
             ),
             None => tracing::debug!(
                 "memory available before the start: unknown (no {})",
