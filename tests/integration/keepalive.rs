@@ -176,6 +176,38 @@ async fn curl_sees_what_a_stream_waits_for_and_the_estimate_on_the_next_cold_sta
     assert_eq!(d.spawns(), 2);
 }
 
+/// The words are written only after a full period of silence: once the engine's answer has
+/// come under dsv4d's own head, its prefill is told as `waiting for the engine's answer: N s`
+/// from the first full period on (never `0 s` at the next tick), the docs' words.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_words_come_after_a_full_period_of_silence_and_are_the_docs_words() {
+    let d = Daemon::start(
+        &Setup::default()
+            .api("stream_keepalive", "1s")
+            .knob("load_ms", "1500")
+            .knob("prefill_ms", "3500"),
+    );
+    let stream = curl_stream(&d, &chat(4, true)).await;
+    assert!(stream.starts_with(": dsv4 loading 320k: "), "{stream:?}");
+    let waiting: Vec<u64> = comments(&stream)
+        .into_iter()
+        .filter_map(|c| c.strip_prefix(": dsv4 waiting for the engine's answer: "))
+        .filter_map(|c| c.strip_suffix(" s")?.parse().ok())
+        .collect();
+    assert!(waiting.len() >= 2, "{stream:?}");
+    assert!(waiting.iter().all(|s| *s >= 1), "{stream:?}\n{}", d.log());
+    assert!(rising(&waiting), "{stream:?}");
+    // Only the docs' words: loading, or waiting for the engine's answer.
+    for c in comments(&stream) {
+        assert!(
+            c.starts_with(": dsv4 loading 320k: ")
+                || c.starts_with(": dsv4 waiting for the engine's answer: "),
+            "{c:?}"
+        );
+    }
+    assert!(stream.ends_with("data: [DONE]\n\n"), "{stream:?}");
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn an_engine_error_after_dsv4ds_own_head_is_an_error_event_the_openai_package_raises() {
     let d = Daemon::start(

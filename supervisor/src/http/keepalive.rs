@@ -148,6 +148,12 @@ where
     }
 }
 
+/// Seconds as the words say them: rounded, since a tick one period after the last sound
+/// comes a hair early as often as late (0.9995 s is one second of silence, not none).
+pub fn whole_seconds(d: Duration) -> u64 {
+    d.as_secs_f64().round() as u64
+}
+
 fn is_event_stream<B>(resp: &Response<B>) -> bool {
     resp.status().is_success()
         && resp
@@ -204,13 +210,13 @@ impl<B> Keepalive<B> {
         match &self.phase {
             Phase::Relaying(_) | Phase::Flushing(_) | Phase::Ended => format!(
                 "dsv4 waiting for the engine's answer: {} s",
-                self.quiet_since.elapsed().as_secs()
+                whole_seconds(self.quiet_since.elapsed())
             ),
             Phase::Waiting(_) | Phase::Collecting { .. } => {
                 if let Some(loading) = self.lifecycle.loading() {
                     return loading.describe(loading.since.elapsed());
                 }
-                let waited = self.since.elapsed().as_secs();
+                let waited = whole_seconds(self.since.elapsed());
                 match self.lifecycle.status().state {
                     dsv4_client::State::Ready => {
                         format!("dsv4 waiting for the engine's answer: {waited} s")

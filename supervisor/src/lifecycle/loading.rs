@@ -35,7 +35,8 @@ impl Loading {
     /// cold one), their range instead: `dsv4 loading 320k: 20 s, past loads 0.2-45 s`. The
     /// first load of a profile says only the seconds.
     pub fn describe(&self, elapsed: Duration) -> String {
-        let mut text = format!("dsv4 loading {}: {} s", self.profile, elapsed.as_secs());
+        let seconds_in = elapsed.as_secs_f64().round();
+        let mut text = format!("dsv4 loading {}: {seconds_in} s", self.profile);
         match (self.past, self.about) {
             (Some((low, high)), _) if high.as_secs_f64() > 1.5 * low.as_secs_f64() + 0.5 => {
                 text.push_str(&format!(
@@ -66,7 +67,7 @@ mod tests {
             past: None,
         };
         assert_eq!(
-            l.describe(Duration::from_millis(23_900)),
+            l.describe(Duration::from_millis(23_400)),
             "dsv4 loading 320k: 23 s of about 54 s"
         );
         // Loads that varied: their range, not a median that fits none of them.
@@ -78,8 +79,13 @@ mod tests {
         // Close enough: the median.
         l.past = Some((Duration::from_millis(52_000), Duration::from_millis(56_000)));
         assert_eq!(
-            l.describe(Duration::from_millis(23_900)),
+            l.describe(Duration::from_millis(23_400)),
             "dsv4 loading 320k: 23 s of about 54 s"
+        );
+        // A tick a hair before the second: rounded, not cut.
+        assert_eq!(
+            l.describe(Duration::from_millis(23_999)),
+            "dsv4 loading 320k: 24 s of about 54 s"
         );
         l.about = None;
         l.past = None;
