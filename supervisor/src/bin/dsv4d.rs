@@ -326,104 +326,13 @@ async fn build(args: Args, activated: Vec<(std::os::fd::OwnedFd, String)>) -> Re
     if sysroot != SysRoot::default() {
         tracing::info!("reading /proc and /sys below {}", sysroot.root().display());
     }
-    let listen = args
-        .listen
-        .as_deref()
-        .unwrap_or(&config.supervisor.api.listen);
-    let (std_listener, origin) = listener::api_listener(activated, listen)?;
-    let listener =
-        tokio::net::TcpListener::from_std(std_listener).context("registering the API listener")?;
-    match &origin {
-        Origin::Activated { fd, name } => {
-            tracing::info!("listening on socket-activated fd {fd} ({name})")
-        }
-        Origin::Bound { addr } => tracing::info!("listening on http://{addr}"),
-    }
-
-    // Checked now, so that a folder others may enter stops the daemon with the reason
-    // rather than every engine start.
-    let key_folder = KeyFolder::for_daemon(&config.supervisor.state_dir);
-    key_folder.prepare()?;
-    tracing::info!(
-        "engine keys go to {} (a fresh one for each engine start)",
-        key_folder.path().display()
-    );
-
-    // Before any engine of ours exists: what a killed dsv4d left running goes first, so
-    // that its memory is free for ours.
-    let reaped = dsv4::lifecycle::leftover::reap(
-        &config.supervisor.state_dir,
-        std::path::Path::new("/proc"),
-        LEFTOVER_GRACE,
-    )
-    .await;
-    if !reaped.ended.is_empty() {
-        tracing::warn!(
-            "ended {} engine process(es) that a previous dsv4d left running ({} needed \
-             SIGKILL)",
-            reaped.ended.len(),
-            reaped.killed
-        );
-    }
-
-    dsv4::validate::recover(&config.supervisor.state_dir);
-    dsv4::control::reload::note_start(&config);
-    let profile = active_profile(&config);
+    let (listener, origin) = listen(&args, &config, activated)?;
+    let key_folder = clean_slate(&config).await?;
     let alerts = Alerts::default();
-    // A validation matrix cell's settings: the lifecycle adds its arguments, the power
-    // policy applies its profile and level, the validator sets and clears it.
-    let trial = dsv4::lifecycle::trial::Trial::default();
-    let services = Services {
-        alerts: alerts.clone(),
-        sysroot: sysroot.clone(),
-        key_folder: Some(key_folder),
-        trial: trial.clone(),
-        redact: Default::default(),
-    };
-    // The keys taken out of the engines' output: each engine's own, and the API and admin
-    // keys, which their caches tell it as they read them.
-    let redact = services.redact.clone();
     // The configuration in force, in one place: replaced by reloads (SIGHUP, or an edited
     // file), read from here by everything that uses it.
     let (config_tx, config_rx) = tokio::sync::watch::channel(config.clone());
-    let (lifecycle, actor) =
-        dsv4::lifecycle::actor::spawn(config_rx.clone(), profile.clone(), services);
-    let telemetry = dsv4::observe::monitor::spawn(
-        dsv4::host::hw::Sampler::new(sysroot.clone()),
-        config_rx.clone(),
-        lifecycle.watch_status(),
-    );
-    let thermal =
-        dsv4::policy::thermal::spawn(config_rx.clone(), telemetry.clone(), lifecycle.clone());
-    let power = dsv4::policy::power::spawn(dsv4::policy::power::Parts {
-        config: config_rx.clone(),
-        lifecycle: lifecycle.watch_status(),
-        telemetry: telemetry.clone(),
-        sysroot: sysroot.clone(),
-        alerts: alerts.clone(),
-        trial: trial.clone(),
-    });
-    let validator = dsv4::validate::Validator::new(
-        lifecycle.clone(),
-        telemetry.clone(),
-        config_rx.clone(),
-        sysroot,
-        trial,
-        power.clone(),
-    );
-    tracing::info!(profile, "ready; the engine starts on the first request");
-    // What the API and the control interface both serve from.
-    let parts = Parts {
-        lifecycle: lifecycle.clone(),
-        config: config_rx,
-        stats: Stats::default(),
-        telemetry,
-        power,
-        thermal,
-        validator: validator.clone(),
-        actions: dsv4::actions::Actions::new(lifecycle, validator),
-        flights: dsv4::observe::flights::Flights::new(alerts.clone()),
-    };
+    let (parts, actor, redact) = spawn_parts(&config, config_rx, sysroot, key_folder, &alerts);
     let activity = dsv4::http::connections::Activity::default();
     let control = match args.bus.0 {
         Some(bus) => {
@@ -467,6 +376,123 @@ async fn build(args: Args, activated: Vec<(std::os::fd::OwnedFd, String)>) -> Re
         actor,
         control,
     })
+}
+
+/// The API's listener: systemd's socket, else `--listen`, else `api.listen`.
+fn listen(
+    args: &Args,
+    config: &Config,
+    activated: Vec<(std::os::fd::OwnedFd, String)>,
+) -> Result<(tokio::net::TcpListener, Origin)> {
+    let listen = args
+        .listen
+        .as_deref()
+        .unwrap_or(&config.supervisor.api.listen);
+    let (std_listener, origin) = listener::api_listener(activated, listen)?;
+    let listener =
+        tokio::net::TcpListener::from_std(std_listener).context("registering the API listener")?;
+    match &origin {
+        Origin::Activated { fd, name } => {
+            tracing::info!("listening on socket-activated fd {fd} ({name})")
+        }
+        Origin::Bound { addr } => tracing::info!("listening on http://{addr}"),
+    }
+    Ok((listener, origin))
+}
+
+/// What must be so before any engine of ours exists: the engine keys' folder private (checked
+/// now, so that a folder others may enter stops the daemon with the reason rather than every
+/// engine start), what a killed dsv4d left running ended (so that its memory is free for
+/// ours), an interrupted validation's settings given back, and the key settings compared
+/// with the last run's.
+async fn clean_slate(config: &Config) -> Result<KeyFolder> {
+    let state_dir = &config.supervisor.state_dir;
+    let key_folder = KeyFolder::for_daemon(state_dir);
+    key_folder.prepare()?;
+    tracing::info!(
+        "engine keys go to {} (a fresh one for each engine start)",
+        key_folder.path().display()
+    );
+    let reaped =
+        dsv4::lifecycle::leftover::reap(state_dir, std::path::Path::new("/proc"), LEFTOVER_GRACE)
+            .await;
+    if !reaped.ended.is_empty() {
+        tracing::warn!(
+            "ended {} engine process(es) that a previous dsv4d left running ({} needed \
+             SIGKILL)",
+            reaped.ended.len(),
+            reaped.killed
+        );
+    }
+    dsv4::validate::recover(state_dir);
+    dsv4::control::reload::note_start(config);
+    Ok(key_folder)
+}
+
+/// The lifecycle actor, the monitor, the policies and the validator, started, in the bundle
+/// both faces serve from; the actor's task, and the keys taken out of the engines' output
+/// (each engine's own, and the API and admin keys, which their caches tell it).
+fn spawn_parts(
+    config: &Config,
+    config_rx: tokio::sync::watch::Receiver<Arc<Config>>,
+    sysroot: SysRoot,
+    key_folder: KeyFolder,
+    alerts: &Alerts,
+) -> (
+    Parts,
+    tokio::task::JoinHandle<()>,
+    dsv4::lifecycle::Redactor,
+) {
+    let profile = active_profile(config);
+    // A validation matrix cell's settings: the lifecycle adds its arguments, the power
+    // policy applies its profile and level, the validator sets and clears it.
+    let trial = dsv4::lifecycle::trial::Trial::default();
+    let services = Services {
+        alerts: alerts.clone(),
+        sysroot: sysroot.clone(),
+        key_folder: Some(key_folder),
+        trial: trial.clone(),
+        redact: Default::default(),
+    };
+    let redact = services.redact.clone();
+    let (lifecycle, actor) =
+        dsv4::lifecycle::actor::spawn(config_rx.clone(), profile.clone(), services);
+    let telemetry = dsv4::observe::monitor::spawn(
+        dsv4::host::hw::Sampler::new(sysroot.clone()),
+        config_rx.clone(),
+        lifecycle.watch_status(),
+    );
+    let thermal =
+        dsv4::policy::thermal::spawn(config_rx.clone(), telemetry.clone(), lifecycle.clone());
+    let power = dsv4::policy::power::spawn(dsv4::policy::power::Parts {
+        config: config_rx.clone(),
+        lifecycle: lifecycle.watch_status(),
+        telemetry: telemetry.clone(),
+        sysroot: sysroot.clone(),
+        alerts: alerts.clone(),
+        trial: trial.clone(),
+    });
+    let validator = dsv4::validate::Validator::new(
+        lifecycle.clone(),
+        telemetry.clone(),
+        config_rx.clone(),
+        sysroot,
+        trial,
+        power.clone(),
+    );
+    tracing::info!(profile, "ready; the engine starts on the first request");
+    let parts = Parts {
+        lifecycle: lifecycle.clone(),
+        config: config_rx,
+        stats: Stats::default(),
+        telemetry,
+        power,
+        thermal,
+        validator: validator.clone(),
+        actions: dsv4::actions::Actions::new(lifecycle, validator),
+        flights: dsv4::observe::flights::Flights::new(alerts.clone()),
+    };
+    (parts, actor, redact)
 }
 
 impl Daemon {

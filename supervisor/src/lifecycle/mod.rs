@@ -21,4 +21,6 @@ pub mod upstream;
 
 pub use engine_ref::EngineRef;
 
-pub use actor::{ControlError, Handle, Lease, Refused, Services, Status, ERROR_TAIL_LINES};
+pub use actor::{
+    ControlError, Handle, Lease, Redactor, Refused, Services, Status, ERROR_TAIL_LINES,
+};

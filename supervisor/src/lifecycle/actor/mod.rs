@@ -24,7 +24,7 @@ mod spawn;
 
 pub use handle::Handle;
 pub use messages::Lease;
-pub use services::Services;
+pub use services::{Redactor, Services};
 
 use std::collections::{HashMap, VecDeque};
 use std::sync::atomic::AtomicU64;

@@ -4,6 +4,9 @@ use crate::host::sysroot::SysRoot;
 use crate::lifecycle::alert::Alerts;
 use crate::lifecycle::engine_key::KeyFolder;
 
+/// The keys taken out of every engine's output lines, as the daemon names its type.
+pub use dsv4_engine::Redactor;
+
 /// What the actor uses from the rest of the daemon.
 #[derive(Debug, Clone, Default)]
 pub struct Services {
@@ -16,5 +19,5 @@ pub struct Services {
     /// A validation matrix cell's arguments, added at each spawn of its profile's engine.
     pub trial: crate::lifecycle::trial::Trial,
     /// The keys taken out of every engine's output lines (each engine's own added to them).
-    pub redact: dsv4_engine::Redactor,
+    pub redact: Redactor,
 }
