@@ -53,6 +53,32 @@ const STOPPING_TEMPLATE: &str = "{%- for m in messages -%}<|im_start|>{{ m.role 
 /// The answer of the tiny model under [`STOPPING_TEMPLATE`].
 const ANSWER: &str = "6789";
 
+/// `loading.py PORT SECONDS`: holds 127.0.0.1:PORT for SECONDS, answering every request 503
+/// "Loading model" in llama-server's words, then lets the port go.
+const LOADING_STAND_IN: &str = r#"import socket, sys, time
+port, until = int(sys.argv[1]), time.monotonic() + float(sys.argv[2])
+body = b'{"error":{"code":503,"message":"Loading model","type":"unavailable_error"}}'
+s = socket.socket()
+s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+s.bind(("127.0.0.1", port))
+s.listen(16)
+s.settimeout(0.5)
+while time.monotonic() < until:
+    try:
+        c, _ = s.accept()
+    except socket.timeout:
+        continue
+    c.settimeout(1)
+    try:
+        c.recv(65536)
+        c.sendall(b"HTTP/1.1 503 Service Unavailable\r\nContent-Type: application/json\r\n"
+                  b"Connection: close\r\nContent-Length: %d\r\n\r\n%s" % (len(body), body))
+    except OSError:
+        pass
+    c.close()
+s.close()
+"#;
+
 /// A daemon whose profile `agents` runs the real llama-server on [`model_128k`] with the
 /// stopping template, started by a wrapper that first waits `load` (a slow load), with
 /// `api.stream_keepalive` of `keepalive`.
@@ -61,13 +87,25 @@ fn agent_daemon(load: Duration, keepalive: &str) -> Daemon {
     let dir = temp_dir("agents");
     let template = dir.path().join("stopping.jinja");
     std::fs::write(&template, STOPPING_TEMPLATE).unwrap();
+    // A slow load: for `load`, the engine's port is held by a stand-in of the engine's own
+    // (it carries the engine's mark, as any child of it does) that answers 503 "Loading
+    // model", as llama-server does while it loads; then llama-server takes the port. Held,
+    // the port cannot be taken by another test's server meanwhile (dsv4d would rightly
+    // start the engine again elsewhere).
+    let loading = dir.path().join("loading.py");
+    std::fs::write(&loading, LOADING_STAND_IN).unwrap();
     let wrapper = dir.path().join("slow-llama-server");
     std::fs::write(
         &wrapper,
         format!(
-            "#!/bin/sh\nsleep {}\nexec {} \"$@\"\n",
-            load.as_secs(),
-            server.display()
+            "#!/bin/sh\n\
+             port=; prev=\n\
+             for a in \"$@\"; do [ \"$prev\" = --port ] && port=$a; prev=$a; done\n\
+             if [ {secs} -gt 0 ]; then /usr/bin/python3 {} \"$port\" {secs}; fi\n\
+             exec {} \"$@\"\n",
+            loading.display(),
+            server.display(),
+            secs = load.as_secs(),
         ),
     )
     .unwrap();
@@ -216,7 +254,7 @@ async fn claude_code_gets_its_answer_through_a_load_longer_than_its_watchdog() {
 /// request each, counted under `responses` with its tokens.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn codex_keeps_one_request_through_a_load_and_a_long_prefill() {
-    let d = agent_daemon(Duration::from_secs(20), "2s");
+    let d = agent_daemon(Duration::from_secs(20), "1s");
     let o = codex(&d, "hi", 5000);
     let (out, err) = text(&o);
     assert_eq!(o.status.code(), Some(0), "{out}\n{err}\n{}", d.log());
@@ -391,4 +429,27 @@ async fn the_python_packages_parse_every_kept_alive_stream_of_the_real_ds4() {
             assert_eq!(v["ids"].as_array().map(Vec::len), Some(1), "{what}");
         }
     }
+}
+
+/// Claude Code on the real ds4-server, which sends nothing, not even a head, until its
+/// prefill ends: dsv4d's own head and events carry it through the prefill, ds4-server's own
+/// `message_start` follows as a delta, and Claude Code prints ds4's answer, from one request.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn claude_code_gets_the_real_ds4s_answer_through_its_silent_prefill() {
+    let test = "claude_code_gets_the_real_ds4s_answer_through_its_silent_prefill";
+    let Some((server, model)) = crate::support::real::ds4_engine(test) else {
+        return;
+    };
+    let dir = temp_dir("ds4-claude");
+    let s = crate::support::real::ds4_setup(&server, &model, dir.path(), "10m")
+        .api("stream_keepalive", "1s")
+        .log_level("info,dsv4::http=debug");
+    let d = Daemon::start_in(&s, dir);
+    let env = [("CLAUDE_CODE_DISABLE_NONESSENTIAL_TRAFFIC", "1")];
+    let o = claude(&d, Some("hi"), &env, HANG);
+    let (out, err) = text(&o);
+    assert_eq!(o.status.code(), Some(0), "{out}\n{err}\n{}", d.log());
+    assert_eq!(out.trim(), "Hi!", "{err}");
+    assert_eq!(arrived(&d, "POST /v1/messages"), 1, "{}", d.log());
+    assert_eq!(counted(&d, "anthropic").await.0, 1, "{}", d.log());
 }
