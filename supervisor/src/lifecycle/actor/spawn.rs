@@ -47,11 +47,97 @@ impl Actor {
                 },
             })
         };
-        let Some(profile) = self.config.profile(profile_name) else {
+        // Its own handle on the configuration: the profile is read while the actor changes.
+        let config = self.config.clone();
+        let Some(profile) = config.profile(profile_name) else {
             return fail(format!(
                 "profile `{profile_name}` is not in the configuration any more"
             ));
         };
+        let Prepared {
+            params,
+            port,
+            key,
+            tag,
+            spec,
+        } = match self.prepare(gen, profile_name, profile) {
+            Ok(p) => p,
+            Err(summary) => return fail(summary),
+        };
+        let before = self.before_spawn(profile);
+        // The engine's output readers log in its span (see `crate::log::journal`).
+        let span = crate::log::journal::engine_span(profile_name, Some(gen));
+        let child = match span.in_scope(|| EngineChild::spawn(&spec)) {
+            Ok(c) => c,
+            Err(e) => return fail(e.to_string()),
+        };
+        span.record("engine_pid", child.pid());
+        let state_dir = &self.config.supervisor.state_dir;
+        let since = self.publish_loading(profile_name, port_tries);
+        let group = match leftover::Guard::write(state_dir, child.pid(), &tag) {
+            Ok(g) => Some(g),
+            Err(e) => {
+                // The engine runs all the same; only a crash of dsv4d could leave it behind.
+                tracing::warn!(
+                    "cannot write {}: {e}; an engine left running by a killed dsv4d would not \
+                     be ended at its next start",
+                    leftover::record_path(state_dir).display()
+                );
+                None
+            }
+        };
+        self.set_rules(profile_name, profile, &params);
+        let upstream = SocketAddr::from((Ipv4Addr::LOCALHOST, port));
+        let shared = Arc::new(EngineRef {
+            gen,
+            profile: profile_name.to_string(),
+            pid: child.pid(),
+            upstream,
+            connections: Upstream::new(upstream, key.as_ref().map(|k| k.authorization().clone())),
+            output: child.output().clone(),
+            exit: child.exit_watch(),
+            kind: profile.engine.describe(),
+        });
+        let probe = tokio::spawn(probe_ready(
+            profile.engine.readiness(&params),
+            shared.clone(),
+            Arc::from(tag.as_str()),
+            self.internal.clone(),
+        ));
+        self.watch_exit(gen, child.exit_watch());
+        self.engine = Some(Engine {
+            spawned: profile.clone(),
+            child,
+            shared,
+            probe,
+            kv_task: None,
+            kv: Default::default(),
+            validated: false,
+            term_at: None,
+            ready_at: None,
+            load_took: None,
+            spawned_at: since,
+            memory_before: before,
+            oom_kills_before: crate::host::hw::cgroup::oom_kills(&self.sysroot).map(|(_, n)| n),
+            _key: key,
+            _group: group,
+            port_tries,
+            port_taken: None,
+            span,
+        });
+        None
+    }
+
+    /// What the engine of `gen` is spawned with: the profile's settings (and a matrix cell's
+    /// arguments after them), a free port, a fresh key when the kind takes one, the process
+    /// mark and the spawn spec; logged as any local user would see its argv, key aside. The
+    /// reason, when one of them cannot be had.
+    fn prepare<'p>(
+        &self,
+        gen: Gen,
+        profile_name: &str,
+        profile: &'p crate::config::Profile,
+    ) -> Result<Prepared<'p>, String> {
         // A validation matrix cell adds its arguments after the profile's own.
         let added = self.trial.args_for(profile_name);
         let params = match added.is_empty() {
@@ -65,7 +151,7 @@ impl Actor {
         let port = match free_port() {
             Ok(p) => p,
             Err(e) => {
-                return fail(format!(
+                return Err(format!(
                     "cannot find a free loopback port for the engine: {e}"
                 ))
             }
@@ -75,7 +161,7 @@ impl Actor {
         let key = match profile.engine.key_passing(&params).takes_key() {
             true => match self.key_folder.issue(gen) {
                 Ok(key) => Some(key),
-                Err(e) => return fail(e.to_string()),
+                Err(e) => return Err(e.to_string()),
             },
             false => None,
         };
@@ -87,7 +173,7 @@ impl Actor {
         // ends what is left of it only by the mark (see `crate::lifecycle::leftover`).
         let tag = match leftover::new_tag() {
             Ok(tag) => tag,
-            Err(e) => return fail(format!("cannot make the engine's process mark: {e}")),
+            Err(e) => return Err(format!("cannot make the engine's process mark: {e}")),
         };
         // The key, when the engine takes it from its environment, comes after the profile's
         // `env`: nothing there can replace it.
@@ -126,7 +212,22 @@ impl Actor {
             spec.program.display(),
             shown.join(" ")
         );
-        // Read just before the step that spawns (see `handle`).
+        Ok(Prepared {
+            params,
+            port,
+            key,
+            tag,
+            spec,
+        })
+    }
+
+    /// The memory as read just before the step that spawns (see `handle`), logged; the wait
+    /// for the next spawn told; the KV checkpoint folder made (llama-server saves only into a
+    /// folder that exists).
+    fn before_spawn(
+        &mut self,
+        profile: &crate::config::Profile,
+    ) -> dsv4_client::telemetry::MemoryFigures {
         let before = self.memory_read;
         if let Some(next) = self.next_spawned.take() {
             next.send_replace(true);
@@ -142,7 +243,6 @@ impl Actor {
             ),
         }
         if let Some(kv) = &profile.kv_checkpoint {
-            // llama-server saves only into a folder that exists.
             if let Err(e) = crate::kv::store::Store::new(&kv.dir).ensure() {
                 tracing::warn!(
                     "cannot create the KV checkpoint folder {}: {e}; saves will fail",
@@ -150,40 +250,18 @@ impl Actor {
                 );
             }
         }
-        // The engine's output readers log in its span (see `crate::log::journal`).
-        let span = crate::log::journal::engine_span(profile_name, Some(gen));
-        let child = match span.in_scope(|| EngineChild::spawn(&spec)) {
-            Ok(c) => c,
-            Err(e) => return fail(e.to_string()),
-        };
-        span.record("engine_pid", child.pid());
-        let state_dir = &self.config.supervisor.state_dir;
-        // A start that moved to another port loads since its first spawn.
-        let since = match (port_tries, self.loading.borrow().as_ref()) {
-            (1.., Some(l)) if l.profile == profile_name => l.since,
-            _ => Instant::now(),
-        };
-        let book = crate::host::load_times::read(state_dir);
-        self.loading
-            .send_replace(Some(crate::lifecycle::loading::Loading {
-                profile: profile_name.to_string(),
-                since,
-                about: crate::host::load_times::estimate(&book, profile_name),
-                past: crate::host::load_times::range(&book, profile_name),
-            }));
-        let group = match leftover::Guard::write(state_dir, child.pid(), &tag) {
-            Ok(g) => Some(g),
-            Err(e) => {
-                // The engine runs all the same; only a crash of dsv4d could leave it behind.
-                tracing::warn!(
-                    "cannot write {}: {e}; an engine left running by a killed dsv4d would not \
-                     be ended at its next start",
-                    leftover::record_path(state_dir).display()
-                );
-                None
-            }
-        };
-        let stop = profile.engine.stop(&params);
+        before
+    }
+
+    /// How the engine of `profile` is stopped, and its KV steps (none while its checkpoints
+    /// are suspended), told to the rules.
+    fn set_rules(
+        &mut self,
+        profile_name: &str,
+        profile: &crate::config::Profile,
+        params: &dsv4_engine::EngineParams,
+    ) {
+        let stop = profile.engine.stop(params);
         self.machine.set_interrupt_grace(stop.interrupt_grace);
         self.machine.set_stop_grace(stop.grace);
         self.machine.set_kv_steps(
@@ -196,27 +274,30 @@ impl Actor {
                     restore_timeout: kv.restore_timeout,
                 }),
         );
-        let upstream = SocketAddr::from((Ipv4Addr::LOCALHOST, port));
-        let shared = Arc::new(EngineRef {
-            gen,
-            profile: profile_name.to_string(),
-            pid: child.pid(),
-            upstream,
-            connections: Upstream::new(upstream, key.as_ref().map(|k| k.authorization().clone())),
-            output: child.output().clone(),
-            exit: child.exit_watch(),
-            kind: profile.engine.describe(),
-        });
-        let probe = tokio::spawn(probe_ready(
-            profile.engine.readiness(&params),
-            shared.clone(),
-            Arc::from(tag.as_str()),
-            self.internal.clone(),
-        ));
+    }
+
+    /// Tells the requests waiting that `profile_name` loads, with what its last loads took;
+    /// the load's start (a start that moved to another port loads since its first spawn).
+    fn publish_loading(&self, profile_name: &str, port_tries: u32) -> Instant {
+        let since = match (port_tries, self.loading.borrow().as_ref()) {
+            (1.., Some(l)) if l.profile == profile_name => l.since,
+            _ => Instant::now(),
+        };
+        let book = crate::host::load_times::read(&self.config.supervisor.state_dir);
+        self.loading
+            .send_replace(Some(crate::lifecycle::loading::Loading {
+                profile: profile_name.to_string(),
+                since,
+                about: crate::host::load_times::estimate(&book, profile_name),
+                past: crate::host::load_times::range(&book, profile_name),
+            }));
+        since
+    }
+
+    /// Tells the actor when the engine of `gen` exits, however it exits.
+    fn watch_exit(&self, gen: Gen, mut exit: tokio::sync::watch::Receiver<Option<ExitReport>>) {
         let internal = self.internal.clone();
-        let exit = child.exit_watch();
         tokio::spawn(async move {
-            let mut exit = exit;
             let report = match exit.wait_for(Option::is_some).await {
                 Ok(r) => r.clone(),
                 Err(_) => None,
@@ -231,28 +312,16 @@ impl Actor {
                 port: PortLook::NotYet,
             });
         });
-        self.engine = Some(Engine {
-            spawned: profile.clone(),
-            child,
-            shared,
-            probe,
-            kv_task: None,
-            kv: Default::default(),
-            validated: false,
-            term_at: None,
-            ready_at: None,
-            load_took: None,
-            spawned_at: since,
-            memory_before: before,
-            oom_kills_before: crate::host::hw::cgroup::oom_kills(&self.sysroot).map(|(_, n)| n),
-            _key: key,
-            _group: group,
-            port_tries,
-            port_taken: None,
-            span,
-        });
-        None
     }
+}
+
+/// What an engine is spawned with, made ready by [`Actor::prepare`].
+struct Prepared<'p> {
+    params: std::borrow::Cow<'p, dsv4_engine::EngineParams>,
+    port: u16,
+    key: Option<EngineKey>,
+    tag: String,
+    spec: SpawnSpec,
 }
 
 /// A loopback port that was free a moment ago. Engines cannot take an open socket (llama-server
