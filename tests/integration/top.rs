@@ -38,9 +38,13 @@ struct Tmux {
 }
 
 impl Tmux {
+    /// A server of its own for each test: the tests of one process run at the same time, and
+    /// two on one socket each made the session `top` ("duplicate session: top").
     fn new() -> Tmux {
+        static N: std::sync::atomic::AtomicU32 = std::sync::atomic::AtomicU32::new(0);
+        let n = N.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
         Tmux {
-            socket: format!("dsv4-test-{}", std::process::id()),
+            socket: format!("dsv4-test-{}-{n}", std::process::id()),
         }
     }
 
