@@ -152,23 +152,6 @@ async fn the_real_ds4_servers_prefill_shows_in_the_status_from_its_log() {
     assert!(shown >= 10, "{seen:#?}");
 }
 
-/// POSTs `body` as it is, byte for byte, to `url`: the status and the answer as text.
-async fn post_bytes(url: &str, body: &str) -> (u16, String) {
-    use http_body_util::BodyExt;
-    let client = hyper_util::client::legacy::Client::builder(hyper_util::rt::TokioExecutor::new())
-        .build_http::<http_body_util::Full<bytes::Bytes>>();
-    let req = hyper::Request::post(url)
-        .header("content-type", "application/json")
-        .body(http_body_util::Full::new(bytes::Bytes::from(
-            body.to_string(),
-        )))
-        .unwrap();
-    let resp = client.request(req).await.unwrap();
-    let status = resp.status().as_u16();
-    let bytes = resp.into_body().collect().await.unwrap().to_bytes();
-    (status, String::from_utf8_lossy(&bytes).into_owned())
-}
-
 /// dsv4d's own ask for progress cannot be seen: a client that asks with the key escaped
 /// (`"return\u005fprogress"`) gets its progress events, as from llama-server alone, and a
 /// body llama-server cannot parse reaches it as written, so its error positions are the
@@ -180,7 +163,7 @@ async fn the_ask_for_progress_cannot_be_seen() {
     let escaped = format!(
         r#"{{"return\u005fprogress":true,"stream":true,"max_tokens":4,"messages":[{{"role":"user","content":{prompt}}}]}}"#
     );
-    let (status, stream) = post_bytes(&d.url("/v1/chat/completions"), &escaped).await;
+    let (status, stream) = post_text(&d.url("/v1/chat/completions"), &[], &escaped).await;
     assert_eq!(status, 200, "{stream}");
     assert!(stream.contains("\"prompt_progress\""), "{stream}");
     assert!(stream.ends_with("data: [DONE]\n\n"), "{stream}");
@@ -188,8 +171,8 @@ async fn the_ask_for_progress_cannot_be_seen() {
     let broken = r#"{"stream":true,"messages":[{"role":"user","content":"hi"}],"max_tokens":2,}"#;
     let direct = crate::support::real::LlamaServer::start();
     let (direct_status, direct_said) =
-        post_bytes(&format!("{}/v1/chat/completions", direct.url), broken).await;
-    let (status, said) = post_bytes(&d.url("/v1/chat/completions"), broken).await;
+        post_text(&format!("{}/v1/chat/completions", direct.url), &[], broken).await;
+    let (status, said) = post_text(&d.url("/v1/chat/completions"), &[], broken).await;
     assert_eq!(status, direct_status, "{said}");
     assert!(direct_said.contains("column"), "{direct_said}");
     assert_eq!(said, direct_said);

@@ -300,28 +300,6 @@ async fn the_engines_port_wants_its_key(seen: &EngineSeen) {
     assert_eq!(status, 200, "the engine's port with the key: {v}");
 }
 
-/// POSTs `body` with `headers`; the status and the whole answer as text (an event stream
-/// read to its end).
-async fn post_text(d: &Daemon, body: serde_json::Value, headers: &[(&str, &str)]) -> (u16, String) {
-    use http_body_util::BodyExt;
-    let client = hyper_util::client::legacy::Client::builder(hyper_util::rt::TokioExecutor::new())
-        .build_http::<http_body_util::Full<bytes::Bytes>>();
-    let mut req = hyper::Request::post(d.url("/v1/chat/completions"))
-        .header("content-type", "application/json");
-    for (k, v) in headers {
-        req = req.header(*k, *v);
-    }
-    let req = req
-        .body(http_body_util::Full::new(bytes::Bytes::from(
-            body.to_string(),
-        )))
-        .unwrap();
-    let resp = client.request(req).await.unwrap();
-    let status = resp.status().as_u16();
-    let bytes = resp.into_body().collect().await.unwrap().to_bytes();
-    (status, String::from_utf8_lossy(&bytes).into_owned())
-}
-
 /// An engine that prints its key (and a client's API key it was handed) as it starts, then
 /// fails: its words reach the client's 503, a stream's error event, `/status`, the log and
 /// `dsv4ctl logs` with `<engine key>` and `<api key>` where the secrets were, never the
@@ -357,9 +335,19 @@ async fn an_engine_that_prints_its_key_never_shows_it() {
     s.default_profile = "generic".into();
     let d = Daemon::start(&s);
     let key = [("x-api-key", API_KEY)];
-    let (status, plain) = post_text(&d, chat(2, false), &key).await;
+    let (status, plain) = post_text(
+        &d.url("/v1/chat/completions"),
+        &key,
+        &chat(2, false).to_string(),
+    )
+    .await;
     assert_eq!(status, 503, "{plain}");
-    let (_, streamed) = post_text(&d, chat(2, true), &key).await;
+    let (_, streamed) = post_text(
+        &d.url("/v1/chat/completions"),
+        &key,
+        &chat(2, true).to_string(),
+    )
+    .await;
     let proxy = live_proxy(&bus, &d).await;
     let (_, lines) = proxy.logs(0, 100).await.unwrap();
     let status_json = d.status().await.to_string();

@@ -1244,3 +1244,24 @@ pub fn chromium(url: &str) -> String {
     );
     String::from_utf8_lossy(&out.stdout).into_owned()
 }
+
+/// POSTs `body` as it is, byte for byte, to `url` with `headers` on a fresh client: the status
+/// and the whole answer as text (an event stream read to its end).
+pub async fn post_text(url: &str, headers: &[(&str, &str)], body: &str) -> (u16, String) {
+    use http_body_util::BodyExt;
+    let client = hyper_util::client::legacy::Client::builder(hyper_util::rt::TokioExecutor::new())
+        .build_http::<http_body_util::Full<bytes::Bytes>>();
+    let mut req = hyper::Request::post(url).header("content-type", "application/json");
+    for (k, v) in headers {
+        req = req.header(*k, *v);
+    }
+    let req = req
+        .body(http_body_util::Full::new(bytes::Bytes::from(
+            body.to_string(),
+        )))
+        .unwrap();
+    let resp = client.request(req).await.unwrap();
+    let status = resp.status().as_u16();
+    let bytes = resp.into_body().collect().await.unwrap().to_bytes();
+    (status, String::from_utf8_lossy(&bytes).into_owned())
+}
