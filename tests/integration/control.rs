@@ -350,14 +350,21 @@ async fn logs_show_the_engine_output() {
     wait_bus_name(&d, &bus).await;
     let out = ctl(&bus.address, &["start", "--wait"], None);
     assert_eq!(out.status.code(), Some(0), "{}", text(&out.stderr));
-    let out = ctl(&bus.address, &["logs"], None);
-    assert_eq!(out.status.code(), Some(0), "{}", text(&out.stderr));
-    let logs = text(&out.stdout);
-    assert!(
-        logs.contains("fake-engine: loading model ") && logs.contains("/models/320k.gguf"),
-        "{logs}"
-    );
-    assert!(logs.contains("main: model loaded"), "{logs}");
+    // The engine's lines are read from its pipes beside the readiness poll, so they may
+    // reach the daemon just after `start --wait` returns: asked again until they are there.
+    let t = std::time::Instant::now();
+    loop {
+        let out = ctl(&bus.address, &["logs"], None);
+        assert_eq!(out.status.code(), Some(0), "{}", text(&out.stderr));
+        let logs = text(&out.stdout);
+        let loading =
+            logs.contains("fake-engine: loading model ") && logs.contains("/models/320k.gguf");
+        if loading && logs.contains("main: model loaded") {
+            break;
+        }
+        assert!(t.elapsed() < PATIENCE, "{logs}");
+        tokio::time::sleep(std::time::Duration::from_millis(50)).await;
+    }
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

@@ -189,9 +189,10 @@ async fn engine_output_reaches_the_terminal_as_text() {
     let (status, _, v) = d.send("POST", "/completion", &[], Some(grammar)).await;
     assert_eq!(status, 400, "{v}");
     let tmux = Tmux::new();
+    // Followed: the engine's stderr line can reach dsv4d after the client has its 400, so
+    // a one-shot `logs` could run before the line is there.
     let command = format!(
-        "env DBUS_SESSION_BUS_ADDRESS='{}' TERM=xterm-256color {DSV4CTL} --bus session logs; \
-         sleep 600",
+        "env DBUS_SESSION_BUS_ADDRESS='{}' TERM=xterm-256color {DSV4CTL} --bus session logs -f",
         bus.address
     );
     tmux.start(200, 40, &command);
