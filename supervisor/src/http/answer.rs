@@ -8,20 +8,22 @@ use std::task::{Context, Poll};
 use bytes::Bytes;
 use dsv4_engine::OutputTail;
 use http_body::{Body, Frame, SizeHint};
-use memchr::memmem;
 use serde_json::Value;
+use std::task::ready;
 use tokio::time::Instant;
 
 use crate::http::body::{End, OnEnd, Settle};
+use crate::http::events::Place;
 use crate::http::http_error::{with_tail, ErrorCode, ErrorType};
-use crate::http::keepalive::Keepalive;
-use crate::http::progress::{count_events, Progress};
-use crate::http::protocol::{Failure, LastEvent, Protocol};
+use crate::http::keepalive::{Keepalive, Relayed};
+use crate::http::opening::Opening;
+use crate::http::protocol::{Failure, Protocol};
+use crate::http::watch::{Fed, Watch};
 use crate::lifecycle::upstream::UpstreamBody;
 use crate::lifecycle::{Lease, ERROR_TAIL_LINES};
 use crate::observe::flights::Ticket;
 use crate::observe::monitor::Telemetry;
-use crate::observe::stats::{Stats, Tap};
+use crate::observe::stats::{Count, Stats};
 
 /// The response body: a small body of our own, or the engine's, streamed with its lease.
 // The engine's variant is the common one; boxing it would cost an allocation per request.
@@ -35,11 +37,16 @@ pub enum ProxyBody {
     Streamed(Box<Keepalive<ProxyBody>>),
 }
 
-/// The engine's body on its way to the client: its bytes shown to the statistics tap, and a
-/// break in an event stream told as an error event first.
+/// The engine's body on its way to the client: read once by its [`Watch`] (its events to the
+/// statistics, the request's flight and the end check; progress events taken out, an
+/// opening of dsv4d's own followed), and a break in an event stream told as an error event
+/// first.
 pub struct EngineStream {
     pub(crate) inner: UpstreamBody,
-    /// Reads the engine's `timings` off the response's end, for the statistics.
+    /// The answer's reader and its observers; `None` for an answer nothing reads (a plain
+    /// answer with no figures to count).
+    pub(crate) watch: Option<Box<Watch>>,
+    /// Where the answer's figures go, once it is complete.
     pub(crate) tap: Option<Box<Tapped>>,
     /// An event stream: the engine's output, to quote in the error event of a break.
     pub(crate) sse: Option<OutputTail>,
@@ -48,25 +55,15 @@ pub struct EngineStream {
     /// The protocol the client speaks: its error event tells a break.
     pub(crate) protocol: Protocol,
     /// An event stream the engine ends by closing its connection (ds4-server: no chunked
-    /// framing, so its end and a cut look alike), whose protocol has a last event: the head
-    /// of its last event, to tell whether it ended with it. `None` once told, or where a cut
-    /// shows as one.
-    pub(crate) unframed: Option<LastEvent>,
+    /// framing, so its end and a cut look alike), whose protocol has a last event: it is
+    /// whole only if that was its last event.
+    pub(crate) unframed: bool,
     /// The request's place among those in flight, moved along as its answer comes.
     pub(crate) flight: Option<Ticket>,
-    /// The engine's own progress events, read (and taken out when dsv4d asked for them).
-    /// Boxed: the body is moved whole several times on its way out, and most have none.
-    pub(crate) progress: Option<Box<Progress>>,
-    /// The engine's body has ended (what the progress reader held goes out first).
+    /// The engine's body has ended (what the watch held has gone out).
     pub(crate) drained: bool,
     /// What went wrong, as the error event told the client.
     pub(crate) failed: Option<Box<str>>,
-    /// The bytes so far end a line (or there are none): a `data:` at the next chunk's start
-    /// begins a line.
-    pub(crate) line_start: bool,
-    /// The protocol's last event has gone out: the answer is complete, even if the client
-    /// closes before the body's last chunk (Codex does, at `response.completed`).
-    pub(crate) ended: bool,
 }
 
 /// A stream the engine broke off, between its error event and the failure after it.
@@ -83,8 +80,10 @@ pub struct Release {
 
 impl Settle<EngineStream> for Release {
     fn settle(mut self, how: End, body: &mut EngineStream) {
-        // A client that leaves once the last event is out leaves a complete answer.
-        let how = match (how, body.ended) {
+        // A client that leaves once the last event is out leaves a complete answer (Codex
+        // closes at `response.completed`, before the body's last chunk).
+        let ended = body.watch.as_ref().is_some_and(|w| w.ended());
+        let how = match (how, ended) {
             (End::Dropped, true) => End::Completed,
             (how, _) => how,
         };
@@ -105,7 +104,9 @@ impl Settle<EngineStream> for Release {
             flight.ended(failed);
         }
         if let (End::Completed, Some(t)) = (how, body.tap.take()) {
-            t.finish();
+            if let Some(count) = body.watch.as_mut().and_then(|w| w.take_count()) {
+                t.finish(&count);
+            }
         }
     }
 }
@@ -113,6 +114,39 @@ impl Settle<EngineStream> for Release {
 impl From<Bytes> for ProxyBody {
     fn from(b: Bytes) -> Self {
         ProxyBody::Full(Some(b))
+    }
+}
+
+impl Relayed for ProxyBody {
+    fn place(&self) -> Place {
+        match self {
+            ProxyBody::Upstream(body) => body
+                .get_ref()
+                .watch
+                .as_ref()
+                .map_or(Place::Between, |w| w.place()),
+            ProxyBody::Full(_) | ProxyBody::Events(_) | ProxyBody::Streamed(_) => Place::Between,
+        }
+    }
+
+    fn adopt(&mut self, opening: Opening) -> Option<Opening> {
+        match self {
+            ProxyBody::Upstream(body) => match body.get_mut().watch.as_mut() {
+                Some(w) if w.is_stream() => {
+                    w.adopt(opening);
+                    None
+                }
+                _ => Some(opening),
+            },
+            _ => Some(opening),
+        }
+    }
+
+    fn opening(&mut self) -> Option<&mut Opening> {
+        match self {
+            ProxyBody::Upstream(body) => body.get_mut().watch.as_mut()?.opening(),
+            _ => None,
+        }
     }
 }
 
@@ -176,125 +210,111 @@ impl Body for EngineStream {
         if this.drained {
             return Poll::Ready(None);
         }
-        let mut polled = Pin::new(&mut this.inner).poll_frame(cx);
-        // The progress events the reader takes out leave nothing to send: the next frame.
-        while let Poll::Ready(Some(Ok(frame))) = &polled {
-            let Some(d) = frame.data_ref() else { break };
-            if let Some(t) = this.tap.as_mut() {
-                t.tap.push(d);
-            }
-            if let Some(last) = this.unframed.as_mut() {
-                last.push(d);
-            }
-            // The protocol's last event: the answer is complete, on its way out.
-            if this.sse.is_some() && ends_here(d, this.protocol.spec().ends) {
-                this.ended = true;
-                if let Some(f) = &this.flight {
-                    f.ending();
-                }
-            }
-            let Some(progress) = this.progress.as_mut() else {
-                if let (Some(f), true) = (&this.flight, this.sse.is_some()) {
-                    let events = count_events(d, this.line_start);
-                    if events > 0 {
-                        f.tokens(events);
-                    }
-                }
-                this.line_start = d.last().is_none_or(|b| matches!(b, b'\n' | b'\r'));
-                break;
+        loop {
+            let frame = match ready!(Pin::new(&mut this.inner).poll_frame(cx)) {
+                Some(Ok(frame)) => frame,
+                None => return Poll::Ready(this.end()),
+                Some(Err(e)) => return Poll::Ready(Some(this.broke(e))),
             };
-            let fed = progress.feed(d.clone());
-            if let Some(f) = &this.flight {
-                if let Some(p) = fed.latest {
-                    f.prefill(p);
-                }
-                if fed.events > 0 {
-                    f.tokens(fed.events);
-                }
-            }
-            match fed.out {
-                Some(out) => {
-                    polled = Poll::Ready(Some(Ok(Frame::data(out))));
-                    break;
-                }
-                None => polled = Pin::new(&mut this.inner).poll_frame(cx),
+            let Some(watch) = this.watch.as_mut() else {
+                return Poll::Ready(Some(Ok(frame)));
+            };
+            let data = match frame.into_data() {
+                Ok(data) => data,
+                Err(frame) => return Poll::Ready(Some(Ok(frame))),
+            };
+            let fed = watch.feed(data);
+            this.tell(&fed);
+            // What the watch holds (an event not yet whole) leaves nothing to send: the next.
+            if !fed.out.is_empty() {
+                return Poll::Ready(Some(Ok(Frame::data(fed.out))));
             }
         }
-        if let (Poll::Ready(None), Some(progress)) = (&polled, this.progress.as_mut()) {
-            if let Some(rest) = progress.rest() {
-                this.drained = true;
-                return Poll::Ready(Some(Ok(Frame::data(rest))));
-            }
-        }
-        match &polled {
-            Poll::Ready(Some(Ok(_))) => {}
-            Poll::Ready(None)
-                if this
-                    .unframed
-                    .as_ref()
-                    .is_some_and(|l| !l.ended(this.protocol.spec().ends)) =>
-            {
-                // Stopped (or crashed) mid-answer: told as llama-server's breaks are, then the
-                // end. (There is no failure to break the connection with: the engine's close
-                // was the end of its body.)
-                this.unframed = None;
-                this.tap = None;
-                let tail = this.sse.as_ref().map(|o| o.last(ERROR_TAIL_LINES));
-                let what = format!(
-                    "the engine ended the answer before its end ({}): it was stopped or failed",
-                    this.protocol.spec().end_name
-                );
-                let event = api_error_event(
-                    this.protocol,
-                    what.clone(),
-                    tail.as_deref().unwrap_or_default(),
-                );
-                this.failed = Some(what.into());
-                return Poll::Ready(Some(Ok(Frame::data(event))));
-            }
-            Poll::Ready(Some(Err(e))) => {
-                this.tap = None;
-                if let Some(output) = &this.sse {
-                    // Clients show an error event's message; a stream that merely stops looks
-                    // like a complete, cut-off answer. The connection still breaks after it,
-                    // so nothing mistakes it for an end.
-                    this.failed =
-                        Some(format!("the engine broke off the answer: {}", describe(e)).into());
-                    let event = error_event(this.protocol, e, &output.last(ERROR_TAIL_LINES));
-                    if let Poll::Ready(Some(Err(e))) = polled {
-                        this.broken = Some(Broken::Unflushed(e));
-                    }
-                    return Poll::Ready(Some(Ok(Frame::data(event))));
-                }
-            }
-            Poll::Ready(None) | Poll::Pending => {}
-        }
-        polled
     }
 
     fn is_end_stream(&self) -> bool {
-        // A break held back behind its error event is still to come, and so is what the
-        // progress reader holds.
+        // A break held back behind its error event is still to come, and so is what an
+        // event stream's watch holds, and its end's check.
         self.drained
-            || (self.broken.is_none() && self.progress.is_none() && self.inner.is_end_stream())
+            || (self.broken.is_none()
+                && self.watch.as_ref().is_none_or(|w| !w.is_stream())
+                && self.inner.is_end_stream())
     }
 
     fn size_hint(&self) -> SizeHint {
-        self.inner.size_hint()
+        match self.watch.as_ref().is_some_and(|w| w.is_stream()) {
+            // Events may be taken out or changed.
+            true => SizeHint::default(),
+            false => self.inner.size_hint(),
+        }
     }
 }
 
-/// Whether `chunk` holds a line that begins one of `ends` (at its start, or after a line
-/// end: never within an event's JSON, where a line end cannot be).
-fn ends_here(chunk: &[u8], ends: &[&[u8]]) -> bool {
-    ends.iter().any(|e| {
-        memmem::find_iter(chunk, e).any(|at| at == 0 || matches!(chunk[at - 1], b'\n' | b'\r'))
-    })
+impl EngineStream {
+    /// What a chunk told, to the request's flight.
+    fn tell(&self, fed: &Fed) {
+        let Some(f) = &self.flight else { return };
+        if let Some(p) = fed.prefill {
+            f.prefill(p);
+        }
+        if fed.tokens > 0 {
+            f.tokens(fed.tokens);
+        }
+        if fed.ended {
+            f.ending();
+        }
+    }
+
+    /// The engine's body ended: what the watch held goes out, and a stream that only the
+    /// connection's close ends, cut before its last event, is told as a break.
+    fn end(&mut self) -> Option<Result<Frame<Bytes>, hyper::Error>> {
+        self.drained = true;
+        let fed = self.watch.as_mut()?.finish();
+        self.tell(&fed);
+        let mut out = fed.out;
+        let whole = self
+            .watch
+            .as_ref()
+            .is_some_and(|w| w.ended_with_its_last_event());
+        if self.unframed && !whole {
+            // Stopped (or crashed) mid-answer: told as llama-server's breaks are, then the
+            // end. (There is no failure to break the connection with: the engine's close
+            // was the end of its body.)
+            self.tap = None;
+            let tail = self.sse.as_ref().map(|o| o.last(ERROR_TAIL_LINES));
+            let what = format!(
+                "the engine ended the answer before its end ({}): it was stopped or failed",
+                self.protocol.spec().end_name
+            );
+            let event = api_error_event(
+                self.protocol,
+                what.clone(),
+                tail.as_deref().unwrap_or_default(),
+            );
+            self.failed = Some(what.into());
+            out = [out, event].concat().into();
+        }
+        (!out.is_empty()).then(|| Ok(Frame::data(out)))
+    }
+
+    /// The engine's body failed with `e`: an event stream tells it in an error event first.
+    fn broke(&mut self, e: hyper::Error) -> Result<Frame<Bytes>, hyper::Error> {
+        self.tap = None;
+        let Some(output) = &self.sse else {
+            return Err(e);
+        };
+        // Clients show an error event's message; a stream that merely stops looks like a
+        // complete, cut-off answer. The connection still breaks after it, so nothing
+        // mistakes it for an end.
+        self.failed = Some(format!("the engine broke off the answer: {}", describe(&e)).into());
+        let event = error_event(self.protocol, &e, &output.last(ERROR_TAIL_LINES));
+        self.broken = Some(Broken::Unflushed(e));
+        Ok(Frame::data(event))
+    }
 }
 
-/// A response being watched for its `timings`.
+/// Where a complete answer's figures go.
 pub struct Tapped {
-    pub(crate) tap: Tap,
     pub(crate) stats: Stats,
     pub(crate) telemetry: Telemetry,
     pub(crate) profile: String,
@@ -303,8 +323,8 @@ pub struct Tapped {
 }
 
 impl Tapped {
-    fn finish(self) {
-        if let Some(t) = self.tap.timings() {
+    fn finish(self, count: &Count) {
+        if let Some(t) = count.figures() {
             let wall = self.started.elapsed().as_secs_f64();
             let now = dsv4_client::clock::unix_now();
             let resources = self.telemetry.resources(now - wall, now);
@@ -353,25 +373,6 @@ pub(crate) fn api_error_event(protocol: Protocol, what: String, tail: &[String])
 mod tests {
     use super::*;
     use crate::lifecycle::upstream::UpstreamError;
-
-    #[test]
-    fn an_end_counts_only_at_a_line_start() {
-        let ends: &[&[u8]] = &[b"event: message_stop", b"data: [DONE]"];
-        for (chunk, ended) in [
-            (&b"event: message_stop\ndata: {}\n\n"[..], true),
-            (b"data: {\"a\":1}\n\ndata: [DONE]\n\n", true),
-            (b"data: {\"text\":\"say data: [DONE] now\"}\n\n", false),
-            (b"data: {\"text\":\"event: message_stop\"}\r\n\r\n", false),
-            (b"\r\ndata: [DONE]", true),
-        ] {
-            assert_eq!(
-                ends_here(chunk, ends),
-                ended,
-                "{}",
-                String::from_utf8_lossy(chunk)
-            );
-        }
-    }
 
     #[test]
     fn an_error_is_described_with_its_causes_once() {

@@ -27,13 +27,13 @@ use crate::http::http_error::{with_tail, ApiError, ErrorCode, ErrorType};
 use crate::http::intake::{self, IntakeError};
 use crate::http::keepalive;
 use crate::http::progress::{self, Progress};
-use crate::http::protocol::{LastEvent, Protocol, Route, Streams};
+use crate::http::protocol::{Protocol, Route, Streams};
 use crate::http::sse;
+use crate::http::watch::Watch;
 use crate::lifecycle::upstream::UpstreamError;
 use crate::lifecycle::ERROR_TAIL_LINES;
 use crate::observe::flights::Ticket;
-use crate::observe::stats::Tap;
-use dsv4_client::ApiProtocol;
+use crate::observe::stats::Count;
 use dsv4_engine::PrefillReport;
 
 /// Whether `req` is a slot action (`POST /slots/N?action=...`, or anything but a read of
@@ -215,7 +215,7 @@ async fn forward(
         (engine.kind.prefill, streamed)
     {
         let asked = progress::ask(&body, ask);
-        progress = Some(Box::new(Progress::new(field, read, asked.is_some())));
+        progress = Some(Progress::new(field, read, asked.is_some()));
         if let Some(asked) = asked {
             body = asked;
         }
@@ -236,40 +236,39 @@ async fn forward(
                 .and_then(|v| v.to_str().ok());
             let sse = content_type.is_some_and(|t| t.starts_with("text/event-stream"));
             // Where the answer's token counts are, by the protocol table.
-            let usage = protocol.map_or(ApiProtocol::OpenAi, |p| p.spec().usage);
-            let tap = match tap_path {
-                Some(path) if parts.status.is_success() => {
-                    Tap::new(usage, content_type, sent).map(|tap| {
-                        Box::new(Tapped {
-                            tap,
-                            stats: ctx.parts.stats.clone(),
-                            telemetry: ctx.parts.telemetry.clone(),
-                            profile: engine.profile.clone(),
-                            path,
-                            started,
-                        })
-                    })
-                }
+            let spec = protocol.unwrap_or(Protocol::OpenAi).spec();
+            let success = parts.status.is_success();
+            let count = match tap_path.is_some() && success {
+                true => Count::new(spec.usage, content_type, sent),
+                false => None,
+            };
+            let tap = match (tap_path, &count) {
+                (Some(path), Some(_)) => Some(Box::new(Tapped {
+                    stats: ctx.parts.stats.clone(),
+                    telemetry: ctx.parts.telemetry.clone(),
+                    profile: engine.profile.clone(),
+                    path,
+                    started,
+                })),
                 _ => None,
             };
             if !sse {
                 // The whole answer is ready; its body is on its way.
                 flight.ending();
             }
+            let watch =
+                (sse || count.is_some()).then(|| Box::new(Watch::new(spec, sse, count, progress)));
             let stream = EngineStream {
                 inner,
+                watch,
                 tap,
                 sse: sse.then(|| engine.output.clone()),
                 broken: None,
                 protocol: protocol.unwrap_or(Protocol::OpenAi),
-                unframed: (sse && unframed && route.is_some_and(Route::ends_marked))
-                    .then(LastEvent::default),
+                unframed: sse && unframed && route.is_some_and(Route::ends_marked),
                 flight: Some(flight),
-                progress: progress.filter(|_| sse),
                 drained: false,
                 failed: None,
-                line_start: true,
-                ended: false,
             };
             Response::from_parts(
                 parts,

@@ -21,10 +21,12 @@
 //!   other answer (an engine's 400, dsv4d's own 503) is read (its first
 //!   [`ERROR_BODY_MAX`] bytes) and becomes one error event in the client's protocol
 //!   ([`sse::error_event`]), and the stream ends;
-//! - **relaying the engine's events**: each chunk passes unchanged, and its last line ends
-//!   move the [`Place`] tracker. One interval per stream ticks every period; a tick that
-//!   finds no engine byte since the one before, with the stream between events, writes a
-//!   comment. No timer is reset and nothing is allocated per chunk;
+//! - **relaying the engine's events**: each chunk passes as the answer's reader lets it
+//!   ([`crate::http::watch`], which also says where the stream stands: [`Relayed`]). One
+//!   interval per stream ticks every period; a tick that finds no engine byte since the one
+//!   before, with the stream between events, writes a comment (and, where the API's clients
+//!   count events, an event of its own: [`Opening`], which the reader follows the engine's
+//!   events with). No timer is reset and nothing is allocated per chunk;
 //! - **ended**: the engine's end, its break (told by the body below, see
 //!   [`crate::http::answer`]), or the error event.
 //!
@@ -44,6 +46,19 @@ use tokio::time::{Instant, Interval, MissedTickBehavior};
 
 use crate::http::opening::Opening;
 use crate::http::sse::{self, Place, Protocol, ERROR_BODY_MAX};
+
+/// What a keep-alive needs of the answer it relays: where the stream the client got stands,
+/// and the reader of the engine's events, which follows the stream's [`Opening`] once the
+/// engine's stream has come.
+pub trait Relayed {
+    /// Where the stream the client got stands.
+    fn place(&self) -> Place;
+    /// Hands `opening` to the reader of the engine's events; given back when the answer is
+    /// not the engine's event stream.
+    fn adopt(&mut self, opening: Opening) -> Option<Opening>;
+    /// The opening the reader follows.
+    fn opening(&mut self) -> Option<&mut Opening>;
+}
 use crate::lifecycle::Handle;
 
 /// The answer a streamed request waits for: the engine's, or dsv4d's own error.
@@ -108,7 +123,7 @@ pub async fn respond<B>(
     extra: Extra,
 ) -> Response<B>
 where
-    B: Body<Data = Bytes, Error = hyper::Error> + Unpin + Send + 'static,
+    B: Body<Data = Bytes, Error = hyper::Error> + Relayed + Unpin + Send + 'static,
 {
     let Extra { reasoning, opening } = extra;
     let keepalive = |phase| Keepalive {
@@ -119,7 +134,6 @@ where
             tick
         },
         heard: false,
-        place: Place::Between,
         protocol,
         lifecycle: lifecycle.clone(),
         since,
@@ -129,9 +143,11 @@ where
         opening,
     };
     match tokio::time::timeout(period, &mut answer).await {
-        Ok(resp) if is_event_stream(&resp) => {
-            resp.map(|body| wrap(keepalive(Phase::Relaying(body))))
-        }
+        Ok(resp) if is_event_stream(&resp) => resp.map(|body| {
+            let mut k = keepalive(Phase::Ended);
+            k.phase = k.relay(body);
+            wrap(k)
+        }),
         Ok(resp) => resp,
         Err(_) => {
             let mut k = keepalive(Phase::Waiting(answer));
@@ -170,8 +186,6 @@ pub struct Keepalive<B> {
     tick: Interval,
     /// A byte of the engine's came since the last tick.
     heard: bool,
-    /// Where the stream stands, for a comment of dsv4d's own.
-    place: Place,
     protocol: Protocol,
     lifecycle: Handle,
     /// When the request came.
@@ -182,8 +196,8 @@ pub struct Keepalive<B> {
     first: Option<Bytes>,
     /// `api.loading_reasoning`, on a chat stream.
     reasoning: Option<Reasoning>,
-    /// An API whose clients count events: its events among the keep-alives, and the
-    /// engine's opening changed to follow them.
+    /// An API whose clients count events: its events among the keep-alives (the engine's
+    /// opening changed to follow them), held here until the engine's stream comes.
     opening: Option<Opening>,
 }
 
@@ -198,17 +212,14 @@ enum Phase<B> {
         got: Vec<u8>,
     },
     Relaying(B),
-    /// The engine's stream ended with an event held back by the [`Opening`]: that event
-    /// (in `first`), then the end.
-    Flushing(Option<Result<Frame<Bytes>, hyper::Error>>),
     Ended,
 }
 
-impl<B> Keepalive<B> {
+impl<B: Relayed> Keepalive<B> {
     /// What a comment says now.
     fn words(&self) -> String {
         match &self.phase {
-            Phase::Relaying(_) | Phase::Flushing(_) | Phase::Ended => format!(
+            Phase::Relaying(_) | Phase::Ended => format!(
                 "dsv4 waiting for the engine's answer: {} s",
                 whole_seconds(self.quiet_since.elapsed())
             ),
@@ -232,7 +243,11 @@ impl<B> Keepalive<B> {
     /// events.
     fn keepalive(&mut self, place: Place) -> Bytes {
         let comment = sse::comment(place, &self.words());
-        let Some(opening) = self.opening.as_mut() else {
+        let opening = match &mut self.phase {
+            Phase::Relaying(body) => body.opening(),
+            _ => self.opening.as_mut(),
+        };
+        let Some(opening) = opening else {
             return comment;
         };
         let event = opening.keepalive();
@@ -268,12 +283,28 @@ impl<B> Keepalive<B> {
         Bytes::from(both)
     }
 
+    /// Relaying the engine's stream `body`, whose reader follows the stream's opening.
+    fn relay(&mut self, mut body: B) -> Phase<B> {
+        if let Some(opening) = self.opening.take() {
+            self.opening = body.adopt(opening);
+        }
+        Phase::Relaying(body)
+    }
+
+    /// Where the stream the client got stands.
+    fn place(&self) -> Place {
+        match &self.phase {
+            Phase::Relaying(body) => body.place(),
+            _ => Place::Between,
+        }
+    }
+
     /// The phase after the answer `resp` came, with dsv4d's own head out.
-    fn answered(resp: Response<B>) -> Phase<B> {
+    fn answered(&mut self, resp: Response<B>) -> Phase<B> {
         let stream = is_event_stream(&resp);
         let (parts, body) = resp.into_parts();
         if stream {
-            return Phase::Relaying(body);
+            return self.relay(body);
         }
         let content_type = parts
             .headers
@@ -291,7 +322,7 @@ impl<B> Keepalive<B> {
 
 impl<B> Body for Keepalive<B>
 where
-    B: Body<Data = Bytes, Error = hyper::Error> + Unpin,
+    B: Body<Data = Bytes, Error = hyper::Error> + Relayed + Unpin,
 {
     type Data = Bytes;
     type Error = hyper::Error;
@@ -308,7 +339,7 @@ where
             match &mut this.phase {
                 Phase::Waiting(answer) => {
                     if let Poll::Ready(resp) = answer.as_mut().poll(cx) {
-                        this.phase = Self::answered(resp);
+                        this.phase = this.answered(resp);
                         // The answer's coming counts as a sound: the next words come after
                         // a full period of silence, not at the next tick.
                         this.quiet_since = Instant::now();
@@ -357,40 +388,15 @@ where
                 },
                 Phase::Relaying(body) => match Pin::new(body).poll_frame(cx) {
                     Poll::Ready(Some(Ok(frame))) => {
-                        let frame = match (frame.into_data(), this.opening.as_mut()) {
-                            (Ok(d), Some(opening)) => Frame::data(opening.relay(d)),
-                            (Ok(d), None) => Frame::data(d),
-                            (Err(frame), _) => frame,
-                        };
-                        if let Some(d) = frame.data_ref() {
-                            this.heard = true;
-                            if d.is_empty() {
-                                // All of it held, until its event's end comes.
-                                continue;
-                            }
-                            this.place = this.place.after(d);
-                        }
+                        this.heard = true;
                         return Poll::Ready(Some(Ok(frame)));
                     }
                     Poll::Ready(end) => {
                         this.phase = Phase::Ended;
-                        if let Some(rest) = this.opening.as_mut().and_then(Opening::rest) {
-                            this.first = Some(rest);
-                            this.phase = Phase::Flushing(end);
-                            continue;
-                        }
                         return Poll::Ready(end);
                     }
                     Poll::Pending => {}
                 },
-                Phase::Flushing(end) => {
-                    if let Some(rest) = this.first.take() {
-                        return Poll::Ready(Some(Ok(Frame::data(rest))));
-                    }
-                    let end = end.take();
-                    this.phase = Phase::Ended;
-                    return Poll::Ready(end);
-                }
                 Phase::Ended => return Poll::Ready(None),
             }
             // Nothing to pass on now: the clock's turn.
@@ -402,8 +408,8 @@ where
                 Poll::Ready(_) if matches!(this.phase, Phase::Waiting(_)) => {
                     return Poll::Ready(Some(Ok(Frame::data(this.waiting_words()))));
                 }
-                Poll::Ready(_) if this.place.between() => {
-                    let keepalive = this.keepalive(this.place);
+                Poll::Ready(_) if this.place().between() => {
+                    let keepalive = this.keepalive(this.place());
                     return Poll::Ready(Some(Ok(Frame::data(keepalive))));
                 }
                 // Within an event: only its end may come next.
@@ -417,7 +423,7 @@ where
         match &self.phase {
             Phase::Relaying(body) => self.first.is_none() && body.is_end_stream(),
             Phase::Ended => true,
-            Phase::Waiting(_) | Phase::Collecting { .. } | Phase::Flushing(_) => false,
+            Phase::Waiting(_) | Phase::Collecting { .. } => false,
         }
     }
 

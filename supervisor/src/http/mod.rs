@@ -1,9 +1,10 @@
 //! The API: the listener, the front door (`front`: Host and web pages; `auth`: keys), request
 //! bodies (`intake`, `body`), client connections, the path rules, the accept loop (`serve`),
 //! the router (`router`), forwarding to the engine (`forward`) and the answers' bodies
-//! (`answer`), the streamed answers kept from going silent (`keepalive`, `sse`) and the prefill's
-//! progress read from them (`progress`), the dashboard (`dashboard`,
-//! `ui_actions`), and the errors dsv4d itself answers with.
+//! (`answer`), read once (`events`: the one event-stream parser; `watch`: its observers; one
+//! row per API in `protocol`), the streamed answers kept from going silent (`keepalive`,
+//! `sse`, `opening`) and the prefill's progress read from them (`progress`), the dashboard
+//! (`dashboard`, `ui_actions`), and the errors dsv4d itself answers with.
 
 pub mod answer;
 pub mod auth;
@@ -11,6 +12,7 @@ pub mod body;
 pub mod connections;
 pub mod ctx;
 pub mod dashboard;
+pub mod events;
 pub mod forward;
 pub mod front;
 pub mod http_error;
@@ -25,4 +27,5 @@ pub mod router;
 pub mod serve;
 pub mod sse;
 pub mod ui_actions;
+pub mod watch;
 pub mod watchers;

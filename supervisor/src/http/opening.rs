@@ -17,19 +17,28 @@
 //!   dsv4d's in the rest of the stream, so that a client that checks the response's identity
 //!   (the `openai` package's stream helper) sees one response.
 //!
-//! Owns: [`Opening`], one per stream of those APIs. Pure: no I/O, no clock. The body that uses
-//! it is [`crate::http::keepalive::Keepalive`], which calls [`Opening::keepalive`] only where
-//! the stream is between events.
+//! Owns: [`Opening`], one per stream of those APIs, and [`Rewrite`] (what becomes of an
+//! engine's event). Pure: no I/O, no clock. [`crate::http::keepalive::Keepalive`] calls
+//! [`Opening::keepalive`] only where the stream is between events; the answer's reader
+//! ([`crate::http::watch`]) hands it the engine's events and makes the changes it asks for.
 
-use bytes::{Bytes, BytesMut};
+use bytes::Bytes;
 use serde_json::{json, Value};
 
 use crate::http::protocol::Protocol;
 
-/// The most held back while waiting for an event's end; past it, the stream passes as it
-/// comes and nothing more is changed (an engine that ends its events otherwise than with a
-/// blank line of LFs).
-const CARRY_MAX: usize = 64 << 10;
+/// What becomes of one of the engine's events on its way to the client.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum Rewrite {
+    /// It goes as it came.
+    Keep,
+    /// It goes not at all.
+    Drop,
+    /// These bytes go in its place.
+    Replace(Bytes),
+    /// It goes with the engine's response id written as dsv4d's ([`Opening::swap_id`]).
+    SwapId,
+}
 
 /// The APIs whose clients count events: the two with events of their own.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -47,8 +56,6 @@ enum Opened {
     Ours,
     /// The engine, before any keep-alive: its events pass as they are.
     Engines,
-    /// Given up on reading (no event's end within [`CARRY_MAX`]): everything passes.
-    Blind,
 }
 
 /// One stream's opening and keep-alives (see the module docs).
@@ -65,8 +72,6 @@ pub struct Opening {
     engine_id: Option<String>,
     /// Anthropic: the engine's `message_start` has come (changed, when dsv4d opened).
     engine_started: bool,
-    /// The start of an engine event whose end has not come yet.
-    carry: BytesMut,
     /// The sequence number of dsv4d's next Responses event.
     sequence: u64,
 }
@@ -93,7 +98,6 @@ impl Opening {
             opened: Opened::No,
             engine_id: None,
             engine_started: false,
-            carry: BytesMut::new(),
             sequence: 0,
         })
     }
@@ -153,100 +157,75 @@ impl Opening {
         )
     }
 
-    /// Whether every engine byte from now on passes as it is.
-    fn passing(&self) -> bool {
+    /// Whether every engine event from now on passes as it is.
+    pub fn passing(&self) -> bool {
         match self.opened {
-            Opened::Blind => true,
             Opened::Engines => self.api == Api::Anthropic || self.engine_id.is_some(),
             Opened::Ours => self.api == Api::Anthropic && self.engine_started,
             Opened::No => false,
         }
     }
 
-    /// A chunk of the engine's stream, as the client gets it: whole events only while they
-    /// are read (the rest of the chunk is held for the next), changed as the module docs say.
-    pub fn relay(&mut self, chunk: Bytes) -> Bytes {
-        if self.passing() && self.carry.is_empty() {
-            return chunk;
-        }
-        self.carry.extend_from_slice(&chunk);
-        let end = memchr::memmem::rfind(&self.carry, b"\n\n").map_or(0, |at| at + 2);
-        if end == 0 {
-            if self.carry.len() > CARRY_MAX {
-                self.opened = Opened::Blind;
-                return std::mem::take(&mut self.carry).freeze();
-            }
-            return Bytes::new();
-        }
-        let whole = self.carry.split_to(end).freeze();
-        let mut out = BytesMut::with_capacity(whole.len());
-        let mut at = 0;
-        while at < whole.len() {
-            let len =
-                memchr::memmem::find(&whole[at..], b"\n\n").map_or(whole.len() - at, |e| e + 2);
-            let one = whole.slice(at..at + len);
-            at += len;
-            if self.passing() {
-                out.extend_from_slice(&one);
-            } else {
-                self.read(one, &mut out);
-            }
-        }
-        if self.passing() {
-            // Read enough: the part of an event held goes on now, and the rest as it comes.
-            out.extend_from_slice(&std::mem::take(&mut self.carry));
-        }
-        out.freeze()
-    }
-
-    /// What is held back at the stream's end (an event its engine never ended).
-    pub fn rest(&mut self) -> Option<Bytes> {
-        (!self.carry.is_empty()).then(|| std::mem::take(&mut self.carry).freeze())
-    }
-
-    /// One whole engine event, read while the stream's opening is in question: written into
-    /// `out` as it is, changed, or not at all.
-    fn read(&mut self, one: Bytes, out: &mut BytesMut) {
-        let (name, data) = parse(&one);
-        let name = name.as_deref();
-        match (self.api, name) {
-            (Api::Anthropic, Some("message_start")) => {
+    /// One of the engine's events (its kind and data), while the stream's opening is in
+    /// question: what becomes of it (see the module docs).
+    pub fn engine_event(&mut self, kind: &[u8], data: &[u8]) -> Rewrite {
+        match (self.api, kind) {
+            (Api::Anthropic, b"message_start") => {
                 self.engine_started = true;
                 if self.opened == Opened::Ours {
+                    let data: Option<Value> = serde_json::from_slice(data).ok();
                     let usage = data
                         .as_ref()
                         .and_then(|d| d.get("message")?.get("usage").cloned())
                         .unwrap_or_else(|| json!({"output_tokens": 0}));
-                    out.extend_from_slice(&event(
+                    return Rewrite::Replace(event(
                         "message_delta",
                         &json!({"type": "message_delta",
                                 "delta": {"stop_reason": null, "stop_sequence": null},
                                 "usage": usage}),
                     ));
-                    return;
                 }
                 self.opened = Opened::Engines;
             }
-            (Api::Responses, Some(kind @ ("response.created" | "response.in_progress"))) => {
-                let id = data
-                    .as_ref()
-                    .and_then(|d| d.get("response")?.get("id")?.as_str());
+            (Api::Responses, b"response.created" | b"response.in_progress") => {
                 if self.engine_id.is_none() {
+                    let data: Option<Value> = serde_json::from_slice(data).ok();
+                    let id = data
+                        .as_ref()
+                        .and_then(|d| d.get("response")?.get("id")?.as_str());
                     self.engine_id = id.map(String::from);
                 }
                 if self.opened == Opened::Ours {
-                    return;
+                    return Rewrite::Drop;
                 }
-                if kind == "response.created" {
+                if kind == b"response.created" {
                     self.opened = Opened::Engines;
                 }
             }
             _ => {}
         }
         match (&self.engine_id, self.opened) {
-            (Some(engine), Opened::Ours) => out.extend_from_slice(&swap_id(&one, engine, &self.id)),
-            _ => out.extend_from_slice(&one),
+            (Some(_), Opened::Ours) => Rewrite::SwapId,
+            _ => Rewrite::Keep,
         }
+    }
+
+    /// An engine's event `raw` with every `"engine id"` (as a JSON string) written as dsv4d's.
+    pub fn swap_id(&self, raw: &[u8]) -> Bytes {
+        let Some(engine) = &self.engine_id else {
+            return Bytes::copy_from_slice(raw);
+        };
+        let from = format!("\"{engine}\"");
+        let to = format!("\"{}\"", self.id);
+        let mut out = Vec::with_capacity(raw.len());
+        let mut rest = raw;
+        while let Some(at) = memchr::memmem::find(rest, from.as_bytes()) {
+            out.extend_from_slice(&rest[..at]);
+            out.extend_from_slice(to.as_bytes());
+            rest = &rest[at + from.len()..];
+        }
+        out.extend_from_slice(rest);
+        Bytes::from(out)
     }
 }
 
@@ -255,48 +234,10 @@ fn event(name: &str, data: &Value) -> Bytes {
     Bytes::from(format!("event: {name}\ndata: {data}\n\n"))
 }
 
-/// An event's name (its `event:` field, else its data's `type`, as ds4-server writes its
-/// Responses events) and its data read as JSON.
-fn parse(one: &[u8]) -> (Option<String>, Option<Value>) {
-    let text = String::from_utf8_lossy(one);
-    let mut name = None;
-    let mut data = String::new();
-    for line in text.lines() {
-        if let Some(v) = line.strip_prefix("event:") {
-            name = Some(v.trim().to_string());
-        } else if let Some(v) = line.strip_prefix("data:") {
-            if !data.is_empty() {
-                data.push('\n');
-            }
-            data.push_str(v.strip_prefix(' ').unwrap_or(v));
-        }
-    }
-    let data: Option<Value> = serde_json::from_str(&data).ok();
-    let typed = || data.as_ref()?.get("type")?.as_str().map(String::from);
-    (name.or_else(typed), data)
-}
-
-/// `one` with every `"engine"` (the id as a JSON string) written as `"ours"`.
-fn swap_id(one: &Bytes, engine: &str, ours: &str) -> Bytes {
-    let from = format!("\"{engine}\"");
-    if memchr::memmem::find(one, from.as_bytes()).is_none() {
-        return one.clone();
-    }
-    let to = format!("\"{ours}\"");
-    let mut out = Vec::with_capacity(one.len());
-    let mut rest = &one[..];
-    while let Some(at) = memchr::memmem::find(rest, from.as_bytes()) {
-        out.extend_from_slice(&rest[..at]);
-        out.extend_from_slice(to.as_bytes());
-        rest = &rest[at + from.len()..];
-    }
-    out.extend_from_slice(rest);
-    Bytes::from(out)
-}
-
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::http::watch::{Watch, HOLD_MAX};
 
     const START: &str = "event: message_start\ndata: {\"type\":\"message_start\",\"message\":{\"id\":\"chatcmpl-x\",\"type\":\"message\",\"role\":\"assistant\",\"content\":[],\"model\":\"m\",\"stop_reason\":null,\"stop_sequence\":null,\"usage\":{\"cache_read_input_tokens\":0,\"input_tokens\":25,\"output_tokens\":0}}}\n\n";
     const BLOCK: &str = "event: content_block_start\ndata: {\"type\":\"content_block_start\",\"index\":0,\"content_block\":{\"type\":\"text\",\"text\":\"\"}}\n\nevent: content_block_delta\ndata: {\"type\":\"content_block_delta\",\"index\":0,\"delta\":{\"type\":\"text_delta\",\"text\":\"a\"}}\n\n";
@@ -305,33 +246,36 @@ mod tests {
     const DELTA: &str = "event: response.output_text.delta\ndata: {\"type\":\"response.output_text.delta\",\"item_id\":\"msg_1\",\"delta\":\"a\"}\n\n";
     const COMPLETED: &str = "event: response.completed\ndata: {\"type\":\"response.completed\",\"response\":{\"id\":\"resp_engine1\",\"object\":\"response\",\"status\":\"completed\"}}\n\n";
 
-    /// The events of `stream`: each one's name and data.
+    /// The events of `stream`: each one's kind and data.
     fn events(stream: &[u8]) -> Vec<(String, Value)> {
-        String::from_utf8_lossy(stream)
-            .split("\n\n")
-            .filter(|e| !e.is_empty())
-            .map(|e| {
-                let (name, data) = parse(e.as_bytes());
-                (name.unwrap(), data.unwrap())
-            })
-            .collect()
+        let mut reader = crate::http::events::Reader::new();
+        let mut got = Vec::new();
+        let mut each = |e: &crate::http::events::Event| {
+            let kind = String::from_utf8_lossy(e.kind()).into_owned();
+            got.push((kind, serde_json::from_slice(e.data).unwrap()));
+        };
+        reader.feed(stream, &mut each);
+        reader.finish(&mut each);
+        got
     }
 
-    /// `engine` relayed through a fresh opening, cut at `cut`, with keep-alives where the
-    /// steps say: `k` a keep-alive, `e` the next piece of the engine's stream.
+    /// The engine's `pieces` read by an answer's reader with a fresh opening, with
+    /// keep-alives where the steps say: `k` a keep-alive, `e` the next piece.
     fn run(api: Protocol, steps: &str, pieces: &[&str]) -> Vec<(String, Value)> {
-        let mut o = Opening::new(api, "m".into(), 1, 7).unwrap();
+        let mut w = Watch::new(api.spec(), true, None, None);
+        w.adopt(Opening::new(api, "m".into(), 1, 7).unwrap());
         let mut out = Vec::new();
         let mut pieces = pieces.iter();
         for step in steps.chars() {
             match step {
-                'k' => out.extend_from_slice(&o.keepalive()),
+                'k' => out.extend_from_slice(&w.opening().unwrap().keepalive()),
                 _ => {
-                    out.extend_from_slice(&o.relay(Bytes::from(pieces.next().unwrap().to_string())))
+                    let piece = pieces.next().unwrap().to_string();
+                    out.extend_from_slice(&w.feed(Bytes::from(piece)).out)
                 }
             }
         }
-        out.extend_from_slice(&o.rest().unwrap_or_default());
+        out.extend_from_slice(&w.finish().out);
         events(&out)
     }
 
@@ -448,10 +392,11 @@ mod tests {
 
     #[test]
     fn a_stream_without_event_ends_passes_whole() {
-        let mut o = Opening::new(Protocol::Anthropic, "m".into(), 1, 7).unwrap();
-        let long = "x".repeat(CARRY_MAX + 1);
-        assert_eq!(o.relay(Bytes::from(long.clone())), long.as_bytes());
-        assert_eq!(o.relay(Bytes::from_static(b"y")), &b"y"[..]);
-        assert_eq!(o.rest(), None);
+        let mut w = Watch::new(Protocol::Anthropic.spec(), true, None, None);
+        w.adopt(Opening::new(Protocol::Anthropic, "m".into(), 1, 7).unwrap());
+        let long = "x".repeat(HOLD_MAX + 1);
+        assert_eq!(w.feed(Bytes::from(long.clone())).out, long.as_bytes());
+        assert_eq!(w.feed(Bytes::from_static(b"y")).out, &b"y"[..]);
+        assert_eq!(w.finish().out, Bytes::new());
     }
 }

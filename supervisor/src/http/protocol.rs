@@ -1,16 +1,18 @@
 //! The APIs dsv4d's clients speak, in one table: for each, the paths it is served at, which
-//! of them stream, how a complete event stream ends, how an error event looks in it, and how
-//! an error dsv4d answers itself must look for that API's SDKs to raise it as their own.
+//! of them stream, which event ends a complete stream, which events are the answer's tokens,
+//! where its token counts are, how an error event looks in it, and how an error dsv4d
+//! answers itself must look for that API's SDKs to raise it as their own. (Its keep-alive
+//! events are [`crate::http::opening`]'s, for the APIs whose clients count events.)
 //!
 //! Owns: [`Protocol`], [`SPECS`] (one row per protocol: a new protocol is one more row),
-//! [`Route`] (a path's protocol and how its answers stream, looked up once per request),
-//! [`Failure`] (an error to tell, in any protocol) and [`LastEvent`] (the head of a stream's
-//! last event, to tell a stream that ended from one that was cut when only the connection's
-//! close ends it). Pure: no I/O, no clock.
+//! [`Route`] (a path's protocol and how its answers stream, looked up once per request) and
+//! [`Failure`] (an error to tell, in any protocol). Pure: no I/O, no clock.
 
 use bytes::Bytes;
 use dsv4_client::ApiProtocol;
 use serde_json::{json, Value};
+
+use crate::http::events::Event;
 
 /// An API dsv4d forwards and knows the shapes of.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
@@ -32,8 +34,8 @@ pub enum Protocol {
 pub enum Streams {
     /// Never (token counts and the like).
     No,
-    /// When asked (`"stream": true`), and a complete stream ends with one of its protocol's
-    /// [`Spec::ends`].
+    /// When asked (`"stream": true`), and a complete stream ends with its protocol's last
+    /// event ([`Spec::last`]).
     Ended,
     /// When asked, with no last event of its own (llama-server's native completions): only
     /// the connection's close or the chunked framing tells its end.
@@ -45,11 +47,13 @@ pub struct Spec {
     pub protocol: Protocol,
     /// The paths it is served at, as the engine routes them, and how each streams.
     pub paths: &'static [(&'static str, Streams)],
-    /// How the event that ends a complete stream begins (its first line, or the start of
-    /// it): any of these.
-    pub ends: &'static [&'static [u8]],
+    /// The event that ends a complete stream.
+    pub last: Last,
     /// That last event, as a message names it.
     pub end_name: &'static str,
+    /// The events that are the answer's tokens (shown in flight, and the first ends the
+    /// prefill).
+    pub tokens: Tokens,
     /// The error event that tells a streaming client of `failure`.
     pub error_event: fn(&Failure) -> Bytes,
     /// The body of an error dsv4d answers itself, for this protocol's SDKs.
@@ -58,6 +62,22 @@ pub struct Spec {
     /// counts are: the `usage` shape read when an answer has no llama-server `timings` (see
     /// [`crate::observe::stats`]).
     pub usage: ApiProtocol,
+}
+
+/// Which event ends a complete stream.
+pub enum Last {
+    /// `data: [DONE]`.
+    Done,
+    /// An event of one of these kinds (its name, or its data's `type`: [`Event::kind`]).
+    Kinds(&'static [&'static str]),
+}
+
+/// Which events are the answer's tokens.
+pub enum Tokens {
+    /// Every event with data but the last.
+    Data,
+    /// The events whose kind ends with this.
+    KindEndsWith(&'static str),
 }
 
 /// The protocols, one row each. OpenAI's chat path comes first: most requests are found at
@@ -76,8 +96,10 @@ pub static SPECS: [Spec; 3] = [
             ("/v1/chat/completions/input_tokens", Streams::No),
             ("/chat/completions/input_tokens", Streams::No),
         ],
-        ends: &[b"data: [DONE]"],
+        last: Last::Done,
         end_name: "[DONE]",
+        // (llama-server's progress events are taken out before: `crate::http::watch`.)
+        tokens: Tokens::Data,
         error_event: openai_event,
         error_body: openai_body,
         usage: ApiProtocol::OpenAi,
@@ -88,8 +110,9 @@ pub static SPECS: [Spec; 3] = [
             ("/v1/messages", Streams::Ended),
             ("/v1/messages/count_tokens", Streams::No),
         ],
-        ends: &[b"event: message_stop", b"data: {\"type\":\"message_stop\""],
+        last: Last::Kinds(&["message_stop"]),
         end_name: "message_stop",
+        tokens: Tokens::KindEndsWith("content_block_delta"),
         error_event: anthropic_event,
         error_body: anthropic_body,
         usage: ApiProtocol::Anthropic,
@@ -103,20 +126,40 @@ pub static SPECS: [Spec; 3] = [
             ("/responses/input_tokens", Streams::No),
         ],
         // llama-server names its events; ds4-server sends `data:` alone, its type first.
-        ends: &[
-            b"event: response.completed",
-            b"event: response.failed",
-            b"event: response.incomplete",
-            b"data: {\"type\":\"response.completed\"",
-            b"data: {\"type\":\"response.failed\"",
-            b"data: {\"type\":\"response.incomplete\"",
-        ],
+        last: Last::Kinds(&[
+            "response.completed",
+            "response.failed",
+            "response.incomplete",
+        ]),
         end_name: "response.completed",
+        // Text, reasoning and a tool call's arguments: `response.*.delta`.
+        tokens: Tokens::KindEndsWith(".delta"),
         error_event: responses_event,
         error_body: openai_body,
         usage: ApiProtocol::Responses,
     },
 ];
+
+impl Spec {
+    /// Whether `e` is the event that ends a complete stream.
+    pub fn is_end(&self, e: &Event) -> bool {
+        match self.last {
+            Last::Done => e.has_data && e.data.trim_ascii() == b"[DONE]",
+            Last::Kinds(kinds) => {
+                let kind = e.kind();
+                kinds.iter().any(|k| k.as_bytes() == kind)
+            }
+        }
+    }
+
+    /// Whether `e` is one of the answer's tokens.
+    pub fn is_token(&self, e: &Event) -> bool {
+        match self.tokens {
+            Tokens::Data => e.has_data && !self.is_end(e),
+            Tokens::KindEndsWith(end) => e.kind().ends_with(end.as_bytes()),
+        }
+    }
+}
 
 impl Protocol {
     /// Its row of [`SPECS`].
@@ -290,73 +333,6 @@ fn responses_event(f: &Failure) -> Bytes {
     Bytes::from(format!("event: error\ndata: {v}\n\n"))
 }
 
-/// The first bytes of a stream's last event, read chunk by chunk: whether that stream
-/// ended with its protocol's last event. For streams that only the connection's close ends
-/// (ds4-server), where an end and a cut look alike otherwise.
-#[derive(Default)]
-pub struct LastEvent {
-    /// The first bytes of the last event begun (comment blocks aside), its line ends as LF.
-    head: Vec<u8>,
-    at: At,
-}
-
-/// Where the bytes so far stand (the event stream grammar: lines end with CRLF, LF or CR; a
-/// blank line ends an event).
-#[derive(Default, Clone, Copy, PartialEq, Eq)]
-enum At {
-    /// Between events: the start, or after a blank line.
-    #[default]
-    Between,
-    /// Within an event's line: one whose head is kept, or a comment block.
-    Within { kept: bool },
-    /// Just after a line end (`end`) within an event.
-    LineEnd { end: u8, kept: bool },
-}
-
-impl LastEvent {
-    /// The most of an event's beginning kept: the longest of [`Spec::ends`] fits.
-    const KEEP: usize = 40;
-
-    fn keep(&mut self, b: u8) {
-        if self.head.len() < Self::KEEP {
-            self.head.push(b);
-        }
-    }
-
-    pub fn push(&mut self, data: &[u8]) {
-        for &b in data {
-            let line_end = b == b'\n' || b == b'\r';
-            self.at = match self.at {
-                At::Between if line_end => At::Between,
-                At::Between if b == b':' => At::Within { kept: false },
-                At::Between => {
-                    self.head.clear();
-                    self.keep(b);
-                    At::Within { kept: true }
-                }
-                // The LF of a CRLF.
-                At::LineEnd { end: b'\r', kept } if b == b'\n' => At::LineEnd { end: b, kept },
-                // A blank line.
-                At::LineEnd { .. } if line_end => At::Between,
-                At::LineEnd { kept, .. } | At::Within { kept } => {
-                    if kept {
-                        self.keep(if line_end { b'\n' } else { b });
-                    }
-                    match line_end {
-                        true => At::LineEnd { end: b, kept },
-                        false => At::Within { kept },
-                    }
-                }
-            };
-        }
-    }
-
-    /// Whether the last event begins as one of `ends`.
-    pub fn ended(&self, ends: &[&[u8]]) -> bool {
-        ends.iter().any(|e| self.head.starts_with(e))
-    }
-}
-
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -395,76 +371,10 @@ mod tests {
         let mut paths = std::collections::HashSet::new();
         for (i, spec) in SPECS.iter().enumerate() {
             assert!(std::ptr::eq(spec.protocol.spec(), &SPECS[i]));
-            assert!(!spec.ends.is_empty(), "{}", spec.usage.as_str());
             for (path, _) in spec.paths {
                 assert!(paths.insert(*path), "{path} is in two rows");
                 assert_eq!(Protocol::of(path), Some(spec.protocol), "{path}");
             }
-        }
-    }
-
-    /// The head of the last event after `pieces`, as pushed one by one.
-    fn last(pieces: &[&[u8]]) -> LastEvent {
-        let mut l = LastEvent::default();
-        for p in pieces {
-            l.push(p);
-        }
-        l
-    }
-
-    #[test]
-    fn a_stream_ended_only_when_its_last_event_is_its_protocols_end() {
-        use Protocol::*;
-        let chat = &b"data: {\"choices\":[{\"delta\":{\"content\":\"x\"}}]}\n\n"[..];
-        let anthropic_delta = &b"event: content_block_delta\ndata: {\"type\":\"content_block_delta\",\"index\":0,\"delta\":{\"type\":\"text_delta\",\"text\":\"Hi\"}}\n\n"[..];
-        let anthropic_stop = &b"event: message_stop\ndata: {\"type\":\"message_stop\"}\n\n"[..];
-        let responses_delta =
-            &b"event: response.output_text.delta\ndata: {\"type\":\"response.output_text.delta\",\"delta\":\"Hi\"}\n\n"[..];
-        let llama_done = &b"event: response.completed\ndata: {\"type\":\"response.completed\",\"response\":{\"status\":\"completed\",\"output\":[]}}\n\n"[..];
-        let ds4_done =
-            &b"data: {\"type\":\"response.completed\",\"sequence_number\":9,\"response\":{}}\n\n"[..];
-        let ds4_failed = &b"data: {\"type\":\"response.failed\",\"sequence_number\":9}\n\n"[..];
-        let incomplete = &b"event: response.incomplete\r\ndata: {}\r\n\r\n"[..];
-        for (protocol, stream, ended) in [
-            (OpenAi, vec![chat, b"data: [DONE]\n\n"], true),
-            (OpenAi, vec![chat, b"data: [DONE]"], true),
-            (OpenAi, vec![chat], false),
-            (OpenAi, vec![], false),
-            (OpenAi, vec![b"data: [DONE]\n\n", chat], false),
-            (OpenAi, vec![chat, b"data: [DONE]\n\n", b": bye\n\n"], true),
-            (OpenAi, vec![chat, b"data: [DONE]\r\n\r\n"], true),
-            (Anthropic, vec![anthropic_delta, anthropic_stop], true),
-            (Anthropic, vec![anthropic_delta], false),
-            (Anthropic, vec![anthropic_stop, anthropic_delta], false),
-            (
-                Anthropic,
-                vec![b"data: {\"type\":\"message_stop\"}\n\n"],
-                true,
-            ),
-            (Anthropic, vec![chat, b"data: [DONE]\n\n"], false),
-            (Responses, vec![responses_delta, llama_done], true),
-            (Responses, vec![responses_delta, ds4_done], true),
-            (Responses, vec![responses_delta, ds4_failed], true),
-            (Responses, vec![responses_delta, incomplete], true),
-            (Responses, vec![responses_delta], false),
-            (Responses, vec![llama_done, responses_delta], false),
-            (Responses, vec![b"event: error\ndata: {}\n\n"], false),
-        ] {
-            let whole: Vec<u8> = stream.concat();
-            let ends = protocol.spec().ends;
-            assert_eq!(
-                last(&stream).ended(ends),
-                ended,
-                "{protocol:?} {:?}",
-                String::from_utf8_lossy(&whole)
-            );
-            // Split anywhere, and byte by byte.
-            for cut in 0..=whole.len() {
-                let two = last(&[&whole[..cut], &whole[cut..]]);
-                assert_eq!(two.ended(ends), ended, "{protocol:?} cut at {cut}");
-            }
-            let ones: Vec<&[u8]> = whole.chunks(1).collect();
-            assert_eq!(last(&ones).ended(ends), ended);
         }
     }
 
@@ -516,9 +426,12 @@ mod tests {
         // Each is one event, leaving the stream between events.
         for p in [Protocol::OpenAi, Protocol::Anthropic, Protocol::Responses] {
             let e = p.error_event(&f);
+            let mut reader = crate::http::events::Reader::new();
+            let mut events = 0;
+            reader.feed(&e, |_| events += 1);
             assert_eq!(
-                crate::http::sse::Place::Between.after(&e),
-                crate::http::sse::Place::Between
+                (events, reader.place()),
+                (1, crate::http::events::Place::Between)
             );
         }
     }

@@ -2,64 +2,16 @@
 //! own may go; the comment lines themselves; which requests ask for a stream; and the error
 //! event for an engine's error answer (in its protocol's shape: [`crate::http::protocol`]).
 //!
-//! Owns: [`Place`] (an event-boundary tracker over the bytes of a stream, fed chunk by chunk,
-//! that looks only at each chunk's last line ends), [`wants_stream`],
-//! [`comment`], [`reasoning_chunk`] (`api.loading_reasoning`) and [`error_event`]. Pure: no I/O, no clock; the body that uses them is
-//! [`crate::http::keepalive`].
+//! Owns: [`wants_stream`], [`comment`], [`reasoning_chunk`] (`api.loading_reasoning`) and
+//! [`error_event`]. Pure: no I/O, no clock; the body that uses them is
+//! [`crate::http::keepalive`], which learns where the stream stands ([`Place`]) from the
+//! answer's reader ([`crate::http::events`]).
 
 use bytes::Bytes;
 use serde_json::{json, Value};
 
+pub use crate::http::events::Place;
 use crate::http::protocol::Failure;
-
-/// Where an event stream stands after the bytes so far (the HTML standard's event stream
-/// grammar: lines end with CRLF, LF or CR, and a blank line ends an event).
-#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
-pub enum Place {
-    /// Between events: the start, or after a blank line ended by LF.
-    #[default]
-    Between,
-    /// Between events, after a blank line ended by CR: an LF that comes next still belongs to
-    /// it (CRLF).
-    BetweenCr,
-    /// Within a line.
-    InLine,
-    /// At the start of a line within an event (after a field line's LF or CRLF).
-    LineStart,
-    /// After a field line's CR: an LF that comes next still belongs to it.
-    LineCr,
-}
-
-impl Place {
-    /// After one more byte.
-    fn step(self, b: u8) -> Place {
-        use Place::*;
-        match (self, b) {
-            (InLine | LineCr, b'\n') => LineStart,
-            // A blank line's end, or the LF of a CRLF whose CR ended one.
-            (_, b'\n') => Between,
-            (InLine, b'\r') => LineCr,
-            (_, b'\r') => BetweenCr,
-            _ => InLine,
-        }
-    }
-
-    /// After `chunk`. Only its last line ends are read: whatever came before the last byte
-    /// that ends no line, the stream is then within a line.
-    pub fn after(self, chunk: &[u8]) -> Place {
-        let ends = chunk
-            .iter()
-            .rposition(|&b| b != b'\n' && b != b'\r')
-            .map_or(0, |i| i + 1);
-        let from = if ends == 0 { self } else { Place::InLine };
-        chunk[ends..].iter().fold(from, |p, &b| p.step(b))
-    }
-
-    /// Whether a line of dsv4d's own may go in now: only between events, never within one.
-    pub fn between(self) -> bool {
-        matches!(self, Place::Between | Place::BetweenCr)
-    }
-}
 
 /// The SSE comment line `: text` for a stream at `place` (which must be [`Place::between`]),
 /// ended so that the stream is between events after it as before: with a blank line, and
@@ -218,40 +170,42 @@ pub fn error_event(
 mod tests {
     use super::*;
 
-    /// The place after `bytes`, byte by byte.
-    fn bytewise(bytes: &[u8]) -> Place {
-        bytes.iter().fold(Place::Between, |p, &b| p.step(b))
+    /// The place after `pieces`, read as chunks one after the other.
+    fn place(pieces: &[&[u8]]) -> Place {
+        let mut reader = crate::http::events::Reader::new();
+        for p in pieces {
+            reader.feed(p, |_| {});
+        }
+        reader.place()
     }
 
     #[test]
     fn an_event_ends_at_a_blank_line_of_any_line_end() {
         use Place::*;
-        for (bytes, place) in [
+        for (bytes, at) in [
             (&b""[..], Between),
-            (b"data: x", InLine),
-            (b"data: x\n", LineStart),
+            (b"data: x", Within),
+            (b"data: x\n", Within),
             (b"data: x\n\n", Between),
-            (b"data: x\r\n", LineStart),
+            (b"data: x\r\n", Within),
             (b"data: x\r\n\r", BetweenCr),
             (b"data: x\r\n\r\n", Between),
-            (b"data: x\r", LineCr),
+            (b"data: x\r", Within),
             (b"data: x\r\r", BetweenCr),
             (b"data: x\n\r", BetweenCr),
             (b"data: x\r\n\n", Between),
-            (b"event: a\ndata: x\n", LineStart),
+            (b"event: a\ndata: x\n", Within),
             (b"event: a\ndata: x\n\n", Between),
             (b"data: x\n\n\n", Between),
             (b": prefill\n\n", Between),
-            (b"data: x\n\ndata: y", InLine),
+            (b"data: x\n\ndata: y", Within),
             (b"\n", Between),
             (b"\r", BetweenCr),
         ] {
-            assert_eq!(
-                bytewise(bytes),
-                place,
-                "{:?}",
-                String::from_utf8_lossy(bytes)
-            );
+            let ones: Vec<&[u8]> = bytes.chunks(1).collect();
+            for got in [place(&[bytes]), place(&ones)] {
+                assert_eq!(got, at, "{:?}", String::from_utf8_lossy(bytes));
+            }
         }
     }
 
@@ -268,17 +222,13 @@ mod tests {
         for stream in streams {
             // Every prefix, in two pieces split at every point and in one-byte pieces.
             for end in 0..=stream.len() {
-                let whole = bytewise(&stream[..end]);
+                let whole = place(&[&stream[..end]]);
                 for cut in 0..=end {
-                    let two = Place::default()
-                        .after(&stream[..cut])
-                        .after(&stream[cut..end]);
+                    let two = place(&[&stream[..cut], &stream[cut..end]]);
                     assert_eq!(two, whole, "{:?} cut at {cut} of {end}", stream);
                 }
-                let ones = stream[..end]
-                    .chunks(1)
-                    .fold(Place::default(), |p, c| p.after(c));
-                assert_eq!(ones, whole);
+                let ones: Vec<&[u8]> = stream[..end].chunks(1).collect();
+                assert_eq!(place(&ones), whole);
             }
         }
     }
@@ -288,14 +238,14 @@ mod tests {
         let stream = b"data: a\n\ndata: b\r\n\r\ndata: c\r\rdata: d\n\n";
         let mut between = 0;
         for end in 0..=stream.len() {
-            let place = bytewise(&stream[..end]);
-            if !place.between() {
+            let at = place(&[&stream[..end]]);
+            if !at.between() {
                 continue;
             }
             between += 1;
-            let c = comment(place, "dsv4 loading");
+            let c = comment(at, "dsv4 loading");
             assert!(c.starts_with(b": dsv4 loading"));
-            assert_eq!(place.after(&c), place, "after {end}");
+            assert_eq!(place(&[&stream[..end], &c]), at, "after {end}");
             // The events a parser reads are the same with the comment in.
             let mut with = stream[..end].to_vec();
             with.extend_from_slice(&c);
@@ -371,7 +321,7 @@ mod tests {
         // A model name of any text stays one JSON string; the stream stays between events.
         for model in ["a\"b", "line\nbreak", "é", ""] {
             let c = reasoning_chunk(1, 0, model, "dsv4 waiting for the engine's answer: 12 s");
-            assert_eq!(Place::Between.after(&c), Place::Between);
+            assert_eq!(place(&[&c]), Place::Between);
             assert_eq!(c.iter().filter(|&&b| b == b'\n').count(), 2, "{model:?}");
             let v = data_of(&c);
             assert_eq!(v["model"], model);

@@ -1,8 +1,9 @@
 //! Request statistics: what the engine reports about each request, kept per request and
 //! summed, with token-weighted prefill and decode rates.
 //!
-//! Owns: the records and totals. Must not: delay or alter a response; the proxy hands it a
-//! copy of the response's last bytes ([`Tap`]) and the figures are read once the body ended.
+//! Owns: the records and totals, and [`Count`] (the observer of one answer's events). Must
+//! not: delay or alter a response; the answer's reader hands [`Count`] its events (see
+//! `crate::http::watch`) and the figures are read once the body ended.
 //!
 //! Where the figures are, by the API the request spoke ([`ApiProtocol`], from its path):
 //! llama-server's `timings` (prompt, cached and generated tokens, prefill and decode times)
@@ -27,7 +28,6 @@
 use std::collections::{BTreeMap, VecDeque};
 use std::sync::{Arc, Mutex};
 
-use bytes::Bytes;
 use tokio::time::Instant;
 // The document types are the client's own: what the daemon serves is by construction what
 // `dsv4ctl` and other clients parse.
@@ -40,10 +40,6 @@ use serde::Deserialize;
 pub const LONG_PROMPT: u64 = 1024;
 /// Records kept for inspection.
 const KEEP: usize = 1000;
-/// Bytes of a response's end kept to find its `timings`: an event stream carries them in
-/// its last events; a JSON body anywhere, so more of it is kept.
-const TAIL_SSE: usize = 16 * 1024;
-const TAIL_JSON: usize = 256 * 1024;
 
 /// llama-server's per-request `timings` (the fields used here).
 #[derive(Debug, Clone, Copy, PartialEq, Deserialize)]
@@ -291,98 +287,71 @@ impl Stats {
     }
 }
 
-/// The last bytes of a response, to read its figures once it has ended. The last frame is
-/// held as it came (a small JSON answer is one frame: nothing is copied); earlier ones are
-/// copied, up to the bound, as the next one arrives. Of a stream, it also notes when its
-/// first event came, and of an Anthropic stream the `usage` of its `message_start`, which
-/// may be long gone from the tail by the end.
+/// The statistics' observer of one answer: handed each of its events (a plain answer is one
+/// event: its body), it keeps the last `timings` and `usage` they held, when the first event
+/// came, and of an Anthropic stream the `usage` of its `message_start`. The figures are read
+/// from those once the answer ended ([`Count::figures`]).
 #[derive(Debug)]
-pub struct Tap {
-    cap: usize,
-    buf: Vec<u8>,
-    last: Bytes,
+pub struct Count {
     protocol: ApiProtocol,
     /// An event stream: when the request was sent, and when its first event came.
     stream: Option<(Instant, Option<Instant>)>,
     /// An Anthropic stream's opening usage, once seen.
     start: Option<Usage>,
+    timings: Option<Timings>,
+    usage: Option<Usage>,
 }
 
-impl Tap {
-    /// A tap for the answer to a request of `protocol` (its `usage` shape: the protocol
-    /// table's, `crate::http::protocol`) sent at `sent`, or none when the answer's content
-    /// type cannot carry figures.
-    pub fn new(protocol: ApiProtocol, content_type: Option<&str>, sent: Instant) -> Option<Tap> {
+impl Count {
+    /// For the answer to a request of `protocol` (its `usage` shape: the protocol table's,
+    /// `crate::http::protocol`) sent at `sent`, or none when the answer's content type
+    /// cannot carry figures.
+    pub fn new(protocol: ApiProtocol, content_type: Option<&str>, sent: Instant) -> Option<Count> {
         let ct = content_type?;
         let is = |prefix: &str| {
             ct.get(..prefix.len())
                 .is_some_and(|p| p.eq_ignore_ascii_case(prefix))
         };
-        let (cap, stream) = if is("text/event-stream") {
-            (TAIL_SSE, Some((sent, None)))
-        } else if is("application/json") {
-            (TAIL_JSON, None)
-        } else {
-            return None;
+        let stream = match (is("text/event-stream"), is("application/json")) {
+            (true, _) => Some((sent, None)),
+            (false, true) => None,
+            (false, false) => return None,
         };
-        Some(Tap {
-            cap,
-            buf: Vec::new(),
-            last: Bytes::new(),
+        Some(Count {
             protocol,
             stream,
             start: None,
+            timings: None,
+            usage: None,
         })
     }
 
-    pub fn push(&mut self, data: &Bytes) {
+    /// An event of the answer (not a comment): its kind and its data.
+    pub fn event(&mut self, kind: &[u8], data: &[u8]) {
         if let Some((_, first @ None)) = &mut self.stream {
-            // The first frame that is not a comment (ds4-server's `: prefill` lines).
-            if data.trim_ascii_start().first().is_some_and(|c| *c != b':') {
-                *first = Some(Instant::now());
-            }
+            *first = Some(Instant::now());
         }
-        if self.protocol == ApiProtocol::Anthropic && self.stream.is_some() && self.start.is_none()
+        if self.protocol == ApiProtocol::Anthropic
+            && kind == b"message_start"
+            && self.start.is_none()
         {
-            self.start = message_start_usage(data);
+            self.start = find_usage(data);
         }
-        let earlier = std::mem::replace(&mut self.last, data.clone());
-        if data.len() >= self.cap {
-            self.buf.clear();
-            return;
+        if let Some(t) = find_timings(data) {
+            self.timings = Some(t);
         }
-        // What the bound leaves room for before the newest frame.
-        let room = self.cap - data.len();
-        let earlier = &earlier[earlier.len().saturating_sub(room)..];
-        let over = (self.buf.len() + earlier.len()).saturating_sub(room);
-        self.buf.drain(..over.min(self.buf.len()));
-        self.buf.extend_from_slice(earlier);
+        if let Some(u) = find_usage(data) {
+            self.usage = Some(u);
+        }
     }
 
-    /// How many bytes it holds: at most its bound.
-    pub fn held(&self) -> usize {
-        self.buf.len() + self.last.len().min(self.cap)
-    }
-
-    /// The request's figures, read at the answer's end: its `timings` (the last complete
-    /// `"timings": {...}` object kept), else its `usage` as its protocol has it.
-    pub fn timings(&self) -> Option<Figures> {
-        let last = &self.last[self.last.len().saturating_sub(self.cap)..];
-        if self.buf.is_empty() {
-            return self.figures(last);
+    /// The request's figures, read at the answer's end: its last complete `timings`, else
+    /// its `usage` as its protocol has it.
+    pub fn figures(&self) -> Option<Figures> {
+        if let Some(t) = &self.timings {
+            return Some(Figures::timed(self.protocol, t));
         }
-        let mut all = Vec::with_capacity(self.buf.len() + last.len());
-        all.extend_from_slice(&self.buf);
-        all.extend_from_slice(last);
-        self.figures(&all)
-    }
-
-    fn figures(&self, tail: &[u8]) -> Option<Figures> {
-        if let Some(t) = find_timings(tail) {
-            return Some(Figures::timed(self.protocol, &t));
-        }
-        let usage = find_usage(tail);
-        let (prompt_n, cache_n, predicted_n) = counts(self.protocol, usage, self.start)?;
+        let (prompt_n, cache_n, predicted_n) = counts(self.protocol, self.usage, self.start)?;
         let times = match self.stream {
             Some((sent, Some(first))) => Times::Clock {
                 prompt_ms: ms(first - sent),
@@ -485,17 +454,6 @@ fn find_usage(buf: &[u8]) -> Option<Usage> {
         end = at;
     }
     None
-}
-
-/// The usage of the `message_start` event in an Anthropic stream's frame, if whole in it.
-fn message_start_usage(frame: &[u8]) -> Option<Usage> {
-    static START: std::sync::LazyLock<memchr::memmem::Finder<'static>> =
-        std::sync::LazyLock::new(|| memchr::memmem::Finder::new(b"\"message_start\""));
-    let at = START.find(frame)?;
-    let rest = &frame[at..];
-    // The event's data line.
-    let line = &rest[..memchr::memchr(b'\n', rest).unwrap_or(rest.len())];
-    find_usage(line)
 }
 
 /// The object of `: {...}` right after a key, read as a `T` if it is whole and reads as
@@ -685,47 +643,33 @@ mod tests {
         assert_eq!(find_timings(wrong.as_bytes()).map(|t| t.prompt_n), Some(4));
     }
 
-    #[test]
-    fn the_tap_keeps_only_the_tail() {
-        let mut tap = Tap::new(
-            api("/v1/chat/completions"),
-            Some("text/event-stream; charset=utf-8"),
-            Instant::now(),
-        )
-        .unwrap();
-        let filler = Bytes::from(vec![b'x'; TAIL_SSE]);
-        tap.push(&Bytes::from_static(
-            b"{\"timings\":{\"prompt_n\":1,\"prompt_ms\":1,\"predicted_n\":1,\"predicted_ms\":1}}",
-        ));
-        assert!(tap.timings().is_some());
-        tap.push(&filler);
-        assert_eq!(tap.held(), TAIL_SSE);
-        assert!(tap.timings().is_none(), "old bytes were not dropped");
-        // Frames that each fit, whose sum does not: only the newest bytes are kept, in order.
-        let mut tap =
-            Tap::new(api("/completion"), Some("Application/JSON"), Instant::now()).unwrap();
-        let timings = Bytes::from_static(
-            b"\"timings\":{\"prompt_n\":2,\"prompt_ms\":1,\"predicted_n\":1,\"predicted_ms\":1}",
-        );
-        let third = Bytes::from(vec![b' '; TAIL_JSON / 3]);
-        for frame in [&third, &third, &third, &timings, &third, &third] {
-            tap.push(frame);
-            assert!(tap.held() <= TAIL_JSON);
+    /// Feeds `frames` (an answer of `content_type` to a request to `path`) to a count, as
+    /// the answer's reader hands them over (`crate::http::watch`): a stream event by event,
+    /// a plain answer as one event.
+    fn tapped(path: &str, content_type: &str, frames: &[&str]) -> Option<Figures> {
+        let mut count = Count::new(api(path), Some(content_type), Instant::now()).unwrap();
+        if !content_type.starts_with("text/event-stream") {
+            count.event(b"", frames.concat().as_bytes());
+            return count.figures();
         }
-        assert_eq!(tap.timings().map(|f| f.prompt_n), Some(2));
-        tap.push(&third);
-        assert_eq!(tap.timings(), None, "the timings are older than the bound");
-        assert!(Tap::new(api("/v1/messages"), Some("text/plain"), Instant::now()).is_none());
-        assert!(Tap::new(api("/v1/messages"), None, Instant::now()).is_none());
+        let mut reader = crate::http::events::Reader::new();
+        let mut each = |e: &crate::http::events::Event| {
+            if !e.is_comment() {
+                count.event(e.kind(), e.data)
+            }
+        };
+        for f in frames {
+            reader.feed(f.as_bytes(), &mut each);
+        }
+        reader.finish(&mut each);
+        count.figures()
     }
 
-    /// Feeds `frames` to a tap for `path` and reads its figures.
-    fn tapped(path: &str, content_type: &str, frames: &[&str]) -> Option<Figures> {
-        let mut tap = Tap::new(api(path), Some(content_type), Instant::now()).unwrap();
-        for f in frames {
-            tap.push(&Bytes::copy_from_slice(f.as_bytes()));
-        }
-        tap.timings()
+    #[test]
+    fn a_count_is_only_for_answers_that_can_carry_figures() {
+        assert!(Count::new(api("/v1/messages"), Some("text/plain"), Instant::now()).is_none());
+        assert!(Count::new(api("/v1/messages"), None, Instant::now()).is_none());
+        assert!(Count::new(api("/completion"), Some("Application/JSON"), Instant::now()).is_some());
     }
 
     fn counted(f: Option<Figures>) -> Option<(ApiProtocol, u64, u64, u64)> {
@@ -871,26 +815,29 @@ mod tests {
     }
 
     #[test]
-    fn the_clock_splits_a_stream_at_its_first_event_and_comments_do_not_count() {
+    fn the_clock_splits_a_stream_at_its_first_event() {
         let sent = Instant::now();
-        let mut tap = Tap::new(api("/v1/messages"), Some("text/event-stream"), sent).unwrap();
-        tap.push(&Bytes::from_static(b": prefill\n\n"));
-        assert_eq!(tap.stream, Some((sent, None)));
-        tap.push(&Bytes::from_static(
-            b"event: message_start\ndata: {\"type\":\"message_start\",\"message\":{\"usage\":{\"input_tokens\":9,\"output_tokens\":1}}}\n\n",
-        ));
-        let first = tap
+        let mut count = Count::new(api("/v1/messages"), Some("text/event-stream"), sent).unwrap();
+        assert_eq!(count.stream, Some((sent, None)));
+        count.event(
+            b"message_start",
+            br#"{"type":"message_start","message":{"usage":{"input_tokens":9,"output_tokens":1}}}"#,
+        );
+        let first = count
             .stream
             .and_then(|(_, f)| f)
             .expect("the first event's time");
         assert!(first >= sent);
-        assert_eq!(tap.start.and_then(|u| u.input_tokens), Some(9));
-        // The opening event long gone from the tail, its counts are still known.
-        tap.push(&Bytes::from(vec![b'x'; TAIL_SSE]));
-        tap.push(&Bytes::from_static(
-            b"event: message_delta\ndata: {\"type\":\"message_delta\",\"usage\":{\"output_tokens\":40}}\n\n",
-        ));
-        let f = tap.timings().unwrap();
+        assert_eq!(count.start.and_then(|u| u.input_tokens), Some(9));
+        // Many events later, the opening's counts are still known.
+        for _ in 0..1000 {
+            count.event(b"content_block_delta", br#"{"delta":{"text":"x"}}"#);
+        }
+        count.event(
+            b"message_delta",
+            br#"{"type":"message_delta","usage":{"output_tokens":40}}"#,
+        );
+        let f = count.figures().unwrap();
         assert_eq!((f.prompt_n, f.cache_n, f.predicted_n), (9, 0, 40));
         let Times::Clock {
             prompt_ms,
