@@ -177,3 +177,58 @@ async fn the_ask_for_progress_cannot_be_seen() {
     assert!(direct_said.contains("column"), "{direct_said}");
     assert_eq!(said, direct_said);
 }
+
+/// The tokens a request in flight shows are its answer's content events, on each kind and
+/// each API, also when the model's text holds what an event stream's fields look like
+/// (`data: data: x`, `event: message_stop`, `data: [DONE]`: the fake engine's `fields`
+/// answer): 12 events are 12 tokens.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn tokens_in_flight_are_the_content_events_whatever_the_text() {
+    // The engine pauses after its last token, before its answer's end: the status shows the
+    // request with all its tokens meanwhile.
+    let knobs = [("pause_after", "12"), ("pause_ms", "1500")];
+    let llama = knobs
+        .iter()
+        .fold(Setup::default(), |s, (k, v)| s.knob(k, v));
+    let ds4 = knobs
+        .iter()
+        .fold(Setup::default().ds4(), |s, (k, v)| s.knob(k, v));
+    let generic = crate::openai_kind::fake_setup(
+        "health: /health\n",
+        &[("PAUSE_AFTER", "12"), ("PAUSE_MS", "1500")],
+    );
+    let prompt = "say fields";
+    let chat = json!({"messages": [{"role": "user", "content": prompt}], "max_tokens": 12,
+                      "stream": true});
+    let text = json!({"prompt": prompt, "max_tokens": 12, "stream": true});
+    let native = json!({"prompt": prompt, "n_predict": 12, "stream": true});
+    let messages = json!({"model": "m", "max_tokens": 12, "stream": true,
+                          "messages": [{"role": "user", "content": prompt}]});
+    let responses = json!({"model": "m", "max_output_tokens": 12, "stream": true,
+                           "input": prompt});
+    for (kind, setup) in [("llama-server", llama), ("ds4", ds4), ("openai", generic)] {
+        let d = Daemon::start(&setup);
+        for (path, body) in [
+            ("/v1/chat/completions", &chat),
+            ("/v1/completions", &text),
+            ("/completion", &native),
+            ("/v1/messages", &messages),
+            ("/v1/responses", &responses),
+        ] {
+            if kind == "ds4" && path == "/completion" {
+                // ds4-server serves no native completion.
+                continue;
+            }
+            let url = d.url(path);
+            let request = tokio::spawn({
+                let body = body.clone();
+                async move { raw_stream(&url, &body).await }
+            });
+            let seen = watch_until(&d, &request).await;
+            let stream = request.await.unwrap();
+            assert!(stream.contains("data: data: x"), "{kind} {path}: {stream}");
+            let tokens: Vec<u64> = seen.iter().filter_map(|r| r["tokens"].as_u64()).collect();
+            assert_eq!(tokens.iter().max(), Some(&12), "{kind} {path}: {seen:#?}");
+        }
+    }
+}

@@ -302,10 +302,12 @@ pub(crate) async fn raw_stream(url: &str, body: &Value) -> String {
         )))
         .unwrap();
     let resp = client.request(req).await.unwrap();
-    assert_eq!(resp.status(), 200);
+    let status = resp.status();
     use http_body_util::BodyExt;
     let bytes = resp.into_body().collect().await.unwrap().to_bytes();
-    String::from_utf8(bytes.to_vec()).unwrap()
+    let text = String::from_utf8(bytes.to_vec()).unwrap();
+    assert_eq!(status, 200, "{url}: {text}");
+    text
 }
 
 /// `stream` with what differs from one answer to the next (the completion's id, its time,

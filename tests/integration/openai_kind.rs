@@ -179,7 +179,7 @@ async fn a_key_in_the_environment_closes_the_engines_port_and_stays_off_its_comm
 
 /// A profile of the fake engine (playing llama-server) through the generic kind, with the
 /// YAML lines `more` and the fake engine's knobs `knobs` (`NAME: value` lines of its env).
-fn fake_setup(more: &str, knobs: &[(&str, &str)]) -> Setup {
+pub(crate) fn fake_setup(more: &str, knobs: &[(&str, &str)]) -> Setup {
     let mut env = String::new();
     for (k, v) in knobs {
         env += &format!("  FAKE_ENGINE_{k}: {v:?}\n");

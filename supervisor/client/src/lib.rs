@@ -455,7 +455,8 @@ pub struct InProgress {
     /// How far its prefill has got, as far as the engine tells (see docs/http-api.md).
     #[serde(default)]
     pub prefill: Option<PrefillProgress>,
-    /// Events of the answer so far (one a token, for chat and completion streams).
+    /// The answer's content events so far, one a token (which events: its API's row in
+    /// dsv4d's protocol table; see docs/http-api.md).
     #[serde(default)]
     pub tokens: u64,
 }

@@ -561,4 +561,173 @@ mod tests {
         }
         assert_eq!(w.take_count().and_then(|c| c.figures()), None);
     }
+
+    /// The recorded streams of the real engines (`tests/fixtures/streams/record`): each
+    /// file's engine, API and bytes.
+    fn recorded() -> Vec<(String, Protocol, Vec<u8>)> {
+        let dir =
+            std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("../tests/fixtures/streams");
+        let mut all = Vec::new();
+        for entry in std::fs::read_dir(&dir).unwrap() {
+            let path = entry.unwrap().path();
+            if path.extension().is_none_or(|e| e != "sse") {
+                continue;
+            }
+            let name = path.file_stem().unwrap().to_string_lossy().into_owned();
+            let protocol = match name.rsplit('-').next().unwrap() {
+                "chat" | "completions" | "completion" => Protocol::OpenAi,
+                "messages" => Protocol::Anthropic,
+                "responses" => Protocol::Responses,
+                other => panic!("{name}: no API named {other}"),
+            };
+            all.push((name, protocol, std::fs::read(&path).unwrap()));
+        }
+        all.sort_by(|a, b| a.0.cmp(&b.0));
+        // llama-server (as its kind and the generic kind start it) on five paths, ds4-server
+        // on four.
+        assert_eq!(
+            all.len(),
+            14,
+            "{:?}",
+            all.iter().map(|a| &a.0).collect::<Vec<_>>()
+        );
+        all
+    }
+
+    /// The events of `stream` as a reference reader sees them (the recordings end their lines
+    /// with LF: split at blank lines), each with its kind and data, comments left out.
+    fn reference(stream: &[u8]) -> Vec<(String, String)> {
+        let text = String::from_utf8(stream.to_vec()).unwrap();
+        assert!(!text.contains('\r'));
+        text.split("\n\n")
+            .filter(|e| !e.is_empty())
+            .filter_map(|e| {
+                let mut name = String::new();
+                let mut data: Vec<&str> = Vec::new();
+                for line in e.lines() {
+                    if let Some(v) = line.strip_prefix("event:") {
+                        name = v.trim_start().into();
+                    } else if let Some(v) = line.strip_prefix("data:") {
+                        data.push(v.strip_prefix(' ').unwrap_or(v));
+                    }
+                }
+                if data.is_empty() && name.is_empty() {
+                    return None;
+                }
+                let data = data.join("\n");
+                if name.is_empty() {
+                    let v: Option<serde_json::Value> = serde_json::from_str(&data).ok();
+                    name = v
+                        .and_then(|v| v["type"].as_str().map(String::from))
+                        .unwrap_or_default();
+                }
+                Some((name, data))
+            })
+            .collect()
+    }
+
+    /// The events a reader sees of `pieces`, each with its kind and data.
+    fn read(pieces: &[&[u8]]) -> Vec<(String, String)> {
+        let mut r = Reader::new();
+        let mut got = Vec::new();
+        let mut each = |e: &Event| {
+            if !e.is_comment() {
+                let text = |b: &[u8]| String::from_utf8(b.to_vec()).unwrap();
+                got.push((text(e.kind()), text(e.data)));
+            }
+        };
+        for p in pieces {
+            r.feed(p, &mut each);
+        }
+        r.finish(&mut each);
+        got
+    }
+
+    #[test]
+    fn every_split_of_the_real_engines_streams_reads_the_same_events() {
+        for (name, protocol, stream) in recorded() {
+            let want = reference(&stream);
+            assert!(want.len() >= 5, "{name}: {want:?}");
+            // The tokens, as the reference reader tells them: content events of the API.
+            let content = |(kind, data): &(String, String)| match protocol {
+                Protocol::OpenAi => data != "[DONE]" && !data.contains("\"prompt_progress\""),
+                Protocol::Anthropic => kind == "content_block_delta",
+                Protocol::Responses => kind.ends_with(".delta"),
+            };
+            let tokens = want.iter().filter(|e| content(e)).count() as u64;
+            assert!(tokens >= 1, "{name}");
+            let progress = want
+                .iter()
+                .filter(|(_, d)| d.contains("\"prompt_progress\""))
+                .count();
+            assert_eq!(
+                progress > 0,
+                name.starts_with("llama-server-") && protocol == Protocol::OpenAi,
+                "{name}"
+            );
+            let ends = !name.ends_with("-completion");
+            for cut in 0..=stream.len() {
+                let pieces = [&stream[..cut], &stream[cut..]];
+                assert_eq!(read(&pieces), want, "{name} cut at {cut}");
+                // Read by a watch (the client's own progress events left in): byte for byte.
+                let r = run(protocol, Some(false), &pieces);
+                assert_eq!(r.out.as_bytes(), &stream[..], "{name} cut at {cut}");
+                assert_eq!(r.tokens, tokens, "{name} cut at {cut}");
+                assert_eq!((r.ended, r.last_end), (ends, ends), "{name} cut at {cut}");
+                // dsv4d's own progress events taken out: the same stream without them.
+                let stripped = run(protocol, Some(true), &pieces);
+                let left = reference(stripped.out.as_bytes());
+                let kept: Vec<_> = want
+                    .iter()
+                    .filter(|(_, d)| !d.contains("\"prompt_progress\""))
+                    .cloned()
+                    .collect();
+                assert_eq!(left, kept, "{name} cut at {cut}");
+                assert_eq!(stripped.tokens, tokens);
+            }
+            let ones: Vec<&[u8]> = stream.chunks(1).collect();
+            assert_eq!(read(&ones), want, "{name} byte by byte");
+            assert_eq!(
+                run(protocol, Some(false), &ones).out.as_bytes(),
+                &stream[..]
+            );
+        }
+    }
+
+    #[test]
+    fn every_split_of_the_real_engines_streams_follows_dsv4ds_opening_alike() {
+        for (name, protocol, stream) in recorded() {
+            if protocol == Protocol::OpenAi {
+                continue;
+            }
+            let open = |pieces: &[&[u8]]| {
+                let mut w = Watch::new(protocol.spec(), true, None, None);
+                w.adopt(Opening::new(protocol, "m".into(), 1, 7).unwrap());
+                let mut out = w.opening().unwrap().keepalive().to_vec();
+                for p in pieces {
+                    out.extend_from_slice(&w.feed(Bytes::copy_from_slice(p)).out);
+                }
+                out.extend_from_slice(&w.finish().out);
+                reference(&out)
+            };
+            let whole = open(&[&stream]);
+            // One opening: dsv4d's, and the engine's made to follow it.
+            let first = match protocol {
+                Protocol::Anthropic => "message_start",
+                _ => "response.created",
+            };
+            assert_eq!(
+                whole.iter().filter(|(k, _)| k == first).count(),
+                1,
+                "{name}: {whole:?}"
+            );
+            for cut in 0..=stream.len() {
+                assert_eq!(
+                    open(&[&stream[..cut], &stream[cut..]]),
+                    whole,
+                    "{name} cut at {cut}"
+                );
+            }
+        }
+    }
 }

@@ -25,6 +25,9 @@ pub fn letter(i: u64) -> char {
     char::from(b'a' + (i % 26) as u8)
 }
 
+/// The tokens of a prompt that ends with `fields`, in turn.
+pub const FIELDS: [&str; 3] = ["data: data: x", " event: message_stop", " data: [DONE]"];
+
 /// Why generation ended.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub enum Finish {
@@ -55,6 +58,9 @@ impl Finish {
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 enum Kind {
     Letters,
+    /// Tokens whose text is what an event stream's fields look like ([`FIELDS`]), so that a
+    /// reader that counts lines by their look, not by the grammar, miscounts.
+    Fields,
     /// Digits starting at `first` (1..=9).
     Digits {
         first: u8,
@@ -79,10 +85,26 @@ impl Plan {
         }
     }
 
+    /// The chat rule: a last message that ends with `fields` is answered with [`FIELDS`],
+    /// anything else with letters.
+    pub fn for_chat(last: Option<&str>, max_tokens: u64) -> Plan {
+        match last {
+            Some(text) if text.ends_with("fields") => Plan {
+                kind: Kind::Fields,
+                count: max_tokens.min(MAX_TOKENS_CAP),
+                finish: Finish::Length,
+            },
+            _ => Plan::letters(max_tokens),
+        }
+    }
+
     /// The completion rule: a trailing digit `d` yields `d+1 ..= 9` then "stop"
     /// (cut short with "length" if `max_tokens` is smaller); otherwise letters.
     pub fn for_prompt(prompt: &str, max_tokens: u64) -> Plan {
         let max_tokens = max_tokens.min(MAX_TOKENS_CAP);
+        if prompt.ends_with("fields") {
+            return Plan::for_chat(Some(prompt), max_tokens);
+        }
         match prompt.chars().last().and_then(|c| c.to_digit(10)) {
             Some(d) => {
                 // d <= 9, so these casts are lossless.
@@ -112,12 +134,13 @@ impl Plan {
     }
 
     /// Token `i` (0-based). Only meaningful for `i < len()`.
-    pub fn token(&self, i: u64) -> char {
+    pub fn token(&self, i: u64) -> std::borrow::Cow<'static, str> {
         match self.kind {
-            Kind::Letters => letter(i),
+            Kind::Letters => letter(i).to_string().into(),
+            Kind::Fields => FIELDS[(i % 3) as usize].into(),
             Kind::Digits { first } => {
                 let d = u64::from(first).saturating_add(i).min(9);
-                char::from(b'0' + d as u8)
+                char::from(b'0' + d as u8).to_string().into()
             }
         }
     }
@@ -334,8 +357,7 @@ impl Flavor {
     }
 
     /// One streamed token.
-    pub fn chunk(self, meta: &Meta, token: char) -> Value {
-        let text = token.to_string();
+    pub fn chunk(self, meta: &Meta, text: &str) -> Value {
         match self {
             Flavor::Chat => json!({
                 "id": meta.id,
@@ -571,7 +593,7 @@ mod tests {
             created: 1,
             model: "m".into(),
         };
-        let ev = sse_data(&Flavor::Chat.chunk(&meta, 'a'));
+        let ev = sse_data(&Flavor::Chat.chunk(&meta, "a"));
         let s = std::str::from_utf8(&ev).unwrap();
         assert!(s.starts_with("data: {") && s.ends_with("}\n\n"));
         let v: Value = serde_json::from_str(&s[6..]).unwrap();

@@ -948,14 +948,16 @@ fn parse_job(flavor: Flavor, body: &Value) -> Result<Job, String> {
                 _ => return Err("'input' is required: a string or an array".to_string()),
             };
             let n = gen::max_tokens(body, &["max_output_tokens"]);
-            (Plan::letters(n), input)
+            let text = body.get("input").and_then(Value::as_str);
+            (Plan::for_chat(text, n), input)
         }
         Flavor::Chat | Flavor::Anthropic => {
             let Some(messages) = body.get("messages").and_then(Value::as_array) else {
                 return Err("'messages' is required and must be an array".to_string());
             };
             let n = gen::max_tokens(body, &["max_tokens", "max_completion_tokens", "n_predict"]);
-            (Plan::letters(n), gen::chat_prompt_chars(messages))
+            let last = messages.last().and_then(|m| m.get("content")?.as_str());
+            (Plan::for_chat(last, n), gen::chat_prompt_chars(messages))
         }
         Flavor::Text | Flavor::Native => {
             let keys: &[&str] = if flavor == Flavor::Native {
@@ -1040,7 +1042,7 @@ async fn generate(engine: &Arc<Engine>, req: Request<Incoming>, flavor: Flavor) 
     let mut content = String::new();
     for i in 0..job.plan.len() {
         engine.before_token(i, &mut pace).await;
-        content.push(job.plan.token(i));
+        content.push_str(&job.plan.token(i));
         engine.after_token(i, &mut pace).await;
     }
     let timings = Timings {
@@ -1088,7 +1090,7 @@ async fn stream_job(
             // ds4-server writes nothing more once stopping: the stream ends, no [DONE].
             return;
         }
-        let event = job.flavor.sse(&job.flavor.chunk(&meta, job.plan.token(i)));
+        let event = job.flavor.sse(&job.flavor.chunk(&meta, &job.plan.token(i)));
         if tx.send(event).await.is_err() {
             return;
         }
