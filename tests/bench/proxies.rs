@@ -29,6 +29,8 @@ const BODY: &str = r#"{"messages":[{"role":"user","content":"hi"}],"max_tokens":
 const CONCURRENCY: [usize; 2] = [1, 64];
 /// dsv4d's own CPU per proxied request, at most this many times nginx's (one worker).
 const CPU_TARGET: f64 = 1.3;
+/// dsv4d's own CPU per streamed event, at most nginx's.
+const STREAM_CPU_TARGET: f64 = 1.0;
 
 /// `name` on PATH or in the sbin folders (nginx lives in /usr/sbin).
 fn find_tool(name: &str) -> Option<PathBuf> {
@@ -314,12 +316,19 @@ fn parse_wrk(out: &str) -> Option<Run> {
 /// One wrk run, every request with `Authorization: auth` (the engine's key: the engine
 /// requires it, and dsv4d sends the same in place of the client's); Err carries wrk's raw
 /// output.
-fn wrk(bin: &Path, addr: SocketAddr, auth: &str, conns: usize, secs: usize) -> Result<Run, String> {
+fn wrk(
+    bin: &Path,
+    addr: SocketAddr,
+    auth: &str,
+    (conns, secs): (usize, usize),
+    body: &str,
+) -> Result<Run, String> {
     let out = Command::new(bin)
         .args(["-t", "1", "-c", &conns.to_string()])
         .args(["-d", &format!("{secs}s"), "--latency", "-s", SCRIPT])
         .arg(format!("http://{addr}/v1/chat/completions"))
         .env("DSV4_BENCH_AUTHORIZATION", auth)
+        .env("DSV4_BENCH_BODY", body)
         .stdin(Stdio::null())
         .output()
         .map_err(|e| format!("running {}: {e}", bin.display()))?;
@@ -501,7 +510,7 @@ pub async fn run() {
         .map(|w| w.trim().to_string())
         .filter(|w| !w.is_empty())
         .collect();
-    println!("\nproxies, non-streaming chat (wrk -t 1 --latency; {rounds} rounds x {secs} s per path and concurrency, interleaved; median):");
+    println!("\nproxies: the same engine direct and through each proxy");
 
     // Tools: wrk and nginx from apt when missing.
     let mut missing = Vec::new();
@@ -645,10 +654,85 @@ pub async fn run() {
         },
     );
     for r in &routes {
-        if let Err(e) = wrk(&wrk_bin, r.addr, &auth, 64, 1) {
+        if let Err(e) = wrk(&wrk_bin, r.addr, &auth, (64, 1), BODY) {
             println!("  warm-up {}: {e}", r.name);
         }
     }
+    for s in &skipped {
+        println!("  skipped: {s}");
+    }
+    let bench = Bench {
+        wrk: wrk_bin,
+        auth,
+        engine_pid,
+        secs,
+        rounds,
+        nginx_slug: format!(
+            "nginx-w{}",
+            workers.first().map(String::as_str).unwrap_or("1")
+        ),
+    };
+    for w in WORKLOADS {
+        measure(&bench, &routes, &w);
+    }
+    drop(started);
+    drop(d);
+}
+
+/// What every workload is measured with.
+struct Bench {
+    wrk: PathBuf,
+    auth: String,
+    engine_pid: u32,
+    secs: usize,
+    rounds: usize,
+    /// The nginx row the verdict compares with.
+    nginx_slug: String,
+}
+
+/// One kind of request, measured through every path.
+struct Workload {
+    name: &'static str,
+    /// Its name in the BENCH lines (`section=proxies` for the plain chat, as before).
+    section: &'static str,
+    body: &'static str,
+    /// Events of each answer, for the CPU per event (1: per request).
+    events: f64,
+    /// dsv4d's own CPU per request (or event) at most this many times nginx's.
+    target: f64,
+}
+
+/// A streamed chat of 64 tokens: 66 events (64 tokens, the finish, `[DONE]`).
+const STREAM_BODY: &str =
+    r#"{"messages":[{"role":"user","content":"hi"}],"max_tokens":64,"stream":true}"#;
+
+const WORKLOADS: [Workload; 2] = [
+    Workload {
+        name: "non-streaming chat",
+        section: "proxies",
+        body: BODY,
+        events: 1.0,
+        target: CPU_TARGET,
+    },
+    Workload {
+        name: "streamed chat, 64 tokens (66 events); CPU per event",
+        section: "proxies_stream",
+        body: STREAM_BODY,
+        events: 66.0,
+        target: STREAM_CPU_TARGET,
+    },
+];
+
+/// `w` through every path in `routes`, interleaved by round: the table, the BENCH lines and
+/// the verdicts.
+fn measure(b: &Bench, routes: &[Route], w: &Workload) {
+    println!(
+        "\n  {} (wrk -t 1 --latency; {} rounds x {} s per path and concurrency, interleaved; \
+         median):",
+        w.name, b.rounds, b.secs
+    );
+    let (rounds, secs, engine_pid, auth) = (b.rounds, b.secs, b.engine_pid, &b.auth);
+    let wrk_bin = &b.wrk;
 
     let mut runs: BTreeMap<(usize, usize), Vec<Run>> = BTreeMap::new();
     for round in 1..=rounds {
@@ -657,15 +741,16 @@ pub async fn run() {
             for (i, r) in routes.iter().enumerate() {
                 let own = r.own.pids();
                 let (o0, e0) = (cpu(&own), cpu(&[engine_pid]));
-                let res = wrk(&wrk_bin, r.addr, &auth, c, secs);
+                let res = wrk(wrk_bin, r.addr, auth, (c, secs), w.body);
                 let (o1, e1) = (cpu(&own), cpu(&[engine_pid]));
                 match res {
                     Ok(mut run) => {
+                        let per = run.requests * w.events;
                         run.own_us = match r.own {
                             Own::None => f64::NAN,
-                            _ => cpu_ns(&o0, &o1) / 1e3 / run.requests,
+                            _ => cpu_ns(&o0, &o1) / 1e3 / per,
                         };
-                        run.engine_us = cpu_ns(&e0, &e1) / 1e3 / run.requests;
+                        run.engine_us = cpu_ns(&e0, &e1) / 1e3 / per;
                         runs.entry((i, c)).or_default().push(run);
                     }
                     Err(e) => println!("  {} c={c} round {round}: {e}", r.name),
@@ -688,8 +773,9 @@ pub async fn run() {
         "  nginx: upstream keepalive 64, HTTP/1.1, proxy_buffering off, access_log off; \
          w=1 is worker_processes 1 with master_process off (one single-threaded process, like \
          dsv4d), w=auto a master and one worker per core; the verdict compares with w={}",
-        workers.first().map(String::as_str).unwrap_or("1")
+        b.nginx_slug.trim_start_matches("nginx-w")
     );
+    let per = if w.events > 1.0 { "us/ev" } else { "us/req" };
     println!(
         "  {:<14} {:>11} {:>10} {:>9} {:>9} {:>10} | {:>10} {:>7} {:>11} {:>9} {:>10}",
         "path",
@@ -706,7 +792,7 @@ pub async fn run() {
     );
     println!(
         "  {:<14} {:>11} {:>10} {:>9} {:>9} {:>10} | {:>10} {:>7} {:>11} {:>9} {:>10}",
-        "", "", "", "", "us/req", "us/req", "", "of dir.", "", "us/req", "us/req"
+        "", "", "", "", per, per, "", "of dir.", "", per, per
     );
     for (i, r) in routes.iter().enumerate() {
         let p50 = med(i, 1, &|r| r.lat[0]);
@@ -725,9 +811,6 @@ pub async fn run() {
             opt(med(i, 64, &|r| r.own_us), 9, 1),
             opt(med(i, 64, &|r| r.engine_us), 10, 1),
         );
-    }
-    for s in &skipped {
-        println!("  skipped: {s}");
     }
     for (i, r) in routes.iter().enumerate() {
         for c in CONCURRENCY {
@@ -776,18 +859,21 @@ pub async fn run() {
             let base = med(0, c, &|r| r.lat[0]);
             let base_rps = med(0, c, &|r| r.rps);
             println!(
-                "BENCH section=proxies path={} c={c} runs={n} secs={secs} rps={rps:.0} \
+                "BENCH section={} path={} c={c} runs={n} secs={secs} rps={rps:.0} \
                  rps_min={rps_min:.0} rps_max={rps_max:.0} share={:.3} p50_us={p50:.1} \
                  p50_min_us={p50_min:.1} p50_max_us={p50_max:.1} p75_us={:.1} p90_us={:.1} \
-                 p99_us={:.1} added_p50_us={:.1} own_cpu_us_per_req={:.2} \
-                 engine_cpu_us_per_req={:.2} errors={}",
+                 p99_us={:.1} added_p50_us={:.1} own_cpu_us_per_{}={:.2} \
+                 engine_cpu_us_per_{}={:.2} errors={}",
+                w.section,
                 r.slug,
                 rps / base_rps,
                 med(i, c, &|r| r.lat[1]),
                 med(i, c, &|r| r.lat[2]),
                 med(i, c, &|r| r.lat[3]),
                 p50 - base,
+                if w.events > 1.0 { "event" } else { "req" },
                 med(i, c, &|r| r.own_us),
+                if w.events > 1.0 { "event" } else { "req" },
                 med(i, c, &|r| r.engine_us),
                 runs.get(&(i, c))
                     .map_or(0, |v| v.iter().flat_map(|r| r.errors).sum::<u64>()),
@@ -797,11 +883,8 @@ pub async fn run() {
 
     // Verdict: dsv4d against the first nginx row.
     let find = |slug: &str| routes.iter().position(|r| r.slug == slug);
-    let nginx_slug = format!(
-        "nginx-w{}",
-        workers.first().map(String::as_str).unwrap_or("1")
-    );
-    match (find("dsv4d"), find(&nginx_slug)) {
+    let nginx_slug = &b.nginx_slug;
+    match (find("dsv4d"), find(nginx_slug)) {
         (Some(dv), Some(ng)) => {
             let added = |i| med(i, 1, &|r| r.lat[0]) - direct_p50;
             let share = |i| med(i, 64, &|r| r.rps) / direct_rps;
@@ -817,31 +900,31 @@ pub async fn run() {
                 if tput_ok { ">= : ok" } else { "< : MISSES" },
             );
             println!(
-                "BENCH section=proxies_verdict against={nginx_slug} dsv4d_added_p50_us={ad:.1} \
+                "BENCH section={}_verdict against={nginx_slug} dsv4d_added_p50_us={ad:.1} \
                  nginx_added_p50_us={an:.1} latency_ok={} dsv4d_share={sd:.3} nginx_share={sn:.3} \
                  throughput_ok={}",
-                lat_ok as u8, tput_ok as u8
+                w.section, lat_ok as u8, tput_ok as u8
             );
-            // The cost target: dsv4d's own CPU per request at most CPU_TARGET times nginx's.
+            // The cost target: dsv4d's own CPU per request (or event) at most the
+            // workload's target times nginx's.
+            let (target, unit) = (w.target, if w.events > 1.0 { "event" } else { "request" });
             for c in CONCURRENCY {
                 let (d_us, n_us) = (med(dv, c, &|r| r.own_us), med(ng, c, &|r| r.own_us));
                 let ratio = d_us / n_us;
-                let ok = ratio <= CPU_TARGET;
+                let ok = ratio <= target;
                 println!(
-                    "  cost (vs {}): dsv4d own CPU per request at c={c} {d_us:.1} us vs nginx \
-                     {n_us:.1} us: {ratio:.2}x ({} {CPU_TARGET}x)",
+                    "  cost (vs {}): dsv4d own CPU per {unit} at c={c} {d_us:.2} us vs nginx \
+                     {n_us:.2} us: {ratio:.2}x ({} {target}x)",
                     routes[ng].name,
                     if ok { "<= : ok" } else { "> : MISSES" },
                 );
                 println!(
-                    "BENCH section=proxies_cost against={nginx_slug} c={c} dsv4d_own_us={d_us:.1} \
-                     nginx_own_us={n_us:.1} ratio={ratio:.3} target={CPU_TARGET} ok={}",
-                    ok as u8
+                    "BENCH section={}_cost against={nginx_slug} c={c} dsv4d_own_us={d_us:.2} \
+                     nginx_own_us={n_us:.2} ratio={ratio:.3} target={target} ok={}",
+                    w.section, ok as u8
                 );
             }
         }
         _ => println!("  verdict: not possible (dsv4d or {nginx_slug} not measured)"),
     }
-    drop(started);
-    drop(d);
 }

@@ -23,7 +23,7 @@ use hyper::{Request, Response};
 
 use crate::config::Config;
 use crate::http::http_error::{ApiError, ErrorCode, ErrorType};
-use crate::http::protocol::Protocol;
+use crate::http::protocol::{Api, ApiProtocol};
 
 /// How often the files are read again.
 const LOOK_AGAIN: Duration = Duration::from_secs(1);
@@ -44,7 +44,7 @@ pub fn answer(path: &str, problems: &str) -> Response<Full<Bytes>> {
         message,
     )
     .retry_after(RETRY_AFTER)
-    .into_response_in(Protocol::of(path));
+    .into_response_in(ApiProtocol::of(path));
     r.headers_mut().insert(
         http::header::CONNECTION,
         http::HeaderValue::from_static("close"),

@@ -17,7 +17,7 @@ use crate::http::events::Place;
 use crate::http::http_error::{with_tail, ErrorCode, ErrorType};
 use crate::http::keepalive::{Keepalive, Relayed};
 use crate::http::opening::Opening;
-use crate::http::protocol::{Failure, Protocol};
+use crate::http::protocol::{Api, ApiProtocol, Failure};
 use crate::http::watch::{Fed, Watch};
 use crate::lifecycle::upstream::UpstreamBody;
 use crate::lifecycle::{Lease, ERROR_TAIL_LINES};
@@ -53,7 +53,7 @@ pub struct EngineStream {
     /// The break, held back while its error event goes out.
     pub(crate) broken: Option<Broken>,
     /// The protocol the client speaks: its error event tells a break.
-    pub(crate) protocol: Protocol,
+    pub(crate) protocol: ApiProtocol,
     /// An event stream the engine ends by closing its connection (ds4-server: no chunked
     /// framing, so its end and a cut look alike), whose protocol has a last event: it is
     /// whole only if that was its last event.
@@ -351,7 +351,7 @@ pub(crate) fn describe(err: &dyn std::error::Error) -> String {
 
 /// The event that tells a streaming client why its answer broke off, in its protocol's
 /// error shape (each protocol's SDK raises it with this message).
-pub(crate) fn error_event(protocol: Protocol, err: &hyper::Error, tail: &[String]) -> Bytes {
+pub(crate) fn error_event(protocol: ApiProtocol, err: &hyper::Error, tail: &[String]) -> Bytes {
     api_error_event(
         protocol,
         format!("the engine broke off the answer: {}", describe(err)),
@@ -359,7 +359,7 @@ pub(crate) fn error_event(protocol: Protocol, err: &hyper::Error, tail: &[String
     )
 }
 
-pub(crate) fn api_error_event(protocol: Protocol, what: String, tail: &[String]) -> Bytes {
+pub(crate) fn api_error_event(protocol: ApiProtocol, what: String, tail: &[String]) -> Bytes {
     let message = with_tail(what, tail);
     protocol.error_event(&Failure {
         message: &message,

@@ -27,7 +27,7 @@ use crate::http::http_error::{with_tail, ApiError, ErrorCode, ErrorType};
 use crate::http::intake::{self, IntakeError};
 use crate::http::keepalive;
 use crate::http::progress::{self, Progress};
-use crate::http::protocol::{Protocol, Route, Streams};
+use crate::http::protocol::{Api, ApiProtocol, Route, Streams};
 use crate::http::sse;
 use crate::http::watch::Watch;
 use crate::lifecycle::upstream::UpstreamError;
@@ -161,7 +161,7 @@ async fn forward(
     req: Request<intake::Held>,
     started: Instant,
     slot_action: bool,
-    (flight, streamed, route): (Ticket, Option<Protocol>, Option<Route>),
+    (flight, streamed, route): (Ticket, Option<ApiProtocol>, Option<Route>),
 ) -> Response<ProxyBody> {
     let protocol = route.map(|r| r.protocol);
     let (mut parts, held) = req.into_parts();
@@ -211,7 +211,7 @@ async fn forward(
     // asked for them itself.
     let mut progress = None;
     let mut body = held.bytes;
-    if let (PrefillReport::Stream { ask, field, read }, Some(Protocol::OpenAi)) =
+    if let (PrefillReport::Stream { ask, field, read }, Some(ApiProtocol::OpenAi)) =
         (engine.kind.prefill, streamed)
     {
         let asked = progress::ask(&body, ask);
@@ -236,10 +236,10 @@ async fn forward(
                 .and_then(|v| v.to_str().ok());
             let sse = content_type.is_some_and(|t| t.starts_with("text/event-stream"));
             // Where the answer's token counts are, by the protocol table.
-            let spec = protocol.unwrap_or(Protocol::OpenAi).spec();
+            let spec = protocol.unwrap_or(ApiProtocol::OpenAi).spec();
             let success = parts.status.is_success();
             let count = match tap_path.is_some() && success {
-                true => Count::new(spec.usage, content_type, sent),
+                true => Count::new(spec.protocol, content_type, sent),
                 false => None,
             };
             let tap = match (tap_path, &count) {
@@ -264,7 +264,7 @@ async fn forward(
                 tap,
                 sse: sse.then(|| engine.output.clone()),
                 broken: None,
-                protocol: protocol.unwrap_or(Protocol::OpenAi),
+                protocol: protocol.unwrap_or(ApiProtocol::OpenAi),
                 unframed: sse && unframed && route.is_some_and(Route::ends_marked),
                 flight: Some(flight),
                 drained: false,
@@ -285,7 +285,7 @@ async fn forward(
 }
 
 /// The 503 for a request over `max_waiting` while a validation holds the engine.
-fn validation_queue_full(max_waiting: usize, protocol: Option<Protocol>) -> Response<ProxyBody> {
+fn validation_queue_full(max_waiting: usize, protocol: Option<ApiProtocol>) -> Response<ProxyBody> {
     ApiError::new(
         StatusCode::SERVICE_UNAVAILABLE,
         ErrorType::Server,
@@ -300,7 +300,7 @@ fn validation_queue_full(max_waiting: usize, protocol: Option<Protocol>) -> Resp
 }
 
 /// The answer to a request whose body was not read whole.
-fn intake_refusal(e: &IntakeError, protocol: Option<Protocol>) -> Response<ProxyBody> {
+fn intake_refusal(e: &IntakeError, protocol: Option<ApiProtocol>) -> Response<ProxyBody> {
     tracing::debug!("refused a request: {e}");
     let mut r: Response<ProxyBody> = ApiError::from(e).into_response_in(protocol);
     // What is left of the body is unread (or unreadable), so the connection cannot carry

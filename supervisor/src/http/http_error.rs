@@ -15,7 +15,7 @@ use serde_json::Value;
 pub use dsv4_client::words::{ErrorCode, ErrorType};
 
 use crate::http::intake::IntakeError;
-use crate::http::protocol::{Failure, Protocol};
+use crate::http::protocol::{Api, ApiProtocol, Failure};
 use crate::lifecycle::state::Refusal;
 
 /// An error response about to be sent.
@@ -50,13 +50,15 @@ impl ApiError {
     }
 
     /// The body, in `protocol`'s shape (OpenAI's where there is none).
-    pub fn body(&self, protocol: Option<Protocol>) -> Bytes {
-        protocol.unwrap_or(Protocol::OpenAi).error_body(&Failure {
-            message: &self.message,
-            kind: self.kind.as_str(),
-            code: Value::String(self.code.as_str().into()),
-            status: Some(self.status.as_u16()),
-        })
+    pub fn body(&self, protocol: Option<ApiProtocol>) -> Bytes {
+        protocol
+            .unwrap_or(ApiProtocol::OpenAi)
+            .error_body(&Failure {
+                message: &self.message,
+                kind: self.kind.as_str(),
+                code: Value::String(self.code.as_str().into()),
+                status: Some(self.status.as_u16()),
+            })
     }
 
     /// The response, in OpenAI's shape, with a body of any type that can be made from
@@ -66,7 +68,7 @@ impl ApiError {
     }
 
     /// The response to a request at a path of `protocol`, in that protocol's shape.
-    pub fn into_response_in<B: From<Bytes>>(self, protocol: Option<Protocol>) -> Response<B> {
+    pub fn into_response_in<B: From<Bytes>>(self, protocol: Option<ApiProtocol>) -> Response<B> {
         let mut r = Response::new(B::from(self.body(protocol)));
         *r.status_mut() = self.status;
         r.headers_mut().insert(

@@ -3,7 +3,7 @@
 //! minutes (a cold start of an 80 GiB model, a prefill of hours).
 //!
 //! Only a request that asks for a stream (`"stream": true`, on a path of a streamed
-//! [`Protocol`]) comes here, and only while `api.stream_keepalive` is set; every other request
+//! [`ApiProtocol`]) comes here, and only while `api.stream_keepalive` is set; every other request
 //! is answered as it always was. A streamed answer goes through these states, all owned by
 //! its [`Keepalive`] body once its head is out:
 //!
@@ -45,7 +45,7 @@ use http_body::{Body, Frame, SizeHint};
 use tokio::time::{Instant, Interval, MissedTickBehavior};
 
 use crate::http::opening::Opening;
-use crate::http::sse::{self, Place, Protocol, ERROR_BODY_MAX};
+use crate::http::sse::{self, ApiProtocol, Place, ERROR_BODY_MAX};
 
 /// What a keep-alive needs of the answer it relays: where the stream the client got stands,
 /// and the reader of the engine's events, which follows the stream's [`Opening`] once the
@@ -96,9 +96,9 @@ pub struct Extra {
 
 /// The opening of a streamed request of `protocol` with `body`, for the APIs whose clients
 /// count events (Anthropic Messages, OpenAI Responses): named by the request's model.
-pub fn opening(protocol: Protocol, body: &[u8]) -> Option<Opening> {
+pub fn opening(protocol: ApiProtocol, body: &[u8]) -> Option<Opening> {
     static STREAMS: AtomicU64 = AtomicU64::new(1);
-    if protocol == Protocol::OpenAi {
+    if protocol == ApiProtocol::OpenAi {
         return None;
     }
     let created = std::time::SystemTime::now()
@@ -116,7 +116,7 @@ pub fn opening(protocol: Protocol, body: &[u8]) -> Option<Opening> {
 pub async fn respond<B>(
     mut answer: Answer<B>,
     period: Duration,
-    protocol: Protocol,
+    protocol: ApiProtocol,
     lifecycle: Handle,
     since: Instant,
     wrap: fn(Keepalive<B>) -> B,
@@ -186,7 +186,7 @@ pub struct Keepalive<B> {
     tick: Interval,
     /// A byte of the engine's came since the last tick.
     heard: bool,
-    protocol: Protocol,
+    protocol: ApiProtocol,
     lifecycle: Handle,
     /// When the request came.
     since: Instant,

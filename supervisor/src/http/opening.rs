@@ -25,7 +25,7 @@
 use bytes::Bytes;
 use serde_json::{json, Value};
 
-use crate::http::protocol::Protocol;
+use crate::http::protocol::ApiProtocol;
 
 /// What becomes of one of the engine's events on its way to the client.
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -80,11 +80,11 @@ impl Opening {
     /// For a stream of `protocol` whose request names `model`; `stream` numbers dsv4d's ids,
     /// `created` is the time in Unix seconds. `None` for OpenAI's chat and completions, whose
     /// clients count bytes (comments keep them).
-    pub fn new(protocol: Protocol, model: String, stream: u64, created: u64) -> Option<Opening> {
+    pub fn new(protocol: ApiProtocol, model: String, stream: u64, created: u64) -> Option<Opening> {
         let api = match protocol {
-            Protocol::Anthropic => Api::Anthropic,
-            Protocol::Responses => Api::Responses,
-            Protocol::OpenAi => return None,
+            ApiProtocol::Anthropic => Api::Anthropic,
+            ApiProtocol::Responses => Api::Responses,
+            ApiProtocol::OpenAi => return None,
         };
         let id = match api {
             Api::Anthropic => format!("msg_dsv4_{stream:016x}"),
@@ -237,6 +237,7 @@ fn event(name: &str, data: &Value) -> Bytes {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::http::protocol::Api;
     use crate::http::watch::{Watch, HOLD_MAX};
 
     const START: &str = "event: message_start\ndata: {\"type\":\"message_start\",\"message\":{\"id\":\"chatcmpl-x\",\"type\":\"message\",\"role\":\"assistant\",\"content\":[],\"model\":\"m\",\"stop_reason\":null,\"stop_sequence\":null,\"usage\":{\"cache_read_input_tokens\":0,\"input_tokens\":25,\"output_tokens\":0}}}\n\n";
@@ -261,7 +262,7 @@ mod tests {
 
     /// The engine's `pieces` read by an answer's reader with a fresh opening, with
     /// keep-alives where the steps say: `k` a keep-alive, `e` the next piece.
-    fn run(api: Protocol, steps: &str, pieces: &[&str]) -> Vec<(String, Value)> {
+    fn run(api: ApiProtocol, steps: &str, pieces: &[&str]) -> Vec<(String, Value)> {
         let mut w = Watch::new(api.spec(), true, None, None);
         w.adopt(Opening::new(api, "m".into(), 1, 7).unwrap());
         let mut out = Vec::new();
@@ -287,7 +288,7 @@ mod tests {
     fn an_anthropic_stream_is_opened_by_dsv4d_and_the_engines_start_carries_its_usage() {
         let engine = format!("{START}{BLOCK}");
         // Silent, then the engine: its message_start becomes a delta with its usage.
-        let got = run(Protocol::Anthropic, "kke", &[&engine]);
+        let got = run(ApiProtocol::Anthropic, "kke", &[&engine]);
         assert_eq!(
             names(&got),
             [
@@ -304,7 +305,7 @@ mod tests {
         assert_eq!(got[2].1["usage"]["input_tokens"], 25);
         assert_eq!(got[2].1["delta"]["stop_reason"], Value::Null);
         // The engine first: its stream as it is, and later keep-alives are deltas.
-        let got = run(Protocol::Anthropic, "eke", &[START, BLOCK]);
+        let got = run(ApiProtocol::Anthropic, "eke", &[START, BLOCK]);
         assert_eq!(
             names(&got),
             [
@@ -320,7 +321,7 @@ mod tests {
     #[test]
     fn a_responses_stream_is_one_response_whoever_opened_it() {
         let engine = [CREATED, IN_PROGRESS, DELTA, COMPLETED];
-        let got = run(Protocol::Responses, "kkeeee", &engine);
+        let got = run(ApiProtocol::Responses, "kkeeee", &engine);
         assert_eq!(
             names(&got),
             [
@@ -339,7 +340,7 @@ mod tests {
         assert_eq!(got[0].1["sequence_number"], 0);
         assert_eq!(got[1].1["sequence_number"], 1);
         // The engine first: its own, and dsv4d's keep-alives name its response.
-        let got = run(Protocol::Responses, "eekee", &engine);
+        let got = run(ApiProtocol::Responses, "eekee", &engine);
         assert_eq!(
             names(&got),
             [
@@ -358,9 +359,9 @@ mod tests {
     #[test]
     fn cut_anywhere_the_client_gets_the_same_events() {
         for (api, engine) in [
-            (Protocol::Anthropic, format!("{START}{BLOCK}")),
+            (ApiProtocol::Anthropic, format!("{START}{BLOCK}")),
             (
-                Protocol::Responses,
+                ApiProtocol::Responses,
                 format!("{CREATED}{IN_PROGRESS}{DELTA}{COMPLETED}"),
             ),
         ] {
@@ -378,7 +379,7 @@ mod tests {
         let untyped = |e: &str| e.split_once('\n').map(|(_, d)| d.to_string()).unwrap();
         let engine = [untyped(CREATED), untyped(DELTA), untyped(COMPLETED)];
         let pieces: Vec<&str> = engine.iter().map(String::as_str).collect();
-        let got = run(Protocol::Responses, "keee", &pieces);
+        let got = run(ApiProtocol::Responses, "keee", &pieces);
         assert_eq!(
             names(&got),
             [
@@ -392,8 +393,8 @@ mod tests {
 
     #[test]
     fn a_stream_without_event_ends_passes_whole() {
-        let mut w = Watch::new(Protocol::Anthropic.spec(), true, None, None);
-        w.adopt(Opening::new(Protocol::Anthropic, "m".into(), 1, 7).unwrap());
+        let mut w = Watch::new(ApiProtocol::Anthropic.spec(), true, None, None);
+        w.adopt(Opening::new(ApiProtocol::Anthropic, "m".into(), 1, 7).unwrap());
         let long = "x".repeat(HOLD_MAX + 1);
         assert_eq!(w.feed(Bytes::from(long.clone())).out, long.as_bytes());
         assert_eq!(w.feed(Bytes::from_static(b"y")).out, &b"y"[..]);

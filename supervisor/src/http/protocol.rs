@@ -4,30 +4,18 @@
 //! answers itself must look for that API's SDKs to raise it as their own. (Its keep-alive
 //! events are [`crate::http::opening`]'s, for the APIs whose clients count events.)
 //!
-//! Owns: [`Protocol`], [`SPECS`] (one row per protocol: a new protocol is one more row),
+//! Owns: [`ApiProtocol`], [`SPECS`] (one row per protocol: a new protocol is one more row),
 //! [`Route`] (a path's protocol and how its answers stream, looked up once per request) and
 //! [`Failure`] (an error to tell, in any protocol). Pure: no I/O, no clock.
 
 use bytes::Bytes;
-use dsv4_client::ApiProtocol;
+/// The API a request speaks: one type for dsv4d, its statistics and its clients (the client
+/// crate's, named as `/status` and `/metrics` name it); what dsv4d knows of each is its row
+/// here, reached through [`Api`].
+pub use dsv4_client::ApiProtocol;
 use serde_json::{json, Value};
 
 use crate::http::events::Event;
-
-/// An API dsv4d forwards and knows the shapes of.
-#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
-pub enum Protocol {
-    /// OpenAI's chat and text completions (and llama-server's native `/completion`):
-    /// `data:` events, the last `data: [DONE]`; an error is `{"error":{...}}`.
-    OpenAi,
-    /// Anthropic's Messages: named events, the last `message_stop`; an error is
-    /// `event: error` with `{"type":"error","error":{"type":...,"message":...}}`.
-    Anthropic,
-    /// OpenAI's Responses: named events, the last `response.completed`, `response.failed` or
-    /// `response.incomplete`; an error is `event: error` with `type: error`. Errors of its
-    /// own are in OpenAI's shape.
-    Responses,
-}
 
 /// How the answers at a path stream.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -42,9 +30,11 @@ pub enum Streams {
     Unmarked,
 }
 
-/// What dsv4d knows of one protocol.
+/// What dsv4d knows of one API: where its answers' token counts are (the `usage` shape read
+/// when an answer has no llama-server `timings`, [`crate::observe::stats`]) is its
+/// `protocol`'s.
 pub struct Spec {
-    pub protocol: Protocol,
+    pub protocol: ApiProtocol,
     /// The paths it is served at, as the engine routes them, and how each streams.
     pub paths: &'static [(&'static str, Streams)],
     /// The event that ends a complete stream.
@@ -58,10 +48,6 @@ pub struct Spec {
     pub error_event: fn(&Failure) -> Bytes,
     /// The body of an error dsv4d answers itself, for this protocol's SDKs.
     pub error_body: fn(&Failure) -> Bytes,
-    /// The API as the statistics and documents name it, and so where its answers' token
-    /// counts are: the `usage` shape read when an answer has no llama-server `timings` (see
-    /// [`crate::observe::stats`]).
-    pub usage: ApiProtocol,
 }
 
 /// Which event ends a complete stream.
@@ -84,7 +70,7 @@ pub enum Tokens {
 /// the first comparison.
 pub static SPECS: [Spec; 3] = [
     Spec {
-        protocol: Protocol::OpenAi,
+        protocol: ApiProtocol::OpenAi,
         paths: &[
             ("/v1/chat/completions", Streams::Ended),
             ("/chat/completions", Streams::Ended),
@@ -102,10 +88,9 @@ pub static SPECS: [Spec; 3] = [
         tokens: Tokens::Data,
         error_event: openai_event,
         error_body: openai_body,
-        usage: ApiProtocol::OpenAi,
     },
     Spec {
-        protocol: Protocol::Anthropic,
+        protocol: ApiProtocol::Anthropic,
         paths: &[
             ("/v1/messages", Streams::Ended),
             ("/v1/messages/count_tokens", Streams::No),
@@ -115,10 +100,9 @@ pub static SPECS: [Spec; 3] = [
         tokens: Tokens::KindEndsWith("content_block_delta"),
         error_event: anthropic_event,
         error_body: anthropic_body,
-        usage: ApiProtocol::Anthropic,
     },
     Spec {
-        protocol: Protocol::Responses,
+        protocol: ApiProtocol::Responses,
         paths: &[
             ("/v1/responses", Streams::Ended),
             ("/responses", Streams::Ended),
@@ -136,7 +120,6 @@ pub static SPECS: [Spec; 3] = [
         tokens: Tokens::KindEndsWith(".delta"),
         error_event: responses_event,
         error_body: openai_body,
-        usage: ApiProtocol::Responses,
     },
 ];
 
@@ -161,42 +144,45 @@ impl Spec {
     }
 }
 
-impl Protocol {
+/// What dsv4d knows of an API: its row of [`SPECS`], and what the row says.
+pub trait Api: Sized {
     /// Its row of [`SPECS`].
-    pub fn spec(self) -> &'static Spec {
+    fn spec(self) -> &'static Spec;
+
+    /// The API of `path` (as the engine routes it), if it has one.
+    fn of(path: &str) -> Option<Self>;
+
+    /// The error event that tells a streaming client of `failure`.
+    fn error_event(self, failure: &Failure) -> Bytes {
+        (self.spec().error_event)(failure)
+    }
+
+    /// The body of an error dsv4d answers itself.
+    fn error_body(self, failure: &Failure) -> Bytes {
+        (self.spec().error_body)(failure)
+    }
+}
+
+impl Api for ApiProtocol {
+    fn spec(self) -> &'static Spec {
         let spec = match self {
-            Protocol::OpenAi => &SPECS[0],
-            Protocol::Anthropic => &SPECS[1],
-            Protocol::Responses => &SPECS[2],
+            ApiProtocol::OpenAi => &SPECS[0],
+            ApiProtocol::Anthropic => &SPECS[1],
+            ApiProtocol::Responses => &SPECS[2],
         };
         debug_assert_eq!(spec.protocol, self);
         spec
     }
 
-    pub fn name(self) -> &'static str {
-        self.spec().usage.as_str()
-    }
-
-    /// The protocol of `path` (as the engine routes it), if it has one.
-    pub fn of(path: &str) -> Option<Protocol> {
+    fn of(path: &str) -> Option<ApiProtocol> {
         Route::of(path).map(|r| r.protocol)
-    }
-
-    /// The error event that tells a streaming client of `failure`.
-    pub fn error_event(self, failure: &Failure) -> Bytes {
-        (self.spec().error_event)(failure)
-    }
-
-    /// The body of an error dsv4d answers itself.
-    pub fn error_body(self, failure: &Failure) -> Bytes {
-        (self.spec().error_body)(failure)
     }
 }
 
 /// A path's protocol and how its answers stream.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub struct Route {
-    pub protocol: Protocol,
+    pub protocol: ApiProtocol,
     pub streams: Streams,
 }
 
@@ -339,7 +325,7 @@ mod tests {
 
     #[test]
     fn each_path_has_its_protocol_and_stream() {
-        use Protocol::*;
+        use ApiProtocol::*;
         use Streams::*;
         for (path, route) in [
             ("/v1/chat/completions", Some((OpenAi, Ended))),
@@ -371,9 +357,10 @@ mod tests {
         let mut paths = std::collections::HashSet::new();
         for (i, spec) in SPECS.iter().enumerate() {
             assert!(std::ptr::eq(spec.protocol.spec(), &SPECS[i]));
+            assert_eq!(spec.protocol, ApiProtocol::ALL[i]);
             for (path, _) in spec.paths {
                 assert!(paths.insert(*path), "{path} is in two rows");
-                assert_eq!(Protocol::of(path), Some(spec.protocol), "{path}");
+                assert_eq!(ApiProtocol::of(path), Some(spec.protocol), "{path}");
             }
         }
     }
@@ -397,7 +384,7 @@ mod tests {
     #[test]
     fn a_cut_stream_is_told_in_each_protocols_error_event() {
         let f = cut("the engine broke off the answer: x");
-        let e = Protocol::OpenAi.error_event(&f);
+        let e = ApiProtocol::OpenAi.error_event(&f);
         assert_eq!(
             &e[..],
             &br#"data: {"error":{"code":"engine_failed","message":"the engine broke off the answer: x","type":"server_error"}}"#
@@ -406,7 +393,7 @@ mod tests {
                 .copied()
                 .collect::<Vec<u8>>()[..]
         );
-        let e = Protocol::Anthropic.error_event(&f);
+        let e = ApiProtocol::Anthropic.error_event(&f);
         assert!(e.starts_with(b"event: error\ndata: "), "{e:?}");
         assert_eq!(
             data_of(&e),
@@ -414,7 +401,7 @@ mod tests {
                    "message": "the engine broke off the answer: x",
                    "details": {"error_code": "engine_failed"}}})
         );
-        let e = Protocol::Responses.error_event(&f);
+        let e = ApiProtocol::Responses.error_event(&f);
         assert!(e.starts_with(b"event: error\ndata: "), "{e:?}");
         let v = data_of(&e);
         assert_eq!(v["type"], "error");
@@ -424,7 +411,11 @@ mod tests {
         assert_eq!(v["error"]["message"], "the engine broke off the answer: x");
         assert_eq!(v["error"]["type"], "server_error");
         // Each is one event, leaving the stream between events.
-        for p in [Protocol::OpenAi, Protocol::Anthropic, Protocol::Responses] {
+        for p in [
+            ApiProtocol::OpenAi,
+            ApiProtocol::Anthropic,
+            ApiProtocol::Responses,
+        ] {
             let e = p.error_event(&f);
             let mut reader = crate::http::events::Reader::new();
             let mut events = 0;
@@ -459,7 +450,7 @@ mod tests {
                 code: json!("queue_full"),
                 status: Some(status),
             };
-            let v: Value = serde_json::from_slice(&Protocol::Anthropic.error_body(&f)).unwrap();
+            let v: Value = serde_json::from_slice(&ApiProtocol::Anthropic.error_body(&f)).unwrap();
             assert_eq!(v["type"], "error", "{status}");
             assert_eq!(v["error"]["type"], kind, "{status}");
             assert_eq!(v["error"]["message"], "m");
@@ -472,7 +463,7 @@ mod tests {
             code: json!(500),
             status: Some(500),
         };
-        let v: Value = serde_json::from_slice(&Protocol::Anthropic.error_body(&f)).unwrap();
+        let v: Value = serde_json::from_slice(&ApiProtocol::Anthropic.error_body(&f)).unwrap();
         assert_eq!(v["error"]["type"], "overloaded_error");
         assert_eq!(v["error"].get("details"), None);
     }
@@ -485,7 +476,7 @@ mod tests {
             code: json!("invalid_api_key"),
             status: Some(401),
         };
-        for p in [Protocol::OpenAi, Protocol::Responses] {
+        for p in [ApiProtocol::OpenAi, ApiProtocol::Responses] {
             assert_eq!(
                 &p.error_body(&f)[..],
                 br#"{"error":{"code":"invalid_api_key","message":"invalid API key","type":"invalid_request_error"}}"#

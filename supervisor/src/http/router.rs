@@ -19,7 +19,7 @@ use crate::http::ctx::Ctx;
 use crate::http::forward::proxy;
 use crate::http::front;
 use crate::http::http_error::{ApiError, ErrorCode, ErrorType};
-use crate::http::protocol::{Protocol, Route};
+use crate::http::protocol::{Api, ApiProtocol, Route};
 use crate::http::ui_actions;
 
 /// The methods served (by dsv4d or the engine); any other gets 405.
@@ -48,7 +48,7 @@ pub(crate) async fn handle(
     let caller = match front::admit(&config.supervisor.api, &req) {
         Ok(caller) => caller,
         // Before the path is judged: that of the request as sent.
-        Err(refused) => return refused.into_response_in(Protocol::of(req.uri().path())),
+        Err(refused) => return refused.into_response_in(ApiProtocol::of(req.uri().path())),
     };
     if front::is_preflight(&req) {
         return front::preflight(&caller, req.headers());
@@ -76,7 +76,7 @@ async fn route(
             ErrorCode::MethodNotAllowed,
             format!("method {} is not supported; use {ALLOW}", req.method()),
         )
-        .into_response_in(Protocol::of(req.uri().path()));
+        .into_response_in(ApiProtocol::of(req.uri().path()));
         r.headers_mut()
             .insert(header::ALLOW, HeaderValue::from_static(ALLOW));
         return r;
@@ -85,7 +85,7 @@ async fn route(
     // and sent to it so that it decodes to exactly that (see `crate::http::path`).
     if let Err(refused) = judge_path(&mut req) {
         // The target is as sent (a refused one is left unchanged).
-        return refused.into_response_in(Protocol::of(req.uri().path()));
+        return refused.into_response_in(ApiProtocol::of(req.uri().path()));
     }
     let own = matches!(*req.method(), Method::GET | Method::HEAD);
     if own {

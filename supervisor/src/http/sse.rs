@@ -11,7 +11,7 @@ use bytes::Bytes;
 use serde_json::{json, Value};
 
 pub use crate::http::events::Place;
-use crate::http::protocol::Failure;
+use crate::http::protocol::{Api, Failure};
 
 /// The SSE comment line `: text` for a stream at `place` (which must be [`Place::between`]),
 /// ended so that the stream is between events after it as before: with a blank line, and
@@ -91,7 +91,7 @@ pub fn reasoning_chunk(id: u64, created: u64, model: &str, text: &str) -> Bytes 
     Bytes::from(format!("data: {json}\n\n"))
 }
 
-pub use crate::http::protocol::Protocol;
+pub use crate::http::protocol::ApiProtocol;
 
 /// Whether a request body asks for a streamed answer: a JSON object with `"stream": true`.
 /// A body that does not name `"stream"` is not parsed at all.
@@ -117,7 +117,7 @@ pub const ERROR_BODY_MAX: usize = 16 << 10;
 /// (`{"error":{"message":...}}`, as llama-server and dsv4d answer), else its text; the
 /// status goes along in `code` (unless the body had a code of its own) and in `status`.
 pub fn error_event(
-    protocol: Protocol,
+    protocol: ApiProtocol,
     status: u16,
     content_type: Option<&str>,
     body: &[u8],
@@ -371,7 +371,7 @@ mod tests {
     #[test]
     fn an_error_event_carries_the_status_and_message_given() {
         let engine = br#"{"error":{"code":400,"message":"Failed to parse grammar","type":"invalid_request_error"}}"#;
-        let e = error_event(Protocol::OpenAi, 400, Some("application/json"), engine);
+        let e = error_event(ApiProtocol::OpenAi, 400, Some("application/json"), engine);
         assert_eq!(
             data_of(&e),
             json!({"error": {"message": "Failed to parse grammar",
@@ -379,34 +379,34 @@ mod tests {
         );
         // dsv4d's own refusal keeps its code; the status goes along.
         let own = br#"{"error":{"message":"the engine exited","type":"server_error","code":"engine_start_failed"}}"#;
-        let e = error_event(Protocol::OpenAi, 503, Some("application/json"), own);
+        let e = error_event(ApiProtocol::OpenAi, 503, Some("application/json"), own);
         let v = data_of(&e);
         assert_eq!(v["error"]["code"], "engine_start_failed");
         assert_eq!(v["error"]["status"], 503);
         assert_eq!(v["error"]["message"], "the engine exited");
         // Text, nothing, and a success that is not a stream.
-        let e = error_event(Protocol::OpenAi, 500, Some("text/plain"), b" oops\n");
+        let e = error_event(ApiProtocol::OpenAi, 500, Some("text/plain"), b" oops\n");
         assert_eq!(data_of(&e)["error"]["message"], "oops");
         assert_eq!(data_of(&e)["error"]["type"], "server_error");
-        let e = error_event(Protocol::OpenAi, 502, None, b"");
+        let e = error_event(ApiProtocol::OpenAi, 502, None, b"");
         assert_eq!(
             data_of(&e)["error"]["message"],
             "the engine answered 502 with no message"
         );
-        let e = error_event(Protocol::OpenAi, 200, Some("application/json"), b"{}");
+        let e = error_event(ApiProtocol::OpenAi, 200, Some("application/json"), b"{}");
         assert_eq!(
             data_of(&e)["error"]["message"],
             "the engine answered 200 with application/json where an event stream was asked for"
         );
         // The other protocols' shapes.
-        let e = error_event(Protocol::Anthropic, 400, None, engine);
+        let e = error_event(ApiProtocol::Anthropic, 400, None, engine);
         assert!(e.starts_with(b"event: error\ndata: "));
         assert_eq!(
             data_of(&e),
             json!({"type": "error", "error": {"type": "invalid_request_error",
                    "message": "Failed to parse grammar"}})
         );
-        let e = error_event(Protocol::Responses, 503, None, b"");
+        let e = error_event(ApiProtocol::Responses, 503, None, b"");
         assert!(e.starts_with(b"event: error\ndata: "));
         let v = data_of(&e);
         assert_eq!(

@@ -321,7 +321,7 @@ impl Seen<'_> {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::http::protocol::Protocol;
+    use crate::http::protocol::{Api, ApiProtocol};
     use dsv4_engine::kinds::llama_server::prompt_progress;
 
     /// What a watch gave for `chunks`: the bytes out, the tokens, the latest progress done,
@@ -335,7 +335,7 @@ mod tests {
         last_end: bool,
     }
 
-    fn run(protocol: Protocol, progress: Option<bool>, chunks: &[&[u8]]) -> Run {
+    fn run(protocol: ApiProtocol, progress: Option<bool>, chunks: &[&[u8]]) -> Run {
         let progress =
             progress.map(|strip| Progress::new("prompt_progress", prompt_progress, strip));
         let mut w = Watch::new(protocol.spec(), true, None, progress);
@@ -385,13 +385,13 @@ mod tests {
         for size in [1, 2, 7, 33, 200, all.len()] {
             let cut: Vec<&[u8]> = all.as_bytes().chunks(size).collect();
             assert_eq!(
-                run(Protocol::OpenAi, Some(true), &cut),
+                run(ApiProtocol::OpenAi, Some(true), &cut),
                 want(&answer),
                 "{size}"
             );
             // Asked by the client: read, and passed byte for byte.
             assert_eq!(
-                run(Protocol::OpenAi, Some(false), &cut),
+                run(ApiProtocol::OpenAi, Some(false), &cut),
                 want(&all),
                 "{size}"
             );
@@ -403,15 +403,15 @@ mod tests {
         // An engine whose events never end: nothing held back past the bound, nothing lost.
         let line = format!("data: {}", "x".repeat(1000));
         let chunks: Vec<&[u8]> = std::iter::repeat_n(line.as_bytes(), 100).collect();
-        let r = run(Protocol::OpenAi, Some(true), &chunks);
+        let r = run(ApiProtocol::OpenAi, Some(true), &chunks);
         assert_eq!(r.out, line.repeat(100));
         assert_eq!(r.latest, None);
         // An event cut off by the stream's end goes out at the end.
-        let r = run(Protocol::OpenAi, Some(true), &[b"data: {\"a\":1}"]);
+        let r = run(ApiProtocol::OpenAi, Some(true), &[b"data: {\"a\":1}"]);
         assert_eq!(r.out, "data: {\"a\":1}");
         // Events ended by CRs alone are read and taken out as any.
         let cr = format!("{}{TOKEN}{DONE}", progress_event(7)).replace('\n', "\r");
-        let r = run(Protocol::OpenAi, Some(true), &[cr.as_bytes()]);
+        let r = run(ApiProtocol::OpenAi, Some(true), &[cr.as_bytes()]);
         assert_eq!(r.out, format!("{TOKEN}{DONE}").replace('\n', "\r"));
         assert_eq!((r.latest, r.tokens, r.ended), (Some(7), 1, true));
     }
@@ -442,11 +442,11 @@ mod tests {
         let done = "event: response.completed\ndata: {\"type\":\"response.completed\"}\n\n";
         let ds4_done = "data: {\"type\":\"response.completed\"}\n\n";
         for (protocol, head, event, tail) in [
-            (Protocol::OpenAi, "", chat.as_str(), DONE),
-            (Protocol::OpenAi, "", native.as_str(), ""),
-            (Protocol::Anthropic, start, anthropic.as_str(), stop),
-            (Protocol::Responses, created, responses.as_str(), done),
-            (Protocol::Responses, "", ds4_responses.as_str(), ds4_done),
+            (ApiProtocol::OpenAi, "", chat.as_str(), DONE),
+            (ApiProtocol::OpenAi, "", native.as_str(), ""),
+            (ApiProtocol::Anthropic, start, anthropic.as_str(), stop),
+            (ApiProtocol::Responses, created, responses.as_str(), done),
+            (ApiProtocol::Responses, "", ds4_responses.as_str(), ds4_done),
         ] {
             let stream = format!("{head}{}{tail}", event.repeat(12));
             for size in [1, 5, 64, stream.len()] {
@@ -461,7 +461,7 @@ mod tests {
 
     #[test]
     fn a_stream_ended_only_when_its_last_event_is_its_protocols_end() {
-        use Protocol::*;
+        use ApiProtocol::*;
         let chat = &b"data: {\"choices\":[{\"delta\":{\"content\":\"x\"}}]}\n\n"[..];
         let anthropic_delta = &b"event: content_block_delta\ndata: {\"type\":\"content_block_delta\",\"index\":0,\"delta\":{\"type\":\"text_delta\",\"text\":\"Hi\"}}\n\n"[..];
         let anthropic_stop = &b"event: message_stop\ndata: {\"type\":\"message_stop\"}\n\n"[..];
@@ -536,7 +536,7 @@ mod tests {
                 tokio::time::Instant::now(),
             )
         };
-        let mut w = Watch::new(Protocol::OpenAi.spec(), false, count(), None);
+        let mut w = Watch::new(ApiProtocol::OpenAi.spec(), false, count(), None);
         let third = vec![b' '; JSON_MAX / 3];
         for frame in [
             &third[..],
@@ -555,7 +555,7 @@ mod tests {
             Some(2)
         );
         // Past the bound, the figures are older than what is kept.
-        let mut w = Watch::new(Protocol::OpenAi.spec(), false, count(), None);
+        let mut w = Watch::new(ApiProtocol::OpenAi.spec(), false, count(), None);
         for frame in [timings(3).as_bytes(), &vec![b' '; JSON_MAX]] {
             w.feed(Bytes::copy_from_slice(frame));
         }
@@ -564,7 +564,7 @@ mod tests {
 
     /// The recorded streams of the real engines (`tests/fixtures/streams/record`): each
     /// file's engine, API and bytes.
-    fn recorded() -> Vec<(String, Protocol, Vec<u8>)> {
+    fn recorded() -> Vec<(String, ApiProtocol, Vec<u8>)> {
         let dir =
             std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("../tests/fixtures/streams");
         let mut all = Vec::new();
@@ -575,9 +575,9 @@ mod tests {
             }
             let name = path.file_stem().unwrap().to_string_lossy().into_owned();
             let protocol = match name.rsplit('-').next().unwrap() {
-                "chat" | "completions" | "completion" => Protocol::OpenAi,
-                "messages" => Protocol::Anthropic,
-                "responses" => Protocol::Responses,
+                "chat" | "completions" | "completion" => ApiProtocol::OpenAi,
+                "messages" => ApiProtocol::Anthropic,
+                "responses" => ApiProtocol::Responses,
                 other => panic!("{name}: no API named {other}"),
             };
             all.push((name, protocol, std::fs::read(&path).unwrap()));
@@ -650,9 +650,9 @@ mod tests {
             assert!(want.len() >= 5, "{name}: {want:?}");
             // The tokens, as the reference reader tells them: content events of the API.
             let content = |(kind, data): &(String, String)| match protocol {
-                Protocol::OpenAi => data != "[DONE]" && !data.contains("\"prompt_progress\""),
-                Protocol::Anthropic => kind == "content_block_delta",
-                Protocol::Responses => kind.ends_with(".delta"),
+                ApiProtocol::OpenAi => data != "[DONE]" && !data.contains("\"prompt_progress\""),
+                ApiProtocol::Anthropic => kind == "content_block_delta",
+                ApiProtocol::Responses => kind.ends_with(".delta"),
             };
             let tokens = want.iter().filter(|e| content(e)).count() as u64;
             assert!(tokens >= 1, "{name}");
@@ -662,7 +662,7 @@ mod tests {
                 .count();
             assert_eq!(
                 progress > 0,
-                name.starts_with("llama-server-") && protocol == Protocol::OpenAi,
+                name.starts_with("llama-server-") && protocol == ApiProtocol::OpenAi,
                 "{name}"
             );
             let ends = !name.ends_with("-completion");
@@ -697,7 +697,7 @@ mod tests {
     #[test]
     fn every_split_of_the_real_engines_streams_follows_dsv4ds_opening_alike() {
         for (name, protocol, stream) in recorded() {
-            if protocol == Protocol::OpenAi {
+            if protocol == ApiProtocol::OpenAi {
                 continue;
             }
             let open = |pieces: &[&[u8]]| {
@@ -713,7 +713,7 @@ mod tests {
             let whole = open(&[&stream]);
             // One opening: dsv4d's, and the engine's made to follow it.
             let first = match protocol {
-                Protocol::Anthropic => "message_start",
+                ApiProtocol::Anthropic => "message_start",
                 _ => "response.created",
             };
             assert_eq!(

@@ -510,8 +510,7 @@ fn skip_space(b: &[u8], mut i: usize) -> usize {
 mod tests {
     /// The `usage` shape of a request to `path`, as the protocol table gives it.
     fn api(path: &str) -> ApiProtocol {
-        crate::http::protocol::Route::of(path)
-            .map_or(ApiProtocol::OpenAi, |r| r.protocol.spec().usage)
+        crate::http::protocol::Route::of(path).map_or(ApiProtocol::OpenAi, |r| r.protocol)
     }
 
     use super::*;
