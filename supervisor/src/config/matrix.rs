@@ -47,24 +47,19 @@ impl Values {
     }
 }
 
-/// The CPU policy a `cpu` value names.
+/// The CPU policy a `cpu` value names (one of [`CPU_VALUES`]), read as `power.cpu` reads it.
 pub fn cpu_policy(name: &str) -> Option<CpuPolicy> {
-    match name {
-        "power-saver" => Some(CpuPolicy::PowerSaver),
-        "balanced" => Some(CpuPolicy::Balanced),
-        "performance" => Some(CpuPolicy::Performance),
-        _ => None,
-    }
+    CPU_VALUES.contains(&name).then(|| named(name))?
 }
 
-/// The GPU policy a `gpu` value names.
+/// The GPU policy a `gpu` value names (one of [`GPU_VALUES`]), read as `power.gpu` reads it.
 pub fn gpu_policy(name: &str) -> Option<GpuPolicy> {
-    match name {
-        "auto" => Some(GpuPolicy::Auto),
-        "low" => Some(GpuPolicy::Low),
-        "high" => Some(GpuPolicy::High),
-        _ => None,
-    }
+    GPU_VALUES.contains(&name).then(|| named(name))?
+}
+
+/// The setting `name` names, by the setting's own spelling.
+fn named<T: serde::de::DeserializeOwned>(name: &str) -> Option<T> {
+    dsv4_yaml::from_str::<T>(name).ok().flatten()
 }
 
 impl Matrix {
@@ -204,6 +199,31 @@ impl<'de> Deserialize<'de> for RawMatrix {
 
 #[cfg(test)]
 mod tests {
+    #[test]
+    fn each_axis_value_names_its_setting() {
+        use super::*;
+        let cpu: Vec<_> = CPU_VALUES.iter().map(|v| cpu_policy(v)).collect();
+        assert_eq!(
+            cpu,
+            [
+                Some(CpuPolicy::PowerSaver),
+                Some(CpuPolicy::Balanced),
+                Some(CpuPolicy::Performance)
+            ]
+        );
+        let gpu: Vec<_> = GPU_VALUES.iter().map(|v| gpu_policy(v)).collect();
+        assert_eq!(
+            gpu,
+            [
+                Some(GpuPolicy::Auto),
+                Some(GpuPolicy::Low),
+                Some(GpuPolicy::High)
+            ]
+        );
+        // `keep` is a setting, not a cell's value.
+        assert_eq!((cpu_policy("keep"), gpu_policy("keep")), (None, None));
+    }
+
     use super::*;
 
     fn matrix() -> Matrix {

@@ -45,6 +45,7 @@ use smart_default::SmartDefault;
 
 pub use dsv4_client::duration::{format as format_duration, parse as parse_duration};
 pub use dsv4_client::units::{format_size, format_temperature, parse_size, parse_temperature};
+pub use dsv4_client::words::PowerMethod;
 pub use error::{ConfigError, Problem};
 
 /// The whole configuration: the supervisor settings and every profile, by name.
@@ -302,7 +303,10 @@ pub struct EngineLimits {
 pub struct Power {
     pub cpu: CpuPolicy,
     pub gpu: GpuPolicy,
-    pub method: PowerMethod,
+    /// `power.method`: how power settings are applied; `None` is `auto`
+    /// (power-profiles-daemon when present, else cpufreq).
+    #[serde(deserialize_with = "raw::power_method")]
+    pub method: Option<PowerMethod>,
 }
 
 /// `monitor:`, how often to sample temperatures and memory.
@@ -388,21 +392,6 @@ pub enum GpuPolicy {
     High,
     /// Leave it alone.
     Keep,
-}
-
-/// `power.method`: how power settings are applied.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Default, Deserialize)]
-#[serde(rename_all = "kebab-case")]
-pub enum PowerMethod {
-    /// power-profiles-daemon when present, else cpufreq.
-    #[default]
-    Auto,
-    /// power-profiles-daemon.
-    Ppd,
-    /// The cpufreq governor in sysfs.
-    Cpufreq,
-    /// Do not touch power settings.
-    None,
 }
 
 /// `thermal.on_critical`: what to do at the critical temperature.

@@ -145,6 +145,19 @@ fn size_or_none<'de, D: Deserializer<'de>>(d: D) -> Read<'de, D, Option<u64>> {
     optional(d, parse_size)
 }
 
+/// `power.method`: `auto` is `None` (power-profiles-daemon when present, else cpufreq),
+/// anything else one method by its name.
+pub(crate) fn power_method<'de, D: Deserializer<'de>>(
+    d: D,
+) -> Read<'de, D, Option<dsv4_client::words::PowerMethod>> {
+    parsed(d, |text| match text {
+        "auto" => Ok(None),
+        _ => text.parse().map(Some).map_err(|_| {
+            format!("unknown variant `{text}`, expected one of `auto`, `ppd`, `cpufreq`, `none`")
+        }),
+    })
+}
+
 pub(crate) fn celsius<'de, D: Deserializer<'de>>(d: D) -> Read<'de, D, f64> {
     parsed(d, parse_temperature)
 }

@@ -195,7 +195,7 @@ kv_checkpoint: {{ dir: kv, max_size: 40GiB, save_timeout: 90s }}
             power: Power {
                 cpu: CpuPolicy::Performance,
                 gpu: GpuPolicy::High,
-                method: PowerMethod::Cpufreq,
+                method: Some(PowerMethod::Cpufreq),
             },
             monitor: Monitor {
                 interval: Duration::from_millis(500),
@@ -562,7 +562,7 @@ fn enum_spellings() {
         Ok(Power {
             cpu: CpuPolicy::Keep,
             gpu: GpuPolicy::High,
-            method: PowerMethod::None
+            method: Some(PowerMethod::None)
         })
     );
     assert_eq!(
@@ -574,6 +574,17 @@ fn enum_spellings() {
     assert_eq!(
         read("gpu: 5").unwrap_err(),
         "1:6: gpu: unknown variant `5`, expected one of `auto`, `low`, `high`, `keep`"
+    );
+    // `auto` is no method of its own: the one found when the engine starts.
+    assert_eq!(read("method: auto").map(|p| p.method), Ok(None));
+    assert_eq!(read("{}").map(|p| p.method), Ok(None));
+    assert_eq!(
+        read("method: ppd").map(|p| p.method),
+        Ok(Some(PowerMethod::Ppd))
+    );
+    assert_eq!(
+        read("method: tlp").unwrap_err(),
+        "1:9: method: unknown variant `tlp`, expected one of `auto`, `ppd`, `cpufreq`, `none`"
     );
     let dir = TempDir::new("enums");
     let file = dir.write("supervisor.yaml", "power:\n  cpu: turbo\n");

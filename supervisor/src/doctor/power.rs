@@ -22,9 +22,10 @@ const PLATFORM_CHOICES: &str = "/sys/firmware/acpi/platform_profile_choices";
 /// The checks; `bus` is the system bus when there is one.
 pub async fn checks(config: &Config, root: &SysRoot, bus: Option<zbus::Connection>) -> Vec<Check> {
     let mut out = Vec::new();
+    // `auto` (None) uses power-profiles-daemon when it is there.
     let uses_ppd = matches!(
         config.supervisor.power.method,
-        PowerMethod::Auto | PowerMethod::Ppd
+        None | Some(PowerMethod::Ppd)
     );
     let ppd = match &bus {
         Some(conn) => Ppd::find(conn).await.ok().flatten(),
@@ -35,7 +36,7 @@ pub async fn checks(config: &Config, root: &SysRoot, bus: Option<zbus::Connectio
             "power.ppd",
             "no system bus: power-profiles-daemon could not be asked",
         ),
-        (Some(_), None) if config.supervisor.power.method == PowerMethod::Ppd => Check::fail(
+        (Some(_), None) if config.supervisor.power.method == Some(PowerMethod::Ppd) => Check::fail(
             "power.ppd",
             "power.method is ppd, but no power-profiles-daemon is on the system bus",
             "install and start power-profiles-daemon, or set power.method to auto (cpufreq \

@@ -25,7 +25,7 @@ use futures_util::StreamExt;
 use serde::{Deserialize, Serialize};
 use tokio::sync::{mpsc, oneshot, watch};
 
-use crate::config::{Config, CpuPolicy, PowerMethod};
+use crate::config::{Config, CpuPolicy};
 use crate::host::sysroot::SysRoot;
 use crate::lifecycle::alert::Alerts;
 use crate::lifecycle::Status;
@@ -303,12 +303,13 @@ impl Task {
     }
 
     /// The method to use now, and why; PPD when asked for (or found, with `auto`).
-    async fn choose(&mut self, method: PowerMethod) -> (Method, String, Option<Ppd>) {
+    /// (`method` is `power.method`: `None` for `auto`.)
+    async fn choose(&mut self, method: Option<Method>) -> (Method, String, Option<Ppd>) {
         let root = self.parts.sysroot.clone();
         let ppd = match method {
-            PowerMethod::None => return (Method::None, "power.method is none".into(), None),
-            PowerMethod::Cpufreq => None,
-            PowerMethod::Auto | PowerMethod::Ppd => match self.system_bus().await {
+            Some(Method::None) => return (Method::None, "power.method is none".into(), None),
+            Some(Method::Cpufreq) => None,
+            None | Some(Method::Ppd) => match self.system_bus().await {
                 Ok(conn) => match Ppd::find(&conn).await {
                     Ok(found) => found
                         .ok_or_else(|| "no power-profiles-daemon on the system bus".to_string()),
@@ -339,7 +340,7 @@ impl Task {
                 Some(p),
             );
         }
-        if method == PowerMethod::Ppd {
+        if method == Some(Method::Ppd) {
             let why = self.status.borrow().cpu_note.clone().unwrap_or_default();
             return (
                 Method::None,
@@ -359,7 +360,7 @@ impl Task {
         };
         if let Some(how) = how {
             let why = match method {
-                PowerMethod::Cpufreq => {
+                Some(Method::Cpufreq) => {
                     format!("power.method is cpufreq ({policies} policies, {how})")
                 }
                 _ => format!(
