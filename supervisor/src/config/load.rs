@@ -335,37 +335,7 @@ impl Check<'_> {
             "invalid address {listen:?}: expected IP:port, e.g. 127.0.0.1:8080 or [::1]:8080"
         );
         self.when(listen.parse::<SocketAddr>().is_err(), "api.listen", message);
-        let api = &mut s.api;
-        for (path, file) in [
-            ("api.api_keys_file", &mut api.api_keys_file),
-            ("api.admin_keys_file", &mut api.admin_keys_file),
-        ] {
-            let Some(keys) = file else { continue };
-            let written = keys.to_string_lossy().into_owned();
-            let credential = written.strip_prefix(CREDENTIAL);
-            let message = match credential.map(|name| self.credential(name)) {
-                // Left as written, unchecked.
-                Some(Ok(None)) => continue,
-                Some(Ok(Some(file))) => {
-                    *keys = file;
-                    self.check_key_file
-                        .then(|| files::check_credential_file(self.shown, keys))
-                        .flatten()
-                }
-                Some(Err(message)) => Some(message),
-                None => {
-                    *keys = base.join(&*keys);
-                    match written.is_empty() {
-                        true => Some("must not be empty (use null for no keys)".to_string()),
-                        false if self.check_key_file => {
-                            self.on_disk(&written, |shown| files::check_secret_file(shown, keys))
-                        }
-                        false => text_problem(&written),
-                    }
-                }
-            };
-            self.add(path, message);
-        }
+        self.key_files(s, base);
         // The same file for both would make every API client an admin. Checked at a reload
         // too, and by the keys themselves whenever they are read.
         let keys = ["api.api_keys_file", "api.admin_keys_file"];
@@ -397,6 +367,50 @@ impl Check<'_> {
                 }
             }
         }
+        self.limits(s);
+        let dir_known = self.folders(s, base);
+        self.thermal(&s.thermal);
+        dir_known
+    }
+
+    /// `api.api_keys_file` and `api.admin_keys_file`: a `credential:` resolved, a path made
+    /// absolute, the file checked (when it is to be read now).
+    fn key_files(&mut self, s: &mut Supervisor, base: &Path) {
+        let api = &mut s.api;
+        for (path, file) in [
+            ("api.api_keys_file", &mut api.api_keys_file),
+            ("api.admin_keys_file", &mut api.admin_keys_file),
+        ] {
+            let Some(keys) = file else { continue };
+            let written = keys.to_string_lossy().into_owned();
+            let credential = written.strip_prefix(CREDENTIAL);
+            let message = match credential.map(|name| self.credential(name)) {
+                // Left as written, unchecked.
+                Some(Ok(None)) => continue,
+                Some(Ok(Some(file))) => {
+                    *keys = file;
+                    self.check_key_file
+                        .then(|| files::check_credential_file(self.shown, keys))
+                        .flatten()
+                }
+                Some(Err(message)) => Some(message),
+                None => {
+                    *keys = base.join(&*keys);
+                    match written.is_empty() {
+                        true => Some("must not be empty (use null for no keys)".to_string()),
+                        false if self.check_key_file => {
+                            self.on_disk(&written, |shown| files::check_secret_file(shown, keys))
+                        }
+                        false => text_problem(&written),
+                    }
+                }
+            };
+            self.add(path, message);
+        }
+    }
+
+    /// The settings that must be positive, or within a range, or agree with another.
+    fn limits(&mut self, s: &Supervisor) {
         for (path, zero) in [
             ("api.max_body", s.api.max_body == 0),
             ("api.body_timeout", s.api.body_timeout.is_zero()),
@@ -423,21 +437,6 @@ impl Check<'_> {
         let waiting = !(1..=MAX_WAITING).contains(&s.engine.max_waiting);
         let message = format!("must be between 1 and {MAX_WAITING}");
         self.when(waiting, "engine.max_waiting", message);
-        let dir_problem = text_problem(&s.profiles_dir.to_string_lossy());
-        let dir_known = dir_problem.is_none() && !self.doc.dropped("profiles_dir");
-        self.add("profiles_dir", dir_problem);
-        s.profiles_dir = base.join(&s.profiles_dir);
-        self.when(s.default_profile.is_empty(), "default_profile", EMPTY);
-        self.add("state_dir", text_problem(&s.state_dir.to_string_lossy()));
-        // Not written: the state folder systemd made for the unit (`StateDirectory=`, first of
-        // `$STATE_DIRECTORY`'s), so a user unit needs no state_dir of its own.
-        let from_systemd = std::env::var_os("STATE_DIRECTORY")
-            .and_then(|dirs| std::env::split_paths(&dirs).next())
-            .filter(|d| d.is_absolute());
-        match from_systemd {
-            Some(dir) if !self.doc.written("state_dir") => s.state_dir = dir,
-            _ => s.state_dir = base.join(&s.state_dir),
-        }
         let never = s.api.stream_keepalive.is_some_and(|d| d.is_zero());
         let message = "must be greater than 0 (null = no keep-alive)";
         self.when(never, "api.stream_keepalive", message);
@@ -463,8 +462,32 @@ impl Check<'_> {
         );
         let longer = interval > idle && !idle.is_zero();
         self.rule(longer && !self.dropped(&monitor), &monitor, message);
+    }
 
-        let (t, c) = (&s.thermal, format_temperature);
+    /// `profiles_dir` and `state_dir` made absolute, `default_profile` named; whether the
+    /// profiles folder is known.
+    fn folders(&mut self, s: &mut Supervisor, base: &Path) -> bool {
+        let dir_problem = text_problem(&s.profiles_dir.to_string_lossy());
+        let dir_known = dir_problem.is_none() && !self.doc.dropped("profiles_dir");
+        self.add("profiles_dir", dir_problem);
+        s.profiles_dir = base.join(&s.profiles_dir);
+        self.when(s.default_profile.is_empty(), "default_profile", EMPTY);
+        self.add("state_dir", text_problem(&s.state_dir.to_string_lossy()));
+        // Not written: the state folder systemd made for the unit (`StateDirectory=`, first of
+        // `$STATE_DIRECTORY`'s), so a user unit needs no state_dir of its own.
+        let from_systemd = std::env::var_os("STATE_DIRECTORY")
+            .and_then(|dirs| std::env::split_paths(&dirs).next())
+            .filter(|d| d.is_absolute());
+        match from_systemd {
+            Some(dir) if !self.doc.written("state_dir") => s.state_dir = dir,
+            _ => s.state_dir = base.join(&s.state_dir),
+        }
+        dir_known
+    }
+
+    /// `thermal:`: the thresholds within range and in order, the hysteresis within the gap.
+    fn thermal(&mut self, t: &crate::config::Thermal) {
+        let c = format_temperature;
         let (low, high) = TEMPERATURE_RANGE;
         let range = format!("must be between {} and {}", c(low), c(high));
         let mut in_range = true;
@@ -491,7 +514,6 @@ impl Check<'_> {
             let keys = ["thermal.hysteresis", "thermal.critical", "thermal.warn"];
             self.rule(true, &keys, message);
         }
-        dir_known
     }
 
     /// Every profile file in `dir` by name (those with problems too), and the profiles

@@ -568,13 +568,7 @@ async fn announce_changes(
     let (standing, mut thermal) = thermal;
     for t in standing {
         tracing::debug!("thermal: announcing what stands: {}", t.message);
-        let e = iface.signal_emitter();
-        let sent =
-            ControlObject::thermal_event(e, t.level.as_str(), &t.sensor, t.celsius, &t.message)
-                .await;
-        if let Err(err) = sent {
-            tracing::debug!("sending a ThermalEvent on D-Bus failed: {err}");
-        }
+        thermal_event(iface.signal_emitter(), &t).await;
     }
     let mut rx = lifecycle.watch_status();
     let mut figures = lifecycle.watch_figures();
@@ -622,13 +616,7 @@ async fn announce_changes(
                     thermal_open = false;
                 }
                 if let Ok(t) = event {
-                    let e = iface.signal_emitter();
-                    let sent =
-                        ControlObject::thermal_event(e, t.level.as_str(), &t.sensor, t.celsius, &t.message)
-                            .await;
-                    if let Err(err) = sent {
-                        tracing::debug!("sending a ThermalEvent on D-Bus failed: {err}");
-                    }
+                    thermal_event(iface.signal_emitter(), &t).await;
                 }
                 continue;
             }
@@ -651,40 +639,59 @@ async fn announce_changes(
         if figures_moved {
             figures_sent = Some(Instant::now());
         }
-        let e = iface.signal_emitter();
-        let obj = iface.get().await;
-        let mut results = Vec::new();
-        if new.state != old.state {
-            results.push(obj.state_changed(e).await);
-            results.push(ControlObject::lifecycle_changed(e, new.state, &new.profile).await);
-        }
-        if new.profile != old.profile {
-            results.push(obj.profile_changed(e).await);
-        }
-        if new.engine_profile != old.engine_profile {
-            results.push(obj.engine_profile_changed(e).await);
-        }
-        if new.in_flight != old.in_flight {
-            results.push(obj.in_flight_changed(e).await);
-        }
-        if new.waiting != old.waiting {
-            results.push(obj.waiting_changed(e).await);
-        }
-        if new.engine_pid != old.engine_pid {
-            results.push(obj.engine_pid_changed(e).await);
-        }
-        if new.idle_deadline != old.idle_deadline {
-            results.push(obj.idle_deadline_changed(e).await);
-        }
-        if new.last_error != old.last_error {
-            results.push(obj.last_error_changed(e).await);
-        }
-        drop(obj);
-        for r in results {
-            if let Err(err) = r {
-                tracing::debug!("announcing a change on D-Bus failed: {err}");
-            }
-        }
+        properties_changed(&iface, &old, &new).await;
         old = new;
+    }
+}
+
+/// A `ThermalEvent` of `t`.
+async fn thermal_event(e: &SignalEmitter<'_>, t: &crate::policy::thermal::Signal) {
+    let sent =
+        ControlObject::thermal_event(e, t.level.as_str(), &t.sensor, t.celsius, &t.message).await;
+    if let Err(err) = sent {
+        tracing::debug!("sending a ThermalEvent on D-Bus failed: {err}");
+    }
+}
+
+/// `PropertiesChanged` for each property that differs from `old` to `new`, and
+/// `LifecycleChanged` with the state.
+async fn properties_changed(
+    iface: &zbus::object_server::InterfaceRef<ControlObject>,
+    old: &Status,
+    new: &Status,
+) {
+    let e = iface.signal_emitter();
+    let obj = iface.get().await;
+    let mut results = Vec::new();
+    if new.state != old.state {
+        results.push(obj.state_changed(e).await);
+        results.push(ControlObject::lifecycle_changed(e, new.state, &new.profile).await);
+    }
+    if new.profile != old.profile {
+        results.push(obj.profile_changed(e).await);
+    }
+    if new.engine_profile != old.engine_profile {
+        results.push(obj.engine_profile_changed(e).await);
+    }
+    if new.in_flight != old.in_flight {
+        results.push(obj.in_flight_changed(e).await);
+    }
+    if new.waiting != old.waiting {
+        results.push(obj.waiting_changed(e).await);
+    }
+    if new.engine_pid != old.engine_pid {
+        results.push(obj.engine_pid_changed(e).await);
+    }
+    if new.idle_deadline != old.idle_deadline {
+        results.push(obj.idle_deadline_changed(e).await);
+    }
+    if new.last_error != old.last_error {
+        results.push(obj.last_error_changed(e).await);
+    }
+    drop(obj);
+    for r in results {
+        if let Err(err) = r {
+            tracing::debug!("announcing a change on D-Bus failed: {err}");
+        }
     }
 }

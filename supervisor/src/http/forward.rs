@@ -30,7 +30,8 @@ use crate::http::progress::{self, Progress};
 use crate::http::protocol::{Api, ApiProtocol, Route, Streams};
 use crate::http::sse;
 use crate::http::watch::Watch;
-use crate::lifecycle::upstream::UpstreamError;
+use crate::lifecycle::upstream::{UpstreamBody, UpstreamError};
+use crate::lifecycle::Lease;
 use crate::lifecycle::ERROR_TAIL_LINES;
 use crate::observe::flights::Ticket;
 use crate::observe::stats::Count;
@@ -165,26 +166,9 @@ async fn forward(
 ) -> Response<ProxyBody> {
     let protocol = route.map(|r| r.protocol);
     let (mut parts, held) = req.into_parts();
-    // A validation that began while this request waited for an engine holds that engine:
-    // never a client's. Then back to the validation's gate, to wait for the profile it
-    // restores (or 503 past max_waiting, as any request during a validation).
-    let lease = loop {
-        if let Err(max_waiting) = ctx
-            .parts
-            .validator
-            .admit(config.supervisor.engine.max_waiting)
-            .await
-        {
-            return validation_queue_full(max_waiting, protocol);
-        }
-        let lease = match ctx.parts.lifecycle.acquire().await {
-            Ok(lease) => lease,
-            Err(refusal) => return ApiError::from(refusal).into_response_in(protocol),
-        };
-        if !ctx.parts.validator.running() {
-            break lease;
-        }
-        drop(lease);
+    let lease = match turn(&ctx, &config, protocol).await {
+        Ok(lease) => lease,
+        Err(refused) => return refused,
     };
     if slot_action {
         // The engine that will serve it, which a switch may have changed meanwhile.
@@ -220,60 +204,19 @@ async fn forward(
             body = asked;
         }
     }
-    let answer = engine.connections.request(parts, body).await;
+    let sent_answer = engine.connections.request(parts, body).await;
     // Sent: the bytes have left (the upstream kept them only for a second try).
     drop(held.charge);
-    match answer {
+    match sent_answer {
         Ok(resp) => {
-            let (mut parts, inner) = resp.into_parts();
-            // A body that only the connection's close ends.
-            let unframed = !parts.headers.contains_key(header::CONTENT_LENGTH)
-                && !parts.headers.contains_key(header::TRANSFER_ENCODING);
-            strip_hop_by_hop(&mut parts.headers);
-            let content_type = parts
-                .headers
-                .get(header::CONTENT_TYPE)
-                .and_then(|v| v.to_str().ok());
-            let sse = content_type.is_some_and(|t| t.starts_with("text/event-stream"));
-            // Where the answer's token counts are, by the protocol table.
-            let spec = protocol.unwrap_or(ApiProtocol::OpenAi).spec();
-            let success = parts.status.is_success();
-            let count = match tap_path.is_some() && success {
-                true => Count::new(spec.protocol, content_type, sent),
-                false => None,
+            let asked = Asked {
+                tap_path,
+                protocol,
+                route,
+                sent,
+                started,
             };
-            let tap = match (tap_path, &count) {
-                (Some(path), Some(_)) => Some(Box::new(Tapped {
-                    stats: ctx.parts.stats.clone(),
-                    telemetry: ctx.parts.telemetry.clone(),
-                    profile: engine.profile.clone(),
-                    path,
-                    started,
-                })),
-                _ => None,
-            };
-            if !sse {
-                // The whole answer is ready; its body is on its way.
-                flight.ending();
-            }
-            let watch =
-                (sse || count.is_some()).then(|| Box::new(Watch::new(spec, sse, count, progress)));
-            let stream = EngineStream {
-                inner,
-                watch,
-                tap,
-                sse: sse.then(|| engine.output.clone()),
-                broken: None,
-                protocol: protocol.unwrap_or(ApiProtocol::OpenAi),
-                unframed: sse && unframed && route.is_some_and(Route::ends_marked),
-                flight: Some(flight),
-                drained: false,
-                failed: None,
-            };
-            Response::from_parts(
-                parts,
-                ProxyBody::Upstream(OnEnd::new(stream, Release { lease })),
-            )
+            answer(&ctx, resp, lease, (flight, progress), asked)
         }
         Err(e) => {
             drop(lease);
@@ -282,6 +225,107 @@ async fn forward(
             error.into_response_in(protocol)
         }
     }
+}
+
+/// A request's turn at the engine: a lease (the engine started if need be), never while a
+/// validation holds the engine; else the answer that refuses it.
+async fn turn(
+    ctx: &Ctx,
+    config: &Config,
+    protocol: Option<ApiProtocol>,
+) -> Result<Lease, Response<ProxyBody>> {
+    // A validation that began while this request waited for an engine holds that engine:
+    // never a client's. Then back to the validation's gate, to wait for the profile it
+    // restores (or 503 past max_waiting, as any request during a validation).
+    loop {
+        if let Err(max_waiting) = ctx
+            .parts
+            .validator
+            .admit(config.supervisor.engine.max_waiting)
+            .await
+        {
+            return Err(validation_queue_full(max_waiting, protocol));
+        }
+        let lease = match ctx.parts.lifecycle.acquire().await {
+            Ok(lease) => lease,
+            Err(refusal) => return Err(ApiError::from(refusal).into_response_in(protocol)),
+        };
+        if !ctx.parts.validator.running() {
+            return Ok(lease);
+        }
+        drop(lease);
+    }
+}
+
+/// What the request was, for its answer's body.
+struct Asked {
+    /// A POST's path, whose answer's figures are counted.
+    tap_path: Option<String>,
+    protocol: Option<ApiProtocol>,
+    route: Option<Route>,
+    /// When it was sent to the engine, and when it came.
+    sent: Instant,
+    started: Instant,
+}
+
+/// The engine's answer `resp`, on its way to the client with the request's lease, read by
+/// its watch ([`crate::http::watch`]).
+fn answer(
+    ctx: &Ctx,
+    resp: Response<UpstreamBody>,
+    lease: Lease,
+    (flight, progress): (Ticket, Option<Progress>),
+    asked: Asked,
+) -> Response<ProxyBody> {
+    let engine = lease.engine.clone();
+    let (mut parts, inner) = resp.into_parts();
+    // A body that only the connection's close ends.
+    let unframed = !parts.headers.contains_key(header::CONTENT_LENGTH)
+        && !parts.headers.contains_key(header::TRANSFER_ENCODING);
+    strip_hop_by_hop(&mut parts.headers);
+    let content_type = parts
+        .headers
+        .get(header::CONTENT_TYPE)
+        .and_then(|v| v.to_str().ok());
+    let sse = content_type.is_some_and(|t| t.starts_with("text/event-stream"));
+    // Where the answer's token counts are, by the protocol table.
+    let protocol = asked.protocol.unwrap_or(ApiProtocol::OpenAi);
+    let count = match asked.tap_path.is_some() && parts.status.is_success() {
+        true => Count::new(protocol, content_type, asked.sent),
+        false => None,
+    };
+    let tap = match (asked.tap_path, &count) {
+        (Some(path), Some(_)) => Some(Box::new(Tapped {
+            stats: ctx.parts.stats.clone(),
+            telemetry: ctx.parts.telemetry.clone(),
+            profile: engine.profile.clone(),
+            path,
+            started: asked.started,
+        })),
+        _ => None,
+    };
+    if !sse {
+        // The whole answer is ready; its body is on its way.
+        flight.ending();
+    }
+    let watch = (sse || count.is_some())
+        .then(|| Box::new(Watch::new(protocol.spec(), sse, count, progress)));
+    let stream = EngineStream {
+        inner,
+        watch,
+        tap,
+        sse: sse.then(|| engine.output.clone()),
+        broken: None,
+        protocol,
+        unframed: sse && unframed && asked.route.is_some_and(Route::ends_marked),
+        flight: Some(flight),
+        drained: false,
+        failed: None,
+    };
+    Response::from_parts(
+        parts,
+        ProxyBody::Upstream(OnEnd::new(stream, Release { lease })),
+    )
 }
 
 /// The 503 for a request over `max_waiting` while a validation holds the engine.

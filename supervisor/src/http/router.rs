@@ -67,19 +67,8 @@ async fn route(
     // Each request as it comes (`DSV4_LOG=dsv4::http=debug`): which agent probes what, how
     // often a client resends. The path only: a query may hold what is not the log's.
     tracing::debug!("request: {} {}", req.method(), req.uri().path());
-    if !ALLOWED_METHODS.contains(req.method()) {
-        // CONNECT, TRACE and the like: nothing here or in the engine serves them, so they
-        // are answered here and never start the engine.
-        let mut r: Response<ProxyBody> = ApiError::new(
-            StatusCode::METHOD_NOT_ALLOWED,
-            ErrorType::InvalidRequest,
-            ErrorCode::MethodNotAllowed,
-            format!("method {} is not supported; use {ALLOW}", req.method()),
-        )
-        .into_response_in(ApiProtocol::of(req.uri().path()));
-        r.headers_mut()
-            .insert(header::ALLOW, HeaderValue::from_static(ALLOW));
-        return r;
+    if let Some(refused) = refuse_method(&req) {
+        return refused;
     }
     // From here on the path is the one the engine will route: decoded as it decodes it,
     // and sent to it so that it decodes to exactly that (see `crate::http::path`).
@@ -151,27 +140,7 @@ async fn route(
             Ok(r) => r.map(ProxyBody::Events),
             Err(e) => e.into_response(),
         },
-        (true, "/metrics") => {
-            let sample = ctx.parts.telemetry.latest();
-            let kv = ctx.parts.lifecycle.kv().status().await;
-            let status = ctx.parts.lifecycle.status();
-            let in_progress = ctx.parts.in_progress(status.state);
-            let text = crate::observe::metrics::render(
-                &status,
-                &ctx.parts.stats.report(0),
-                sample.as_deref(),
-                &ctx.parts.power.status(),
-                &ctx.parts.thermal.status(),
-                &kv,
-                &in_progress,
-            );
-            let mut r = Response::new(ProxyBody::from(Bytes::from(text)));
-            r.headers_mut().insert(
-                header::CONTENT_TYPE,
-                HeaderValue::from_static(crate::observe::metrics::CONTENT_TYPE),
-            );
-            r
-        }
+        (true, "/metrics") => metrics(ctx).await,
         // A probe never starts the engine: `GET /` and every `HEAD` of a path the engine
         // serves (an agent's look before it asks anything, a browser's first visit) are the
         // engine's only while it serves.
@@ -183,6 +152,47 @@ async fn route(
         }
         _ => proxy(ctx, config, req, on, route).await,
     }
+}
+
+/// CONNECT, TRACE and the like: nothing here or in the engine serves them, so they are
+/// answered here and never start the engine.
+fn refuse_method(req: &Request<Incoming>) -> Option<Response<ProxyBody>> {
+    if ALLOWED_METHODS.contains(req.method()) {
+        return None;
+    }
+    let mut r: Response<ProxyBody> = ApiError::new(
+        StatusCode::METHOD_NOT_ALLOWED,
+        ErrorType::InvalidRequest,
+        ErrorCode::MethodNotAllowed,
+        format!("method {} is not supported; use {ALLOW}", req.method()),
+    )
+    .into_response_in(ApiProtocol::of(req.uri().path()));
+    r.headers_mut()
+        .insert(header::ALLOW, HeaderValue::from_static(ALLOW));
+    Some(r)
+}
+
+/// `GET /metrics`: OpenMetrics text of the latest figures.
+async fn metrics(ctx: &Ctx) -> Response<ProxyBody> {
+    let sample = ctx.parts.telemetry.latest();
+    let kv = ctx.parts.lifecycle.kv().status().await;
+    let status = ctx.parts.lifecycle.status();
+    let in_progress = ctx.parts.in_progress(status.state);
+    let text = crate::observe::metrics::render(
+        &status,
+        &ctx.parts.stats.report(0),
+        sample.as_deref(),
+        &ctx.parts.power.status(),
+        &ctx.parts.thermal.status(),
+        &kv,
+        &in_progress,
+    );
+    let mut r = Response::new(ProxyBody::from(Bytes::from(text)));
+    r.headers_mut().insert(
+        header::CONTENT_TYPE,
+        HeaderValue::from_static(crate::observe::metrics::CONTENT_TYPE),
+    );
+    r
 }
 
 /// dsv4d's answer to a probe while the engine does not serve: for `/`, 200 and a line that

@@ -501,6 +501,12 @@ fn host(reg: &mut Registry, sample: Option<&Sample>) {
     for (name, help, value) in figures {
         gauge_opt(reg, name, help, value);
     }
+    sensors(reg, s);
+    engine_cpu(reg, s);
+}
+
+/// The host's labelled families: temperatures, power, memory pressure, throttling.
+fn sensors(reg: &mut Registry, s: &Sample) {
     let temperatures = add(
         reg,
         "dsv4_temperature_celsius",
@@ -558,6 +564,10 @@ fn host(reg: &mut Registry, sample: Option<&Sample>) {
                 .inc_by(s.throttle.seconds.get(kind));
         }
     }
+}
+
+/// The engine process's CPU time.
+fn engine_cpu(reg: &mut Registry, s: &Sample) {
     let cpu = add(
         reg,
         "dsv4_engine_cpu_seconds",

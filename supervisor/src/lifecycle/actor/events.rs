@@ -4,15 +4,16 @@
 use std::sync::Arc;
 
 use dsv4_client::AlertKind;
-use dsv4_engine::procs::PortHolder;
+use dsv4_engine::procs::{PortHolder, Stranger};
+use dsv4_engine::ExitReport;
 use nix::sys::signal::Signal;
 use tokio::sync::watch;
 use tokio::time::Instant;
 
 use super::memory::memory_comes_back;
 use super::messages::{Command, Internal, PortLook};
-use super::{Actor, Reply, PORT_TRIES};
-use crate::lifecycle::state::{EngineFailure, Event, Phase};
+use super::{Actor, Engine, Reply, PORT_TRIES};
+use crate::lifecycle::state::{EngineFailure, Event, Gen, Phase};
 use crate::lifecycle::{ControlError, ERROR_TAIL_LINES};
 
 impl Actor {
@@ -137,19 +138,7 @@ impl Actor {
             }
             Internal::Ready { gen } => Some(Event::Ready { gen }),
             Internal::PortTaken { gen, pid, stranger } => {
-                if let Some(e) = self
-                    .engine
-                    .as_mut()
-                    .filter(|e| e.shared.gen == gen && e.shared.pid == pid)
-                {
-                    tracing::warn!(
-                        pid,
-                        "{stranger}, not by the engine: ending the engine, to start it on \
-                         another port"
-                    );
-                    e.port_taken = Some(stranger);
-                    e.child.signal(Signal::SIGKILL);
-                }
+                self.port_taken(gen, pid, stranger);
                 None
             }
             Internal::MemorySettled => Some(Event::MemorySettled),
@@ -162,130 +151,160 @@ impl Actor {
                     false => Event::KvSaved { gen },
                 })
             }
-            Internal::Exited { gen, report, port } => {
-                // Before it was ready, with no stranger seen on its port yet: it may have
-                // found the port taken itself (llama-server: "couldn't bind"). That is a look
-                // at /proc, done off the actor's turn; the exit is taken up again after it.
-                if let (PortLook::NotYet, Some(e), Phase::Starting { .. }) = (
-                    &port,
-                    self.engine.as_ref().filter(|e| e.shared.gen == gen),
-                    self.machine.phase(),
-                ) {
-                    if e.port_taken.is_none() {
-                        let port = e.shared.upstream.port();
-                        let mark: Arc<str> = e.child.mark().unwrap_or("").into();
-                        let internal = self.internal.clone();
-                        tokio::spawn(async move {
-                            let stranger = match super::probe::holder(port, mark).await {
-                                PortHolder::Other(s) => Some(s),
-                                _ => None,
-                            };
-                            let port = PortLook::Done(stranger);
-                            let _ = internal.send(Internal::Exited { gen, report, port });
-                        });
-                        return None;
-                    }
-                }
-                let mut engine = self.engine.take_if(|e| e.shared.gen == gen);
-                // An engine that could not have its port, before it was ready: once more on
-                // another port, a few times, as if nothing had happened.
-                let mut taken = None;
-                if let (Some(e), Phase::Starting { .. }) = (&mut engine, self.machine.phase()) {
-                    taken = e.port_taken.take();
-                    if let PortLook::Done(found) = port {
-                        taken = taken.or(found);
-                    }
-                }
-                if let (Some(stranger), Some(e)) = (&taken, &engine) {
-                    let tries = e.port_tries + 1;
-                    let profile = e.shared.profile.clone();
-                    if tries < PORT_TRIES {
-                        tracing::warn!(
-                            pid = e.shared.pid,
-                            "{stranger}; the engine ({report}) starts again on another port"
-                        );
-                        // Its key file and group record go before the next engine's are made.
-                        drop(engine.take());
-                        return self.spawn_attempt(gen, &profile, tries);
-                    }
-                }
-                if let Some(e) = &engine {
-                    self.own_save_report(e);
-                    let (sysroot, alerts) = (self.sysroot.clone(), self.alerts.clone());
-                    let (before, profile) = (e.memory_before, e.shared.profile.clone());
-                    let within = self.config.supervisor.memory.return_timeout;
-                    let internal = self.internal.clone();
-                    let settled = move || {
-                        let _ = internal.send(Internal::MemorySettled);
+            Internal::Exited { gen, report, port } => self.exited(gen, report, port),
+        }
+    }
+
+    /// A stranger holds the port of engine `gen` (`pid`): it is ended, to start again on
+    /// another port.
+    fn port_taken(&mut self, gen: Gen, pid: u32, stranger: Stranger) {
+        if let Some(e) = self
+            .engine
+            .as_mut()
+            .filter(|e| e.shared.gen == gen && e.shared.pid == pid)
+        {
+            tracing::warn!(
+                pid,
+                "{stranger}, not by the engine: ending the engine, to start it on another port"
+            );
+            e.port_taken = Some(stranger);
+            e.child.signal(Signal::SIGKILL);
+        }
+    }
+
+    /// Engine `gen` exited (`report`): started again on another port when a stranger had its
+    /// port, else its memory watched on its way back, its end told, and the rules told.
+    fn exited(&mut self, gen: Gen, report: ExitReport, port: PortLook) -> Option<Event> {
+        // Before it was ready, with no stranger seen on its port yet: it may have found the
+        // port taken itself (llama-server: "couldn't bind"). That is a look at /proc, done off
+        // the actor's turn; the exit is taken up again after it.
+        if let (PortLook::NotYet, Some(e), Phase::Starting { .. }) = (
+            &port,
+            self.engine.as_ref().filter(|e| e.shared.gen == gen),
+            self.machine.phase(),
+        ) {
+            if e.port_taken.is_none() {
+                let port = e.shared.upstream.port();
+                let mark: Arc<str> = e.child.mark().unwrap_or("").into();
+                let internal = self.internal.clone();
+                tokio::spawn(async move {
+                    let stranger = match super::probe::holder(port, mark).await {
+                        PortHolder::Other(s) => Some(s),
+                        _ => None,
                     };
-                    let (next_tx, next) = watch::channel(false);
-                    self.next_spawned = Some(next_tx);
-                    tokio::spawn(memory_comes_back(
-                        sysroot, before, profile, within, alerts, settled, next,
-                    ));
-                }
-                let tail = engine
-                    .as_ref()
-                    .map(|e| e.shared.output.last(ERROR_TAIL_LINES))
-                    .unwrap_or_default();
-                let pid = engine.as_ref().map(|e| e.shared.pid).unwrap_or(0);
-                // Killed while the OOM killer's count in our cgroup went up: say so.
-                let oom = engine.as_ref().and_then(|e| {
-                    let before = e.oom_kills_before?;
-                    let (file, now) = crate::host::hw::cgroup::oom_kills(&self.sysroot)?;
-                    (report.signal.is_some() && now > before).then(|| {
-                        format!(
-                            "out of memory: the kernel's OOM killer ended it ({} in {file} went \
-                             from {before} to {now})",
-                            "oom_kill"
-                        )
-                    })
+                    let port = PortLook::Done(stranger);
+                    let _ = internal.send(Internal::Exited { gen, report, port });
                 });
-                let report = match &oom {
-                    Some(why) => format!("{report}; {why}"),
-                    None => report.to_string(),
-                };
-                let summary = match self.machine.phase() {
-                    Phase::Starting { .. } if taken.is_some() => {
-                        format!(
-                            "the engine could not have its port, {PORT_TRIES} times in a row: \
-                             the last time {}; it exited before it was ready ({report})",
-                            taken.as_ref().map(ToString::to_string).unwrap_or_default()
-                        )
-                    }
-                    Phase::Starting { .. } => {
-                        format!("the engine exited before it was ready ({report})")
-                    }
-                    Phase::Restoring { .. }
-                    | Phase::Ready { .. }
-                    | Phase::Draining { .. }
-                    | Phase::Saving { .. } => {
-                        format!("the engine exited unexpectedly ({report})")
-                    }
-                    _ => format!("the engine stopped ({report})"),
-                };
-                match self.machine.phase() {
-                    Phase::Starting { .. } => tracing::warn!(pid, "{summary}"),
-                    // It was serving (or finishing what it served): someone should hear of it.
-                    Phase::Restoring { profile, .. }
-                    | Phase::Ready { profile, .. }
-                    | Phase::Draining { profile, .. }
-                    | Phase::Saving { profile, .. } => {
-                        tracing::warn!(pid, "{summary}");
-                        let mut message = format!("engine (profile {profile}) crashed: {report}");
-                        if !tail.is_empty() {
-                            message.push_str("; its last lines:\n");
-                            message.push_str(&tail.join("\n"));
-                        }
-                        self.alerts.raise(AlertKind::Engine, message);
-                    }
-                    _ => tracing::info!(pid, "{summary}"),
-                }
-                Some(Event::Exited {
-                    gen,
-                    failure: EngineFailure { summary, tail },
-                })
+                return None;
             }
         }
+        let mut engine = self.engine.take_if(|e| e.shared.gen == gen);
+        // An engine that could not have its port, before it was ready: once more on another
+        // port, a few times, as if nothing had happened.
+        let mut taken = None;
+        if let (Some(e), Phase::Starting { .. }) = (&mut engine, self.machine.phase()) {
+            taken = e.port_taken.take();
+            if let PortLook::Done(found) = port {
+                taken = taken.or(found);
+            }
+        }
+        if let (Some(stranger), Some(e)) = (&taken, &engine) {
+            let tries = e.port_tries + 1;
+            let profile = e.shared.profile.clone();
+            if tries < PORT_TRIES {
+                tracing::warn!(
+                    pid = e.shared.pid,
+                    "{stranger}; the engine ({report}) starts again on another port"
+                );
+                // Its key file and group record go before the next engine's are made.
+                drop(engine.take());
+                return self.spawn_attempt(gen, &profile, tries);
+            }
+        }
+        if let Some(e) = &engine {
+            self.own_save_report(e);
+            self.watch_memory_return(e);
+        }
+        let failure = self.tell_exit(engine.as_ref(), &report, taken.as_ref());
+        Some(Event::Exited { gen, failure })
+    }
+
+    /// The memory the engine `e` held, watched on its way back (the next start waits for it).
+    fn watch_memory_return(&mut self, e: &Engine) {
+        let (sysroot, alerts) = (self.sysroot.clone(), self.alerts.clone());
+        let (before, profile) = (e.memory_before, e.shared.profile.clone());
+        let within = self.config.supervisor.memory.return_timeout;
+        let internal = self.internal.clone();
+        let settled = move || {
+            let _ = internal.send(Internal::MemorySettled);
+        };
+        let (next_tx, next) = watch::channel(false);
+        self.next_spawned = Some(next_tx);
+        tokio::spawn(memory_comes_back(
+            sysroot, before, profile, within, alerts, settled, next,
+        ));
+    }
+
+    /// An engine's end, told in the journal (and, when it was serving, as an alert), and as
+    /// the rules get it: `taken`, the stranger on its port when that is why it ended.
+    fn tell_exit(
+        &self,
+        engine: Option<&Engine>,
+        report: &ExitReport,
+        taken: Option<&Stranger>,
+    ) -> EngineFailure {
+        let tail = engine
+            .map(|e| e.shared.output.last(ERROR_TAIL_LINES))
+            .unwrap_or_default();
+        let pid = engine.map(|e| e.shared.pid).unwrap_or(0);
+        // Killed while the OOM killer's count in our cgroup went up: say so.
+        let oom = engine.and_then(|e| {
+            let before = e.oom_kills_before?;
+            let (file, now) = crate::host::hw::cgroup::oom_kills(&self.sysroot)?;
+            (report.signal.is_some() && now > before).then(|| {
+                format!(
+                    "out of memory: the kernel's OOM killer ended it ({} in {file} went from \
+                     {before} to {now})",
+                    "oom_kill"
+                )
+            })
+        });
+        let report = match &oom {
+            Some(why) => format!("{report}; {why}"),
+            None => report.to_string(),
+        };
+        let summary = match self.machine.phase() {
+            Phase::Starting { .. } if taken.is_some() => {
+                format!(
+                    "the engine could not have its port, {PORT_TRIES} times in a row: the last \
+                     time {}; it exited before it was ready ({report})",
+                    taken.map(ToString::to_string).unwrap_or_default()
+                )
+            }
+            Phase::Starting { .. } => format!("the engine exited before it was ready ({report})"),
+            Phase::Restoring { .. }
+            | Phase::Ready { .. }
+            | Phase::Draining { .. }
+            | Phase::Saving { .. } => format!("the engine exited unexpectedly ({report})"),
+            _ => format!("the engine stopped ({report})"),
+        };
+        match self.machine.phase() {
+            Phase::Starting { .. } => tracing::warn!(pid, "{summary}"),
+            // It was serving (or finishing what it served): someone should hear of it.
+            Phase::Restoring { profile, .. }
+            | Phase::Ready { profile, .. }
+            | Phase::Draining { profile, .. }
+            | Phase::Saving { profile, .. } => {
+                tracing::warn!(pid, "{summary}");
+                let mut message = format!("engine (profile {profile}) crashed: {report}");
+                if !tail.is_empty() {
+                    message.push_str("; its last lines:\n");
+                    message.push_str(&tail.join("\n"));
+                }
+                self.alerts.raise(AlertKind::Engine, message);
+            }
+            _ => tracing::info!(pid, "{summary}"),
+        }
+        EngineFailure { summary, tail }
     }
 }
