@@ -666,37 +666,10 @@ async fn validate(
     req: dsv4_client::validate::ValidateRequest,
     compare: Option<String>,
 ) -> Result<(), Failure> {
-    use dsv4_client::validate::{Progress, ValidationResult};
-    use futures_util::StreamExt;
     // What to compare with is found before the run adds itself to the daemon's list.
-    let profile = req.profile.clone().unwrap_or_default();
-    let earlier: Option<ValidationResult> =
-        match compare.as_deref() {
-            None => None,
-            Some("last") => Some(
-                daemon
-                    .validations(&profile)
-                    .await?
-                    .into_iter()
-                    // A matrix is compared with a matrix, a plain run with a plain run.
-                    .find(|r| r.matrix.is_some() == req.matrix)
-                    .ok_or_else(|| {
-                        let kind = if req.matrix { "matrix" } else { "validation" };
-                        Failure::Failed(format!(
-                            "no earlier {kind} of profile {profile} to compare with"
-                        ))
-                    })?,
-            ),
-            Some(path) => {
-                let text = std::fs::read(path)
-                    .map_err(|e| Failure::Usage(format!("cannot read {path}: {e}")))?;
-                Some(serde_json::from_slice(&text).map_err(|e| {
-                    Failure::Usage(format!("{path} is not a validation result: {e}"))
-                })?)
-            }
-        };
+    let earlier = earlier_validation(daemon, &req, compare.as_deref()).await?;
     // Subscribed before the call, so nothing it says is missed.
-    let (mut progress, mut done) = daemon.validation_signals().await?;
+    let signals = daemon.validation_signals().await?;
     let owner = daemon.owner().await;
     let asked_at = unix_now();
     let profile = daemon.validate(&req).await?;
@@ -704,49 +677,7 @@ async fn validate(
         "dsv4ctl: validating profile {profile} ({} runs per test)",
         req.runs
     );
-    let ctrl_c = tokio::signal::ctrl_c();
-    tokio::pin!(ctrl_c);
-    let mut cancelled = false;
-    // A daemon that dies sends no ValidationDone: it is asked after each quiet while.
-    let mut alive = tokio::time::interval(Duration::from_secs(2));
-    alive.tick().await;
-    let result: ValidationResult = loop {
-        tokio::select! {
-            _ = alive.tick() => {
-                // Gone, or replaced by another dsv4d (which never ran this validation).
-                if daemon.owner().await != owner {
-                    return Err(Failure::Unreachable(
-                        "dsv4d went away during the validation; its next start goes back to \
-                         the profile that was active before it".into(),
-                    ));
-                }
-            }
-            Some(p) = progress.next() => {
-                if let Ok(p) = p.args().map(|a| a.progress.to_string()) {
-                    if let Ok(p) = serde_json::from_str::<Progress>(&p) {
-                        eprintln!("dsv4ctl: {}", dsv4_client::text::printable(&p.message));
-                    }
-                }
-            }
-            Some(d) = done.next() => {
-                let Ok(text) = d.args().map(|a| a.result.to_string()) else { continue };
-                match serde_json::from_str::<ValidationResult>(&text) {
-                    // Another run's end (one that ended as this one was asked for).
-                    Ok(r) if r.profile != profile || r.started < asked_at - 1.0 => continue,
-                    Ok(r) => break r,
-                    Err(e) => return Err(Failure::Failed(format!(
-                        "dsv4d sent a validation result dsv4ctl does not understand: {e}"
-                    ))),
-                }
-            }
-            _ = &mut ctrl_c, if !cancelled => {
-                cancelled = true;
-                eprintln!("dsv4ctl: cancelling; the daemon switches back");
-                daemon.cancel_validation().await?;
-            }
-            else => return Err(Failure::Unreachable("the daemon's signals stopped".into())),
-        }
-    };
+    let result = validation_result(daemon, signals, owner, (&profile, asked_at)).await?;
     let comparison = earlier.as_ref().map(|e| match (&e.matrix, &result.matrix) {
         (Some(before), Some(now)) => {
             let cells = dsv4_client::validate::compare_cells(before, now);
@@ -776,6 +707,108 @@ async fn validate(
             None => {}
         }
     }
+    validation_verdict(&result, comparison.as_ref().map(|(_, c, _)| c.as_slice()))
+}
+
+/// The daemon's validation signals, subscribed to: its progress and its results.
+type ValidationSignals = (
+    dsv4_client::ValidationProgressStream,
+    dsv4_client::ValidationDoneStream,
+);
+
+/// The earlier result a validation is compared with (`--compare last` or a file), if asked.
+async fn earlier_validation(
+    daemon: &Daemon,
+    req: &dsv4_client::validate::ValidateRequest,
+    compare: Option<&str>,
+) -> Result<Option<dsv4_client::validate::ValidationResult>, Failure> {
+    let profile = req.profile.clone().unwrap_or_default();
+    match compare {
+        None => Ok(None),
+        Some("last") => daemon
+            .validations(&profile)
+            .await?
+            .into_iter()
+            // A matrix is compared with a matrix, a plain run with a plain run.
+            .find(|r| r.matrix.is_some() == req.matrix)
+            .map(Some)
+            .ok_or_else(|| {
+                let kind = if req.matrix { "matrix" } else { "validation" };
+                Failure::Failed(format!(
+                    "no earlier {kind} of profile {profile} to compare with"
+                ))
+            }),
+        Some(path) => {
+            let text = std::fs::read(path)
+                .map_err(|e| Failure::Usage(format!("cannot read {path}: {e}")))?;
+            serde_json::from_slice(&text)
+                .map(Some)
+                .map_err(|e| Failure::Usage(format!("{path} is not a validation result: {e}")))
+        }
+    }
+}
+
+/// The result of the validation of `profile` asked for at `asked_at`, its progress printed
+/// as it comes; Ctrl-C cancels it (the daemon switches back), and a daemon that went away
+/// is told.
+async fn validation_result(
+    daemon: &Daemon,
+    (mut progress, mut done): ValidationSignals,
+    owner: Option<String>,
+    (profile, asked_at): (&str, f64),
+) -> Result<dsv4_client::validate::ValidationResult, Failure> {
+    use dsv4_client::validate::{Progress, ValidationResult};
+    let ctrl_c = tokio::signal::ctrl_c();
+    tokio::pin!(ctrl_c);
+    let mut cancelled = false;
+    // A daemon that dies sends no ValidationDone: it is asked after each quiet while.
+    let mut alive = tokio::time::interval(Duration::from_secs(2));
+    alive.tick().await;
+    loop {
+        tokio::select! {
+            _ = alive.tick() => {
+                // Gone, or replaced by another dsv4d (which never ran this validation).
+                if daemon.owner().await != owner {
+                    return Err(Failure::Unreachable(
+                        "dsv4d went away during the validation; its next start goes back to \
+                         the profile that was active before it".into(),
+                    ));
+                }
+            }
+            Some(p) = progress.next() => {
+                if let Ok(p) = p.args().map(|a| a.progress.to_string()) {
+                    if let Ok(p) = serde_json::from_str::<Progress>(&p) {
+                        eprintln!("dsv4ctl: {}", dsv4_client::text::printable(&p.message));
+                    }
+                }
+            }
+            Some(d) = done.next() => {
+                let Ok(text) = d.args().map(|a| a.result.to_string()) else { continue };
+                match serde_json::from_str::<ValidationResult>(&text) {
+                    // Another run's end (one that ended as this one was asked for).
+                    Ok(r) if r.profile != profile || r.started < asked_at - 1.0 => continue,
+                    Ok(r) => return Ok(r),
+                    Err(e) => return Err(Failure::Failed(format!(
+                        "dsv4d sent a validation result dsv4ctl does not understand: {e}"
+                    ))),
+                }
+            }
+            _ = &mut ctrl_c, if !cancelled => {
+                cancelled = true;
+                eprintln!("dsv4ctl: cancelling; the daemon switches back");
+                daemon.cancel_validation().await?;
+            }
+            else => return Err(Failure::Unreachable("the daemon's signals stopped".into())),
+        }
+    }
+}
+
+/// A validation's exit: failed when it ended early, when a cell failed, or when a test was
+/// slower than the earlier run (`compared`) beyond the noise.
+fn validation_verdict(
+    result: &dsv4_client::validate::ValidationResult,
+    compared: Option<&[dsv4_client::validate::Comparison]>,
+) -> Result<(), Failure> {
     if let Some(why) = &result.error {
         return Err(Failure::Failed(format!(
             "the validation ended early: {why}; profile {} is active again",
@@ -795,18 +828,17 @@ async fn validate(
             failed.join(", ")
         )));
     }
-    if let Some((_, c, _)) = &comparison {
-        let slower: Vec<String> = c
-            .iter()
-            .filter(|c| c.flagged)
-            .map(|c| format!("{} ({:+.1}%)", c.name, c.change_pct))
-            .collect();
-        if !slower.is_empty() {
-            return Err(Failure::Failed(format!(
-                "slower than the earlier run beyond the noise: {}",
-                slower.join(", ")
-            )));
-        }
+    let slower: Vec<String> = compared
+        .unwrap_or_default()
+        .iter()
+        .filter(|c| c.flagged)
+        .map(|c| format!("{} ({:+.1}%)", c.name, c.change_pct))
+        .collect();
+    if !slower.is_empty() {
+        return Err(Failure::Failed(format!(
+            "slower than the earlier run beyond the noise: {}",
+            slower.join(", ")
+        )));
     }
     Ok(())
 }

@@ -630,54 +630,10 @@ impl Check<'_> {
         let missing = engine.is_none() && !doc.dropped("engine");
         self.when(missing, "engine", required);
 
-        let command = raw.command.as_deref().unwrap_or_default();
-        // A bare program name is looked up in PATH at spawn, with the profile's env.PATH when
-        // it sets one.
-        let resolved = match command.contains('/') {
-            true => dir.join(command),
-            false => PathBuf::from(command),
-        };
-        let missing = raw.command.is_none() && !doc.dropped("command");
-        self.when(missing, "command", "required: the engine executable");
-        if raw.command.is_some() {
-            let env_path = raw.env.as_ref().and_then(|env| env.get("PATH"));
-            let message = self.on_disk(command, |shown| {
-                let env_path = env_path.map(String::as_str);
-                files::check_command(shown, command, &resolved, dir, env_path)
-            });
-            self.add("command", message);
-        }
-
+        let resolved = self.command(&raw, dir);
         let kind = engine.map(EngineKind::describe);
-        if let Some(kind) = kind.filter(|k| k.requires_model) {
-            let required = raw.model.is_none() && !doc.dropped("model");
-            let message = format!("required for engine {}", kind.name);
-            self.when(required, "model", message);
-        }
-        if let Some(kind) = kind {
-            for (key, what) in kind.requires {
-                let missing = !doc.written(key) && !doc.dropped(key);
-                let message = format!("required for engine {}: {what}", kind.name);
-                self.when(missing, key, message);
-            }
-            // A key another kind reads that this one neither reads nor passes over is a
-            // mistake (a setting that would do nothing).
-            let mut others: Vec<&str> = EngineKind::ALL
-                .iter()
-                .flat_map(|k| k.describe().reads.iter().copied())
-                .collect();
-            others.sort_unstable();
-            others.dedup();
-            for key in others {
-                let unread = !kind.reads(key) && !kind.ignores.contains(&key);
-                let message = format!(
-                    "engine {} does not read {key}; it reads: {}",
-                    kind.name,
-                    kind.reads.join(", ")
-                );
-                self.when(unread && doc.written(key), key, message);
-            }
-        }
+        self.kind_keys(kind, &raw);
+        self.sizes(&raw);
         let key = self.engine_key(&raw);
         if let Some(args) = &raw.args {
             for (i, arg) in args.iter().enumerate() {
@@ -703,34 +659,9 @@ impl Check<'_> {
         let kv_disk_dir = reads("kv_disk_dir").then_some(files::check_creatable_dir as DiskCheck);
         let kv_disk_dir = self.path("kv_disk_dir", raw.kv_disk_dir, dir, kv_disk_dir);
 
-        let kv = raw.kv_cache.as_deref();
-        let message = kv.and_then(|kv| text_problem(kv).or_else(|| rules::check_kv_cache(kv)));
-        self.add("kv_cache", message);
-        let context = raw.context.unwrap_or(MIN_CONTEXT);
-        let message = format!("must be at least {MIN_CONTEXT}");
-        self.when(context < MIN_CONTEXT, "context", message);
-        let message = format!("must be at most {MAX_CONTEXT}");
-        self.when(context > MAX_CONTEXT, "context", message);
-        let parallel = raw.parallel.unwrap_or(1);
-        let message = format!("must be between 1 and {MAX_PARALLEL}");
-        self.when(!(1..=MAX_PARALLEL).contains(&parallel), "parallel", message);
-        let (batch, ubatch, chunk) = (raw.batch, raw.ubatch, raw.prefill_chunk);
-        for (key, value) in [
-            ("batch", batch),
-            ("ubatch", ubatch),
-            ("prefill_chunk", chunk),
-        ] {
-            self.when(value == Some(0), key, "must be at least 1");
-        }
-        if let (Some(batch), Some(ubatch)) = (batch, ubatch) {
-            let message = format!("ubatch ({ubatch}) must not be larger than batch ({batch})");
-            self.when(batch > 0 && ubatch > batch, "ubatch", message);
-        }
         let kv_disk_space_mb = raw.kv_disk_space.map(|bytes| bytes / MIB);
-        let message = "must be at least 1MiB";
-        self.when(kv_disk_space_mb == Some(0), "kv_disk_space", message);
+        let (batch, ubatch, chunk) = (raw.batch, raw.ubatch, raw.prefill_chunk);
         let planned_memory = raw.planned_memory;
-        self.when(planned_memory == Some(0), "planned_memory", POSITIVE);
         let slots = kind.is_some_and(|k| k.slots_kept_by_dsv4d());
         let kv_checkpoint = raw
             .kv_checkpoint
@@ -743,16 +674,7 @@ impl Check<'_> {
             }
         }
         let matrix = raw.matrix.map(|m| self.matrix(m));
-        let env = raw.env.unwrap_or_default();
-        for (key, value) in &env {
-            let path = format!("env.{key}");
-            if let Some(message) = rules::check_env_name(key) {
-                self.problems.push(doc.at("env", &path, true, message));
-            } else {
-                self.when(value.contains('\0'), &path, "contains a NUL byte");
-            }
-        }
-
+        let env = self.env(raw.env.unwrap_or_default());
         Profile {
             name: name.to_string(),
             file: file.to_path_buf(),
@@ -790,6 +712,112 @@ impl Check<'_> {
             kv_checkpoint: kv_checkpoint.filter(|_| slots),
             matrix,
         }
+    }
+
+    /// The engine's program: required, and found (a bare name in `PATH`, the profile's own
+    /// `env.PATH` first); resolved against the profiles folder.
+    fn command(&mut self, raw: &RawProfile, dir: &Path) -> PathBuf {
+        let command = raw.command.as_deref().unwrap_or_default();
+        // A bare program name is looked up in PATH at spawn, with the profile's env.PATH when
+        // it sets one.
+        let resolved = match command.contains('/') {
+            true => dir.join(command),
+            false => PathBuf::from(command),
+        };
+        let missing = raw.command.is_none() && !self.doc.dropped("command");
+        self.when(missing, "command", "required: the engine executable");
+        if raw.command.is_some() {
+            let env_path = raw.env.as_ref().and_then(|env| env.get("PATH"));
+            let message = self.on_disk(command, |shown| {
+                let env_path = env_path.map(String::as_str);
+                files::check_command(shown, command, &resolved, dir, env_path)
+            });
+            self.add("command", message);
+        }
+
+        resolved
+    }
+
+    /// The keys the profile's engine kind requires, and those another kind reads that this one
+    /// does not (a setting that would do nothing).
+    fn kind_keys(&mut self, kind: Option<&'static dsv4_engine::Kind>, raw: &RawProfile) {
+        let doc = self.doc;
+        if let Some(kind) = kind.filter(|k| k.requires_model) {
+            let required = raw.model.is_none() && !doc.dropped("model");
+            let message = format!("required for engine {}", kind.name);
+            self.when(required, "model", message);
+        }
+        if let Some(kind) = kind {
+            for (key, what) in kind.requires {
+                let missing = !doc.written(key) && !doc.dropped(key);
+                let message = format!("required for engine {}: {what}", kind.name);
+                self.when(missing, key, message);
+            }
+            // A key another kind reads that this one neither reads nor passes over is a
+            // mistake (a setting that would do nothing).
+            let mut others: Vec<&str> = EngineKind::ALL
+                .iter()
+                .flat_map(|k| k.describe().reads.iter().copied())
+                .collect();
+            others.sort_unstable();
+            others.dedup();
+            for key in others {
+                let unread = !kind.reads(key) && !kind.ignores.contains(&key);
+                let message = format!(
+                    "engine {} does not read {key}; it reads: {}",
+                    kind.name,
+                    kind.reads.join(", ")
+                );
+                self.when(unread && doc.written(key), key, message);
+            }
+        }
+    }
+
+    /// The sizes and counts: the KV cache type, the context, parallel, batch sizes, the disk
+    /// KV's space and the planned memory, each within its bounds.
+    fn sizes(&mut self, raw: &RawProfile) {
+        let kv = raw.kv_cache.as_deref();
+        let message = kv.and_then(|kv| text_problem(kv).or_else(|| rules::check_kv_cache(kv)));
+        self.add("kv_cache", message);
+        let context = raw.context.unwrap_or(MIN_CONTEXT);
+        let message = format!("must be at least {MIN_CONTEXT}");
+        self.when(context < MIN_CONTEXT, "context", message);
+        let message = format!("must be at most {MAX_CONTEXT}");
+        self.when(context > MAX_CONTEXT, "context", message);
+        let parallel = raw.parallel.unwrap_or(1);
+        let message = format!("must be between 1 and {MAX_PARALLEL}");
+        self.when(!(1..=MAX_PARALLEL).contains(&parallel), "parallel", message);
+        let (batch, ubatch, chunk) = (raw.batch, raw.ubatch, raw.prefill_chunk);
+        for (key, value) in [
+            ("batch", batch),
+            ("ubatch", ubatch),
+            ("prefill_chunk", chunk),
+        ] {
+            self.when(value == Some(0), key, "must be at least 1");
+        }
+        if let (Some(batch), Some(ubatch)) = (batch, ubatch) {
+            let message = format!("ubatch ({ubatch}) must not be larger than batch ({batch})");
+            self.when(batch > 0 && ubatch > batch, "ubatch", message);
+        }
+        let kv_disk_space_mb = raw.kv_disk_space.map(|bytes| bytes / MIB);
+        let message = "must be at least 1MiB";
+        self.when(kv_disk_space_mb == Some(0), "kv_disk_space", message);
+        self.when(raw.planned_memory == Some(0), "planned_memory", POSITIVE);
+    }
+
+    /// `env:`: each name one a program can be given, no value with a NUL byte.
+    fn env(&mut self, env: BTreeMap<String, String>) -> BTreeMap<String, String> {
+        let doc = self.doc;
+        for (key, value) in &env {
+            let path = format!("env.{key}");
+            if let Some(message) = rules::check_env_name(key) {
+                self.problems.push(doc.at("env", &path, true, message));
+            } else {
+                self.when(value.contains('\0'), &path, "contains a NUL byte");
+            }
+        }
+
+        env
     }
 
     /// `matrix:`: every axis lists something, `cpu` and `gpu` name what they can, every

@@ -235,29 +235,39 @@ async fn hello(
     tx.send(Bytes::from_static(b"]}\n\n")).await
 }
 
-/// Feeds one stream until its client goes or dsv4d stops; `_watcher` is its place among
-/// the open streams, given back when this ends.
-async fn feed(ctx: Arc<Ctx>, tx: mpsc::Sender<Bytes>, _watcher: Watcher) {
+/// The stream's first event's document: what does not change while it is open (the
+/// thresholds, the profiles, which actions this caller may take) and what stands now
+/// (recent alerts, thermal events, saved validations).
+async fn head(
+    ctx: &Arc<Ctx>,
+    recent_alerts: impl serde::Serialize,
+    standing: impl serde::Serialize,
+) -> serde_json::Value {
     let config = ctx.parts.config.borrow().clone();
-    let thermal = config.supervisor.thermal.clone();
-    let (recent_alerts, mut alerts) = ctx.alerts.recent_and_subscribe();
-    let (standing, mut thermal_events) = ctx.parts.thermal.subscribe();
-    let mut validation_events = ctx.parts.validator.subscribe();
-    let (actions, actions_error) = actions_allowed(&ctx).await;
-    let head = json!({
+    let thermal = &config.supervisor.thermal;
+    let (actions, actions_error) = actions_allowed(ctx).await;
+    json!({
         "thresholds": {
             "warn_c": thermal.warn,
             "critical_c": thermal.critical,
         },
         "alerts": recent_alerts,
         "thermal": standing,
-        "validations": saved_validations(&ctx).await,
+        "validations": saved_validations(ctx).await,
         "actions": actions,
         "actions_error": actions_error,
         "profiles": config.profile_names(),
         "validation_profile": crate::validate::DEFAULT_PROFILE,
-    });
-    drop(config);
+    })
+}
+
+/// Feeds one stream until its client goes or dsv4d stops; `_watcher` is its place among
+/// the open streams, given back when this ends.
+async fn feed(ctx: Arc<Ctx>, tx: mpsc::Sender<Bytes>, _watcher: Watcher) {
+    let (recent_alerts, mut alerts) = ctx.alerts.recent_and_subscribe();
+    let (standing, mut thermal_events) = ctx.parts.thermal.subscribe();
+    let mut validation_events = ctx.parts.validator.subscribe();
+    let head = head(&ctx, recent_alerts, standing).await;
     if hello(&ctx, &tx, head).await.is_err() {
         return;
     }

@@ -220,30 +220,17 @@ where
     let max_body = limits.max_body;
     let mut charge = Charge::none(budget);
     if let Some(n) = declared.or(body.size_hint().exact()) {
-        if n > max_body {
-            return Err(IntakeError::TooLarge {
-                declared: Some(n),
-                max_body,
-            });
-        }
-        if n == 0 {
-            return Ok(Held {
-                bytes: Bytes::new(),
-                charge,
-            });
-        }
-        if !charge.grow(n, limits.max_buffered) {
-            return Err(IntakeError::OverBudget {
-                max_buffered: limits.max_buffered,
-            });
+        if charge_up_front(n, &limits, &mut charge)? {
+            let bytes = Bytes::new();
+            return Ok(Held { bytes, charge });
         }
     }
     let start = Instant::now();
     let mut stop = std::pin::pin!(stop);
     let mut body = body;
     let mut got: u64 = 0;
-    let mut first: Option<Bytes> = None;
-    let mut rest: Option<BytesMut> = None;
+    let want = usize::try_from(declared.unwrap_or(0)).unwrap_or(0);
+    let mut gathered = Gathered::new(want);
     loop {
         let (until, too_slow) = deadline(start, got, &limits);
         let frame = tokio::select! {
@@ -296,28 +283,69 @@ where
                 max_buffered: limits.max_buffered,
             });
         }
-        match (&first, &mut rest) {
-            // The common case, one frame: its bytes are shared, not copied.
-            (None, _) => first = Some(data),
-            (Some(f), None) => {
-                let want = usize::try_from(declared.unwrap_or(0)).unwrap_or(0);
-                let mut m = BytesMut::with_capacity(want.max(f.len() + data.len()));
-                m.extend_from_slice(f);
-                m.extend_from_slice(&data);
-                rest = Some(m);
-            }
-            (Some(_), Some(m)) => m.extend_from_slice(&data),
-        }
+        gathered.push(data);
         if body.is_end_stream() {
             break;
         }
     }
-    let bytes = match (first, rest) {
-        (_, Some(m)) => m.freeze(),
-        (Some(f), None) => f,
-        (None, None) => Bytes::new(),
-    };
+    let bytes = gathered.bytes();
     Ok(Held { bytes, charge })
+}
+
+/// A body of `n` bytes declared: refused when larger than `api.max_body` or than the
+/// budget leaves, else charged whole now; whether it is empty.
+fn charge_up_front(n: u64, limits: &Limits, charge: &mut Charge) -> Result<bool, IntakeError> {
+    if n > limits.max_body {
+        return Err(IntakeError::TooLarge {
+            declared: Some(n),
+            max_body: limits.max_body,
+        });
+    }
+    if n > 0 && !charge.grow(n, limits.max_buffered) {
+        return Err(IntakeError::OverBudget {
+            max_buffered: limits.max_buffered,
+        });
+    }
+    Ok(n == 0)
+}
+
+/// A body's bytes as they come: the common case, one frame, is kept as it came (shared, not
+/// copied); more are copied into one buffer of the declared size.
+struct Gathered {
+    first: Option<Bytes>,
+    rest: Option<BytesMut>,
+    want: usize,
+}
+
+impl Gathered {
+    fn new(want: usize) -> Gathered {
+        Gathered {
+            first: None,
+            rest: None,
+            want,
+        }
+    }
+
+    fn push(&mut self, data: Bytes) {
+        match (&self.first, &mut self.rest) {
+            (None, _) => self.first = Some(data),
+            (Some(f), None) => {
+                let mut m = BytesMut::with_capacity(self.want.max(f.len() + data.len()));
+                m.extend_from_slice(f);
+                m.extend_from_slice(&data);
+                self.rest = Some(m);
+            }
+            (Some(_), Some(m)) => m.extend_from_slice(&data),
+        }
+    }
+
+    fn bytes(self) -> Bytes {
+        match (self.first, self.rest) {
+            (_, Some(m)) => m.freeze(),
+            (Some(f), None) => f,
+            (None, None) => Bytes::new(),
+        }
+    }
 }
 
 #[cfg(test)]

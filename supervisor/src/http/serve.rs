@@ -5,6 +5,8 @@
 
 use std::convert::Infallible;
 use std::future::Future;
+use std::net::SocketAddr;
+use std::pin::Pin;
 use std::sync::Arc;
 use std::time::Duration;
 
@@ -82,57 +84,80 @@ pub async fn serve(
         };
         let io = TokioIo::new(stream);
         let conn = http.serve_connection(io, service);
-        let ctx = ctx.clone();
-        tokio::spawn(async move {
-            tokio::pin!(conn);
-            let changed = slot.changed();
-            let mut closing = false;
-            loop {
-                // Keys configured: a connection without one is kept alive briefly. (Only
-                // whether they are: the keys themselves are read where a request shows one.)
-                let keys = ctx
-                    .parts
-                    .config
-                    .borrow()
-                    .supervisor
-                    .api
-                    .api_keys_file
-                    .is_some();
-                let unkeyed = keys.then_some(connections::UNKEYED_KEEP_ALIVE);
-                let until = match slot.next(unkeyed, tokio::time::Instant::now()) {
-                    connections::Next::Serve(until) => until,
-                    connections::Next::Evicted => {
-                        tracing::debug!(%peer, "closed, idle the longest, to make room");
-                        break;
-                    }
-                    connections::Next::Unkeyed => {
-                        tracing::debug!(%peer, "closed: idle, and no API key shown");
-                        break;
-                    }
-                    // An idle connection ends at once, a busy one after its answer.
-                    connections::Next::Closing => {
-                        if !std::mem::replace(&mut closing, true) {
-                            conn.as_mut().graceful_shutdown();
-                        }
-                        None
-                    }
-                };
-                tokio::select! {
-                    ended = &mut conn => {
-                        if let Err(e) = ended {
-                            tracing::debug!(%peer, "connection ended: {e}");
-                        }
-                        break;
-                    }
-                    _ = changed.heard() => {}
-                    _ = tokio::time::sleep_until(until.unwrap_or_else(tokio::time::Instant::now)),
-                        if until.is_some() => {}
-                }
-            }
-        });
+        tokio::spawn(hold(conn, ctx.clone(), slot, peer));
     }
     drop(listener);
     ctx.closing.send_replace(true);
     connections.close();
     async move { connections.closed().await }
+}
+
+/// Serves connection `conn` (from `peer`, in `slot`) until it ends, or until its slot says
+/// it goes: evicted for room, idle without a key, or closing with the daemon (an idle one at
+/// once, a busy one after its answer).
+async fn hold<C: Served>(conn: C, ctx: Arc<Ctx>, slot: Arc<connections::Slot>, peer: SocketAddr) {
+    tokio::pin!(conn);
+    let changed = slot.changed();
+    let mut closing = false;
+    loop {
+        // Keys configured: a connection without one is kept alive briefly. (Only
+        // whether they are: the keys themselves are read where a request shows one.)
+        let keys = ctx
+            .parts
+            .config
+            .borrow()
+            .supervisor
+            .api
+            .api_keys_file
+            .is_some();
+        let unkeyed = keys.then_some(connections::UNKEYED_KEEP_ALIVE);
+        let until = match slot.next(unkeyed, tokio::time::Instant::now()) {
+            connections::Next::Serve(until) => until,
+            connections::Next::Evicted => {
+                tracing::debug!(%peer, "closed, idle the longest, to make room");
+                break;
+            }
+            connections::Next::Unkeyed => {
+                tracing::debug!(%peer, "closed: idle, and no API key shown");
+                break;
+            }
+            // An idle connection ends at once, a busy one after its answer.
+            connections::Next::Closing => {
+                if !std::mem::replace(&mut closing, true) {
+                    conn.as_mut().graceful_shutdown();
+                }
+                None
+            }
+        };
+        tokio::select! {
+            ended = &mut conn => {
+                if let Err(e) = ended {
+                    tracing::debug!(%peer, "connection ended: {e}");
+                }
+                break;
+            }
+            _ = changed.heard() => {}
+            _ = tokio::time::sleep_until(until.unwrap_or_else(tokio::time::Instant::now)),
+                if until.is_some() => {}
+        }
+    }
+}
+
+/// A connection as [`hold`] drives it: a future of its end that can be asked to close once
+/// its exchange is done.
+trait Served: Future<Output = hyper::Result<()>> {
+    fn graceful_shutdown(self: Pin<&mut Self>);
+}
+
+impl<I, B, S> Served for hyper::server::conn::http1::Connection<I, S>
+where
+    S: hyper::service::HttpService<hyper::body::Incoming, ResBody = B>,
+    S::Error: Into<Box<dyn std::error::Error + Send + Sync>>,
+    I: hyper::rt::Read + hyper::rt::Write + Unpin + 'static,
+    B: hyper::body::Body + 'static,
+    B::Error: Into<Box<dyn std::error::Error + Send + Sync>>,
+{
+    fn graceful_shutdown(self: Pin<&mut Self>) {
+        hyper::server::conn::http1::Connection::graceful_shutdown(self);
+    }
 }

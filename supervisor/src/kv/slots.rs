@@ -266,38 +266,18 @@ pub async fn restore(
         tracing::warn!("{why}");
         return failed(started, why);
     }
-    let mut restored = Vec::new();
-    for s in &m.slots {
-        let path = format!("/slots/{}?action=restore", s.slot);
-        let body = Some(json!({ "filename": s.file }));
-        match engine
-            .call_json::<Restored>(http::Method::POST, &path, body)
-            .await
-        {
-            Ok(r) => restored.push((s.slot, r.n_restored)),
-            Err(e) => {
-                // What went in is taken out again: a half-restored engine is worse than a
-                // cold one.
-                for (slot, _) in &restored {
-                    let path = format!("/slots/{slot}?action=erase");
-                    let _ = engine.call(http::Method::POST, &path, None).await;
-                }
-                // An engine that aborts on the file (llama-server does on some damage) breaks
-                // the connection: tell that from a refusal.
-                let why = match engine.gone_within(DEATH_WITHIN).await {
-                    true => format!("the engine died restoring it ({e})"),
-                    false => format!("the engine refused it: {e}"),
-                };
-                tracing::warn!(
-                    "KV checkpoint {} set aside, not restored: {why}; the engine serves without it",
-                    m.id
-                );
-                let (aside, reason) = (m.clone(), why.clone());
-                let _ = on_disk(&store, move |s| s.set_aside(&aside, &reason)).await;
-                return failed(started, why);
-            }
+    let restored = match restore_slots(&*engine, &m).await {
+        Ok(restored) => restored,
+        Err(why) => {
+            tracing::warn!(
+                "KV checkpoint {} set aside, not restored: {why}; the engine serves without it",
+                m.id
+            );
+            let (aside, reason) = (m.clone(), why.clone());
+            let _ = on_disk(&store, move |s| s.set_aside(&aside, &reason)).await;
+            return failed(started, why);
         }
-    }
+    };
     let id = m.id.clone();
     let _ = on_disk(&store, move |s| s.clear_restoring(&id)).await;
     let tokens: u64 = restored.iter().map(|(_, n)| n).sum();
@@ -313,6 +293,35 @@ pub async fn restore(
         m.profile
     );
     done
+}
+
+/// Each slot of checkpoint `m` put back into the engine: the tokens of each; else why not,
+/// with what went in taken out again (a half-restored engine is worse than a cold one).
+async fn restore_slots(engine: &impl Engine, m: &Manifest) -> Result<Vec<(u32, u64)>, String> {
+    let mut restored = Vec::new();
+    for s in &m.slots {
+        let path = format!("/slots/{}?action=restore", s.slot);
+        let body = Some(json!({ "filename": s.file }));
+        match engine
+            .call_json::<Restored>(http::Method::POST, &path, body)
+            .await
+        {
+            Ok(r) => restored.push((s.slot, r.n_restored)),
+            Err(e) => {
+                for (slot, _) in &restored {
+                    let path = format!("/slots/{slot}?action=erase");
+                    let _ = engine.call(http::Method::POST, &path, None).await;
+                }
+                // An engine that aborts on the file (llama-server does on some damage) breaks
+                // the connection: tell that from a refusal.
+                return Err(match engine.gone_within(DEATH_WITHIN).await {
+                    true => format!("the engine died restoring it ({e})"),
+                    false => format!("the engine refused it: {e}"),
+                });
+            }
+        }
+    }
+    Ok(restored)
 }
 
 fn ago(at: f64) -> String {
@@ -379,73 +388,17 @@ pub async fn save(engine: Arc<impl Engine>, profile: Profile, facts: Arc<EngineK
     let stamp = dsv4_client::clock::unix_millis();
     let mut files: Vec<SlotFile> = Vec::new();
     let mut failure = None;
-    'slots: for slot in &slots {
+    for slot in &slots {
         if slot.is_processing {
             tracing::info!("slot {} is busy: not saved", slot.id);
             continue;
         }
-        let file = Store::slot_file_name(&id, stamp, slot.id);
-        let mut evictions = 0;
-        loop {
-            let path = format!("/slots/{}?action=save", slot.id);
-            let body = Some(json!({ "filename": file }));
-            match engine
-                .call_json::<Saved>(http::Method::POST, &path, body)
-                .await
-            {
-                Ok(r) if r.n_saved == 0 => {
-                    remove_files(&store, vec![file.clone()]).await;
-                    break;
-                }
-                Ok(r) => {
-                    let name = file.clone();
-                    let written = on_disk(&store, move |s| s.slot_file_len(&name))
-                        .await
-                        .ok()
-                        .flatten();
-                    if written != Some(r.n_written) {
-                        remove_files(&store, vec![file.clone()]).await;
-                        failure = Some(format!(
-                            "slot {} was written short ({written:?} of {} bytes)",
-                            slot.id, r.n_written
-                        ));
-                        break 'slots;
-                    }
-                    files.push(SlotFile {
-                        slot: slot.id,
-                        file: file.clone(),
-                        tokens: r.n_saved,
-                        bytes: r.n_written,
-                    });
-                    break;
-                }
-                Err(e) => {
-                    // A full disk (llama-server: 500 "Unable to save slot", and a partial
-                    // file) makes room: the partial file goes, and so does the oldest other
-                    // checkpoint, before one more try. Nothing else evicts anything.
-                    remove_files(&store, vec![file.clone()]).await;
-                    let full = e.contains(": 500 ") && !engine.exited();
-                    evictions += 1;
-                    let gone = match full && evictions <= MAX_EVICTIONS {
-                        true => {
-                            let keep = id.clone();
-                            on_disk(&store, move |s| s.evict_oldest(&keep))
-                                .await
-                                .ok()
-                                .flatten()
-                        }
-                        false => None,
-                    };
-                    let Some(gone) = gone else {
-                        failure = Some(format!("the engine could not save slot {}: {e}", slot.id));
-                        break 'slots;
-                    };
-                    tracing::info!(
-                        "the save of slot {} failed ({e}): removed the oldest checkpoint, \
-                         {gone}, to make room, and trying again",
-                        slot.id
-                    );
-                }
+        match save_slot(&*engine, &store, &id, stamp, slot.id).await {
+            Ok(Some(file)) => files.push(file),
+            Ok(None) => {}
+            Err(why) => {
+                failure = Some(why);
+                break;
             }
         }
     }
@@ -467,10 +420,88 @@ pub async fn save(engine: Arc<impl Engine>, profile: Profile, facts: Arc<EngineK
         slots: files,
         aside: None,
     };
+    commit(&store, manifest, kv.max_size, started).await
+}
+
+/// Saves slot `slot` of the engine as a file of checkpoint `id` (`stamp`): the file, or
+/// `None` when the slot held nothing. A full disk makes room: the partial file goes, and so
+/// does the oldest other checkpoint, before one more try (up to [`MAX_EVICTIONS`]).
+async fn save_slot(
+    engine: &impl Engine,
+    store: &Store,
+    id: &str,
+    stamp: u64,
+    slot: u32,
+) -> Result<Option<SlotFile>, String> {
+    let file = Store::slot_file_name(id, stamp, slot);
+    let mut evictions = 0;
+    loop {
+        let path = format!("/slots/{slot}?action=save");
+        let body = Some(json!({ "filename": file }));
+        let e = match engine
+            .call_json::<Saved>(http::Method::POST, &path, body)
+            .await
+        {
+            Ok(r) if r.n_saved == 0 => {
+                remove_files(store, vec![file.clone()]).await;
+                return Ok(None);
+            }
+            Ok(r) => {
+                let name = file.clone();
+                let written = on_disk(store, move |s| s.slot_file_len(&name))
+                    .await
+                    .ok()
+                    .flatten();
+                if written != Some(r.n_written) {
+                    remove_files(store, vec![file.clone()]).await;
+                    return Err(format!(
+                        "slot {slot} was written short ({written:?} of {} bytes)",
+                        r.n_written
+                    ));
+                }
+                let (tokens, bytes) = (r.n_saved, r.n_written);
+                return Ok(Some(SlotFile {
+                    slot,
+                    file,
+                    tokens,
+                    bytes,
+                }));
+            }
+            Err(e) => e,
+        };
+        // A full disk (llama-server: 500 "Unable to save slot", and a partial file) makes
+        // room. Nothing else evicts anything.
+        remove_files(store, vec![file.clone()]).await;
+        let full = e.contains(": 500 ") && !engine.exited();
+        evictions += 1;
+        let gone = match full && evictions <= MAX_EVICTIONS {
+            true => {
+                let keep = id.to_string();
+                on_disk(store, move |s| s.evict_oldest(&keep))
+                    .await
+                    .ok()
+                    .flatten()
+            }
+            false => None,
+        };
+        let Some(gone) = gone else {
+            return Err(format!("the engine could not save slot {slot}: {e}"));
+        };
+        tracing::info!(
+            "the save of slot {slot} failed ({e}): removed the oldest checkpoint, {gone}, to \
+             make room, and trying again"
+        );
+    }
+}
+
+/// Commits `manifest` (its files written) as the key's checkpoint, within `max` bytes, the
+/// oldest others evicted to stay within it; its files go again when it is not kept.
+async fn commit(store: &Store, manifest: Manifest, max: Option<u64>, started: Instant) -> KvStep {
+    let id = manifest.id.clone();
+    let profile = manifest.profile.clone();
     let (tokens, bytes) = (manifest.tokens(), manifest.bytes());
-    let max = kv.max_size;
     let m = manifest.clone();
-    let committed = on_disk(&store, move |s| -> Result<Vec<String>, String> {
+    let committed = on_disk(store, move |s| -> Result<Vec<String>, String> {
         if let Some(max) = max.filter(|max| m.bytes() > *max) {
             // Not committed (its files go below): the previous checkpoint stays.
             return Err(format!(
@@ -491,7 +522,7 @@ pub async fn save(engine: Arc<impl Engine>, profile: Profile, facts: Arc<EngineK
             }
             let done = step(started, tokens, bytes, true, "saved".into());
             tracing::info!(
-                profile = profile.name,
+                profile,
                 "KV checkpoint {id} saved: {tokens} tokens, {bytes} bytes in {:.2} s",
                 done.seconds
             );
@@ -499,66 +530,9 @@ pub async fn save(engine: Arc<impl Engine>, profile: Profile, facts: Arc<EngineK
         }
         Err(why) => {
             let files = manifest.slots.iter().map(|f| f.file.clone()).collect();
-            remove_files(&store, files).await;
-            save_failed(
-                &store,
-                &profile.name,
-                &manifest.key,
-                &format!("{id}: {why}"),
-            )
-            .await;
+            remove_files(store, files).await;
+            save_failed(store, &profile, &manifest.key, &format!("{id}: {why}")).await;
             failed(started, why)
         }
-    }
-}
-
-#[cfg(test)]
-mod tests {
-    use super::*;
-    use crate::kv::key::FileId;
-
-    #[test]
-    fn a_failed_save_says_what_the_next_start_does() {
-        let key = Key {
-            model: FileId {
-                size: 1,
-                mtime_ns: 1,
-                head_sha256: "00".into(),
-            },
-            mmproj: None,
-            n_ctx: 4096,
-            slots: 1,
-            cache_type: "f16".into(),
-            flash_attn: "auto".into(),
-            build: "b1".into(),
-        };
-        let slot = |tokens| SlotFile {
-            slot: 0,
-            file: "f".into(),
-            tokens,
-            bytes: 10,
-        };
-        let previous = Manifest {
-            format: FORMAT,
-            id: key.id(),
-            profile: "320k".into(),
-            key,
-            saved_at: 1_000.0,
-            save_seconds: 0.1,
-            slots: vec![slot(2_802)],
-            aside: None,
-        };
-        let id = previous.id.clone();
-        assert_eq!(
-            after_failed_save(Some(&previous), 1_000.0 + 3_720.0),
-            format!(
-                "the next start restores the previous checkpoint, 2802 tokens saved 1h2m ago \
-                 ({id})"
-            )
-        );
-        assert_eq!(
-            after_failed_save(None, 5_000.0),
-            "there is no earlier checkpoint of this engine, so the next start is cold"
-        );
     }
 }

@@ -10,14 +10,7 @@ use crate::lifecycle::Status;
 
 impl Actor {
     pub(super) fn publish(&mut self) {
-        if let (Phase::Ready { .. }, Some(e)) = (self.machine.phase(), self.engine.as_mut()) {
-            if e.ready_at.is_none() {
-                e.ready_at = Some(SystemTime::now());
-                let (profile, took) = (e.shared.profile.clone(), e.spawned_at.elapsed());
-                e.load_took = Some(took);
-                self.loaded(profile, took);
-            }
-        }
+        self.mark_ready();
         let m = &self.machine;
         let unix = |t: SystemTime| {
             t.duration_since(SystemTime::UNIX_EPOCH)
@@ -68,20 +61,7 @@ impl Actor {
                 && old.kv_step == kv_step
         };
         if same_but_figures {
-            let (in_flight, waiting) = (m.leases(), m.waiting());
-            let mut moved = false;
-            // Held without waking the state's watchers (see `figures`).
-            self.status.send_if_modified(|s| {
-                moved = (s.in_flight, s.waiting, s.idle_deadline)
-                    != (in_flight, waiting, idle_deadline);
-                s.in_flight = in_flight;
-                s.waiting = waiting;
-                s.idle_deadline = idle_deadline;
-                false
-            });
-            if moved {
-                self.figures.tell();
-            }
+            self.publish_figures(idle_deadline);
             return;
         }
         let status = Status {
@@ -112,6 +92,37 @@ impl Actor {
         }
         if state != dsv4_client::State::Starting {
             self.loading.send_if_modified(|l| l.take().is_some());
+        }
+    }
+
+    /// An engine that has just become ready: when, and how long its load took.
+    fn mark_ready(&mut self) {
+        if let (Phase::Ready { .. }, Some(e)) = (self.machine.phase(), self.engine.as_mut()) {
+            if e.ready_at.is_none() {
+                e.ready_at = Some(SystemTime::now());
+                let (profile, took) = (e.shared.profile.clone(), e.spawned_at.elapsed());
+                e.load_took = Some(took);
+                self.loaded(profile, took);
+            }
+        }
+    }
+
+    /// Only the per-request figures moved: they are written without waking the state's
+    /// watchers, and the figures' own watchers are told (see `figures`).
+    fn publish_figures(&mut self, idle_deadline: Option<f64>) {
+        let m = &self.machine;
+        let (in_flight, waiting) = (m.leases(), m.waiting());
+        let mut moved = false;
+        self.status.send_if_modified(|s| {
+            moved =
+                (s.in_flight, s.waiting, s.idle_deadline) != (in_flight, waiting, idle_deadline);
+            s.in_flight = in_flight;
+            s.waiting = waiting;
+            s.idle_deadline = idle_deadline;
+            false
+        });
+        if moved {
+            self.figures.tell();
         }
     }
 

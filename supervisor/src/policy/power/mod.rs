@@ -214,6 +214,55 @@ struct Applied {
     state_dir: PathBuf,
 }
 
+/// What `power` changes with `method`, and so what is to be given back (saved in
+/// `state_dir` before anything changes), and a note on the CPU policies left alone.
+fn plan_restore(
+    root: &SysRoot,
+    power: &crate::config::Power,
+    method: Method,
+    state_dir: &Path,
+) -> (Restore, Option<String>) {
+    let mut restore = Restore {
+        boot: crate::lifecycle::leftover::boot_id(Path::new("/proc")).ok(),
+        ..Restore::default()
+    };
+    let cpu_target = cpufreq::target(power.cpu);
+    let mut left_note = None;
+    if method == Method::Cpufreq && cpu_target.is_some() {
+        let found = cpufreq::read(root);
+        let targets = cpufreq::targeted(root, &found, power.cpu);
+        left_note = targets.left_note();
+        // Only the policies dsv4 sets are given back.
+        restore.cpufreq = found
+            .into_iter()
+            .filter(|p| targets.set.iter().any(|t| t.policy == p.policy))
+            .collect();
+        restore.cpufreq_set = targets.set;
+    }
+    let gpu_file = gpu::wanted(power.gpu).and_then(|_| gpu::level_file(root));
+    let gpu_found = gpu_file.as_deref().and_then(|f| gpu::read(root, f));
+    if let (Some(file), Some(found), Some(set)) = (&gpu_file, &gpu_found, gpu::wanted(power.gpu)) {
+        restore.gpu = Some(GpuRestore {
+            file: file.clone(),
+            found: found.clone(),
+            set,
+        });
+    }
+    let something = !restore.cpufreq.is_empty() || restore.gpu.is_some();
+    let saved = if something {
+        restore.save(state_dir)
+    } else {
+        Ok(())
+    };
+    if let Err(e) = saved {
+        tracing::warn!(
+            "power: cannot write {}: {e}; a crash would leave the settings changed",
+            Restore::path(state_dir).display()
+        );
+    }
+    (restore, left_note)
+}
+
 /// The method decided on: the client's word, which the status carries.
 use dsv4_client::words::{GpuLevel, PowerMethod as Method};
 
@@ -404,114 +453,13 @@ impl Task {
             }
         });
         // What to give back, written down before anything changes.
-        let mut restore = Restore {
-            boot: crate::lifecycle::leftover::boot_id(Path::new("/proc")).ok(),
-            ..Restore::default()
-        };
-        let cpu_target = cpufreq::target(power.cpu);
-        let mut left_note = None;
-        if method == Method::Cpufreq && cpu_target.is_some() {
-            let found = cpufreq::read(&root);
-            let targets = cpufreq::targeted(&root, &found, power.cpu);
-            left_note = targets.left_note();
-            // Only the policies dsv4 sets are given back.
-            restore.cpufreq = found
-                .into_iter()
-                .filter(|p| targets.set.iter().any(|t| t.policy == p.policy))
-                .collect();
-            restore.cpufreq_set = targets.set;
-        }
-        let gpu_file = gpu::wanted(power.gpu).and_then(|_| gpu::level_file(&root));
-        let gpu_found = gpu_file.as_deref().and_then(|f| gpu::read(&root, f));
-        if let (Some(file), Some(found), Some(set)) =
-            (&gpu_file, &gpu_found, gpu::wanted(power.gpu))
-        {
-            restore.gpu = Some(GpuRestore {
-                file: file.clone(),
-                found: found.clone(),
-                set,
-            });
-        }
-        let something = !restore.cpufreq.is_empty() || restore.gpu.is_some();
-        let saved = if something {
-            restore.save(&state_dir)
-        } else {
-            Ok(())
-        };
-        if let Err(e) = saved {
-            tracing::warn!(
-                "power: cannot write {}: {e}; a crash would leave the settings changed",
-                Restore::path(&state_dir).display()
-            );
-        }
-        let mut hold = None;
-        let mut released = None;
+        let (restore, left_note) = plan_restore(&root, power, method, &state_dir);
+        let (mut hold, mut released) = (None, None);
         match (method, power.cpu) {
             (_, CpuPolicy::Keep) | (Method::None, _) => {}
-            (Method::Ppd, cpu) => {
-                let profile = match cpu {
-                    CpuPolicy::PowerSaver => Some("power-saver"),
-                    CpuPolicy::Performance => Some("performance"),
-                    _ => None,
-                };
-                match (profile, ppd) {
-                    (Some(profile), Some(p)) => {
-                        // Subscribed first: a release right after the hold is not missed.
-                        released = p.released().await.ok();
-                        match p.hold(profile, HOLD_REASON, HOLD_APP).await {
-                            Ok(cookie) => {
-                                tracing::info!(
-                                    "power: holding {profile} through {} (cookie {cookie})",
-                                    p.service
-                                );
-                                self.update(|s| {
-                                    s.cpu = Some(format!("{profile} held through {}", p.service));
-                                    s.held = true;
-                                });
-                                hold = Some((p, cookie));
-                            }
-                            Err(e) => {
-                                let message = format!(
-                                    "power: cannot hold {profile} through {}: {e}; dsv4d's user needs the polkit action {}.hold-profile (see units/50-dsv4.rules)",
-                                    p.service, p.service
-                                );
-                                tracing::warn!("{message}");
-                                self.parts.alerts.raise(AlertKind::Power, message.clone());
-                                self.update(|s| s.cpu_note = Some(message));
-                                released = None;
-                            }
-                        }
-                    }
-                    _ => {
-                        let note = "power-profiles-daemon holds only power-saver and performance: the balanced profile is left as it is".to_string();
-                        self.update(|s| s.cpu_note = Some(note));
-                    }
-                }
-            }
+            (Method::Ppd, cpu) => (hold, released) = self.hold_ppd(cpu, ppd).await,
             (Method::Cpufreq, cpu) => {
-                let target = restore.cpufreq_set.clone();
-                let problems = cpufreq::apply(&self.writer, &target).await;
-                let (governor, epp) = cpufreq::target(cpu).unwrap_or_default();
-                let with_epp = target.iter().filter(|t| t.epp.is_some()).count();
-                let text = format!(
-                    "governor {governor} on {} policies, EPP {epp} on {with_epp}",
-                    target.len()
-                );
-                tracing::info!("power: {text}");
-                if let Some(note) = &left_note {
-                    tracing::info!("power: {note}");
-                }
-                let mut notes: Vec<String> = left_note.into_iter().collect();
-                if !problems.is_empty() {
-                    let message = format!("power: {}", problems.join("; "));
-                    tracing::warn!("{message}");
-                    self.parts.alerts.raise(AlertKind::Power, message.clone());
-                    notes.push(message);
-                }
-                if !notes.is_empty() {
-                    self.update(|s| s.cpu_note = Some(notes.join("; ")));
-                }
-                self.update(|s| s.cpu = Some(text));
+                self.set_cpufreq(&restore.cpufreq_set, cpu, left_note).await;
             }
         }
         self.applied = Some(Applied {
@@ -526,6 +474,87 @@ impl Task {
         // begins.
         self.check_gpu(None, true).await;
         released
+    }
+
+    /// `cpu` held through power-profiles-daemon `ppd`: the hold and the stream of its
+    /// releases, or neither (with the reason in the status and, for a refusal, an alert).
+    async fn hold_ppd(
+        &mut self,
+        cpu: CpuPolicy,
+        ppd: Option<Ppd>,
+    ) -> (
+        Option<(Ppd, u32)>,
+        Option<zbus::proxy::SignalStream<'static>>,
+    ) {
+        let profile = match cpu {
+            CpuPolicy::PowerSaver => Some("power-saver"),
+            CpuPolicy::Performance => Some("performance"),
+            _ => None,
+        };
+        let (Some(profile), Some(p)) = (profile, ppd) else {
+            let note = "power-profiles-daemon holds only power-saver and performance: the \
+                        balanced profile is left as it is"
+                .to_string();
+            self.update(|s| s.cpu_note = Some(note));
+            return (None, None);
+        };
+        // Subscribed first: a release right after the hold is not missed.
+        let released = p.released().await.ok();
+        match p.hold(profile, HOLD_REASON, HOLD_APP).await {
+            Ok(cookie) => {
+                tracing::info!(
+                    "power: holding {profile} through {} (cookie {cookie})",
+                    p.service
+                );
+                self.update(|s| {
+                    s.cpu = Some(format!("{profile} held through {}", p.service));
+                    s.held = true;
+                });
+                (Some((p, cookie)), released)
+            }
+            Err(e) => {
+                let message = format!(
+                    "power: cannot hold {profile} through {}: {e}; dsv4d's user needs the \
+                     polkit action {}.hold-profile (see units/50-dsv4.rules)",
+                    p.service, p.service
+                );
+                tracing::warn!("{message}");
+                self.parts.alerts.raise(AlertKind::Power, message.clone());
+                self.update(|s| s.cpu_note = Some(message));
+                (None, None)
+            }
+        }
+    }
+
+    /// `cpu` set through cpufreq on the policies `target` (`left_note`: those left alone).
+    async fn set_cpufreq(
+        &mut self,
+        target: &[cpufreq::PolicySettings],
+        cpu: CpuPolicy,
+        left_note: Option<String>,
+    ) {
+        let problems = cpufreq::apply(&self.writer, target).await;
+        let (governor, epp) = cpufreq::target(cpu).unwrap_or_default();
+        let with_epp = target.iter().filter(|t| t.epp.is_some()).count();
+        let text = format!(
+            "governor {governor} on {} policies, EPP {epp} on {with_epp}",
+            target.len()
+        );
+        tracing::info!("power: {text}");
+        if let Some(note) = &left_note {
+            tracing::info!("power: {note}");
+        }
+        let mut notes: Vec<String> = left_note.into_iter().collect();
+        if !problems.is_empty() {
+            let message = format!("power: {}", problems.join("; "));
+            tracing::warn!("{message}");
+            self.parts.alerts.raise(AlertKind::Power, message.clone());
+            notes.push(message);
+        }
+        if !notes.is_empty() {
+            self.update(|s| s.cpu_note = Some(notes.join("; ")));
+        }
+        self.update(|s| s.cpu = Some(text));
     }
 
     /// Sets the GPU's level back to the wanted one if it is not (at the start, or when it

@@ -119,6 +119,59 @@ fn action(on: OnCritical) -> &'static str {
     }
 }
 
+/// Event `e` (told as `s`) in the journal, and in what stands now (`standing`: by sensor,
+/// and `throttle`), which a new D-Bus listener hears first.
+fn stand(standing: &Mutex<BTreeMap<&'static str, Signal>>, e: &ThermalEvent, s: &Signal) {
+    match e {
+        ThermalEvent::Level {
+            level: Level::Normal,
+            ..
+        }
+        | ThermalEvent::ThrottleEnd { .. } => tracing::info!("thermal: {}", s.message),
+        _ => tracing::warn!("thermal: {}", s.message),
+    }
+    let mut now = standing.lock().unwrap_or_else(|p| p.into_inner());
+    match e {
+        ThermalEvent::Level {
+            sensor,
+            level: Level::Normal,
+            ..
+        }
+        | ThermalEvent::Lost { sensor, .. } => {
+            now.remove(sensor.label());
+        }
+        ThermalEvent::Level { sensor, .. } | ThermalEvent::StillCritical { sensor, .. } => {
+            now.insert(sensor.label(), s.clone());
+        }
+        ThermalEvent::ThrottleStart { .. } => {
+            now.insert("throttle", s.clone());
+        }
+        ThermalEvent::ThrottleEnd { .. } => {
+            now.remove("throttle");
+        }
+    }
+}
+
+/// The status the rules' `state` shows (`critical`: with `on_critical`'s action).
+fn status_of(state: &rules::Thermal, critical: bool, on_critical: OnCritical) -> ThermalStatus {
+    let sensors = state
+        .sensors
+        .iter()
+        .map(|(sensor, s)| SensorThermal {
+            sensor: sensor.label().to_string(),
+            level: s.level,
+            since: s.since,
+            peak: s.peak,
+        })
+        .collect();
+    ThermalStatus {
+        level: state.level(),
+        sensors,
+        throttling_since: state.throttling_since,
+        action: critical.then(|| action(on_critical).to_string()),
+    }
+}
+
 /// Starts the policy on the current runtime.
 pub fn spawn(
     config: watch::Receiver<Arc<Config>>,
@@ -153,35 +206,7 @@ pub fn spawn(
             let throttled = sample.throttle.active.then_some(kinds.as_slice());
             for e in state.step(&t, &sample.temperatures, throttled, sample.at) {
                 let s = signal(&e, &t);
-                match e {
-                    ThermalEvent::Level {
-                        level: Level::Normal,
-                        ..
-                    }
-                    | ThermalEvent::ThrottleEnd { .. } => tracing::info!("thermal: {}", s.message),
-                    _ => tracing::warn!("thermal: {}", s.message),
-                }
-                let mut now = record.lock().unwrap_or_else(|p| p.into_inner());
-                match &e {
-                    ThermalEvent::Level {
-                        sensor,
-                        level: Level::Normal,
-                        ..
-                    }
-                    | ThermalEvent::Lost { sensor, .. } => {
-                        now.remove(sensor.label());
-                    }
-                    ThermalEvent::Level { sensor, .. }
-                    | ThermalEvent::StillCritical { sensor, .. } => {
-                        now.insert(sensor.label(), s.clone());
-                    }
-                    ThermalEvent::ThrottleStart { .. } => {
-                        now.insert("throttle", s.clone());
-                    }
-                    ThermalEvent::ThrottleEnd { .. } => {
-                        now.remove("throttle");
-                    }
-                }
+                stand(&record, &e, &s);
                 let _ = out.send(s);
             }
             let critical = state.level() == Level::Critical;
@@ -203,22 +228,7 @@ pub fn spawn(
                 }
                 lifecycle.heat(None).await;
             }
-            let sensors = state
-                .sensors
-                .iter()
-                .map(|(sensor, s)| SensorThermal {
-                    sensor: sensor.label().to_string(),
-                    level: s.level,
-                    since: s.since,
-                    peak: s.peak,
-                })
-                .collect();
-            status_tx.send_replace(ThermalStatus {
-                level: state.level(),
-                sensors,
-                throttling_since: state.throttling_since,
-                action: critical.then(|| action(cfg.on_critical).to_string()),
-            });
+            status_tx.send_replace(status_of(&state, critical, cfg.on_critical));
         }
     });
     Thermal {
