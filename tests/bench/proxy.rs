@@ -13,11 +13,14 @@
 //! `BENCH_STARTS` scale it; `BENCH_WRK_SECONDS`, `BENCH_ROUNDS`, `BENCH_NGINX_WORKERS`,
 //! `BENCH_ENGINE_CONNECTIONS`, `BENCH_BASELINE_DSV4D` (another build's dsv4d-under-test, measured
 //! beside this one in the same rounds) the proxies section). `BENCH_ONLY=proxies` runs only the proxies
-//! section, `BENCH_ONLY=classic` only the others.
+//! section, `BENCH_ONLY=classic` only the others, and `BENCH_ONLY=callgrind` the callgrind
+//! section alone (`callgrind.rs`: instructions per plain request and per streamed event, with
+//! `BENCH_BASELINE_DSV4D` too; not run otherwise: valgrind makes it slow).
 
 #[path = "../integration/support/mod.rs"]
 mod support;
 
+mod callgrind;
 mod proxies;
 
 use dsv4_client::State;
@@ -124,6 +127,10 @@ async fn main() {
             .map(|n| n.get())
             .unwrap_or(0)
     );
+    if only == "callgrind" {
+        callgrind::run().await;
+        return;
+    }
     if only != "proxies" {
         classic().await;
     }

@@ -687,3 +687,107 @@ fn no_locked_dependency_needs_a_newer_rust_than_the_workspace_declares() {
         "the workspace declares rust-version {declared}, but: {newer:#?}"
     );
 }
+
+/// Each function of `text` (its production code: inline test modules aside), by name, with
+/// its line and its length in lines from its signature to its closing brace (a body's brace
+/// at the signature's indentation).
+fn function_lengths(text: &str) -> Vec<(String, usize, usize)> {
+    let lines: Vec<(usize, &str)> = outside_tests(text).collect();
+    let mut out = Vec::new();
+    for (i, (n, line)) in lines.iter().enumerate() {
+        let code = line.trim_start();
+        let indent = line.len() - code.len();
+        let signature = [
+            "pub(crate) ",
+            "pub(super) ",
+            "pub ",
+            "async ",
+            "const ",
+            "unsafe ",
+        ]
+        .iter()
+        .fold(code, |c, p| c.strip_prefix(p).unwrap_or(c));
+        let Some(rest) = signature.strip_prefix("fn ") else {
+            continue;
+        };
+        let name: String = rest
+            .chars()
+            .take_while(|c| c.is_ascii_alphanumeric() || *c == '_')
+            .collect();
+        // Its body opens where the signature ends; a declaration without one has none.
+        let Some(open) = lines[i..]
+            .iter()
+            .position(|(_, l)| l.trim_end().ends_with('{') || l.trim_end().ends_with(';'))
+        else {
+            continue;
+        };
+        if lines[i + open].1.trim_end().ends_with(';') {
+            continue;
+        }
+        let close = format!("{}}}", " ".repeat(indent));
+        if let Some(end) = lines[i + open..].iter().position(|(_, l)| *l == close) {
+            let (last, _) = lines[i + open + end];
+            out.push((name, n + 1, last - n + 1));
+        }
+    }
+    out
+}
+
+/// No production function of 120 lines or more, and at most 15 of 80 or more, in the
+/// daemon, dsv4ctl, the client and the engine crates: long ones split along their concerns
+/// (build, serve, shut down), as `dsv4d`'s run was.
+#[test]
+fn no_production_function_is_a_long_room() {
+    let root = std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("..");
+    let mut long = Vec::new();
+    for dir in [
+        "supervisor/src",
+        "supervisor/ctl/src",
+        "supervisor/client/src",
+        "engine/src",
+    ] {
+        for file in rust_files(&root.join(dir)) {
+            if file
+                .file_name()
+                .is_some_and(|f| f.to_string_lossy().ends_with("tests.rs"))
+            {
+                continue;
+            }
+            let text = std::fs::read_to_string(root.join(dir).join(&file)).unwrap();
+            for (name, line, len) in function_lengths(&text) {
+                if len >= 80 {
+                    long.push((len, format!("{dir}/{}:{line} {name}", file.display())));
+                }
+            }
+        }
+    }
+    long.sort_by(|a, b| b.cmp(a));
+    let shown: Vec<String> = long.iter().map(|(n, f)| format!("{n} {f}")).collect();
+    let huge = long.iter().filter(|(n, _)| *n >= 120).count();
+    assert_eq!(
+        huge,
+        0,
+        "functions of 120 lines or more:\n{}",
+        shown.join("\n")
+    );
+    assert!(
+        long.len() <= 15,
+        "{} functions of 80 lines or more (at most 15):\n{}",
+        long.len(),
+        shown.join("\n")
+    );
+}
+
+#[test]
+fn a_long_function_is_measured_from_its_signature_to_its_brace() {
+    let body = "    x();\n".repeat(5);
+    let text = format!(
+        "fn short() {{\n{body}}}\n\nimpl A {{\n    pub(crate) async fn method(\n        a: u8,\n    ) {{\n    {body}    }}\n\n    fn declared(&self);\n}}\n\n#[cfg(test)]\nmod tests {{\nfn hidden() {{\n}}\n}}\n"
+    );
+    let got = function_lengths(&text);
+    assert_eq!(
+        got,
+        [("short".to_string(), 1, 7), ("method".to_string(), 10, 9)],
+        "{text}"
+    );
+}

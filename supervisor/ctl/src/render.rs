@@ -56,8 +56,63 @@ pub fn parse_duration(s: &str) -> Result<Duration, String> {
 
 /// The status as a short table. `now` is the Unix time in seconds.
 pub fn status_table(doc: &Status, now: f64) -> String {
-    let s = &doc.engine;
     let mut rows: Vec<(&str, String)> = Vec::new();
+    engine_rows(&mut rows, doc, now);
+    let t = &doc.requests.all;
+    rows.push((
+        "requests",
+        format!(
+            "{} (prompt tokens {}, cached {}, generated {})",
+            t.requests, t.prompt_tokens, t.cached_tokens, t.generated_tokens
+        ),
+    ));
+    rows.push(("decode", decode(t)));
+    rows.push(("prefill", prefill(t)));
+    let apis: Vec<String> = doc
+        .requests
+        .by_protocol
+        .iter()
+        .map(|(p, t)| api_totals(p.as_str(), t))
+        .collect();
+    if !apis.is_empty() {
+        rows.push(("by API", apis.join("\n")));
+    }
+    match &doc.telemetry {
+        Some(sample) => hardware_rows(&mut rows, sample, now),
+        None => rows.push(("hardware", "- (no sample yet)".into())),
+    }
+    if let Some(t) = &doc.thermal {
+        rows.push(("thermal", thermal(t, now)));
+    }
+    if let Some(p) = &doc.power {
+        power_rows(&mut rows, p);
+    }
+    if let Some(kv) = &doc.kv {
+        for p in &kv.profiles {
+            rows.push(("kv checkpoint", kv_line(p, now)));
+        }
+    }
+    let recent: Vec<String> = doc
+        .requests
+        .recent
+        .iter()
+        .rev()
+        .take(3)
+        .map(|r| request_line(r, now))
+        .collect();
+    if !recent.is_empty() {
+        rows.push(("last requests", recent.join("\n")));
+    }
+    if rows.iter().any(|(_, v)| v.contains(CLOCK)) {
+        rows.push((CLOCK, CLOCK_MEANS.into()));
+    }
+    table(&rows)
+}
+
+/// The engine's rows of the status table: its state, profile, process, the requests in
+/// flight and waiting, the idle stop and the last error.
+fn engine_rows(rows: &mut Vec<(&str, String)>, doc: &Status, now: f64) {
+    let s = &doc.engine;
     let state = if s.failures > 0 {
         let starts = if s.failures == 1 { "start" } else { "starts" };
         format!("{} ({} failed {starts} in a row)", s.state, s.failures)
@@ -116,55 +171,6 @@ pub fn status_table(doc: &Status, now: f64) -> String {
             .filter(|e| !e.is_empty())
             .map_or_else(dash, str::to_string),
     ));
-    let t = &doc.requests.all;
-    rows.push((
-        "requests",
-        format!(
-            "{} (prompt tokens {}, cached {}, generated {})",
-            t.requests, t.prompt_tokens, t.cached_tokens, t.generated_tokens
-        ),
-    ));
-    rows.push(("decode", decode(t)));
-    rows.push(("prefill", prefill(t)));
-    let apis: Vec<String> = doc
-        .requests
-        .by_protocol
-        .iter()
-        .map(|(p, t)| api_totals(p.as_str(), t))
-        .collect();
-    if !apis.is_empty() {
-        rows.push(("by API", apis.join("\n")));
-    }
-    match &doc.telemetry {
-        Some(sample) => hardware_rows(&mut rows, sample, now),
-        None => rows.push(("hardware", "- (no sample yet)".into())),
-    }
-    if let Some(t) = &doc.thermal {
-        rows.push(("thermal", thermal(t, now)));
-    }
-    if let Some(p) = &doc.power {
-        power_rows(&mut rows, p);
-    }
-    if let Some(kv) = &doc.kv {
-        for p in &kv.profiles {
-            rows.push(("kv checkpoint", kv_line(p, now)));
-        }
-    }
-    let recent: Vec<String> = doc
-        .requests
-        .recent
-        .iter()
-        .rev()
-        .take(3)
-        .map(|r| request_line(r, now))
-        .collect();
-    if !recent.is_empty() {
-        rows.push(("last requests", recent.join("\n")));
-    }
-    if rows.iter().any(|(_, v)| v.contains(CLOCK)) {
-        rows.push((CLOCK, CLOCK_MEANS.into()));
-    }
-    table(&rows)
 }
 
 /// The mark of a rate timed by dsv4d's clock, and what it means (the status table's legend).
@@ -701,24 +707,7 @@ pub fn matrix_table(r: &ValidationResult, m: &Matrix) -> String {
         ));
     }
     for c in &m.cells {
-        let mut applied = Vec::new();
-        if let Some(cpu) = &c.applied_cpu {
-            applied.push(format!("CPU: {cpu}"));
-        }
-        if let Some(gpu) = &c.applied_gpu {
-            applied.push(format!("GPU level {gpu}"));
-        }
-        if let Some(l) = &c.load {
-            applied.push(l.method.clone());
-        }
-        out.push_str(&format!("  {}: {}", c.index, c.settings.label()));
-        if !applied.is_empty() {
-            out.push_str(&format!(" ({})", applied.join("; ")));
-        }
-        out.push('\n');
-        if let Some(why) = &c.error {
-            out.push_str(&format!("     failed: {why}\n"));
-        }
+        out.push_str(&cell_settings(c));
     }
     match &m.verdict {
         Some(v) => {
@@ -737,6 +726,31 @@ pub fn matrix_table(r: &ValidationResult, m: &Matrix) -> String {
         for line in snippet.lines() {
             out.push_str(&format!("  {line}\n"));
         }
+    }
+    out
+}
+
+/// A matrix cell's settings as the table's notes give them, with what was applied and why
+/// it failed.
+fn cell_settings(c: &Cell) -> String {
+    let mut out = String::new();
+    let mut applied = Vec::new();
+    if let Some(cpu) = &c.applied_cpu {
+        applied.push(format!("CPU: {cpu}"));
+    }
+    if let Some(gpu) = &c.applied_gpu {
+        applied.push(format!("GPU level {gpu}"));
+    }
+    if let Some(l) = &c.load {
+        applied.push(l.method.clone());
+    }
+    out.push_str(&format!("  {}: {}", c.index, c.settings.label()));
+    if !applied.is_empty() {
+        out.push_str(&format!(" ({})", applied.join("; ")));
+    }
+    out.push('\n');
+    if let Some(why) = &c.error {
+        out.push_str(&format!("     failed: {why}\n"));
     }
     out
 }

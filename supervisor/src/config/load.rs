@@ -635,21 +635,7 @@ impl Check<'_> {
         self.kind_keys(kind, &raw);
         self.sizes(&raw);
         let key = self.engine_key(&raw);
-        if let Some(args) = &raw.args {
-            for (i, arg) in args.iter().enumerate() {
-                if arg.contains('\0') {
-                    self.item("args", i, "contains a NUL byte".to_string());
-                }
-            }
-            self.add("args", dsv4_engine::check_args(args));
-        }
-        let grace = raw.stop_grace;
-        let message = format!("must be at least {}", format_duration(MIN_STOP_TIMEOUT));
-        self.when(
-            grace.is_some_and(|g| g < MIN_STOP_TIMEOUT),
-            "stop_grace",
-            message,
-        );
+        self.launch(&raw);
         // An engine ignores the keys it does not read: their files need not exist. Without an
         // engine, every file is checked.
         let reads = |key: &str| kind.is_none_or(|k| k.reads(key));
@@ -736,6 +722,26 @@ impl Check<'_> {
         }
 
         resolved
+    }
+
+    /// How the engine is launched and stopped: `args` (no NUL byte, placeholders the kind
+    /// knows) and `stop_grace`.
+    fn launch(&mut self, raw: &RawProfile) {
+        if let Some(args) = &raw.args {
+            for (i, arg) in args.iter().enumerate() {
+                if arg.contains('\0') {
+                    self.item("args", i, "contains a NUL byte".to_string());
+                }
+            }
+            self.add("args", dsv4_engine::check_args(args));
+        }
+        let grace = raw.stop_grace;
+        let message = format!("must be at least {}", format_duration(MIN_STOP_TIMEOUT));
+        self.when(
+            grace.is_some_and(|g| g < MIN_STOP_TIMEOUT),
+            "stop_grace",
+            message,
+        );
     }
 
     /// The keys the profile's engine kind requires, and those another kind reads that this one

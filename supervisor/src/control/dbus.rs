@@ -593,19 +593,12 @@ async fn announce_changes(
                     return;
                 }
                 config.borrow_and_update();
-                let e = iface.signal_emitter();
-                if let Err(err) = iface.get().await.profiles_changed(e).await {
-                    tracing::debug!("announcing a change on D-Bus failed: {err}");
-                }
+                profiles_changed(&iface).await;
                 continue;
             }
             alert = alerts.recv() => {
                 match alert {
-                    Ok(a) => {
-                        if let Err(err) = ControlObject::alert(iface.signal_emitter(), a.kind, &a.message).await {
-                            tracing::debug!("sending an Alert on D-Bus failed: {err}");
-                        }
-                    }
+                    Ok(a) => alert_signal(iface.signal_emitter(), &a).await,
                     Err(broadcast::error::RecvError::Lagged(_)) => {}
                     Err(broadcast::error::RecvError::Closed) => return,
                 }
@@ -623,24 +616,54 @@ async fn announce_changes(
         }
         figures.borrow_and_update();
         let new = rx.borrow_and_update().clone();
-        let figures_moved = figures_change(&old, &new);
-        if !discrete_change(&old, &new) {
-            if !figures_moved || figures_due.is_some() {
-                continue;
-            }
-            if let Some(next) = figures_sent.map(|t| t + FIGURES_GAP) {
-                if Instant::now() < next {
-                    figures_due = Some(next);
-                    continue;
-                }
-            }
-        }
-        figures_due = None;
-        if figures_moved {
-            figures_sent = Some(Instant::now());
+        if !announce_now(&old, &new, &mut figures_sent, &mut figures_due) {
+            continue;
         }
         properties_changed(&iface, &old, &new).await;
         old = new;
+    }
+}
+
+/// Whether the change from `old` to `new` is announced now: a discrete one at once, the
+/// per-request figures at most every [`FIGURES_GAP`] (`sent`: when they last went; `due`:
+/// when held-back figures go).
+fn announce_now(
+    old: &Status,
+    new: &Status,
+    sent: &mut Option<Instant>,
+    due: &mut Option<Instant>,
+) -> bool {
+    let figures_moved = figures_change(old, new);
+    if !discrete_change(old, new) {
+        if !figures_moved || due.is_some() {
+            return false;
+        }
+        if let Some(next) = sent.map(|t| t + FIGURES_GAP) {
+            if Instant::now() < next {
+                *due = Some(next);
+                return false;
+            }
+        }
+    }
+    *due = None;
+    if figures_moved {
+        *sent = Some(Instant::now());
+    }
+    true
+}
+
+/// `PropertiesChanged` for `Profiles` (the configuration was reloaded).
+async fn profiles_changed(iface: &zbus::object_server::InterfaceRef<ControlObject>) {
+    let e = iface.signal_emitter();
+    if let Err(err) = iface.get().await.profiles_changed(e).await {
+        tracing::debug!("announcing a change on D-Bus failed: {err}");
+    }
+}
+
+/// An `Alert` of `a`.
+async fn alert_signal(e: &SignalEmitter<'_>, a: &Alert) {
+    if let Err(err) = ControlObject::alert(e, a.kind, &a.message).await {
+        tracing::debug!("sending an Alert on D-Bus failed: {err}");
     }
 }
 

@@ -261,6 +261,29 @@ async fn head(
     })
 }
 
+/// The status event and the engine's new log lines (from `next_line` on, moved past them);
+/// whether requests are in flight. `Err` when the client has gone.
+async fn send_status(
+    ctx: &Ctx,
+    tx: &mpsc::Sender<Bytes>,
+    next_line: &mut u64,
+) -> Result<bool, mpsc::error::SendError<Bytes>> {
+    // The document as bytes only: nothing else of it is held while the client reads.
+    let (doc, busy) = {
+        let doc = ctx.parts.status_document().await;
+        let busy = !doc.in_progress.is_empty();
+        let doc = serde_json::to_value(doc).unwrap_or_default();
+        (event("status", &doc), busy)
+    };
+    tx.send(doc).await?;
+    let (next, lines) = ctx.parts.lifecycle.logs(*next_line, LOG_LINES);
+    *next_line = next;
+    if !lines.is_empty() {
+        tx.send(event("log", &json!(lines))).await?;
+    }
+    Ok(busy)
+}
+
 /// Feeds one stream until its client goes or dsv4d stops; `_watcher` is its place among
 /// the open streams, given back when this ends.
 async fn feed(ctx: Arc<Ctx>, tx: mpsc::Sender<Bytes>, _watcher: Watcher) {
@@ -281,21 +304,9 @@ async fn feed(ctx: Arc<Ctx>, tx: mpsc::Sender<Bytes>, _watcher: Watcher) {
         status.borrow_and_update();
         figures.borrow_and_update();
         samples.borrow_and_update();
-        // The document as bytes only: nothing else of it is held while the client reads.
-        let (doc, busy) = {
-            let doc = ctx.parts.status_document().await;
-            let busy = !doc.in_progress.is_empty();
-            let doc = serde_json::to_value(doc).unwrap_or_default();
-            (event("status", &doc), busy)
+        let Ok(busy) = send_status(&ctx, &tx, &mut next_line).await else {
+            return;
         };
-        if tx.send(doc).await.is_err() {
-            return;
-        }
-        let (next, lines) = ctx.parts.lifecycle.logs(next_line, LOG_LINES);
-        next_line = next;
-        if !lines.is_empty() && tx.send(event("log", &json!(lines))).await.is_err() {
-            return;
-        }
         let gap = tokio::time::sleep(STATUS_GAP);
         tokio::pin!(gap);
         // Requests in flight: the next status goes out within the tick whatever moves. An

@@ -76,12 +76,6 @@ pub(crate) async fn proxy(
 ) -> Response<ProxyBody> {
     let api = &config.supervisor.api;
     let protocol = route.map(|r| r.protocol);
-    let limits = intake::Limits {
-        max_body: api.max_body,
-        timeout: api.body_timeout,
-        max_buffered: api.max_buffered,
-        min_rate: api.min_body_rate,
-    };
     let started = Instant::now();
     let slot_action = is_slot_action(&req);
     if slot_action {
@@ -96,22 +90,10 @@ pub(crate) async fn proxy(
         }
     }
     let (parts, body) = req.into_parts();
-    // The whole body first: a client that is slow to send it holds no lease and no engine
-    // connection meanwhile, and never starts the engine.
-    // A Content-Length beside Transfer-Encoding is not the body's length: hyper reads such a
-    // body as chunked (RFC 9112 6.3), and so does the intake.
-    let declared = match parts.headers.contains_key(header::TRANSFER_ENCODING) {
-        true => None,
-        false => content_length(&parts.headers),
-    };
-    // Until it is whole, its connection may be chosen to make room at the cap.
-    let reading = on.intake();
-    let (got, stop) = (reading.got(), reading.evicted());
-    let held = match intake::read(body, declared, limits, &ctx.bodies, got, stop).await {
+    let held = match read_body(ctx, config, &parts, body, on).await {
         Ok(held) => held,
         Err(e) => return intake_refusal(&e, protocol),
     };
-    drop(reading);
     let streamed = match (parts.method == Method::POST, route) {
         (true, Some(r)) if r.streams != Streams::No && sse::wants_stream(&held.bytes) => {
             Some(r.protocol)
@@ -152,6 +134,34 @@ pub(crate) async fn proxy(
             keepalive::respond(answer, period, protocol, lifecycle, started, wrap, extra).await
         }
     }
+}
+
+/// The request's whole body, read first: a client that is slow to send it holds no lease
+/// and no engine connection meanwhile, and never starts the engine. Until it is whole, its
+/// connection may be chosen to make room at the cap.
+async fn read_body(
+    ctx: &Ctx,
+    config: &Config,
+    parts: &http::request::Parts,
+    body: Incoming,
+    on: &connections::Slot,
+) -> Result<intake::Held, IntakeError> {
+    let api = &config.supervisor.api;
+    let limits = intake::Limits {
+        max_body: api.max_body,
+        timeout: api.body_timeout,
+        max_buffered: api.max_buffered,
+        min_rate: api.min_body_rate,
+    };
+    // A Content-Length beside Transfer-Encoding is not the body's length: hyper reads such a
+    // body as chunked (RFC 9112 6.3), and so does the intake.
+    let declared = match parts.headers.contains_key(header::TRANSFER_ENCODING) {
+        true => None,
+        false => content_length(&parts.headers),
+    };
+    let reading = on.intake();
+    let (got, stop) = (reading.got(), reading.evicted());
+    intake::read(body, declared, limits, &ctx.bodies, got, stop).await
 }
 
 /// The rest of a request's way, its body read: its turn (a lease on the engine, started if

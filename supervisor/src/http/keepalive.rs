@@ -179,6 +179,46 @@ fn is_event_stream<B>(resp: &Response<B>) -> bool {
             .is_some_and(|t| t.starts_with("text/event-stream"))
 }
 
+/// An answer that is not an event stream, after dsv4d's own head: its body read (its first
+/// [`ERROR_BODY_MAX`] bytes, into `got`) until it ends or fills the bound, then told as one
+/// error event in `protocol`.
+fn collect<B>(
+    protocol: ApiProtocol,
+    status: StatusCode,
+    content_type: Option<&str>,
+    body: &mut B,
+    got: &mut Vec<u8>,
+    cx: &mut Context<'_>,
+) -> Poll<Bytes>
+where
+    B: Body<Data = Bytes, Error = hyper::Error> + Unpin,
+{
+    loop {
+        match Pin::new(&mut *body).poll_frame(cx) {
+            Poll::Ready(Some(Ok(frame))) => {
+                if let Some(d) = frame.data_ref() {
+                    let room = ERROR_BODY_MAX.saturating_sub(got.len());
+                    got.extend_from_slice(&d[..d.len().min(room)]);
+                }
+                if got.len() < ERROR_BODY_MAX {
+                    continue;
+                }
+            }
+            Poll::Ready(_) => {}
+            Poll::Pending => return Poll::Pending,
+        }
+        tracing::debug!(
+            "a streamed request got {status} after dsv4d's own head: told as an error event"
+        );
+        return Poll::Ready(sse::error_event(
+            protocol,
+            status.as_u16(),
+            content_type,
+            got,
+        ));
+    }
+}
+
 /// A streamed answer kept from going silent (see the module docs).
 pub struct Keepalive<B> {
     phase: Phase<B>,
@@ -352,40 +392,13 @@ where
                     content_type,
                     body,
                     got,
-                } => match Pin::new(body).poll_frame(cx) {
-                    Poll::Ready(Some(Ok(frame))) => {
-                        if let Some(d) = frame.data_ref() {
-                            let room = ERROR_BODY_MAX.saturating_sub(got.len());
-                            got.extend_from_slice(&d[..d.len().min(room)]);
-                        }
-                        if got.len() < ERROR_BODY_MAX {
-                            continue;
-                        }
-                        let event = sse::error_event(
-                            this.protocol,
-                            status.as_u16(),
-                            content_type.as_deref(),
-                            got,
-                        );
+                } => {
+                    let (protocol, ct) = (this.protocol, content_type.as_deref());
+                    if let Poll::Ready(event) = collect(protocol, *status, ct, body, got, cx) {
                         this.phase = Phase::Ended;
                         return Poll::Ready(Some(Ok(Frame::data(event))));
                     }
-                    Poll::Ready(_) => {
-                        let event = sse::error_event(
-                            this.protocol,
-                            status.as_u16(),
-                            content_type.as_deref(),
-                            got,
-                        );
-                        tracing::debug!(
-                            "a streamed request got {status} after dsv4d's own head: told as an \
-                             error event"
-                        );
-                        this.phase = Phase::Ended;
-                        return Poll::Ready(Some(Ok(Frame::data(event))));
-                    }
-                    Poll::Pending => {}
-                },
+                }
                 Phase::Relaying(body) => match Pin::new(body).poll_frame(cx) {
                     Poll::Ready(Some(Ok(frame))) => {
                         this.heard = true;

@@ -109,20 +109,8 @@ async fn route(
     // The path's protocol, once: its errors are told in its shape.
     let route = Route::of(req.uri().path());
     let protocol = route.map(|r| r.protocol);
-    let keys = ctx.api_keys.get(config);
-    let keyed = matches!(keys, Some(Ok(_)));
-    if let Err(refused) = crate::http::auth::require(KeyFile::Api, keys, req.headers_mut()) {
-        let unauthorized = refused.status == StatusCode::UNAUTHORIZED;
-        let mut r: Response<ProxyBody> = refused.into_response_in(protocol);
-        if unauthorized {
-            r.headers_mut()
-                .insert(header::WWW_AUTHENTICATE, HeaderValue::from_static("Bearer"));
-        }
-        return r;
-    }
-    if keyed {
-        // Its connection is kept alive as long as any other.
-        on.keyed();
+    if let Some(refused) = api_key(ctx, config, &mut req, on, protocol) {
+        return refused;
     }
     match (own, req.uri().path()) {
         (true, "/status") => match serde_json::to_value(ctx.parts.status_document().await) {
@@ -152,6 +140,33 @@ async fn route(
         }
         _ => proxy(ctx, config, req, on, route).await,
     }
+}
+
+/// The API key `req` shows, when keys are required: its refusal (401 with
+/// `WWW-Authenticate`, in the path's protocol), or none, its connection marked keyed (kept
+/// alive as long as any other).
+fn api_key(
+    ctx: &Ctx,
+    config: &Arc<Config>,
+    req: &mut Request<Incoming>,
+    on: &connections::Slot,
+    protocol: Option<ApiProtocol>,
+) -> Option<Response<ProxyBody>> {
+    let keys = ctx.api_keys.get(config);
+    let keyed = matches!(keys, Some(Ok(_)));
+    if let Err(refused) = crate::http::auth::require(KeyFile::Api, keys, req.headers_mut()) {
+        let unauthorized = refused.status == StatusCode::UNAUTHORIZED;
+        let mut r: Response<ProxyBody> = refused.into_response_in(protocol);
+        if unauthorized {
+            r.headers_mut()
+                .insert(header::WWW_AUTHENTICATE, HeaderValue::from_static("Bearer"));
+        }
+        return Some(r);
+    }
+    if keyed {
+        on.keyed();
+    }
+    None
 }
 
 /// CONNECT, TRACE and the like: nothing here or in the engine serves them, so they are

@@ -61,8 +61,11 @@ pub struct Watch {
     last_end: bool,
     /// Bytes read but not yet out (while events are held whole): the stream's last ones.
     held: BytesMut,
-    /// A plain answer's last bytes, for its figures.
+    /// A plain answer's last bytes, for its figures: its last frame as it came (most answers
+    /// are one frame: nothing is copied), and before it, copied, what the bound leaves room
+    /// for.
     body: Vec<u8>,
+    last: Bytes,
     /// What the events of the chunk being read change.
     cuts: Vec<(Range<u64>, Rewrite)>,
     /// Given up on holding events whole (one grew past [`HOLD_MAX`]).
@@ -90,6 +93,7 @@ impl Watch {
             last_end: false,
             held: BytesMut::new(),
             body: Vec::new(),
+            last: Bytes::new(),
             cuts: Vec::new(),
             blind: false,
             place: Place::Between,
@@ -130,10 +134,23 @@ impl Watch {
     pub fn take_count(&mut self) -> Option<Count> {
         if self.reader.is_none() {
             if let Some(c) = self.count.as_mut() {
-                c.event(b"", &self.body);
+                match self.body.is_empty() {
+                    true => c.event(b"", &self.last),
+                    false => {
+                        self.body.extend_from_slice(&self.last);
+                        keep_tail(&mut self.body, &[], JSON_MAX);
+                        c.event(b"", &self.body)
+                    }
+                }
             }
         }
         self.count.take()
+    }
+
+    /// A plain answer's frame, kept for its figures (its last [`JSON_MAX`] bytes).
+    fn keep(&mut self, chunk: &Bytes) {
+        let earlier = std::mem::replace(&mut self.last, chunk.clone());
+        keep_tail(&mut self.body, &earlier, JSON_MAX.saturating_sub(chunk.len()));
     }
 
     /// Whether events are held whole now, to be taken out or changed.
@@ -148,11 +165,11 @@ impl Watch {
         let mut fed = Fed::default();
         if self.reader.is_none() {
             if self.count.is_some() {
-                keep_tail(&mut self.body, &chunk, JSON_MAX);
+                self.keep(&chunk);
             }
             fed.out = chunk;
             return fed;
-        };
+        }
         let rewriting = self.rewriting();
         self.read(Some(&chunk), &mut fed);
         if !rewriting {
@@ -548,7 +565,7 @@ mod tests {
         ] {
             let out = w.feed(Bytes::copy_from_slice(frame)).out;
             assert_eq!(out, frame, "a plain answer passes as it is");
-            assert!(w.body.len() <= JSON_MAX);
+            assert!(w.body.len() + w.last.len() <= JSON_MAX.max(w.last.len()));
         }
         assert_eq!(
             w.take_count().and_then(|c| c.figures()).map(|f| f.prompt_n),

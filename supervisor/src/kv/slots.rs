@@ -9,6 +9,7 @@
 //! its manifest before it is offered, and one whose restore never ended is set aside).
 
 use std::future::Future;
+use std::path::Path;
 use std::sync::Arc;
 use std::time::Duration;
 
@@ -251,19 +252,7 @@ pub async fn restore(
         return failed(started, "nothing to restore".into());
     };
     let _ = facts.restoring.set(m.id.clone());
-    let id = m.id.clone();
-    let marked = on_disk(&store, move |s| {
-        s.mark_restoring(&id).map_err(|e| e.to_string())
-    })
-    .await;
-    if let Err(e) = marked.and_then(|r| r) {
-        // Without the mark, a file that kills the engine would be offered again at every
-        // start: no restore then.
-        let why = format!(
-            "cannot mark the restore in {} ({e}); not restored",
-            kv.dir.display()
-        );
-        tracing::warn!("{why}");
+    if let Err(why) = mark_restoring(&store, &m.id, &kv.dir).await {
         return failed(started, why);
     }
     let restored = match restore_slots(&*engine, &m).await {
@@ -293,6 +282,25 @@ pub async fn restore(
         m.profile
     );
     done
+}
+
+/// The restore of checkpoint `id` marked in its folder `dir` before it begins: without the
+/// mark, a file that kills the engine would be offered again at every start, so no restore
+/// then.
+async fn mark_restoring(store: &Store, id: &str, dir: &Path) -> Result<(), String> {
+    let id = id.to_string();
+    let marked = on_disk(store, move |s| {
+        s.mark_restoring(&id).map_err(|e| e.to_string())
+    })
+    .await;
+    marked.and_then(|r| r).map_err(|e| {
+        let why = format!(
+            "cannot mark the restore in {} ({e}); not restored",
+            dir.display()
+        );
+        tracing::warn!("{why}");
+        why
+    })
 }
 
 /// Each slot of checkpoint `m` put back into the engine: the tokens of each; else why not,

@@ -339,9 +339,11 @@ impl Count {
         }
         if let Some(t) = find_timings(data) {
             self.timings = Some(t);
-        }
-        if let Some(u) = find_usage(data) {
-            self.usage = Some(u);
+        } else if self.timings.is_none() {
+            // Read only while there are no `timings`, which win (see `figures`).
+            if let Some(u) = find_usage(data) {
+                self.usage = Some(u);
+            }
         }
     }
 

@@ -1,0 +1,182 @@
+//! The callgrind section: dsv4d's own user-space instructions per plain request and per
+//! streamed event, counted by valgrind's callgrind on the daemon's process while the same
+//! fake engine answers (its instructions are not the daemon's). For this build and, with
+//! `BENCH_BASELINE_DSV4D`, another, one after the other (instruction counts do not drift with
+//! the machine's load, as times do).
+//!
+//! Each daemon runs under `valgrind --tool=callgrind`; after a warm-up its counters are zeroed
+//! (`callgrind_control -z`), `BENCH_CALLGRIND_REQUESTS` (200) plain chats are sent one by one
+//! on a kept-alive connection and the counters dumped (`callgrind_control -d`), then the same
+//! for `BENCH_CALLGRIND_STREAMS` (50) streamed chats of 64 tokens (66 events each).
+
+use std::path::{Path, PathBuf};
+use std::process::Command;
+use std::time::Duration;
+
+use crate::support::{env_or, temp_dir, Daemon, Setup};
+
+/// Any key: dsv4d puts the engine's own in place of what a client sends.
+const AUTH: &str = "Bearer bench";
+
+/// What one daemon cost.
+struct Counted {
+    name: String,
+    per_request: f64,
+    per_event: f64,
+}
+
+pub async fn run() {
+    println!("\ncallgrind: dsv4d's own instructions (user space, all its threads)");
+    if Command::new("valgrind").arg("--version").output().is_err() {
+        println!("  SKIPPED: no valgrind (apt-get install valgrind)");
+        return;
+    }
+    let requests = env_or::<usize>("BENCH_CALLGRIND_REQUESTS", 200).max(1);
+    let streams = env_or::<usize>("BENCH_CALLGRIND_STREAMS", 50).max(1);
+    let mut builds = vec![("dsv4d".to_string(), None)];
+    if let Some(bin) = std::env::var_os("BENCH_BASELINE_DSV4D").map(PathBuf::from) {
+        builds.push(("dsv4d, baseline".to_string(), Some(bin)));
+    }
+    let mut counted = Vec::new();
+    for (name, bin) in builds {
+        match count(&name, bin.as_deref(), requests, streams).await {
+            Ok(c) => counted.push(c),
+            Err(e) => println!("  {name}: {e}"),
+        }
+    }
+    println!(
+        "  {:<16} {:>16} {:>18}   ({requests} plain requests, {streams} streams of 66 events)",
+        "build", "Ir per request", "Ir per event"
+    );
+    for c in &counted {
+        println!(
+            "  {:<16} {:>16.0} {:>18.0}",
+            c.name, c.per_request, c.per_event
+        );
+        println!(
+            "BENCH section=callgrind build={} ir_per_request={:.0} ir_per_event={:.0} \
+             requests={requests} streams={streams}",
+            c.name.replace(", ", "-"),
+            c.per_request,
+            c.per_event
+        );
+    }
+}
+
+/// One daemon of `bin` (this build's when `None`) under callgrind: its instructions per plain
+/// request and per streamed event.
+async fn count(
+    name: &str,
+    bin: Option<&Path>,
+    requests: usize,
+    streams: usize,
+) -> Result<Counted, String> {
+    let dir = temp_dir("callgrind");
+    let out = dir.path().join("callgrind.out");
+    let valgrind = [
+        "valgrind".to_string(),
+        "--tool=callgrind".into(),
+        format!("--callgrind-out-file={}", out.display()),
+    ];
+    let wrapper: Vec<String> = match bin {
+        None => valgrind.to_vec(),
+        Some(bin) => {
+            // The harness appends this build's dsv4d and its arguments: the script drops the
+            // path and runs the other build with the arguments.
+            let script = dir.path().join("baseline-dsv4d");
+            let text = format!(
+                "#!/bin/sh\nshift\nexec {} '{}' \"$@\"\n",
+                valgrind.join(" "),
+                bin.display()
+            );
+            std::fs::write(&script, text).map_err(|e| e.to_string())?;
+            std::fs::set_permissions(&script, std::os::unix::fs::PermissionsExt::from_mode(0o755))
+                .map_err(|e| e.to_string())?;
+            vec![script.display().to_string()]
+        }
+    };
+    let wrapper: Vec<&str> = wrapper.iter().map(String::as_str).collect();
+    let setup = Setup::default()
+        .engine("idle_timeout", "1h")
+        .knob("connections", "keep")
+        .wrapper(&wrapper);
+    let d = Daemon::start(&setup);
+    let pid = d.child.id();
+    let mut conn = crate::support::one_connection(d.addr).await;
+    let auth = AUTH;
+    // The first request starts the engine; more warm everything up.
+    for _ in 0..20 {
+        crate::once(&mut conn, d.addr, auth, crate::chat(1, false)).await;
+        crate::once(&mut conn, d.addr, auth, crate::chat(64, true)).await;
+    }
+    control(&["-z"], pid)?;
+    for _ in 0..requests {
+        crate::once(&mut conn, d.addr, auth, crate::chat(1, false)).await;
+    }
+    let plain = dumped(pid, &out)?;
+    control(&["-z"], pid)?;
+    let mut events = 0;
+    for _ in 0..streams {
+        let (_, n) = crate::once(&mut conn, d.addr, auth, crate::chat(64, true)).await;
+        events += n;
+    }
+    let streamed = dumped(pid, &out)?;
+    if events != streams * 66 {
+        return Err(format!("{events} events in {streams} streams, not 66 each"));
+    }
+    Ok(Counted {
+        name: name.to_string(),
+        per_request: plain as f64 / requests as f64,
+        per_event: streamed as f64 / events as f64,
+    })
+}
+
+fn control(args: &[&str], pid: u32) -> Result<(), String> {
+    let out = Command::new("callgrind_control")
+        .args(args)
+        .arg(pid.to_string())
+        .output()
+        .map_err(|e| format!("callgrind_control: {e}"))?;
+    match out.status.success() {
+        true => Ok(()),
+        false => Err(format!(
+            "callgrind_control {args:?}: {}",
+            String::from_utf8_lossy(&out.stderr)
+        )),
+    }
+}
+
+/// The instructions counted since the last zeroing: dumped now, read from the newest dump's
+/// `totals:` (or `summary:`) line.
+fn dumped(pid: u32, out: &Path) -> Result<u64, String> {
+    let dir = out.parent().unwrap();
+    let before = dumps(dir);
+    control(&["-d"], pid)?;
+    for _ in 0..200 {
+        let now = dumps(dir);
+        if let Some(new) = now.iter().find(|p| !before.contains(p)) {
+            std::thread::sleep(Duration::from_millis(200));
+            let text = std::fs::read_to_string(new).map_err(|e| e.to_string())?;
+            return text
+                .lines()
+                .find_map(|l| l.strip_prefix("totals: ").or(l.strip_prefix("summary: ")))
+                .and_then(|n| n.split_whitespace().next()?.parse().ok())
+                .ok_or_else(|| format!("no totals in {}", new.display()));
+        }
+        std::thread::sleep(Duration::from_millis(50));
+    }
+    Err("callgrind wrote no dump".into())
+}
+
+fn dumps(dir: &Path) -> Vec<PathBuf> {
+    std::fs::read_dir(dir)
+        .map(|r| {
+            r.filter_map(|e| e.ok().map(|e| e.path()))
+                .filter(|p| {
+                    p.file_name()
+                        .is_some_and(|n| n.to_string_lossy().starts_with("callgrind.out"))
+                })
+                .collect()
+        })
+        .unwrap_or_default()
+}
