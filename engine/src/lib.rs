@@ -24,6 +24,7 @@ pub use kinds::{
     Kind, KvKeeping, KvSaved, OwnKv, Prefill, PrefillLine, PrefillReport, ValidationApi,
 };
 pub use redact::{Redactor, Secrets};
+pub use settings::Setting;
 
 /// The tracing target of the engine's output lines, as they go to the log.
 pub const LOG_TARGET: &str = "engine";

@@ -11,6 +11,81 @@ use std::time::Duration;
 
 use nix::sys::signal::Signal;
 
+/// A profile key whose value an engine kind may take: the kinds declare which they read,
+/// require and ignore with these ([`crate::kinds::Kind`]), and the config reader names
+/// them by [`Setting::key`]. One per setting of [`EngineParams`] a profile gives.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, PartialOrd, Ord, Hash)]
+pub enum Setting {
+    Model,
+    Mmproj,
+    Context,
+    Parallel,
+    Batch,
+    Ubatch,
+    KvCache,
+    FlashAttn,
+    GpuLayers,
+    PrefillChunk,
+    KvDiskDir,
+    KvDiskSpace,
+    KvCheckpoint,
+    Args,
+    Health,
+    KeyEnv,
+    KeyArg,
+    StopSignal,
+    StopGrace,
+}
+
+impl Setting {
+    pub const ALL: [Setting; 19] = [
+        Setting::Model,
+        Setting::Mmproj,
+        Setting::Context,
+        Setting::Parallel,
+        Setting::Batch,
+        Setting::Ubatch,
+        Setting::KvCache,
+        Setting::FlashAttn,
+        Setting::GpuLayers,
+        Setting::PrefillChunk,
+        Setting::KvDiskDir,
+        Setting::KvDiskSpace,
+        Setting::KvCheckpoint,
+        Setting::Args,
+        Setting::Health,
+        Setting::KeyEnv,
+        Setting::KeyArg,
+        Setting::StopSignal,
+        Setting::StopGrace,
+    ];
+
+    /// Its key in a profile.
+    pub fn key(self) -> &'static str {
+        match self {
+            Setting::Model => "model",
+            Setting::Mmproj => "mmproj",
+            Setting::Context => "context",
+            Setting::Parallel => "parallel",
+            Setting::Batch => "batch",
+            Setting::Ubatch => "ubatch",
+            Setting::KvCache => "kv_cache",
+            Setting::FlashAttn => "flash_attn",
+            Setting::GpuLayers => "gpu_layers",
+            Setting::PrefillChunk => "prefill_chunk",
+            Setting::KvDiskDir => "kv_disk_dir",
+            Setting::KvDiskSpace => "kv_disk_space",
+            Setting::KvCheckpoint => "kv_checkpoint",
+            Setting::Args => "args",
+            Setting::Health => "health",
+            Setting::KeyEnv => "key_env",
+            Setting::KeyArg => "key_arg",
+            Setting::StopSignal => "stop_signal",
+            Setting::StopGrace => "stop_grace",
+        }
+    }
+}
+
 /// The key dsv4d made for one engine: the private file it is written to, and its value.
 #[derive(Debug, Clone, Copy)]
 pub struct GivenKey<'a> {

@@ -16,7 +16,7 @@ use super::{
 };
 use nix::sys::signal::Signal;
 
-use crate::settings::{EngineParams, KeyPassing, Readiness, Stop};
+use crate::settings::{EngineParams, KeyPassing, Readiness, Setting, Stop};
 
 pub const KIND: Kind = Kind {
     name: "ds4",
@@ -33,21 +33,21 @@ pub const KIND: Kind = Kind {
     requires_model: false,
     requires: &[],
     reads: &[
-        "model",
-        "context",
-        "prefill_chunk",
-        "kv_disk_dir",
-        "kv_disk_space",
+        Setting::Model,
+        Setting::Context,
+        Setting::PrefillChunk,
+        Setting::KvDiskDir,
+        Setting::KvDiskSpace,
     ],
     ignores: &[
-        "mmproj",
-        "parallel",
-        "batch",
-        "ubatch",
-        "kv_cache",
-        "flash_attn",
-        "gpu_layers",
-        "kv_checkpoint",
+        Setting::Mmproj,
+        Setting::Parallel,
+        Setting::Batch,
+        Setting::Ubatch,
+        Setting::KvCache,
+        Setting::FlashAttn,
+        Setting::GpuLayers,
+        Setting::KvCheckpoint,
     ],
     kv: KvKeeping::OwnFiles(OwnKv {
         file_suffix: ".kv",

@@ -15,7 +15,7 @@ use std::time::Duration;
 use super::{after_key, json_number, Argv, Kind, KvKeeping, Prefill, PrefillReport, ValidationApi};
 use nix::sys::signal::Signal;
 
-use crate::settings::{EngineParams, KeyPassing, Readiness, Stop};
+use crate::settings::{EngineParams, KeyPassing, Readiness, Setting, Stop};
 
 pub const KIND: Kind = Kind {
     name: "llama-server",
@@ -32,18 +32,22 @@ pub const KIND: Kind = Kind {
     requires_model: true,
     requires: &[],
     reads: &[
-        "model",
-        "mmproj",
-        "context",
-        "parallel",
-        "batch",
-        "ubatch",
-        "kv_cache",
-        "flash_attn",
-        "gpu_layers",
-        "kv_checkpoint",
+        Setting::Model,
+        Setting::Mmproj,
+        Setting::Context,
+        Setting::Parallel,
+        Setting::Batch,
+        Setting::Ubatch,
+        Setting::KvCache,
+        Setting::FlashAttn,
+        Setting::GpuLayers,
+        Setting::KvCheckpoint,
     ],
-    ignores: &["prefill_chunk", "kv_disk_dir", "kv_disk_space"],
+    ignores: &[
+        Setting::PrefillChunk,
+        Setting::KvDiskDir,
+        Setting::KvDiskSpace,
+    ],
     kv: KvKeeping::Slots,
     validation: ValidationApi::Native,
     prefill: PrefillReport::Stream {

@@ -15,7 +15,7 @@ pub mod openai;
 
 use std::ffi::OsString;
 
-use crate::settings::{EngineParams, KeyPassing, Readiness, Stop};
+use crate::settings::{EngineParams, KeyPassing, Readiness, Setting, Stop};
 
 /// What dsv4 knows about one engine kind.
 #[derive(Debug)]
@@ -40,12 +40,12 @@ pub struct Kind {
     pub requires_model: bool,
     /// Profile keys a profile of this kind must set (besides `engine` and `command`), and
     /// what each is, for the message when one is missing.
-    pub requires: &'static [(&'static str, &'static str)],
+    pub requires: &'static [(Setting, &'static str)],
     /// The profile keys whose values the engine takes.
-    pub reads: &'static [&'static str],
+    pub reads: &'static [Setting],
     /// Keys other kinds read that a profile of this kind may hold all the same, ignored (their
     /// files need not exist); any other key another kind reads is refused in its profiles.
-    pub ignores: &'static [&'static str],
+    pub ignores: &'static [Setting],
     /// How its KV cache is kept across stops.
     pub kv: KvKeeping,
     /// The API its validation measures through.
@@ -64,8 +64,8 @@ pub struct Kind {
 }
 
 impl Kind {
-    /// Whether the engine takes the profile key `key`.
-    pub fn reads(&self, key: &str) -> bool {
+    /// Whether the engine takes the setting `key`.
+    pub fn reads(&self, key: Setting) -> bool {
         self.reads.contains(&key)
     }
 
@@ -210,6 +210,7 @@ pub enum ValidationApi {
 
 #[cfg(test)]
 mod tests {
+    use crate::settings::Setting;
     use crate::EngineKind;
 
     /// Each kind is found by its names, and what it reads agrees with how it keeps its KV
@@ -222,21 +223,24 @@ mod tests {
                 assert_eq!(name.parse::<EngineKind>(), Ok(kind), "{name}");
             }
             let key = match d.kv {
-                super::KvKeeping::Slots => Some("kv_checkpoint"),
-                super::KvKeeping::OwnFiles(_) => Some("kv_disk_dir"),
+                super::KvKeeping::Slots => Some(Setting::KvCheckpoint),
+                super::KvKeeping::OwnFiles(_) => Some(Setting::KvDiskDir),
                 super::KvKeeping::None => None,
             };
             assert!(key.is_none_or(|k| d.reads(k)), "{}: {key:?}", d.name);
-            assert_eq!(d.requires_model, d.requires_model && d.reads("model"));
+            assert_eq!(
+                d.requires_model,
+                d.requires_model && d.reads(Setting::Model)
+            );
             for (key, _) in d.requires {
                 assert!(
-                    d.reads(key),
-                    "{}: requires {key}, which it does not read",
+                    d.reads(*key),
+                    "{}: requires {key:?}, which it does not read",
                     d.name
                 );
             }
             for key in d.ignores {
-                assert!(!d.reads(key), "{}: reads and ignores {key}", d.name);
+                assert!(!d.reads(*key), "{}: reads and ignores {key:?}", d.name);
             }
         }
         assert_eq!(EngineKind::names(), ["llama-server", "ds4", "openai"]);

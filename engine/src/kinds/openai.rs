@@ -15,7 +15,7 @@ use std::ffi::OsString;
 use nix::sys::signal::Signal;
 
 use super::{Kind, KvKeeping, PrefillReport, ValidationApi};
-use crate::settings::{EngineParams, KeyPassing, Readiness, Stop};
+use crate::settings::{EngineParams, KeyPassing, Readiness, Setting, Stop};
 
 pub const KIND: Kind = Kind {
     name: "openai",
@@ -28,22 +28,22 @@ pub const KIND: Kind = Kind {
     requires_model: false,
     requires: &[
         (
-            "args",
+            Setting::Args,
             "the engine's command line, with {port} (and {host}) where dsv4d's address goes",
         ),
         (
-            "health",
+            Setting::Health,
             "a path that answers 200 without a key once the engine serves (such as /health), \
              or connect",
         ),
     ],
     reads: &[
-        "args",
-        "health",
-        "key_env",
-        "key_arg",
-        "stop_signal",
-        "stop_grace",
+        Setting::Args,
+        Setting::Health,
+        Setting::KeyEnv,
+        Setting::KeyArg,
+        Setting::StopSignal,
+        Setting::StopGrace,
     ],
     ignores: &[],
     kv: KvKeeping::None,

@@ -12,7 +12,7 @@ use std::net::SocketAddr;
 use std::path::{Path, PathBuf};
 use std::time::Duration;
 
-use dsv4_engine::{EngineKind, EngineParams, KeyPassing};
+use dsv4_engine::{EngineKind, EngineParams, KeyPassing, Setting};
 
 use super::error::Problem;
 use super::files::{self, Shown};
@@ -638,11 +638,12 @@ impl Check<'_> {
         self.launch(&raw);
         // An engine ignores the keys it does not read: their files need not exist. Without an
         // engine, every file is checked.
-        let reads = |key: &str| kind.is_none_or(|k| k.reads(key));
+        let reads = |key: Setting| kind.is_none_or(|k| k.reads(key));
         let model = self.path("model", raw.model, dir, Some(files::check_model));
-        let mmproj = reads("mmproj").then_some(files::check_mmproj as DiskCheck);
+        let mmproj = reads(Setting::Mmproj).then_some(files::check_mmproj as DiskCheck);
         let mmproj = self.path("mmproj", raw.mmproj, dir, mmproj);
-        let kv_disk_dir = reads("kv_disk_dir").then_some(files::check_creatable_dir as DiskCheck);
+        let kv_disk_dir =
+            reads(Setting::KvDiskDir).then_some(files::check_creatable_dir as DiskCheck);
         let kv_disk_dir = self.path("kv_disk_dir", raw.kv_disk_dir, dir, kv_disk_dir);
 
         let kv_disk_space_mb = raw.kv_disk_space.map(|bytes| bytes / MIB);
@@ -754,25 +755,28 @@ impl Check<'_> {
             self.when(required, "model", message);
         }
         if let Some(kind) = kind {
-            for (key, what) in kind.requires {
+            for (setting, what) in kind.requires {
+                let key = setting.key();
                 let missing = !doc.written(key) && !doc.dropped(key);
                 let message = format!("required for engine {}: {what}", kind.name);
                 self.when(missing, key, message);
             }
             // A key another kind reads that this one neither reads nor passes over is a
             // mistake (a setting that would do nothing).
-            let mut others: Vec<&str> = EngineKind::ALL
+            let mut others: Vec<Setting> = EngineKind::ALL
                 .iter()
                 .flat_map(|k| k.describe().reads.iter().copied())
                 .collect();
-            others.sort_unstable();
+            others.sort_unstable_by_key(|s| s.key());
             others.dedup();
-            for key in others {
-                let unread = !kind.reads(key) && !kind.ignores.contains(&key);
+            let reads: Vec<&str> = kind.reads.iter().map(|s| s.key()).collect();
+            for setting in others {
+                let key = setting.key();
+                let unread = !kind.reads(setting) && !kind.ignores.contains(&setting);
                 let message = format!(
                     "engine {} does not read {key}; it reads: {}",
                     kind.name,
-                    kind.reads.join(", ")
+                    reads.join(", ")
                 );
                 self.when(unread && doc.written(key), key, message);
             }

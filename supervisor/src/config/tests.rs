@@ -1895,3 +1895,40 @@ fn a_profile_reads_as_json_as_written() {
     );
     assert_eq!(super::yaml_to_json("a: [unclosed\n"), None);
 }
+
+/// The settings the engine kinds declare ([`dsv4_engine::Setting`]) are keys a profile
+/// takes: a kind's `reads`, `requires` and `ignores` name real keys, and the config reader's
+/// checks by those names find them.
+#[test]
+fn every_setting_an_engine_kind_declares_is_a_profile_key() {
+    let err = dsv4_yaml::from_str::<raw::RawProfile>("no_such_key: 1")
+        .map(|_| ())
+        .unwrap_err()
+        .to_string();
+    let (_, listed) = err
+        .split_once("expected one of ")
+        .unwrap_or_else(|| panic!("{err}"));
+    let keys: Vec<&str> = listed
+        .split(|c: char| c == '`' || c == ',' || c.is_whitespace() || c == ';')
+        .filter(|k| !k.is_empty())
+        .collect();
+    for setting in dsv4_engine::Setting::ALL {
+        assert!(
+            keys.contains(&setting.key()),
+            "{setting:?} ({}) is no profile key: {keys:?}",
+            setting.key()
+        );
+    }
+    // And every kind's declarations are settings the profile gives.
+    for kind in EngineKind::ALL {
+        let d = kind.describe();
+        let declared = d
+            .reads
+            .iter()
+            .chain(d.ignores)
+            .chain(d.requires.iter().map(|(s, _)| s));
+        for s in declared {
+            assert!(dsv4_engine::Setting::ALL.contains(s), "{}: {s:?}", d.name);
+        }
+    }
+}

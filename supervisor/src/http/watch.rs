@@ -150,7 +150,11 @@ impl Watch {
     /// A plain answer's frame, kept for its figures (its last [`JSON_MAX`] bytes).
     fn keep(&mut self, chunk: &Bytes) {
         let earlier = std::mem::replace(&mut self.last, chunk.clone());
-        keep_tail(&mut self.body, &earlier, JSON_MAX.saturating_sub(chunk.len()));
+        keep_tail(
+            &mut self.body,
+            &earlier,
+            JSON_MAX.saturating_sub(chunk.len()),
+        );
     }
 
     /// Whether events are held whole now, to be taken out or changed.
