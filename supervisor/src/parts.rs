@@ -16,8 +16,8 @@ use crate::lifecycle::Handle;
 use crate::observe::flights::Flights;
 use crate::observe::monitor::Telemetry;
 use crate::observe::stats::Stats;
-use crate::policy::power::Power;
-use crate::policy::thermal::Thermal;
+use crate::policy::power::PowerPolicy;
+use crate::policy::thermal::ThermalPolicy;
 use crate::validate::Validator;
 
 /// What the API and the control interface both reach.
@@ -31,9 +31,9 @@ pub struct Parts {
     /// The monitor's samples of the host.
     pub telemetry: Telemetry,
     /// The power policy's status.
-    pub power: Power,
+    pub power: PowerPolicy,
     /// The thermal policy's status.
-    pub thermal: Thermal,
+    pub thermal: ThermalPolicy,
     /// Validation runs: while one holds the engine, requests wait at its gate.
     pub validator: Validator,
     /// What an operator may do: the D-Bus methods and the dashboard's actions call the same.

@@ -21,7 +21,7 @@ pub struct Sample {
     #[serde(default)]
     pub temperatures: Temperatures,
     #[serde(default)]
-    pub power: Power,
+    pub power: PowerDraw,
     #[serde(default)]
     pub throttle: Throttle,
     /// The engine's process, while one runs.
@@ -276,7 +276,7 @@ impl<'de> Deserialize<'de> for Temperatures {
 
 /// Watts.
 #[derive(Debug, Clone, Copy, Default, PartialEq, Serialize, Deserialize)]
-pub struct Power {
+pub struct PowerDraw {
     /// The SoC, as the amdgpu hwmon reports it (`power1_average`; on an APU the whole chip).
     pub soc: Option<f64>,
     /// The file `soc` was read from.

@@ -1326,10 +1326,10 @@ hardware    - (no sample yet)
             temperatures: [(Sensor::Edge, 73.2), (Sensor::Tctl, 74.25)]
                 .into_iter()
                 .collect(),
-            power: Power {
+            power: PowerDraw {
                 soc: Some(69.6),
                 socket: Some(85.0),
-                ..Power::default()
+                ..PowerDraw::default()
             },
             throttle: Throttle {
                 supported: true,

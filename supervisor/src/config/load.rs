@@ -486,7 +486,7 @@ impl Check<'_> {
     }
 
     /// `thermal:`: the thresholds within range and in order, the hysteresis within the gap.
-    fn thermal(&mut self, t: &crate::config::Thermal) {
+    fn thermal(&mut self, t: &crate::config::ThermalSettings) {
         let c = format_temperature;
         let (low, high) = TEMPERATURE_RANGE;
         let range = format!("must be between {} and {}", c(low), c(high));

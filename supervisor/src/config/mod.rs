@@ -193,9 +193,9 @@ pub struct Supervisor {
     #[serde(deserialize_with = "raw::duration_or_never")]
     #[default(Some(Duration::from_secs(30 * 60)))]
     pub exit_when_idle: Option<Duration>,
-    pub power: Power,
+    pub power: PowerSettings,
     pub monitor: Monitor,
-    pub thermal: Thermal,
+    pub thermal: ThermalSettings,
     pub memory: Memory,
     pub notify: Notify,
 }
@@ -300,7 +300,7 @@ pub struct EngineLimits {
 #[derive(Debug, Clone, PartialEq, Default, Deserialize)]
 #[serde(default, deny_unknown_fields)]
 #[serde(expecting = "a mapping of `power` settings")]
-pub struct Power {
+pub struct PowerSettings {
     pub cpu: CpuPolicy,
     pub gpu: GpuPolicy,
     /// `power.method`: how power settings are applied; `None` is `auto`
@@ -328,7 +328,7 @@ pub struct Monitor {
 #[derive(Debug, Clone, PartialEq, Deserialize, SmartDefault)]
 #[serde(default, deny_unknown_fields)]
 #[serde(expecting = "a mapping of `thermal` settings")]
-pub struct Thermal {
+pub struct ThermalSettings {
     #[serde(deserialize_with = "raw::celsius")]
     #[default = 85.0]
     pub warn: f64,

@@ -192,7 +192,7 @@ kv_checkpoint: {{ dir: kv, max_size: 40GiB, save_timeout: 90s }}
             default_profile: "small".into(),
             state_dir: base.join("state"),
             exit_when_idle: None,
-            power: Power {
+            power: PowerSettings {
                 cpu: CpuPolicy::Performance,
                 gpu: GpuPolicy::High,
                 method: Some(PowerMethod::Cpufreq),
@@ -201,7 +201,7 @@ kv_checkpoint: {{ dir: kv, max_size: 40GiB, save_timeout: 90s }}
                 interval: Duration::from_millis(500),
                 idle_interval: Duration::from_secs(60),
             },
-            thermal: Thermal {
+            thermal: ThermalSettings {
                 warn: 80.5,
                 critical: 90.0,
                 hysteresis: 2.0,
@@ -553,13 +553,13 @@ fn merged_settings_say_where_each_value_comes_from() {
 #[test]
 fn enum_spellings() {
     let read = |text: &str| {
-        dsv4_yaml::from_str::<Power>(text)
+        dsv4_yaml::from_str::<PowerSettings>(text)
             .map(Option::unwrap_or_default)
             .map_err(|e| e.to_string())
     };
     assert_eq!(
         read("{ cpu: keep, gpu: high, method: none }"),
-        Ok(Power {
+        Ok(PowerSettings {
             cpu: CpuPolicy::Keep,
             gpu: GpuPolicy::High,
             method: Some(PowerMethod::None)
@@ -1571,9 +1571,9 @@ fn sections() -> [(&'static str, Vec<&'static str>); 6] {
     [
         ("api", keys_of::<Api>()),
         ("engine", keys_of::<EngineLimits>()),
-        ("power", keys_of::<Power>()),
+        ("power", keys_of::<PowerSettings>()),
         ("monitor", keys_of::<Monitor>()),
-        ("thermal", keys_of::<Thermal>()),
+        ("thermal", keys_of::<ThermalSettings>()),
         ("memory", keys_of::<Memory>()),
     ]
 }

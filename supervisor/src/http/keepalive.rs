@@ -45,6 +45,7 @@ use http_body::{Body, Frame, SizeHint};
 use tokio::time::{Instant, Interval, MissedTickBehavior};
 
 use crate::http::opening::Opening;
+use crate::http::protocol::{Api, KeepAlive};
 use crate::http::sse::{self, ApiProtocol, Place, ERROR_BODY_MAX};
 
 /// What a keep-alive needs of the answer it relays: where the stream the client got stands,
@@ -95,10 +96,11 @@ pub struct Extra {
 }
 
 /// The opening of a streamed request of `protocol` with `body`, for the APIs whose clients
-/// count events (Anthropic Messages, OpenAI Responses): named by the request's model.
+/// count events (the row's keep-alive: Anthropic Messages, OpenAI Responses): named by the
+/// request's model.
 pub fn opening(protocol: ApiProtocol, body: &[u8]) -> Option<Opening> {
     static STREAMS: AtomicU64 = AtomicU64::new(1);
-    if protocol == ApiProtocol::OpenAi {
+    if protocol.spec().keepalive == KeepAlive::Comments {
         return None;
     }
     let created = std::time::SystemTime::now()

@@ -25,7 +25,7 @@
 use bytes::Bytes;
 use serde_json::{json, Value};
 
-use crate::http::protocol::ApiProtocol;
+use crate::http::protocol::{Api, ApiProtocol, KeepAlive, Opens};
 
 /// What becomes of one of the engine's events on its way to the client.
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -38,13 +38,6 @@ pub enum Rewrite {
     Replace(Bytes),
     /// It goes with the engine's response id written as dsv4d's ([`Opening::swap_id`]).
     SwapId,
-}
-
-/// The APIs whose clients count events: the two with events of their own.
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
-enum Api {
-    Anthropic,
-    Responses,
 }
 
 /// Who opened the stream with its API's first event.
@@ -61,7 +54,7 @@ enum Opened {
 /// One stream's opening and keep-alives (see the module docs).
 #[derive(Debug)]
 pub struct Opening {
-    api: Api,
+    api: Opens,
     /// dsv4d's own message or response id.
     id: String,
     model: String,
@@ -78,17 +71,15 @@ pub struct Opening {
 
 impl Opening {
     /// For a stream of `protocol` whose request names `model`; `stream` numbers dsv4d's ids,
-    /// `created` is the time in Unix seconds. `None` for OpenAI's chat and completions, whose
-    /// clients count bytes (comments keep them).
+    /// `created` is the time in Unix seconds. `None` for an API whose clients count bytes
+    /// (its row's keep-alive is comments alone: OpenAI's chat and completions).
     pub fn new(protocol: ApiProtocol, model: String, stream: u64, created: u64) -> Option<Opening> {
-        let api = match protocol {
-            ApiProtocol::Anthropic => Api::Anthropic,
-            ApiProtocol::Responses => Api::Responses,
-            ApiProtocol::OpenAi => return None,
+        let KeepAlive::Events(api) = protocol.spec().keepalive else {
+            return None;
         };
         let id = match api {
-            Api::Anthropic => format!("msg_dsv4_{stream:016x}"),
-            Api::Responses => format!("resp_dsv4_{stream:016x}"),
+            Opens::Message => format!("msg_dsv4_{stream:016x}"),
+            Opens::Response => format!("resp_dsv4_{stream:016x}"),
         };
         Some(Opening {
             api,
@@ -110,13 +101,13 @@ impl Opening {
             return self.open();
         }
         match self.api {
-            Api::Anthropic => event(
+            Opens::Message => event(
                 "message_delta",
                 &json!({"type": "message_delta",
                         "delta": {"stop_reason": null, "stop_sequence": null},
                         "usage": {"output_tokens": 0}}),
             ),
-            Api::Responses => {
+            Opens::Response => {
                 let id = match self.opened {
                     Opened::Ours => self.id.clone(),
                     _ => self.engine_id.clone().unwrap_or_else(|| self.id.clone()),
@@ -129,14 +120,14 @@ impl Opening {
 
     fn open(&mut self) -> Bytes {
         match self.api {
-            Api::Anthropic => event(
+            Opens::Message => event(
                 "message_start",
                 &json!({"type": "message_start", "message": {
                     "id": self.id, "type": "message", "role": "assistant", "content": [],
                     "model": self.model, "stop_reason": null, "stop_sequence": null,
                     "usage": {"input_tokens": 0, "output_tokens": 0}}}),
             ),
-            Api::Responses => {
+            Opens::Response => {
                 let response = self.response(&self.id);
                 self.next_event("response.created", response)
             }
@@ -160,8 +151,8 @@ impl Opening {
     /// Whether every engine event from now on passes as it is.
     pub fn passing(&self) -> bool {
         match self.opened {
-            Opened::Engines => self.api == Api::Anthropic || self.engine_id.is_some(),
-            Opened::Ours => self.api == Api::Anthropic && self.engine_started,
+            Opened::Engines => self.api == Opens::Message || self.engine_id.is_some(),
+            Opened::Ours => self.api == Opens::Message && self.engine_started,
             Opened::No => false,
         }
     }
@@ -170,7 +161,7 @@ impl Opening {
     /// question: what becomes of it (see the module docs).
     pub fn engine_event(&mut self, kind: &[u8], data: &[u8]) -> Rewrite {
         match (self.api, kind) {
-            (Api::Anthropic, b"message_start") => {
+            (Opens::Message, b"message_start") => {
                 self.engine_started = true;
                 if self.opened == Opened::Ours {
                     let data: Option<Value> = serde_json::from_slice(data).ok();
@@ -187,7 +178,7 @@ impl Opening {
                 }
                 self.opened = Opened::Engines;
             }
-            (Api::Responses, b"response.created" | b"response.in_progress") => {
+            (Opens::Response, b"response.created" | b"response.in_progress") => {
                 if self.engine_id.is_none() {
                     let data: Option<Value> = serde_json::from_slice(data).ok();
                     let id = data

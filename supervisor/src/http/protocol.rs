@@ -1,8 +1,9 @@
 //! The APIs dsv4d's clients speak, in one table: for each, the paths it is served at, which
 //! of them stream, which event ends a complete stream, which events are the answer's tokens,
 //! where its token counts are, how an error event looks in it, and how an error dsv4d
-//! answers itself must look for that API's SDKs to raise it as their own. (Its keep-alive
-//! events are [`crate::http::opening`]'s, for the APIs whose clients count events.)
+//! answers itself must look for that API's SDKs to raise it as their own, and what keeps its
+//! silent streams' clients waiting (comments, or events of its own, which
+//! [`crate::http::opening`] writes).
 //!
 //! Owns: [`ApiProtocol`], [`SPECS`] (one row per protocol: a new protocol is one more row),
 //! [`Route`] (a path's protocol and how its answers stream, looked up once per request) and
@@ -44,6 +45,8 @@ pub struct Spec {
     /// The events that are the answer's tokens (shown in flight, and the first ends the
     /// prefill).
     pub tokens: Tokens,
+    /// What keeps its silent streams' clients waiting.
+    pub keepalive: KeepAlive,
     /// The error event that tells a streaming client of `failure`.
     pub error_event: fn(&Failure) -> Bytes,
     /// The body of an error dsv4d answers itself, for this protocol's SDKs.
@@ -56,6 +59,25 @@ pub enum Last {
     Done,
     /// An event of one of these kinds (its name, or its data's `type`: [`Event::kind`]).
     Kinds(&'static [&'static str]),
+}
+
+/// What keeps the clients of a silent stream waiting (see [`crate::http::keepalive`]).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum KeepAlive {
+    /// SSE comments: its clients count bytes.
+    Comments,
+    /// Comments, and events of the API's own that carry no content ([`crate::http::opening`]):
+    /// its clients count events.
+    Events(Opens),
+}
+
+/// The API's own events that open a stream and say it goes on.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Opens {
+    /// `message_start`, then `message_delta`s (Anthropic Messages).
+    Message,
+    /// `response.created`, then `response.in_progress` (OpenAI Responses).
+    Response,
 }
 
 /// Which events are the answer's tokens.
@@ -86,6 +108,7 @@ pub static SPECS: [Spec; 3] = [
         end_name: "[DONE]",
         // (llama-server's progress events are taken out before: `crate::http::watch`.)
         tokens: Tokens::Data,
+        keepalive: KeepAlive::Comments,
         error_event: openai_event,
         error_body: openai_body,
     },
@@ -98,6 +121,7 @@ pub static SPECS: [Spec; 3] = [
         last: Last::Kinds(&["message_stop"]),
         end_name: "message_stop",
         tokens: Tokens::KindEndsWith("content_block_delta"),
+        keepalive: KeepAlive::Events(Opens::Message),
         error_event: anthropic_event,
         error_body: anthropic_body,
     },
@@ -118,6 +142,7 @@ pub static SPECS: [Spec; 3] = [
         end_name: "response.completed",
         // Text, reasoning and a tool call's arguments: `response.*.delta`.
         tokens: Tokens::KindEndsWith(".delta"),
+        keepalive: KeepAlive::Events(Opens::Response),
         error_event: responses_event,
         error_body: openai_body,
     },
@@ -349,6 +374,24 @@ mod tests {
         ] {
             let got = Route::of(path).map(|r| (r.protocol, r.streams));
             assert_eq!(got, route, "{path}");
+        }
+    }
+
+    #[test]
+    fn the_apis_whose_clients_count_events_keep_them_with_events() {
+        use ApiProtocol::*;
+        for (api, keepalive) in [
+            (OpenAi, KeepAlive::Comments),
+            (Anthropic, KeepAlive::Events(Opens::Message)),
+            (Responses, KeepAlive::Events(Opens::Response)),
+        ] {
+            assert_eq!(api.spec().keepalive, keepalive, "{api:?}");
+            let opening = crate::http::opening::Opening::new(api, "m".into(), 1, 0);
+            assert_eq!(
+                opening.is_some(),
+                keepalive != KeepAlive::Comments,
+                "{api:?}"
+            );
         }
     }
 

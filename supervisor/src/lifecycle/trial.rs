@@ -8,7 +8,7 @@
 
 use std::sync::{Arc, Mutex};
 
-use crate::config::{CpuPolicy, GpuPolicy, Power};
+use crate::config::{CpuPolicy, GpuPolicy, PowerSettings};
 
 /// A cell's settings, for engines of `profile`.
 #[derive(Debug, Clone, PartialEq)]
@@ -42,7 +42,7 @@ impl Trial {
 
     /// The power settings for an engine of `profile`: `configured`, with the cell's CPU
     /// profile and GPU level where it has them.
-    pub fn power_for(&self, profile: Option<&str>, configured: &Power) -> Power {
+    pub fn power_for(&self, profile: Option<&str>, configured: &PowerSettings) -> PowerSettings {
         let mut power = configured.clone();
         if let Some(t) = self.get().filter(|t| Some(t.profile.as_str()) == profile) {
             power.cpu = t.cpu.unwrap_or(power.cpu);
@@ -59,7 +59,7 @@ mod tests {
     #[test]
     fn a_cell_changes_only_engines_of_its_profile() {
         let trial = Trial::default();
-        let configured = Power::default();
+        let configured = PowerSettings::default();
         assert!(trial.args_for("64k").is_empty());
         assert_eq!(trial.power_for(Some("64k"), &configured), configured);
         trial.clone().set(Some(TrialSettings {

@@ -882,9 +882,9 @@ mod tests {
             temperatures: [(Sensor::Edge, 73.0), (Sensor::Tctl, 74.25)]
                 .into_iter()
                 .collect(),
-            power: Power {
+            power: PowerDraw {
                 soc: Some(69.6),
-                ..Power::default()
+                ..PowerDraw::default()
             },
             throttle: Throttle {
                 supported: true,

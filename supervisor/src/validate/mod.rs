@@ -36,7 +36,7 @@ use crate::lifecycle::actor::{Handle, Lease};
 use crate::lifecycle::engine_ref::EngineRef;
 use crate::lifecycle::trial::Trial;
 use crate::observe::monitor::Telemetry;
-use crate::policy::power::Power;
+use crate::policy::power::PowerPolicy;
 
 mod load;
 mod matrix;
@@ -81,7 +81,7 @@ struct Inner {
     /// A matrix cell's settings, which the engine and the power policy take up.
     trial: Trial,
     /// The power policy, whose status says what a cell had in force.
-    power: Power,
+    power: PowerPolicy,
     /// Client requests admitted: a paused matrix resumes once none came for a while.
     admitted: AtomicU64,
 }
@@ -116,7 +116,7 @@ impl Validator {
         config: watch::Receiver<Arc<Config>>,
         sysroot: SysRoot,
         trial: Trial,
-        power: Power,
+        power: PowerPolicy,
     ) -> Validator {
         let (gate, _) = watch::channel(false);
         let (events, _) = broadcast::channel(256);

@@ -20,7 +20,7 @@ use std::time::Duration;
 // Outside a runtime (the sampler's thread) this is the std clock.
 use tokio::time::Instant;
 
-use dsv4_client::telemetry::{GpuMemory, MemoryFigures, Power, Sample, Sensor, Temperatures};
+use dsv4_client::telemetry::{GpuMemory, MemoryFigures, PowerDraw, Sample, Sensor, Temperatures};
 
 use crate::host::sysroot::SysRoot;
 
@@ -100,7 +100,7 @@ impl Sampler {
         self.look_for_devices();
         let root = &self.root;
         let mut temperatures = Temperatures::default();
-        let mut power = Power::default();
+        let mut power = PowerDraw::default();
         let mut throttle_reading = None;
         let gpu = self.card.as_ref().map(|card| {
             temperatures.set(Sensor::Edge, card.edge_celsius(root));

@@ -122,17 +122,17 @@ impl Restore {
 
 /// The task's handle: its status, and the way to end it (giving everything back).
 #[derive(Clone)]
-pub struct Power {
+pub struct PowerPolicy {
     status: watch::Receiver<PowerStatus>,
     stop: mpsc::Sender<oneshot::Sender<()>>,
 }
 
-impl Power {
+impl PowerPolicy {
     /// A policy that never acts, for tests and tools that need a handle.
-    pub fn none() -> Power {
+    pub fn none() -> PowerPolicy {
         let (_, status) = watch::channel(PowerStatus::default());
         let (stop, _) = mpsc::channel(1);
-        Power { status, stop }
+        PowerPolicy { status, stop }
     }
 
     pub fn status(&self) -> PowerStatus {
@@ -162,7 +162,7 @@ pub struct Parts {
 }
 
 /// Starts the task: first it gives back what a daemon that crashed had left changed.
-pub fn spawn(parts: Parts) -> Power {
+pub fn spawn(parts: Parts) -> PowerPolicy {
     let (status_tx, status) = watch::channel(PowerStatus::default());
     let (stop, stop_rx) = mpsc::channel(1);
     let state_dir = parts.config.borrow().supervisor.state_dir.clone();
@@ -199,13 +199,13 @@ pub fn spawn(parts: Parts) -> Power {
         }
         task.run(stop_rx).await
     });
-    Power { status, stop }
+    PowerPolicy { status, stop }
 }
 
 /// What is in force while an engine runs.
 struct Applied {
     /// The settings applied (`power:`, or a matrix cell's).
-    wanted: crate::config::Power,
+    wanted: crate::config::PowerSettings,
     method: Method,
     hold: Option<(Ppd, u32)>,
     /// The user chose a profile while it was held: PPD ended the hold.
@@ -218,7 +218,7 @@ struct Applied {
 /// `state_dir` before anything changes), and a note on the CPU policies left alone.
 fn plan_restore(
     root: &SysRoot,
-    power: &crate::config::Power,
+    power: &crate::config::PowerSettings,
     method: Method,
     state_dir: &Path,
 ) -> (Restore, Option<String>) {
@@ -336,7 +336,7 @@ impl Task {
     }
 
     /// The power settings for an engine of `profile`.
-    fn wanted(&self, profile: Option<&str>) -> crate::config::Power {
+    fn wanted(&self, profile: Option<&str>) -> crate::config::PowerSettings {
         let config = self.parts.config.borrow();
         self.parts
             .trial

@@ -16,7 +16,7 @@ use dsv4_client::words::ThermalSignal;
 use dsv4_client::{SensorThermal, ThermalStatus};
 use tokio::sync::{broadcast, watch};
 
-use crate::config::{Config, OnCritical, Thermal as ThermalConfig};
+use crate::config::{Config, OnCritical, ThermalSettings};
 use crate::lifecycle::Handle;
 use crate::observe::monitor::Telemetry;
 
@@ -39,7 +39,7 @@ pub struct Signal {
 
 /// The policy's outputs: its status and its signals. Cheap to clone.
 #[derive(Clone)]
-pub struct Thermal {
+pub struct ThermalPolicy {
     status: watch::Receiver<ThermalStatus>,
     signals: broadcast::Sender<Signal>,
     /// The events that still stand (a sensor above normal, throttling under way), by what
@@ -48,11 +48,11 @@ pub struct Thermal {
     standing: Arc<Mutex<BTreeMap<&'static str, Signal>>>,
 }
 
-impl Thermal {
+impl ThermalPolicy {
     /// A policy that never sees a sample (for tests and tools that need a handle).
-    pub fn none() -> Thermal {
+    pub fn none() -> ThermalPolicy {
         let (_, status) = watch::channel(ThermalStatus::default());
-        Thermal {
+        ThermalPolicy {
             status,
             signals: broadcast::channel(1).0,
             standing: Default::default(),
@@ -74,7 +74,7 @@ impl Thermal {
     }
 }
 
-fn thresholds(t: &ThermalConfig) -> Thresholds {
+fn thresholds(t: &ThermalSettings) -> Thresholds {
     Thresholds {
         warn: t.warn,
         critical: t.critical,
@@ -153,7 +153,11 @@ fn stand(standing: &Mutex<BTreeMap<&'static str, Signal>>, e: &ThermalEvent, s: 
 }
 
 /// The status the rules' `state` shows (`critical`: with `on_critical`'s action).
-fn status_of(state: &rules::Thermal, critical: bool, on_critical: OnCritical) -> ThermalStatus {
+fn status_of(
+    state: &rules::ThermalRules,
+    critical: bool,
+    on_critical: OnCritical,
+) -> ThermalStatus {
     let sensors = state
         .sensors
         .iter()
@@ -177,7 +181,7 @@ pub fn spawn(
     config: watch::Receiver<Arc<Config>>,
     telemetry: Telemetry,
     lifecycle: Handle,
-) -> Thermal {
+) -> ThermalPolicy {
     let (status_tx, status) = watch::channel(ThermalStatus {
         level: Level::Normal,
         ..ThermalStatus::default()
@@ -188,7 +192,7 @@ pub fn spawn(
     let record = standing.clone();
     tokio::spawn(async move {
         let mut samples = telemetry.watch();
-        let mut state = rules::Thermal::default();
+        let mut state = rules::ThermalRules::default();
         // Whether the lifecycle was told it is too hot.
         let mut hot = false;
         while samples.changed().await.is_ok() {
@@ -231,7 +235,7 @@ pub fn spawn(
             status_tx.send_replace(status_of(&state, critical, cfg.on_critical));
         }
     });
-    Thermal {
+    ThermalPolicy {
         status,
         signals,
         standing,

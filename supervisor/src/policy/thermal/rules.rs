@@ -71,7 +71,7 @@ pub struct SensorState {
 }
 
 #[derive(Debug, Clone, Default, PartialEq)]
-pub struct Thermal {
+pub struct ThermalRules {
     /// The watched sensors' states (see [`Sensor::watched`]).
     pub sensors: BTreeMap<Sensor, SensorState>,
     /// Throttling since (unix s), while an episode lasts.
@@ -79,7 +79,7 @@ pub struct Thermal {
     last_throttled: f64,
 }
 
-impl Thermal {
+impl ThermalRules {
     /// The highest level of any sensor.
     pub fn level(&self) -> Level {
         self.sensors
@@ -247,7 +247,7 @@ mod tests {
 
     /// Feeds the edge temperatures, one second apart; the levels announced.
     fn edge(readings: &[f64]) -> Vec<(Level, f64)> {
-        let mut m = Thermal::default();
+        let mut m = ThermalRules::default();
         let mut out = Vec::new();
         for (i, c) in readings.iter().enumerate() {
             for e in m.step(&T, &temps(Some(*c), None), None, i as f64) {
@@ -282,7 +282,7 @@ mod tests {
 
     #[test]
     fn a_critical_level_is_recalled_every_few_minutes_and_its_peak_kept() {
-        let mut m = Thermal::default();
+        let mut m = ThermalRules::default();
         let mut reminders = 0;
         for i in 0..=700 {
             let c = 95.0 + f64::from(i % 3);
@@ -301,7 +301,7 @@ mod tests {
 
     #[test]
     fn several_sensors_each_have_their_level() {
-        let mut m = Thermal::default();
+        let mut m = ThermalRules::default();
         let e = m.step(&T, &temps(Some(86.0), Some(96.0)), None, 0.0);
         assert_eq!(e.len(), 2);
         assert_eq!(m.level(), Level::Critical);
@@ -323,7 +323,7 @@ mod tests {
 
     #[test]
     fn throttling_starts_at_once_and_ends_after_a_quiet_interval() {
-        let mut m = Thermal::default();
+        let mut m = ThermalRules::default();
         let thermal = vec!["thermal".to_string()];
         let mut log = Vec::new();
         for (at, throttled) in [
@@ -357,7 +357,7 @@ mod tests {
 
     #[test]
     fn a_hot_sensor_that_stops_reading_is_dropped_after_a_while() {
-        let mut m = Thermal::default();
+        let mut m = ThermalRules::default();
         m.step(&T, &temps(Some(97.0), None), None, 0.0);
         assert_eq!(m.level(), Level::Critical);
         assert!(m.step(&T, &temps(None, None), None, 59.0).is_empty());
