@@ -7,7 +7,9 @@
 //! Each daemon runs under `valgrind --tool=callgrind`; after a warm-up its counters are zeroed
 //! (`callgrind_control -z`), `BENCH_CALLGRIND_REQUESTS` (200) plain chats are sent one by one
 //! on a kept-alive connection and the counters dumped (`callgrind_control -d`), then the same
-//! for `BENCH_CALLGRIND_STREAMS` (50) streamed chats of 64 tokens (66 events each).
+//! for `BENCH_CALLGRIND_STREAMS` (50) streamed chats of 64 tokens (66 events each). With
+//! `BENCH_CALLGRIND_KEEP=DIR` the two dumps are copied there (`<build>-plain.out`,
+//! `<build>-stream.out`), for `callgrind_annotate` to say where the instructions went.
 
 use std::path::{Path, PathBuf};
 use std::process::Command;
@@ -113,14 +115,14 @@ async fn count(
     for _ in 0..requests {
         crate::once(&mut conn, d.addr, auth, crate::chat(1, false)).await;
     }
-    let plain = dumped(pid, &out)?;
+    let plain = dumped(pid, &out, (name, "plain"))?;
     control(&["-z"], pid)?;
     let mut events = 0;
     for _ in 0..streams {
         let (_, n) = crate::once(&mut conn, d.addr, auth, crate::chat(64, true)).await;
         events += n;
     }
-    let streamed = dumped(pid, &out)?;
+    let streamed = dumped(pid, &out, (name, "stream"))?;
     if events != streams * 66 {
         return Err(format!("{events} events in {streams} streams, not 66 each"));
     }
@@ -148,7 +150,7 @@ fn control(args: &[&str], pid: u32) -> Result<(), String> {
 
 /// The instructions counted since the last zeroing: dumped now, read from the newest dump's
 /// `totals:` (or `summary:`) line.
-fn dumped(pid: u32, out: &Path) -> Result<u64, String> {
+fn dumped(pid: u32, out: &Path, (build, what): (&str, &str)) -> Result<u64, String> {
     let dir = out.parent().unwrap();
     let before = dumps(dir);
     control(&["-d"], pid)?;
@@ -157,6 +159,11 @@ fn dumped(pid: u32, out: &Path) -> Result<u64, String> {
         if let Some(new) = now.iter().find(|p| !before.contains(p)) {
             std::thread::sleep(Duration::from_millis(200));
             let text = std::fs::read_to_string(new).map_err(|e| e.to_string())?;
+            if let Some(keep) = std::env::var_os("BENCH_CALLGRIND_KEEP") {
+                let name = format!("{}-{what}.out", build.replace(", ", "-"));
+                let _ = std::fs::create_dir_all(&keep);
+                std::fs::write(Path::new(&keep).join(name), &text).map_err(|e| e.to_string())?;
+            }
             return text
                 .lines()
                 .find_map(|l| l.strip_prefix("totals: ").or(l.strip_prefix("summary: ")))
