@@ -47,6 +47,8 @@ pub struct Spec {
     pub tokens: Tokens,
     /// What keeps its silent streams' clients waiting.
     pub keepalive: KeepAlive,
+    /// Which events of its streams carry the answer's figures (a plain answer's body does).
+    pub figures: Figures,
     /// The error event that tells a streaming client of `failure`.
     pub error_event: fn(&Failure) -> Bytes,
     /// The body of an error dsv4d answers itself, for this protocol's SDKs.
@@ -80,6 +82,14 @@ pub enum Opens {
     Response,
 }
 
+/// Which events of a stream carry the answer's figures (`usage`, llama-server's `timings`).
+pub enum Figures {
+    /// Any event with data.
+    Any,
+    /// The events of these kinds.
+    Kinds(&'static [&'static str]),
+}
+
 /// Which events are the answer's tokens.
 pub enum Tokens {
     /// Every event with data but the last.
@@ -109,6 +119,8 @@ pub static SPECS: [Spec; 3] = [
         // (llama-server's progress events are taken out before: `crate::http::watch`.)
         tokens: Tokens::Data,
         keepalive: KeepAlive::Comments,
+        // The last chunk (llama-server's `timings`; `usage` when asked for).
+        figures: Figures::Any,
         error_event: openai_event,
         error_body: openai_body,
     },
@@ -122,6 +134,8 @@ pub static SPECS: [Spec; 3] = [
         end_name: "message_stop",
         tokens: Tokens::KindEndsWith("content_block_delta"),
         keepalive: KeepAlive::Events(Opens::Message),
+        // The opening's usage (the prompt's tokens), the closing delta's (the output's).
+        figures: Figures::Kinds(&["message_start", "message_delta"]),
         error_event: anthropic_event,
         error_body: anthropic_body,
     },
@@ -143,6 +157,12 @@ pub static SPECS: [Spec; 3] = [
         // Text, reasoning and a tool call's arguments: `response.*.delta`.
         tokens: Tokens::KindEndsWith(".delta"),
         keepalive: KeepAlive::Events(Opens::Response),
+        // The last event's response (and llama-server's `timings` beside it).
+        figures: Figures::Kinds(&[
+            "response.completed",
+            "response.failed",
+            "response.incomplete",
+        ]),
         error_event: responses_event,
         error_body: openai_body,
     },
@@ -154,6 +174,17 @@ impl Spec {
         match self.last {
             Last::Done => e.has_data && e.data.trim_ascii() == b"[DONE]",
             Last::Kinds(kinds) => {
+                let kind = e.kind();
+                kinds.iter().any(|k| k.as_bytes() == kind)
+            }
+        }
+    }
+
+    /// Whether `e` may carry the answer's figures.
+    pub fn carries_figures(&self, e: &Event) -> bool {
+        match self.figures {
+            Figures::Any => e.has_data,
+            Figures::Kinds(kinds) => {
                 let kind = e.kind();
                 kinds.iter().any(|k| k.as_bytes() == kind)
             }

@@ -319,7 +319,10 @@ impl Seen<'_> {
             }
         }
         if let Some(c) = self.count.as_deref_mut() {
-            c.event(e.kind(), e.data);
+            match self.spec.carries_figures(e) {
+                true => c.event(e.kind(), e.data),
+                false => c.came(),
+            }
         }
         let end = self.spec.is_end(e);
         *self.last_end = end;

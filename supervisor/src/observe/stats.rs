@@ -326,11 +326,17 @@ impl Count {
         })
     }
 
-    /// An event of the answer (not a comment): its kind and its data.
-    pub fn event(&mut self, kind: &[u8], data: &[u8]) {
+    /// An event of the answer came (not a comment): the first marks the prefill's end.
+    pub fn came(&mut self) {
         if let Some((_, first @ None)) = &mut self.stream {
             *first = Some(Instant::now());
         }
+    }
+
+    /// An event of the answer that may carry its figures (its API's row says which): its
+    /// kind and its data. (A plain answer's body is one such event.)
+    pub fn event(&mut self, kind: &[u8], data: &[u8]) {
+        self.came();
         if self.protocol == ApiProtocol::Anthropic
             && kind == b"message_start"
             && self.start.is_none()
@@ -653,11 +659,14 @@ mod tests {
             count.event(b"", frames.concat().as_bytes());
             return count.figures();
         }
+        // As the watch does: the figures read from the events the API's row names.
+        use crate::http::protocol::Api;
+        let spec = api(path).spec();
         let mut reader = crate::http::events::Reader::new();
-        let mut each = |e: &crate::http::events::Event| {
-            if !e.is_comment() {
-                count.event(e.kind(), e.data)
-            }
+        let mut each = |e: &crate::http::events::Event| match e.is_comment() {
+            true => {}
+            false if spec.carries_figures(e) => count.event(e.kind(), e.data),
+            false => count.came(),
         };
         for f in frames {
             reader.feed(f.as_bytes(), &mut each);
