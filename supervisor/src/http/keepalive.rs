@@ -44,9 +44,10 @@ use http::{header, HeaderValue, Response, StatusCode};
 use http_body::{Body, Frame, SizeHint};
 use tokio::time::{Instant, Interval, MissedTickBehavior};
 
+use crate::http::events::Place;
 use crate::http::opening::Opening;
-use crate::http::protocol::{Api, KeepAlive};
-use crate::http::sse::{self, ApiProtocol, Place, ERROR_BODY_MAX};
+use crate::http::protocol::{Api, ApiProtocol, KeepAlive};
+use crate::http::sse::{self, ERROR_BODY_MAX};
 
 /// What a keep-alive needs of the answer it relays: where the stream the client got stands,
 /// and the reader of the engine's events, which follows the stream's [`Opening`] once the
@@ -100,15 +101,15 @@ pub struct Extra {
 /// request's model.
 pub fn opening(protocol: ApiProtocol, body: &[u8]) -> Option<Opening> {
     static STREAMS: AtomicU64 = AtomicU64::new(1);
-    if protocol.spec().keepalive == KeepAlive::Comments {
+    let KeepAlive::Events(api) = protocol.spec().keepalive else {
         return None;
-    }
+    };
     let created = std::time::SystemTime::now()
         .duration_since(std::time::UNIX_EPOCH)
         .map_or(0, |d| d.as_secs());
     let model = sse::model_of(body).unwrap_or_else(|| "dsv4".into());
     let stream = STREAMS.fetch_add(1, Ordering::Relaxed);
-    Opening::new(protocol, model, stream, created)
+    Some(Opening::new(api, model, stream, created))
 }
 
 /// What a streamed request is answered with: the engine's answer when it comes within

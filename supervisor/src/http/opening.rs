@@ -25,7 +25,7 @@
 use bytes::Bytes;
 use serde_json::{json, Value};
 
-use crate::http::protocol::{Api, ApiProtocol, KeepAlive, Opens};
+use crate::http::protocol::Opens;
 
 /// What becomes of one of the engine's events on its way to the client.
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -70,18 +70,14 @@ pub struct Opening {
 }
 
 impl Opening {
-    /// For a stream of `protocol` whose request names `model`; `stream` numbers dsv4d's ids,
-    /// `created` is the time in Unix seconds. `None` for an API whose clients count bytes
-    /// (its row's keep-alive is comments alone: OpenAI's chat and completions).
-    pub fn new(protocol: ApiProtocol, model: String, stream: u64, created: u64) -> Option<Opening> {
-        let KeepAlive::Events(api) = protocol.spec().keepalive else {
-            return None;
-        };
+    /// For a stream that `api`'s events open, whose request names `model`; `stream` numbers
+    /// dsv4d's ids, `created` is the time in Unix seconds.
+    pub fn new(api: Opens, model: String, stream: u64, created: u64) -> Opening {
         let id = match api {
             Opens::Message => format!("msg_dsv4_{stream:016x}"),
             Opens::Response => format!("resp_dsv4_{stream:016x}"),
         };
-        Some(Opening {
+        Opening {
             api,
             id,
             model,
@@ -90,7 +86,7 @@ impl Opening {
             engine_id: None,
             engine_started: false,
             sequence: 0,
-        })
+        }
     }
 
     /// The event a keep-alive writes now, between events: the API's opening when no one has
@@ -226,10 +222,18 @@ fn event(name: &str, data: &Value) -> Bytes {
 }
 
 #[cfg(test)]
-mod tests {
+pub(crate) mod tests {
     use super::*;
-    use crate::http::protocol::Api;
+    use crate::http::protocol::{Api, ApiProtocol, KeepAlive};
     use crate::http::watch::{Watch, HOLD_MAX};
+
+    /// A fresh opening of `api`'s stream (model `m`, stream 1, created at 7).
+    pub(crate) fn opening_of(api: ApiProtocol) -> Opening {
+        let KeepAlive::Events(opens) = api.spec().keepalive else {
+            panic!("{api:?} keeps its streams with comments alone")
+        };
+        Opening::new(opens, "m".into(), 1, 7)
+    }
 
     const START: &str = "event: message_start\ndata: {\"type\":\"message_start\",\"message\":{\"id\":\"chatcmpl-x\",\"type\":\"message\",\"role\":\"assistant\",\"content\":[],\"model\":\"m\",\"stop_reason\":null,\"stop_sequence\":null,\"usage\":{\"cache_read_input_tokens\":0,\"input_tokens\":25,\"output_tokens\":0}}}\n\n";
     const BLOCK: &str = "event: content_block_start\ndata: {\"type\":\"content_block_start\",\"index\":0,\"content_block\":{\"type\":\"text\",\"text\":\"\"}}\n\nevent: content_block_delta\ndata: {\"type\":\"content_block_delta\",\"index\":0,\"delta\":{\"type\":\"text_delta\",\"text\":\"a\"}}\n\n";
@@ -255,7 +259,7 @@ mod tests {
     /// keep-alives where the steps say: `k` a keep-alive, `e` the next piece.
     fn run(api: ApiProtocol, steps: &str, pieces: &[&str]) -> Vec<(String, Value)> {
         let mut w = Watch::new(api.spec(), true, None, None);
-        w.adopt(Opening::new(api, "m".into(), 1, 7).unwrap());
+        w.adopt(opening_of(api));
         let mut out = Vec::new();
         let mut pieces = pieces.iter();
         for step in steps.chars() {
@@ -385,7 +389,7 @@ mod tests {
     #[test]
     fn a_stream_without_event_ends_passes_whole() {
         let mut w = Watch::new(ApiProtocol::Anthropic.spec(), true, None, None);
-        w.adopt(Opening::new(ApiProtocol::Anthropic, "m".into(), 1, 7).unwrap());
+        w.adopt(opening_of(ApiProtocol::Anthropic));
         let long = "x".repeat(HOLD_MAX + 1);
         assert_eq!(w.feed(Bytes::from(long.clone())).out, long.as_bytes());
         assert_eq!(w.feed(Bytes::from_static(b"y")).out, &b"y"[..]);

@@ -417,7 +417,7 @@ mod tests {
             (Responses, KeepAlive::Events(Opens::Response)),
         ] {
             assert_eq!(api.spec().keepalive, keepalive, "{api:?}");
-            let opening = crate::http::opening::Opening::new(api, "m".into(), 1, 0);
+            let opening = crate::http::keepalive::opening(api, b"{}");
             assert_eq!(
                 opening.is_some(),
                 keepalive != KeepAlive::Comments,

@@ -10,8 +10,8 @@
 use bytes::Bytes;
 use serde_json::{json, Value};
 
-pub use crate::http::events::Place;
-use crate::http::protocol::{Api, Failure};
+use crate::http::events::Place;
+use crate::http::protocol::{Api, ApiProtocol, Failure};
 
 /// The SSE comment line `: text` for a stream at `place` (which must be [`Place::between`]),
 /// ended so that the stream is between events after it as before: with a blank line, and
@@ -90,8 +90,6 @@ pub fn reasoning_chunk(id: u64, created: u64, model: &str, text: &str) -> Bytes 
     let json = serde_json::to_string(&chunk).expect("a chunk of strings and numbers");
     Bytes::from(format!("data: {json}\n\n"))
 }
-
-pub use crate::http::protocol::ApiProtocol;
 
 /// Whether a request body asks for a streamed answer: a JSON object with `"stream": true`.
 /// A body that does not name `"stream"` is not parsed at all.

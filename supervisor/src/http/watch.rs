@@ -726,7 +726,7 @@ mod tests {
             }
             let open = |pieces: &[&[u8]]| {
                 let mut w = Watch::new(protocol.spec(), true, None, None);
-                w.adopt(Opening::new(protocol, "m".into(), 1, 7).unwrap());
+                w.adopt(crate::http::opening::tests::opening_of(protocol));
                 let mut out = w.opening().unwrap().keepalive().to_vec();
                 for p in pieces {
                     out.extend_from_slice(&w.feed(Bytes::copy_from_slice(p)).out);
