@@ -623,6 +623,98 @@ fn a_named_kind_is_caught() {
     }
 }
 
+/// Where a line prints a time with a unit of its own rather than through the project's one
+/// duration format (`dsv4_client::duration`: `format` for settings, `brief` for what was
+/// measured): a placeholder followed by ` s`, ` min`, ` h` or `s` right after a precision
+/// (`{:.1}s`). `None` for a line that does neither.
+fn prints_its_own_time(code: &str) -> Option<&str> {
+    let mut rest = code;
+    while let Some(open) = rest.find('{') {
+        let Some(close) = rest[open..].find('}') else {
+            break;
+        };
+        let spec = &rest[open..open + close + 1];
+        let after = &rest[open + close + 1..];
+        let unit = [" s", " min", " h"]
+            .into_iter()
+            .find(|u| after.strip_prefix(u).is_some_and(ends_a_word));
+        let precise = spec.contains(":.") && after.strip_prefix('s').is_some_and(ends_a_word);
+        if unit.is_some() || precise {
+            return Some(spec);
+        }
+        rest = after;
+    }
+    None
+}
+
+fn ends_a_word(after: &str) -> bool {
+    !after.starts_with(|c: char| c.is_ascii_alphanumeric() || c == '_')
+}
+
+/// Every time dsv4 shows is printed by one of the two functions of its one duration format,
+/// so that its messages, logs, streams and tables read alike, and read back with the
+/// configuration's grammar.
+#[test]
+fn times_are_printed_in_one_format() {
+    let manifest = std::path::Path::new(env!("CARGO_MANIFEST_DIR"));
+    let mut wrong = Vec::new();
+    let mut read = 0;
+    for tree in [
+        "supervisor/src",
+        "supervisor/ctl/src",
+        "supervisor/client/src",
+        "engine/src",
+    ] {
+        let root = manifest.join("..").join(tree);
+        let files = rust_files(&root);
+        let tests = test_files(&files, &root);
+        for file in files.iter().filter(|f| !tests.contains(f)) {
+            let text = std::fs::read_to_string(root.join(file)).unwrap();
+            read += 1;
+            for (n, line) in outside_tests(&text) {
+                let code = line.split("//").next().unwrap_or("");
+                if let Some(spec) = prints_its_own_time(code) {
+                    wrong.push(format!(
+                        "{tree}/{}:{}: prints a time of its own ({spec}): use \
+                         dsv4_client::duration::brief (or format, for a setting)",
+                        file.display(),
+                        n + 1
+                    ));
+                }
+            }
+        }
+    }
+    assert!(read > 50, "too few source files read: {read}");
+    assert!(wrong.is_empty(), "\n{}", wrong.join("\n"));
+}
+
+/// The rule above catches what it is meant to, and lets through what it should.
+#[test]
+fn a_time_of_its_own_is_caught() {
+    for caught in [
+        "        \"{program} stopped {seconds:.1} s after SIGTERM; it said: {said}\"",
+        "            format!(\"dsv4 waiting for the engine's answer: {waited} s\")",
+        "                    \"{} {arg} did not finish within {} s\",",
+        "         {}: {got} of {} bytes came in {:.1}s\",",
+        "        (0, min, sec) => format!(\"{min} min {sec} s\"),",
+        "        (h, 0, _) => format!(\"{h} h\"),",
+    ] {
+        assert!(
+            prints_its_own_time(caught).is_some(),
+            "not caught: {caught}"
+        );
+    }
+    for passed in [
+        "        \"{program} stopped {took} after SIGTERM; it said: {said}\"",
+        "    format!(\"{} {}s\", a, b)",
+        "            format!(\"{name} says\")",
+        "        format!(\"{w:.1} W\")",
+        "        format!(\"{n} secrets\")",
+    ] {
+        assert_eq!(prints_its_own_time(passed), None, "{passed}");
+    }
+}
+
 /// The workspace's `rust-version` is true: no locked dependency needs a newer Rust (as
 /// `cargo metadata` tells each package's own `rust-version`). clippy's `incompatible_msrv`
 /// keeps the workspace's own code to it.

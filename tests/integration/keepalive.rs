@@ -165,7 +165,7 @@ async fn curl_sees_what_a_stream_waits_for_and_the_estimate_on_the_next_cold_sta
         .into_iter()
         .filter_map(|c| c.strip_prefix(": dsv4 loading 320k: "))
         .filter_map(|c| c.split(" of about ").nth(1))
-        .filter_map(|c| c.strip_suffix(" s")?.parse().ok())
+        .filter_map(seconds)
         .collect();
     // The fake engine loads in 3 s.
     assert!(
@@ -192,7 +192,7 @@ async fn the_words_come_after_a_full_period_of_silence_and_are_the_docs_words() 
     let waiting: Vec<u64> = comments(&stream)
         .into_iter()
         .filter_map(|c| c.strip_prefix(": dsv4 waiting for the engine's answer: "))
-        .filter_map(|c| c.strip_suffix(" s")?.parse().ok())
+        .filter_map(seconds)
         .collect();
     assert!(waiting.len() >= 2, "{stream:?}");
     assert!(waiting.iter().all(|s| *s >= 1), "{stream:?}\n{}", d.log());
@@ -447,11 +447,17 @@ fn events(stream: &str) -> Vec<Event> {
         .collect()
 }
 
-/// The seconds a loading line (`dsv4 loading 320k: 3 s`, with or without an estimate and a
+/// The seconds a loading line (`dsv4 loading 320k: 3s`, with or without an estimate and a
 /// line end) says; `None` for another line.
 fn loading_seconds(line: &str, profile: &str) -> Option<u64> {
     let rest = line.strip_prefix(&format!("dsv4 loading {profile}: "))?;
-    rest.split(" s").next()?.parse().ok()
+    seconds(rest.split([' ', ',', '\n']).next()?)
+}
+
+/// The whole seconds of a time the words say (`3s`, `1m4s`: the project's duration grammar).
+fn seconds(words: &str) -> Option<u64> {
+    let d = dsv4_client::duration::parse(words.trim()).ok()?;
+    (d.subsec_nanos() == 0).then_some(d.as_secs())
 }
 
 /// That `seconds` (one a tick) never go down and do go up.
@@ -604,7 +610,7 @@ async fn with_loading_reasoning_the_openai_package_reads_the_loading_words_then_
     assert!(
         reasoning
             .iter()
-            .all(|r| r.starts_with("dsv4 ") && r.ends_with(" s\n")),
+            .all(|r| r.starts_with("dsv4 ") && r.ends_with("s\n")),
         "{reasoning:?}"
     );
     let seconds: Vec<u64> = reasoning

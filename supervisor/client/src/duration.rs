@@ -19,6 +19,9 @@
 //!
 //! [`format`] prints the largest units first and leaves out the zero ones (`5m`, `1h30m`,
 //! `45s`, `1s500ms`, `0s`), so that what it prints always parses back to the same duration.
+//! [`brief`] prints a measured time for people in the same grammar, to the precision its
+//! size deserves (`250ms`, `1.2s`, `42s`, `12m5s`, `1h58m`, `2d4h`): every time dsv4 shows
+//! (its messages, logs, streams and tables) is printed by one of the two.
 
 use std::fmt;
 use std::time::Duration;
@@ -165,6 +168,41 @@ pub fn format(d: Duration) -> String {
     out
 }
 
+/// A measured time for people, in [`parse`]'s grammar, cut (never rounded up: a counter does
+/// not show a time not reached) to a precision that fits its size: milliseconds below a
+/// second (`250ms`), tenths below ten seconds (`1.2s`, `3s`), seconds below a minute (`42s`)
+/// and an hour (`12m5s`), minutes below a day (`1h58m`), hours above (`2d4h`).
+pub fn brief(d: Duration) -> String {
+    const MINUTE: u64 = 60;
+    const HOUR: u64 = 60 * MINUTE;
+    const DAY: u64 = 24 * HOUR;
+    let secs = d.as_secs();
+    let cut = |unit: u64| format(Duration::from_secs(secs - secs % unit));
+    match secs {
+        0 if d.subsec_millis() > 0 => format!("{}ms", d.subsec_millis()),
+        0 => "0s".to_string(),
+        1..10 => match d.subsec_millis() / 100 {
+            0 => format!("{secs}s"),
+            tenth => format!("{secs}.{tenth}s"),
+        },
+        10..HOUR => cut(1),
+        HOUR..DAY => cut(MINUTE),
+        _ => cut(HOUR),
+    }
+}
+
+/// `d` rounded to whole seconds, for counters written at each tick of a period: a tick comes
+/// a hair early as often as late (0.9995 s is one second of silence, not none).
+pub fn whole_seconds(d: Duration) -> Duration {
+    Duration::from_secs(d.as_secs_f64().round() as u64)
+}
+
+/// [`brief`] of a number of seconds, as measurements are kept; a negative or unreadable one
+/// counts as none.
+pub fn brief_secs(seconds: f64) -> String {
+    brief(Duration::try_from_secs_f64(seconds).unwrap_or_default())
+}
+
 /// Splits the number `digits[.digits]` off the front of `s`: (whole digits, fraction digits,
 /// rest). `None` when `s` does not start with one.
 pub(crate) fn split_number(s: &str) -> Option<(&str, &str, &str)> {
@@ -210,6 +248,37 @@ mod tests {
 
     const M: u64 = 60;
     const H: u64 = 3600;
+
+    #[test]
+    fn a_brief_time_is_cut_to_its_size_and_parses_back() {
+        let ms = Duration::from_millis;
+        let table: &[(Duration, &str)] = &[
+            (ms(0), "0s"),
+            (Duration::from_micros(300), "0s"),
+            (ms(250), "250ms"),
+            (ms(999), "999ms"),
+            (ms(1000), "1s"),
+            (ms(1234), "1.2s"),
+            (ms(9_990), "9.9s"),
+            (ms(10_900), "10s"),
+            (ms(42_700), "42s"),
+            (ms(64_000), "1m4s"),
+            (ms((12 * M + 5) * 1000 + 999), "12m5s"),
+            (Duration::from_secs(H + 58 * M + 59), "1h58m"),
+            (Duration::from_secs(2 * H), "2h"),
+            (Duration::from_secs(2 * 24 * H + 4 * H + 5 * M), "2d4h"),
+        ];
+        for (d, want) in table {
+            let got = brief(*d);
+            assert_eq!(&got, want, "brief({d:?})");
+            let back = parse(&got).unwrap();
+            assert!(back <= *d, "{got} reads back as {back:?}, more than {d:?}");
+        }
+        assert_eq!(brief_secs(-3.0), "0s");
+        assert_eq!(brief_secs(f64::NAN), "0s");
+        assert_eq!(brief_secs(f64::INFINITY), "0s");
+        assert_eq!(brief_secs(1.26), "1.2s");
+    }
 
     #[test]
     fn what_parses() {

@@ -99,19 +99,6 @@ pub fn thousands(n: u64) -> String {
     out
 }
 
-/// A span of time for people, to the minute past an hour and to the second below:
-/// `1 h 58 min`, `12 min 5 s`, `42 s`.
-pub fn spoken_duration(d: std::time::Duration) -> String {
-    let s = d.as_secs();
-    match (s / 3600, s / 60 % 60, s % 60) {
-        (0, 0, sec) => format!("{sec} s"),
-        (0, min, 0) => format!("{min} min"),
-        (0, min, sec) => format!("{min} min {sec} s"),
-        (h, 0, _) => format!("{h} h"),
-        (h, min, _) => format!("{h} h {min} min"),
-    }
-}
-
 /// Parses a temperature in degrees Celsius: `85C`, `85.5C`, `85°C`, `85 °C`, `-5C`.
 pub fn parse_temperature(s: &str) -> Result<f64, String> {
     let bad = |why: &str| Err(format!("invalid temperature {s:?}: {why}"));
@@ -143,7 +130,7 @@ mod tests {
     use super::*;
 
     #[test]
-    fn counts_and_spans_read_as_people_write_them() {
+    fn counts_read_as_people_write_them() {
         for (n, want) in [
             (0, "0"),
             (999, "999"),
@@ -152,18 +139,6 @@ mod tests {
             (1_234_567, "1,234,567"),
         ] {
             assert_eq!(thousands(n), want);
-        }
-        let d = std::time::Duration::from_secs;
-        for (secs, want) in [
-            (0, "0 s"),
-            (42, "42 s"),
-            (60, "1 min"),
-            (725, "12 min 5 s"),
-            (3600, "1 h"),
-            (7080, "1 h 58 min"),
-            (7139, "1 h 58 min"),
-        ] {
-            assert_eq!(spoken_duration(d(secs)), want);
         }
     }
 

@@ -528,7 +528,7 @@ async fn wait_ready(daemon: &Daemon, timeout: Option<Duration>, show: bool) -> R
                 };
                 return Err(Failure::Failed(format!(
                     "the engine was not ready within {} (state: {state})",
-                    render::elapsed(t0.elapsed())
+                    dsv4_client::duration::brief(t0.elapsed())
                 )));
             }
         }
@@ -574,7 +574,7 @@ impl Progress {
         if let Some(pb) = &self.spinner {
             pb.set_message(format!(
                 "{state} (profile {profile}) {}",
-                render::elapsed(elapsed)
+                dsv4_client::duration::brief(elapsed)
             ));
             return Ok(());
         }
@@ -590,7 +590,10 @@ impl Progress {
     fn ready(&mut self, elapsed: Duration) -> Result<(), Failure> {
         self.clear();
         if self.show {
-            println_out(&format!("ready after {}", render::elapsed(elapsed)))?;
+            println_out(&format!(
+                "ready after {}",
+                dsv4_client::duration::brief(elapsed)
+            ))?;
         }
         Ok(())
     }

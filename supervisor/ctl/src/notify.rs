@@ -371,7 +371,7 @@ mod tests {
         // A long request's end is news; its failure is a warning, as other alerts are.
         let done = alert(
             AlertKind::Request,
-            "4,096-token prefill done in 12 min, decode started",
+            "4,096-token prefill done in 12m, decode started",
         );
         assert_eq!(
             (done.summary.as_str(), done.icon),
@@ -379,7 +379,7 @@ mod tests {
         );
         let failed = alert(
             AlertKind::Request,
-            "request 3 (prefill) failed after 2 h: the engine exited",
+            "request 3 (prefill) failed after 2h: the engine exited",
         );
         assert_eq!(failed.icon, "dialog-warning");
         assert_eq!(alert(AlertKind::Memory, "m").icon, "dialog-warning");

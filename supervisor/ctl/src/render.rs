@@ -3,36 +3,16 @@
 
 use std::time::Duration;
 
+use dsv4_client::duration::{brief, brief_secs};
 use dsv4_client::kv::{KvCheckpoint, KvProfile, KvStep};
 use dsv4_client::telemetry::{Memory, Sample, Sensor};
-use dsv4_client::units::{spoken_duration, thousands};
+use dsv4_client::units::thousands;
 use dsv4_client::validate::{Cell, Comparison, Matrix, ValidationResult};
 use dsv4_client::words::{GpuLevel, Phase, ThermalLevel, WaitingFor};
 use dsv4_client::{
     EngineStatus, InProgress, PowerStatus, ProfileInfo, RequestRecord, Status, ThermalStatus,
     Totals,
 };
-
-/// Seconds as a whole number of them in the project's one duration format (`42s`, `3m12s`,
-/// `1h2m3s`, `2d4h5m9s`); negative counts as 0.
-pub fn duration(seconds: f64) -> String {
-    let s = if seconds.is_finite() && seconds > 0.0 {
-        seconds.floor() as u64
-    } else {
-        0
-    };
-    dsv4_client::duration::format(Duration::from_secs(s))
-}
-
-/// An elapsed time with a tenth of a second below a minute (`1.2s`), else as [`duration`].
-pub fn elapsed(d: Duration) -> String {
-    let secs = d.as_secs_f64();
-    if secs < 60.0 {
-        format!("{:.1}s", (secs * 10.0).floor() / 10.0)
-    } else {
-        duration(secs)
-    }
-}
 
 /// A rate with four significant digits: `13.35`, `122.7`, `1234`, `0.512`.
 pub fn rate(v: f64) -> String {
@@ -146,7 +126,7 @@ fn engine_rows(rows: &mut Vec<(&str, String)>, doc: &Status, now: f64) {
         "uptime",
         s.ready_since
             .filter(|t| *t > 0.0)
-            .map_or_else(dash, |t| duration(now - t)),
+            .map_or_else(dash, |t| brief_secs(now - t)),
     ));
     if let Some(key) = &s.engine_key {
         rows.push(("engine key", key.clone()));
@@ -161,7 +141,7 @@ fn engine_rows(rows: &mut Vec<(&str, String)>, doc: &Status, now: f64) {
         "idle stop",
         s.idle_deadline
             .filter(|t| *t > 0.0)
-            .map_or_else(dash, |t| format!("stops in {}", duration(t - now))),
+            .map_or_else(dash, |t| format!("stops in {}", brief_secs(t - now))),
     ));
     rows.push((
         "last error",
@@ -261,7 +241,7 @@ fn hardware_rows(rows: &mut Vec<(&str, String)>, h: &Sample, now: f64) {
         "mem pressure",
         h.pressure.map_or_else(dash, |p| {
             format!(
-                "some {:.2}%, full {:.2}% (last 10 s)",
+                "some {:.2}%, full {:.2}% (last 10s)",
                 p.some_avg10, p.full_avg10
             )
         }),
@@ -273,7 +253,7 @@ fn hardware_rows(rows: &mut Vec<(&str, String)>, h: &Sample, now: f64) {
         let kinds: Vec<&str> = th.kinds.iter().map(|k| k.as_str()).collect();
         let since = th
             .since
-            .map(|s| format!(" for {}", duration(now - s)))
+            .map(|s| format!(" for {}", brief_secs(now - s)))
             .unwrap_or_default();
         format!("yes ({}){since}", kinds.join(", "))
     } else {
@@ -281,7 +261,7 @@ fn hardware_rows(rows: &mut Vec<(&str, String)>, h: &Sample, now: f64) {
     };
     let total = th.seconds.total();
     let throttling = if th.supported && total > 0.0 {
-        format!("{throttling}; {} in all", duration(total))
+        format!("{throttling}; {} in all", brief_secs(total))
     } else {
         throttling
     };
@@ -301,7 +281,7 @@ fn thermal(t: &ThermalStatus, now: f64) -> String {
                 .unwrap_or_default();
             let since = s
                 .since
-                .map(|at| format!(" for {}", duration(now - at)))
+                .map(|at| format!(" for {}", brief_secs(now - at)))
                 .unwrap_or_default();
             format!("{} {}{since}{peak}", s.sensor, s.level)
         })
@@ -352,13 +332,13 @@ fn power_rows(rows: &mut Vec<(&str, String)>, p: &PowerStatus) {
 fn request_line(r: &RequestRecord, now: f64) -> String {
     let mut s = format!(
         "{} ago {} {} {}: {} prompt + {} generated tokens in {}",
-        duration(now - r.at),
+        brief_secs(now - r.at),
         r.profile,
         r.protocol,
         r.path,
         r.prompt_tokens,
         r.generated_tokens,
-        elapsed(Duration::from_secs_f64(r.wall_ms.max(0.0) / 1000.0))
+        brief_secs(r.wall_ms.max(0.0) / 1000.0)
     );
     if let Some(d) = r.decode_tok_s {
         s.push_str(&format!(", decode {}", marked_rate(d, r.clock_times)));
@@ -374,16 +354,16 @@ fn request_line(r: &RequestRecord, now: f64) -> String {
             s.push_str(&format!(", GTT peak {}", gib(g)));
         }
         if res.throttle_seconds > 0.0 {
-            s.push_str(&format!(", throttled {}", duration(res.throttle_seconds)));
+            s.push_str(&format!(", throttled {}", brief_secs(res.throttle_seconds)));
         }
     }
     s
 }
 
 /// One request in flight and where it is: `#7 /v1/chat/completions  prefill 4,096 / 262,144
-/// tokens (1.6%), 122.7 tok/s, about 35 min left  (61 s)`, the last figure its age.
+/// tokens (1.6%), 122.7 tok/s, about 35m left  (1m1s)`, the last figure its age.
 pub fn in_progress_line(r: &InProgress) -> String {
-    let seconds = |s: f64| spoken_duration(Duration::from_secs_f64(s.max(0.0)));
+    let seconds = brief_secs;
     let what = match r.phase {
         Phase::Waiting => match r.waiting_for {
             Some(WaitingFor::Start) => "waiting for a start".to_string(),
@@ -445,7 +425,7 @@ pub fn in_progress_line(r: &InProgress) -> String {
 fn about(seconds: f64) -> String {
     let s = seconds.max(0.0).round() as u64;
     let s = if s < 60 { s } else { (s + 30) / 60 * 60 };
-    spoken_duration(Duration::from_secs(s))
+    brief(Duration::from_secs(s))
 }
 
 fn decode(t: &Totals) -> String {
@@ -509,8 +489,8 @@ fn kv_step(step: &KvStep, now: f64) -> String {
     }
     s.push_str(&format!(
         " in {}, {} ago",
-        elapsed(Duration::from_secs_f64(step.seconds.max(0.0))),
-        duration(now - step.at)
+        brief_secs(step.seconds),
+        brief_secs(now - step.at)
     ));
     if let Some(reason) = &step.reason {
         s.push_str(&format!(" (reason: {reason})"));
@@ -526,7 +506,7 @@ fn kv_line(p: &KvProfile, now: f64) -> String {
             p.profile,
             c.tokens,
             size(c.bytes),
-            duration(now - c.saved_at)
+            brief_secs(now - c.saved_at)
         ),
         None => match &p.engine_keeps {
             Some(own) => format!("{}: {own}, {} in {}", p.profile, size(p.dir_bytes), p.dir),
@@ -571,12 +551,12 @@ pub fn validation_table(r: &ValidationResult) -> String {
     }
     if let Some(l) = &r.load {
         out.push_str(&format!(
-            "load: {:.1} s with the page cache as it was ({} of {} cached), {:.1} s with the \
+            "load: {} with the page cache as it was ({} of {} cached), {} with the \
              model dropped from it ({} cached); the model is {}\n",
-            l.warm_seconds,
+            brief_secs(l.warm_seconds),
             size(l.cached_before_warm),
             size(l.bytes),
-            l.cold_seconds,
+            brief_secs(l.cold_seconds),
             size(l.cached_before_cold),
             l.method
         ));
@@ -602,7 +582,7 @@ pub fn validation_table(r: &ValidationResult) -> String {
         if let (Some(a), Some(b)) = (m.available_before_bytes, m.available_after_bytes) {
             parts.push(format!("available {} -> {}", gib(a), gib(b)));
         }
-        parts.push(format!("throttled {:.0} s", m.throttle_seconds));
+        parts.push(format!("throttled {}", brief_secs(m.throttle_seconds)));
         if let Some(s) = m.swap_used_bytes {
             parts.push(format!("swap {}", size(s)));
         }
@@ -690,11 +670,11 @@ pub fn matrix_table(r: &ValidationResult, m: &Matrix) -> String {
             c.index,
             rate(decode),
             rate(c.test("prefill")),
-            or_dash(
-                c.load
-                    .as_ref()
-                    .map(|l| format!("{:.1}/{:.1} s", l.warm_seconds, l.cold_seconds))
-            ),
+            or_dash(c.load.as_ref().map(|l| format!(
+                "{}/{}",
+                brief_secs(l.warm_seconds),
+                brief_secs(l.cold_seconds)
+            ))),
             or_dash(c.host.soc_power_mean_w.map(|w| format!("{w:.1}"))),
             or_dash(
                 decode
@@ -702,7 +682,7 @@ pub fn matrix_table(r: &ValidationResult, m: &Matrix) -> String {
                     .map(|j| format!("{j:.3}"))
             ),
             or_dash(c.host.edge_max_c.map(|t| format!("{t:.1}"))),
-            format!("{:.0} s", c.host.throttle_seconds),
+            brief_secs(c.host.throttle_seconds),
             or_dash(c.host.gtt_peak_bytes.map(gib)),
         ));
     }
@@ -788,7 +768,7 @@ pub fn kv_table(list: &[KvCheckpoint], now: f64) -> String {
             c.profile,
             c.tokens,
             size(c.bytes),
-            duration(now - c.saved_at),
+            brief_secs(now - c.saved_at),
             slots.join(","),
             c.build
         ));
@@ -859,25 +839,6 @@ mod tests {
     use super::*;
     use dsv4_client::words::{KvActivity, PowerMethod};
     use dsv4_client::{Requests, State};
-
-    #[test]
-    fn durations() {
-        assert_eq!(duration(0.0), "0s");
-        assert_eq!(duration(-5.0), "0s");
-        assert_eq!(duration(f64::NAN), "0s");
-        assert_eq!(duration(42.9), "42s");
-        assert_eq!(duration(192.0), "3m12s");
-        assert_eq!(duration(890.0), "14m50s");
-        assert_eq!(duration(900.0), "15m");
-        assert_eq!(duration(3723.0), "1h2m3s");
-        assert_eq!(
-            duration(2.0 * 86_400.0 + 4.0 * 3600.0 + 5.0 * 60.0 + 9.0),
-            "2d4h5m9s"
-        );
-        assert_eq!(elapsed(Duration::from_millis(1234)), "1.2s");
-        assert_eq!(elapsed(Duration::from_millis(59_990)), "59.9s");
-        assert_eq!(elapsed(Duration::from_secs(64)), "1m4s");
-    }
 
     #[test]
     fn rates_have_four_significant_digits() {
@@ -1089,23 +1050,23 @@ mod tests {
                     loading_about_s: Some(54.0),
                     ..flight(Phase::Loading)
                 },
-                "loading 320k: 23 s of about 54 s",
+                "loading 320k: 23s of about 54s",
             ),
             (
                 InProgress {
                     loading_s: Some(3.0),
                     ..flight(Phase::Loading)
                 },
-                "loading 320k: 3 s",
+                "loading 320k: 3s",
             ),
             (
                 prefill(4096, 0, Some(122.7), Some(2103.1)),
-                "prefill 4,096 / 262,144 tokens (1.6%), 122.7 tok/s, about 35 min left",
+                "prefill 4,096 / 262,144 tokens (1.6%), 122.7 tok/s, about 35m left",
             ),
             (
                 prefill(261_000, 1024, Some(122.7), Some(9.3)),
                 "prefill 261,000 / 262,144 tokens (99.6%), 1,024 cached, 122.7 tok/s, \
-                 about 9 s left",
+                 about 9s left",
             ),
             (
                 prefill(0, 0, None, None),
@@ -1138,7 +1099,7 @@ mod tests {
         for (r, what) in table {
             assert_eq!(
                 in_progress_line(&r),
-                format!("#7 /v1/chat/completions  {what}  (1 min 1 s)")
+                format!("#7 /v1/chat/completions  {what}  (1m1s)")
             );
         }
     }
@@ -1163,8 +1124,8 @@ mod tests {
         assert!(
             table.contains(
                 "waiting      0\n\
-                 in progress  #7 /v1/chat/completions  decoding, 12 tokens  (1 min 1 s)\n\
-                 \x20            #8 /v1/chat/completions  waiting for its turn  (2 s)\n\
+                 in progress  #7 /v1/chat/completions  decoding, 12 tokens  (1m1s)\n\
+                 \x20            #8 /v1/chat/completions  waiting for its turn  (2s)\n\
                  idle stop    "
             ),
             "{table}"
@@ -1274,11 +1235,11 @@ hardware    - (no sample yet)
                 "               responses 1 (prompt tokens 100, cached 6, generated 40)",
                 "hardware       - (no sample yet)",
                 "last requests  10s ago 320k anthropic /v1/messages: 12 prompt + 8 generated \
-                 tokens in 0.9s, decode ~10.00 tok/s",
+                 tokens in 900ms, decode ~10.00 tok/s",
                 "               10s ago 320k openai /v1/chat/completions: 12 prompt + 8 generated \
-                 tokens in 0.9s, decode 9.500 tok/s",
+                 tokens in 900ms, decode 9.500 tok/s",
                 "               10s ago 320k responses /v1/responses: 12 prompt + 8 generated \
-                 tokens in 0.9s",
+                 tokens in 900ms",
                 "~              a rate timed by dsv4d's clock: the engine's answer had no \
                  timings (Anthropic Messages, OpenAI Responses)",
             ],
@@ -1377,10 +1338,10 @@ hardware    - (no sample yet)
                 "temperature    edge 73.2 C, Tctl 74.2 C",
                 "power          SoC 69.6 W (socket 85.0 W)",
                 "GPU busy       97%",
-                "mem pressure   some 1.25%, full 0.40% (last 10 s)",
+                "mem pressure   some 1.25%, full 0.40% (last 10s)",
                 "throttling     yes (thermal) for 10s; 12s in all",
                 "last requests  5m ago 320k openai /completion: 262144 prompt + 32 generated tokens in \
-                 1h58m24s, decode 5.300 tok/s, edge 73.2/78.5 C, SoC 85.0 W, GTT peak 81.0 GiB",
+                 1h58m, decode 5.300 tok/s, edge 73.2/78.5 C, SoC 85.0 W, GTT peak 81.0 GiB",
             ]
         );
         // A large VRAM carve-out: the model's pool is VRAM, and that is the row.

@@ -145,7 +145,7 @@ pub fn header(status: &Status, latest: Option<&Sample>, now: f64) -> Vec<String>
         } else {
             "not throttling".to_string()
         };
-        let age = render::duration(now - s.at);
+        let age = dsv4_client::duration::brief_secs(now - s.at);
         lines.push(format!("{throttle}  (sample {age} old)"));
     } else {
         lines.push("no sample yet".to_string());
@@ -190,7 +190,7 @@ pub fn requests_lines(status: &Status, now: f64) -> Vec<String> {
             last.path,
             last.prompt_tokens,
             last.generated_tokens,
-            render::duration(now - last.at)
+            dsv4_client::duration::brief_secs(now - last.at)
         ));
     }
     lines
@@ -448,7 +448,7 @@ mod tests {
         assert_eq!(
             header(&status, None, 0.0)[1],
             "  #3 /v1/chat/completions  prefill 2,048 / 8,192 tokens (25.0%), 1024 tok/s, \
-             about 6 s left  (3 s)"
+             about 6s left  (3s)"
         );
         status.in_progress = (1..=7).map(flight).collect();
         let head = header(&status, None, 0.0);

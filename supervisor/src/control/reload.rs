@@ -197,9 +197,9 @@ impl Reloader {
             }
         }
         tracing::warn!(
-            "{why}: the configuration still changed after {} s of reading it; not applied \
+            "{why}: the configuration still changed after {} of reading it; not applied \
              until it reads the same twice",
-            (DEBOUNCE * STABLE_TRIES as u32).as_secs()
+            dsv4_client::duration::format(DEBOUNCE * STABLE_TRIES as u32)
         );
         None
     }

@@ -136,8 +136,8 @@ pub fn spawn(lifecycle: Handle, telemetry: Telemetry) {
     });
     if let Some(period) = sd_notify::watchdog_enabled() {
         tracing::info!(
-            "watchdog: every {:.1} s, after the lifecycle actor answers",
-            period.as_secs_f64() / 2.0
+            "watchdog: every {}, after the lifecycle actor answers",
+            dsv4_client::duration::format(period / 2)
         );
         tokio::spawn(async move {
             // A fixed beat: a slow answer does not push the next ping toward the deadline.

@@ -30,9 +30,9 @@ async fn run(profile: &Profile, command: &Path, arg: &str) -> Result<Ran, String
     match super::run_bounded(cmd, RUN_LIMIT).await {
         Err(RunError::Spawn(e)) => Err(format!("cannot run {} {arg}: {e}", command.display())),
         Err(RunError::Timeout) => Err(format!(
-            "{} {arg} did not finish within {} s",
+            "{} {arg} did not finish within {}",
             command.display(),
-            RUN_LIMIT.as_secs()
+            dsv4_client::duration::format(RUN_LIMIT)
         )),
         Err(RunError::Wait(e)) => Err(format!("{} {arg}: {e}", command.display())),
         Ok(ran) => {

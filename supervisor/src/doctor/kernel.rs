@@ -43,8 +43,8 @@ pub async fn read_log() -> KernelLog {
     match super::run_bounded(cmd, JOURNAL_LIMIT).await {
         Err(RunError::Spawn(e)) => KernelLog::Unreadable(format!("cannot run journalctl: {e}")),
         Err(RunError::Timeout) => KernelLog::Unreadable(format!(
-            "journalctl did not answer within {} s",
-            JOURNAL_LIMIT.as_secs()
+            "journalctl did not answer within {}",
+            dsv4_client::duration::format(JOURNAL_LIMIT)
         )),
         Err(RunError::Wait(e)) => KernelLog::Unreadable(format!("journalctl: {e}")),
         Ok(ran) => {

@@ -75,11 +75,11 @@ pub enum IntakeError {
     /// More than [`GRACE`] behind `api.min_body_rate`.
     #[error(
         "the request body came slower than api.min_body_rate ({}/s) allows after its first \
-         {}: {got} of {} bytes came in {:.1}s",
+         {}: {got} of {} bytes came in {}",
         dsv4_client::units::format_size(*min_rate),
         dsv4_client::duration::format(GRACE),
         expected.map(|n| n.to_string()).unwrap_or_else(|| "its".into()),
-        elapsed.as_secs_f64()
+        dsv4_client::duration::brief(*elapsed)
     )]
     TooSlow {
         min_rate: u64,
@@ -90,9 +90,9 @@ pub enum IntakeError {
     /// Its connection was chosen to make room at the connection cap.
     #[error(
         "the connection limit (api.max_connections) was reached and this request's body was \
-         the slowest to come: {got} of {} bytes came in {:.1}s; send the body promptly",
+         the slowest to come: {got} of {} bytes came in {}; send the body promptly",
         expected.map(|n| n.to_string()).unwrap_or_else(|| "its".into()),
-        elapsed.as_secs_f64()
+        dsv4_client::duration::brief(*elapsed)
     )]
     Evicted {
         got: u64,

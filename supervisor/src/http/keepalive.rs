@@ -40,6 +40,7 @@ use std::task::{Context, Poll};
 use std::time::Duration;
 
 use bytes::Bytes;
+use dsv4_client::duration::{brief, whole_seconds};
 use http::{header, HeaderValue, Response, StatusCode};
 use http_body::{Body, Frame, SizeHint};
 use tokio::time::{Instant, Interval, MissedTickBehavior};
@@ -167,12 +168,6 @@ where
     }
 }
 
-/// Seconds as the words say them: rounded, since a tick one period after the last sound
-/// comes a hair early as often as late (0.9995 s is one second of silence, not none).
-pub fn whole_seconds(d: Duration) -> u64 {
-    d.as_secs_f64().round() as u64
-}
-
 fn is_event_stream<B>(resp: &Response<B>) -> bool {
     resp.status().is_success()
         && resp
@@ -263,19 +258,19 @@ impl<B: Relayed> Keepalive<B> {
     fn words(&self) -> String {
         match &self.phase {
             Phase::Relaying(_) | Phase::Ended => format!(
-                "dsv4 waiting for the engine's answer: {} s",
-                whole_seconds(self.quiet_since.elapsed())
+                "dsv4 waiting for the engine's answer: {}",
+                brief(whole_seconds(self.quiet_since.elapsed()))
             ),
             Phase::Waiting(_) | Phase::Collecting { .. } => {
                 if let Some(loading) = self.lifecycle.loading() {
                     return loading.describe(loading.since.elapsed());
                 }
-                let waited = whole_seconds(self.since.elapsed());
+                let waited = brief(whole_seconds(self.since.elapsed()));
                 match self.lifecycle.status().state {
                     dsv4_client::State::Ready => {
-                        format!("dsv4 waiting for the engine's answer: {waited} s")
+                        format!("dsv4 waiting for the engine's answer: {waited}")
                     }
-                    state => format!("dsv4 waiting for the engine ({state}): {waited} s"),
+                    state => format!("dsv4 waiting for the engine ({state}): {waited}"),
                 }
             }
         }

@@ -306,11 +306,11 @@ mod tests {
             7,
             1_700_000_000,
             "dsv4",
-            "dsv4 loading 320k: 23 s of about 54 s",
+            "dsv4 loading 320k: 23s of about 54s",
         );
         assert_eq!(
             &c[..],
-            &br#"data: {"id":"dsv4-loading-7","object":"chat.completion.chunk","created":1700000000,"model":"dsv4","choices":[{"index":0,"delta":{"role":"assistant","reasoning_content":"dsv4 loading 320k: 23 s of about 54 s\n"},"finish_reason":null}]}"#[..]
+            &br#"data: {"id":"dsv4-loading-7","object":"chat.completion.chunk","created":1700000000,"model":"dsv4","choices":[{"index":0,"delta":{"role":"assistant","reasoning_content":"dsv4 loading 320k: 23s of about 54s\n"},"finish_reason":null}]}"#[..]
                 .iter()
                 .chain(b"\n\n")
                 .copied()
@@ -318,7 +318,7 @@ mod tests {
         );
         // A model name of any text stays one JSON string; the stream stays between events.
         for model in ["a\"b", "line\nbreak", "é", ""] {
-            let c = reasoning_chunk(1, 0, model, "dsv4 waiting for the engine's answer: 12 s");
+            let c = reasoning_chunk(1, 0, model, "dsv4 waiting for the engine's answer: 12s");
             assert_eq!(place(&[&c]), Place::Between);
             assert_eq!(c.iter().filter(|&&b| b == b'\n').count(), 2, "{model:?}");
             let v = data_of(&c);
@@ -328,7 +328,7 @@ mod tests {
             assert_eq!(delta["role"], "assistant");
             assert_eq!(
                 delta["reasoning_content"],
-                "dsv4 waiting for the engine's answer: 12 s\n"
+                "dsv4 waiting for the engine's answer: 12s\n"
             );
             assert_eq!(v["choices"][0]["finish_reason"], Value::Null);
         }

@@ -274,10 +274,10 @@ pub async fn restore(
     let done = step(started, tokens, m.bytes(), true, "restored".into());
     tracing::info!(
         profile = profile.name,
-        "KV checkpoint {} restored: {tokens} tokens, {} bytes in {:.2} s (saved {} by profile {})",
+        "KV checkpoint {} restored: {tokens} tokens, {} bytes in {} (saved {} by profile {})",
         m.id,
         m.bytes(),
-        done.seconds,
+        dsv4_client::duration::brief_secs(done.seconds),
         ago(m.saved_at),
         m.profile
     );
@@ -338,7 +338,7 @@ fn ago(at: f64) -> String {
 
 fn ago_from(at: f64, now: f64) -> String {
     let s = (now - at).max(0.0);
-    crate::config::format_duration(Duration::from_secs(s as u64)) + " ago"
+    dsv4_client::duration::brief_secs(s) + " ago"
 }
 
 /// What the next start does after a save that failed, from the checkpoint that stays
@@ -531,8 +531,8 @@ async fn commit(store: &Store, manifest: Manifest, max: Option<u64>, started: In
             let done = step(started, tokens, bytes, true, "saved".into());
             tracing::info!(
                 profile,
-                "KV checkpoint {id} saved: {tokens} tokens, {bytes} bytes in {:.2} s",
-                done.seconds
+                "KV checkpoint {id} saved: {tokens} tokens, {bytes} bytes in {}",
+                dsv4_client::duration::brief_secs(done.seconds)
             );
             done
         }

@@ -6,6 +6,7 @@
 
 use std::time::Duration;
 
+use dsv4_client::duration::{brief, whole_seconds};
 use tokio::time::Instant;
 
 /// An engine on its way to serving.
@@ -20,33 +21,24 @@ pub struct Loading {
     pub past: Option<(Duration, Duration)>,
 }
 
-/// Seconds as the words show them: tenths below 10 s, whole seconds above.
-fn seconds(d: Duration) -> String {
-    let s = d.as_secs_f64();
-    match s < 10.0 {
-        true => format!("{:.1}", (s * 10.0).round() / 10.0),
-        false => format!("{}", s.round()),
-    }
-}
-
 impl Loading {
-    /// `dsv4 loading 320k: 23 s of about 54 s`, `elapsed` into the load; where the last
-    /// loads varied (the longest more than half again the shortest, a warm load against a
-    /// cold one), their range instead: `dsv4 loading 320k: 20 s, past loads 0.2-45 s`. The
-    /// first load of a profile says only the seconds.
+    /// `dsv4 loading 320k: 23s of about 54s`, `elapsed` into the load (whole seconds: the
+    /// words are written at each tick); where the last loads varied (the longest more than
+    /// half again the shortest, a warm load against a cold one), their range instead:
+    /// `dsv4 loading 320k: 20s, past loads 240ms-45s`. The first load of a profile says only
+    /// the seconds.
     pub fn describe(&self, elapsed: Duration) -> String {
-        let seconds_in = elapsed.as_secs_f64().round();
-        let mut text = format!("dsv4 loading {}: {seconds_in} s", self.profile);
+        let mut text = format!(
+            "dsv4 loading {}: {}",
+            self.profile,
+            brief(whole_seconds(elapsed))
+        );
         match (self.past, self.about) {
             (Some((low, high)), _) if high.as_secs_f64() > 1.5 * low.as_secs_f64() + 0.5 => {
-                text.push_str(&format!(
-                    ", past loads {}-{} s",
-                    seconds(low),
-                    seconds(high)
-                ));
+                text.push_str(&format!(", past loads {}-{}", brief(low), brief(high)));
             }
             (_, Some(about)) => {
-                text.push_str(&format!(" of about {} s", about.as_secs_f64().round()));
+                text.push_str(&format!(" of about {}", brief(whole_seconds(about))));
             }
             _ => {}
         }
@@ -68,27 +60,27 @@ mod tests {
         };
         assert_eq!(
             l.describe(Duration::from_millis(23_400)),
-            "dsv4 loading 320k: 23 s of about 54 s"
+            "dsv4 loading 320k: 23s of about 54s"
         );
         // Loads that varied: their range, not a median that fits none of them.
         l.past = Some((Duration::from_millis(240), Duration::from_millis(45_400)));
         assert_eq!(
             l.describe(Duration::from_secs(20)),
-            "dsv4 loading 320k: 20 s, past loads 0.2-45 s"
+            "dsv4 loading 320k: 20s, past loads 240ms-45s"
         );
         // Close enough: the median.
         l.past = Some((Duration::from_millis(52_000), Duration::from_millis(56_000)));
         assert_eq!(
             l.describe(Duration::from_millis(23_400)),
-            "dsv4 loading 320k: 23 s of about 54 s"
+            "dsv4 loading 320k: 23s of about 54s"
         );
         // A tick a hair before the second: rounded, not cut.
         assert_eq!(
             l.describe(Duration::from_millis(23_999)),
-            "dsv4 loading 320k: 24 s of about 54 s"
+            "dsv4 loading 320k: 24s of about 54s"
         );
         l.about = None;
         l.past = None;
-        assert_eq!(l.describe(Duration::from_secs(3)), "dsv4 loading 320k: 3 s");
+        assert_eq!(l.describe(Duration::from_secs(3)), "dsv4 loading 320k: 3s");
     }
 }

@@ -321,7 +321,7 @@ impl Ticket {
             Some(format!(
                 "{} done in {}, decode started",
                 describe_prefill(prefill_tokens(now)),
-                dsv4_client::units::spoken_duration(took)
+                dsv4_client::duration::brief(took)
             ))
         });
     }
@@ -353,7 +353,7 @@ impl Ticket {
                 return None;
             }
             let what = describe_prefill(prefill_tokens(now));
-            let took = dsv4_client::units::spoken_duration(took);
+            let took = dsv4_client::duration::brief(took);
             Some(match failed {
                 Some(why) => format!("request {} ({what}) failed after {took}: {why}", f.id),
                 None => format!(
@@ -545,6 +545,18 @@ mod tests {
         assert_eq!(shown(&flights)[0].phase, Phase::Decoding);
     }
 
+    /// `message` is `before`, a time in the project's duration grammar, then `after`.
+    fn assert_timed(message: &str, before: &str, after: &str) {
+        let time = message
+            .strip_prefix(before)
+            .and_then(|m| m.strip_suffix(after))
+            .unwrap_or_else(|| panic!("{message:?} is not {before:?} TIME {after:?}"));
+        assert!(
+            dsv4_client::duration::parse(time).is_ok(),
+            "{time:?} in {message:?}"
+        );
+    }
+
     #[tokio::test]
     async fn a_long_prefill_is_told_when_it_ends_and_when_its_answer_does() {
         let alerts = Alerts::default();
@@ -572,15 +584,17 @@ mod tests {
         t.tokens(1);
         let a = heard.try_recv().unwrap();
         assert_eq!(a.kind, AlertKind::Request);
-        assert_eq!(
-            a.message,
-            "262,144-token prefill done in 0 s, decode started"
+        assert_timed(
+            &a.message,
+            "262,144-token prefill done in ",
+            ", decode started",
         );
         t.ended(None);
         let a = heard.try_recv().unwrap();
-        assert_eq!(
-            a.message,
-            "request 2 (262,144-token prefill) answered in 0 s, 2 events"
+        assert_timed(
+            &a.message,
+            "request 2 (262,144-token prefill) answered in ",
+            ", 2 events",
         );
         let failed = flights.enter(
             &uri("/v1/chat/completions"),
@@ -593,10 +607,10 @@ mod tests {
             "the engine exited while handling the request (exit code 1)",
         ));
         let a = heard.try_recv().unwrap();
-        assert_eq!(
-            a.message,
-            "request 3 (prefill) failed after 0 s: the engine exited while handling the \
-             request (exit code 1)"
+        assert_timed(
+            &a.message,
+            "request 3 (prefill) failed after ",
+            ": the engine exited while handling the request (exit code 1)",
         );
         assert!(heard.try_recv().is_err());
     }

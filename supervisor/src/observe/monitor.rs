@@ -166,9 +166,9 @@ impl Worker {
             _ = tokio::time::sleep(STALLED) => {}
         }
         tracing::warn!(
-            "a hardware read has not returned for {} s (the GPU firmware can stall gpu_metrics): \
+            "a hardware read has not returned for {} (the GPU firmware can stall gpu_metrics): \
              telemetry waits for it; serving goes on",
-            STALLED.as_secs()
+            dsv4_client::duration::format(STALLED)
         );
         let s = answer.await.ok();
         tracing::info!("the hardware read returned: telemetry goes on");

@@ -512,7 +512,10 @@ impl Validator {
             step: "load".into(),
             test: Some("load".into()),
             value: Some(warm),
-            message: format!("load with the page cache as it was: {warm:.1} s ({method})"),
+            message: format!(
+                "load with the page cache as it was: {} ({method})",
+                dsv4_client::duration::brief_secs(warm)
+            ),
             ..Progress::default()
         });
         // Client requests wait at the validation's gate meanwhile, and the engine is idle
@@ -532,8 +535,9 @@ impl Validator {
             test: Some("load".into()),
             value: Some(cold),
             message: format!(
-                "load after {} dropped from the page cache: {cold:.1} s",
-                crate::config::format_size(bytes)
+                "load after {} dropped from the page cache: {}",
+                crate::config::format_size(bytes),
+                dsv4_client::duration::brief_secs(cold)
             ),
             ..Progress::default()
         });
@@ -573,8 +577,8 @@ impl Validator {
             Ok(Ok(_)) => Ok(()),
             Ok(Err(_)) => Err("the lifecycle went away".into()),
             Err(_) => Err(format!(
-                "the engine did not stop within {} s",
-                within.as_secs()
+                "the engine did not stop within {}",
+                dsv4_client::duration::format(within)
             )),
         };
         outcome

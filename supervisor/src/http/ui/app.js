@@ -34,10 +34,7 @@ function size(bytes) {
 
 function ago(at) {
   if (at == null) return "-";
-  const s = Math.max(0, Date.now() / 1000 - at);
-  if (s < 60) return Math.round(s) + " s ago";
-  if (s < 3600) return Math.round(s / 60) + " min ago";
-  return (s / 3600).toFixed(1) + " h ago";
+  return brief(Date.now() / 1000 - at) + " ago";
 }
 
 function cell(row, text) {
@@ -168,19 +165,32 @@ function thousands(n) {
   return Number(n).toLocaleString("en-US");
 }
 
-// A span of time for people: 1 h 58 min, 12 min 5 s, 42 s.
-function spoken(seconds) {
-  const s = Math.max(0, Math.floor(seconds));
-  const h = Math.floor(s / 3600), min = Math.floor(s / 60) % 60, sec = s % 60;
-  if (h > 0) return min > 0 ? h + " h " + min + " min" : h + " h";
-  if (min > 0) return sec > 0 ? min + " min " + sec + " s" : min + " min";
-  return sec + " s";
+// A measured time, as dsv4 prints every time (its Rust `duration::brief`): cut to a
+// precision that fits its size: 250ms, 1.2s, 42s, 12m5s, 1h58m, 2d4h.
+function brief(seconds) {
+  const t = Number.isFinite(seconds) ? Math.max(0, seconds) : 0;
+  const s = Math.floor(t);
+  if (s === 0) return t >= 0.001 ? Math.floor(t * 1000) + "ms" : "0s";
+  if (s < 10) {
+    const tenth = Math.floor(t * 10) % 10;
+    return tenth > 0 ? s + "." + tenth + "s" : s + "s";
+  }
+  const parts = [[86400, "d"], [3600, "h"], [60, "m"], [1, "s"]];
+  const unit = s < 3600 ? 1 : s < 86400 ? 60 : 3600;
+  let left = s - (s % unit), out = "";
+  for (const [len, name] of parts) {
+    if (left >= len) {
+      out += Math.floor(left / len) + name;
+      left %= len;
+    }
+  }
+  return out;
 }
 
 // A time left: to the second below a minute, to the minute above.
 function about(seconds) {
   const s = Math.max(0, Math.round(seconds));
-  return spoken(s < 60 ? s : Math.round(s / 60) * 60);
+  return brief(s < 60 ? s : Math.round(s / 60) * 60);
 }
 
 // A rate with four significant digits: 13.35, 122.7, 1234.
@@ -197,8 +207,8 @@ function phaseText(r) {
   if (r.phase === "loading") {
     let s = "loading" + (r.profile ? " " + r.profile : "");
     if (r.loading_s != null) {
-      s += ": " + spoken(r.loading_s);
-      if (r.loading_about_s != null) s += " of about " + spoken(r.loading_about_s);
+      s += ": " + brief(r.loading_s);
+      if (r.loading_about_s != null) s += " of about " + brief(r.loading_about_s);
     }
     return s;
   }
@@ -246,7 +256,7 @@ function showInProgress(list) {
     }
     const text = document.createElement("span");
     text.className = "what";
-    text.textContent = phaseText(r) + " (" + spoken(r.age_s) + ")";
+    text.textContent = phaseText(r) + " (" + brief(r.age_s) + ")";
     li.appendChild(text);
     ul.appendChild(li);
   }

@@ -147,13 +147,14 @@ impl Actor {
         }
         let Some(term_at) = e.term_at else { return };
         let seconds = term_at.elapsed().as_secs_f64();
+        let took = dsv4_client::duration::brief_secs(seconds);
         let lines = e.shared.output.last(TAIL_LINES);
         let program = kind.program;
         let step = match (own.saved)(&lines) {
             Some((saved, said)) => {
                 tracing::info!(
                     profile = e.spawned.name,
-                    "{program} stopped {seconds:.1} s after SIGTERM; it said: {said}"
+                    "{program} stopped {took} after SIGTERM; it said: {said}"
                 );
                 let mut step = crate::kv::engine_saved(saved, said);
                 step.seconds = seconds;
@@ -162,7 +163,7 @@ impl Actor {
             None => {
                 tracing::info!(
                     profile = e.spawned.name,
-                    "{program} stopped {seconds:.1} s after SIGTERM and said nothing of a KV checkpoint ({})",
+                    "{program} stopped {took} after SIGTERM and said nothing of a KV checkpoint ({})",
                     own.silent_when
                 );
                 dsv4_client::kv::KvStep {

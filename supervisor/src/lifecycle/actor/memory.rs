@@ -65,8 +65,8 @@ pub(super) async fn memory_comes_back<F: FnOnce() + Send + 'static>(
         }
         if available_back && gpu_back {
             tracing::debug!(
-                "the engine's memory came back within {:.1} s",
-                started.elapsed().as_secs_f64()
+                "the engine's memory came back within {}",
+                dsv4_client::duration::brief(started.elapsed())
             );
             return;
         }

@@ -130,7 +130,10 @@ impl Actor {
     /// goes to `state_dir` (off the runtime's threads: the write is synced), for the estimate
     /// of the next.
     fn loaded(&mut self, profile: String, took: Duration) {
-        tracing::info!("engine of {profile} loaded in {:.1} s", took.as_secs_f64());
+        tracing::info!(
+            "engine of {profile} loaded in {}",
+            dsv4_client::duration::brief(took)
+        );
         self.loading.send_replace(None);
         let state_dir = self.config.supervisor.state_dir.clone();
         tokio::task::spawn_blocking(move || {

@@ -217,11 +217,15 @@ pub fn describe(e: &ThermalEvent, t: &Thresholds) -> String {
             format!("the hardware is throttling ({})", kinds.join(", "))
         }
         ThermalEvent::ThrottleEnd { seconds } => {
-            format!("the hardware stopped throttling (it lasted {seconds:.0} s)")
+            format!(
+                "the hardware stopped throttling (it lasted {})",
+                dsv4_client::duration::brief_secs(*seconds)
+            )
         }
         ThermalEvent::Lost { sensor, from } => format!(
-            "{sensor} temperature: no reading for {LOST:.0} s while {}; its level is dropped \
+            "{sensor} temperature: no reading for {} while {}; its level is dropped \
              until it reads again",
+            dsv4_client::duration::brief_secs(LOST),
             from.as_str()
         ),
     }
@@ -370,7 +374,7 @@ mod tests {
             }]
         );
         assert_eq!(m.level(), Level::Normal);
-        assert!(describe(&e[0], &T).starts_with("edge temperature: no reading for 60 s"));
+        assert!(describe(&e[0], &T).starts_with("edge temperature: no reading for 1m while"));
         // A cool sensor that stops reading says nothing.
         assert!(m.step(&T, &temps(None, None), None, 200.0).is_empty());
     }
