@@ -415,7 +415,7 @@ async fn a_hardware_read_that_hangs_stalls_no_stream_and_no_health_check() {
     nix::unistd::mkfifo(&metrics, nix::sys::stat::Mode::from_bits_truncate(0o600)).unwrap();
     let d = Daemon::start(&sampled(tree.path()).knob("token_ms", "20"));
     // The sampler is held in that read (the daemon says so after 5 s).
-    d.log_with(&["a hardware read has not returned for 5 s"])
+    d.log_with(&["a hardware read has not returned for 5s"])
         .await;
     let resp = d.post("/v1/chat/completions", chat(100, true)).await;
     assert_eq!(resp.status(), 200);

@@ -595,8 +595,8 @@ async fn the_load_is_timed_warm_then_with_the_model_dropped_from_the_page_cache(
     assert_eq!(d.spawns(), spawns + 2, "{load:?}");
     assert!(
         stdout.contains(&format!(
-            "load: {:.1} s with the page cache as it was",
-            load.warm_seconds
+            "load: {} with the page cache as it was",
+            dsv4_client::duration::brief_secs(load.warm_seconds)
         )),
         "{stdout}"
     );
