@@ -21,11 +21,17 @@ pub enum EngineKind {
     LlamaServer,
     Ds4,
     OpenAi,
+    RpcServer,
 }
 
 impl EngineKind {
     /// Every kind, in the order messages list them.
-    pub const ALL: [EngineKind; 3] = [EngineKind::LlamaServer, EngineKind::Ds4, EngineKind::OpenAi];
+    pub const ALL: [EngineKind; 4] = [
+        EngineKind::LlamaServer,
+        EngineKind::Ds4,
+        EngineKind::OpenAi,
+        EngineKind::RpcServer,
+    ];
 
     /// What dsv4 knows about this kind: the one place that tells the kinds apart.
     pub fn describe(self) -> &'static Kind {
@@ -33,6 +39,7 @@ impl EngineKind {
             EngineKind::LlamaServer => &kinds::llama_server::KIND,
             EngineKind::Ds4 => &kinds::ds4::KIND,
             EngineKind::OpenAi => &kinds::openai::KIND,
+            EngineKind::RpcServer => &kinds::rpc_server::KIND,
         }
     }
 

@@ -35,10 +35,11 @@ pub enum Setting {
     KeyArg,
     StopSignal,
     StopGrace,
+    Workers,
 }
 
 impl Setting {
-    pub const ALL: [Setting; 19] = [
+    pub const ALL: [Setting; 20] = [
         Setting::Model,
         Setting::Mmproj,
         Setting::Context,
@@ -58,6 +59,7 @@ impl Setting {
         Setting::KeyArg,
         Setting::StopSignal,
         Setting::StopGrace,
+        Setting::Workers,
     ];
 
     /// Its key in a profile.
@@ -82,6 +84,7 @@ impl Setting {
             Setting::KeyArg => "key_arg",
             Setting::StopSignal => "stop_signal",
             Setting::StopGrace => "stop_grace",
+            Setting::Workers => "workers",
         }
     }
 }
@@ -222,4 +225,7 @@ pub struct EngineParams {
     pub stop_signal: Option<Signal>,
     /// `stop_grace`: stop signal to SIGKILL; `None`: `engine.stop_timeout`.
     pub stop_grace: Option<Duration>,
+    /// Where the engine reaches the devices its profile's `workers` lend it (`host:port` each,
+    /// dsv4d's relays on loopback): filled in at each start, once every worker is held.
+    pub workers: Vec<String>,
 }

@@ -40,6 +40,8 @@ pub struct Parts {
     pub actions: Actions,
     /// The requests in flight, each with its phase.
     pub flights: Flights,
+    /// The coordinators on other boxes that hold this box's profile.
+    pub holders: crate::lifecycle::holders::Holders,
 }
 
 impl Parts {
@@ -57,6 +59,7 @@ impl Parts {
             kv: Some(self.lifecycle.kv().status().await),
             limits: Some(crate::host::open_file_limits()),
             in_progress,
+            holds: self.holders.list(),
         }
     }
 

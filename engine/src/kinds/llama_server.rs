@@ -42,6 +42,7 @@ pub const KIND: Kind = Kind {
         Setting::FlashAttn,
         Setting::GpuLayers,
         Setting::KvCheckpoint,
+        Setting::Workers,
     ],
     ignores: &[
         Setting::PrefillChunk,
@@ -113,6 +114,10 @@ fn settings_argv(p: &EngineParams, _host: &str, _port: u16) -> Vec<OsString> {
         .flag("-ub", number(p.ubatch))
         .flag("--mmproj", p.mmproj.clone())
         .flag("--slot-save-path", p.slot_save_path.clone())
+        .flag(
+            "--rpc",
+            (!p.workers.is_empty()).then(|| p.workers.join(",")),
+        )
         .into_vec()
 }
 

@@ -12,6 +12,7 @@
 pub mod ds4;
 pub mod llama_server;
 pub mod openai;
+pub mod rpc_server;
 
 use std::ffi::OsString;
 
@@ -206,6 +207,9 @@ pub enum ValidationApi {
     Native,
     /// The OpenAI API, timed from the stream.
     Streamed,
+    /// None: the engine serves no API of its own. It lends its box's devices to a
+    /// coordinator on another box (`rpc-server`), whose profile is the one validated.
+    Lends,
 }
 
 #[cfg(test)]
@@ -243,6 +247,9 @@ mod tests {
                 assert!(!d.reads(*key), "{}: reads and ignores {key:?}", d.name);
             }
         }
-        assert_eq!(EngineKind::names(), ["llama-server", "ds4", "openai"]);
+        assert_eq!(
+            EngineKind::names(),
+            ["llama-server", "ds4", "openai", "rpc-server"]
+        );
     }
 }

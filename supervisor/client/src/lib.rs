@@ -411,6 +411,20 @@ pub struct Status {
     /// The requests in flight, oldest first, each with its phase (none from an older daemon).
     #[serde(default)]
     pub in_progress: Vec<InProgress>,
+    /// The coordinators on other boxes that hold this box's profile (`peers:`), oldest first.
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub holds: Vec<Hold>,
+}
+
+/// A coordinator on another box holding this box's profile: its engine lends this box's
+/// devices to that box's engine for as long as the hold lasts.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct Hold {
+    /// The coordinator's address on the link.
+    pub from: String,
+    pub profile: String,
+    /// When the hold began (Unix time, seconds).
+    pub since: f64,
 }
 
 impl Status {
@@ -426,6 +440,7 @@ impl Status {
             kv: None,
             limits: None,
             in_progress: Vec::new(),
+            holds: Vec::new(),
         }
     }
 }
@@ -733,6 +748,11 @@ mod tests {
                     left_s: Some(2103.1),
                 }),
                 tokens: 0,
+            }],
+            holds: vec![Hold {
+                from: "10.77.0.1".into(),
+                profile: "rpc".into(),
+                since: 1_767_225_600.0,
             }],
         };
         let v = serde_json::to_value(&s).unwrap();

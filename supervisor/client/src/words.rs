@@ -221,6 +221,7 @@ words! {
         ShuttingDown = "shutting_down",
         ConfigInvalid = "config_invalid",
         EngineFailed = "engine_failed",
+        EngineLends = "engine_lends",
         // The dashboard's actions.
         NotFound = "not_found",
         ActionsOff = "actions_off",

@@ -906,6 +906,7 @@ mod tests {
             power: None,
             limits: None,
             in_progress: Vec::new(),
+            holds: Vec::new(),
             thermal: None,
             kv: None,
         }

@@ -306,6 +306,9 @@ struct Daemon {
     actor: tokio::task::JoinHandle<()>,
     /// Kept for the daemon's life: dropping it leaves the bus.
     control: Option<zbus::Connection>,
+    /// The peers port is dsv4d's own (bound from `peers.listen`, not passed by systemd):
+    /// nobody would answer there after an idle exit.
+    peers_own: bool,
 }
 
 /// A daemon that stopped serving: what its stop needs.
@@ -319,13 +322,14 @@ struct Stopping {
 
 /// Reads the configuration, takes the API socket, ends what a previous dsv4d left running,
 /// and starts the lifecycle actor, the monitor, the policies and the control interface.
-async fn build(args: Args, activated: Vec<(std::os::fd::OwnedFd, String)>) -> Result<Daemon> {
+async fn build(args: Args, mut activated: Vec<(std::os::fd::OwnedFd, String)>) -> Result<Daemon> {
     let config = Config::load(&args.config).map_err(|e| ConfigInvalid(e.to_string()))?;
     let config = Arc::new(config);
     let sysroot = SysRoot::new(&args.sysroot)?;
     if sysroot != SysRoot::default() {
         tracing::info!("reading /proc and /sys below {}", sysroot.root().display());
     }
+    let (peers_listener, peers_own) = peers_listener(&config, &mut activated)?;
     let (listener, origin) = listen(&args, &config, activated)?;
     let key_folder = clean_slate(&config).await?;
     let alerts = Alerts::default();
@@ -365,6 +369,14 @@ async fn build(args: Args, activated: Vec<(std::os::fd::OwnedFd, String)>) -> Re
         alerts,
         watchers: Default::default(),
     });
+    if let Some(l) = peers_listener {
+        let peers = dsv4::http::peers::Peers {
+            lifecycle: ctx.parts.lifecycle.clone(),
+            config: ctx.parts.config.clone(),
+            holders: ctx.parts.holders.clone(),
+        };
+        tokio::spawn(dsv4::http::peers::serve(l, peers));
+    }
     // Read now, so that the engines' output loses them from the first line on.
     let _ = ctx.api_keys.get(&config);
     let _ = ctx.admin_keys.get(&config);
@@ -375,7 +387,44 @@ async fn build(args: Args, activated: Vec<(std::os::fd::OwnedFd, String)>) -> Re
         ctx,
         actor,
         control,
+        peers_own,
     })
+}
+
+/// The peers port: systemd's socket named `peers`, else `peers.listen` bound (then `true`:
+/// dsv4d's own); `None` when the box lends to no one.
+fn peers_listener(
+    config: &Config,
+    activated: &mut Vec<(std::os::fd::OwnedFd, String)>,
+) -> Result<(Option<tokio::net::TcpListener>, bool)> {
+    let passed = listener::take_named(activated, "peers")?;
+    let own = passed.is_none() && config.supervisor.peers.listen.is_some();
+    let std_listener = match passed {
+        Some(l) => Some(l),
+        None => match &config.supervisor.peers.listen {
+            Some(listen) => {
+                let l = std::net::TcpListener::bind(listen)
+                    .with_context(|| format!("binding the peers port on {listen}"))?;
+                l.set_nonblocking(true)
+                    .context("setting the peers port non-blocking")?;
+                Some(l)
+            }
+            None => None,
+        },
+    };
+    let Some(l) = std_listener else {
+        return Ok((None, false));
+    };
+    let addr = l.local_addr().map(|a| a.to_string()).unwrap_or_default();
+    match config.supervisor.peers.keys_file.is_some() {
+        true => tracing::info!("lending to coordinators on other boxes at {addr} (peers)"),
+        false => tracing::warn!(
+            "the peers port {addr} is open but peers.keys_file is not set: every coordinator \
+             is refused"
+        ),
+    }
+    let listener = tokio::net::TcpListener::from_std(l).context("registering the peers port")?;
+    Ok((Some(listener), own))
 }
 
 /// The API's listener: systemd's socket, else `--listen`, else `api.listen`.
@@ -491,6 +540,7 @@ fn spawn_parts(
         validator: validator.clone(),
         actions: dsv4::actions::Actions::new(lifecycle, validator),
         flights: dsv4::observe::flights::Flights::new(alerts.clone()),
+        holders: Default::default(),
     };
     (parts, actor, redact)
 }
@@ -505,6 +555,7 @@ impl Daemon {
             ctx,
             actor,
             control,
+            peers_own,
         } = self;
         let lifecycle = ctx.parts.lifecycle.clone();
         let (activity, connections) = (ctx.activity.clone(), ctx.connections.clone());
@@ -519,6 +570,13 @@ impl Daemon {
         if idle_after.is_some() && !activated {
             tracing::info!("exit_when_idle applies only under socket activation: not used");
         }
+        if idle_after.is_some() && activated && peers_own {
+            tracing::info!(
+                "exit_when_idle is not used: the peers port is dsv4d's own (peers.listen), \
+                 and no one would answer there after an exit"
+            );
+        }
+        let activated = activated && !peers_own;
         let idle = async move {
             match idle_after.filter(|_| activated) {
                 Some(after) => {

@@ -18,11 +18,12 @@ use super::error::Problem;
 use super::files::{self, Shown};
 use super::matrix;
 use super::names;
-use super::raw::RawProfile;
+use super::raw::{RawProfile, RawWorker};
 use super::rules;
 use super::yaml::Doc;
 use super::{
     format_duration, format_temperature, Config, ConfigError, KvCheckpoint, Profile, Supervisor,
+    Worker,
 };
 
 const MIB: u64 = 1 << 20;
@@ -335,6 +336,17 @@ impl Check<'_> {
             "invalid address {listen:?}: expected IP:port, e.g. 127.0.0.1:8080 or [::1]:8080"
         );
         self.when(listen.parse::<SocketAddr>().is_err(), "api.listen", message);
+        if let Some(listen) = &s.peers.listen {
+            let message = format!(
+                "invalid address {listen:?}: expected IP:port on the link between the boxes, \
+                 e.g. 10.77.0.2:8090"
+            );
+            self.when(
+                listen.parse::<SocketAddr>().is_err(),
+                "peers.listen",
+                message,
+            );
+        }
         self.key_files(s, base);
         // The same file for both would make every API client an admin. Checked at a reload
         // too, and by the keys themselves whenever they are read.
@@ -376,10 +388,11 @@ impl Check<'_> {
     /// `api.api_keys_file` and `api.admin_keys_file`: a `credential:` resolved, a path made
     /// absolute, the file checked (when it is to be read now).
     fn key_files(&mut self, s: &mut Supervisor, base: &Path) {
-        let api = &mut s.api;
+        let (api, peers) = (&mut s.api, &mut s.peers);
         for (path, file) in [
             ("api.api_keys_file", &mut api.api_keys_file),
             ("api.admin_keys_file", &mut api.admin_keys_file),
+            ("peers.keys_file", &mut peers.keys_file),
         ] {
             let Some(keys) = file else { continue };
             let written = keys.to_string_lossy().into_owned();
@@ -559,18 +572,14 @@ impl Check<'_> {
         );
         self.when(files.is_empty() && dir_known, "profiles_dir", message);
 
-        // Profile names appear in the API, the CLI and the state file: keep them plain.
-        let plain = |c: char| c.is_ascii_alphanumeric() || matches!(c, '.' | '_' | '-');
         for (name, path) in files {
             let text = if let Some(first) = found.get(&name) {
                 let first = self.shown.text(first);
                 Err(format!(
                     "profile {name:?} is already defined by {first}; remove or rename one of them"
                 ))
-            } else if name.is_empty() || name.starts_with('-') || !name.chars().all(plain) {
-                Err(format!(
-                    "invalid profile name {name:?}: use letters, digits, '.', '_' and '-' (not first)"
-                ))
+            } else if let Some(message) = rules::check_profile_name(&name) {
+                Err(message)
             } else {
                 self.profile_text(&path, dir)
             };
@@ -662,6 +671,7 @@ impl Check<'_> {
         }
         let matrix = raw.matrix.map(|m| self.matrix(m));
         let env = self.env(raw.env.unwrap_or_default());
+        let workers = self.workers(raw.workers.unwrap_or_default(), dir);
         Profile {
             name: name.to_string(),
             file: file.to_path_buf(),
@@ -691,6 +701,7 @@ impl Check<'_> {
                 key,
                 stop_signal: raw.stop_signal,
                 stop_grace: raw.stop_grace,
+                workers: Vec::new(),
             },
             planned_memory,
             env,
@@ -698,7 +709,54 @@ impl Check<'_> {
             // (kv_disk_dir) or none.
             kv_checkpoint: kv_checkpoint.filter(|_| slots),
             matrix,
+            workers,
         }
+    }
+
+    /// `workers:`, each with its box's address, the profile held there and the key file
+    /// (resolved against the profiles folder, checked as a secret), and how to wake the box.
+    fn workers(&mut self, raw: Vec<RawWorker>, dir: &Path) -> Vec<Worker> {
+        let mut workers = Vec::new();
+        for (i, w) in raw.into_iter().enumerate() {
+            let at_key = format!("workers[{i}]");
+            let required = |me: &mut Self, field: &str, value: Option<String>| {
+                let path = format!("{at_key}.{field}");
+                let missing = value.is_none() && !me.doc.dropped(&path);
+                me.when(missing, &path, "required");
+                value
+            };
+            let at = required(self, "at", w.at);
+            let profile = required(self, "profile", w.profile);
+            let key_file = required(self, "key_file", w.key_file);
+            if let Some(at) = &at {
+                self.add(&format!("{at_key}.at"), rules::check_peer_address(at));
+            }
+            if let Some(p) = &profile {
+                self.add(&format!("{at_key}.profile"), rules::check_profile_name(p));
+            }
+            let key_file = key_file.map(|k| {
+                let path = dir.join(&k);
+                let check = |shown: &Shown| files::check_secret_file(shown, &path);
+                let message = self.on_disk(&k, check);
+                self.add(&format!("{at_key}.key_file"), message);
+                path
+            });
+            let wake = w.wake.and_then(|wake| {
+                let parsed = rules::wake(wake.mac.as_deref(), wake.broadcast.as_deref());
+                parsed
+                    .map_err(|(field, message)| self.to(&format!("{at_key}.wake.{field}"), message))
+                    .ok()
+            });
+            if let (Some(at), Some(profile), Some(key_file)) = (at, profile, key_file) {
+                workers.push(Worker {
+                    at,
+                    profile,
+                    key_file,
+                    wake,
+                });
+            }
+        }
+        workers
     }
 
     /// The engine's program: required, and found (a bare name in `PATH`, the profile's own

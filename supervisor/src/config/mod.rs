@@ -36,6 +36,7 @@ mod yaml;
 mod tests;
 
 use std::collections::BTreeMap;
+use std::net::SocketAddr;
 use std::path::{Path, PathBuf};
 use std::time::Duration;
 
@@ -198,6 +199,21 @@ pub struct Supervisor {
     pub thermal: ThermalSettings,
     pub memory: Memory,
     pub notify: Notify,
+    pub peers: Peers,
+}
+
+/// `peers:`: where coordinators on other boxes reach this one to hold its profiles, and
+/// their keys.
+#[derive(Debug, Clone, PartialEq, Default, Deserialize)]
+#[serde(default, deny_unknown_fields)]
+#[serde(expecting = "a mapping of `peers` settings")]
+pub struct Peers {
+    /// `IP:port` on the link between the boxes; used only when not socket-activated (the
+    /// socket named `peers`). `None`: this box lends to no one.
+    pub listen: Option<String>,
+    /// The keys of the coordinators allowed to hold this box's profiles, one per line, under
+    /// the rules of `api.api_keys_file`. Resolved against the config folder.
+    pub keys_file: Option<PathBuf>,
 }
 
 impl Supervisor {
@@ -426,6 +442,36 @@ pub struct Profile {
     pub kv_checkpoint: Option<KvCheckpoint>,
     /// The settings `dsv4ctl validate --matrix` compares (`matrix:`).
     pub matrix: Option<matrix::Matrix>,
+    /// Profiles of other boxes whose engines lend this one their devices (`workers:`),
+    /// held before each start of this profile's engine and let go after its stop.
+    pub workers: Vec<Worker>,
+}
+
+/// One of a profile's `workers:`: a profile of another box, held through that box's dsv4d.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Worker {
+    /// That box's `peers.listen`, as `host:port`.
+    pub at: String,
+    /// The profile held there (an engine that lends its devices, `rpc-server`).
+    pub profile: String,
+    /// The key that box's `peers.keys_file` holds for this one (its first key).
+    pub key_file: PathBuf,
+    /// How to wake that box when it does not answer.
+    pub wake: Option<Wake>,
+}
+
+/// A Wake-on-LAN target: the box's MAC, and the address its magic packet is sent to.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Wake {
+    pub mac: [u8; 6],
+    pub broadcast: SocketAddr,
+}
+
+impl Worker {
+    /// The box, as messages name it: the host of `at`.
+    pub fn host(&self) -> &str {
+        self.at.rsplit_once(':').map_or(&self.at, |(host, _)| host)
+    }
 }
 
 /// `kv_checkpoint:` of a llama-server profile: the slots' KV cache is saved to `dir` on every

@@ -67,6 +67,29 @@ pub(crate) struct RawProfile {
     /// Stop signal to SIGKILL.
     #[serde(deserialize_with = "duration_or_never")]
     pub stop_grace: Option<Duration>,
+    /// Profiles of other boxes whose engines lend this one their devices.
+    pub workers: Option<Vec<RawWorker>>,
+}
+
+/// One of `workers:`; `at`, `profile` and `key_file` are required (optional here so that
+/// each missing one is reported).
+#[derive(Debug, Default, Deserialize)]
+#[serde(default, deny_unknown_fields)]
+#[serde(expecting = "a mapping with at, profile, key_file (required) and wake")]
+pub(crate) struct RawWorker {
+    pub at: Option<String>,
+    pub profile: Option<String>,
+    pub key_file: Option<String>,
+    pub wake: Option<RawWake>,
+}
+
+/// `wake:` of a worker: its MAC and where its Wake-on-LAN packet goes.
+#[derive(Debug, Default, Deserialize)]
+#[serde(default, deny_unknown_fields)]
+#[serde(expecting = "a mapping with mac (required) and broadcast")]
+pub(crate) struct RawWake {
+    pub mac: Option<String>,
+    pub broadcast: Option<String>,
 }
 
 /// `kv_checkpoint:` of a profile; `dir` is required (optional here so that its absence is

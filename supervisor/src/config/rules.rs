@@ -76,6 +76,68 @@ pub fn kv_cache_type_size(kv: &str) -> Option<(u64, u64)> {
         .map(|(_, bytes, per)| (*bytes, *per))
 }
 
+/// Why `name` cannot name a profile, if it cannot: profile names appear in the API, the CLI,
+/// the state file and the peers' protocol, so they are kept plain.
+pub(crate) fn check_profile_name(name: &str) -> Option<String> {
+    let plain = |c: char| c.is_ascii_alphanumeric() || matches!(c, '.' | '_' | '-');
+    match name.is_empty() || name.starts_with('-') || !name.chars().all(plain) {
+        true => Some(format!(
+            "invalid profile name {name:?}: use letters, digits, '.', '_' and '-' (not first)"
+        )),
+        false => None,
+    }
+}
+
+/// Why `at` cannot be a worker box's address, if it cannot: `host:port`, the host an IP
+/// address or a name.
+pub(crate) fn check_peer_address(at: &str) -> Option<String> {
+    let hint = "expected host:port, that box's peers.listen, e.g. 10.77.0.2:8090";
+    let Some((host, port)) = at.rsplit_once(':') else {
+        return Some(format!("invalid address {at:?}: {hint}"));
+    };
+    let host = host.trim_start_matches('[').trim_end_matches(']');
+    let name = |c: char| c.is_ascii_alphanumeric() || matches!(c, '.' | '-' | ':');
+    match (
+        port.parse::<u16>(),
+        host.is_empty() || !host.chars().all(name),
+    ) {
+        (Ok(p), false) if p != 0 => None,
+        _ => Some(format!("invalid address {at:?}: {hint}")),
+    }
+}
+
+/// A worker's `wake:`: its MAC (`aa:bb:cc:dd:ee:ff`) and where its magic packet goes
+/// (`IP:port`, by default the limited broadcast on the discard port 9). The field and the
+/// message when one cannot be read.
+pub(crate) fn wake(
+    mac: Option<&str>,
+    broadcast: Option<&str>,
+) -> Result<super::Wake, (&'static str, String)> {
+    let mac_text = mac.ok_or(("mac", "required".to_string()))?;
+    let parts: Vec<&str> = mac_text.split([':', '-']).collect();
+    let bytes: Vec<u8> = parts
+        .iter()
+        .filter(|p| p.len() == 2)
+        .filter_map(|p| u8::from_str_radix(p, 16).ok())
+        .collect();
+    let mac: [u8; 6] = bytes.try_into().map_err(|_| {
+        let message =
+            format!("invalid MAC {mac_text:?}: expected six hex pairs, e.g. aa:bb:cc:dd:ee:ff");
+        ("mac", message)
+    })?;
+    let broadcast = match broadcast {
+        None => std::net::SocketAddr::from(([255, 255, 255, 255], 9)),
+        Some(text) => text.parse().map_err(|_| {
+            let message = format!(
+                "invalid address {text:?}: expected IP:port, the link's broadcast address, \
+                 e.g. 10.77.0.255:9"
+            );
+            ("broadcast", message)
+        })?,
+    };
+    Ok(super::Wake { mac, broadcast })
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;

@@ -214,6 +214,7 @@ kv_checkpoint: {{ dir: kv, max_size: 40GiB, save_timeout: 90s }}
             notify: Notify {
                 long_request: Some(Duration::from_secs(90)),
             },
+            peers: Default::default(),
         },
         profiles: BTreeMap::from([
             (
@@ -237,6 +238,7 @@ kv_checkpoint: {{ dir: kv, max_size: 40GiB, save_timeout: 90s }}
                     env: BTreeMap::new(),
                     kv_checkpoint: None,
                     matrix: None,
+                    workers: Vec::new(),
                 },
             ),
             (
@@ -274,6 +276,7 @@ kv_checkpoint: {{ dir: kv, max_size: 40GiB, save_timeout: 90s }}
                         restore_timeout: KvCheckpoint::DEFAULT_RESTORE_TIMEOUT,
                     }),
                     matrix: None,
+                    workers: Vec::new(),
                     env: BTreeMap::from([
                         ("HOME".to_string(), "/tmp".to_string()),
                         ("LLAMA_ARG_THREADS".to_string(), "8".to_string()),
@@ -701,7 +704,7 @@ fn unknown_key_is_reported_with_position_and_path() {
              `description`, `engine`, `command`, `model`, `mmproj`, `context`, `parallel`, \
              `batch`, `ubatch`, `kv_cache`, `flash_attn`, `gpu_layers`, `prefill_chunk`, \
              `kv_disk_dir`, `kv_disk_space`, `planned_memory`, `kv_checkpoint`, `extra_args`, `env`, \
-             `matrix`, `args`, `health`, `key_env`, `key_arg`, `stop_signal`, `stop_grace`; \
+             `matrix`, `args`, `health`, `key_env`, `key_arg`, `stop_signal`, `stop_grace`, `workers`; \
              did you mean `model`?",
         ]
     );
@@ -731,7 +734,7 @@ fn unit_errors_carry_position_and_path() {
             // The rest of a file is still checked after a value that does not fit.
             "profiles/other.yaml: command: required: the engine executable",
             "profiles/other.yaml:1:9: engine: unknown engine `vllm`, expected one of: \
-             llama-server, ds4, openai",
+             llama-server, ds4, openai, rpc-server",
         ]
     );
 }
@@ -870,7 +873,7 @@ fn semantic_problems_are_all_reported_in_file_order() {
             "profiles/320k.yaml:7:17: planned_memory: must be greater than 0",
             "profiles/320k.yaml:9:3: env: invalid variable name \"A=B\": use letters, digits \
              and '_', not starting with a digit",
-            "profiles/empty.yaml: engine: required: one of llama-server, ds4, openai",
+            "profiles/empty.yaml: engine: required: one of llama-server, ds4, openai, rpc-server",
             "profiles/empty.yaml: command: required: the engine executable",
         ]
     );
@@ -1409,7 +1412,7 @@ fn shipped_policies_document_every_key() {
     let shipped: BTreeMap<String, serde::de::IgnoredAny> =
         dsv4_yaml::from_str(&text).unwrap().unwrap();
     let keys = keys_of::<Supervisor>();
-    assert_eq!(keys.len(), 11);
+    assert_eq!(keys.len(), 12);
     for key in keys {
         assert!(shipped.contains_key(key), "{key}");
     }
@@ -1567,7 +1570,7 @@ fn keys_of<T: serde::de::DeserializeOwned>() -> Vec<&'static str> {
 }
 
 /// The sections of `supervisor.yaml` and the keys of each.
-fn sections() -> [(&'static str, Vec<&'static str>); 6] {
+fn sections() -> [(&'static str, Vec<&'static str>); 7] {
     [
         ("api", keys_of::<Api>()),
         ("engine", keys_of::<EngineLimits>()),
@@ -1575,6 +1578,7 @@ fn sections() -> [(&'static str, Vec<&'static str>); 6] {
         ("monitor", keys_of::<Monitor>()),
         ("thermal", keys_of::<ThermalSettings>()),
         ("memory", keys_of::<Memory>()),
+        ("peers", keys_of::<super::Peers>()),
     ]
 }
 

@@ -5,6 +5,7 @@
 
 pub mod gguf;
 pub mod hw;
+pub mod keys;
 pub mod load_times;
 pub mod regular;
 pub mod state_file;

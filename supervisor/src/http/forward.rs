@@ -247,6 +247,13 @@ async fn turn(
     // A validation that began while this request waited for an engine holds that engine:
     // never a client's. Then back to the validation's gate, to wait for the profile it
     // restores (or 503 past max_waiting, as any request during a validation).
+    let active = ctx.parts.lifecycle.status().profile;
+    if let Some(refused) = lends(
+        config.profile(&active).map(|p| p.engine.describe()),
+        &active,
+    ) {
+        return Err(refused.into_response_in(protocol));
+    }
     loop {
         if let Err(max_waiting) = ctx
             .parts
@@ -260,11 +267,31 @@ async fn turn(
             Ok(lease) => lease,
             Err(refusal) => return Err(ApiError::from(refusal).into_response_in(protocol)),
         };
+        if let Some(refused) = lends(Some(lease.engine.kind), &lease.engine.profile) {
+            return Err(refused.into_response_in(protocol));
+        }
         if !ctx.parts.validator.running() {
             return Ok(lease);
         }
         drop(lease);
     }
+}
+
+/// The refusal of a request to `profile` when its engine serves no API (`kind` lends the
+/// box's devices to a coordinator on another box): it would read the request as commands.
+fn lends(kind: Option<&dsv4_engine::Kind>, profile: &str) -> Option<ApiError> {
+    let kind = kind.filter(|k| matches!(k.validation, dsv4_engine::ValidationApi::Lends))?;
+    Some(ApiError::new(
+        StatusCode::SERVICE_UNAVAILABLE,
+        ErrorType::Server,
+        ErrorCode::EngineLends,
+        format!(
+            "this box's active profile `{profile}` runs {}, which serves no API: it lends the \
+             box's devices to a coordinator on another box (peers:); switch to a profile that \
+             serves (dsv4ctl profile NAME)",
+            kind.name
+        ),
+    ))
 }
 
 /// What the request was, for its answer's body.

@@ -41,6 +41,22 @@ pub unsafe fn take_activation_fds() -> Result<Vec<(OwnedFd, String)>> {
         .collect())
 }
 
+/// Takes the activated fd named `name` (`peers`) out of `activated`, as a listener.
+pub fn take_named(
+    activated: &mut Vec<(OwnedFd, String)>,
+    name: &str,
+) -> Result<Option<StdListener>> {
+    let Some(at) = activated.iter().position(|(_, n)| n == name) else {
+        return Ok(None);
+    };
+    let (fd, _) = activated.remove(at);
+    let listener = StdListener::from(fd);
+    listener
+        .set_nonblocking(true)
+        .with_context(|| format!("setting the activated socket `{name}` non-blocking"))?;
+    Ok(Some(listener))
+}
+
 /// Picks the API listener: the activated fd named `api`, else the first stream socket among
 /// the activated fds, else a fresh bind of `listen`.
 pub fn api_listener(

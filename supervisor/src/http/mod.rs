@@ -21,6 +21,7 @@ pub mod keepalive;
 pub mod listener;
 pub mod opening;
 pub mod path;
+pub mod peers;
 pub mod progress;
 pub mod protocol;
 pub mod router;

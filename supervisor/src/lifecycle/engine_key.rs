@@ -192,8 +192,13 @@ fn random_secret() -> Result<String, KeyError> {
 /// `n` bytes from the kernel's random source, in hex.
 pub(crate) fn random_hex(n: usize) -> io::Result<String> {
     let mut bytes = vec![0u8; n];
-    std::fs::File::open("/dev/urandom").and_then(|mut f| f.read_exact(&mut bytes))?;
-    Ok(bytes.iter().map(|b| format!("{b:02x}")).collect())
+    random_bytes(&mut bytes)?;
+    Ok(hex::encode(bytes))
+}
+
+/// Fills `bytes` from the kernel's random source.
+pub(crate) fn random_bytes(bytes: &mut [u8]) -> io::Result<()> {
+    std::fs::File::open("/dev/urandom").and_then(|mut f| f.read_exact(bytes))
 }
 
 /// One engine generation's key: the file the engine reads it from, and the header dsv4d sends

@@ -19,6 +19,9 @@ pub struct Loading {
     pub about: Option<Duration>,
     /// The shortest and the longest of them.
     pub past: Option<(Duration, Duration)>,
+    /// What the start waits for before its engine spawns (its workers: `waiting for
+    /// 10.77.0.2 (12s)`); `None` once the engine loads.
+    pub waiting_for: Option<String>,
 }
 
 impl Loading {
@@ -28,6 +31,9 @@ impl Loading {
     /// `dsv4 loading 320k: 20s, past loads 240ms-45s`. The first load of a profile says only
     /// the seconds.
     pub fn describe(&self, elapsed: Duration) -> String {
+        if let Some(what) = &self.waiting_for {
+            return format!("dsv4 loading {}: {what}", self.profile);
+        }
         let mut text = format!(
             "dsv4 loading {}: {}",
             self.profile,
@@ -57,6 +63,7 @@ mod tests {
             since: Instant::now(),
             about: Some(Duration::from_millis(53_600)),
             past: None,
+            waiting_for: None,
         };
         assert_eq!(
             l.describe(Duration::from_millis(23_400)),
@@ -82,5 +89,11 @@ mod tests {
         l.about = None;
         l.past = None;
         assert_eq!(l.describe(Duration::from_secs(3)), "dsv4 loading 320k: 3s");
+        // Before its engine spawns, what the start waits for: its workers.
+        l.waiting_for = Some("waiting for 10.77.0.2 (12s)".into());
+        assert_eq!(
+            l.describe(Duration::from_secs(12)),
+            "dsv4 loading 320k: waiting for 10.77.0.2 (12s)"
+        );
     }
 }

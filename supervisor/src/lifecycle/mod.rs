@@ -11,13 +11,16 @@ pub mod alert;
 pub mod engine_key;
 pub mod engine_ref;
 pub mod gate;
+pub mod holders;
 pub mod leftover;
 pub mod loading;
 pub mod need;
+pub mod peer_wire;
 pub mod refusal;
 pub mod state;
 pub mod trial;
 pub mod upstream;
+pub mod workers;
 
 pub use engine_ref::EngineRef;
 

@@ -442,6 +442,7 @@ mod tests {
             since: Instant::now() - Duration::from_secs(23),
             about: Some(Duration::from_secs(54)),
             past: None,
+            waiting_for: None,
         };
         let shown = one(&flights, Some(&loading), State::Starting, false);
         assert_eq!(

@@ -51,10 +51,12 @@ pub(super) enum Prompt {
 }
 
 impl Api {
-    pub(super) fn of(engine: EngineKind) -> Api {
+    /// The API an engine of this kind is measured through; `None` for one that serves none.
+    pub(super) fn of(engine: EngineKind) -> Option<Api> {
         match engine.describe().validation {
-            ValidationApi::Native => Api::Native,
-            ValidationApi::Streamed => Api::Streamed,
+            ValidationApi::Native => Some(Api::Native),
+            ValidationApi::Streamed => Some(Api::Streamed),
+            ValidationApi::Lends => None,
         }
     }
 

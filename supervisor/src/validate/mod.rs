@@ -182,6 +182,16 @@ impl Validator {
                     .collect(),
             });
         }
+        if let Some(p) = config.profile(&profile) {
+            if Api::of(p.engine).is_none() {
+                return Err(StartError::Invalid(format!(
+                    "profile `{profile}` runs {}, which serves no API of its own: it lends \
+                     this box's devices to a coordinator; validate the coordinator's profile \
+                     on its box",
+                    p.engine
+                )));
+            }
+        }
         if req.runs == 0 || req.runs > MAX_RUNS {
             return Err(StartError::Invalid(format!(
                 "runs must be between 1 and {MAX_RUNS}"
@@ -428,6 +438,8 @@ impl Validator {
             let api = Api::of(p.map(|p| p.engine).unwrap_or_default());
             (api, p.is_some_and(|p| p.params.mmproj.is_some()))
         };
+        // Refused at the start; the profile may have changed since.
+        let api = api.ok_or("the profile's engine serves no API to measure")?;
         let runs = req.runs;
         // Each run's number, for the streamed API's marks.
         let mut run = 0;

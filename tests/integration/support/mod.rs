@@ -23,6 +23,7 @@ use hyper_util::client::legacy::Client;
 use hyper_util::rt::TokioExecutor;
 pub use tempfile::TempDir;
 
+pub mod boxes;
 pub mod ns;
 pub mod real;
 pub const FAKE_ENGINE: &str = env!("CARGO_BIN_EXE_fake-engine");

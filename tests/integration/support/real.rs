@@ -46,6 +46,19 @@ pub fn engine() -> (PathBuf, PathBuf) {
     (server, model)
 }
 
+/// llama.cpp's rpc-server, built beside the engine (`DSV4_RPC_SERVER`, or the cache).
+pub fn rpc_server() -> PathBuf {
+    let server = std::env::var_os("DSV4_RPC_SERVER")
+        .map(PathBuf::from)
+        .unwrap_or_else(|| cache_dir().join("bin/rpc-server"));
+    assert!(
+        server.is_file(),
+        "no rpc-server at {}: run tests/engine/prepare first (or set DSV4_RPC_SERVER)",
+        server.display()
+    );
+    server
+}
+
 /// The tiny model with a context of `ctx` tokens, made once into the engine's cache (by the
 /// generator `tests/engine/prepare` runs, with the venv it made).
 pub fn tiny_with_context(ctx: u32) -> PathBuf {

@@ -152,6 +152,15 @@ impl Actor {
                 })
             }
             Internal::Exited { gen, report, port } => self.exited(gen, report, port),
+            Internal::Held { gen, holds } => self.workers_held(gen, holds),
+            Internal::Holding { gen, what } => {
+                self.holding_says(gen, what);
+                None
+            }
+            Internal::WorkerLost { gen, why } => {
+                self.worker_lost(gen, why);
+                None
+            }
         }
     }
 
@@ -216,7 +225,11 @@ impl Actor {
                     pid = e.shared.pid,
                     "{stranger}; the engine ({report}) starts again on another port"
                 );
-                // Its key file and group record go before the next engine's are made.
+                // Its key file and group record go before the next engine's are made; its
+                // workers stay held for the next.
+                if let Some(holds) = engine.as_mut().and_then(|e| e.holds.take()) {
+                    self.keep_holds(gen, &profile, holds);
+                }
                 drop(engine.take());
                 return self.spawn_attempt(gen, &profile, tries);
             }
@@ -269,10 +282,11 @@ impl Actor {
                 )
             })
         });
-        let report = match &oom {
-            Some(why) => format!("{report}; {why}"),
-            None => report.to_string(),
-        };
+        let lost = engine.and_then(|e| e.lost.clone());
+        let report = [oom, lost]
+            .into_iter()
+            .flatten()
+            .fold(report.to_string(), |report, why| format!("{report}; {why}"));
         let summary = match self.machine.phase() {
             Phase::Starting { .. } if taken.is_some() => {
                 format!(

@@ -93,6 +93,21 @@ pub(super) enum Internal {
     },
     /// The memory of the engine that exited last came back, or will not (said already).
     MemorySettled,
+    /// The workers of the start of `gen` are held, or why one could not be.
+    Held {
+        gen: Gen,
+        holds: Result<crate::lifecycle::workers::Holds, String>,
+    },
+    /// What the start of `gen` waits for while its workers are held.
+    Holding {
+        gen: Gen,
+        what: String,
+    },
+    /// A worker of the engine of `gen` went away: why, naming the box.
+    WorkerLost {
+        gen: Gen,
+        why: String,
+    },
 }
 
 /// The right to send one request to the engine; the engine is not stopped while any lease is

@@ -12,6 +12,7 @@
 //! engine (`spawn.rs`) and probing it (`probe.rs`), the KV steps (`kv.rs`), the memory an
 //! engine leaves behind (`memory.rs`), and what it publishes (`publish.rs`).
 
+mod engine;
 mod events;
 mod handle;
 mod kv;
@@ -21,6 +22,7 @@ mod probe;
 mod publish;
 mod services;
 mod spawn;
+mod workers;
 
 pub use handle::Handle;
 pub use messages::Lease;
@@ -29,28 +31,27 @@ pub use services::{Redactor, Services};
 use std::collections::{HashMap, VecDeque};
 use std::sync::atomic::AtomicU64;
 use std::sync::Arc;
-use std::time::{Duration, SystemTime};
+use std::time::Duration;
 
 use dsv4_client::telemetry::MemoryFigures;
 use dsv4_client::AlertKind;
-use dsv4_engine::{EngineChild, OutputTail};
+use dsv4_engine::OutputTail;
 use nix::sys::signal::Signal;
 use tokio::sync::{mpsc, oneshot, watch};
 use tracing::Instrument as _;
 // The clock tests can pause; the std clock is banned in this crate (supervisor/clippy.toml).
 use tokio::time::Instant;
 
+use engine::{Engine, KvTask};
 use memory::{memory_now_off_thread, NOT_ADMITTED_GAP};
 use messages::{Command, Internal};
 
-use super::engine_ref::EngineRef;
 use super::gate::Gate;
 use super::state::{Event, Limits, Machine, MemoryCheck, Refusal, Sig, WaiterId};
 use crate::config::{Config, EngineLimits};
 use crate::host::sysroot::SysRoot;
 use crate::lifecycle::alert::Alerts;
-use crate::lifecycle::engine_key::{EngineKey, KeyFolder};
-use crate::lifecycle::leftover;
+use crate::lifecycle::engine_key::KeyFolder;
 
 /// How many lines of one engine's output are kept (for its error messages).
 const TAIL_LINES: usize = 200;
@@ -86,64 +87,6 @@ pub enum ControlError {
     },
     #[error("the supervisor is shutting down")]
     Gone,
-}
-
-/// The engine process the actor owns, with what a lease needs to reach it.
-struct Engine {
-    child: EngineChild,
-    /// The profile as it was when this engine started.
-    spawned: crate::config::Profile,
-    shared: Arc<EngineRef>,
-    probe: tokio::task::JoinHandle<()>,
-    /// The KV restore or save running for it, if one does.
-    kv_task: Option<KvTask>,
-    /// What its KV steps learned: its key, the checkpoint being restored.
-    kv: Arc<crate::kv::slots::EngineKv>,
-    /// A validation ran on it (its profile's checkpoints were suspended while it lived): its
-    /// slots hold the benchmark's prompts, so it neither restores nor saves, ever.
-    validated: bool,
-    /// When it was sent SIGTERM (how long ds4-server's save took is measured from it).
-    term_at: Option<Instant>,
-    ready_at: Option<SystemTime>,
-    /// From the spawn until it served.
-    load_took: Option<Duration>,
-    /// Its spawn: how long it took to load is counted from it.
-    spawned_at: Instant,
-    /// The memory figures just before it started, to check that they come back after it.
-    memory_before: MemoryFigures,
-    /// The OOM killer's count in dsv4d's cgroup just before it started (see
-    /// `hw::cgroup`): a higher one at its exit names the cause.
-    oom_kills_before: Option<u64>,
-    /// Its key, when the engine takes one: the file goes when this engine is dropped, that
-    /// is once it has exited (or with the actor, which kills it).
-    _key: Option<EngineKey>,
-    /// The record of its process group in `state_dir`, gone with it likewise.
-    _group: Option<leftover::Guard>,
-    /// This start's earlier engines whose port another process had taken.
-    port_tries: u32,
-    /// Another process was found listening on its port (see `probe`).
-    port_taken: Option<dsv4_engine::procs::Stranger>,
-    /// Its span: its profile, generation and pid (see `crate::log::journal`).
-    span: tracing::Span,
-}
-
-impl Drop for Engine {
-    fn drop(&mut self) {
-        self.probe.abort();
-        if let Some(task) = &self.kv_task {
-            task.handle.abort();
-        }
-    }
-}
-
-/// A KV checkpoint step in progress.
-struct KvTask {
-    restore: bool,
-    handle: tokio::task::JoinHandle<()>,
-    started: Instant,
-    /// When the rules end its phase: `save_timeout` or `restore_timeout` from the phase's
-    /// start, a moment before the task's own start.
-    deadline: Option<Instant>,
 }
 
 /// Starts the actor on the current tokio runtime.
@@ -198,6 +141,7 @@ pub fn spawn(
         gate: gate.clone(),
         kv_suspended: None,
         loading,
+        holding: None,
     };
     // What a stopped engine's status can say from the configuration (its key, say).
     actor.publish();
@@ -275,6 +219,8 @@ struct Actor {
     kv_suspended: Option<String>,
     /// The engine that loads, for the requests that wait for it.
     loading: watch::Sender<Option<crate::lifecycle::loading::Loading>>,
+    /// A start whose profile has workers, while they are held (before its engine spawns).
+    holding: Option<workers::Holding>,
 }
 
 enum Reply {
@@ -469,6 +415,11 @@ impl Actor {
         match fx {
             Effect::Spawn { gen, profile } => return self.spawn_engine(gen, &profile),
             Effect::Signal { gen, sig } => {
+                if self.engine.as_ref().is_none_or(|e| e.shared.gen != gen) {
+                    if let Some(ended) = self.stop_holding(gen) {
+                        return Some(ended);
+                    }
+                }
                 if let Some(e) = self.engine.as_ref().filter(|e| e.shared.gen == gen) {
                     let signal = match sig {
                         Sig::Term => e.spawned.engine.stop(&e.spawned.params).signal,

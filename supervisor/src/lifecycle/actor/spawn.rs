@@ -37,16 +37,7 @@ impl Actor {
         profile_name: &str,
         port_tries: u32,
     ) -> Option<Event> {
-        let fail = |summary: String| {
-            tracing::error!("{summary}");
-            Some(Event::Exited {
-                gen,
-                failure: EngineFailure {
-                    summary,
-                    tail: Vec::new(),
-                },
-            })
-        };
+        let fail = |summary: String| failed_start(gen, summary);
         // Its own handle on the configuration: the profile is read while the actor changes.
         let config = self.config.clone();
         let Some(profile) = config.profile(profile_name) else {
@@ -54,13 +45,19 @@ impl Actor {
                 "profile `{profile_name}` is not in the configuration any more"
             ));
         };
+        let holds = match self.workers_for(gen, profile) {
+            super::workers::Workers::None => None,
+            super::workers::Workers::Held(holds) => Some(holds),
+            super::workers::Workers::Waiting => return None,
+        };
+        let relays = holds.as_ref().map(|h| h.addresses()).unwrap_or_default();
         let Prepared {
             params,
             port,
             key,
             tag,
             spec,
-        } = match self.prepare(gen, profile_name, profile) {
+        } = match self.prepare(gen, profile_name, profile, relays) {
             Ok(p) => p,
             Err(summary) => return fail(summary),
         };
@@ -124,6 +121,8 @@ impl Actor {
             port_tries,
             port_taken: None,
             span,
+            holds,
+            lost: None,
         });
         None
     }
@@ -137,14 +136,17 @@ impl Actor {
         gen: Gen,
         profile_name: &str,
         profile: &'p crate::config::Profile,
+        workers: Vec<String>,
     ) -> Result<Prepared<'p>, String> {
-        // A validation matrix cell adds its arguments after the profile's own.
+        // A validation matrix cell adds its arguments after the profile's own; held workers
+        // are reached through their relays.
         let added = self.trial.args_for(profile_name);
-        let params = match added.is_empty() {
+        let params = match added.is_empty() && workers.is_empty() {
             true => std::borrow::Cow::Borrowed(&profile.params),
             false => {
                 let mut params = profile.params.clone();
                 params.extra_args.extend(added);
+                params.workers = workers;
                 std::borrow::Cow::Owned(params)
             }
         };
@@ -279,8 +281,11 @@ impl Actor {
     /// Tells the requests waiting that `profile_name` loads, with what its last loads took;
     /// the load's start (a start that moved to another port loads since its first spawn).
     fn publish_loading(&self, profile_name: &str, port_tries: u32) -> Instant {
+        // A start that moved to another port, or whose workers were held first, counts
+        // from its beginning.
         let since = match (port_tries, self.loading.borrow().as_ref()) {
             (1.., Some(l)) if l.profile == profile_name => l.since,
+            (_, Some(l)) if l.profile == profile_name && l.waiting_for.is_some() => l.since,
             _ => Instant::now(),
         };
         let book = crate::host::load_times::read(&self.config.supervisor.state_dir);
@@ -290,6 +295,7 @@ impl Actor {
                 since,
                 about: crate::host::load_times::estimate(&book, profile_name),
                 past: crate::host::load_times::range(&book, profile_name),
+                waiting_for: None,
             }));
         since
     }
@@ -328,6 +334,19 @@ struct Prepared<'p> {
 /// binds its own), so the port is handed over by number. Another process can take it first:
 /// the readiness probe checks that the listener is the engine's, and the start goes on with
 /// another port (see `Internal::PortTaken`).
+/// A start of `gen` that ends before any engine ran, for `summary` (logged), told to the
+/// rules as an engine's exit.
+pub(super) fn failed_start(gen: Gen, summary: String) -> Option<Event> {
+    tracing::error!("{summary}");
+    Some(Event::Exited {
+        gen,
+        failure: EngineFailure {
+            summary,
+            tail: Vec::new(),
+        },
+    })
+}
+
 pub(super) fn free_port() -> std::io::Result<u16> {
     let l = TcpListener::bind((Ipv4Addr::LOCALHOST, 0))?;
     Ok(l.local_addr()?.port())

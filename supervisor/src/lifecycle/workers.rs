@@ -1,0 +1,310 @@
+//! A coordinator's workers: the profiles of other boxes whose engines lend this box's engine
+//! their devices (`workers:`), held for as long as this box's engine runs.
+//!
+//! Owns: the holds (one connection to each worker box's dsv4d, proved with that box's key,
+//! kept alive both ways), the relays (a loopback port per worker, given to the engine in its
+//! place: each connection the engine opens there is carried to the worker's engine through
+//! that box's dsv4d), and waking a box that does not answer. Must not: outlive the engine
+//! generation it serves (dropping [`Holds`] lets every worker go), or put a key on the link.
+//!
+//! The protocol is `crate::lifecycle::peer_wire`'s.
+
+use std::net::{Ipv4Addr, SocketAddr};
+use std::sync::Arc;
+use std::time::Duration;
+
+use tokio::io::{AsyncWriteExt, BufReader};
+use tokio::net::{TcpListener, TcpStream};
+use tokio::task::JoinSet;
+use tokio::time::{timeout, Instant};
+
+use super::peer_wire::{self, Said, Verb, ALIVE_EVERY, HANDSHAKE, NONCE_BYTES, SILENCE_LIMIT};
+use crate::config::{Wake, Worker};
+use crate::host::keys::ApiKeys;
+
+/// How long one connection attempt to a worker box may take.
+const CONNECT_TIMEOUT: Duration = Duration::from_secs(5);
+/// Between attempts to reach a box that was sent a Wake-on-LAN packet.
+const WAKE_RETRY: Duration = Duration::from_secs(2);
+
+/// Every worker of one engine generation, held; each with the loopback address its relay
+/// listens on. Dropped, it lets every worker go (their connections close) and ends every relay.
+#[derive(Debug)]
+pub struct Holds {
+    relays: Vec<SocketAddr>,
+    tasks: JoinSet<()>,
+}
+
+impl Holds {
+    /// Where the engine reaches each worker, in the order of `workers:`.
+    pub fn addresses(&self) -> Vec<String> {
+        self.relays.iter().map(SocketAddr::to_string).collect()
+    }
+}
+
+/// What a hold says while it is made: the box it waits for, and what it waits for.
+pub type Progress = Arc<dyn Fn(&str) + Send + Sync>;
+
+/// What a hold says when a worker goes away after it was held: why, naming the box.
+pub type Lost = Arc<dyn Fn(String) + Send + Sync>;
+
+/// Holds every worker (all at once), each ready when this returns; the reason, naming the box,
+/// when one cannot be held.
+pub async fn hold(workers: &[Worker], progress: Progress, lost: Lost) -> Result<Holds, String> {
+    let held = futures_util::future::join_all(
+        workers
+            .iter()
+            .map(|w| hold_one(w.clone(), progress.clone())),
+    )
+    .await;
+    let mut holds = Holds {
+        relays: Vec::new(),
+        tasks: JoinSet::new(),
+    };
+    for (w, conn) in workers.iter().zip(held) {
+        let conn = conn.map_err(|why| format!("worker box {}: {why}", w.host()))?;
+        tracing::info!(
+            "worker box {} held: its engine serves ({})",
+            w.host(),
+            w.profile
+        );
+        let listener = TcpListener::bind((Ipv4Addr::LOCALHOST, 0))
+            .await
+            .map_err(|e| format!("cannot open a loopback port for the relay to {}: {e}", w.at))?;
+        let addr = listener
+            .local_addr()
+            .map_err(|e| format!("the relay's port for {}: {e}", w.at))?;
+        holds.relays.push(addr);
+        holds
+            .tasks
+            .spawn(keep(conn, w.host().to_string(), lost.clone()));
+        holds.tasks.spawn(relay(listener, w.clone()));
+    }
+    Ok(holds)
+}
+
+/// Holds one worker: connects (waking the box when it does not answer and `wake` says how),
+/// asks for the hold, and waits for its engine to be ready.
+async fn hold_one(w: Worker, progress: Progress) -> Result<BufReader<TcpStream>, String> {
+    let key = worker_key(&w)?;
+    let mut conn = reach(&w, &progress).await?;
+    let nonce = greeted(&mut conn).await?;
+    let ask = peer_wire::ask(&key, &nonce, Verb::Hold, &w.profile);
+    peer_wire::write_line(&mut conn, &ask)
+        .await
+        .map_err(|e| format!("the hold could not be asked: {e}"))?;
+    let since = Instant::now();
+    loop {
+        // The worker says how its load goes at least every ALIVE_EVERY.
+        match said(&mut conn, SILENCE_LIMIT).await? {
+            Said::Serving => return Ok(conn),
+            Said::Loading(_) | Said::Alive => progress(&format!(
+                "waiting for {} ({})",
+                w.host(),
+                dsv4_client::duration::brief(dsv4_client::duration::whole_seconds(since.elapsed()))
+            )),
+            Said::Refused(why) => return Err(format!("refused the hold: {why}")),
+            Said::Failed(why) => return Err(format!("its engine did not start: {why}")),
+            Said::Relaying => return Err("answered out of turn (relaying)".to_string()),
+        }
+    }
+}
+
+/// The key `w.key_file` holds (its first), read under the key files' rules.
+fn worker_key(w: &Worker) -> Result<Vec<u8>, String> {
+    let keys = ApiKeys::load_as(&w.key_file, "worker key")?;
+    let key = keys
+        .texts()
+        .next()
+        .ok_or("the worker key file holds no key")?;
+    Ok(key.into_bytes())
+}
+
+/// A connection to the worker box's dsv4d; with `wake`, a box that does not answer is sent
+/// a Wake-on-LAN packet and tried again until it does (the start's own timeout bounds it).
+async fn reach(w: &Worker, progress: &Progress) -> Result<BufReader<TcpStream>, String> {
+    let mut woken = false;
+    loop {
+        let tried = timeout(CONNECT_TIMEOUT, TcpStream::connect(&w.at)).await;
+        let why = match tried {
+            Ok(Ok(stream)) => {
+                let _ = stream.set_nodelay(true);
+                return Ok(BufReader::new(stream));
+            }
+            Ok(Err(e)) => format!("cannot connect to {}: {e}", w.at),
+            Err(_) => format!(
+                "{} did not answer within {}",
+                w.at,
+                duration(CONNECT_TIMEOUT)
+            ),
+        };
+        let Some(wake) = w.wake else {
+            return Err(why);
+        };
+        if !woken {
+            send_wake(&wake)
+                .await
+                .map_err(|e| format!("{why}; its Wake-on-LAN packet could not be sent: {e}"))?;
+            tracing::info!(
+                "worker box {} does not answer ({why}): Wake-on-LAN packet sent to {}",
+                w.host(),
+                wake.broadcast
+            );
+            woken = true;
+        }
+        progress(&format!("waking {}", w.host()));
+        tokio::time::sleep(WAKE_RETRY).await;
+    }
+}
+
+fn duration(d: Duration) -> String {
+    dsv4_client::duration::format(d)
+}
+
+/// The magic packet for `mac`: six 0xff bytes, then the MAC sixteen times.
+pub fn magic_packet(mac: &[u8; 6]) -> [u8; 102] {
+    let mut packet = [0xff; 102];
+    for chunk in packet[6..].chunks_mut(6) {
+        chunk.copy_from_slice(mac);
+    }
+    packet
+}
+
+/// Sends the Wake-on-LAN packet of `wake`, broadcast allowed.
+pub async fn send_wake(wake: &Wake) -> std::io::Result<()> {
+    let any: SocketAddr = match wake.broadcast {
+        SocketAddr::V4(_) => (Ipv4Addr::UNSPECIFIED, 0).into(),
+        SocketAddr::V6(_) => (std::net::Ipv6Addr::UNSPECIFIED, 0).into(),
+    };
+    let socket = tokio::net::UdpSocket::bind(any).await?;
+    socket.set_broadcast(true)?;
+    socket
+        .send_to(&magic_packet(&wake.mac), wake.broadcast)
+        .await?;
+    Ok(())
+}
+
+/// The nonce of the worker's greeting.
+async fn greeted(conn: &mut BufReader<TcpStream>) -> Result<[u8; NONCE_BYTES], String> {
+    match timeout(HANDSHAKE, peer_wire::read_line(conn)).await {
+        Ok(Ok(Some(line))) => peer_wire::read_greeting(&line),
+        Ok(Ok(None)) => Err("closed the connection before its greeting".to_string()),
+        Ok(Err(e)) => Err(format!("its greeting could not be read: {e}")),
+        Err(_) => Err(format!("sent no greeting within {}", duration(HANDSHAKE))),
+    }
+}
+
+/// The worker's next line, within `within`.
+async fn said(conn: &mut BufReader<TcpStream>, within: Duration) -> Result<Said, String> {
+    match timeout(within, peer_wire::read_line(conn)).await {
+        Ok(Ok(Some(line))) => Said::read(&line),
+        Ok(Ok(None)) => Err("closed the connection".to_string()),
+        Ok(Err(e)) => Err(format!("the connection broke: {e}")),
+        Err(_) => Err(format!("said nothing for {}", duration(within))),
+    }
+}
+
+/// Keeps a hold: says `alive` every [`ALIVE_EVERY`] and hears the worker's; tells `lost` when
+/// the worker goes away. Ends (letting the worker go) when dropped.
+async fn keep(conn: BufReader<TcpStream>, host: String, lost: Lost) {
+    let (read, mut write) = tokio::io::split(conn);
+    let mut lines = peer_wire::lines(BufReader::new(read));
+    let mut beat = tokio::time::interval(ALIVE_EVERY);
+    beat.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
+    let mut heard_at = Instant::now();
+    let why = loop {
+        tokio::select! {
+            _ = beat.tick() => {
+                let line = Said::Alive.line();
+                if let Err(e) = peer_wire::write_line(&mut write, &line).await {
+                    break format!("the connection broke: {e}");
+                }
+            }
+            _ = tokio::time::sleep_until(heard_at + SILENCE_LIMIT) => {
+                break format!("said nothing for {}", duration(SILENCE_LIMIT));
+            }
+            heard = futures_util::StreamExt::next(&mut lines) => {
+                heard_at = Instant::now();
+                match heard.map(|l| l.map(|l| Said::read(&l))) {
+                    Some(Ok(Ok(Said::Alive))) => {}
+                    Some(Ok(Ok(Said::Failed(why)))) => break format!("its engine ended: {why}"),
+                    Some(Ok(Ok(other))) => {
+                        break format!("answered out of turn ({})", other.line());
+                    }
+                    Some(Ok(Err(why))) => break why,
+                    Some(Err(e)) => break format!("the connection broke: {e}"),
+                    None => break "closed the connection".to_string(),
+                }
+            }
+        }
+    };
+    lost(format!("worker box {host} went away: {why}"));
+}
+
+/// Carries each connection the engine opens on `listener` to the worker's engine, through
+/// the worker box's dsv4d. The connections end with this task.
+async fn relay(listener: TcpListener, w: Worker) {
+    let mut carried = JoinSet::new();
+    loop {
+        tokio::select! {
+            accepted = listener.accept() => match accepted {
+                Ok((local, _)) => {
+                    let w = w.clone();
+                    carried.spawn(async move {
+                        if let Err(why) = carry(local, &w).await {
+                            tracing::warn!("relay to worker box {}: {why}", w.host());
+                        }
+                    });
+                }
+                Err(e) => {
+                    tracing::warn!("the relay to {} cannot take a connection: {e}", w.at);
+                    tokio::time::sleep(Duration::from_millis(100)).await;
+                }
+            },
+            Some(_) = carried.join_next(), if !carried.is_empty() => {}
+        }
+    }
+}
+
+/// One of the engine's connections, carried to the worker's engine.
+async fn carry(mut local: TcpStream, w: &Worker) -> Result<(), String> {
+    let _ = local.set_nodelay(true);
+    let key = worker_key(w)?;
+    let stream = timeout(CONNECT_TIMEOUT, TcpStream::connect(&w.at))
+        .await
+        .map_err(|_| format!("{} did not answer", w.at))?
+        .map_err(|e| format!("cannot connect to {}: {e}", w.at))?;
+    let _ = stream.set_nodelay(true);
+    let mut remote = BufReader::new(stream);
+    let nonce = greeted(&mut remote).await?;
+    let ask = peer_wire::ask(&key, &nonce, Verb::Relay, &w.profile);
+    peer_wire::write_line(&mut remote, &ask)
+        .await
+        .map_err(|e| format!("the relay could not be asked: {e}"))?;
+    match said(&mut remote, HANDSHAKE).await? {
+        Said::Relaying => {}
+        Said::Refused(why) => return Err(format!("refused the relay: {why}")),
+        other => return Err(format!("answered out of turn ({})", other.line())),
+    }
+    match tokio::io::copy_bidirectional(&mut local, &mut remote).await {
+        Ok(_) => {}
+        Err(e) => tracing::debug!("relay to worker box {} ended: {e}", w.host()),
+    }
+    let _ = local.shutdown().await;
+    Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn a_magic_packet_is_six_ff_then_the_mac_sixteen_times() {
+        let mac = [0xaa, 0xbb, 0xcc, 0xdd, 0xee, 0x01];
+        let p = magic_packet(&mac);
+        assert_eq!(&p[..6], &[0xff; 6]);
+        for i in 0..16 {
+            assert_eq!(&p[6 + i * 6..12 + i * 6], &mac, "copy {i}");
+        }
+    }
+}

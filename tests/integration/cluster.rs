@@ -1,0 +1,228 @@
+//! A profile whose engine spans several boxes (`workers:`, `peers:`), each box a network
+//! namespace of its own with its own dsv4d (support::boxes), with the real llama-server as
+//! the coordinator's engine and the real rpc-server as each worker's.
+//!
+//! Each dsv4d gets its API socket from the test (bound on this namespace's loopback, so the
+//! test reaches it), and makes every other socket in its box: the worker's peers port on its
+//! link, the engines on the box's own loopback.
+
+use std::path::{Path, PathBuf};
+use std::time::{Duration, Instant};
+
+use dsv4_client::State;
+use serde_json::json;
+
+use crate::support::boxes::Boxes;
+use crate::support::{real, temp_dir, Daemon, Setup, TempDir, PATIENCE};
+
+/// The worker's peers port, on its link.
+const PEERS_PORT: u16 = 7070;
+/// The key both sides hold.
+const KEY: &str = "a-coordinators-key-of-32-characters!";
+
+/// A key file of `key` in `dir`, private.
+fn key_file(dir: &TempDir, name: &str, key: &str) -> PathBuf {
+    use std::os::unix::fs::PermissionsExt;
+    let path = dir.path().join(name);
+    std::fs::write(&path, format!("{key}\n")).unwrap();
+    std::fs::set_permissions(&path, std::fs::Permissions::from_mode(0o600)).unwrap();
+    path
+}
+
+/// A worker box's dsv4d, in box `i`: its only profile, `rpc`, runs the real rpc-server; it
+/// lends to the coordinators whose keys are in `keys`.
+fn worker(boxes: &Boxes, i: u8, keys: &Path) -> Daemon {
+    let mut s = Setup::default()
+        .engine("idle_timeout", "2s")
+        .engine("stop_timeout", "5s")
+        .top_level(
+            "peers",
+            &format!(
+                "{{ listen: \"{}:{PEERS_PORT}\", keys_file: {} }}",
+                boxes.worker(i),
+                keys.display()
+            ),
+        );
+    s.custom_profiles.insert(
+        "rpc".into(),
+        format!(
+            "engine: rpc-server\ncommand: {}\n",
+            real::rpc_server().display()
+        ),
+    );
+    s.default_profile = "rpc".into();
+    s.wrapper = boxes.exec(i as usize);
+    Daemon::start(&s)
+}
+
+/// The coordinator's dsv4d, in box 0: its profile `tiny` runs the real llama-server on the
+/// tiny model with every layer on its workers, held with `key_file`.
+fn coordinator(boxes: &Boxes, workers: &[u8], key_file: &Path) -> Daemon {
+    let mut s = real::setup_with_args(&["-ngl", "99", "-lv", "4"]);
+    let list: Vec<String> = workers
+        .iter()
+        .map(|i| {
+            format!(
+                "  - {{ at: \"{}:{PEERS_PORT}\", profile: rpc, key_file: {} }}\n",
+                boxes.worker(*i),
+                key_file.display()
+            )
+        })
+        .collect();
+    let profile = s.custom_profiles.get_mut("tiny").unwrap();
+    profile.push_str(&format!("workers:\n{}", list.concat()));
+    s.wrapper = boxes.exec(0);
+    Daemon::start(&s)
+}
+
+async fn chat(d: &Daemon) -> (u16, serde_json::Value) {
+    let body = json!({
+        "messages": [{"role": "user", "content": "hello"}],
+        "max_tokens": 8,
+        "temperature": 0,
+    });
+    let resp = d.post("/v1/chat/completions", body).await;
+    let status = resp.status().as_u16();
+    let bytes = http_body_util::BodyExt::collect(resp.into_body())
+        .await
+        .unwrap()
+        .to_bytes();
+    let v =
+        serde_json::from_slice(&bytes).unwrap_or(json!({"raw": String::from_utf8_lossy(&bytes)}));
+    (status, v)
+}
+
+/// Where `needle` first is in `log`, or a panic naming it.
+fn at(log: &str, needle: &str) -> usize {
+    log.find(needle)
+        .unwrap_or_else(|| panic!("no {needle:?} in the log:\n{log}"))
+}
+
+/// The engine processes (rpc-server, llama-server) running in box `i`.
+fn engines_in(boxes: &Boxes, i: usize) -> Vec<String> {
+    boxes
+        .pids(i)
+        .into_iter()
+        .filter_map(|pid| std::fs::read_to_string(format!("/proc/{pid}/comm")).ok())
+        .map(|c| c.trim().to_string())
+        .filter(|c| c.contains("rpc-server") || c.contains("llama-server"))
+        .collect()
+}
+
+async fn until(what: &str, within: Duration, mut ok: impl FnMut() -> bool) {
+    let t = Instant::now();
+    while !ok() {
+        assert!(t.elapsed() < within, "not so within {within:?}: {what}");
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+}
+
+/// The first request starts the worker's engine, then the coordinator's with its layers on
+/// the worker; the answer is the one-box answer; only dsv4d's port is open on the link; after
+/// the idle time every engine on both boxes is gone, and the next request starts them again.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn one_request_starts_the_worker_then_the_coordinator_and_idle_stops_both() {
+    let boxes = Boxes::new(1);
+    let keys = temp_dir("cluster-keys");
+    let worker_keys = key_file(&keys, "peers.keys", KEY);
+    let coordinator_key = key_file(&keys, "worker.key", KEY);
+    let w = worker(&boxes, 1, &worker_keys);
+    let c = coordinator(&boxes, &[1], &coordinator_key);
+
+    let (status, v) = chat(&c).await;
+    assert_eq!(status, 200, "{v}\n{}\n--- worker:\n{}", c.log(), w.log());
+    assert_eq!(v["choices"][0]["message"]["content"], "abcdefgh", "{v}");
+    let log = c.log();
+    // The worker first, then the coordinator's engine, with its layers on the worker.
+    let held = at(&log, &format!("worker box {} held", boxes.worker(1)));
+    let started = at(&log, "starting engine:");
+    assert!(held < started, "{log}");
+    assert!(
+        log.contains("RPC0[127.0.0.1:") && log.contains("model buffer size"),
+        "{log}"
+    );
+    let worker_log = w.log();
+    at(&worker_log, &format!("peer {}", boxes.coordinator(1)));
+    let status = w.status().await;
+    assert_eq!(status["state"], State::Ready.as_str(), "{status}");
+    assert_eq!(status["holds"][0]["profile"], "rpc", "{status}");
+    assert_eq!(
+        status["holds"][0]["from"],
+        boxes.coordinator(1).to_string(),
+        "{status}"
+    );
+    // Nothing of the worker box but dsv4d's peers port listens off its loopback.
+    let open: Vec<_> = boxes
+        .listening(1)
+        .into_iter()
+        .filter(|(addr, _)| !addr.is_loopback())
+        .collect();
+    assert_eq!(open, [(boxes.worker(1), PEERS_PORT)], "{open:?}");
+
+    // Idle: the coordinator's engine stops, lets the worker go, whose engine stops after
+    // its own idle time.
+    c.wait_state(State::Stopped, PATIENCE).await;
+    w.wait_state(State::Stopped, PATIENCE).await;
+    until("no engine left in either box", PATIENCE, || {
+        engines_in(&boxes, 0).is_empty() && engines_in(&boxes, 1).is_empty()
+    })
+    .await;
+    let status = w.status().await;
+    assert!(status.get("holds").is_none(), "{status}");
+
+    // The next request starts them all again.
+    let (status, v) = chat(&c).await;
+    assert_eq!(status, 200, "{v}\n{}", c.log());
+    assert_eq!(v["choices"][0]["message"]["content"], "abcdefgh", "{v}");
+    let worker_log = w.log();
+    assert_eq!(
+        worker_log.matches("starting engine:").count(),
+        2,
+        "{worker_log}"
+    );
+}
+
+/// A key the worker does not hold: the start fails with a 503 naming the box and the
+/// refusal, and nothing is left running in either box.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_wrong_key_fails_the_start_naming_the_box() {
+    let boxes = Boxes::new(1);
+    let keys = temp_dir("cluster-keys");
+    let worker_keys = key_file(&keys, "peers.keys", KEY);
+    let wrong = key_file(&keys, "worker.key", "another-key-that-is-long-enough-0");
+    let w = worker(&boxes, 1, &worker_keys);
+    let c = coordinator(&boxes, &[1], &wrong);
+    let (status, v) = chat(&c).await;
+    assert_eq!(status, 503, "{v}");
+    let message = v["error"]["message"].as_str().unwrap_or_default();
+    assert!(
+        message.contains(&format!("worker box {}", boxes.worker(1)))
+            && message.contains("peers.keys_file"),
+        "{v}"
+    );
+    assert!(
+        w.log().contains("the key is not one of peers.keys_file"),
+        "{}",
+        w.log()
+    );
+    assert!(!w.log().contains("starting engine:"), "{}", w.log());
+    assert!(engines_in(&boxes, 0).is_empty() && engines_in(&boxes, 1).is_empty());
+}
+
+/// A worker box that is down: the start fails with a 503 naming the box, at once.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_worker_box_that_is_down_fails_the_start_naming_it() {
+    let boxes = Boxes::new(1);
+    let keys = temp_dir("cluster-keys");
+    let coordinator_key = key_file(&keys, "worker.key", KEY);
+    let c = coordinator(&boxes, &[1], &coordinator_key);
+    let (status, v) = chat(&c).await;
+    assert_eq!(status, 503, "{v}");
+    let message = v["error"]["message"].as_str().unwrap_or_default();
+    assert!(
+        message.contains(&format!("worker box {}", boxes.worker(1)))
+            && message.contains("cannot connect"),
+        "{v}"
+    );
+    assert!(engines_in(&boxes, 0).is_empty());
+}

@@ -1,0 +1,169 @@
+//! Several boxes on this machine: one network namespace per box, the coordinator's joined to
+//! each worker's by a veth pair on a private range (TESTING.md §9). Each box has its own
+//! loopback, so each dsv4d and engine keep their own `127.0.0.1` ports. Removed on drop,
+//! with whatever still runs in them (only processes the test started run there).
+
+use std::net::Ipv4Addr;
+use std::process::Command;
+use std::sync::atomic::{AtomicU32, Ordering};
+
+/// The boxes of one test: box 0 the coordinator, boxes 1.. its workers.
+pub struct Boxes {
+    names: Vec<String>,
+}
+
+static NEXT: AtomicU32 = AtomicU32::new(0);
+
+fn ip(args: &[&str]) {
+    let out = Command::new("ip").args(args).output().expect("run ip");
+    assert!(
+        out.status.success(),
+        "ip {}: {}",
+        args.join(" "),
+        String::from_utf8_lossy(&out.stderr)
+    );
+}
+
+impl Boxes {
+    /// A coordinator box and `workers` worker boxes, each worker linked to the coordinator:
+    /// worker `i` is `10.231.i.2`, the coordinator `10.231.i.1` on that link.
+    pub fn new(workers: u8) -> Boxes {
+        let n = NEXT.fetch_add(1, Ordering::Relaxed);
+        let tag = format!("{}x{n}", std::process::id());
+        let names: Vec<String> = (0..=workers).map(|i| format!("dsv4-{tag}-{i}")).collect();
+        let boxes = Boxes { names };
+        for name in &boxes.names {
+            ip(&["netns", "add", name]);
+            ip(&["-n", name, "link", "set", "lo", "up"]);
+        }
+        for i in 1..=workers {
+            // Interface names are at most 15 bytes: short, and unique per test.
+            let (c, w) = (format!("c{tag}{i}"), format!("w{tag}{i}"));
+            let (c, w) = (shorten(&c), shorten(&w));
+            let coordinator = &boxes.names[0];
+            let worker = &boxes.names[i as usize];
+            ip(&[
+                "link",
+                "add",
+                &c,
+                "netns",
+                coordinator,
+                "type",
+                "veth",
+                "peer",
+                "name",
+                &w,
+                "netns",
+                worker,
+            ]);
+            ip(&[
+                "-n",
+                coordinator,
+                "addr",
+                "add",
+                &format!("10.231.{i}.1/24"),
+                "dev",
+                &c,
+            ]);
+            ip(&[
+                "-n",
+                worker,
+                "addr",
+                "add",
+                &format!("10.231.{i}.2/24"),
+                "dev",
+                &w,
+            ]);
+            ip(&["-n", coordinator, "link", "set", &c, "up"]);
+            ip(&["-n", worker, "link", "set", &w, "up"]);
+        }
+        boxes
+    }
+
+    /// The namespace of box `i`.
+    pub fn name(&self, i: usize) -> &str {
+        &self.names[i]
+    }
+
+    /// The address of worker `i` on its link.
+    pub fn worker(&self, i: u8) -> Ipv4Addr {
+        Ipv4Addr::new(10, 231, i, 2)
+    }
+
+    /// The coordinator's address on the link to worker `i`.
+    pub fn coordinator(&self, i: u8) -> Ipv4Addr {
+        Ipv4Addr::new(10, 231, i, 1)
+    }
+
+    /// A command prefix that runs a program in box `i`.
+    pub fn exec(&self, i: usize) -> Vec<String> {
+        ["ip", "netns", "exec", &self.names[i]]
+            .iter()
+            .map(|s| s.to_string())
+            .collect()
+    }
+
+    /// Runs `program args` in box `i` and returns its exit status and output.
+    pub fn run(&self, i: usize, program: &str, args: &[&str]) -> std::process::Output {
+        Command::new("ip")
+            .args(["netns", "exec", &self.names[i], program])
+            .args(args)
+            .output()
+            .expect("run in a box")
+    }
+
+    /// The pids of the processes running in box `i`.
+    pub fn pids(&self, i: usize) -> Vec<u32> {
+        let out = Command::new("ip")
+            .args(["netns", "pids", &self.names[i]])
+            .output()
+            .expect("ip netns pids");
+        String::from_utf8_lossy(&out.stdout)
+            .split_whitespace()
+            .filter_map(|p| p.parse().ok())
+            .collect()
+    }
+
+    /// The TCP ports box `i` listens on, each with its address (from its `/proc/net/tcp`).
+    pub fn listening(&self, i: usize) -> Vec<(Ipv4Addr, u16)> {
+        let out = self.run(i, "cat", &["/proc/net/tcp"]);
+        String::from_utf8_lossy(&out.stdout)
+            .lines()
+            .skip(1)
+            .filter_map(|line| {
+                let f: Vec<&str> = line.split_whitespace().collect();
+                // st 0A: LISTEN.
+                if f.get(3) != Some(&"0A") {
+                    return None;
+                }
+                let (addr, port) = f.get(1)?.split_once(':')?;
+                let addr = u32::from_str_radix(addr, 16).ok()?;
+                let port = u16::from_str_radix(port, 16).ok()?;
+                Some((Ipv4Addr::from(u32::from_be(addr)), port))
+            })
+            .collect()
+    }
+}
+
+/// At most 15 bytes, as the kernel wants an interface name: the end kept (it is unique).
+fn shorten(name: &str) -> String {
+    let skip = name.len().saturating_sub(15);
+    name[skip..].to_string()
+}
+
+impl Drop for Boxes {
+    fn drop(&mut self) {
+        for i in 0..self.names.len() {
+            // Only this test's processes run in its boxes.
+            for pid in self.pids(i) {
+                let _ = nix::sys::signal::kill(
+                    nix::unistd::Pid::from_raw(pid as i32),
+                    nix::sys::signal::Signal::SIGKILL,
+                );
+            }
+        }
+        for name in &self.names {
+            let _ = Command::new("ip").args(["netns", "del", name]).status();
+        }
+    }
+}
