@@ -226,3 +226,203 @@ async fn a_worker_box_that_is_down_fails_the_start_naming_it() {
     );
     assert!(engines_in(&boxes, 0).is_empty());
 }
+
+/// The pids of the engine processes named `name` in box `i`.
+fn pids_named(boxes: &Boxes, i: usize, name: &str) -> Vec<u32> {
+    boxes
+        .pids(i)
+        .into_iter()
+        .filter(|pid| {
+            std::fs::read_to_string(format!("/proc/{pid}/comm"))
+                .is_ok_and(|c| c.trim().contains(name))
+        })
+        .collect()
+}
+
+/// Two workers, each a box of its own: both held before the coordinator's engine starts,
+/// which places its layers on both.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn two_workers_are_both_held_and_both_take_layers() {
+    let boxes = Boxes::new(2);
+    let keys = temp_dir("cluster-keys");
+    let worker_keys = key_file(&keys, "peers.keys", KEY);
+    let coordinator_key = key_file(&keys, "worker.key", KEY);
+    let w1 = worker(&boxes, 1, &worker_keys);
+    let w2 = worker(&boxes, 2, &worker_keys);
+    let c = coordinator(&boxes, &[1, 2], &coordinator_key);
+    let (status, v) = chat(&c).await;
+    assert_eq!(status, 200, "{v}\n{}", c.log());
+    assert_eq!(v["choices"][0]["message"]["content"], "abcdefgh", "{v}");
+    let log = c.log();
+    let started = at(&log, "starting engine:");
+    for i in [1, 2] {
+        assert!(at(&log, &format!("worker box {} held", boxes.worker(i))) < started);
+    }
+    // Layers on both: each relay has a model buffer (llama.cpp names each RPC0[address]).
+    let relays = log
+        .split("--rpc ")
+        .nth(1)
+        .and_then(|r| r.split_whitespace().next())
+        .unwrap_or_else(|| panic!("no --rpc in the log:\n{log}"));
+    let relays: Vec<&str> = relays.split(',').collect();
+    assert_eq!(relays.len(), 2, "{relays:?}");
+    for relay in relays {
+        assert!(
+            log.contains(&format!("[{relay}] model buffer size")),
+            "{relay}\n{log}"
+        );
+    }
+    for w in [&w1, &w2] {
+        assert_eq!(w.status().await["holds"][0]["profile"], "rpc");
+    }
+}
+
+/// The worker's engine dies while the coordinator's serves: the coordinator's engine is
+/// ended, its exit naming the box, and the next request starts both again.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_worker_engine_that_dies_ends_the_coordinators_and_the_next_request_starts_both() {
+    let boxes = Boxes::new(1);
+    let keys = temp_dir("cluster-keys");
+    let worker_keys = key_file(&keys, "peers.keys", KEY);
+    let coordinator_key = key_file(&keys, "worker.key", KEY);
+    let w = worker(&boxes, 1, &worker_keys);
+    let c = coordinator(&boxes, &[1], &coordinator_key);
+    assert_eq!(chat(&c).await.0, 200, "{}", c.log());
+    let rpc = pids_named(&boxes, 1, "rpc-server");
+    assert_eq!(rpc.len(), 1, "{rpc:?}");
+    nix::sys::signal::kill(
+        nix::unistd::Pid::from_raw(rpc[0] as i32),
+        nix::sys::signal::Signal::SIGKILL,
+    )
+    .unwrap();
+    let lost = format!("worker box {} went away", boxes.worker(1));
+    c.log_with(&[&lost]).await;
+    until("the coordinator's engine ended", PATIENCE, || {
+        pids_named(&boxes, 0, "llama-server").is_empty()
+    })
+    .await;
+    // Its exit is told with the reason.
+    let log = c.log_with(&["the engine exited unexpectedly"]).await;
+    let exit = log
+        .lines()
+        .find(|l| l.contains("the engine exited unexpectedly"))
+        .unwrap_or_default();
+    assert!(exit.contains(&lost), "{log}");
+    let (code, v) = chat(&c).await;
+    assert_eq!(code, 200, "{v}\n{}\n--- worker:\n{}", c.log(), w.log());
+    assert_eq!(v["choices"][0]["message"]["content"], "abcdefgh", "{v}");
+}
+
+/// The coordinator's dsv4d is killed: its hold's connection closes, the worker lets go by
+/// itself, and its engine stops after its idle time.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_coordinator_that_dies_lets_go_and_the_worker_stops_its_engine() {
+    let boxes = Boxes::new(1);
+    let keys = temp_dir("cluster-keys");
+    let worker_keys = key_file(&keys, "peers.keys", KEY);
+    let coordinator_key = key_file(&keys, "worker.key", KEY);
+    let w = worker(&boxes, 1, &worker_keys);
+    let c = coordinator(&boxes, &[1], &coordinator_key);
+    assert_eq!(chat(&c).await.0, 200, "{}", c.log());
+    assert_eq!(w.status().await["holds"][0]["profile"], "rpc");
+    let _dir = c.kill_and_keep_dir().await;
+    w.log_with(&["let go of profile rpc"]).await;
+    w.wait_state(State::Stopped, PATIENCE).await;
+    until("no rpc-server in the worker box", PATIENCE, || {
+        pids_named(&boxes, 1, "rpc-server").is_empty()
+    })
+    .await;
+    assert!(w.status().await.get("holds").is_none());
+}
+
+/// A worker box that does not answer is sent a Wake-on-LAN packet with its MAC; once its
+/// dsv4d is up (the box woke), the waiting request is served.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_sleeping_worker_is_woken_and_the_waiting_request_served() {
+    let boxes = Boxes::new(1);
+    let keys = temp_dir("cluster-keys");
+    let worker_keys = key_file(&keys, "peers.keys", KEY);
+    let coordinator_key = key_file(&keys, "worker.key", KEY);
+    const WAKE_PORT: u16 = 9009;
+    // The worker box's network card, as far as the packet goes: a UDP socket in its box.
+    let netns = std::fs::File::open(format!("/var/run/netns/{}", boxes.name(1))).unwrap();
+    let at = std::net::SocketAddr::from((boxes.worker(1), WAKE_PORT));
+    let card = std::thread::spawn(move || {
+        use std::os::fd::AsRawFd;
+        // SAFETY: setns on this thread alone (a thread of the test's own), with an open fd.
+        let entered = unsafe { libc::setns(netns.as_raw_fd(), libc::CLONE_NEWNET) };
+        assert_eq!(entered, 0, "setns: {}", std::io::Error::last_os_error());
+        let socket = std::net::UdpSocket::bind(at).unwrap();
+        socket
+            .set_read_timeout(Some(Duration::from_secs(60)))
+            .unwrap();
+        let mut packet = [0u8; 200];
+        let (n, _) = socket.recv_from(&mut packet).unwrap();
+        packet[..n].to_vec()
+    });
+    let mut s = real::setup_with_args(&["-ngl", "99"]).api("stream_keepalive", "1s");
+    let profile = s.custom_profiles.get_mut("tiny").unwrap();
+    profile.push_str(&format!(
+        "workers:\n  - {{ at: \"{}:{PEERS_PORT}\", profile: rpc, key_file: {}, \
+         wake: {{ mac: \"02:00:5e:10:00:01\", broadcast: \"{at}\" }} }}\n",
+        boxes.worker(1),
+        coordinator_key.display()
+    ));
+    s.wrapper = boxes.exec(0);
+    let c = Daemon::start(&s);
+    let request = tokio::spawn({
+        let url = c.url("/v1/chat/completions");
+        async move {
+            let body = json!({
+                "messages": [{"role": "user", "content": "hello"}],
+                "max_tokens": 8,
+                "temperature": 0,
+                "stream": true,
+            });
+            post_with_curl(&url, &body).await
+        }
+    });
+    let packet = tokio::task::spawn_blocking(move || card.join().unwrap())
+        .await
+        .unwrap();
+    let mac = [0x02, 0x00, 0x5e, 0x10, 0x00, 0x01];
+    assert_eq!(packet.len(), 102);
+    assert_eq!(&packet[..6], &[0xff; 6]);
+    assert!(packet[6..].chunks(6).all(|c| c == mac), "{packet:?}");
+    // The box wakes: its dsv4d starts, and the request that waited is served.
+    let _w = worker(&boxes, 1, &worker_keys);
+    let (code, stream) = request.await.unwrap();
+    assert_eq!(code, 200, "{stream}\n{}", c.log());
+    // Meanwhile the stream said what it waited for.
+    let waking = format!(": dsv4 loading tiny: waking {}", boxes.worker(1));
+    assert!(stream.contains(&waking), "{stream}");
+    let content: String = stream
+        .lines()
+        .filter_map(|l| l.strip_prefix("data: "))
+        .filter_map(|d| serde_json::from_str::<serde_json::Value>(d).ok())
+        .filter_map(|v| {
+            v["choices"][0]["delta"]["content"]
+                .as_str()
+                .map(str::to_string)
+        })
+        .collect();
+    assert_eq!(content, "abcdefgh", "{stream}");
+    assert!(stream.ends_with("data: [DONE]\n\n"), "{stream}");
+}
+
+/// A POST of `body` as JSON to `url` by curl, on a connection of its own: the status and
+/// the body as it came.
+async fn post_with_curl(url: &str, body: &serde_json::Value) -> (u16, String) {
+    let out = tokio::process::Command::new("curl")
+        .args(["-sS", "--max-time", "120", "-w", "\n%{http_code}", "-H"])
+        .arg("Content-Type: application/json")
+        .arg("-d")
+        .arg(body.to_string())
+        .arg(url)
+        .output()
+        .await
+        .unwrap();
+    let text = String::from_utf8_lossy(&out.stdout).to_string();
+    let (body, code) = text.rsplit_once('\n').unwrap_or((&text, "0"));
+    (code.trim().parse().unwrap_or(0), body.to_string())
+}
