@@ -19,7 +19,7 @@
 
 use std::fmt;
 use std::io;
-use std::net::{IpAddr, Ipv4Addr, Ipv6Addr};
+use std::net::{IpAddr, Ipv4Addr, Ipv6Addr, SocketAddr};
 use std::path::Path;
 
 /// The environment variable that marks an engine's processes.
@@ -218,6 +218,58 @@ pub fn listeners(proc: &Path, port: u16) -> io::Result<Vec<Listener>> {
     Ok(all)
 }
 
+/// The user who owns the `from` end of the TCP connection from `from` to `to` (both on this
+/// box), as `table` (the text of `/proc/net/tcp`, or of `tcp6` with `v6`) tells it.
+pub fn parse_connection_uid(
+    table: &str,
+    v6: bool,
+    from: SocketAddr,
+    to: SocketAddr,
+) -> Option<u32> {
+    table.lines().skip(1).find_map(|line| {
+        let mut f = line.split_ascii_whitespace();
+        let _slot = f.next()?;
+        let end = |f: &mut std::str::SplitAsciiWhitespace| -> Option<SocketAddr> {
+            let (addr, port) = f.next()?.split_once(':')?;
+            Some(SocketAddr::new(
+                parse_addr(addr, v6)?,
+                u16::from_str_radix(port, 16).ok()?,
+            ))
+        };
+        let (local, remote) = (end(&mut f)?, end(&mut f)?);
+        let (_state, _queues, _timer, _retransmits) = (f.next()?, f.next()?, f.next()?, f.next()?);
+        let uid = f.next()?.parse().ok()?;
+        (same(local, from) && same(remote, to)).then_some(uid)
+    })
+}
+
+/// The same end, whether an IPv4 address is written as such or mapped into IPv6.
+fn same(a: SocketAddr, b: SocketAddr) -> bool {
+    let v4 = |ip: IpAddr| match ip {
+        IpAddr::V6(v6) => v6.to_ipv4_mapped().map(IpAddr::V4).unwrap_or(ip),
+        v4 => v4,
+    };
+    a.port() == b.port() && v4(a.ip()) == v4(b.ip())
+}
+
+/// The user who owns the `from` end of a TCP connection on this box to `to`, in this
+/// process's network namespace; `None` when it is not found there.
+pub fn connection_uid(proc: &Path, from: SocketAddr, to: SocketAddr) -> io::Result<Option<u32>> {
+    let v4 = parse_connection_uid(
+        &std::fs::read_to_string(proc.join("net/tcp"))?,
+        false,
+        from,
+        to,
+    );
+    if v4.is_some() {
+        return Ok(v4);
+    }
+    match std::fs::read_to_string(proc.join("net/tcp6")) {
+        Ok(table) => Ok(parse_connection_uid(&table, true, from, to)),
+        Err(_) => Ok(None),
+    }
+}
+
 /// Whether `pid` has the socket `inode` open.
 fn holds(proc: &Path, pid: u32, inode: u64) -> bool {
     let want = format!("socket:[{inode}]");
@@ -298,6 +350,48 @@ fn pids(proc: &Path) -> Vec<u32> {
         .flatten()
         .filter_map(|e| e.file_name().to_str()?.parse::<u32>().ok())
         .collect()
+}
+
+#[cfg(test)]
+mod connection_tests {
+    use super::*;
+
+    /// A table as the kernel writes it (two ends of one loopback connection, and a listener).
+    #[test]
+    fn the_owner_of_a_connections_end_is_read() {
+        let table = "  sl  local_address rem_address   st tx_queue rx_queue tr tm->when retrnsmt   uid  timeout inode
+   0: 0100007F:1F90 00000000:0000 0A 00000000:00000000 00:00000000 00000000     0        0 100 1 0 100 0 0 10 0
+   1: 0100007F:D431 0100007F:1F90 01 00000000:00000000 00:00000000 00000000   998        0 200 1 0 20 4 30 10 -1
+   2: 0100007F:1F90 0100007F:D431 01 00000000:00000000 00:00000000 00000000     0        0 300 1 0 20 4 30 10 -1
+";
+        let a = |p: u16| SocketAddr::from(([127, 0, 0, 1], p));
+        assert_eq!(
+            parse_connection_uid(table, false, a(0xD431), a(0x1F90)),
+            Some(998)
+        );
+        assert_eq!(
+            parse_connection_uid(table, false, a(0x1F90), a(0xD431)),
+            Some(0)
+        );
+        assert_eq!(
+            parse_connection_uid(table, false, a(0xD432), a(0x1F90)),
+            None
+        );
+    }
+
+    /// This process's own connection, found in the real table.
+    #[test]
+    fn a_real_connections_owner_is_this_user() {
+        let listener = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
+        let to = listener.local_addr().unwrap();
+        let client = std::net::TcpStream::connect(to).unwrap();
+        let from = client.local_addr().unwrap();
+        let me = nix::unistd::geteuid().as_raw();
+        assert_eq!(
+            connection_uid(Path::new("/proc"), from, to).unwrap(),
+            Some(me)
+        );
+    }
 }
 
 #[cfg(test)]

@@ -158,6 +158,31 @@ async fn one_request_starts_the_worker_then_the_coordinator_and_idle_stops_both(
         .filter(|(addr, _)| !addr.is_loopback())
         .collect();
     assert_eq!(open, [(boxes.worker(1), PEERS_PORT)], "{open:?}");
+    // The relay on the coordinator's loopback takes only dsv4d's user's connections.
+    let relay = log
+        .split("--rpc ")
+        .nth(1)
+        .and_then(|r| r.split_whitespace().next())
+        .unwrap_or_else(|| panic!("no --rpc in the log:\n{log}"))
+        .to_string();
+    let port = relay.rsplit_once(':').unwrap().1;
+    let relayed = w.log().matches("relaying to the engine").count();
+    let other_user = boxes.run(
+        0,
+        "setpriv",
+        &[
+            "--reuid=65534",
+            "--regid=65534",
+            "--clear-groups",
+            "bash",
+            "-c",
+            &format!("exec 3<>/dev/tcp/127.0.0.1/{port}; echo hello >&3; sleep 0.2"),
+        ],
+    );
+    assert!(other_user.status.success(), "{other_user:?}");
+    c.log_with(&["refused 127.0.0.1:", "it is uid 65534's"])
+        .await;
+    assert_eq!(w.log().matches("relaying to the engine").count(), relayed);
 
     // Idle: the coordinator's engine stops, lets the worker go, whose engine stops after
     // its own idle time.

@@ -4,7 +4,8 @@
 //! Owns: the holds (one connection to each worker box's dsv4d, proved with that box's key,
 //! kept alive both ways), the relays (a loopback port per worker, given to the engine in its
 //! place: each connection the engine opens there is carried to the worker's engine through
-//! that box's dsv4d), and waking a box that does not answer. Must not: outlive the engine
+//! that box's dsv4d, and only for connections of dsv4d's own user), and waking a box that
+//! does not answer. Must not: outlive the engine
 //! generation it serves (dropping [`Holds`] lets every worker go), or put a key on the link.
 //!
 //! The protocol is `crate::lifecycle::peer_wire`'s.
@@ -248,7 +249,11 @@ async fn relay(listener: TcpListener, w: Worker) {
     loop {
         tokio::select! {
             accepted = listener.accept() => match accepted {
-                Ok((local, _)) => {
+                Ok((local, from)) => {
+                    if let Err(why) = ours(&listener, from) {
+                        tracing::warn!("relay to worker box {}: refused {from}: {why}", w.host());
+                        continue;
+                    }
                     let w = w.clone();
                     carried.spawn(async move {
                         if let Err(why) = carry(local, &w).await {
@@ -263,6 +268,20 @@ async fn relay(listener: TcpListener, w: Worker) {
             },
             Some(_) = carried.join_next(), if !carried.is_empty() => {}
         }
+    }
+}
+
+/// Whether the connection from `from` is dsv4d's user's (the engine's): the relay listens
+/// on loopback, where every local user could connect when dsv4d runs without a network
+/// namespace of its own, and a worker's engine runs anything it is sent.
+fn ours(listener: &TcpListener, from: SocketAddr) -> Result<(), String> {
+    let to = listener.local_addr().map_err(|e| e.to_string())?;
+    let me = nix::unistd::geteuid().as_raw();
+    match dsv4_engine::procs::connection_uid(std::path::Path::new("/proc"), from, to) {
+        Ok(Some(uid)) if uid == me => Ok(()),
+        Ok(Some(uid)) => Err(format!("it is uid {uid}'s, not dsv4d's user's (uid {me})")),
+        Ok(None) => Err("its owner is not in /proc/net/tcp".to_string()),
+        Err(e) => Err(format!("cannot read /proc/net/tcp: {e}")),
     }
 }
 
