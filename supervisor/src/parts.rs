@@ -60,6 +60,7 @@ impl Parts {
             limits: Some(crate::host::open_file_limits()),
             in_progress,
             holds: self.holders.list(),
+            workers: self.lifecycle.workers(),
         }
     }
 

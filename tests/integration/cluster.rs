@@ -30,8 +30,8 @@ fn key_file(dir: &TempDir, name: &str, key: &str) -> PathBuf {
 }
 
 /// A worker box's dsv4d, in box `i`: its only profile, `rpc`, runs the real rpc-server; it
-/// lends to the coordinators whose keys are in `keys`.
-fn worker(boxes: &Boxes, i: u8, keys: &Path) -> Daemon {
+/// lends to the coordinators whose keys are in `keys`. Returned once its peers port is open.
+async fn worker(boxes: &Boxes, i: u8, keys: &Path) -> Daemon {
     let mut s = Setup::default()
         .engine("idle_timeout", "2s")
         .engine("stop_timeout", "5s")
@@ -52,7 +52,11 @@ fn worker(boxes: &Boxes, i: u8, keys: &Path) -> Daemon {
     );
     s.default_profile = "rpc".into();
     s.wrapper = boxes.exec(i as usize);
-    Daemon::start(&s)
+    let d = Daemon::start(&s);
+    // Its API socket is the test's, open before dsv4d runs; the peers port is its own.
+    d.log_with(&["lending to coordinators on other boxes at"])
+        .await;
+    d
 }
 
 /// The coordinator's dsv4d, in box 0: its profile `tiny` runs the real llama-server on the
@@ -126,7 +130,7 @@ async fn one_request_starts_the_worker_then_the_coordinator_and_idle_stops_both(
     let keys = temp_dir("cluster-keys");
     let worker_keys = key_file(&keys, "peers.keys", KEY);
     let coordinator_key = key_file(&keys, "worker.key", KEY);
-    let w = worker(&boxes, 1, &worker_keys);
+    let w = worker(&boxes, 1, &worker_keys).await;
     let c = coordinator(&boxes, &[1], &coordinator_key);
 
     let (status, v) = chat(&c).await;
@@ -143,6 +147,12 @@ async fn one_request_starts_the_worker_then_the_coordinator_and_idle_stops_both(
     );
     let worker_log = w.log();
     at(&worker_log, &format!("peer {}", boxes.coordinator(1)));
+    // The coordinator's status shows its worker, serving.
+    let status = c.status().await;
+    let shown = &status["workers"][0];
+    assert_eq!(shown["box"], boxes.worker(1).to_string(), "{status}");
+    assert_eq!(shown["state"], "serving", "{status}");
+    assert!(shown["load_seconds"].as_f64().is_some(), "{status}");
     let status = w.status().await;
     assert_eq!(status["state"], State::Ready.as_str(), "{status}");
     assert_eq!(status["holds"][0]["profile"], "rpc", "{status}");
@@ -194,6 +204,8 @@ async fn one_request_starts_the_worker_then_the_coordinator_and_idle_stops_both(
     .await;
     let status = w.status().await;
     assert!(status.get("holds").is_none(), "{status}");
+    let status = c.status().await;
+    assert!(status.get("workers").is_none(), "{status}");
 
     // The next request starts them all again.
     let (status, v) = chat(&c).await;
@@ -215,7 +227,7 @@ async fn a_wrong_key_fails_the_start_naming_the_box() {
     let keys = temp_dir("cluster-keys");
     let worker_keys = key_file(&keys, "peers.keys", KEY);
     let wrong = key_file(&keys, "worker.key", "another-key-that-is-long-enough-0");
-    let w = worker(&boxes, 1, &worker_keys);
+    let w = worker(&boxes, 1, &worker_keys).await;
     let c = coordinator(&boxes, &[1], &wrong);
     let (status, v) = chat(&c).await;
     assert_eq!(status, 503, "{v}");
@@ -231,6 +243,10 @@ async fn a_wrong_key_fails_the_start_naming_the_box() {
         w.log()
     );
     assert!(!w.log().contains("starting engine:"), "{}", w.log());
+    let status = c.status().await;
+    assert_eq!(status["workers"][0]["state"], "lost", "{status}");
+    let error = status["workers"][0]["error"].as_str().unwrap_or_default();
+    assert!(error.contains("refused the hold"), "{status}");
     assert!(engines_in(&boxes, 0).is_empty() && engines_in(&boxes, 1).is_empty());
 }
 
@@ -272,8 +288,8 @@ async fn two_workers_are_both_held_and_both_take_layers() {
     let keys = temp_dir("cluster-keys");
     let worker_keys = key_file(&keys, "peers.keys", KEY);
     let coordinator_key = key_file(&keys, "worker.key", KEY);
-    let w1 = worker(&boxes, 1, &worker_keys);
-    let w2 = worker(&boxes, 2, &worker_keys);
+    let w1 = worker(&boxes, 1, &worker_keys).await;
+    let w2 = worker(&boxes, 2, &worker_keys).await;
     let c = coordinator(&boxes, &[1, 2], &coordinator_key);
     let (status, v) = chat(&c).await;
     assert_eq!(status, 200, "{v}\n{}", c.log());
@@ -310,7 +326,7 @@ async fn a_worker_engine_that_dies_ends_the_coordinators_and_the_next_request_st
     let keys = temp_dir("cluster-keys");
     let worker_keys = key_file(&keys, "peers.keys", KEY);
     let coordinator_key = key_file(&keys, "worker.key", KEY);
-    let w = worker(&boxes, 1, &worker_keys);
+    let w = worker(&boxes, 1, &worker_keys).await;
     let c = coordinator(&boxes, &[1], &coordinator_key);
     assert_eq!(chat(&c).await.0, 200, "{}", c.log());
     let rpc = pids_named(&boxes, 1, "rpc-server");
@@ -346,7 +362,7 @@ async fn a_coordinator_that_dies_lets_go_and_the_worker_stops_its_engine() {
     let keys = temp_dir("cluster-keys");
     let worker_keys = key_file(&keys, "peers.keys", KEY);
     let coordinator_key = key_file(&keys, "worker.key", KEY);
-    let w = worker(&boxes, 1, &worker_keys);
+    let w = worker(&boxes, 1, &worker_keys).await;
     let c = coordinator(&boxes, &[1], &coordinator_key);
     assert_eq!(chat(&c).await.0, 200, "{}", c.log());
     assert_eq!(w.status().await["holds"][0]["profile"], "rpc");
@@ -415,7 +431,7 @@ async fn a_sleeping_worker_is_woken_and_the_waiting_request_served() {
     assert_eq!(&packet[..6], &[0xff; 6]);
     assert!(packet[6..].chunks(6).all(|c| c == mac), "{packet:?}");
     // The box wakes: its dsv4d starts, and the request that waited is served.
-    let _w = worker(&boxes, 1, &worker_keys);
+    let _w = worker(&boxes, 1, &worker_keys).await;
     let (code, stream) = request.await.unwrap();
     assert_eq!(code, 200, "{stream}\n{}", c.log());
     // Meanwhile the stream said what it waited for.

@@ -414,6 +414,32 @@ pub struct Status {
     /// The coordinators on other boxes that hold this box's profile (`peers:`), oldest first.
     #[serde(default, skip_serializing_if = "Vec::is_empty")]
     pub holds: Vec<Hold>,
+    /// The worker boxes of the engine that starts or runs (its profile's `workers:`), in
+    /// their order.
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub workers: Vec<WorkerStatus>,
+}
+
+/// A worker box of this box's engine, as its hold goes.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct WorkerStatus {
+    /// The box, as messages name it (the host of `at`).
+    #[serde(rename = "box")]
+    pub host: String,
+    /// Its `peers.listen`.
+    pub at: String,
+    /// The profile held there.
+    pub profile: String,
+    /// `connecting`, `waking`, `loading`, `serving` or `lost`.
+    pub state: String,
+    /// Since when it is in that state (Unix time, seconds).
+    pub since: f64,
+    /// How long its engine took to be ready, once it was.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub load_seconds: Option<f64>,
+    /// Why it was lost.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub error: Option<String>,
 }
 
 /// A coordinator on another box holding this box's profile: its engine lends this box's
@@ -441,6 +467,7 @@ impl Status {
             limits: None,
             in_progress: Vec::new(),
             holds: Vec::new(),
+            workers: Vec::new(),
         }
     }
 }
@@ -753,6 +780,15 @@ mod tests {
                 from: "10.77.0.1".into(),
                 profile: "rpc".into(),
                 since: 1_767_225_600.0,
+            }],
+            workers: vec![WorkerStatus {
+                host: "10.77.0.2".into(),
+                at: "10.77.0.2:8090".into(),
+                profile: "rpc".into(),
+                state: "serving".into(),
+                since: 1_767_225_600.0,
+                load_seconds: Some(0.5),
+                error: None,
             }],
         };
         let v = serde_json::to_value(&s).unwrap();

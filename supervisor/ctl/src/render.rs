@@ -14,6 +14,49 @@ use dsv4_client::{
     Totals,
 };
 
+/// The boxes this one's engine spans: its workers (`10.77.0.2 rpc serving for 5m, loaded in
+/// 1.2s`), and the coordinators that hold this box (`held by 10.77.0.1 (rpc) for 5m`).
+fn box_rows(rows: &mut Vec<(&str, String)>, doc: &Status, now: f64) {
+    let workers: Vec<String> = doc
+        .workers
+        .iter()
+        .map(|w| {
+            let mut line = format!(
+                "{} {} {} for {}",
+                w.host,
+                w.profile,
+                w.state,
+                brief_secs(now - w.since)
+            );
+            if let Some(s) = w.load_seconds {
+                line += &format!(", loaded in {}", brief_secs(s));
+            }
+            if let Some(e) = &w.error {
+                line += &format!(": {e}");
+            }
+            line
+        })
+        .collect();
+    if !workers.is_empty() {
+        rows.push(("workers", workers.join("\n")));
+    }
+    let holds: Vec<String> = doc
+        .holds
+        .iter()
+        .map(|h| {
+            format!(
+                "{} ({}) for {}",
+                h.from,
+                h.profile,
+                brief_secs(now - h.since)
+            )
+        })
+        .collect();
+    if !holds.is_empty() {
+        rows.push(("held by", holds.join("\n")));
+    }
+}
+
 /// A rate with four significant digits: `13.35`, `122.7`, `1234`, `0.512`.
 pub fn rate(v: f64) -> String {
     let a = v.abs();
@@ -38,6 +81,7 @@ pub fn parse_duration(s: &str) -> Result<Duration, String> {
 pub fn status_table(doc: &Status, now: f64) -> String {
     let mut rows: Vec<(&str, String)> = Vec::new();
     engine_rows(&mut rows, doc, now);
+    box_rows(&mut rows, doc, now);
     let t = &doc.requests.all;
     rows.push((
         "requests",
@@ -907,6 +951,7 @@ mod tests {
             limits: None,
             in_progress: Vec::new(),
             holds: Vec::new(),
+            workers: Vec::new(),
             thermal: None,
             kv: None,
         }
@@ -1128,6 +1173,45 @@ mod tests {
                  in progress  #7 /v1/chat/completions  decoding, 12 tokens  (1m1s)\n\
                  \x20            #8 /v1/chat/completions  waiting for its turn  (2s)\n\
                  idle stop    "
+            ),
+            "{table}"
+        );
+    }
+
+    #[test]
+    fn the_boxes_an_engine_spans_are_listed_with_their_state() {
+        let mut s = status();
+        assert!(!status_table(&s, 1_000_000.0).contains("workers"));
+        let worker = |host: &str, state: &str| dsv4_client::WorkerStatus {
+            host: host.into(),
+            at: format!("{host}:8090"),
+            profile: "rpc".into(),
+            state: state.into(),
+            since: 999_700.0,
+            load_seconds: None,
+            error: None,
+        };
+        s.workers = vec![
+            dsv4_client::WorkerStatus {
+                load_seconds: Some(1.25),
+                ..worker("10.77.0.2", "serving")
+            },
+            dsv4_client::WorkerStatus {
+                error: Some("cannot connect to 10.77.0.3:8090: refused".into()),
+                ..worker("10.77.0.3", "lost")
+            },
+        ];
+        s.holds = vec![dsv4_client::Hold {
+            from: "10.77.0.9".into(),
+            profile: "rpc".into(),
+            since: 999_940.0,
+        }];
+        let table = status_table(&s, 1_000_000.0);
+        assert!(
+            table.contains(
+                "workers     10.77.0.2 rpc serving for 5m, loaded in 1.2s\n\
+                 \x20           10.77.0.3 rpc lost for 5m: cannot connect to 10.77.0.3:8090: refused\n\
+                 held by     10.77.0.9 (rpc) for 1m\n"
             ),
             "{table}"
         );

@@ -11,7 +11,7 @@
 //! The protocol is `crate::lifecycle::peer_wire`'s.
 
 use std::net::{Ipv4Addr, SocketAddr};
-use std::sync::Arc;
+use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
 use tokio::io::{AsyncWriteExt, BufReader};
@@ -33,7 +33,62 @@ const WAKE_RETRY: Duration = Duration::from_secs(2);
 #[derive(Debug)]
 pub struct Holds {
     relays: Vec<SocketAddr>,
-    tasks: JoinSet<()>,
+    /// The holds kept and the relays: ended (aborted) when this is dropped.
+    _tasks: JoinSet<()>,
+    book: WorkerBook,
+}
+
+impl Drop for Holds {
+    fn drop(&mut self) {
+        self.book.clear();
+    }
+}
+
+/// The worker boxes of the engine that starts or runs, as their holds go, for the status:
+/// set at each start, cleared when the holds are let go (a start that failed keeps what it
+/// came to, until the next).
+#[derive(Debug, Clone, Default)]
+pub struct WorkerBook(Arc<Mutex<Vec<dsv4_client::WorkerStatus>>>);
+
+impl WorkerBook {
+    pub fn list(&self) -> Vec<dsv4_client::WorkerStatus> {
+        self.lock().clone()
+    }
+
+    fn lock(&self) -> std::sync::MutexGuard<'_, Vec<dsv4_client::WorkerStatus>> {
+        self.0.lock().unwrap_or_else(|p| p.into_inner())
+    }
+
+    fn begin(&self, workers: &[Worker]) {
+        let now = dsv4_client::clock::unix_now();
+        *self.lock() = workers
+            .iter()
+            .map(|w| dsv4_client::WorkerStatus {
+                host: w.host().to_string(),
+                at: w.at.clone(),
+                profile: w.profile.clone(),
+                state: "connecting".to_string(),
+                since: now,
+                load_seconds: None,
+                error: None,
+            })
+            .collect();
+    }
+
+    /// Worker `at` is in `state` now.
+    fn set(&self, at: &str, state: &str, load_seconds: Option<f64>, error: Option<String>) {
+        let mut list = self.lock();
+        if let Some(w) = list.iter_mut().find(|w| w.at == at) {
+            w.state = state.to_string();
+            w.since = dsv4_client::clock::unix_now();
+            w.load_seconds = load_seconds.or(w.load_seconds);
+            w.error = error;
+        }
+    }
+
+    fn clear(&self) {
+        self.lock().clear();
+    }
 }
 
 impl Holds {
@@ -51,19 +106,27 @@ pub type Lost = Arc<dyn Fn(String) + Send + Sync>;
 
 /// Holds every worker (all at once), each ready when this returns; the reason, naming the box,
 /// when one cannot be held.
-pub async fn hold(workers: &[Worker], progress: Progress, lost: Lost) -> Result<Holds, String> {
+pub async fn hold(
+    workers: &[Worker],
+    progress: Progress,
+    lost: Lost,
+    book: WorkerBook,
+) -> Result<Holds, String> {
+    book.begin(workers);
     let held = futures_util::future::join_all(
         workers
             .iter()
-            .map(|w| hold_one(w.clone(), progress.clone())),
+            .map(|w| hold_one(w.clone(), progress.clone(), book.clone())),
     )
     .await;
-    let mut holds = Holds {
-        relays: Vec::new(),
-        tasks: JoinSet::new(),
-    };
+    // What a start that failed came to stays in the book (Holds clears it when dropped).
+    let mut relays = Vec::new();
+    let mut tasks = JoinSet::new();
     for (w, conn) in workers.iter().zip(held) {
-        let conn = conn.map_err(|why| format!("worker box {}: {why}", w.host()))?;
+        let conn = conn.map_err(|why| {
+            book.set(&w.at, "lost", None, Some(why.clone()));
+            format!("worker box {}: {why}", w.host())
+        })?;
         tracing::info!(
             "worker box {} held: its engine serves ({})",
             w.host(),
@@ -75,20 +138,27 @@ pub async fn hold(workers: &[Worker], progress: Progress, lost: Lost) -> Result<
         let addr = listener
             .local_addr()
             .map_err(|e| format!("the relay's port for {}: {e}", w.at))?;
-        holds.relays.push(addr);
-        holds
-            .tasks
-            .spawn(keep(conn, w.host().to_string(), lost.clone()));
-        holds.tasks.spawn(relay(listener, w.clone()));
+        relays.push(addr);
+        tasks.spawn(keep(conn, w.clone(), lost.clone(), book.clone()));
+        tasks.spawn(relay(listener, w.clone()));
     }
-    Ok(holds)
+    Ok(Holds {
+        relays,
+        _tasks: tasks,
+        book,
+    })
 }
 
 /// Holds one worker: connects (waking the box when it does not answer and `wake` says how),
 /// asks for the hold, and waits for its engine to be ready.
-async fn hold_one(w: Worker, progress: Progress) -> Result<BufReader<TcpStream>, String> {
+async fn hold_one(
+    w: Worker,
+    progress: Progress,
+    book: WorkerBook,
+) -> Result<BufReader<TcpStream>, String> {
     let key = worker_key(&w)?;
-    let mut conn = reach(&w, &progress).await?;
+    let mut conn = reach(&w, &progress, &book).await?;
+    book.set(&w.at, "loading", None, None);
     let nonce = greeted(&mut conn).await?;
     let ask = peer_wire::ask(&key, &nonce, Verb::Hold, &w.profile);
     peer_wire::write_line(&mut conn, &ask)
@@ -98,7 +168,11 @@ async fn hold_one(w: Worker, progress: Progress) -> Result<BufReader<TcpStream>,
     loop {
         // The worker says how its load goes at least every ALIVE_EVERY.
         match said(&mut conn, SILENCE_LIMIT).await? {
-            Said::Serving => return Ok(conn),
+            Said::Serving => {
+                let took = since.elapsed().as_secs_f64();
+                book.set(&w.at, "serving", Some(took), None);
+                return Ok(conn);
+            }
             Said::Loading(_) | Said::Alive => progress(&format!(
                 "waiting for {} ({})",
                 w.host(),
@@ -123,7 +197,11 @@ fn worker_key(w: &Worker) -> Result<Vec<u8>, String> {
 
 /// A connection to the worker box's dsv4d; with `wake`, a box that does not answer is sent
 /// a Wake-on-LAN packet and tried again until it does (the start's own timeout bounds it).
-async fn reach(w: &Worker, progress: &Progress) -> Result<BufReader<TcpStream>, String> {
+async fn reach(
+    w: &Worker,
+    progress: &Progress,
+    book: &WorkerBook,
+) -> Result<BufReader<TcpStream>, String> {
     let mut woken = false;
     loop {
         let tried = timeout(CONNECT_TIMEOUT, TcpStream::connect(&w.at)).await;
@@ -152,6 +230,7 @@ async fn reach(w: &Worker, progress: &Progress) -> Result<BufReader<TcpStream>, 
                 wake.broadcast
             );
             woken = true;
+            book.set(&w.at, "waking", None, None);
         }
         progress(&format!("waking {}", w.host()));
         tokio::time::sleep(WAKE_RETRY).await;
@@ -207,7 +286,7 @@ async fn said(conn: &mut BufReader<TcpStream>, within: Duration) -> Result<Said,
 
 /// Keeps a hold: says `alive` every [`ALIVE_EVERY`] and hears the worker's; tells `lost` when
 /// the worker goes away. Ends (letting the worker go) when dropped.
-async fn keep(conn: BufReader<TcpStream>, host: String, lost: Lost) {
+async fn keep(conn: BufReader<TcpStream>, w: Worker, lost: Lost, book: WorkerBook) {
     let (read, mut write) = tokio::io::split(conn);
     let mut lines = peer_wire::lines(BufReader::new(read));
     let mut beat = tokio::time::interval(ALIVE_EVERY);
@@ -239,7 +318,8 @@ async fn keep(conn: BufReader<TcpStream>, host: String, lost: Lost) {
             }
         }
     };
-    lost(format!("worker box {host} went away: {why}"));
+    book.set(&w.at, "lost", None, Some(why.clone()));
+    lost(format!("worker box {} went away: {why}", w.host()));
 }
 
 /// Carries each connection the engine opens on `listener` to the worker's engine, through

@@ -9,6 +9,7 @@ use tokio::time::Instant;
 
 use crate::lifecycle::engine_key::EngineKey;
 use crate::lifecycle::leftover;
+use crate::lifecycle::state::{EngineFailure, Event, Gen};
 use crate::lifecycle::EngineRef;
 
 /// The engine process the actor owns, with what a lease needs to reach it.
@@ -71,4 +72,17 @@ pub(super) struct KvTask {
     /// When the rules end its phase: `save_timeout` or `restore_timeout` from the phase's
     /// start, a moment before the task's own start.
     pub(super) deadline: Option<Instant>,
+}
+
+/// A start of `gen` that ends before any engine ran, for `summary` (logged), told to the
+/// rules as an engine's exit.
+pub(super) fn failed_start(gen: Gen, summary: String) -> Option<Event> {
+    tracing::error!("{summary}");
+    Some(Event::Exited {
+        gen,
+        failure: EngineFailure {
+            summary,
+            tail: Vec::new(),
+        },
+    })
 }

@@ -24,6 +24,7 @@ pub struct Handle {
     pub(super) kv: crate::kv::Book,
     pub(super) gate: Arc<Gate>,
     pub(super) loading: watch::Receiver<Option<crate::lifecycle::loading::Loading>>,
+    pub(super) workers: crate::lifecycle::workers::WorkerBook,
 }
 
 struct CancelOnDrop<'a> {
@@ -49,6 +50,11 @@ impl Drop for CancelOnDrop<'_> {
 }
 
 impl Handle {
+    /// The worker boxes of the engine that starts or runs (its profile's `workers:`).
+    pub fn workers(&self) -> Vec<dsv4_client::WorkerStatus> {
+        self.workers.list()
+    }
+
     /// The KV checkpoint steps' record.
     pub fn kv(&self) -> &crate::kv::Book {
         &self.kv

@@ -114,6 +114,7 @@ pub fn spawn(
     let log = OutputTail::new(LOG_LINES);
     let kv = crate::kv::Book::new(config_rx.clone());
     let (loading, loading_rx) = watch::channel(None);
+    let worker_book = crate::lifecycle::workers::WorkerBook::default();
     let mut actor = Actor {
         kv: kv.clone(),
         log: log.clone(),
@@ -142,6 +143,7 @@ pub fn spawn(
         kv_suspended: None,
         loading,
         holding: None,
+        worker_book: worker_book.clone(),
     };
     // What a stopped engine's status can say from the configuration (its key, say).
     actor.publish();
@@ -156,6 +158,7 @@ pub fn spawn(
         kv,
         gate,
         loading: loading_rx,
+        workers: worker_book,
     };
     (handle, task)
 }
@@ -221,6 +224,8 @@ struct Actor {
     loading: watch::Sender<Option<crate::lifecycle::loading::Loading>>,
     /// A start whose profile has workers, while they are held (before its engine spawns).
     holding: Option<workers::Holding>,
+    /// The worker boxes of the engine that starts or runs, for the status.
+    worker_book: crate::lifecycle::workers::WorkerBook,
 }
 
 enum Reply {

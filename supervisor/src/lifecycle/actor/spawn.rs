@@ -6,12 +6,13 @@ use std::sync::Arc;
 use dsv4_engine::{EngineChild, ExitReport, SpawnSpec};
 use tokio::time::Instant;
 
+use super::engine::failed_start;
 use super::messages::{Internal, PortLook};
 use super::probe::probe_ready;
 use super::{Actor, Engine, TAIL_LINES};
 use crate::lifecycle::engine_key::EngineKey;
 use crate::lifecycle::leftover;
-use crate::lifecycle::state::{EngineFailure, Event, Gen, KvSteps};
+use crate::lifecycle::state::{Event, Gen, KvSteps};
 use crate::lifecycle::upstream::Upstream;
 use crate::lifecycle::EngineRef;
 
@@ -334,19 +335,6 @@ struct Prepared<'p> {
 /// binds its own), so the port is handed over by number. Another process can take it first:
 /// the readiness probe checks that the listener is the engine's, and the start goes on with
 /// another port (see `Internal::PortTaken`).
-/// A start of `gen` that ends before any engine ran, for `summary` (logged), told to the
-/// rules as an engine's exit.
-pub(super) fn failed_start(gen: Gen, summary: String) -> Option<Event> {
-    tracing::error!("{summary}");
-    Some(Event::Exited {
-        gen,
-        failure: EngineFailure {
-            summary,
-            tail: Vec::new(),
-        },
-    })
-}
-
 pub(super) fn free_port() -> std::io::Result<u16> {
     let l = TcpListener::bind((Ipv4Addr::LOCALHOST, 0))?;
     Ok(l.local_addr()?.port())

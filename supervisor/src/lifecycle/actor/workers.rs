@@ -5,8 +5,8 @@ use std::sync::Arc;
 
 use tokio::time::Instant;
 
+use super::engine::failed_start;
 use super::messages::Internal;
-use super::spawn::failed_start;
 use super::Actor;
 use crate::lifecycle::loading::Loading;
 use crate::lifecycle::state::{Event, Gen};
@@ -66,6 +66,7 @@ impl Actor {
         let told = self.internal.clone();
         let lost = self.internal.clone();
         let list = profile.workers.clone();
+        let book = self.worker_book.clone();
         let task = tokio::spawn(async move {
             let progress: workers::Progress = Arc::new(move |what: &str| {
                 let what = what.to_string();
@@ -74,7 +75,7 @@ impl Actor {
             let lost: workers::Lost = Arc::new(move |why: String| {
                 let _ = lost.send(Internal::WorkerLost { gen, why });
             });
-            let holds = workers::hold(&list, progress, lost).await;
+            let holds = workers::hold(&list, progress, lost, book).await;
             let _ = internal.send(Internal::Held { gen, holds });
         });
         self.holding = Some(Holding {
