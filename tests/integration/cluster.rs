@@ -467,3 +467,20 @@ async fn post_with_curl(url: &str, body: &serde_json::Value) -> (u16, String) {
     let (body, code) = text.rsplit_once('\n').unwrap_or((&text, "0"));
     (code.trim().parse().unwrap_or(0), body.to_string())
 }
+
+/// A request to a worker box's own API while its active profile lends its devices: 503
+/// engine_lends, and its rpc-server (which would read the request as commands) never starts.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_worker_boxs_own_api_refuses_requests_while_it_lends() {
+    let boxes = Boxes::new(1);
+    let keys = temp_dir("cluster-keys");
+    let worker_keys = key_file(&keys, "peers.keys", KEY);
+    let w = worker(&boxes, 1, &worker_keys).await;
+    let (status, v) = chat(&w).await;
+    assert_eq!(status, 503, "{v}");
+    assert_eq!(v["error"]["code"], "engine_lends", "{v}");
+    let message = v["error"]["message"].as_str().unwrap_or_default();
+    assert!(message.contains("`rpc` runs rpc-server"), "{v}");
+    assert!(!w.log().contains("starting engine:"), "{}", w.log());
+    assert!(pids_named(&boxes, 1, "rpc-server").is_empty());
+}
