@@ -59,11 +59,7 @@ fn main() {
         support::real::profile(&model, 4096, "kv_checkpoint: { dir: kv }\n"),
     );
     s.default_profile = "tiny".into();
-    let rt = tokio::runtime::Builder::new_multi_thread()
-        .worker_threads(2)
-        .enable_all()
-        .build()
-        .unwrap();
+    let rt = support::bench_runtime();
     rt.block_on(async {
         let d = Daemon::start(&s);
         let prompt = "abc ".repeat(700);

@@ -6,78 +6,13 @@
 //! test reaches it), and makes every other socket in its box: the worker's peers port on its
 //! link, the engines on the box's own loopback.
 
-use std::path::{Path, PathBuf};
 use std::time::{Duration, Instant};
 
 use dsv4_client::State;
 use serde_json::json;
 
-use crate::support::boxes::Boxes;
-use crate::support::{real, temp_dir, Daemon, Setup, TempDir, PATIENCE};
-
-/// The worker's peers port, on its link.
-const PEERS_PORT: u16 = 7070;
-/// The key both sides hold.
-const KEY: &str = "a-coordinators-key-of-32-characters!";
-
-/// A key file of `key` in `dir`, private.
-fn key_file(dir: &TempDir, name: &str, key: &str) -> PathBuf {
-    use std::os::unix::fs::PermissionsExt;
-    let path = dir.path().join(name);
-    std::fs::write(&path, format!("{key}\n")).unwrap();
-    std::fs::set_permissions(&path, std::fs::Permissions::from_mode(0o600)).unwrap();
-    path
-}
-
-/// A worker box's dsv4d, in box `i`: its only profile, `rpc`, runs the real rpc-server; it
-/// lends to the coordinators whose keys are in `keys`. Returned once its peers port is open.
-async fn worker(boxes: &Boxes, i: u8, keys: &Path) -> Daemon {
-    let mut s = Setup::default()
-        .engine("idle_timeout", "2s")
-        .engine("stop_timeout", "5s")
-        .top_level(
-            "peers",
-            &format!(
-                "{{ listen: \"{}:{PEERS_PORT}\", keys_file: {} }}",
-                boxes.worker(i),
-                keys.display()
-            ),
-        );
-    s.custom_profiles.insert(
-        "rpc".into(),
-        format!(
-            "engine: rpc-server\ncommand: {}\n",
-            real::rpc_server().display()
-        ),
-    );
-    s.default_profile = "rpc".into();
-    s.wrapper = boxes.exec(i as usize);
-    let d = Daemon::start(&s);
-    // Its API socket is the test's, open before dsv4d runs; the peers port is its own.
-    d.log_with(&["lending to coordinators on other boxes at"])
-        .await;
-    d
-}
-
-/// The coordinator's dsv4d, in box 0: its profile `tiny` runs the real llama-server on the
-/// tiny model with every layer on its workers, held with `key_file`.
-fn coordinator(boxes: &Boxes, workers: &[u8], key_file: &Path) -> Daemon {
-    let mut s = real::setup_with_args(&["-ngl", "99", "-lv", "4"]);
-    let list: Vec<String> = workers
-        .iter()
-        .map(|i| {
-            format!(
-                "  - {{ at: \"{}:{PEERS_PORT}\", profile: rpc, key_file: {} }}\n",
-                boxes.worker(*i),
-                key_file.display()
-            )
-        })
-        .collect();
-    let profile = s.custom_profiles.get_mut("tiny").unwrap();
-    profile.push_str(&format!("workers:\n{}", list.concat()));
-    s.wrapper = boxes.exec(0);
-    Daemon::start(&s)
-}
+use crate::support::boxes::{coordinator, key_file, worker, Boxes, KEY, PEERS_PORT};
+use crate::support::{real, temp_dir, Daemon, PATIENCE};
 
 async fn chat(d: &Daemon) -> (u16, serde_json::Value) {
     let body = json!({

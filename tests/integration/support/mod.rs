@@ -138,6 +138,15 @@ pub fn package_lock() -> nix::fcntl::Flock<std::fs::File> {
 }
 
 /// A benchmark knob: the environment variable `name` as a number, else `default`.
+/// The runtime a benchmark's `main` runs on: two workers, as the machine has two cores.
+pub fn bench_runtime() -> tokio::runtime::Runtime {
+    tokio::runtime::Builder::new_multi_thread()
+        .worker_threads(2)
+        .enable_all()
+        .build()
+        .expect("a tokio runtime")
+}
+
 pub fn env_or<T: std::str::FromStr>(name: &str, default: T) -> T {
     std::env::var(name)
         .ok()
