@@ -193,6 +193,12 @@ async fn metrics(ctx: &Ctx) -> Response<ProxyBody> {
     let kv = ctx.parts.lifecycle.kv().status().await;
     let status = ctx.parts.lifecycle.status();
     let in_progress = ctx.parts.in_progress(status.state);
+    let (workers, holds) = (ctx.parts.lifecycle.workers(), ctx.parts.holders.list());
+    let live = crate::observe::metrics::Live {
+        in_progress: &in_progress,
+        workers: &workers,
+        holds: &holds,
+    };
     let text = crate::observe::metrics::render(
         &status,
         &ctx.parts.stats.report(0),
@@ -200,7 +206,7 @@ async fn metrics(ctx: &Ctx) -> Response<ProxyBody> {
         &ctx.parts.power.status(),
         &ctx.parts.thermal.status(),
         &kv,
-        &in_progress,
+        live,
     );
     let mut r = Response::new(ProxyBody::from(Bytes::from(text)));
     r.headers_mut().insert(

@@ -10,7 +10,7 @@
 use dsv4_client::kv::KvStatus;
 use dsv4_client::telemetry::{Sample, Sensor, ThrottleKind};
 use dsv4_client::words::Phase;
-use dsv4_client::{InProgress, PowerStatus, State, ThermalStatus};
+use dsv4_client::{Hold, InProgress, PowerStatus, State, ThermalStatus, WorkerStatus};
 use prometheus_client::encoding::EncodeLabelSet;
 use prometheus_client::metrics::counter::Counter;
 use prometheus_client::metrics::family::Family;
@@ -102,6 +102,16 @@ fn add<
     metric
 }
 
+/// What is under way: the requests in flight, and the boxes the engine spans.
+#[derive(Debug, Default, Clone, Copy)]
+pub struct Live<'a> {
+    pub in_progress: &'a [InProgress],
+    /// This box's engine's workers (a coordinator's).
+    pub workers: &'a [WorkerStatus],
+    /// The coordinators that hold this box.
+    pub holds: &'a [Hold],
+}
+
 pub fn render(
     status: &Status,
     requests: &Report,
@@ -109,12 +119,13 @@ pub fn render(
     power: &PowerStatus,
     thermal: &ThermalStatus,
     kv: &KvStatus,
-    in_progress: &[InProgress],
+    live: Live,
 ) -> String {
     let mut reg = Registry::default();
     engine(&mut reg, status);
     request_metrics(&mut reg, requests);
-    in_progress_metrics(&mut reg, in_progress);
+    in_progress_metrics(&mut reg, live.in_progress);
+    box_metrics(&mut reg, live.workers, live.holds);
     host(&mut reg, sample);
     power_metrics(&mut reg, power);
     kv_metrics(&mut reg, kv);
@@ -293,6 +304,63 @@ fn in_progress_metrics(reg: &mut Registry, in_progress: &[InProgress]) {
             .get_or_create(&StateLabel { state })
             .set(i64::try_from(v).unwrap_or(i64::MAX));
     }
+}
+
+#[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
+struct WorkerLabel {
+    #[prometheus(flatten)]
+    host: BoxLabel,
+    state: &'static str,
+}
+
+#[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
+struct BoxLabel {
+    r#box: String,
+}
+
+/// The states a worker's hold goes through, as `/status` names them.
+const WORKER_STATES: [&str; 5] = ["connecting", "waking", "loading", "serving", "lost"];
+
+/// A coordinator's workers, each in one state (1) and not in the others (0), with their
+/// engines' load time; and how many coordinators hold this box.
+fn box_metrics(reg: &mut Registry, workers: &[WorkerStatus], holds: &[Hold]) {
+    let states = add(
+        reg,
+        "dsv4_worker_state",
+        "Each worker box of this box's engine: 1 for its state (connecting, waking, loading, \
+         serving, lost), 0 for the others.",
+        Family::<WorkerLabel, Gauge>::default(),
+    );
+    let loads = add(
+        reg,
+        "dsv4_worker_load_seconds",
+        "How long each worker box's engine took to be ready, once it was.",
+        Family::<BoxLabel, FloatGauge>::default(),
+    );
+    for w in workers {
+        let host = BoxLabel {
+            r#box: w.host.clone(),
+        };
+        for state in WORKER_STATES {
+            let label = WorkerLabel {
+                host: host.clone(),
+                state,
+            };
+            states
+                .get_or_create(&label)
+                .set(i64::from(w.state == state));
+        }
+        if let Some(s) = w.load_seconds {
+            loads.get_or_create(&host).set(s);
+        }
+    }
+    add(
+        reg,
+        "dsv4_holds",
+        "Coordinators on other boxes that hold this box's profile.",
+        Gauge::<i64>::default(),
+    )
+    .set(i64::try_from(holds.len()).unwrap_or(i64::MAX));
 }
 
 /// The counters of the requests, each by profile and, in a family of its own (so that a sum
@@ -616,7 +684,7 @@ mod tests {
             &PowerStatus::default(),
             &ThermalStatus::default(),
             &kv,
-            &[],
+            Live::default(),
         );
         let got = lines(&text);
         for line in [
@@ -659,7 +727,10 @@ mod tests {
                 &PowerStatus::default(),
                 &ThermalStatus::default(),
                 &KvStatus::default(),
-                flights,
+                Live {
+                    in_progress: flights,
+                    ..Live::default()
+                },
             )
         };
         let text = render_with(&[
@@ -704,6 +775,54 @@ mod tests {
     }
 
     #[test]
+    fn a_coordinators_workers_and_a_workers_holds_are_gauges() {
+        let worker = |host: &str, state: &str, load: Option<f64>| WorkerStatus {
+            host: host.into(),
+            at: format!("{host}:8090"),
+            profile: "rpc".into(),
+            state: state.into(),
+            since: 0.0,
+            load_seconds: load,
+            error: None,
+        };
+        let workers = [
+            worker("10.77.0.2", "serving", Some(1.5)),
+            worker("10.77.0.3", "waking", None),
+        ];
+        let holds = [Hold {
+            from: "10.77.0.9".into(),
+            profile: "rpc".into(),
+            since: 0.0,
+        }];
+        let live = Live {
+            workers: &workers,
+            holds: &holds,
+            ..Live::default()
+        };
+        let text = render(
+            &Status::stopped("320k"),
+            &Stats::default().report(0),
+            None,
+            &PowerStatus::default(),
+            &ThermalStatus::default(),
+            &KvStatus::default(),
+            live,
+        );
+        let got = lines(&text);
+        for line in [
+            "dsv4_worker_state{box=\"10.77.0.2\",state=\"serving\"} 1",
+            "dsv4_worker_state{box=\"10.77.0.2\",state=\"lost\"} 0",
+            "dsv4_worker_state{box=\"10.77.0.3\",state=\"waking\"} 1",
+            "dsv4_worker_state{box=\"10.77.0.3\",state=\"serving\"} 0",
+            "dsv4_worker_load_seconds{box=\"10.77.0.2\"} 1.5",
+            "dsv4_holds 1",
+        ] {
+            assert!(got.contains(&line), "{line} not in\n{text}");
+        }
+        assert!(!text.contains("dsv4_worker_load_seconds{box=\"10.77.0.3\"}"));
+    }
+
+    #[test]
     fn renders_state_and_per_profile_counters() {
         let stats = Stats::default();
         let t = Timings {
@@ -727,7 +846,7 @@ mod tests {
             &PowerStatus::default(),
             &ThermalStatus::default(),
             &KvStatus::default(),
-            &[],
+            Live::default(),
         );
         let got = lines(&text);
         for line in [
@@ -800,7 +919,7 @@ mod tests {
             &PowerStatus::default(),
             &ThermalStatus::default(),
             &KvStatus::default(),
-            &[],
+            Live::default(),
         );
         let got = lines(&text);
         for line in [
@@ -923,7 +1042,7 @@ mod tests {
                 ..ThermalStatus::default()
             },
             &KvStatus::default(),
-            &[],
+            Live::default(),
         );
         let got = lines(&text);
         for line in [
