@@ -111,6 +111,22 @@ pub fn header(status: &Status, latest: Option<&Sample>, now: f64) -> Vec<String>
             .map(|p| format!("  engine pid {p}"))
             .unwrap_or_default()
     )];
+    if !status.workers.is_empty() {
+        let workers: Vec<String> = status
+            .workers
+            .iter()
+            .map(|w| format!("{} {}", w.host, w.state))
+            .collect();
+        lines.push(format!("workers  {}", workers.join(", ")));
+    }
+    if !status.holds.is_empty() {
+        let holds: Vec<String> = status
+            .holds
+            .iter()
+            .map(|h| format!("{} ({})", h.from, h.profile))
+            .collect();
+        lines.push(format!("held by  {}", holds.join(", ")));
+    }
     let flights = &status.in_progress;
     lines.extend(
         flights
@@ -417,6 +433,35 @@ mod tests {
             "2.0 W (1.0 .. 3.0)"
         );
         assert_eq!(range(&[Some(1.0), None], "W", 1), "-");
+    }
+
+    #[test]
+    fn the_header_names_the_boxes_the_engine_spans() {
+        let mut s = Status::stopped("tiny");
+        assert!(!header(&s, None, 0.0)
+            .iter()
+            .any(|l| l.starts_with("workers")));
+        let worker = |host: &str, state: &str| dsv4_client::WorkerStatus {
+            host: host.into(),
+            at: format!("{host}:8090"),
+            profile: "rpc".into(),
+            state: state.into(),
+            since: 0.0,
+            load_seconds: None,
+            error: None,
+        };
+        s.workers = vec![
+            worker("10.77.0.2", "serving"),
+            worker("10.77.0.3", "waking"),
+        ];
+        s.holds = vec![dsv4_client::Hold {
+            from: "10.77.0.9".into(),
+            profile: "rpc".into(),
+            since: 0.0,
+        }];
+        let head = header(&s, None, 0.0);
+        assert_eq!(head[1], "workers  10.77.0.2 serving, 10.77.0.3 waking");
+        assert_eq!(head[2], "held by  10.77.0.9 (rpc)");
     }
 
     #[test]
