@@ -419,3 +419,56 @@ async fn a_worker_boxs_own_api_refuses_requests_while_it_lends() {
     assert!(!w.log().contains("starting engine:"), "{}", w.log());
     assert!(pids_named(&boxes, 1, "rpc-server").is_empty());
 }
+
+/// Each box runs its own power policy while its part of the engine runs: the worker's CPU
+/// on power-saver from the hold, the coordinator's from its engine's start (each box's own
+/// fixture tree as its sysfs, cpufreq without a power-profiles-daemon), and each given back
+/// after its own stop.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn each_box_runs_its_own_power_policy_while_its_part_runs() {
+    use crate::support::boxes::{coordinator_setup, start_worker, worker_setup};
+    let boxes = Boxes::new(1);
+    let keys = temp_dir("cluster-keys");
+    let worker_keys = key_file(&keys, "peers.keys", KEY);
+    let coordinator_key = key_file(&keys, "worker.key", KEY);
+    let trees = [
+        crate::support::fixture_copy("strix-halo"),
+        crate::support::fixture_copy("strix-halo"),
+    ];
+    let epp = |i: usize| {
+        let file = "sys/devices/system/cpu/cpufreq/policy0/energy_performance_preference";
+        std::fs::read_to_string(trees[i].path().join(file))
+            .unwrap()
+            .trim()
+            .to_string()
+    };
+    let before = [epp(0), epp(1)];
+    assert!(before.iter().all(|g| g != "power"), "{before:?}");
+    let own_power = |s: crate::support::Setup, tree: &crate::support::TempDir| {
+        s.args(&["--sysroot", tree.path().to_str().unwrap()])
+            .top_level("power", "{ method: cpufreq }")
+            .daemon_env(
+                "DBUS_SYSTEM_BUS_ADDRESS",
+                "unix:path=/nonexistent/dsv4-no-bus",
+            )
+    };
+    let w = start_worker(&own_power(worker_setup(&boxes, 1, &worker_keys), &trees[1])).await;
+    let c = Daemon::start(&own_power(
+        coordinator_setup(&boxes, &[1], &coordinator_key),
+        &trees[0],
+    ));
+    let (status, v) = chat(&c).await;
+    assert_eq!(status, 200, "{v}\n{}", c.log());
+    until(
+        "both boxes' CPUs on power-saver (EPP power)",
+        PATIENCE,
+        || epp(0) == "power" && epp(1) == "power",
+    )
+    .await;
+    c.wait_state(State::Stopped, PATIENCE).await;
+    w.wait_state(State::Stopped, PATIENCE).await;
+    until("each box's EPP given back", PATIENCE, || {
+        [epp(0), epp(1)] == before
+    })
+    .await;
+}

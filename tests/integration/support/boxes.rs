@@ -165,6 +165,11 @@ pub fn key_file(dir: &TempDir, name: &str, key: &str) -> PathBuf {
 /// A worker box's dsv4d, in box `i`: its only profile, `rpc`, runs the real rpc-server; it
 /// lends to the coordinators whose keys are in `keys`. Returned once its peers port is open.
 pub async fn worker(boxes: &Boxes, i: u8, keys: &Path) -> Daemon {
+    start_worker(&worker_setup(boxes, i, keys)).await
+}
+
+/// The setup of [`worker`], to change before it starts.
+pub fn worker_setup(boxes: &Boxes, i: u8, keys: &Path) -> Setup {
     let mut s = Setup::default()
         .engine("idle_timeout", "2s")
         .engine("stop_timeout", "5s")
@@ -185,7 +190,12 @@ pub async fn worker(boxes: &Boxes, i: u8, keys: &Path) -> Daemon {
     );
     s.default_profile = "rpc".into();
     s.wrapper = boxes.exec(i as usize);
-    let d = Daemon::start(&s);
+    s
+}
+
+/// A worker box's dsv4d as `s` says, returned once its peers port is open.
+pub async fn start_worker(s: &Setup) -> Daemon {
+    let d = Daemon::start(s);
     // Its API socket is the test's, open before dsv4d runs; the peers port is its own.
     d.log_with(&["lending to coordinators on other boxes at"])
         .await;
