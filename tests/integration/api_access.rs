@@ -3,7 +3,7 @@
 
 use std::net::SocketAddr;
 use std::os::unix::fs::PermissionsExt;
-use std::path::PathBuf;
+use std::path::{Path, PathBuf};
 use std::time::Duration;
 
 use crate::support::*;
@@ -21,11 +21,32 @@ fn api_daemon(setup: Setup) -> Daemon {
     Daemon::start(&setup.listen_flag())
 }
 
-fn keys_config() -> Daemon {
-    api_daemon(Setup::default().api_keys_file(
+fn keys_setup() -> Setup {
+    Setup::default().api_keys_file(
         "# keys for the tests\n\n  sk-dsv4-test-0123456789abcdef  \nsk-second-key\n",
         0o600,
-    ))
+    )
+}
+
+fn keys_config() -> Daemon {
+    api_daemon(keys_setup())
+}
+
+/// A daemon that has read its keys at its start; `change` is then done to its key file, and
+/// a reload (of a setting unrelated to the keys) reads them again. (The keys are read once
+/// per configuration: at the start, and at each reload.)
+async fn keys_changed_then_reloaded(change: impl FnOnce(&Path)) -> Daemon {
+    let d = keys_config();
+    // The reload comes from the configuration's watcher: it must be watching first.
+    d.log_with(&[
+        "API keys required: 2 key(s)",
+        "watching for configuration changes",
+    ])
+    .await;
+    change(&key_file(&d));
+    d.reconfigure(&keys_setup().engine("max_waiting", "255"))
+        .await;
+    d
 }
 
 fn key_file(d: &Daemon) -> PathBuf {
@@ -142,7 +163,7 @@ async fn the_right_key_in_either_header_is_let_through() {
 
 /// Asserts that the protected endpoints answer 503 with `why` in the message, that `/health`
 /// stays open and that the daemon logged the problem once.
-async fn assert_keys_unavailable(d: &Daemon, why: &str) {
+async fn assert_keys_unavailable(d: &Daemon, why: &str, said: usize) {
     let bearer = format!("Bearer {KEY}");
     for (method, path, body) in [
         ("POST", "/v1/chat/completions", Some(chat(3, false))),
@@ -157,35 +178,39 @@ async fn assert_keys_unavailable(d: &Daemon, why: &str) {
             assert!(msg.contains(why), "{msg}");
         }
     }
-    // The daemon stays up, and said so once.
+    // The daemon stays up, and said so `said` times whatever the requests (the reload's
+    // check, and the keys' reader once).
     let (status, _, _) = d.send("GET", "/health", &[], None).await;
     assert_eq!(status, 200);
     assert_eq!(d.spawns(), 0);
     let log = d.log_with(&[why]).await;
-    assert_eq!(log.matches(why).count(), 1, "{log}");
+    assert_eq!(log.matches(why).count(), said, "{log}");
     assert!(!log.contains(KEY), "{log}");
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_key_file_made_world_readable_refuses_every_request_with_503() {
-    let d = keys_config();
-    // The config loader checks the file at start; the keys are read at the first request.
-    std::fs::set_permissions(key_file(&d), std::fs::Permissions::from_mode(0o644)).unwrap();
+    let d = keys_changed_then_reloaded(|file| {
+        std::fs::set_permissions(file, std::fs::Permissions::from_mode(0o644)).unwrap()
+    })
+    .await;
     let fix = format!("chmod 600 {}", key_file(&d).display());
-    assert_keys_unavailable(&d, &fix).await;
+    assert_keys_unavailable(&d, &fix, 2).await;
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_key_file_of_another_user_refuses_every_request_with_503() {
-    let d = keys_config();
     // Mode 600, but another user's (nobody's): that user could change the keys.
-    std::os::unix::fs::chown(key_file(&d), Some(65534), None)
-        .expect("chown the key file (the tests run as root)");
+    let d = keys_changed_then_reloaded(|file| {
+        std::os::unix::fs::chown(file, Some(65534), None)
+            .expect("chown the key file (the tests run as root)")
+    })
+    .await;
     let why = format!(
         "the API key file {} is owned by uid 65534, not by dsv4d's user",
         key_file(&d).display()
     );
-    assert_keys_unavailable(&d, &why).await;
+    assert_keys_unavailable(&d, &why, 2).await;
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -218,10 +243,9 @@ async fn more_than_one_credential_gets_400_even_with_the_right_key_among_them() 
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_key_file_gone_after_start_refuses_every_request_with_503() {
-    let d = keys_config();
-    std::fs::remove_file(key_file(&d)).unwrap();
+    let d = keys_changed_then_reloaded(|file| std::fs::remove_file(file).unwrap()).await;
     let why = format!("cannot open the API key file {}", key_file(&d).display());
-    assert_keys_unavailable(&d, &why).await;
+    assert_keys_unavailable(&d, &why, 2).await;
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
