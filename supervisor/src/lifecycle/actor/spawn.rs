@@ -71,7 +71,7 @@ impl Actor {
         };
         span.record("engine_pid", child.pid());
         let state_dir = &self.config.supervisor.state_dir;
-        let since = self.publish_loading(profile_name, port_tries);
+        let since = self.publish_loading(profile_name, port_tries, None);
         let group = match leftover::Guard::write(state_dir, child.pid(), &tag) {
             Ok(g) => Some(g),
             Err(e) => {
@@ -281,12 +281,18 @@ impl Actor {
 
     /// Tells the requests waiting that `profile_name` loads, with what its last loads took;
     /// the load's start (a start that moved to another port loads since its first spawn).
-    fn publish_loading(&self, profile_name: &str, port_tries: u32) -> Instant {
-        // A start that moved to another port, or whose workers were held first, counts
-        // from its beginning.
-        let since = match (port_tries, self.loading.borrow().as_ref()) {
-            (1.., Some(l)) if l.profile == profile_name => l.since,
-            (_, Some(l)) if l.profile == profile_name && l.waiting_for.is_some() => l.since,
+    pub(super) fn publish_loading(
+        &self,
+        profile_name: &str,
+        port_tries: u32,
+        waiting_for: Option<String>,
+    ) -> Instant {
+        // A start that moved to another port, or whose workers were (or are being) held
+        // first, counts from its beginning.
+        let since = match self.loading.borrow().as_ref() {
+            Some(l) if l.profile == profile_name && (port_tries > 0 || l.waiting_for.is_some()) => {
+                l.since
+            }
             _ => Instant::now(),
         };
         let book = crate::host::load_times::read(&self.config.supervisor.state_dir);
@@ -296,7 +302,7 @@ impl Actor {
                 since,
                 about: crate::host::load_times::estimate(&book, profile_name),
                 past: crate::host::load_times::range(&book, profile_name),
-                waiting_for: None,
+                waiting_for,
             }));
         since
     }

@@ -3,12 +3,9 @@
 
 use std::sync::Arc;
 
-use tokio::time::Instant;
-
 use super::engine::failed_start;
 use super::messages::Internal;
 use super::Actor;
-use crate::lifecycle::loading::Loading;
 use crate::lifecycle::state::{Event, Gen};
 use crate::lifecycle::workers::{self, Holds};
 
@@ -61,7 +58,7 @@ impl Actor {
             "holding the profile's workers before its engine starts: {}",
             boxes.join(", ")
         );
-        self.publish_holding(&profile.name, "holding its workers".to_string());
+        self.publish_loading(&profile.name, 0, Some("holding its workers".to_string()));
         let internal = self.internal.clone();
         let told = self.internal.clone();
         let lost = self.internal.clone();
@@ -130,23 +127,8 @@ impl Actor {
             .filter(|h| h.gen == gen)
             .map(|h| h.profile.clone())
         {
-            self.publish_holding(&profile, what);
+            self.publish_loading(&profile, 0, Some(what));
         }
-    }
-
-    fn publish_holding(&self, profile: &str, what: String) {
-        let since = match self.loading.borrow().as_ref() {
-            Some(l) if l.profile == profile && l.waiting_for.is_some() => l.since,
-            _ => Instant::now(),
-        };
-        let book = crate::host::load_times::read(&self.config.supervisor.state_dir);
-        self.loading.send_replace(Some(Loading {
-            profile: profile.to_string(),
-            since,
-            about: crate::host::load_times::estimate(&book, profile),
-            past: crate::host::load_times::range(&book, profile),
-            waiting_for: Some(what),
-        }));
     }
 
     /// A worker of the engine of `gen` went away: the engine cannot go on without it, so it
