@@ -24,12 +24,12 @@ use crate::support::*;
 const FAKE: &str = env!("CARGO_BIN_EXE_fake-engine");
 
 /// The installed package; purged on drop (and the `render` group removed if it made it).
-struct Installed {
+pub(crate) struct Installed {
     made_render: bool,
 }
 
 impl Installed {
-    fn new() -> Installed {
+    pub(crate) fn new() -> Installed {
         let deb = deb();
         run(Command::new("dpkg").args(["-i", deb]));
         // The unit's SupplementaryGroups=render video: a machine with a GPU has both (udev
@@ -55,7 +55,7 @@ impl Drop for Installed {
 }
 
 /// `curl` inside the namespace: the status and the body.
-fn curl(ns: &Ns, args: &str) -> (u16, String) {
+pub(crate) fn curl(ns: &Ns, args: &str) -> (u16, String) {
     let text = ns.out(&format!(
         "curl -sS --max-time 60 -w '\\n%{{http_code}}' {args}"
     ));
@@ -63,20 +63,20 @@ fn curl(ns: &Ns, args: &str) -> (u16, String) {
     (code.trim().parse().unwrap_or(0), body.to_string())
 }
 
-fn status(ns: &Ns) -> serde_json::Value {
+pub(crate) fn status(ns: &Ns) -> serde_json::Value {
     let (code, body) = curl(ns, "http://127.0.0.1:8080/status");
     assert_eq!(code, 200, "{body}\n{}", ns.journal());
     serde_json::from_str(&body).unwrap()
 }
 
 /// Copies `from` to `to` as root's, readable by all: the dsv4 user reaches it only so.
-fn copy_public(from: &Path, to: &Path, mode: u32) {
+pub(crate) fn copy_public(from: &Path, to: &Path, mode: u32) {
     std::fs::create_dir_all(to.parent().unwrap()).unwrap();
     std::fs::copy(from, to).unwrap_or_else(|e| panic!("{}: {e}", from.display()));
     std::fs::set_permissions(to, std::fs::Permissions::from_mode(mode)).unwrap();
 }
 
-fn write_public(path: &Path, text: &str) {
+pub(crate) fn write_public(path: &Path, text: &str) {
     std::fs::create_dir_all(path.parent().unwrap()).unwrap();
     std::fs::write(path, text).unwrap();
     std::fs::set_permissions(path, std::fs::Permissions::from_mode(0o644)).unwrap();
@@ -86,7 +86,7 @@ const DEVICE: &str = "sys/devices/pci0000:00/0000:00:08.1/0000:c5:00.0";
 
 /// The unit folder: the boot's special units stubbed, journald, D-Bus and polkit as this
 /// machine has them, the installed dsv4 units unchanged, and drop-ins that change only paths.
-fn unit_folder(w: &Path) -> PathBuf {
+pub(crate) fn unit_folder(w: &Path) -> PathBuf {
     let units = base_units(w, &["dbus.socket", "dbus.service", "polkit.service"]);
     // The installed units, as dpkg put them.
     let installed = Path::new("/usr/lib/systemd/system");
@@ -134,7 +134,7 @@ fn unit_folder(w: &Path) -> PathBuf {
 
 /// The test's files, all root's and readable by all: the engines, the model, the
 /// configuration and a Strix Halo sysroot whose GPU is on `low`.
-fn lay_out(w: &Path) {
+pub(crate) fn lay_out(w: &Path) {
     let (server, model) = real::engine();
     copy_public(&server, &w.join("bin/llama-server"), 0o755);
     copy_public(Path::new(FAKE), &w.join("bin/fake-engine"), 0o755);
@@ -240,7 +240,7 @@ fn lay_out_impostor(w: &Path) {
     );
 }
 
-fn install_allowed() -> bool {
+pub(crate) fn install_allowed() -> bool {
     std::env::var("CI").is_ok_and(|v| v == "true")
         || std::env::var("DSV4_TEST_INSTALL").is_ok_and(|v| v == "1")
 }

@@ -27,6 +27,7 @@ mod idle_exit;
 mod in_flight;
 mod in_flight_shown;
 mod installed;
+mod installed_cluster;
 mod keepalive;
 mod kv;
 mod lifecycle;

@@ -60,6 +60,39 @@ fn the_system_units_verify_without_a_word() {
     verify(dir.path(), &files, false);
 }
 
+/// The cluster's units (docs/cluster.md), each as an instance for a link address (escaped as
+/// `systemd-escape` writes it: `verify` takes no `:` in a file name), with the units they
+/// start.
+#[test]
+fn the_cluster_units_verify_without_a_word_and_the_link_is_sandboxed() {
+    let dir = temp_dir("cluster-units");
+    copy_built(&units(), &["dsv4.socket", "dsv4.service"], dir.path());
+    let instance = r"10.77.0.2\x3a8090";
+    let mut files = vec!["dsv4.socket".to_string(), "dsv4.service".to_string()];
+    for template in [
+        "dsv4-peers@.socket",
+        "dsv4-link@.socket",
+        "dsv4-link@.service",
+    ] {
+        let name = template.replace('@', &format!("@{instance}"));
+        std::fs::copy(units().join(template), dir.path().join(&name)).unwrap();
+        files.push(name);
+    }
+    let files: Vec<&str> = files.iter().map(String::as_str).collect();
+    verify(dir.path(), &files, false);
+    let e = exposure(dir.path(), &format!("dsv4-link@{instance}.service"));
+    assert!(e <= 1.5, "dsv4-link@.service: exposure {e}");
+    // The peers port goes to dsv4d under the name it takes; the link is the dsv4 user's alone.
+    let peers = std::fs::read_to_string(units().join("dsv4-peers@.socket")).unwrap();
+    for line in ["FileDescriptorName=peers", "Service=dsv4.service"] {
+        assert!(peers.lines().any(|l| l == line), "{line}");
+    }
+    let link = std::fs::read_to_string(units().join("dsv4-link@.socket")).unwrap();
+    for line in ["SocketUser=dsv4", "SocketMode=0600"] {
+        assert!(link.lines().any(|l| l == line), "{line}");
+    }
+}
+
 #[test]
 fn the_user_units_verify_without_a_word() {
     let dir = temp_dir("user-units");

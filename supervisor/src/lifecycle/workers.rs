@@ -14,8 +14,8 @@ use std::net::{Ipv4Addr, SocketAddr};
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
-use tokio::io::{AsyncWriteExt, BufReader};
-use tokio::net::{TcpListener, TcpStream};
+use tokio::io::{AsyncRead, AsyncWrite, AsyncWriteExt, BufReader};
+use tokio::net::{TcpListener, TcpStream, UnixStream};
 use tokio::task::JoinSet;
 use tokio::time::{timeout, Instant};
 
@@ -27,6 +27,14 @@ use crate::host::keys::ApiKeys;
 const CONNECT_TIMEOUT: Duration = Duration::from_secs(5);
 /// Between attempts to reach a box that was sent a Wake-on-LAN packet.
 const WAKE_RETRY: Duration = Duration::from_secs(2);
+/// Where the shipped `dsv4-link@AT.socket` puts its way out to worker box `AT`, for a dsv4d
+/// that runs in a network namespace of its own (`PrivateNetwork=yes`).
+pub const LINK_DIR: &str = "/run/dsv4-link";
+
+/// A connection to a worker box's dsv4d: TCP, or the Unix socket of its link unit.
+pub trait PeerIo: AsyncRead + AsyncWrite + Send + Unpin {}
+impl<T: AsyncRead + AsyncWrite + Send + Unpin> PeerIo for T {}
+type Conn = BufReader<Box<dyn PeerIo>>;
 
 /// Every worker of one engine generation, held; each with the loopback address its relay
 /// listens on. Dropped, it lets every worker go (their connections close) and ends every relay.
@@ -151,11 +159,7 @@ pub async fn hold(
 
 /// Holds one worker: connects (waking the box when it does not answer and `wake` says how),
 /// asks for the hold, and waits for its engine to be ready.
-async fn hold_one(
-    w: Worker,
-    progress: Progress,
-    book: WorkerBook,
-) -> Result<BufReader<TcpStream>, String> {
+async fn hold_one(w: Worker, progress: Progress, book: WorkerBook) -> Result<Conn, String> {
     let key = worker_key(&w)?;
     let mut conn = reach(&w, &progress, &book).await?;
     book.set(&w.at, "loading", None, None);
@@ -197,25 +201,12 @@ fn worker_key(w: &Worker) -> Result<Vec<u8>, String> {
 
 /// A connection to the worker box's dsv4d; with `wake`, a box that does not answer is sent
 /// a Wake-on-LAN packet and tried again until it does (the start's own timeout bounds it).
-async fn reach(
-    w: &Worker,
-    progress: &Progress,
-    book: &WorkerBook,
-) -> Result<BufReader<TcpStream>, String> {
+async fn reach(w: &Worker, progress: &Progress, book: &WorkerBook) -> Result<Conn, String> {
     let mut woken = false;
     loop {
-        let tried = timeout(CONNECT_TIMEOUT, TcpStream::connect(&w.at)).await;
-        let why = match tried {
-            Ok(Ok(stream)) => {
-                let _ = stream.set_nodelay(true);
-                return Ok(BufReader::new(stream));
-            }
-            Ok(Err(e)) => format!("cannot connect to {}: {e}", w.at),
-            Err(_) => format!(
-                "{} did not answer within {}",
-                w.at,
-                duration(CONNECT_TIMEOUT)
-            ),
+        let why = match dial(w).await {
+            Ok(conn) => return Ok(conn),
+            Err(why) => why,
         };
         let Some(wake) = w.wake else {
             return Err(why);
@@ -234,6 +225,44 @@ async fn reach(
         }
         progress(&format!("waking {}", w.host()));
         tokio::time::sleep(WAKE_RETRY).await;
+    }
+}
+
+/// The worker box's dsv4d, through its link unit's socket (`LINK_DIR/AT`) when there is
+/// one, else over TCP; the reason, naming the way tried, when it does not answer.
+async fn dial(w: &Worker) -> Result<Conn, String> {
+    let link = std::path::Path::new(LINK_DIR).join(&w.at);
+    if link.exists() {
+        return match timeout(CONNECT_TIMEOUT, UnixStream::connect(&link)).await {
+            Ok(Ok(stream)) => Ok(BufReader::new(Box::new(stream))),
+            Ok(Err(e)) => Err(format!(
+                "cannot connect to {} through {}: {e}",
+                w.at,
+                link.display()
+            )),
+            Err(_) => Err(format!(
+                "{} did not take the connection within {}",
+                link.display(),
+                duration(CONNECT_TIMEOUT)
+            )),
+        };
+    }
+    match timeout(CONNECT_TIMEOUT, TcpStream::connect(&w.at)).await {
+        Ok(Ok(stream)) => {
+            let _ = stream.set_nodelay(true);
+            Ok(BufReader::new(Box::new(stream)))
+        }
+        Ok(Err(e)) if e.raw_os_error() == Some(nix::libc::ENETUNREACH) => Err(format!(
+            "cannot connect to {}: {e}; if dsv4d runs in a network of its own (the shipped \
+             dsv4.service), enable its way out: systemctl enable --now dsv4-link@{}.socket",
+            w.at, w.at
+        )),
+        Ok(Err(e)) => Err(format!("cannot connect to {}: {e}", w.at)),
+        Err(_) => Err(format!(
+            "{} did not answer within {}",
+            w.at,
+            duration(CONNECT_TIMEOUT)
+        )),
     }
 }
 
@@ -265,7 +294,7 @@ pub async fn send_wake(wake: &Wake) -> std::io::Result<()> {
 }
 
 /// The nonce of the worker's greeting.
-async fn greeted(conn: &mut BufReader<TcpStream>) -> Result<[u8; NONCE_BYTES], String> {
+async fn greeted(conn: &mut Conn) -> Result<[u8; NONCE_BYTES], String> {
     match timeout(HANDSHAKE, peer_wire::read_line(conn)).await {
         Ok(Ok(Some(line))) => peer_wire::read_greeting(&line),
         Ok(Ok(None)) => Err("closed the connection before its greeting".to_string()),
@@ -275,7 +304,7 @@ async fn greeted(conn: &mut BufReader<TcpStream>) -> Result<[u8; NONCE_BYTES], S
 }
 
 /// The worker's next line, within `within`.
-async fn said(conn: &mut BufReader<TcpStream>, within: Duration) -> Result<Said, String> {
+async fn said(conn: &mut Conn, within: Duration) -> Result<Said, String> {
     match timeout(within, peer_wire::read_line(conn)).await {
         Ok(Ok(Some(line))) => Said::read(&line),
         Ok(Ok(None)) => Err("closed the connection".to_string()),
@@ -286,7 +315,7 @@ async fn said(conn: &mut BufReader<TcpStream>, within: Duration) -> Result<Said,
 
 /// Keeps a hold: says `alive` every [`ALIVE_EVERY`] and hears the worker's; tells `lost` when
 /// the worker goes away. Ends (letting the worker go) when dropped.
-async fn keep(conn: BufReader<TcpStream>, w: Worker, lost: Lost, book: WorkerBook) {
+async fn keep(conn: Conn, w: Worker, lost: Lost, book: WorkerBook) {
     let (read, mut write) = tokio::io::split(conn);
     let mut lines = peer_wire::lines(BufReader::new(read));
     let mut beat = tokio::time::interval(ALIVE_EVERY);
@@ -369,12 +398,7 @@ fn ours(listener: &TcpListener, from: SocketAddr) -> Result<(), String> {
 async fn carry(mut local: TcpStream, w: &Worker) -> Result<(), String> {
     let _ = local.set_nodelay(true);
     let key = worker_key(w)?;
-    let stream = timeout(CONNECT_TIMEOUT, TcpStream::connect(&w.at))
-        .await
-        .map_err(|_| format!("{} did not answer", w.at))?
-        .map_err(|e| format!("cannot connect to {}: {e}", w.at))?;
-    let _ = stream.set_nodelay(true);
-    let mut remote = BufReader::new(stream);
+    let mut remote = dial(w).await?;
     let nonce = greeted(&mut remote).await?;
     let ask = peer_wire::ask(&key, &nonce, Verb::Relay, &w.profile);
     peer_wire::write_line(&mut remote, &ask)

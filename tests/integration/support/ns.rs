@@ -75,6 +75,11 @@ impl Ns {
         }
     }
 
+    /// The PID of its systemd, as this machine sees it (its namespaces are that process's).
+    pub fn pid(&self) -> &str {
+        &self.pid
+    }
+
     /// `sh -c script` inside the namespaces.
     pub fn sh(&self, script: &str) -> Output {
         let mut cmd = Command::new("nsenter");
