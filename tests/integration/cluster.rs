@@ -472,3 +472,103 @@ async fn each_box_runs_its_own_power_policy_while_its_part_runs() {
     })
     .await;
 }
+
+/// The coordinator shows what each worker box says of itself while held (its GTT,
+/// temperatures and power, read there), and a worker box's thermal event reaches the
+/// coordinator's desktop alerts, named by box.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_worker_boxs_telemetry_and_heat_reach_the_coordinator() {
+    use crate::support::boxes::{coordinator_setup, start_worker, worker_setup};
+    use futures_util::StreamExt;
+    const EDGE: &str = "sys/devices/pci0000:00/0000:00:08.1/0000:c5:00.0/hwmon/hwmon3/temp1_input";
+    let boxes = Boxes::new(1);
+    let keys = temp_dir("cluster-keys");
+    let worker_keys = key_file(&keys, "peers.keys", KEY);
+    let coordinator_key = key_file(&keys, "worker.key", KEY);
+    let tree = crate::support::fixture_copy("strix-halo");
+    let w = start_worker(
+        &worker_setup(&boxes, 1, &worker_keys)
+            .args(&["--sysroot", tree.path().to_str().unwrap()])
+            .top_level("monitor", "{ interval: 100ms, idle_interval: 100ms }")
+            .top_level("thermal", "{ warn: 85C, critical: 95C, hysteresis: 5C }")
+            .daemon_env(
+                "DBUS_SYSTEM_BUS_ADDRESS",
+                "unix:path=/nonexistent/dsv4-no-bus",
+            ),
+    )
+    .await;
+    let bus = crate::support::PrivateBus::start();
+    let c = Daemon::start(
+        &coordinator_setup(&boxes, &[1], &coordinator_key)
+            .engine("idle_timeout", "10m")
+            .session_bus(&bus),
+    );
+    let proxy = crate::support::live_proxy(&bus, &c).await;
+    let mut alerts = proxy.receive_alert().await.unwrap();
+    let (status, v) = chat(&c).await;
+    assert_eq!(status, 200, "{v}\n{}", c.log());
+
+    // What the worker's own status says is what the coordinator's says of it.
+    let worker_gtt = w.status().await["telemetry"]["gpu"]["gtt_used"].clone();
+    assert!(worker_gtt.is_u64(), "{worker_gtt}");
+    let t = Instant::now();
+    let said = loop {
+        let s = c.status().await;
+        if s["workers"][0]["telemetry"].is_object() {
+            break s["workers"][0].clone();
+        }
+        assert!(t.elapsed() < PATIENCE, "no telemetry from the worker: {s}");
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    };
+    assert_eq!(said["telemetry"]["gpu"]["gtt_used"], worker_gtt, "{said}");
+    assert!(said["telemetry"]["temperatures"].is_object(), "{said}");
+    assert!(said["telemetry"]["power"]["soc"].is_number(), "{said}");
+    assert_eq!(said["thermal"]["level"], "normal", "{said}");
+    let (_, _, metrics) = c.send("GET", "/metrics", &[], None).await;
+    let metrics = metrics.as_str().unwrap_or_default().to_string();
+    let host = boxes.worker(1).to_string();
+    assert!(
+        metrics.contains(&format!(
+            "dsv4_worker_gtt_used_bytes{{box=\"{host}\"}} {worker_gtt}"
+        )),
+        "{metrics}"
+    );
+
+    // The worker box heats up: the coordinator's desktop hears it, named by box.
+    std::fs::write(tree.path().join(EDGE), "91000\n").unwrap();
+    let alert = tokio::time::timeout(PATIENCE, alerts.next())
+        .await
+        .unwrap_or_else(|_| panic!("no Alert\n{}", c.log()))
+        .unwrap();
+    let args = alert.args().unwrap();
+    assert_eq!(args.kind, dsv4_client::AlertKind::Worker);
+    assert!(
+        args.message.starts_with(&format!("worker box {host}: ")),
+        "{}",
+        args.message
+    );
+    assert!(
+        args.message.contains("edge temperature 91.0 C: hot"),
+        "{}",
+        args.message
+    );
+    let t = Instant::now();
+    while c.status().await["workers"][0]["thermal"]["level"] != "warn" {
+        assert!(t.elapsed() < PATIENCE, "{}", c.status().await);
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
+
+    // The dashboard, in a real browser, has a row for the worker box with what it said.
+    let row = format!("document.querySelector('#workers tr[data-box=\"{host}\"]')");
+    let dom = crate::dashboard::page_once(
+        &format!("http://{}/ui", c.addr),
+        &format!("{row} !== null && {row}.textContent.includes('warn')"),
+    );
+    let at = dom
+        .find(&format!("data-box=\"{host}\""))
+        .unwrap_or_else(|| panic!("{dom}"));
+    let row = &dom[at..at + dom[at..].find("</tr>").unwrap()];
+    for said in ["rpc", "serving", "iB<", "edge 91.0 C", " W<", "warn"] {
+        assert!(row.contains(said), "{said} not in {row}");
+    }
+}

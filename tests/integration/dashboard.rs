@@ -127,7 +127,7 @@ async fn opening_the_page_in_a_browser_never_starts_the_engine() {
 /// The page at `url` in a real browser once `condition` (JavaScript) holds in it, as HTML:
 /// the page fills itself from an event stream, so it is read when what the test looks for
 /// has come, not after a fixed time.
-fn page_once(url: &str, condition: &str) -> String {
+pub(crate) fn page_once(url: &str, condition: &str) -> String {
     tokio::task::block_in_place(|| {
         Browser::opened(url, condition)
             .eval("document.documentElement.outerHTML")

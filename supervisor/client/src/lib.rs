@@ -297,6 +297,9 @@ pub enum AlertKind {
     /// A request whose prefill outlasted `notify.long_request`: its prefill ended (decode
     /// started), or its answer did, or it failed.
     Request,
+    /// A worker box of this box's engine (`workers:`) said a thermal event of its own, or
+    /// went away while the engine ran.
+    Worker,
     /// A kind this client does not know.
     #[serde(other)]
     Other,
@@ -310,6 +313,7 @@ impl AlertKind {
             AlertKind::Memory => "memory",
             AlertKind::Power => "power",
             AlertKind::Request => "request",
+            AlertKind::Worker => "worker",
             AlertKind::Other => "other",
         }
     }
@@ -440,6 +444,12 @@ pub struct WorkerStatus {
     /// Why it was lost.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub error: Option<String>,
+    /// That box's latest sample (its GTT, temperatures and power), as it last said while held.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub telemetry: Option<telemetry::Sample>,
+    /// That box's thermal levels, as it last said while held.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub thermal: Option<ThermalStatus>,
 }
 
 /// A coordinator on another box holding this box's profile: its engine lends this box's
@@ -789,6 +799,8 @@ mod tests {
                 since: 1_767_225_600.0,
                 load_seconds: Some(0.5),
                 error: None,
+                telemetry: None,
+                thermal: None,
             }],
         };
         let v = serde_json::to_value(&s).unwrap();

@@ -116,10 +116,15 @@ pub fn alert(kind: AlertKind, message: &str) -> Note {
         AlertKind::Memory => "memory",
         AlertKind::Power => "power settings",
         AlertKind::Request => "a long request",
+        AlertKind::Worker => "a worker box",
         AlertKind::Other => "alert",
     };
-    // A long request's news is good more often than not.
-    let failed = kind != AlertKind::Request || message.contains(" failed ");
+    // A long request's news is good more often than not; a worker box that cooled is news too.
+    let failed = match kind {
+        AlertKind::Request => message.contains(" failed "),
+        AlertKind::Worker => !message.contains(": back to normal"),
+        _ => true,
+    };
     Note {
         topic: kind.as_str().into(),
         summary: format!("dsv4: {summary}"),
@@ -383,6 +388,19 @@ mod tests {
         );
         assert_eq!(failed.icon, "dialog-warning");
         assert_eq!(alert(AlertKind::Memory, "m").icon, "dialog-warning");
+        let hot = alert(
+            AlertKind::Worker,
+            "worker box 10.77.0.2: edge temperature 91.0 C: hot (at or above 85 C)",
+        );
+        assert_eq!(
+            (hot.summary.as_str(), hot.icon, hot.topic.as_str()),
+            ("dsv4: a worker box", "dialog-warning", "worker")
+        );
+        let cooled = alert(
+            AlertKind::Worker,
+            "worker box 10.77.0.2: edge temperature 79.0 C: back to normal (below 80 C)",
+        );
+        assert_eq!(cooled.icon, "dialog-information");
         assert!(state(State::Draining, "320k").is_none());
         assert_eq!(
             state(State::Ready, "320k").unwrap().summary,

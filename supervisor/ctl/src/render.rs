@@ -34,6 +34,9 @@ fn box_rows(rows: &mut Vec<(&str, String)>, doc: &Status, now: f64) {
             if let Some(e) = &w.error {
                 line += &format!(": {e}");
             }
+            if let Some(said) = box_said(w.telemetry.as_ref(), w.thermal.as_ref()) {
+                line += &format!("\n  {said}");
+            }
             line
         })
         .collect();
@@ -55,6 +58,36 @@ fn box_rows(rows: &mut Vec<(&str, String)>, doc: &Status, now: f64) {
     if !holds.is_empty() {
         rows.push(("held by", holds.join("\n")));
     }
+}
+
+/// What a worker box said of itself, in one line: its model's memory, temperatures, power
+/// and a thermal level above normal (`GTT 40.0 GiB of 96.0 GiB, edge 61.0 C, SoC 85.0 W`).
+pub fn box_said(sample: Option<&Sample>, thermal: Option<&ThermalStatus>) -> Option<String> {
+    let mut parts = Vec::new();
+    if let Some(h) = sample {
+        let pool = h.gpu.as_ref().and_then(|g| g.memory.pool_figures());
+        if let Some((p, Some(used), total)) = pool {
+            let of = total.map(|t| format!(" of {}", gib(t))).unwrap_or_default();
+            parts.push(format!("{} {}{of}", p.name(), gib(used)));
+        }
+        parts.extend(Sensor::watched().filter_map(|s| {
+            Some(format!(
+                "{} {}",
+                s.about().shown,
+                celsius(h.temperatures.get(s)?)
+            ))
+        }));
+        if let Some(soc) = h.power.soc {
+            parts.push(format!("SoC {soc:.1} W"));
+        }
+        if h.throttle.active {
+            parts.push("throttling".to_string());
+        }
+    }
+    if let Some(t) = thermal.filter(|t| t.level != ThermalLevel::Normal) {
+        parts.push(format!("thermal {}", t.level.as_str()));
+    }
+    (!parts.is_empty()).then(|| parts.join(", "))
 }
 
 /// A rate with four significant digits: `13.35`, `122.7`, `1234`, `0.512`.
@@ -1190,6 +1223,8 @@ mod tests {
             since: 999_700.0,
             load_seconds: None,
             error: None,
+            telemetry: None,
+            thermal: None,
         };
         s.workers = vec![
             dsv4_client::WorkerStatus {
@@ -1213,6 +1248,61 @@ mod tests {
                  \x20           10.77.0.3 rpc lost for 5m: cannot connect to 10.77.0.3:8090: refused\n\
                  held by     10.77.0.9 (rpc) for 1m\n"
             ),
+            "{table}"
+        );
+    }
+
+    #[test]
+    fn a_worker_box_says_its_memory_temperatures_power_and_heat() {
+        use dsv4_client::telemetry::*;
+        let sample = Sample {
+            at: 0.0,
+            memory: None,
+            pressure: None,
+            gpu: Some(Gpu {
+                card: "card1".into(),
+                memory: GpuMemory {
+                    gtt_used: Some(40 << 30),
+                    gtt_total: Some(96 << 30),
+                    ..GpuMemory::default()
+                },
+                ..Gpu::default()
+            }),
+            temperatures: [(Sensor::Edge, 91.0)].into_iter().collect(),
+            power: PowerDraw {
+                soc: Some(85.0),
+                ..PowerDraw::default()
+            },
+            throttle: Throttle::default(),
+            engine: None,
+        };
+        let hot = ThermalStatus {
+            level: ThermalLevel::Warn,
+            ..ThermalStatus::default()
+        };
+        let said = box_said(Some(&sample), Some(&hot)).unwrap();
+        assert_eq!(
+            said,
+            "GTT 40.0 GiB of 96.0 GiB, edge 91.0 C, SoC 85.0 W, thermal warn"
+        );
+        assert_eq!(box_said(None, Some(&ThermalStatus::default())), None);
+        let mut s = status();
+        s.workers = vec![dsv4_client::WorkerStatus {
+            host: "10.77.0.2".into(),
+            at: "10.77.0.2:8090".into(),
+            profile: "rpc".into(),
+            state: "serving".into(),
+            since: 999_700.0,
+            load_seconds: None,
+            error: None,
+            telemetry: Some(sample),
+            thermal: Some(hot),
+        }];
+        let table = status_table(&s, 1_000_000.0);
+        assert!(
+            table.contains(&format!(
+                "workers     10.77.0.2 rpc serving for 5m\n\x20             {said}\n"
+            )),
             "{table}"
         );
     }

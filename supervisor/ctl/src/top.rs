@@ -449,6 +449,8 @@ mod tests {
             since: 0.0,
             load_seconds: None,
             error: None,
+            telemetry: None,
+            thermal: None,
         };
         s.workers = vec![
             worker("10.77.0.2", "serving"),

@@ -374,6 +374,8 @@ async fn build(args: Args, mut activated: Vec<(std::os::fd::OwnedFd, String)>) -
             lifecycle: ctx.parts.lifecycle.clone(),
             config: ctx.parts.config.clone(),
             holders: ctx.parts.holders.clone(),
+            telemetry: ctx.parts.telemetry.clone(),
+            thermal: ctx.parts.thermal.clone(),
         };
         tokio::spawn(dsv4::http::peers::serve(l, peers));
     }

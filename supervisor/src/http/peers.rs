@@ -39,6 +39,9 @@ pub struct Peers {
     pub lifecycle: Handle,
     pub config: tokio::sync::watch::Receiver<Arc<Config>>,
     pub holders: Holders,
+    /// This box's samples and thermal events, said to the coordinators that hold it.
+    pub telemetry: crate::observe::monitor::Telemetry,
+    pub thermal: crate::policy::thermal::ThermalPolicy,
 }
 
 /// Serves the peers port until the task is dropped.
@@ -159,27 +162,46 @@ async fn hold(
         since: dsv4_client::clock::unix_now(),
     });
     say(conn, Said::Serving).await.map_err(|e| e.to_string())?;
-    let ended = kept(conn, lease.engine.exit.clone()).await;
+    let ended = kept(conn, lease.engine.exit.clone(), peers).await;
     drop(lease);
     tracing::info!("peer {from} let go of profile {}: {ended}", ask.profile);
     Ok(())
 }
 
+/// What this box says of itself with each `alive`.
+fn report(peers: &Peers) -> Said {
+    Said::Alive(Some(Box::new(peer_wire::Report {
+        telemetry: peers.telemetry.latest().map(|s| (*s).clone()),
+        thermal: Some(peers.thermal.status()),
+    })))
+}
+
 /// Keeps a hold until the coordinator lets go or falls silent, or the engine exits: says
-/// `alive` every [`ALIVE_EVERY`], hears the coordinator's. Why it ended.
+/// `alive` (with this box's report) every [`ALIVE_EVERY`] and each thermal event as it comes,
+/// hears the coordinator's `alive`. Why it ended.
 async fn kept(
     conn: &mut BufReader<TcpStream>,
     mut exit: tokio::sync::watch::Receiver<Option<dsv4_engine::ExitReport>>,
+    peers: &Peers,
 ) -> String {
     let (read, mut write) = tokio::io::split(conn);
     let mut lines = peer_wire::lines(BufReader::new(read));
     let mut beat = tokio::time::interval(ALIVE_EVERY);
     beat.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
+    let (standing, mut events) = peers.thermal.subscribe();
+    for s in standing {
+        let _ = peer_wire::write_line(&mut write, &thermal_line(&s)).await;
+    }
     let mut heard_at = Instant::now();
     loop {
         tokio::select! {
             _ = beat.tick() => {
-                if let Err(e) = peer_wire::write_line(&mut write, &Said::Alive.line()).await {
+                if let Err(e) = peer_wire::write_line(&mut write, &report(peers).line()).await {
+                    break format!("the connection broke: {e}");
+                }
+            }
+            Ok(event) = events.recv() => {
+                if let Err(e) = peer_wire::write_line(&mut write, &thermal_line(&event)).await {
                     break format!("the connection broke: {e}");
                 }
             }
@@ -210,6 +232,15 @@ async fn kept(
             }
         }
     }
+}
+
+/// A thermal event of this box, for the coordinator's alerts.
+fn thermal_line(s: &crate::policy::thermal::Signal) -> String {
+    Said::Thermal {
+        level: s.level.as_str().to_string(),
+        message: s.message.clone(),
+    }
+    .line()
 }
 
 async fn say(conn: &mut BufReader<TcpStream>, said: Said) -> std::io::Result<()> {

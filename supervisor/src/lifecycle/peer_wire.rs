@@ -34,8 +34,8 @@ use tokio::io::{AsyncBufRead, AsyncBufReadExt, AsyncWrite, AsyncWriteExt};
 pub const GREETING: &str = "dsv4-peer 1";
 /// Random bytes in a greeting's nonce.
 pub const NONCE_BYTES: usize = 32;
-/// The longest line either side sends (a reason included).
-pub const MAX_LINE: usize = 1024;
+/// The longest line either side sends (a reason, or a worker's report, included).
+pub const MAX_LINE: usize = 8192;
 /// How often each side of a hold says it is alive.
 pub const ALIVE_EVERY: Duration = Duration::from_secs(10);
 /// A hold whose other side said nothing for this long is over.
@@ -71,7 +71,7 @@ pub struct Ask {
 }
 
 /// What a worker says after the first line.
-#[derive(Debug, Clone, PartialEq, Eq)]
+#[derive(Debug, Clone, PartialEq)]
 pub enum Said {
     /// Not served: the reason, for the coordinator's error.
     Refused(String),
@@ -81,10 +81,24 @@ pub enum Said {
     Serving,
     /// The engine could not start, or ended: the hold is over.
     Failed(String),
-    /// Still there.
-    Alive,
+    /// Still there; from a worker, with what it says of its box (a report too long for a
+    /// line, or one this side cannot read, is left out).
+    Alive(Option<Box<Report>>),
+    /// A worker's thermal event (its level's word, and the event in words), as its own
+    /// thermal policy announced it.
+    Thermal { level: String, message: String },
     /// What follows is the engine's connection.
     Relaying,
+}
+
+/// What a worker box says of itself with each `alive` of a hold: its latest sample (GTT,
+/// temperatures, power) and its thermal levels, for the coordinator's status.
+#[derive(Debug, Clone, Default, PartialEq, serde::Serialize, serde::Deserialize)]
+pub struct Report {
+    #[serde(default)]
+    pub telemetry: Option<dsv4_client::telemetry::Sample>,
+    #[serde(default)]
+    pub thermal: Option<dsv4_client::ThermalStatus>,
 }
 
 /// The worker's greeting with `nonce`.
@@ -177,7 +191,18 @@ impl Said {
             Said::Loading(s) => format!("loading {s}"),
             Said::Serving => "serving".to_string(),
             Said::Failed(why) => format!("failed {}", clean(why)),
-            Said::Alive => "alive".to_string(),
+            Said::Alive(None) => "alive".to_string(),
+            Said::Alive(Some(report)) => match serde_json::to_string(report) {
+                Ok(json) if json.len() + 6 <= MAX_LINE => format!("alive {json}"),
+                _ => "alive".to_string(),
+            },
+            Said::Thermal { level, message } => {
+                format!(
+                    "thermal {} {}",
+                    clean(level).replace(' ', "-"),
+                    clean(message)
+                )
+            }
             Said::Relaying => "relaying".to_string(),
         }
     }
@@ -190,7 +215,15 @@ impl Said {
             ("loading", s) => Said::Loading(s.parse().map_err(|_| unknown(line))?),
             ("serving", "") => Said::Serving,
             ("failed", why) => Said::Failed(why.to_string()),
-            ("alive", "") => Said::Alive,
+            ("alive", "") => Said::Alive(None),
+            ("alive", report) => Said::Alive(serde_json::from_str(report).ok().map(Box::new)),
+            ("thermal", said) => {
+                let (level, message) = said.split_once(' ').ok_or_else(|| unknown(line))?;
+                Said::Thermal {
+                    level: level.to_string(),
+                    message: message.to_string(),
+                }
+            }
             ("relaying", "") => Said::Relaying,
             _ => return Err(unknown(line)),
         })
@@ -312,11 +345,22 @@ mod tests {
             Said::Loading(12),
             Said::Serving,
             Said::Failed("exit 1".into()),
-            Said::Alive,
+            Said::Alive(None),
+            Said::Alive(Some(Box::new(Report {
+                telemetry: None,
+                thermal: Some(dsv4_client::ThermalStatus::default()),
+            }))),
+            Said::Thermal {
+                level: "warn".into(),
+                message: "edge at 91.0 C (warn at 90 C)".into(),
+            },
             Said::Relaying,
         ] {
             assert_eq!(Said::read(&said.line()), Ok(said));
         }
+        // A report this side cannot read leaves the hold alive, without the report.
+        assert_eq!(Said::read("alive {\"thermal\": 7}"), Ok(Said::Alive(None)));
+        assert!(Said::read("thermal warn").is_err());
         assert_eq!(Said::Failed("two\nlines".into()).line(), "failed two lines");
         assert!(Said::read("serving now").is_err());
         assert!(Said::read("loading soon").is_err());

@@ -22,6 +22,8 @@ use tokio::time::{timeout, Instant};
 use super::peer_wire::{self, Said, Verb, ALIVE_EVERY, HANDSHAKE, NONCE_BYTES, SILENCE_LIMIT};
 use crate::config::{Wake, Worker};
 use crate::host::keys::ApiKeys;
+use crate::lifecycle::alert::Alerts;
+use dsv4_client::AlertKind;
 
 /// How long one connection attempt to a worker box may take.
 const CONNECT_TIMEOUT: Duration = Duration::from_secs(5);
@@ -79,8 +81,18 @@ impl WorkerBook {
                 since: now,
                 load_seconds: None,
                 error: None,
+                telemetry: None,
+                thermal: None,
             })
             .collect();
+    }
+
+    /// What worker `at` said of its box.
+    fn report(&self, at: &str, report: peer_wire::Report) {
+        if let Some(w) = self.lock().iter_mut().find(|w| w.at == at) {
+            w.telemetry = report.telemetry;
+            w.thermal = report.thermal;
+        }
     }
 
     /// Worker `at` is in `state` now.
@@ -119,6 +131,7 @@ pub async fn hold(
     progress: Progress,
     lost: Lost,
     book: WorkerBook,
+    alerts: Alerts,
 ) -> Result<Holds, String> {
     book.begin(workers);
     let held = futures_util::future::join_all(
@@ -147,7 +160,12 @@ pub async fn hold(
             .local_addr()
             .map_err(|e| format!("the relay's port for {}: {e}", w.at))?;
         relays.push(addr);
-        tasks.spawn(keep(conn, w.clone(), lost.clone(), book.clone()));
+        let told = Told {
+            lost: lost.clone(),
+            book: book.clone(),
+            alerts: alerts.clone(),
+        };
+        tasks.spawn(keep(conn, w.clone(), told));
         tasks.spawn(relay(listener, w.clone()));
     }
     Ok(Holds {
@@ -177,7 +195,7 @@ async fn hold_one(w: Worker, progress: Progress, book: WorkerBook) -> Result<Con
                 book.set(&w.at, "serving", Some(took), None);
                 return Ok(conn);
             }
-            Said::Loading(_) | Said::Alive => progress(&format!(
+            Said::Loading(_) | Said::Alive(_) | Said::Thermal { .. } => progress(&format!(
                 "waiting for {} ({})",
                 w.host(),
                 dsv4_client::duration::brief(dsv4_client::duration::whole_seconds(since.elapsed()))
@@ -313,9 +331,31 @@ async fn said(conn: &mut Conn, within: Duration) -> Result<Said, String> {
     }
 }
 
-/// Keeps a hold: says `alive` every [`ALIVE_EVERY`] and hears the worker's; tells `lost` when
-/// the worker goes away. Ends (letting the worker go) when dropped.
-async fn keep(conn: Conn, w: Worker, lost: Lost, book: WorkerBook) {
+/// Whom a kept hold tells what the worker says.
+struct Told {
+    /// That the worker went away.
+    lost: Lost,
+    /// What it says of its box.
+    book: WorkerBook,
+    /// Its thermal events, named by box.
+    alerts: Alerts,
+}
+
+impl Told {
+    fn thermal(&self, w: &Worker, level: &str, message: &str) {
+        let message = format!("worker box {}: {message}", w.host());
+        match level {
+            "normal" | "throttling-ended" => tracing::info!("thermal: {message}"),
+            _ => tracing::warn!("thermal: {message}"),
+        }
+        self.alerts.raise(AlertKind::Worker, message);
+    }
+}
+
+/// Keeps a hold: says `alive` every [`ALIVE_EVERY`] and hears the worker's, with what it says
+/// of its box; tells `lost` when the worker goes away. Ends (letting the worker go) when
+/// dropped.
+async fn keep(conn: Conn, w: Worker, told: Told) {
     let (read, mut write) = tokio::io::split(conn);
     let mut lines = peer_wire::lines(BufReader::new(read));
     let mut beat = tokio::time::interval(ALIVE_EVERY);
@@ -324,7 +364,7 @@ async fn keep(conn: Conn, w: Worker, lost: Lost, book: WorkerBook) {
     let why = loop {
         tokio::select! {
             _ = beat.tick() => {
-                let line = Said::Alive.line();
+                let line = Said::Alive(None).line();
                 if let Err(e) = peer_wire::write_line(&mut write, &line).await {
                     break format!("the connection broke: {e}");
                 }
@@ -335,7 +375,14 @@ async fn keep(conn: Conn, w: Worker, lost: Lost, book: WorkerBook) {
             heard = futures_util::StreamExt::next(&mut lines) => {
                 heard_at = Instant::now();
                 match heard.map(|l| l.map(|l| Said::read(&l))) {
-                    Some(Ok(Ok(Said::Alive))) => {}
+                    Some(Ok(Ok(Said::Alive(report)))) => {
+                        if let Some(report) = report {
+                            told.book.report(&w.at, *report);
+                        }
+                    }
+                    Some(Ok(Ok(Said::Thermal { level, message }))) => {
+                        told.thermal(&w, &level, &message);
+                    }
                     Some(Ok(Ok(Said::Failed(why)))) => break format!("its engine ended: {why}"),
                     Some(Ok(Ok(other))) => {
                         break format!("answered out of turn ({})", other.line());
@@ -347,8 +394,8 @@ async fn keep(conn: Conn, w: Worker, lost: Lost, book: WorkerBook) {
             }
         }
     };
-    book.set(&w.at, "lost", None, Some(why.clone()));
-    lost(format!("worker box {} went away: {why}", w.host()));
+    told.book.set(&w.at, "lost", None, Some(why.clone()));
+    (told.lost)(format!("worker box {} went away: {why}", w.host()));
 }
 
 /// Carries each connection the engine opens on `listener` to the worker's engine, through

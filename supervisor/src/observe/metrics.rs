@@ -354,6 +354,7 @@ fn box_metrics(reg: &mut Registry, workers: &[WorkerStatus], holds: &[Hold]) {
             loads.get_or_create(&host).set(s);
         }
     }
+    worker_samples(reg, workers);
     add(
         reg,
         "dsv4_holds",
@@ -361,6 +362,56 @@ fn box_metrics(reg: &mut Registry, workers: &[WorkerStatus], holds: &[Hold]) {
         Gauge::<i64>::default(),
     )
     .set(i64::try_from(holds.len()).unwrap_or(i64::MAX));
+}
+
+#[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
+struct BoxSensorLabel {
+    r#box: String,
+    sensor: &'static str,
+}
+
+/// What each worker box last said of itself: its GTT in use, temperatures and SoC power.
+fn worker_samples(reg: &mut Registry, workers: &[WorkerStatus]) {
+    let gtt = add(
+        reg,
+        "dsv4_worker_gtt_used_bytes",
+        "Each worker box's GTT in use, as it last said.",
+        Family::<BoxLabel, Gauge>::default(),
+    );
+    let temperatures = add(
+        reg,
+        "dsv4_worker_temperature_celsius",
+        "Each worker box's temperatures by sensor (as dsv4_temperature_celsius), as it last \
+         said.",
+        Family::<BoxSensorLabel, FloatGauge>::default(),
+    );
+    let power = add(
+        reg,
+        "dsv4_worker_power_watts",
+        "Each worker box's SoC power (as dsv4_power_watts{source=\"soc\"}), as it last said.",
+        Family::<BoxLabel, FloatGauge>::default(),
+    );
+    for w in workers {
+        let Some(s) = &w.telemetry else { continue };
+        let host = BoxLabel {
+            r#box: w.host.clone(),
+        };
+        let used = s.gpu.as_ref().and_then(|g| g.memory.gtt_used);
+        if let Some(used) = used {
+            gtt.get_or_create(&host)
+                .set(i64::try_from(used).unwrap_or(i64::MAX));
+        }
+        for (sensor, v) in s.temperatures.read() {
+            let label = BoxSensorLabel {
+                r#box: w.host.clone(),
+                sensor: sensor.label(),
+            };
+            temperatures.get_or_create(&label).set(v);
+        }
+        if let Some(soc) = s.power.soc {
+            power.get_or_create(&host).set(soc);
+        }
+    }
 }
 
 /// The counters of the requests, each by profile and, in a family of its own (so that a sum
@@ -784,9 +835,27 @@ mod tests {
             since: 0.0,
             load_seconds: load,
             error: None,
+            telemetry: None,
+            thermal: None,
         };
+        let mut said = Sample {
+            gpu: Some(dsv4_client::telemetry::Gpu {
+                memory: dsv4_client::telemetry::GpuMemory {
+                    gtt_used: Some(40 << 30),
+                    ..Default::default()
+                },
+                ..Default::default()
+            }),
+            ..Sample::default()
+        };
+        said.temperatures
+            .set(dsv4_client::telemetry::Sensor::Edge, Some(61.5));
+        said.power.soc = Some(85.0);
         let workers = [
-            worker("10.77.0.2", "serving", Some(1.5)),
+            WorkerStatus {
+                telemetry: Some(said),
+                ..worker("10.77.0.2", "serving", Some(1.5))
+            },
             worker("10.77.0.3", "waking", None),
         ];
         let holds = [Hold {
@@ -815,11 +884,15 @@ mod tests {
             "dsv4_worker_state{box=\"10.77.0.3\",state=\"waking\"} 1",
             "dsv4_worker_state{box=\"10.77.0.3\",state=\"serving\"} 0",
             "dsv4_worker_load_seconds{box=\"10.77.0.2\"} 1.5",
+            "dsv4_worker_gtt_used_bytes{box=\"10.77.0.2\"} 42949672960",
+            "dsv4_worker_temperature_celsius{box=\"10.77.0.2\",sensor=\"edge\"} 61.5",
+            "dsv4_worker_power_watts{box=\"10.77.0.2\"} 85.0",
             "dsv4_holds 1",
         ] {
             assert!(got.contains(&line), "{line} not in\n{text}");
         }
         assert!(!text.contains("dsv4_worker_load_seconds{box=\"10.77.0.3\"}"));
+        assert!(!text.contains("dsv4_worker_power_watts{box=\"10.77.0.3\"}"));
     }
 
     #[test]

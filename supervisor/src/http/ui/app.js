@@ -345,8 +345,38 @@ function showStatus(doc) {
       "; GPU level " + (pw.gpu_level || "-")
     : "power: decided at the first engine start";
 
+  showBoxes(doc.workers || [], doc.holds || []);
   addSample(doc.telemetry);
   drawCharts();
+}
+
+// The boxes this engine spans: each worker box with what it said of itself, and the
+// coordinators that hold this box.
+function showBoxes(workers, holds) {
+  const body = $("workers").tBodies[0];
+  body.replaceChildren();
+  for (const w of workers) {
+    const row = body.insertRow();
+    row.dataset.box = w.box;
+    const t = w.telemetry;
+    const gpu = t && t.gpu;
+    const temps = t ? Object.entries(t.temperatures || {}).filter(([, c]) => c != null)
+      .map(([s, c]) => s + " " + fixed(c, 1) + " C").join(", ") : "";
+    cell(row, w.box);
+    cell(row, w.profile);
+    cell(row, w.state + (w.error ? ": " + w.error : ""));
+    cell(row, ago(w.since));
+    cell(row, w.load_seconds != null ? brief(w.load_seconds) : "-");
+    cell(row, gpu && gpu.gtt_used != null ? size(gpu.gtt_used) : "-");
+    cell(row, temps || "-");
+    cell(row, t && t.power && t.power.soc != null ? fixed(t.power.soc, 1) + " W" : "-");
+    cell(row, w.thermal ? w.thermal.level : "-");
+  }
+  $("workers").hidden = workers.length === 0;
+  $("holds").hidden = holds.length === 0;
+  $("holds").textContent = "held by " +
+    holds.map((h) => h.from + " (" + h.profile + ") " + ago(h.since)).join(", ");
+  $("boxes").hidden = workers.length === 0 && holds.length === 0;
 }
 
 function showLog(lines) {

@@ -64,6 +64,7 @@ impl Actor {
         let lost = self.internal.clone();
         let list = profile.workers.clone();
         let book = self.worker_book.clone();
+        let alerts = self.alerts.clone();
         let task = tokio::spawn(async move {
             let progress: workers::Progress = Arc::new(move |what: &str| {
                 let what = what.to_string();
@@ -72,7 +73,7 @@ impl Actor {
             let lost: workers::Lost = Arc::new(move |why: String| {
                 let _ = lost.send(Internal::WorkerLost { gen, why });
             });
-            let holds = workers::hold(&list, progress, lost, book).await;
+            let holds = workers::hold(&list, progress, lost, book, alerts).await;
             let _ = internal.send(Internal::Held { gen, holds });
         });
         self.holding = Some(Holding {
