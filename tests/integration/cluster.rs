@@ -572,3 +572,87 @@ async fn a_worker_boxs_telemetry_and_heat_reach_the_coordinator() {
         assert!(row.contains(said), "{said} not in {row}");
     }
 }
+
+/// The worker's engine dies in the middle of a streamed answer: the client gets an error
+/// event that names the worker box, the coordinator's engine is ended, and nothing of the
+/// engines is left running but what the next request starts again.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_worker_that_dies_mid_answer_is_named_in_the_clients_error_event() {
+    use http_body_util::BodyExt;
+    let boxes = Boxes::new(1);
+    let keys = temp_dir("cluster-keys");
+    let worker_keys = key_file(&keys, "peers.keys", KEY);
+    let coordinator_key = key_file(&keys, "worker.key", KEY);
+    let _w = worker(&boxes, 1, &worker_keys).await;
+    // A context long enough for an answer of seconds, whatever the machine's load: the
+    // worker dies well before its end.
+    let mut s = crate::support::boxes::coordinator_setup(&boxes, &[1], &coordinator_key);
+    let model = real::tiny_with_context(32_768);
+    let profile = s.custom_profiles.get_mut("tiny").unwrap();
+    let (_, rest) = profile.split_once("\nmodel: ").unwrap();
+    let (old, _) = rest.split_once('\n').unwrap();
+    *profile = profile
+        .replace(old, &model.display().to_string())
+        .replace("context: 1024", "context: 32768");
+    let c = Daemon::start(&s);
+    let body = json!({
+        "messages": [{"role": "user", "content": "hello"}],
+        "max_tokens": 30_000,
+        "ignore_eos": true,
+        "temperature": 0,
+        "stream": true,
+    });
+    let resp = c.post("/v1/chat/completions", body).await;
+    assert_eq!(resp.status(), 200, "{}", c.log());
+    let mut body = resp.into_body();
+    let mut got = String::new();
+    // A few tokens in, the worker's engine dies.
+    while got.matches("\"content\":").count() < 3 {
+        let frame = tokio::time::timeout(PATIENCE, body.frame())
+            .await
+            .expect("no event")
+            .expect("the stream ended before its third token")
+            .unwrap();
+        if let Some(data) = frame.data_ref() {
+            got.push_str(&String::from_utf8_lossy(data));
+        }
+    }
+    let rpc = pids_named(&boxes, 1, "rpc-server");
+    assert_eq!(rpc.len(), 1, "{rpc:?}");
+    nix::sys::signal::kill(
+        nix::unistd::Pid::from_raw(rpc[0] as i32),
+        nix::sys::signal::Signal::SIGKILL,
+    )
+    .unwrap();
+    // The rest of the stream: its error event, then the break.
+    loop {
+        match tokio::time::timeout(PATIENCE, body.frame()).await {
+            Ok(Some(Ok(frame))) => {
+                if let Some(data) = frame.data_ref() {
+                    got.push_str(&String::from_utf8_lossy(data));
+                }
+            }
+            Ok(Some(Err(_)) | None) => break,
+            Err(_) => panic!("the stream neither ended nor broke:\n{got}\n{}", c.log()),
+        }
+    }
+    assert!(
+        !got.contains("[DONE]"),
+        "the answer ended as if whole:\n{got}"
+    );
+    let error = got
+        .lines()
+        .filter_map(|l| l.strip_prefix("data: "))
+        .filter_map(|d| serde_json::from_str::<serde_json::Value>(d).ok())
+        .find(|v| v.get("error").is_some())
+        .unwrap_or_else(|| panic!("no error event:\n{got}\n{}", c.log()));
+    let message = error["error"]["message"].as_str().unwrap_or_default();
+    assert!(
+        message.contains(&format!("worker box {}", boxes.worker(1))),
+        "the error event does not name the box: {message}"
+    );
+    until("the coordinator's engine ended", PATIENCE, || {
+        pids_named(&boxes, 0, "llama-server").is_empty()
+    })
+    .await;
+}

@@ -43,6 +43,9 @@ type Conn = BufReader<Box<dyn PeerIo>>;
 #[derive(Debug)]
 pub struct Holds {
     relays: Vec<SocketAddr>,
+    /// The output of the engine the relays serve, where a relay says that a worker box ended
+    /// its side (the answer's error event quotes the engine's last lines).
+    output: EngineOutput,
     /// The holds kept and the relays: ended (aborted) when this is dropped.
     _tasks: JoinSet<()>,
     book: WorkerBook,
@@ -116,6 +119,22 @@ impl Holds {
     pub fn addresses(&self) -> Vec<String> {
         self.relays.iter().map(SocketAddr::to_string).collect()
     }
+
+    /// The engine spawned with these holds: its output, where the relays say what the
+    /// worker boxes did to it.
+    pub fn attach(&self, output: dsv4_engine::OutputTail) {
+        *self.output.lock().unwrap_or_else(|p| p.into_inner()) = Some(output);
+    }
+}
+
+/// The output of the engine the relays serve, once it is spawned.
+type EngineOutput = Arc<Mutex<Option<dsv4_engine::OutputTail>>>;
+
+/// Says `line` in the engine's output, as dsv4d (after the engine's own lines).
+fn say_to_engine_output(output: &EngineOutput, line: String) {
+    if let Some(out) = output.lock().unwrap_or_else(|p| p.into_inner()).as_ref() {
+        out.push(format!("dsv4d: {line}").into());
+    }
 }
 
 /// What a hold says while it is made: the box it waits for, and what it waits for.
@@ -143,6 +162,7 @@ pub async fn hold(
     // What a start that failed came to stays in the book (Holds clears it when dropped).
     let mut relays = Vec::new();
     let mut tasks = JoinSet::new();
+    let output = EngineOutput::default();
     for (w, conn) in workers.iter().zip(held) {
         let conn = conn.map_err(|why| {
             book.set(&w.at, "lost", None, Some(why.clone()));
@@ -166,10 +186,11 @@ pub async fn hold(
             alerts: alerts.clone(),
         };
         tasks.spawn(keep(conn, w.clone(), told));
-        tasks.spawn(relay(listener, w.clone()));
+        tasks.spawn(relay(listener, w.clone(), output.clone()));
     }
     Ok(Holds {
         relays,
+        output,
         _tasks: tasks,
         book,
     })
@@ -400,7 +421,7 @@ async fn keep(conn: Conn, w: Worker, told: Told) {
 
 /// Carries each connection the engine opens on `listener` to the worker's engine, through
 /// the worker box's dsv4d. The connections end with this task.
-async fn relay(listener: TcpListener, w: Worker) {
+async fn relay(listener: TcpListener, w: Worker, output: EngineOutput) {
     let mut carried = JoinSet::new();
     loop {
         tokio::select! {
@@ -410,9 +431,9 @@ async fn relay(listener: TcpListener, w: Worker) {
                         tracing::warn!("relay to worker box {}: refused {from}: {why}", w.host());
                         continue;
                     }
-                    let w = w.clone();
+                    let (w, output) = (w.clone(), output.clone());
                     carried.spawn(async move {
-                        if let Err(why) = carry(local, &w).await {
+                        if let Err(why) = carry(local, &w, &output).await {
                             tracing::warn!("relay to worker box {}: {why}", w.host());
                         }
                     });
@@ -441,8 +462,9 @@ fn ours(listener: &TcpListener, from: SocketAddr) -> Result<(), String> {
     }
 }
 
-/// One of the engine's connections, carried to the worker's engine.
-async fn carry(mut local: TcpStream, w: &Worker) -> Result<(), String> {
+/// One of the engine's connections, carried to the worker's engine; a worker side that ends
+/// first (the engine ends its own at its stop) is said in the engine's output, naming the box.
+async fn carry(mut local: TcpStream, w: &Worker, output: &EngineOutput) -> Result<(), String> {
     let _ = local.set_nodelay(true);
     let key = worker_key(w)?;
     let mut remote = dial(w).await?;
@@ -456,11 +478,39 @@ async fn carry(mut local: TcpStream, w: &Worker) -> Result<(), String> {
         Said::Refused(why) => return Err(format!("refused the relay: {why}")),
         other => return Err(format!("answered out of turn ({})", other.line())),
     }
-    match tokio::io::copy_bidirectional(&mut local, &mut remote).await {
-        Ok(_) => {}
-        Err(e) => tracing::debug!("relay to worker box {} ended: {e}", w.host()),
+    let (mut from_engine, mut to_engine) = local.split();
+    let (mut from_worker, mut to_worker) = tokio::io::split(remote);
+    let up = async {
+        let _ = tokio::io::copy(&mut from_engine, &mut to_worker).await;
+        let _ = to_worker.shutdown().await;
+    };
+    let down = async {
+        let ended = tokio::io::copy(&mut from_worker, &mut to_engine).await;
+        (ended, to_engine)
+    };
+    tokio::pin!(up, down);
+    tokio::select! {
+        () = &mut up => {
+            let (_, mut to_engine) = down.await;
+            let _ = to_engine.shutdown().await;
+        }
+        (ended, mut to_engine) = &mut down => {
+            // Said before the engine can see it: its answer's error event quotes it.
+            let how = match ended {
+                Ok(_) => "closed".to_string(),
+                Err(e) => format!("broke ({e})"),
+            };
+            let line = format!(
+                "worker box {}: the connection to its engine {how}: its engine or the box went \
+                 away",
+                w.host()
+            );
+            tracing::warn!("{line}");
+            say_to_engine_output(output, line);
+            let _ = to_engine.shutdown().await;
+            up.await;
+        }
     }
-    let _ = local.shutdown().await;
     Ok(())
 }
 

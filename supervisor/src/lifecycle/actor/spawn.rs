@@ -70,6 +70,9 @@ impl Actor {
             Err(e) => return fail(e.to_string()),
         };
         span.record("engine_pid", child.pid());
+        if let Some(h) = &holds {
+            h.attach(child.output().clone());
+        }
         let state_dir = &self.config.supervisor.state_dir;
         let since = self.publish_loading(profile_name, port_tries, None);
         let group = match leftover::Guard::write(state_dir, child.pid(), &tag) {

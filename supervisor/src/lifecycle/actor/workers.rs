@@ -139,6 +139,10 @@ impl Actor {
             return;
         };
         tracing::error!(pid = e.shared.pid, "{why}: ending the engine");
+        // Its answers in flight break now: their error events quote this.
+        e.shared
+            .output
+            .push(format!("dsv4d: {why}: the engine is ended").into());
         e.lost.get_or_insert(why);
         e.child.signal(nix::sys::signal::Signal::SIGKILL);
     }
