@@ -11,7 +11,7 @@ use std::time::{Duration, Instant};
 use dsv4_client::State;
 use serde_json::json;
 
-use crate::support::boxes::{coordinator, key_file, worker, Boxes, KEY, PEERS_PORT};
+use crate::support::boxes::{coordinator, key_file, worker, Boxes, Keys, KEY, PEERS_PORT};
 use crate::support::{real, temp_dir, Daemon, PATIENCE};
 
 async fn chat(d: &Daemon) -> (u16, serde_json::Value) {
@@ -62,11 +62,9 @@ async fn until(what: &str, within: Duration, mut ok: impl FnMut() -> bool) {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn one_request_starts_the_worker_then_the_coordinator_and_idle_stops_both() {
     let boxes = Boxes::new(1);
-    let keys = temp_dir("cluster-keys");
-    let worker_keys = key_file(&keys, "peers.keys", KEY);
-    let coordinator_key = key_file(&keys, "worker.key", KEY);
-    let w = worker(&boxes, 1, &worker_keys).await;
-    let c = coordinator(&boxes, &[1], &coordinator_key);
+    let keys = Keys::new();
+    let w = worker(&boxes, 1, &keys.worker).await;
+    let c = coordinator(&boxes, &[1], &keys.coordinator);
 
     let (status, v) = chat(&c).await;
     assert_eq!(status, 200, "{v}\n{}\n--- worker:\n{}", c.log(), w.log());
@@ -220,12 +218,10 @@ fn pids_named(boxes: &Boxes, i: usize, name: &str) -> Vec<u32> {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn two_workers_are_both_held_and_both_take_layers() {
     let boxes = Boxes::new(2);
-    let keys = temp_dir("cluster-keys");
-    let worker_keys = key_file(&keys, "peers.keys", KEY);
-    let coordinator_key = key_file(&keys, "worker.key", KEY);
-    let w1 = worker(&boxes, 1, &worker_keys).await;
-    let w2 = worker(&boxes, 2, &worker_keys).await;
-    let c = coordinator(&boxes, &[1, 2], &coordinator_key);
+    let keys = Keys::new();
+    let w1 = worker(&boxes, 1, &keys.worker).await;
+    let w2 = worker(&boxes, 2, &keys.worker).await;
+    let c = coordinator(&boxes, &[1, 2], &keys.coordinator);
     let (status, v) = chat(&c).await;
     assert_eq!(status, 200, "{v}\n{}", c.log());
     assert_eq!(v["choices"][0]["message"]["content"], "abcdefgh", "{v}");
@@ -258,11 +254,9 @@ async fn two_workers_are_both_held_and_both_take_layers() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_worker_engine_that_dies_ends_the_coordinators_and_the_next_request_starts_both() {
     let boxes = Boxes::new(1);
-    let keys = temp_dir("cluster-keys");
-    let worker_keys = key_file(&keys, "peers.keys", KEY);
-    let coordinator_key = key_file(&keys, "worker.key", KEY);
-    let w = worker(&boxes, 1, &worker_keys).await;
-    let c = coordinator(&boxes, &[1], &coordinator_key);
+    let keys = Keys::new();
+    let w = worker(&boxes, 1, &keys.worker).await;
+    let c = coordinator(&boxes, &[1], &keys.coordinator);
     assert_eq!(chat(&c).await.0, 200, "{}", c.log());
     let rpc = pids_named(&boxes, 1, "rpc-server");
     assert_eq!(rpc.len(), 1, "{rpc:?}");
@@ -294,11 +288,9 @@ async fn a_worker_engine_that_dies_ends_the_coordinators_and_the_next_request_st
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_coordinator_that_dies_lets_go_and_the_worker_stops_its_engine() {
     let boxes = Boxes::new(1);
-    let keys = temp_dir("cluster-keys");
-    let worker_keys = key_file(&keys, "peers.keys", KEY);
-    let coordinator_key = key_file(&keys, "worker.key", KEY);
-    let w = worker(&boxes, 1, &worker_keys).await;
-    let c = coordinator(&boxes, &[1], &coordinator_key);
+    let keys = Keys::new();
+    let w = worker(&boxes, 1, &keys.worker).await;
+    let c = coordinator(&boxes, &[1], &keys.coordinator);
     assert_eq!(chat(&c).await.0, 200, "{}", c.log());
     assert_eq!(w.status().await["holds"][0]["profile"], "rpc");
     let _dir = c.kill_and_keep_dir().await;
@@ -316,9 +308,7 @@ async fn a_coordinator_that_dies_lets_go_and_the_worker_stops_its_engine() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_sleeping_worker_is_woken_and_the_waiting_request_served() {
     let boxes = Boxes::new(1);
-    let keys = temp_dir("cluster-keys");
-    let worker_keys = key_file(&keys, "peers.keys", KEY);
-    let coordinator_key = key_file(&keys, "worker.key", KEY);
+    let keys = Keys::new();
     const WAKE_PORT: u16 = 9009;
     // The worker box's network card, as far as the packet goes: a UDP socket in its box.
     let netns = std::fs::File::open(format!("/var/run/netns/{}", boxes.name(1))).unwrap();
@@ -342,7 +332,7 @@ async fn a_sleeping_worker_is_woken_and_the_waiting_request_served() {
         "workers:\n  - {{ at: \"{}:{PEERS_PORT}\", profile: rpc, key_file: {}, \
          wake: {{ mac: \"02:00:5e:10:00:01\", broadcast: \"{at}\" }} }}\n",
         boxes.worker(1),
-        coordinator_key.display()
+        keys.coordinator.display()
     ));
     s.wrapper = boxes.exec(0);
     let c = Daemon::start(&s);
@@ -366,7 +356,7 @@ async fn a_sleeping_worker_is_woken_and_the_waiting_request_served() {
     assert_eq!(&packet[..6], &[0xff; 6]);
     assert!(packet[6..].chunks(6).all(|c| c == mac), "{packet:?}");
     // The box wakes: its dsv4d starts, and the request that waited is served.
-    let _w = worker(&boxes, 1, &worker_keys).await;
+    let _w = worker(&boxes, 1, &keys.worker).await;
     let (code, stream) = request.await.unwrap();
     assert_eq!(code, 200, "{stream}\n{}", c.log());
     // Meanwhile the stream said what it waited for.
@@ -428,9 +418,7 @@ async fn a_worker_boxs_own_api_refuses_requests_while_it_lends() {
 async fn each_box_runs_its_own_power_policy_while_its_part_runs() {
     use crate::support::boxes::{coordinator_setup, start_worker, worker_setup};
     let boxes = Boxes::new(1);
-    let keys = temp_dir("cluster-keys");
-    let worker_keys = key_file(&keys, "peers.keys", KEY);
-    let coordinator_key = key_file(&keys, "worker.key", KEY);
+    let keys = Keys::new();
     let trees = [
         crate::support::fixture_copy("strix-halo"),
         crate::support::fixture_copy("strix-halo"),
@@ -452,9 +440,9 @@ async fn each_box_runs_its_own_power_policy_while_its_part_runs() {
                 "unix:path=/nonexistent/dsv4-no-bus",
             )
     };
-    let w = start_worker(&own_power(worker_setup(&boxes, 1, &worker_keys), &trees[1])).await;
+    let w = start_worker(&own_power(worker_setup(&boxes, 1, &keys.worker), &trees[1])).await;
     let c = Daemon::start(&own_power(
-        coordinator_setup(&boxes, &[1], &coordinator_key),
+        coordinator_setup(&boxes, &[1], &keys.coordinator),
         &trees[0],
     ));
     let (status, v) = chat(&c).await;
@@ -482,12 +470,10 @@ async fn a_worker_boxs_telemetry_and_heat_reach_the_coordinator() {
     use futures_util::StreamExt;
     const EDGE: &str = "sys/devices/pci0000:00/0000:00:08.1/0000:c5:00.0/hwmon/hwmon3/temp1_input";
     let boxes = Boxes::new(1);
-    let keys = temp_dir("cluster-keys");
-    let worker_keys = key_file(&keys, "peers.keys", KEY);
-    let coordinator_key = key_file(&keys, "worker.key", KEY);
+    let keys = Keys::new();
     let tree = crate::support::fixture_copy("strix-halo");
     let w = start_worker(
-        &worker_setup(&boxes, 1, &worker_keys)
+        &worker_setup(&boxes, 1, &keys.worker)
             .args(&["--sysroot", tree.path().to_str().unwrap()])
             .top_level("monitor", "{ interval: 100ms, idle_interval: 100ms }")
             .top_level("thermal", "{ warn: 85C, critical: 95C, hysteresis: 5C }")
@@ -499,7 +485,7 @@ async fn a_worker_boxs_telemetry_and_heat_reach_the_coordinator() {
     .await;
     let bus = crate::support::PrivateBus::start();
     let c = Daemon::start(
-        &coordinator_setup(&boxes, &[1], &coordinator_key)
+        &coordinator_setup(&boxes, &[1], &keys.coordinator)
             .engine("idle_timeout", "10m")
             .session_bus(&bus),
     );
@@ -580,13 +566,11 @@ async fn a_worker_boxs_telemetry_and_heat_reach_the_coordinator() {
 async fn a_worker_that_dies_mid_answer_is_named_in_the_clients_error_event() {
     use http_body_util::BodyExt;
     let boxes = Boxes::new(1);
-    let keys = temp_dir("cluster-keys");
-    let worker_keys = key_file(&keys, "peers.keys", KEY);
-    let coordinator_key = key_file(&keys, "worker.key", KEY);
-    let _w = worker(&boxes, 1, &worker_keys).await;
+    let keys = Keys::new();
+    let _w = worker(&boxes, 1, &keys.worker).await;
     // A context long enough for an answer of seconds, whatever the machine's load: the
     // worker dies well before its end.
-    let mut s = crate::support::boxes::coordinator_setup(&boxes, &[1], &coordinator_key);
+    let mut s = crate::support::boxes::coordinator_setup(&boxes, &[1], &keys.coordinator);
     let model = real::tiny_with_context(32_768);
     let profile = s.custom_profiles.get_mut("tiny").unwrap();
     let (_, rest) = profile.split_once("\nmodel: ").unwrap();

@@ -162,6 +162,25 @@ pub fn key_file(dir: &TempDir, name: &str, key: &str) -> PathBuf {
     path
 }
 
+/// A test's key files, both holding [`KEY`]: a worker box's `peers.keys_file` and the
+/// coordinator's `key_file` for it.
+pub struct Keys {
+    _dir: TempDir,
+    pub worker: PathBuf,
+    pub coordinator: PathBuf,
+}
+
+impl Keys {
+    pub fn new() -> Keys {
+        let dir = super::temp_dir("cluster-keys");
+        Keys {
+            worker: key_file(&dir, "peers.keys", KEY),
+            coordinator: key_file(&dir, "worker.key", KEY),
+            _dir: dir,
+        }
+    }
+}
+
 /// A worker box's dsv4d, in box `i`: its only profile, `rpc`, runs the real rpc-server; it
 /// lends to the coordinators whose keys are in `keys`. Returned once its peers port is open.
 pub async fn worker(boxes: &Boxes, i: u8, keys: &Path) -> Daemon {
