@@ -6,8 +6,9 @@
 //! It shows what the shipped units give a user with two boxes: the worker's peers port is
 //! `dsv4-peers@ADDRESS.socket`, handed to its dsv4d (which runs in a network of its own) as
 //! `peers`; the coordinator's dsv4d (also in a network of its own) reaches the worker through
-//! `dsv4-link@ADDRESS.socket` and systemd-socket-proxyd; the first request starts the
-//! worker's rpc-server under its own power policy, then the coordinator's llama-server with
+//! `dsv4-link@ADDRESS.socket` and systemd-socket-proxyd; the first request wakes the
+//! sleeping worker box through `dsv4-wake@` (dsv4d's own network reaches no box), then
+//! starts the worker's rpc-server under its own power policy, then the coordinator's llama-server with
 //! its layers on it; on the link, the worker box has only its peers port open; after the idle
 //! time both engines are gone and each box's power settings are back.
 //!
@@ -27,6 +28,7 @@ const KEY: &str = "a-coordinators-key-of-32-characters!";
 const WORKER: &str = "10.232.0.2";
 const COORDINATOR: &str = "10.232.0.1";
 const PEERS: &str = "10.232.0.2:7070";
+const MAC: &str = "aa:bb:cc:dd:ee:01";
 const LEVEL: &str =
     "root/sys/devices/pci0000:00/0000:00:08.1/0000:c5:00.0/power_dpm_force_performance_level";
 
@@ -75,7 +77,8 @@ fn lay_out_coordinator(w: &Path) {
         &format!(
             "engine: llama-server\ncommand: {}\nmodel: {}\ncontext: 1024\nparallel: 1\n\
              extra_args: [--no-webui, -ngl, \"99\", -lv, \"4\"]\n\
-             workers:\n  - {{ at: \"{PEERS}\", profile: rpc, key_file: {} }}\n",
+             workers:\n  - {{ at: \"{PEERS}\", profile: rpc, key_file: {}, \
+             wake: {{ mac: \"{MAC}\", broadcast: \"{WORKER}:9\" }} }}\n",
             w.join("bin/llama-server").display(),
             w.join("models/tiny.gguf").display(),
             w.join("etc/worker-key").display()
@@ -142,7 +145,14 @@ fn two_boxes_run_one_engine_with_the_units_as_shipped() {
     lay_out_coordinator(wc.path());
     lay_out_worker(ww.path());
     let c = Ns::boot(
-        &units_with(wc.path(), &["dsv4-link@.socket", "dsv4-link@.service"]),
+        &units_with(
+            wc.path(),
+            &[
+                "dsv4-link@.socket",
+                "dsv4-link@.service",
+                "dsv4-wake@.service",
+            ],
+        ),
         "test.target",
         &wc.path().join("console.log"),
         true,
@@ -154,13 +164,11 @@ fn two_boxes_run_one_engine_with_the_units_as_shipped() {
         true,
     );
     link(&c, &w);
-    for (ns, unit) in [
-        (&w, format!("dsv4-peers@{PEERS}.socket")),
-        (&c, format!("dsv4-link@{PEERS}.socket")),
-    ] {
+    let start = |ns: &Ns, unit: String| {
         let o = ns.sh(&format!("systemctl start '{unit}'"));
         assert!(o.status.success(), "{}", String::from_utf8_lossy(&o.stderr));
-    }
+    };
+    start(&c, format!("dsv4-link@{PEERS}.socket"));
     let level = |w: &Path| {
         std::fs::read_to_string(w.join(LEVEL))
             .unwrap()
@@ -169,9 +177,51 @@ fn two_boxes_run_one_engine_with_the_units_as_shipped() {
     };
     assert_eq!(level(ww.path()), "low");
 
-    // The first request: the worker's engine, then the coordinator's, with its layers there.
+    // The worker box sleeps (its peers port is not open yet), its network card listening.
+    let packet = ww.path().join("magic-packet");
+    let o = w.sh(&format!(
+        "(python3 -c 'import socket; s = socket.socket(socket.AF_INET, socket.SOCK_DGRAM); \
+         s.bind((\"{WORKER}\", 9)); s.settimeout(120); d, _ = s.recvfrom(512); \
+         open(\"{0}.tmp\", \"w\").write(d.hex())' && mv {0}.tmp {0}) \
+         </dev/null >/dev/null 2>{0}.err &",
+        packet.display()
+    ));
+    assert!(o.status.success(), "{}", String::from_utf8_lossy(&o.stderr));
+    w.wait("the card listening", || {
+        let err = std::fs::read_to_string(packet.with_extension("err")).unwrap_or_default();
+        assert!(err.is_empty(), "the card: {err}");
+        w.out("ss -lunH").contains(&format!("{WORKER}:9"))
+    });
+
+    // The first request wakes it (through dsv4-wake@, from the coordinator's host network),
+    // then holds it once it is up: the worker's engine, then the coordinator's, with its
+    // layers there.
     let chat = r#"-H 'content-type: application/json' -d '{"messages":[{"role":"user","content":"hi"}],"max_tokens":8,"temperature":0}' http://127.0.0.1:8080/v1/chat/completions"#;
-    let (code, body) = curl(&c, chat);
+    let (code, body) = std::thread::scope(|scope| {
+        let answer = scope.spawn(|| curl(&c, chat));
+        let t = std::time::Instant::now();
+        while !packet.exists() {
+            assert!(
+                t.elapsed() < PATIENCE,
+                "no magic packet at the worker box:\n{}",
+                c.out("journalctl --no-pager -o cat -u dsv4 -u 'dsv4-wake@*' -u 'dsv4-link@*'")
+            );
+            std::thread::sleep(std::time::Duration::from_millis(50));
+        }
+        start(&w, format!("dsv4-peers@{PEERS}.socket"));
+        answer.join().unwrap()
+    });
+    let mac: String = MAC.split(':').collect();
+    assert_eq!(
+        std::fs::read_to_string(&packet).unwrap(),
+        format!("{}{}", "ff".repeat(6), mac.repeat(16)),
+        "the magic packet"
+    );
+    let wake = c.out("journalctl --no-pager -o cat -u 'dsv4-wake@*'");
+    assert!(
+        wake.contains(&format!("sent the magic packet of {MAC}/{WORKER}:9")),
+        "{wake}"
+    );
     assert_eq!(
         code,
         200,

@@ -11,6 +11,7 @@ use crate::support::*;
 const DSV4D: &str = env!("CARGO_BIN_EXE_dsv4d-under-test");
 const DSV4CTL: &str = env!("CARGO_BIN_EXE_dsv4ctl-under-test");
 const DSV4_SYSFS: &str = env!("CARGO_BIN_EXE_dsv4-sysfs-under-test");
+const DSV4_WAKE: &str = env!("CARGO_BIN_EXE_dsv4-wake-under-test");
 
 fn units() -> PathBuf {
     Path::new(env!("CARGO_MANIFEST_DIR")).join("../units")
@@ -24,7 +25,8 @@ fn copy_built(from: &Path, files: &[&str], to: &Path) {
         let text = text
             .replace("/usr/bin/dsv4d ", &format!("{DSV4D} "))
             .replace("/usr/bin/dsv4ctl ", &format!("{DSV4CTL} "))
-            .replace("/usr/libexec/dsv4/dsv4-sysfs ", &format!("{DSV4_SYSFS} "));
+            .replace("/usr/libexec/dsv4/dsv4-sysfs ", &format!("{DSV4_SYSFS} "))
+            .replace("/usr/libexec/dsv4/dsv4-wake ", &format!("{DSV4_WAKE} "));
         std::fs::write(to.join(f), text).unwrap();
     }
 }
@@ -78,10 +80,18 @@ fn the_cluster_units_verify_without_a_word_and_the_link_is_sandboxed() {
         std::fs::copy(units().join(template), dir.path().join(&name)).unwrap();
         files.push(name);
     }
+    // The wake helper's instance as dsv4d names it (workers::wake_unit), escaped again for
+    // a file name without `:`.
+    let wake = r"dsv4-wake@aa\x3abb\x3acc\x3add\x3aee\x3aff-10.77.0.255\x3a9.service";
+    copy_built(&units(), &["dsv4-wake@.service"], dir.path());
+    std::fs::rename(dir.path().join("dsv4-wake@.service"), dir.path().join(wake)).unwrap();
+    files.push(wake.to_string());
     let files: Vec<&str> = files.iter().map(String::as_str).collect();
     verify(dir.path(), &files, false);
     let e = exposure(dir.path(), &format!("dsv4-link@{instance}.service"));
     assert!(e <= 1.5, "dsv4-link@.service: exposure {e}");
+    let e = exposure(dir.path(), wake);
+    assert!(e <= 1.5, "dsv4-wake@.service: exposure {e}");
     // The peers port goes to dsv4d under the name it takes; the link is the dsv4 user's alone.
     let peers = std::fs::read_to_string(units().join("dsv4-peers@.socket")).unwrap();
     for line in ["FileDescriptorName=peers", "Service=dsv4.service"] {

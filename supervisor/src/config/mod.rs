@@ -467,6 +467,23 @@ pub struct Wake {
     pub broadcast: SocketAddr,
 }
 
+impl Wake {
+    /// The request as one word, `MAC/BROADCAST` (`aa:bb:cc:dd:ee:ff/10.77.0.255:9`): the
+    /// instance of `dsv4-wake@.service`, before systemd's escaping.
+    pub fn instance(&self) -> String {
+        let mac: Vec<String> = self.mac.iter().map(|b| format!("{b:02x}")).collect();
+        format!("{}/{}", mac.join(":"), self.broadcast)
+    }
+
+    /// Reads [`instance`](Self::instance)'s word back, under the configuration's rules.
+    pub fn from_instance(word: &str) -> Result<Wake, String> {
+        let (mac, broadcast) = word
+            .split_once('/')
+            .ok_or_else(|| format!("{word:?} is not MAC/BROADCAST"))?;
+        rules::wake(Some(mac), Some(broadcast)).map_err(|(_, message)| message)
+    }
+}
+
 impl Worker {
     /// The box, as messages name it: the host of `at`.
     pub fn host(&self) -> &str {

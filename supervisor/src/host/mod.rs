@@ -1,7 +1,8 @@
 //! The machine as files: the hardware readers (`hw`), the root they read below (`sysroot`,
 //! `/` or a fixture tree), the daemon's own state files (`state_file`, `load_times`), reading
 //! any file of its own without a FIFO or a device hanging it (`regular`), and the process's
-//! own open-file limits ([`open_file_limits`]).
+//! own open-file limits ([`open_file_limits`]), and the helper units dsv4d starts through
+//! systemd (`units`).
 
 pub mod gguf;
 pub mod hw;
@@ -10,6 +11,7 @@ pub mod load_times;
 pub mod regular;
 pub mod state_file;
 pub mod sysroot;
+pub mod units;
 
 use nix::sys::resource::{getrlimit, Resource, RLIM_INFINITY};
 

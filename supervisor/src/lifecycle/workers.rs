@@ -200,9 +200,8 @@ pub async fn hold(
 /// asks for the hold, and waits for its engine to be ready.
 async fn hold_one(w: Worker, progress: Progress, book: WorkerBook) -> Result<Conn, String> {
     let key = worker_key(&w)?;
-    let mut conn = reach(&w, &progress, &book).await?;
+    let (mut conn, nonce) = reach(&w, &progress, &book).await?;
     book.set(&w.at, "loading", None, None);
-    let nonce = greeted(&mut conn).await?;
     let ask = peer_wire::ask(&key, &nonce, Verb::Hold, &w.profile);
     peer_wire::write_line(&mut conn, &ask)
         .await
@@ -238,13 +237,22 @@ fn worker_key(w: &Worker) -> Result<Vec<u8>, String> {
     Ok(key.into_bytes())
 }
 
-/// A connection to the worker box's dsv4d; with `wake`, a box that does not answer is sent
-/// a Wake-on-LAN packet and tried again until it does (the start's own timeout bounds it).
-async fn reach(w: &Worker, progress: &Progress, book: &WorkerBook) -> Result<Conn, String> {
+/// A connection to the worker box's dsv4d, and the nonce of its greeting; with `wake`, a box
+/// that does not answer (no connection, or one closed before the greeting: a link unit whose
+/// far end is down) is sent a Wake-on-LAN packet and tried again until it does (the start's
+/// own timeout bounds it).
+async fn reach(
+    w: &Worker,
+    progress: &Progress,
+    book: &WorkerBook,
+) -> Result<(Conn, [u8; NONCE_BYTES]), String> {
     let mut woken = false;
     loop {
         let why = match dial(w).await {
-            Ok(conn) => return Ok(conn),
+            Ok(mut conn) => match greeted(&mut conn).await {
+                Ok(nonce) => return Ok((conn, nonce)),
+                Err(why) => why,
+            },
             Err(why) => why,
         };
         let Some(wake) = w.wake else {
@@ -319,17 +327,73 @@ pub fn magic_packet(mac: &[u8; 6]) -> [u8; 102] {
 }
 
 /// Sends the Wake-on-LAN packet of `wake`, broadcast allowed.
-pub async fn send_wake(wake: &Wake) -> std::io::Result<()> {
+pub fn send_wake_here(wake: &Wake) -> std::io::Result<()> {
     let any: SocketAddr = match wake.broadcast {
         SocketAddr::V4(_) => (Ipv4Addr::UNSPECIFIED, 0).into(),
         SocketAddr::V6(_) => (std::net::Ipv6Addr::UNSPECIFIED, 0).into(),
     };
-    let socket = tokio::net::UdpSocket::bind(any).await?;
+    let socket = std::net::UdpSocket::bind(any)?;
     socket.set_broadcast(true)?;
-    socket
-        .send_to(&magic_packet(&wake.mac), wake.broadcast)
-        .await?;
+    socket.send_to(&magic_packet(&wake.mac), wake.broadcast)?;
     Ok(())
+}
+
+/// The unit that sends `wake`'s packet from the host's network, for a dsv4d that has a
+/// network of its own (`dsv4-wake@MAC-BROADCAST.service`, its instance escaped as systemd
+/// escapes a path: `/` is `-`, and `-` and other bytes `\xNN`).
+pub fn wake_unit(wake: &Wake) -> String {
+    let mut name = String::from(WAKE_UNIT_PREFIX);
+    for b in wake.instance().bytes() {
+        match b {
+            b'/' => name.push('-'),
+            b'a'..=b'z' | b'A'..=b'Z' | b'0'..=b'9' | b':' | b'_' | b'.' => name.push(b as char),
+            other => name.push_str(&format!("\\x{other:02x}")),
+        }
+    }
+    name + ".service"
+}
+
+/// The Wake-on-LAN helper's template unit.
+pub const WAKE_UNIT_PREFIX: &str = "dsv4-wake@";
+
+/// Sends the Wake-on-LAN packet of `wake`: from here, or, where this network reaches no box
+/// (the shipped unit's `PrivateNetwork=yes`), through `dsv4-wake@.service` on the host's.
+pub async fn send_wake(wake: &Wake) -> Result<(), String> {
+    let here = match send_wake_here(wake) {
+        Ok(()) => return Ok(()),
+        Err(e) => e,
+    };
+    let unreachable = here.raw_os_error() == Some(nix::libc::ENETUNREACH);
+    if !unreachable {
+        return Err(here.to_string());
+    }
+    let unit = wake_unit(wake);
+    let bus = zbus::Connection::system()
+        .await
+        .map_err(|e| format!("{here}, and no system bus to start {unit} ({e})"))?;
+    let started = timeout(
+        CONNECT_TIMEOUT,
+        crate::host::units::start_and_wait(&bus, &unit),
+    );
+    use crate::host::units::UnitError;
+    match started.await {
+        Ok(Ok(())) => Ok(()),
+        Ok(Err(UnitError::Refused(text))) => Err(format!(
+            "{here}; systemd refused to start {unit} ({text}): polkit must let dsv4d's user \
+             start {WAKE_UNIT_PREFIX}*.service (/usr/share/polkit-1/rules.d/50-dsv4.rules)"
+        )),
+        Ok(Err(UnitError::Bus(why))) => Err(format!("{here}; {unit}: {why}")),
+        Ok(Err(UnitError::Failed { status, result })) => Err(format!(
+            "{here}; {unit} failed ({}; journalctl -u '{unit}' says more)",
+            status.map_or(format!("the job ended {result}"), |s| format!(
+                "exit code {s}"
+            ))
+        )),
+        Err(_) => Err(format!(
+            "{here}; {unit} did not finish within {}",
+            duration(CONNECT_TIMEOUT)
+        )),
+    }
 }
 
 /// The nonce of the worker's greeting.
@@ -517,6 +581,31 @@ async fn carry(mut local: TcpStream, w: &Worker, output: &EngineOutput) -> Resul
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn a_wake_is_named_as_its_unit_and_read_back_by_its_helper() {
+        let wake = Wake::from_instance("AA:bb:cc:dd:ee:01/10.77.0.255:9").unwrap();
+        assert_eq!(wake.mac, [0xaa, 0xbb, 0xcc, 0xdd, 0xee, 0x01]);
+        assert_eq!(wake.instance(), "aa:bb:cc:dd:ee:01/10.77.0.255:9");
+        assert_eq!(
+            wake_unit(&wake),
+            "dsv4-wake@aa:bb:cc:dd:ee:01-10.77.0.255:9.service"
+        );
+        assert_eq!(Wake::from_instance(&wake.instance()).unwrap(), wake);
+        let v6 = Wake::from_instance("aa:bb:cc:dd:ee:01/[ff02::1]:9").unwrap();
+        assert_eq!(
+            wake_unit(&v6),
+            r"dsv4-wake@aa:bb:cc:dd:ee:01-\x5bff02::1\x5d:9.service"
+        );
+        for bad in [
+            "aa:bb:cc:dd:ee:01",
+            "aa:bb/10.77.0.255:9",
+            "aa:bb:cc:dd:ee:01/x:9",
+            "",
+        ] {
+            assert!(Wake::from_instance(bad).is_err(), "{bad}");
+        }
+    }
 
     #[test]
     fn a_magic_packet_is_six_ff_then_the_mac_sixteen_times() {

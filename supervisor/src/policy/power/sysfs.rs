@@ -20,9 +20,8 @@
 use std::sync::Arc;
 use std::time::Duration;
 
-use futures_util::StreamExt;
-
 use crate::host::sysroot::SysRoot;
+use crate::host::units::{self, UnitError};
 
 /// The template unit, `dsv4-sysfs@INSTANCE.service`.
 pub const UNIT_PREFIX: &str = "dsv4-sysfs@";
@@ -306,7 +305,7 @@ impl Writer {
         let Some(bus) = self.bus().await else {
             return false;
         };
-        let Ok(manager) = manager(&bus).await else {
+        let Ok(manager) = units::manager(&bus).await else {
             return false;
         };
         let template = template_unit();
@@ -371,87 +370,27 @@ impl Writer {
     }
 }
 
-async fn manager(bus: &zbus::Connection) -> zbus::Result<zbus::Proxy<'static>> {
-    zbus::Proxy::new(
-        bus,
-        "org.freedesktop.systemd1",
-        "/org/freedesktop/systemd1",
-        "org.freedesktop.systemd1.Manager",
-    )
-    .await
-}
-
 /// Starts the helper unit for `req` and waits for its job; the error says why it failed.
 async fn run_helper(bus: &zbus::Connection, req: &Request) -> Result<(), String> {
     let unit = req.unit();
-    let manager = manager(bus)
-        .await
-        .map_err(|e| format!("no systemd on the system bus ({e})"))?;
-    // Listening (and subscribed) before the start: a job that ends at once is not missed.
-    let mut removed = manager
-        .receive_signal("JobRemoved")
-        .await
-        .map_err(|e| format!("cannot follow systemd's jobs: {e}"))?;
-    let _: Result<(), zbus::Error> = manager.call("Subscribe", &()).await;
-    let job: zbus::zvariant::OwnedObjectPath = manager
-        .call("StartUnit", &(unit.as_str(), "replace"))
+    units::start_and_wait(bus, &unit)
         .await
         .map_err(|e| match e {
-            zbus::Error::MethodError(name, text, _)
-                if name.as_str() == "org.freedesktop.DBus.Error.AccessDenied"
-                    || name.as_str()
-                        == "org.freedesktop.DBus.Error.InteractiveAuthorizationRequired" =>
-            {
-                format!(
-                    "systemd refused to start it ({}): polkit must let dsv4d's user start \
-                     {UNIT_PREFIX}*{UNIT_SUFFIX} (/usr/share/polkit-1/rules.d/50-dsv4.rules)",
-                    text.unwrap_or_default()
-                )
+            UnitError::Refused(text) => format!(
+                "systemd refused to start it ({text}): polkit must let dsv4d's user start \
+             {UNIT_PREFIX}*{UNIT_SUFFIX} (/usr/share/polkit-1/rules.d/50-dsv4.rules)"
+            ),
+            UnitError::Bus(why) => why,
+            UnitError::Failed { status, result } => {
+                let why = match status {
+                    Some(EXIT_REFUSED) => "it refused the request".to_string(),
+                    Some(EXIT_WRITE_FAILED) => "its write failed".to_string(),
+                    Some(code) => format!("exit code {code}"),
+                    None => format!("the job ended {result}"),
+                };
+                format!("{why} (journalctl -u '{unit}' says more)")
             }
-            zbus::Error::MethodError(name, text, _) => {
-                format!("systemd: {name}: {}", text.unwrap_or_default())
-            }
-            e => format!("systemd: {e}"),
-        })?;
-    let result = loop {
-        let Some(msg) = removed.next().await else {
-            return Err("the system bus went away".into());
-        };
-        let Ok((_, path, _, result)) =
-            msg.body()
-                .deserialize::<(u32, zbus::zvariant::OwnedObjectPath, String, String)>()
-        else {
-            continue;
-        };
-        if path == job {
-            break result;
-        }
-    };
-    if result == "done" {
-        return Ok(());
-    }
-    let status = exit_status(bus, &manager, &unit).await;
-    let why = match status {
-        Some(EXIT_REFUSED) => "it refused the request".to_string(),
-        Some(EXIT_WRITE_FAILED) => "its write failed".to_string(),
-        Some(code) => format!("exit code {code}"),
-        None => format!("the job ended {result}"),
-    };
-    Err(format!("{why} (journalctl -u '{unit}' says more)"))
-}
-
-/// The helper's exit code, from its unit's `ExecMainStatus`.
-async fn exit_status(bus: &zbus::Connection, manager: &zbus::Proxy<'_>, unit: &str) -> Option<i32> {
-    let path: zbus::zvariant::OwnedObjectPath = manager.call("GetUnit", &(unit,)).await.ok()?;
-    let service = zbus::Proxy::new(
-        bus,
-        "org.freedesktop.systemd1",
-        path,
-        "org.freedesktop.systemd1.Service",
-    )
-    .await
-    .ok()?;
-    service.get_property("ExecMainStatus").await.ok()
+        })
 }
 
 #[cfg(test)]
