@@ -640,3 +640,113 @@ async fn a_worker_that_dies_mid_answer_is_named_in_the_clients_error_event() {
     })
     .await;
 }
+
+/// `dsv4d --doctor` of box `i` for the daemon `d`, its checks as JSON.
+fn doctor_in(boxes: &Boxes, i: usize, d: &Daemon) -> Vec<serde_json::Value> {
+    let config = d.config_path();
+    let o = boxes.run(
+        i,
+        "env",
+        &[
+            "DBUS_SYSTEM_BUS_ADDRESS=unix:path=/nonexistent/dsv4-no-bus",
+            env!("CARGO_BIN_EXE_dsv4d-under-test"),
+            "--doctor",
+            "--part",
+            "service",
+            "--config",
+            config.to_str().unwrap(),
+        ],
+    );
+    serde_json::from_slice(&o.stdout).unwrap_or_else(|e| {
+        panic!(
+            "{e}: {}{}",
+            String::from_utf8_lossy(&o.stdout),
+            String::from_utf8_lossy(&o.stderr)
+        )
+    })
+}
+
+/// The check `id` among `checks`: its verdict and what it found.
+fn check_of<'c>(checks: &'c [serde_json::Value], id: &str) -> (&'c str, &'c str) {
+    let c = checks
+        .iter()
+        .find(|c| c["id"] == id)
+        .unwrap_or_else(|| panic!("no {id} in {checks:#?}"));
+    (
+        c["verdict"].as_str().unwrap_or_default(),
+        c["found"].as_str().unwrap_or_default(),
+    )
+}
+
+/// The coordinator's doctor checks each worker box over its peers port: reachable, the key
+/// accepted, the profile one it lends, the same dsv4, and that box's own doctor (what the
+/// worker's own `dsv4d --doctor` says); a wrong key and a box that is down each fail by name.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_coordinators_doctor_checks_each_worker_box() {
+    let boxes = Boxes::new(1);
+    let keys = Keys::new();
+    let w = worker(&boxes, 1, &keys.worker).await;
+    let c = coordinator(&boxes, &[1], &keys.coordinator);
+    let host = boxes.worker(1).to_string();
+    let checks = doctor_in(&boxes, 0, &c);
+    for id in [
+        "workers.reach",
+        "workers.key",
+        "workers.profile",
+        "workers.version",
+    ] {
+        let (verdict, found) = check_of(&checks, id);
+        assert_eq!(verdict, "ok", "{id}: {found}");
+        assert!(found.contains(&host), "{id}: {found}");
+    }
+    // That box's own doctor, summed up: as its own run says.
+    let own = doctor_in(&boxes, 1, &w);
+    let worst = if own.iter().any(|c| c["verdict"] == "fail") {
+        "fail"
+    } else if own.iter().any(|c| c["verdict"] == "warn") {
+        "warn"
+    } else {
+        "ok"
+    };
+    let (verdict, found) = check_of(&checks, "workers.doctor");
+    println!("workers.doctor: {verdict}: {found}");
+    assert_eq!(verdict, worst, "{found}");
+    let oks = own.iter().filter(|c| c["verdict"] == "ok").count();
+    assert!(
+        found.contains(&format!(" {oks} ok")) || worst == "fail",
+        "{found} (its own run: {oks} ok)"
+    );
+    assert!(
+        found.starts_with(&format!("worker box {host}'s own doctor: ")),
+        "{found}"
+    );
+    if let Some(failed) = own.iter().find(|c| c["verdict"] == "fail") {
+        let id = failed["id"].as_str().unwrap();
+        assert!(found.contains(id), "{id} not in {found}");
+    }
+    // The check started nothing on either box.
+    assert!(engines_in(&boxes, 0).is_empty() && engines_in(&boxes, 1).is_empty());
+
+    // A key the worker does not hold: refused, by name.
+    let wrong_dir = temp_dir("cluster-wrong-key");
+    let wrong = key_file(
+        &wrong_dir,
+        "worker.key",
+        "another-key-that-is-long-enough-0",
+    );
+    let c2 = coordinator(&boxes, &[1], &wrong);
+    let checks = doctor_in(&boxes, 0, &c2);
+    let (verdict, found) = check_of(&checks, "workers.key");
+    assert_eq!(verdict, "fail", "{found}");
+    assert!(
+        found.contains("the key is not one of peers.keys_file"),
+        "{found}"
+    );
+
+    // The worker box down: unreachable, with what to do.
+    drop(w);
+    let checks = doctor_in(&boxes, 0, &c);
+    let (verdict, found) = check_of(&checks, "workers.reach");
+    assert_eq!(verdict, "fail", "{found}");
+    assert!(found.contains(&format!("worker box {host}:")), "{found}");
+}

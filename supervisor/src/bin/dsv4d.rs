@@ -376,6 +376,11 @@ async fn build(args: Args, mut activated: Vec<(std::os::fd::OwnedFd, String)>) -
             holders: ctx.parts.holders.clone(),
             telemetry: ctx.parts.telemetry.clone(),
             thermal: ctx.parts.thermal.clone(),
+            doctor: dsv4::http::peers::SelfDoctor {
+                program: std::env::current_exe().unwrap_or_else(|_| "dsv4d".into()),
+                config: args.config.clone(),
+                sysroot: args.sysroot.clone(),
+            },
         };
         tokio::spawn(dsv4::http::peers::serve(l, peers));
     }

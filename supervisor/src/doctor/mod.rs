@@ -16,6 +16,7 @@ pub mod flags;
 pub mod kernel;
 pub mod memory;
 pub mod power;
+pub mod workers;
 
 use std::collections::BTreeSet;
 use std::path::PathBuf;
@@ -24,52 +25,11 @@ use std::time::Duration;
 pub use dsv4_client::doctor::{Check, Fix, Verdict};
 
 use crate::config::Config;
+pub use crate::host::run::{run_bounded, Ran, RunError};
 use crate::host::sysroot::SysRoot;
 
 /// How long the system bus may take to answer the connection.
 const BUS_LIMIT: Duration = Duration::from_secs(5);
-
-/// What a bounded run of a program gave.
-#[derive(Debug)]
-pub struct Ran {
-    pub status: std::process::ExitStatus,
-    pub stdout: String,
-    pub stderr: String,
-}
-
-/// Why a bounded run gave nothing.
-#[derive(Debug)]
-pub enum RunError {
-    /// It could not be started.
-    Spawn(std::io::Error),
-    /// Its output could not be read, or its end waited for.
-    Wait(std::io::Error),
-    /// It did not end within the limit, and was killed.
-    Timeout,
-}
-
-/// Runs `cmd` with stdin closed and both outputs read, for at most `limit`: past it the
-/// program is killed. The doctor runs the engine (`--version`, `--help`) and `journalctl`
-/// so.
-pub async fn run_bounded(
-    mut cmd: tokio::process::Command,
-    limit: Duration,
-) -> Result<Ran, RunError> {
-    cmd.stdin(std::process::Stdio::null())
-        .stdout(std::process::Stdio::piped())
-        .stderr(std::process::Stdio::piped())
-        .kill_on_drop(true);
-    let child = cmd.spawn().map_err(RunError::Spawn)?;
-    match tokio::time::timeout(limit, child.wait_with_output()).await {
-        Err(_) => Err(RunError::Timeout),
-        Ok(Err(e)) => Err(RunError::Wait(e)),
-        Ok(Ok(out)) => Ok(Ran {
-            status: out.status,
-            stdout: String::from_utf8_lossy(&out.stdout).into_owned(),
-            stderr: String::from_utf8_lossy(&out.stderr).into_owned(),
-        }),
-    }
-}
 
 /// Which checks a run makes.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -191,6 +151,7 @@ async fn service(opts: &Options) -> Vec<Check> {
         .ok()
         .and_then(Result::ok);
     out.extend(power::checks(&config, &opts.sysroot, bus).await);
+    out.extend(workers::checks(&config).await);
     out
 }
 

@@ -9,6 +9,7 @@ pub mod hw;
 pub mod keys;
 pub mod load_times;
 pub mod regular;
+pub mod run;
 pub mod state_file;
 pub mod sysroot;
 pub mod units;

@@ -42,7 +42,21 @@ pub struct Peers {
     /// This box's samples and thermal events, said to the coordinators that hold it.
     pub telemetry: crate::observe::monitor::Telemetry,
     pub thermal: crate::policy::thermal::ThermalPolicy,
+    /// How this box runs its own doctor, for a coordinator's `check`.
+    pub doctor: SelfDoctor,
 }
+
+/// This dsv4d's own doctor: its program, configuration and sysroot.
+#[derive(Clone)]
+pub struct SelfDoctor {
+    pub program: std::path::PathBuf,
+    pub config: std::path::PathBuf,
+    pub sysroot: std::path::PathBuf,
+}
+
+/// Warnings and failures named in a `check`'s answer, and the length of each.
+const NAMED: usize = 8;
+const NAMED_LEN: usize = 240;
 
 /// Serves the peers port until the task is dropped.
 pub async fn serve(listener: TcpListener, peers: Peers) {
@@ -98,11 +112,61 @@ async fn peer(
     if !peer_wire::proved(&ask, &nonce, keys.iter().map(|k| &**k)) {
         return Err("the key is not one of peers.keys_file".to_string());
     }
-    lendable(&config, &ask.profile, &peers.lifecycle.status().profile)?;
+    let active = peers.lifecycle.status().profile;
+    if ask.verb == Verb::Check {
+        tracing::info!("peer {from} checks profile {}", ask.profile);
+        let not_lendable = lendable(&config, &ask.profile, &active).err();
+        let checked = Said::Checked(Box::new(peer_wire::Checked {
+            version: env!("CARGO_PKG_VERSION").to_string(),
+            active,
+            not_lendable,
+            doctor: own_doctor(&peers.doctor).await,
+        }));
+        return say(conn, checked).await.map_err(|e| e.to_string());
+    }
+    lendable(&config, &ask.profile, &active)?;
     match ask.verb {
         Verb::Hold => hold(conn, from, &ask, peers).await,
-        Verb::Relay => relay(conn, from, &ask, peers).await,
+        Verb::Relay | Verb::Check => relay(conn, from, &ask, peers).await,
     }
+}
+
+/// This box's own doctor (`dsv4d --doctor --part service`, run as this daemon runs, in its
+/// sandbox), summed up.
+async fn own_doctor(d: &SelfDoctor) -> Result<peer_wire::DoctorSummary, String> {
+    use dsv4_client::doctor::{Check, Verdict};
+    let mut cmd = tokio::process::Command::new(&d.program);
+    cmd.arg("--doctor")
+        .args(["--part", "service", "--config"])
+        .arg(&d.config)
+        .arg("--sysroot")
+        .arg(&d.sysroot);
+    let ran = crate::host::run::run_bounded(cmd, peer_wire::DOCTOR_LIMIT)
+        .await
+        .map_err(|e| format!("its doctor did not run: {e:?}"))?;
+    let checks: Vec<Check> = serde_json::from_str(&ran.stdout).map_err(|e| {
+        format!(
+            "its doctor said no checks ({e}): {}",
+            ran.stderr.lines().last().unwrap_or_default()
+        )
+    })?;
+    let named = |v: Verdict| -> Vec<String> {
+        checks
+            .iter()
+            .filter(|c| c.verdict == v)
+            .take(NAMED)
+            .map(|c| {
+                let profile = c.profile.as_deref().map(|p| format!(" [{p}]"));
+                let line = format!("{}{}: {}", c.id, profile.unwrap_or_default(), c.found);
+                line.chars().take(NAMED_LEN).collect()
+            })
+            .collect()
+    };
+    Ok(peer_wire::DoctorSummary {
+        ok: checks.iter().filter(|c| c.verdict == Verdict::Ok).count(),
+        warn: named(Verdict::Warn),
+        fail: named(Verdict::Fail),
+    })
 }
 
 /// The keys of `peers.keys_file`, read now (a coordinator connects a few times a start).

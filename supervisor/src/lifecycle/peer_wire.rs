@@ -10,7 +10,7 @@
 //!
 //! ```text
 //! worker:      dsv4-peer 1 <nonce: 32 random bytes, hex>
-//! coordinator: hold <profile> <proof>      or      relay <profile> <proof>
+//! coordinator: hold <profile> <proof>   or   relay <profile> <proof>   or   check <profile> <proof>
 //! worker:      refused <why>               (then closes)
 //! ```
 //!
@@ -21,8 +21,12 @@
 //! loads, then `serving`, or `failed <why>` and closes. Both sides then say `alive` every
 //! [`ALIVE_EVERY`]; a side that hears nothing for [`SILENCE_LIMIT`] (a box that lost power
 //! sends no FIN) ends the hold. The coordinator lets go by saying `release` or by closing.
-//! After `relay`, the worker says `relaying` and the connection carries the engine's bytes
-//! both ways, unread.
+//! While held, the worker's `alive` carries a report of its box (`alive {json}`: its
+//! latest sample and thermal levels), and each thermal event of its own goes as
+//! `thermal <level> <message>`. After `relay`, the worker says `relaying` and the connection
+//! carries the engine's bytes both ways, unread. After `check`, the worker runs its own
+//! doctor and says `checked {json}` (its version, its active profile, whether the profile
+//! could be held, the doctor's findings), then closes.
 
 use std::time::Duration;
 
@@ -40,6 +44,8 @@ pub const MAX_LINE: usize = 8192;
 pub const ALIVE_EVERY: Duration = Duration::from_secs(10);
 /// A hold whose other side said nothing for this long is over.
 pub const SILENCE_LIMIT: Duration = Duration::from_secs(35);
+/// How long a worker box's own doctor may take, for a `check`.
+pub const DOCTOR_LIMIT: Duration = Duration::from_secs(60);
 /// How long a worker waits for a coordinator's first line, and a coordinator for the
 /// worker's greeting and answer: a connection that says nothing is cut.
 pub const HANDSHAKE: Duration = Duration::from_secs(10);
@@ -51,6 +57,8 @@ pub enum Verb {
     Hold,
     /// Carry a connection to the held profile's engine.
     Relay,
+    /// Say how this box stands for the profile (`dsv4ctl doctor` on the coordinator).
+    Check,
 }
 
 impl Verb {
@@ -58,6 +66,7 @@ impl Verb {
         match self {
             Verb::Hold => "hold",
             Verb::Relay => "relay",
+            Verb::Check => "check",
         }
     }
 }
@@ -89,6 +98,30 @@ pub enum Said {
     Thermal { level: String, message: String },
     /// What follows is the engine's connection.
     Relaying,
+    /// How this box stands for the profile asked about, for a `check`.
+    Checked(Box<Checked>),
+}
+
+/// A worker box's answer to `check`: what the coordinator's doctor reports of it.
+#[derive(Debug, Clone, PartialEq, serde::Serialize, serde::Deserialize)]
+pub struct Checked {
+    /// Its dsv4d's version.
+    pub version: String,
+    /// Its active profile.
+    pub active: String,
+    /// Why the profile asked about could not be held, if it could not.
+    #[serde(default)]
+    pub not_lendable: Option<String>,
+    /// Its own doctor's findings, or why they could not be had.
+    pub doctor: Result<DoctorSummary, String>,
+}
+
+/// A doctor's findings, counted, with the warnings and failures named (`id: found`).
+#[derive(Debug, Clone, Default, PartialEq, serde::Serialize, serde::Deserialize)]
+pub struct DoctorSummary {
+    pub ok: usize,
+    pub warn: Vec<String>,
+    pub fail: Vec<String>,
 }
 
 /// What a worker box says of itself with each `alive` of a hold: its latest sample (GTT,
@@ -145,6 +178,7 @@ pub fn read_ask(line: &str) -> Result<Ask, String> {
     let verb = match words.next() {
         Some("hold") => Verb::Hold,
         Some("relay") => Verb::Relay,
+        Some("check") => Verb::Check,
         _ => return Err(bad()),
     };
     let profile = words.next().filter(|p| !p.is_empty()).ok_or_else(bad)?;
@@ -204,6 +238,12 @@ impl Said {
                 )
             }
             Said::Relaying => "relaying".to_string(),
+            Said::Checked(checked) => {
+                format!(
+                    "checked {}",
+                    serde_json::to_string(checked).unwrap_or_default()
+                )
+            }
         }
     }
 
@@ -225,6 +265,9 @@ impl Said {
                 }
             }
             ("relaying", "") => Said::Relaying,
+            ("checked", json) => Said::Checked(Box::new(
+                serde_json::from_str(json).map_err(|_| unknown(line))?,
+            )),
             _ => return Err(unknown(line)),
         })
     }

@@ -222,8 +222,51 @@ async fn hold_one(w: Worker, progress: Progress, book: WorkerBook) -> Result<Con
             )),
             Said::Refused(why) => return Err(format!("refused the hold: {why}")),
             Said::Failed(why) => return Err(format!("its engine did not start: {why}")),
-            Said::Relaying => return Err("answered out of turn (relaying)".to_string()),
+            other @ (Said::Relaying | Said::Checked(_)) => {
+                return Err(format!("answered out of turn ({})", said_word(&other)))
+            }
         }
+    }
+}
+
+/// A worker's answer's first word, for an error.
+fn said_word(said: &Said) -> String {
+    let line = said.line();
+    line.split(' ').next().unwrap_or_default().to_string()
+}
+
+/// Why a `check` of a worker got no answer: where it stopped.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum CheckFailed {
+    /// This box's key for it could not be read.
+    Key(String),
+    /// The box's dsv4d could not be reached (or did not greet).
+    Reach(String),
+    /// It refused: the key, or the request.
+    Refused(String),
+    /// It answered, but not as it should.
+    Answer(String),
+}
+
+/// How worker `w` stands for its profile, as it says (its own doctor included). Never wakes
+/// a box: a sleeping one is unreachable.
+pub async fn check(w: &Worker) -> Result<peer_wire::Checked, CheckFailed> {
+    let key = worker_key(w).map_err(CheckFailed::Key)?;
+    let mut conn = dial(w).await.map_err(CheckFailed::Reach)?;
+    let nonce = greeted(&mut conn).await.map_err(CheckFailed::Reach)?;
+    let ask = peer_wire::ask(&key, &nonce, Verb::Check, &w.profile);
+    peer_wire::write_line(&mut conn, &ask)
+        .await
+        .map_err(|e| CheckFailed::Reach(format!("the check could not be asked: {e}")))?;
+    // It runs its own doctor first.
+    let within = peer_wire::DOCTOR_LIMIT + HANDSHAKE;
+    match said(&mut conn, within).await.map_err(CheckFailed::Answer)? {
+        Said::Checked(checked) => Ok(*checked),
+        Said::Refused(why) => Err(CheckFailed::Refused(why)),
+        other => Err(CheckFailed::Answer(format!(
+            "answered out of turn ({})",
+            said_word(&other)
+        ))),
     }
 }
 

@@ -849,6 +849,15 @@ impl Daemon {
         )
     }
 
+    /// Its supervisor.yaml.
+    pub fn config_path(&self) -> PathBuf {
+        self.dir
+            .as_ref()
+            .expect("the daemon's folder")
+            .path()
+            .join("supervisor.yaml")
+    }
+
     pub async fn status(&self) -> serde_json::Value {
         self.get("/status").await.1
     }
