@@ -23,14 +23,23 @@ pub enum Secrets {
     Api,
     /// The admin keys of `api.admin_keys_file`.
     Admin,
+    /// The coordinators' keys of `peers.keys_file`.
+    Peer,
 }
 
 impl Secrets {
+    const ALL: [Secrets; 3] = [Secrets::Api, Secrets::Admin, Secrets::Peer];
+
     fn label(self) -> &'static str {
         match self {
             Secrets::Api => "<api key>",
             Secrets::Admin => "<admin key>",
+            Secrets::Peer => "<peer key>",
         }
+    }
+
+    fn index(self) -> usize {
+        self as usize
     }
 }
 
@@ -39,9 +48,9 @@ pub const ENGINE_KEY: &str = "<engine key>";
 
 #[derive(Default)]
 struct Table {
-    api: Vec<String>,
-    admin: Vec<String>,
-    /// Every secret of both sets (the longest wins where two start at one place), and each
+    /// Each set's secrets, by [`Secrets::index`].
+    sets: [Vec<String>; Secrets::ALL.len()],
+    /// Every secret of every set (the longest wins where two start at one place), and each
     /// one's label.
     finder: Option<(AhoCorasick, Vec<&'static str>)>,
 }
@@ -49,12 +58,10 @@ struct Table {
 impl Table {
     fn build(&mut self) {
         let mut all: Vec<(&str, &'static str)> = Vec::new();
-        all.extend(self.api.iter().map(|k| (k.as_str(), Secrets::Api.label())));
-        all.extend(
-            self.admin
-                .iter()
-                .map(|k| (k.as_str(), Secrets::Admin.label())),
-        );
+        for which in Secrets::ALL {
+            let set = &self.sets[which.index()];
+            all.extend(set.iter().map(|k| (k.as_str(), which.label())));
+        }
         self.finder = AhoCorasick::builder()
             .match_kind(MatchKind::LeftmostLongest)
             .build(all.iter().map(|(k, _)| k))
@@ -83,10 +90,7 @@ impl Redactor {
     pub fn set(&self, which: Secrets, keys: impl IntoIterator<Item = String>) {
         let keys: Vec<String> = keys.into_iter().filter(|k| k.len() >= SHORTEST).collect();
         let mut t = self.shared.write().unwrap_or_else(|p| p.into_inner());
-        let slot = match which {
-            Secrets::Api => &mut t.api,
-            Secrets::Admin => &mut t.admin,
-        };
+        let slot = &mut t.sets[which.index()];
         if *slot != keys {
             *slot = keys;
             t.build();
@@ -128,6 +132,7 @@ mod tests {
         let r = Redactor::default();
         r.set(Secrets::Api, ["sk-api-0123456789".into(), "short".into()]);
         r.set(Secrets::Admin, ["adm-0123456789".into()]);
+        r.set(Secrets::Peer, ["peer-0123456789".into()]);
         let e = r.with_engine_key(Some("7f84ae79deadbeef"));
         let table = [
             ("nothing here", "nothing here"),
@@ -139,6 +144,7 @@ mod tests {
                 "a=sk-api-0123456789 b=adm-0123456789 c=7f84ae79deadbeef7f84ae79deadbeef",
                 "a=<api key> b=<admin key> c=<engine key><engine key>",
             ),
+            ("held with peer-0123456789", "held with <peer key>"),
             // A short key is left alone: it would take out the word "short" everywhere.
             ("short answer", "short answer"),
         ];

@@ -181,6 +181,30 @@ async fn a_wrong_key_fails_the_start_naming_the_box() {
     let error = status["workers"][0]["error"].as_str().unwrap_or_default();
     assert!(error.contains("refused the hold"), "{status}");
     assert!(engines_in(&boxes, 0).is_empty() && engines_in(&boxes, 1).is_empty());
+
+    // The worker box takes that key, and reloads: the keys are read again, and the next
+    // start holds it.
+    std::fs::write(&worker_keys, "another-key-that-is-long-enough-0\n").unwrap();
+    w.signal(nix::sys::signal::Signal::SIGHUP);
+    w.log_with(&["SIGHUP: configuration reloaded"]).await;
+    let t = Instant::now();
+    loop {
+        let (status, v) = chat(&c).await;
+        if status == 200 {
+            break;
+        }
+        // The coordinator's crash-loop guard holds the first tries back, for a second.
+        assert_eq!(v["error"]["code"], "engine_backoff", "{v}");
+        assert!(t.elapsed() < PATIENCE, "{v}\n{}", w.log());
+        tokio::time::sleep(Duration::from_millis(200)).await;
+    }
+    let reads = w.log().matches("peer keys required: 1 key(s)").count();
+    assert_eq!(
+        reads,
+        2,
+        "read at the start and at the reload:\n{}",
+        w.log()
+    );
 }
 
 /// A worker box that is down: the start fails with a 503 naming the box, at once.

@@ -358,6 +358,7 @@ async fn build(args: Args, mut activated: Vec<(std::os::fd::OwnedFd, String)>) -
         .run(),
     );
     use dsv4::http::auth::{KeyCache, KeyFile};
+    let peer_keys = Arc::new(KeyCache::new(KeyFile::Peers, redact.clone()));
     let ctx = Arc::new(Ctx {
         parts,
         api_keys: KeyCache::new(KeyFile::Api, redact.clone()),
@@ -374,6 +375,7 @@ async fn build(args: Args, mut activated: Vec<(std::os::fd::OwnedFd, String)>) -
             lifecycle: ctx.parts.lifecycle.clone(),
             config: ctx.parts.config.clone(),
             holders: ctx.parts.holders.clone(),
+            keys: peer_keys.clone(),
             telemetry: ctx.parts.telemetry.clone(),
             thermal: ctx.parts.thermal.clone(),
             doctor: dsv4::http::peers::SelfDoctor {
@@ -387,6 +389,7 @@ async fn build(args: Args, mut activated: Vec<(std::os::fd::OwnedFd, String)>) -
     // Read now, so that the engines' output loses them from the first line on.
     let _ = ctx.api_keys.get(&config);
     let _ = ctx.admin_keys.get(&config);
+    let _ = peer_keys.get(&config);
     Ok(Daemon {
         listener,
         origin,

@@ -241,7 +241,7 @@ impl Reloader {
     /// (the proxy reads the same file for the configuration just published), which is
     /// alerted.
     async fn check_keys(&self, why: &str, config: &Arc<Config>) {
-        for file in [KeyFile::Api, KeyFile::Admin] {
+        for file in [KeyFile::Api, KeyFile::Admin, KeyFile::Peers] {
             let Some(path) = file.path(config).map(Path::to_path_buf) else {
                 continue;
             };
@@ -250,11 +250,11 @@ impl Reloader {
             let read =
                 tokio::task::spawn_blocking(move || file.read(&path, &config).map(|_| ())).await;
             let Ok(Err(e)) = read else { continue };
-            let refused = match file {
-                KeyFile::Api => "every request but GET /health",
-                KeyFile::Admin => "every action of the dashboard",
-            };
-            tracing::error!("{why}: {e}; {refused} now gets 503 api_keys_unavailable");
+            let refused = file.refused();
+            match file {
+                KeyFile::Peers => tracing::error!("{why}: {e}; {refused} is now refused"),
+                _ => tracing::error!("{why}: {e}; {refused} now gets 503 api_keys_unavailable"),
+            }
             self.alerts.raise(
                 AlertKind::Config,
                 format!(
@@ -328,7 +328,7 @@ fn remember_keys(config: &Config) {
 /// Whether `config` names a key file: a reload then publishes it even unchanged, so that the
 /// keys, which the YAML only names, are read again.
 fn keyed(config: &Config) -> bool {
-    [KeyFile::Api, KeyFile::Admin]
+    [KeyFile::Api, KeyFile::Admin, KeyFile::Peers]
         .iter()
         .any(|f| f.path(config).is_some())
 }

@@ -85,8 +85,8 @@ pub fn require(
         Some(Ok(keys)) => keys,
         Some(Err(why)) => {
             let refused = match file {
-                KeyFile::Api => "every request",
                 KeyFile::Admin => "every action",
+                KeyFile::Api | KeyFile::Peers => "every request",
             };
             return Err(ApiError::new(
                 StatusCode::SERVICE_UNAVAILABLE,
@@ -120,8 +120,8 @@ pub fn require(
         }
     };
     let code = match file {
-        KeyFile::Api => ErrorCode::InvalidApiKey,
         KeyFile::Admin => ErrorCode::InvalidAdminKey,
+        KeyFile::Api | KeyFile::Peers => ErrorCode::InvalidApiKey,
     };
     Err(ApiError::new(
         StatusCode::UNAUTHORIZED,
@@ -149,6 +149,8 @@ pub enum KeyFile {
     Api,
     /// `api.admin_keys_file`: the keys of the dashboard's actions.
     Admin,
+    /// `peers.keys_file`: the keys of the coordinators that may hold this box.
+    Peers,
 }
 
 impl KeyFile {
@@ -158,6 +160,7 @@ impl KeyFile {
         match self {
             KeyFile::Api => api.api_keys_file.as_deref(),
             KeyFile::Admin => api.admin_keys_file.as_deref(),
+            KeyFile::Peers => config.supervisor.peers.keys_file.as_deref(),
         }
     }
 
@@ -180,6 +183,16 @@ impl KeyFile {
         match self {
             KeyFile::Api => "API key",
             KeyFile::Admin => "admin key",
+            KeyFile::Peers => "peer key",
+        }
+    }
+
+    /// What is refused while these keys cannot be read.
+    pub fn refused(self) -> &'static str {
+        match self {
+            KeyFile::Api => "every request but GET /health",
+            KeyFile::Admin => "every action of the dashboard",
+            KeyFile::Peers => "every coordinator on another box",
         }
     }
 }
@@ -231,6 +244,7 @@ impl KeyCache {
                 let which = match self.file {
                     KeyFile::Api => dsv4_engine::Secrets::Api,
                     KeyFile::Admin => dsv4_engine::Secrets::Admin,
+                    KeyFile::Peers => dsv4_engine::Secrets::Peer,
                 };
                 self.redact.set(which, k.texts());
                 tracing::info!(
@@ -249,14 +263,7 @@ impl KeyCache {
                     );
                 }
             }
-            Err(e) => match self.file {
-                KeyFile::Api => {
-                    tracing::error!("{e}; every request but GET /health is refused with 503")
-                }
-                KeyFile::Admin => {
-                    tracing::error!("{e}; every action of the dashboard is refused with 503")
-                }
-            },
+            Err(e) => tracing::error!("{e}; {} is refused", self.file.refused()),
         }
         *slot = Some((config.clone(), keys.clone()));
         Some(keys)

@@ -12,7 +12,6 @@
 //! The protocol is `crate::lifecycle::peer_wire`'s.
 
 use std::net::SocketAddr;
-use std::path::Path;
 use std::sync::Arc;
 use std::time::Duration;
 
@@ -21,7 +20,7 @@ use tokio::net::{TcpListener, TcpStream};
 use tokio::time::{timeout, Instant};
 
 use crate::config::Config;
-use crate::host::keys::ApiKeys;
+use crate::http::auth::KeyCache;
 use crate::lifecycle::holders::Holders;
 use crate::lifecycle::peer_wire::{
     self, Ask, Said, Verb, ALIVE_EVERY, HANDSHAKE, NONCE_BYTES, SILENCE_LIMIT,
@@ -39,6 +38,8 @@ pub struct Peers {
     pub lifecycle: Handle,
     pub config: tokio::sync::watch::Receiver<Arc<Config>>,
     pub holders: Holders,
+    /// The keys of `peers.keys_file`, read at the start and at each reload.
+    pub keys: Arc<KeyCache>,
     /// This box's samples and thermal events, said to the coordinators that hold it.
     pub telemetry: crate::observe::monitor::Telemetry,
     pub thermal: crate::policy::thermal::ThermalPolicy,
@@ -108,8 +109,16 @@ async fn peer(
     };
     let ask = peer_wire::read_ask(&line)?;
     let config = peers.config.borrow().clone();
-    let keys = keys(&config)?;
-    if !peer_wire::proved(&ask, &nonce, keys.iter().map(|k| &**k)) {
+    let keys = match peers.keys.get(&config) {
+        None => return Err("this box lends to no one: peers.keys_file is not set".to_string()),
+        // The reason is in this box's log: the coordinator learns only that it was refused.
+        Some(Err(_)) => {
+            return Err("this box cannot read its peers.keys_file (its log says why)".to_string())
+        }
+        Some(Ok(keys)) => keys,
+    };
+    let texts: Vec<String> = keys.texts().collect();
+    if !peer_wire::proved(&ask, &nonce, texts.iter().map(String::as_bytes)) {
         return Err("the key is not one of peers.keys_file".to_string());
     }
     let active = peers.lifecycle.status().profile;
@@ -167,25 +176,6 @@ async fn own_doctor(d: &SelfDoctor) -> Result<peer_wire::DoctorSummary, String> 
         warn: named(Verdict::Warn),
         fail: named(Verdict::Fail),
     })
-}
-
-/// The keys of `peers.keys_file`, read now (a coordinator connects a few times a start).
-fn keys(config: &Config) -> Result<Vec<Box<[u8]>>, String> {
-    let file = config.supervisor.peers.keys_file.as_deref();
-    let file = file.ok_or("this box lends to no one: peers.keys_file is not set")?;
-    read_keys(file)
-}
-
-fn read_keys(file: &Path) -> Result<Vec<Box<[u8]>>, String> {
-    // The reason stays in this box's log: the coordinator learns only that it was refused.
-    let keys = ApiKeys::load_as(file, "peer key").map_err(|e| {
-        tracing::error!("{e}");
-        "this box cannot read its peers.keys_file (its log says why)".to_string()
-    })?;
-    Ok(keys
-        .texts()
-        .map(|k| k.into_bytes().into_boxed_slice())
-        .collect())
 }
 
 /// Whether `profile` may be held: this box's active profile (a hold never switches a box

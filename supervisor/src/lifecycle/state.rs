@@ -270,7 +270,13 @@ pub enum Event {
     /// The engine of `gen` answered its readiness probe.
     Ready { gen: Gen },
     /// The engine of `gen` ended (or could not be spawned).
-    Exited { gen: Gen, failure: EngineFailure },
+    /// `spawned`: an engine process ran (and may hold memory that comes back late); a start
+    /// that failed before its spawn (its workers not held, its program not started) had none.
+    Exited {
+        gen: Gen,
+        failure: EngineFailure,
+        spawned: bool,
+    },
     /// Time passed: timers are checked.
     Tick,
     /// Start the engine now (no request needed).
@@ -631,7 +637,11 @@ impl Machine {
                 }
             }
             Event::Ready { gen } => self.ready(gen, now, &mut fx),
-            Event::Exited { gen, failure } => self.exited(gen, failure, now, &mut fx),
+            Event::Exited {
+                gen,
+                failure,
+                spawned,
+            } => self.exited(gen, failure, spawned, now, &mut fx),
             Event::Tick => self.tick(now, &mut fx),
             Event::Start => self.start(now, &mut fx),
             Event::Stop { now: at_once } => self.stop(at_once, now, &mut fx),
@@ -891,14 +901,23 @@ impl Machine {
         }
     }
 
-    fn exited(&mut self, gen: Gen, failure: EngineFailure, now: Instant, fx: &mut Vec<Effect>) {
+    fn exited(
+        &mut self,
+        gen: Gen,
+        failure: EngineFailure,
+        spawned: bool,
+        now: Instant,
+        fx: &mut Vec<Effect>,
+    ) {
         if self.phase.gen() != Some(gen) {
             return;
         }
         self.leases = 0;
         // Its memory comes back some time after the exit (amdgpu frees GTT late): the next
-        // start waits for it, not the figures of this instant.
-        self.settling = (!self.memory_return.is_zero()).then(|| now + self.memory_return);
+        // start waits for it, not the figures of this instant. A start that spawned nothing
+        // took none.
+        let waits = spawned && !self.memory_return.is_zero();
+        self.settling = waits.then(|| now + self.memory_return);
         match &self.phase {
             Phase::Starting { .. } => {
                 self.failures += 1;

@@ -59,6 +59,7 @@ impl T {
         t.at(5).ev(Event::Exited {
             gen: 1,
             failure: fail("gone"),
+            spawned: true,
         });
         t
     }
@@ -144,7 +145,8 @@ fn idle_counts_from_the_last_release_not_from_the_request() {
     assert_eq!(
         t.at(2901).ev(Event::Exited {
             gen: 1,
-            failure: fail("exit code 0")
+            failure: fail("exit code 0"),
+            spawned: true,
         }),
         vec![]
     );
@@ -163,7 +165,8 @@ fn a_request_during_stopping_waits_and_starts_the_next_engine() {
     assert_eq!(
         t.ev(Event::Exited {
             gen: 1,
-            failure: fail("exit code 0")
+            failure: fail("exit code 0"),
+            spawned: true,
         }),
         vec![spawn(2, "320k")]
     );
@@ -245,7 +248,8 @@ fn profile_switch_drains_then_restarts_with_the_new_profile() {
     assert_eq!(
         t.ev(Event::Exited {
             gen: 1,
-            failure: fail("exit code 0")
+            failure: fail("exit code 0"),
+            spawned: true,
         }),
         vec![spawn(2, "64k")]
     );
@@ -308,6 +312,7 @@ fn an_engine_that_dies_twice_while_serving_with_nothing_served_backs_off() {
     let fx = t.at(11).ev(Event::Exited {
         gen: 1,
         failure: fail("killed by SIGKILL"),
+        spawned: true,
     });
     assert_eq!(fx, vec![]);
     assert_eq!(
@@ -321,6 +326,7 @@ fn an_engine_that_dies_twice_while_serving_with_nothing_served_backs_off() {
     let fx = t.at(20).ev(Event::Exited {
         gen: 2,
         failure: fail("killed by SIGKILL"),
+        spawned: true,
     });
     assert_eq!(fx, vec![]);
     assert_eq!(t.state(), State::Backoff);
@@ -350,6 +356,7 @@ fn an_engine_that_dies_twice_while_serving_with_nothing_served_backs_off() {
     t.at(23).ev(Event::Exited {
         gen: 3,
         failure: fail("killed by SIGKILL"),
+        spawned: true,
     });
     assert_eq!(t.state(), State::Backoff);
     assert_eq!(t.m.failures(), 2, "the backoff doubles");
@@ -368,6 +375,7 @@ fn an_engine_that_dies_twice_while_serving_with_nothing_served_backs_off() {
     let fx = t.at(51).ev(Event::Exited {
         gen: 4,
         failure: fail("killed by SIGKILL"),
+        spawned: true,
     });
     assert_eq!(fx, vec![]);
     assert_eq!(
@@ -384,6 +392,7 @@ fn deaths_further_apart_than_the_window_are_no_crash_loop() {
     t.ev(Event::Exited {
         gen: 1,
         failure: fail("killed by SIGKILL"),
+        spawned: true,
     });
     t.at(1).ev(Event::Acquire { waiter: 2 });
     t.ev(Event::Ready { gen: 2 });
@@ -391,6 +400,7 @@ fn deaths_further_apart_than_the_window_are_no_crash_loop() {
     let fx = t.at(later).ev(Event::Exited {
         gen: 2,
         failure: fail("killed by SIGKILL"),
+        spawned: true,
     });
     assert_eq!(fx, vec![]);
     assert_eq!(t.state(), State::Stopped);
@@ -405,6 +415,7 @@ fn exit_before_ready_refuses_waiters_and_backs_off() {
     let fx = t.ev(Event::Exited {
         gen: 1,
         failure: f.clone(),
+        spawned: true,
     });
     assert_eq!(
         fx,
@@ -435,6 +446,7 @@ fn exit_before_ready_refuses_waiters_and_backs_off() {
     t.ev(Event::Exited {
         gen: 2,
         failure: f.clone(),
+        spawned: true,
     });
     assert_eq!(t.m.next_deadline(), Some(t.t0 + 3 * S));
     // success resets the count
@@ -479,6 +491,7 @@ fn start_timeout_refuses_with_504_kind_then_kills_and_backs_off() {
     t.at(601).ev(Event::Exited {
         gen: 1,
         failure: fail("killed by SIGTERM"),
+        spawned: true,
     });
     assert_eq!(t.state(), State::Backoff);
     assert_eq!(t.m.next_deadline(), Some(t.t0 + 602 * S));
@@ -491,6 +504,7 @@ fn explicit_start_skips_the_backoff() {
     t.ev(Event::Exited {
         gen: 1,
         failure: fail("exit code 1"),
+        spawned: true,
     });
     assert_eq!(t.state(), State::Backoff);
     assert_eq!(t.ev(Event::Start), vec![spawn(2, "320k")]);
@@ -503,7 +517,8 @@ fn crash_while_ready_goes_to_stopped_and_restarts_on_demand() {
     assert_eq!(
         t.ev(Event::Exited {
             gen: 1,
-            failure: fail("killed by SIGSEGV")
+            failure: fail("killed by SIGSEGV"),
+            spawned: true,
         }),
         vec![]
     );
@@ -526,13 +541,15 @@ fn stale_events_of_an_old_generation_are_ignored() {
     t.ev(Event::Exited {
         gen: 1,
         failure: fail("exit code 0"),
+        spawned: true,
     });
     t.ev(Event::Start);
     assert_eq!(t.ev(Event::Ready { gen: 1 }), vec![]);
     assert_eq!(
         t.ev(Event::Exited {
             gen: 1,
-            failure: fail("late")
+            failure: fail("late"),
+            spawned: true,
         }),
         vec![]
     );
@@ -576,7 +593,8 @@ fn shutdown_drains_bounded_by_stop_timeout_then_exits() {
     assert_eq!(
         t.at(121).ev(Event::Exited {
             gen: 1,
-            failure: fail("exit code 0")
+            failure: fail("exit code 0"),
+            spawned: true,
         }),
         vec![Effect::Exit]
     );
@@ -607,7 +625,8 @@ fn shutdown_while_starting_refuses_waiters_and_stops() {
     assert_eq!(
         t.ev(Event::Exited {
             gen: 1,
-            failure: fail("exit code 0")
+            failure: fail("exit code 0"),
+            spawned: true,
         }),
         vec![Effect::Exit]
     );
@@ -792,6 +811,7 @@ fn a_restart_after_a_profile_switch_is_admitted_on_the_figures_after_the_old_eng
     let fx = t.ev(Event::Exited {
         gen: 1,
         failure: fail("gone"),
+        spawned: true,
     });
     assert!(
         fx.iter().all(|e| !matches!(e, Effect::Spawn { .. })),
@@ -821,6 +841,7 @@ fn after_an_exit_a_start_waits_for_the_memory_to_come_back() {
     let fx = t.at(10).ev(Event::Exited {
         gen: 1,
         failure: fail("gone"),
+        spawned: true,
     });
     assert_eq!(fx, vec![]);
     assert!(t.m.held_for_memory());
@@ -834,6 +855,37 @@ fn after_an_exit_a_start_waits_for_the_memory_to_come_back() {
     assert_eq!(t.at(12).ev(Event::MemorySettled), vec![spawn(2, "64k")]);
     assert!(!t.m.held_for_memory());
     assert_eq!(t.ev(Event::Ready { gen: 2 }), vec![grant(2, &[7, 8])]);
+}
+
+#[test]
+fn a_start_that_failed_before_its_spawn_leaves_no_memory_to_wait_for() {
+    for spawned in [false, true] {
+        let mut t = T::new();
+        t.m.set_memory_return(RETURN);
+        t.ev(Event::Acquire { waiter: 1 });
+        // Its workers could not be held (or, for the other row, its engine died at once).
+        t.at(1).ev(Event::Exited {
+            gen: 1,
+            failure: fail("worker box 10.77.0.2: refused the hold"),
+            spawned,
+        });
+        assert_eq!(t.state(), State::Backoff);
+        let until = t.m.next_deadline().unwrap();
+        t.now = until;
+        t.ev(Event::Tick);
+        let fx = t.ev(Event::Acquire { waiter: 2 });
+        if spawned {
+            assert_eq!(fx, vec![], "an engine ran: its memory is waited for");
+            assert!(t.m.held_for_memory());
+        } else {
+            assert_eq!(
+                fx,
+                vec![spawn(2, "320k")],
+                "nothing ran: nothing to wait for"
+            );
+            assert!(!t.m.held_for_memory());
+        }
+    }
 }
 
 #[test]
@@ -905,6 +957,7 @@ fn when_too_hot_an_idle_engine_stops_and_nothing_starts_until_cooled() {
     t.ev(Event::Exited {
         gen: 1,
         failure: fail("gone"),
+        spawned: true,
     });
     assert_eq!(t.state(), State::Stopped);
     // Neither a request nor Start starts it while hot.
@@ -1005,6 +1058,7 @@ fn exited(gen: Gen) -> Event {
     Event::Exited {
         gen,
         failure: fail("exit code 0"),
+        spawned: true,
     }
 }
 
@@ -1384,7 +1438,9 @@ impl World {
     fn apply_to_rules(&mut self, e: Event) -> Result<(), TestCaseError> {
         let forced = matches!(e, Event::Stop { now: true } | Event::Tick | Event::Shutdown);
         match &e {
-            Event::Exited { gen, .. } if self.m.phase().gen() == Some(*gen) => {
+            Event::Exited {
+                gen, spawned: true, ..
+            } if self.m.phase().gen() == Some(*gen) => {
                 self.unsettled_since = Some(self.now);
             }
             Event::MemorySettled => self.unsettled_since = None,
@@ -1549,6 +1605,7 @@ impl World {
                     self.apply(Event::Exited {
                         gen,
                         failure: fail("gone"),
+                        spawned: true,
                     })
                 }
                 None => Ok(()),
@@ -1619,6 +1676,7 @@ impl World {
                     self.apply(Event::Exited {
                         gen,
                         failure: fail("gone"),
+                        spawned: true,
                     })?;
                 }
                 _ => {

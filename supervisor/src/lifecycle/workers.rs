@@ -163,8 +163,8 @@ pub async fn hold(
     let mut relays = Vec::new();
     let mut tasks = JoinSet::new();
     let output = EngineOutput::default();
-    for (w, conn) in workers.iter().zip(held) {
-        let conn = conn.map_err(|why| {
+    for (w, held) in workers.iter().zip(held) {
+        let (conn, key) = held.map_err(|why| {
             book.set(&w.at, "lost", None, Some(why.clone()));
             format!("worker box {}: {why}", w.host())
         })?;
@@ -186,7 +186,9 @@ pub async fn hold(
             alerts: alerts.clone(),
         };
         tasks.spawn(keep(conn, w.clone(), told));
-        tasks.spawn(relay(listener, w.clone(), output.clone()));
+        // The key the hold was proved with serves every relayed connection of this
+        // generation (a changed key file applies at the next start).
+        tasks.spawn(relay(listener, w.clone(), key, output.clone()));
     }
     Ok(Holds {
         relays,
@@ -198,8 +200,12 @@ pub async fn hold(
 
 /// Holds one worker: connects (waking the box when it does not answer and `wake` says how),
 /// asks for the hold, and waits for its engine to be ready.
-async fn hold_one(w: Worker, progress: Progress, book: WorkerBook) -> Result<Conn, String> {
-    let key = worker_key(&w)?;
+async fn hold_one(
+    w: Worker,
+    progress: Progress,
+    book: WorkerBook,
+) -> Result<(Conn, Arc<[u8]>), String> {
+    let key: Arc<[u8]> = worker_key(&w)?.into();
     let (mut conn, nonce) = reach(&w, &progress, &book).await?;
     book.set(&w.at, "loading", None, None);
     let ask = peer_wire::ask(&key, &nonce, Verb::Hold, &w.profile);
@@ -213,7 +219,7 @@ async fn hold_one(w: Worker, progress: Progress, book: WorkerBook) -> Result<Con
             Said::Serving => {
                 let took = since.elapsed().as_secs_f64();
                 book.set(&w.at, "serving", Some(took), None);
-                return Ok(conn);
+                return Ok((conn, key));
             }
             Said::Loading(_) | Said::Alive(_) | Said::Thermal { .. } => progress(&format!(
                 "waiting for {} ({})",
@@ -528,7 +534,7 @@ async fn keep(conn: Conn, w: Worker, told: Told) {
 
 /// Carries each connection the engine opens on `listener` to the worker's engine, through
 /// the worker box's dsv4d. The connections end with this task.
-async fn relay(listener: TcpListener, w: Worker, output: EngineOutput) {
+async fn relay(listener: TcpListener, w: Worker, key: Arc<[u8]>, output: EngineOutput) {
     let mut carried = JoinSet::new();
     loop {
         tokio::select! {
@@ -538,9 +544,9 @@ async fn relay(listener: TcpListener, w: Worker, output: EngineOutput) {
                         tracing::warn!("relay to worker box {}: refused {from}: {why}", w.host());
                         continue;
                     }
-                    let (w, output) = (w.clone(), output.clone());
+                    let (w, key, output) = (w.clone(), key.clone(), output.clone());
                     carried.spawn(async move {
-                        if let Err(why) = carry(local, &w, &output).await {
+                        if let Err(why) = carry(local, &w, &key, &output).await {
                             tracing::warn!("relay to worker box {}: {why}", w.host());
                         }
                     });
@@ -571,12 +577,16 @@ fn ours(listener: &TcpListener, from: SocketAddr) -> Result<(), String> {
 
 /// One of the engine's connections, carried to the worker's engine; a worker side that ends
 /// first (the engine ends its own at its stop) is said in the engine's output, naming the box.
-async fn carry(mut local: TcpStream, w: &Worker, output: &EngineOutput) -> Result<(), String> {
+async fn carry(
+    mut local: TcpStream,
+    w: &Worker,
+    key: &[u8],
+    output: &EngineOutput,
+) -> Result<(), String> {
     let _ = local.set_nodelay(true);
-    let key = worker_key(w)?;
     let mut remote = dial(w).await?;
     let nonce = greeted(&mut remote).await?;
-    let ask = peer_wire::ask(&key, &nonce, Verb::Relay, &w.profile);
+    let ask = peer_wire::ask(key, &nonce, Verb::Relay, &w.profile);
     peer_wire::write_line(&mut remote, &ask)
         .await
         .map_err(|e| format!("the relay could not be asked: {e}"))?;

@@ -84,5 +84,6 @@ pub(super) fn failed_start(gen: Gen, summary: String) -> Option<Event> {
             summary,
             tail: Vec::new(),
         },
+        spawned: false,
     })
 }

@@ -239,7 +239,11 @@ impl Actor {
             self.watch_memory_return(e);
         }
         let failure = self.tell_exit(engine.as_ref(), &report, taken.as_ref());
-        Some(Event::Exited { gen, failure })
+        Some(Event::Exited {
+            gen,
+            failure,
+            spawned: engine.is_some(),
+        })
     }
 
     /// The memory the engine `e` held, watched on its way back (the next start waits for it).
