@@ -50,7 +50,8 @@ pub struct Args {
     #[arg(long)]
     pub doctor: bool,
     /// With --doctor: the checks made from the service's place (service), those only the
-    /// host shows (host: the kernel and its log), or both (all).
+    /// host shows (host: the kernel and its log), or both (all); box: the service's checks
+    /// without this box's worker boxes (what a worker box runs for a coordinator's check).
     #[arg(long, value_name = "PART", default_value = "all", requires = "doctor")]
     pub part: crate::doctor::Part,
     /// With --doctor: read this saved kernel log instead of this boot's journal.

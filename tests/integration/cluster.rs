@@ -665,8 +665,12 @@ async fn a_worker_that_dies_mid_answer_is_named_in_the_clients_error_event() {
     .await;
 }
 
-/// `dsv4d --doctor` of box `i` for the daemon `d`, its checks as JSON.
+/// `dsv4d --doctor --part service` of box `i` for the daemon `d`, its checks as JSON.
 fn doctor_in(boxes: &Boxes, i: usize, d: &Daemon) -> Vec<serde_json::Value> {
+    doctor_part_in(boxes, i, d, "service")
+}
+
+fn doctor_part_in(boxes: &Boxes, i: usize, d: &Daemon, part: &str) -> Vec<serde_json::Value> {
     let config = d.config_path();
     let o = boxes.run(
         i,
@@ -676,7 +680,7 @@ fn doctor_in(boxes: &Boxes, i: usize, d: &Daemon) -> Vec<serde_json::Value> {
             env!("CARGO_BIN_EXE_dsv4d-under-test"),
             "--doctor",
             "--part",
-            "service",
+            part,
             "--config",
             config.to_str().unwrap(),
         ],
@@ -750,6 +754,16 @@ async fn the_coordinators_doctor_checks_each_worker_box() {
     }
     // The check started nothing on either box.
     assert!(engines_in(&boxes, 0).is_empty() && engines_in(&boxes, 1).is_empty());
+    // What a worker box runs for a check leaves its own workers out: two boxes that list
+    // each other never check each other round and round.
+    let alone = doctor_part_in(&boxes, 0, &c, "box");
+    assert!(
+        !alone
+            .iter()
+            .any(|c| c["id"].as_str().unwrap_or_default().starts_with("workers.")),
+        "{alone:#?}"
+    );
+    assert!(w.log().contains("checks profile rpc"), "{}", w.log());
 
     // A key the worker does not hold: refused, by name.
     let wrong_dir = temp_dir("cluster-wrong-key");

@@ -379,7 +379,8 @@ async fn build(args: Args, mut activated: Vec<(std::os::fd::OwnedFd, String)>) -
             telemetry: ctx.parts.telemetry.clone(),
             thermal: ctx.parts.thermal.clone(),
             doctor: dsv4::http::peers::SelfDoctor {
-                program: std::env::current_exe().unwrap_or_else(|_| "dsv4d".into()),
+                // This very program, even after an upgrade replaced its file.
+                program: "/proc/self/exe".into(),
                 config: args.config.clone(),
                 sysroot: args.sysroot.clone(),
             },

@@ -45,10 +45,10 @@ fn worker_checks(w: &Worker, answer: Result<Checked, CheckFailed>) -> Vec<Check>
                 "workers.reach",
                 format!("worker box {host}: {why}{wake}"),
                 format!(
-                    "on {host}: systemctl enable --now dsv4.socket dsv4-peers@{}.socket, with \
-                     peers.keys_file set; here, if dsv4d runs in the shipped sandbox: \
-                     systemctl enable --now \"dsv4-link@$(systemd-escape {}).socket\"",
-                    w.at, w.at
+                    "on {host}: systemctl enable --now dsv4.socket 'dsv4-peers@{0}.socket', \
+                     with peers.keys_file set; here, if dsv4d runs in the shipped sandbox: \
+                     systemctl enable --now 'dsv4-link@{0}.socket'",
+                    workers::unit_escaped(&w.at)
                 ),
             )];
         }
@@ -77,10 +77,15 @@ fn worker_checks(w: &Worker, answer: Result<Checked, CheckFailed>) -> Vec<Check>
                     "workers.reach",
                     format!("worker box {host} answers at {}", w.at),
                 ),
+                // It answered, but not a check's answer: another dsv4, or not dsv4 at all.
                 Check::fail(
-                    "workers.key",
+                    "workers.version",
                     format!("worker box {host}: {why}"),
-                    format!("check that {} is a dsv4 box's peers port", w.at),
+                    format!(
+                        "install the same dsv4 on every box, and check that {} is {host}'s \
+                         peers port",
+                        w.at
+                    ),
                 ),
             ];
         }
@@ -211,7 +216,7 @@ mod tests {
             .fix
             .as_deref()
             .unwrap()
-            .contains("dsv4-peers@10.77.0.2:8090.socket"));
+            .contains("'dsv4-peers@10.77.0.2:8090.socket'"));
         let refused = worker_checks(&w, Err(CheckFailed::Refused("the key is not one".into())));
         assert_eq!(
             verdicts(&refused),

@@ -125,13 +125,24 @@ async fn peer(
     if ask.verb == Verb::Check {
         tracing::info!("peer {from} checks profile {}", ask.profile);
         let not_lendable = lendable(&config, &ask.profile, &active).err();
-        let checked = Said::Checked(Box::new(peer_wire::Checked {
+        // A coordinator that leaves meanwhile ends the doctor's run (dropped, it is killed).
+        let doctor = tokio::select! {
+            d = own_doctor(&peers.doctor) => d,
+            _ = tokio::io::AsyncBufReadExt::fill_buf(conn) => {
+                tracing::info!("peer {from} left before its check was done");
+                return Ok(());
+            }
+        };
+        let checked = peer_wire::Checked {
             version: env!("CARGO_PKG_VERSION").to_string(),
             active,
             not_lendable,
-            doctor: own_doctor(&peers.doctor).await,
-        }));
-        return say(conn, checked).await.map_err(|e| e.to_string());
+            doctor,
+        };
+        let line = Said::Checked(Box::new(checked.fitted())).line();
+        return peer_wire::write_line(conn, &line)
+            .await
+            .map_err(|e| e.to_string());
     }
     lendable(&config, &ask.profile, &active)?;
     match ask.verb {
@@ -146,7 +157,7 @@ async fn own_doctor(d: &SelfDoctor) -> Result<peer_wire::DoctorSummary, String> 
     use dsv4_client::doctor::{Check, Verdict};
     let mut cmd = tokio::process::Command::new(&d.program);
     cmd.arg("--doctor")
-        .args(["--part", "service", "--config"])
+        .args(["--part", "box", "--config"])
         .arg(&d.config)
         .arg("--sysroot")
         .arg(&d.sysroot);
@@ -154,10 +165,9 @@ async fn own_doctor(d: &SelfDoctor) -> Result<peer_wire::DoctorSummary, String> 
         .await
         .map_err(|e| format!("its doctor did not run: {e:?}"))?;
     let checks: Vec<Check> = serde_json::from_str(&ran.stdout).map_err(|e| {
-        format!(
-            "its doctor said no checks ({e}): {}",
-            ran.stderr.lines().last().unwrap_or_default()
-        )
+        let said = ran.stderr.lines().last().unwrap_or_default();
+        let said: String = said.chars().take(NAMED_LEN).collect();
+        format!("its doctor said no checks ({e}): {said}")
     })?;
     let named = |v: Verdict| -> Vec<String> {
         checks

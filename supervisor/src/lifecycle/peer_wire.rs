@@ -9,7 +9,7 @@
 //! A connection, in lines of ASCII ended by `\n`, none longer than [`MAX_LINE`]:
 //!
 //! ```text
-//! worker:      dsv4-peer 1 <nonce: 32 random bytes, hex>
+//! worker:      dsv4-peer 2 <nonce: 32 random bytes, hex>
 //! coordinator: hold <profile> <proof>   or   relay <profile> <proof>   or   check <profile> <proof>
 //! worker:      refused <why>               (then closes)
 //! ```
@@ -34,8 +34,12 @@ use hmac::{Hmac, Mac};
 use sha2::Sha256;
 use tokio::io::{AsyncBufRead, AsyncBufReadExt, AsyncWrite, AsyncWriteExt};
 
-/// The first words of the worker's greeting: the protocol and its version.
-pub const GREETING: &str = "dsv4-peer 1";
+/// The first words of the worker's greeting: the protocol and its version. Version 2 added
+/// the reports of `alive`, `thermal` and `check`: boxes of two versions refuse each other,
+/// by name, rather than misread each other's lines.
+pub const GREETING: &str = "dsv4-peer 2";
+/// The protocol's name, before its version.
+const PROTOCOL: &str = "dsv4-peer ";
 /// Random bytes in a greeting's nonce.
 pub const NONCE_BYTES: usize = 32;
 /// The longest line either side sends (a reason, or a worker's report, included).
@@ -116,6 +120,35 @@ pub struct Checked {
     pub doctor: Result<DoctorSummary, String>,
 }
 
+impl Checked {
+    /// The answer cut to fit a line: the named findings dropped from the last, then its
+    /// doctor's error cut, until its line is at most [`MAX_LINE`].
+    pub fn fitted(mut self) -> Checked {
+        let fits = |c: &Checked| {
+            serde_json::to_string(c).is_ok_and(|j| j.len() + "checked ".len() <= MAX_LINE)
+        };
+        while !fits(&self) {
+            match &mut self.doctor {
+                Ok(d) if !d.warn.is_empty() => drop(d.warn.pop()),
+                Ok(d) if !d.fail.is_empty() => drop(d.fail.pop()),
+                Err(why) if why.len() > 200 => {
+                    let cut: String = why.chars().take(200).collect();
+                    *why = cut;
+                }
+                _ => {
+                    self.not_lendable = self.not_lendable.map(|w| w.chars().take(200).collect());
+                    if fits(&self) {
+                        break;
+                    }
+                    self.doctor = Err("its doctor's findings do not fit a line".to_string());
+                    break;
+                }
+            }
+        }
+        self
+    }
+}
+
 /// A doctor's findings, counted, with the warnings and failures named (`id: found`).
 #[derive(Debug, Clone, Default, PartialEq, serde::Serialize, serde::Deserialize)]
 pub struct DoctorSummary {
@@ -142,6 +175,16 @@ pub fn greeting(nonce: &[u8; NONCE_BYTES]) -> String {
 /// The nonce of a worker's greeting.
 pub fn read_greeting(line: &str) -> Result<[u8; NONCE_BYTES], String> {
     let not = || format!("not a dsv4 peer (it said {:?})", shown(line));
+    if let Some(version) = line
+        .strip_prefix(PROTOCOL)
+        .and_then(|r| r.split(' ').next())
+        .filter(|v| !GREETING.ends_with(&format!(" {v}")))
+    {
+        return Err(format!(
+            "it speaks {PROTOCOL}{version}, this box {GREETING}: install the same dsv4 on both \
+             boxes"
+        ));
+    }
     let hex_nonce = line
         .strip_prefix(GREETING)
         .and_then(|r| r.strip_prefix(' '))
@@ -365,13 +408,36 @@ mod tests {
         assert_eq!(read_greeting(&greeting(&NONCE)), Ok(NONCE));
         for bad in [
             "HTTP/1.1 400 Bad Request",
-            "dsv4-peer 1 zz",
+            "dsv4-peer 2 zz",
             "dsv4-peer 2 00",
         ] {
             assert!(
                 read_greeting(bad).unwrap_err().contains("not a dsv4 peer"),
                 "{bad}"
             );
+        }
+        // Another version of the protocol: named, with what to do.
+        let older = format!("dsv4-peer 1 {}", hex::encode(NONCE));
+        assert_eq!(
+            read_greeting(&older).unwrap_err(),
+            "it speaks dsv4-peer 1, this box dsv4-peer 2: install the same dsv4 on both boxes"
+        );
+        // A check's answer too long for a line is cut to fit, never refused.
+        let long = Checked {
+            version: "0.1.0".into(),
+            active: "rpc".into(),
+            not_lendable: None,
+            doctor: Ok(DoctorSummary {
+                ok: 1,
+                warn: vec!["é".repeat(300); 40],
+                fail: vec!["ü".repeat(300); 40],
+            }),
+        };
+        let line = Said::Checked(Box::new(long.fitted())).line();
+        assert!(line.len() <= MAX_LINE, "{}", line.len());
+        match Said::read(&line) {
+            Ok(Said::Checked(c)) => assert!(!c.doctor.unwrap().fail.is_empty()),
+            other => panic!("{other:?}"),
         }
         for bad in [
             "GET / HTTP/1.1",

@@ -27,6 +27,8 @@ use dsv4_client::AlertKind;
 
 /// How long one connection attempt to a worker box may take.
 const CONNECT_TIMEOUT: Duration = Duration::from_secs(5);
+/// The bytes a relay reads from a worker at a time (tensors and activations).
+const RELAY_BUFFER: usize = 64 << 10;
 /// Between attempts to reach a box that was sent a Wake-on-LAN packet.
 const WAKE_RETRY: Duration = Duration::from_secs(2);
 /// Where the shipped `dsv4-link@AT.socket` puts its way out to worker box `AT`, for a dsv4d
@@ -298,9 +300,11 @@ async fn reach(
     let mut woken = false;
     loop {
         let why = match dial(w).await {
-            Ok(mut conn) => match greeted(&mut conn).await {
+            Ok(mut conn) => match greeting_of(&mut conn).await {
                 Ok(nonce) => return Ok((conn, nonce)),
-                Err(why) => why,
+                Err(NoGreeting::Silent(why)) => why,
+                // Something else answers there: no wake makes it this protocol.
+                Err(NoGreeting::Wrong(why)) => return Err(why),
             },
             Err(why) => why,
         };
@@ -350,8 +354,9 @@ async fn dial(w: &Worker) -> Result<Conn, String> {
         }
         Ok(Err(e)) if e.raw_os_error() == Some(nix::libc::ENETUNREACH) => Err(format!(
             "cannot connect to {}: {e}; if dsv4d runs in a network of its own (the shipped \
-             dsv4.service), enable its way out: systemctl enable --now dsv4-link@{}.socket",
-            w.at, w.at
+             dsv4.service), enable its way out: systemctl enable --now 'dsv4-link@{}.socket'",
+            w.at,
+            unit_escaped(&w.at)
         )),
         Ok(Err(e)) => Err(format!("cannot connect to {}: {e}", w.at)),
         Err(_) => Err(format!(
@@ -391,15 +396,25 @@ pub fn send_wake_here(wake: &Wake) -> std::io::Result<()> {
 /// network of its own (`dsv4-wake@MAC-BROADCAST.service`, its instance escaped as systemd
 /// escapes a path: `/` is `-`, and `-` and other bytes `\xNN`).
 pub fn wake_unit(wake: &Wake) -> String {
-    let mut name = String::from(WAKE_UNIT_PREFIX);
-    for b in wake.instance().bytes() {
+    format!(
+        "{WAKE_UNIT_PREFIX}{}.service",
+        unit_escaped(&wake.instance())
+    )
+}
+
+/// `text` as a unit's instance, escaped as `systemd-escape` does a path's: `/` is `-`, and
+/// `-` and any byte but letters, digits, `:`, `_` and `.` are `\xNN` (`%I` in the unit
+/// gives the text back).
+pub fn unit_escaped(text: &str) -> String {
+    let mut out = String::new();
+    for b in text.bytes() {
         match b {
-            b'/' => name.push('-'),
-            b'a'..=b'z' | b'A'..=b'Z' | b'0'..=b'9' | b':' | b'_' | b'.' => name.push(b as char),
-            other => name.push_str(&format!("\\x{other:02x}")),
+            b'/' => out.push('-'),
+            b'a'..=b'z' | b'A'..=b'Z' | b'0'..=b'9' | b':' | b'_' | b'.' => out.push(b as char),
+            other => out.push_str(&format!("\\x{other:02x}")),
         }
     }
-    name + ".service"
+    out
 }
 
 /// The Wake-on-LAN helper's template unit.
@@ -445,14 +460,35 @@ pub async fn send_wake(wake: &Wake) -> Result<(), String> {
     }
 }
 
+/// Why a connection brought no greeting: nothing came (the box may be coming up), or what
+/// came is not this protocol (trying again would not help).
+enum NoGreeting {
+    Silent(String),
+    Wrong(String),
+}
+
 /// The nonce of the worker's greeting.
-async fn greeted(conn: &mut Conn) -> Result<[u8; NONCE_BYTES], String> {
+async fn greeting_of(conn: &mut Conn) -> Result<[u8; NONCE_BYTES], NoGreeting> {
     match timeout(HANDSHAKE, peer_wire::read_line(conn)).await {
-        Ok(Ok(Some(line))) => peer_wire::read_greeting(&line),
-        Ok(Ok(None)) => Err("closed the connection before its greeting".to_string()),
-        Ok(Err(e)) => Err(format!("its greeting could not be read: {e}")),
-        Err(_) => Err(format!("sent no greeting within {}", duration(HANDSHAKE))),
+        Ok(Ok(Some(line))) => peer_wire::read_greeting(&line).map_err(NoGreeting::Wrong),
+        Ok(Ok(None)) => Err(NoGreeting::Silent(
+            "closed the connection before its greeting".to_string(),
+        )),
+        Ok(Err(e)) => Err(NoGreeting::Wrong(format!(
+            "its greeting could not be read: {e}"
+        ))),
+        Err(_) => Err(NoGreeting::Silent(format!(
+            "sent no greeting within {}",
+            duration(HANDSHAKE)
+        ))),
     }
+}
+
+/// The nonce of the worker's greeting, or why there is none.
+async fn greeted(conn: &mut Conn) -> Result<[u8; NONCE_BYTES], String> {
+    greeting_of(conn).await.map_err(|e| match e {
+        NoGreeting::Silent(why) | NoGreeting::Wrong(why) => why,
+    })
 }
 
 /// The worker's next line, within `within`.
@@ -601,29 +637,42 @@ async fn carry(
         let _ = tokio::io::copy(&mut from_engine, &mut to_worker).await;
         let _ = to_worker.shutdown().await;
     };
+    // How the worker's side ended, if it ended first: only a read from the worker that ends
+    // blames the box; a write to the engine that fails is the engine's own end.
     let down = async {
-        let ended = tokio::io::copy(&mut from_worker, &mut to_engine).await;
-        (ended, to_engine)
+        use tokio::io::AsyncReadExt;
+        let mut buf = vec![0u8; RELAY_BUFFER];
+        let worker_ended = loop {
+            match from_worker.read(&mut buf).await {
+                Ok(0) => break Some("closed".to_string()),
+                Err(e) => break Some(format!("broke ({e})")),
+                Ok(n) => {
+                    if to_engine.write_all(&buf[..n]).await.is_err() {
+                        break None;
+                    }
+                }
+            }
+        };
+        (worker_ended, to_engine)
     };
     tokio::pin!(up, down);
     tokio::select! {
+        biased;
         () = &mut up => {
             let (_, mut to_engine) = down.await;
             let _ = to_engine.shutdown().await;
         }
-        (ended, mut to_engine) = &mut down => {
-            // Said before the engine can see it: its answer's error event quotes it.
-            let how = match ended {
-                Ok(_) => "closed".to_string(),
-                Err(e) => format!("broke ({e})"),
-            };
-            let line = format!(
-                "worker box {}: the connection to its engine {how}: its engine or the box went \
-                 away",
-                w.host()
-            );
-            tracing::warn!("{line}");
-            say_to_engine_output(output, line);
+        (worker_ended, mut to_engine) = &mut down => {
+            if let Some(how) = worker_ended {
+                // Said before the engine can see it: its answer's error event quotes it.
+                let line = format!(
+                    "worker box {}: the connection to its engine {how}: its engine or the box \
+                     went away",
+                    w.host()
+                );
+                tracing::warn!("{line}");
+                say_to_engine_output(output, line);
+            }
             let _ = to_engine.shutdown().await;
             up.await;
         }
@@ -650,6 +699,8 @@ mod tests {
             wake_unit(&v6),
             r"dsv4-wake@aa:bb:cc:dd:ee:01-\x5bff02::1\x5d:9.service"
         );
+        assert_eq!(unit_escaped("10.77.0.2:8090"), "10.77.0.2:8090");
+        assert_eq!(unit_escaped("box-2:8090"), r"box\x2d2:8090");
         for bad in [
             "aa:bb:cc:dd:ee:01",
             "aa:bb/10.77.0.255:9",
