@@ -35,6 +35,7 @@ mod matrix;
 mod notify;
 mod openai_kind;
 mod packaging;
+mod page_cache;
 mod port_taken;
 mod power;
 mod protocol_errors;

@@ -649,7 +649,7 @@ pub(crate) fn padded_model(mib: u32) -> std::path::PathBuf {
 }
 
 /// Reads `path` to its end, so that its pages are in the page cache.
-fn read_through(path: &Path) {
+pub(crate) fn read_through(path: &Path) {
     use std::io::Read;
     let mut file = std::fs::File::open(path).unwrap();
     let mut buf = vec![0u8; 1 << 20];

@@ -364,6 +364,61 @@ pub struct EngineStatus {
     /// `saving` (the first part of `stopping`).
     #[serde(default)]
     pub kv_step: Option<words::KvActivity>,
+    /// How much of the model's files the page cache held when the engine (the running one,
+    /// else the last) started: what made its load warm or cold.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub model_cache: Option<ModelCache>,
+}
+
+/// The model's files in the page cache at an engine's start.
+#[derive(Debug, Clone, Copy, PartialEq, Serialize, Deserialize)]
+pub struct ModelCache {
+    pub resident_bytes: u64,
+    pub total_bytes: u64,
+    pub class: CacheClass,
+    /// When it was measured (Unix time, seconds).
+    pub at: f64,
+}
+
+/// A load's class by what the page cache held of the model: `warm` (90% or more), `cold`
+/// (under 10%) or `partly`.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Serialize, Deserialize)]
+#[serde(rename_all = "lowercase")]
+pub enum CacheClass {
+    Warm,
+    Partly,
+    Cold,
+}
+
+impl CacheClass {
+    /// The class of a load with `percent` of the model in the page cache.
+    pub fn of(percent: f64) -> CacheClass {
+        if percent >= 90.0 {
+            CacheClass::Warm
+        } else if percent < 10.0 {
+            CacheClass::Cold
+        } else {
+            CacheClass::Partly
+        }
+    }
+
+    pub fn as_str(self) -> &'static str {
+        match self {
+            CacheClass::Warm => "warm",
+            CacheClass::Partly => "partly",
+            CacheClass::Cold => "cold",
+        }
+    }
+}
+
+impl ModelCache {
+    /// The share held, in percent.
+    pub fn percent(&self) -> f64 {
+        if self.total_bytes == 0 {
+            return 100.0;
+        }
+        self.resident_bytes as f64 * 100.0 / self.total_bytes as f64
+    }
 }
 
 impl EngineStatus {
@@ -385,6 +440,7 @@ impl EngineStatus {
             engine_key: None,
             kv_step: None,
             load_seconds: None,
+            model_cache: None,
         }
     }
 }

@@ -208,6 +208,9 @@ fn engine_rows(rows: &mut Vec<(&str, String)>, doc: &Status, now: f64) {
     if let Some(key) = &s.engine_key {
         rows.push(("engine key", key.clone()));
     }
+    if let Some(c) = &s.model_cache {
+        rows.push(("model cache", model_cache(c, s.load_seconds)));
+    }
     rows.push(("in flight", s.in_flight.to_string()));
     rows.push(("waiting", s.waiting.to_string()));
     if !doc.in_progress.is_empty() {
@@ -228,6 +231,18 @@ fn engine_rows(rows: &mut Vec<(&str, String)>, doc: &Status, now: f64) {
             .filter(|e| !e.is_empty())
             .map_or_else(dash, str::to_string),
     ));
+}
+
+/// What the page cache held of the model at the start, and how long that load took: `97%
+/// of 80.0 GiB in the page cache at the start: a warm load, 12s`.
+pub fn model_cache(c: &dsv4_client::ModelCache, load_seconds: Option<f64>) -> String {
+    let took = load_seconds.map_or(String::new(), |s| format!(", {}", brief_secs(s)));
+    format!(
+        "{:.0}% of {} in the page cache at the start: a {} load{took}",
+        c.percent(),
+        dsv4_client::units::format_gib(c.total_bytes),
+        c.class.as_str()
+    )
 }
 
 /// The mark of a rate timed by dsv4d's clock, and what it means (the status table's legend).
@@ -962,6 +977,7 @@ mod tests {
                 restart_pending: false,
                 engine_key: Some("per-generation secret".into()),
                 kv_step: None,
+                model_cache: None,
             },
             requests: Requests {
                 all: Totals {
@@ -1303,6 +1319,26 @@ mod tests {
             table.contains(&format!(
                 "workers     10.77.0.2 rpc serving for 5m\n\x20             {said}\n"
             )),
+            "{table}"
+        );
+    }
+
+    #[test]
+    fn the_model_in_the_page_cache_is_shown_with_its_load() {
+        let mut s = status();
+        assert!(!status_table(&s, 1_000_000.0).contains("model cache"));
+        s.engine.model_cache = Some(dsv4_client::ModelCache {
+            resident_bytes: 78 << 30,
+            total_bytes: 80 << 30,
+            class: dsv4_client::CacheClass::Warm,
+            at: 999_000.0,
+        });
+        s.engine.load_seconds = Some(12.4);
+        let table = status_table(&s, 1_000_000.0);
+        assert!(
+            table.contains(
+                "model cache  98% of 80.0 GiB in the page cache at the start: a warm load, 12s\n"
+            ),
             "{table}"
         );
     }

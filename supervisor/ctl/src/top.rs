@@ -111,6 +111,12 @@ pub fn header(status: &Status, latest: Option<&Sample>, now: f64) -> Vec<String>
             .map(|p| format!("  engine pid {p}"))
             .unwrap_or_default()
     )];
+    if let Some(c) = &e.model_cache {
+        lines.push(format!(
+            "model    {}",
+            crate::render::model_cache(c, e.load_seconds)
+        ));
+    }
     if !status.workers.is_empty() {
         let workers: Vec<String> = status
             .workers

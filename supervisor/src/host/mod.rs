@@ -8,6 +8,7 @@ pub mod gguf;
 pub mod hw;
 pub mod keys;
 pub mod load_times;
+pub mod pagecache;
 pub mod regular;
 pub mod run;
 pub mod state_file;

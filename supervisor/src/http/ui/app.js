@@ -345,6 +345,13 @@ function showStatus(doc) {
       "; GPU level " + (pw.gpu_level || "-")
     : "power: decided at the first engine start";
 
+  const mc = doc.model_cache;
+  $("model-cache").hidden = !mc;
+  $("model-cache").textContent = mc
+    ? "model in page cache: " + fixed(mc.total_bytes ? 100 * mc.resident_bytes / mc.total_bytes : 100, 0) +
+      "% of " + size(mc.total_bytes) + " at the start (a " + mc["class"] + " load" +
+      (doc.load_seconds != null ? ", " + brief(doc.load_seconds) : "") + ")"
+    : "";
   showBoxes(doc.workers || [], doc.holds || []);
   addSample(doc.telemetry);
   drawCharts();

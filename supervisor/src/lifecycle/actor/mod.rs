@@ -144,6 +144,7 @@ pub fn spawn(
         loading,
         holding: None,
         worker_book: worker_book.clone(),
+        model_cache: None,
     };
     // What a stopped engine's status can say from the configuration (its key, say).
     actor.publish();
@@ -226,6 +227,9 @@ struct Actor {
     holding: Option<workers::Holding>,
     /// The worker boxes of the engine that starts or runs, for the status.
     worker_book: crate::lifecycle::workers::WorkerBook,
+    /// What the page cache held of the model at the last spawn: the class its load is
+    /// estimated and recorded by, and what the status shows.
+    model_cache: Option<dsv4_client::ModelCache>,
 }
 
 enum Reply {

@@ -59,6 +59,7 @@ impl Actor {
                 && old.restart_pending == restart_pending
                 && old.engine_key.as_deref() == engine_key
                 && old.kv_step == kv_step
+                && old.model_cache == self.model_cache
         };
         if same_but_figures {
             self.publish_figures(idle_deadline);
@@ -80,6 +81,7 @@ impl Actor {
             restart_pending,
             engine_key: engine_key.map(String::from),
             kv_step,
+            model_cache: self.model_cache,
         };
         let state = status.state;
         let mut state_changed = false;
@@ -136,8 +138,9 @@ impl Actor {
         );
         self.loading.send_replace(None);
         let state_dir = self.config.supervisor.state_dir.clone();
+        let class = self.model_cache.map(|c| c.class);
         tokio::task::spawn_blocking(move || {
-            if let Err(e) = crate::host::load_times::record(&state_dir, &profile, took) {
+            if let Err(e) = crate::host::load_times::record(&state_dir, &profile, took, class) {
                 tracing::warn!(
                     "cannot write {}: {e}; the next load of {profile} will not say how long it \
                      should take",

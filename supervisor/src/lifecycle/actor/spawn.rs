@@ -63,6 +63,7 @@ impl Actor {
             Err(summary) => return fail(summary),
         };
         let before = self.before_spawn(profile);
+        self.model_cache = model_cache(profile);
         // The engine's output readers log in its span (see `crate::log::journal`).
         let span = crate::log::journal::engine_span(profile_name, Some(gen));
         let child = match span.in_scope(|| EngineChild::spawn(&spec)) {
@@ -299,12 +300,13 @@ impl Actor {
             _ => Instant::now(),
         };
         let book = crate::host::load_times::read(&self.config.supervisor.state_dir);
+        let class = self.model_cache.map(|c| c.class);
         self.loading
             .send_replace(Some(crate::lifecycle::loading::Loading {
                 profile: profile_name.to_string(),
                 since,
-                about: crate::host::load_times::estimate(&book, profile_name),
-                past: crate::host::load_times::range(&book, profile_name),
+                about: crate::host::load_times::estimate(&book, profile_name, class),
+                past: crate::host::load_times::range(&book, profile_name, class),
                 waiting_for,
             }));
         since
@@ -347,4 +349,32 @@ struct Prepared<'p> {
 pub(super) fn free_port() -> std::io::Result<u16> {
     let l = TcpListener::bind((Ipv4Addr::LOCALHOST, 0))?;
     Ok(l.local_addr()?.port())
+}
+
+/// What the page cache holds of `profile`'s model now (its size and resident bytes, and the
+/// class of a load from there); `None` for a profile with no model file, or one that cannot
+/// be read (the spawn says why).
+fn model_cache(profile: &crate::config::Profile) -> Option<dsv4_client::ModelCache> {
+    let model = profile.params.model.as_deref()?;
+    let r = match crate::host::pagecache::residency(model) {
+        Ok(r) => r,
+        Err(e) => {
+            tracing::debug!("cannot tell how much of {} is cached: {e}", model.display());
+            return None;
+        }
+    };
+    let cache = dsv4_client::ModelCache {
+        resident_bytes: r.resident,
+        total_bytes: r.size,
+        class: dsv4_client::CacheClass::of(r.percent()),
+        at: dsv4_client::clock::unix_now(),
+    };
+    tracing::info!(
+        profile = profile.name,
+        "model in the page cache: {:.0}% of {} ({} load)",
+        r.percent(),
+        dsv4_client::units::format_gib(r.size),
+        cache.class.as_str()
+    );
+    Some(cache)
 }
