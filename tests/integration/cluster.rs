@@ -671,7 +671,7 @@ fn doctor_in(boxes: &Boxes, i: usize, d: &Daemon) -> Vec<serde_json::Value> {
 }
 
 fn doctor_part_in(boxes: &Boxes, i: usize, d: &Daemon, part: &str) -> Vec<serde_json::Value> {
-    let config = d.config_path();
+    let config = d.dir().join("supervisor.yaml");
     let o = boxes.run(
         i,
         "env",

@@ -82,7 +82,7 @@ async fn each_start_says_how_much_of_the_model_was_cached_and_keeps_it_with_its_
 
     // Each load is kept with its class, for the estimate of the next of its class.
     d.wait_state(State::Stopped, PATIENCE).await;
-    let book = std::fs::read_to_string(d.state_path("load-times.json")).unwrap();
+    let book = std::fs::read_to_string(d.dir().join("state/load-times.json")).unwrap();
     let book: serde_json::Value = serde_json::from_str(&book).unwrap();
     let classes: Vec<&str> = book["tiny"]
         .as_array()

@@ -849,25 +849,6 @@ impl Daemon {
         )
     }
 
-    /// `name` in its state_dir.
-    pub fn state_path(&self, name: &str) -> PathBuf {
-        self.dir
-            .as_ref()
-            .expect("the daemon's folder")
-            .path()
-            .join("state")
-            .join(name)
-    }
-
-    /// Its supervisor.yaml.
-    pub fn config_path(&self) -> PathBuf {
-        self.dir
-            .as_ref()
-            .expect("the daemon's folder")
-            .path()
-            .join("supervisor.yaml")
-    }
-
     pub async fn status(&self) -> serde_json::Value {
         self.get("/status").await.1
     }
