@@ -63,7 +63,10 @@ impl Actor {
             Err(summary) => return fail(summary),
         };
         let before = self.before_spawn(profile);
-        self.model_cache = model_cache(profile);
+        // Once a start: a spawn again on another port would find what the first read.
+        if port_tries == 0 {
+            self.model_cache = model_cache(profile);
+        }
         // The engine's output readers log in its span (see `crate::log::journal`).
         let span = crate::log::journal::engine_span(profile_name, Some(gen));
         let child = match span.in_scope(|| EngineChild::spawn(&spec)) {
