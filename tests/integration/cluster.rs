@@ -237,6 +237,17 @@ fn pids_named(boxes: &Boxes, i: usize, name: &str) -> Vec<u32> {
         .collect()
 }
 
+/// SIGKILLs the rpc-server of worker box `i`, its only one.
+fn kill_worker_engine(boxes: &Boxes, i: usize) {
+    let rpc = pids_named(boxes, i, "rpc-server");
+    assert_eq!(rpc.len(), 1, "{rpc:?}");
+    nix::sys::signal::kill(
+        nix::unistd::Pid::from_raw(rpc[0] as i32),
+        nix::sys::signal::Signal::SIGKILL,
+    )
+    .unwrap();
+}
+
 /// Two workers, each a box of its own: both held before the coordinator's engine starts,
 /// which places its layers on both.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -282,13 +293,7 @@ async fn a_worker_engine_that_dies_ends_the_coordinators_and_the_next_request_st
     let w = worker(&boxes, 1, &keys.worker).await;
     let c = coordinator(&boxes, &[1], &keys.coordinator);
     assert_eq!(chat(&c).await.0, 200, "{}", c.log());
-    let rpc = pids_named(&boxes, 1, "rpc-server");
-    assert_eq!(rpc.len(), 1, "{rpc:?}");
-    nix::sys::signal::kill(
-        nix::unistd::Pid::from_raw(rpc[0] as i32),
-        nix::sys::signal::Signal::SIGKILL,
-    )
-    .unwrap();
+    kill_worker_engine(&boxes, 1);
     let lost = format!("worker box {} went away", boxes.worker(1));
     c.log_with(&[&lost]).await;
     until("the coordinator's engine ended", PATIENCE, || {
@@ -625,13 +630,7 @@ async fn a_worker_that_dies_mid_answer_is_named_in_the_clients_error_event() {
             got.push_str(&String::from_utf8_lossy(data));
         }
     }
-    let rpc = pids_named(&boxes, 1, "rpc-server");
-    assert_eq!(rpc.len(), 1, "{rpc:?}");
-    nix::sys::signal::kill(
-        nix::unistd::Pid::from_raw(rpc[0] as i32),
-        nix::sys::signal::Signal::SIGKILL,
-    )
-    .unwrap();
+    kill_worker_engine(&boxes, 1);
     // The rest of the stream: its error event, then the break.
     loop {
         match tokio::time::timeout(PATIENCE, body.frame()).await {

@@ -33,6 +33,12 @@ fn worker_checks(w: &Worker, answer: Result<Checked, CheckFailed>) -> Vec<Check>
         "put the line of {} into the peers.keys_file of {host} (or the key of that file here)",
         w.key_file.display()
     );
+    let answers = || {
+        Check::ok(
+            "workers.reach",
+            format!("worker box {host} answers at {}", w.at),
+        )
+    };
     let checked = match answer {
         Ok(c) => c,
         Err(CheckFailed::Reach(why)) => {
@@ -64,19 +70,13 @@ fn worker_checks(w: &Worker, answer: Result<Checked, CheckFailed>) -> Vec<Check>
         }
         Err(CheckFailed::Refused(why)) => {
             return vec![
-                Check::ok(
-                    "workers.reach",
-                    format!("worker box {host} answers at {}", w.at),
-                ),
+                answers(),
                 Check::fail("workers.key", format!("worker box {host}: {why}"), key_fix),
             ];
         }
         Err(CheckFailed::Answer(why)) => {
             return vec![
-                Check::ok(
-                    "workers.reach",
-                    format!("worker box {host} answers at {}", w.at),
-                ),
+                answers(),
                 // It answered, but not a check's answer: another dsv4, or not dsv4 at all.
                 Check::fail(
                     "workers.version",
@@ -90,11 +90,8 @@ fn worker_checks(w: &Worker, answer: Result<Checked, CheckFailed>) -> Vec<Check>
             ];
         }
     };
-    let mut out = vec![
-        Check::ok(
-            "workers.reach",
-            format!("worker box {host} answers at {}", w.at),
-        ),
+    vec![
+        answers(),
         Check::ok(
             "workers.key",
             format!(
@@ -104,9 +101,8 @@ fn worker_checks(w: &Worker, answer: Result<Checked, CheckFailed>) -> Vec<Check>
         ),
         lends(w, &checked),
         version(host, &checked.version),
-    ];
-    out.push(own_doctor(host, &checked.doctor));
-    out
+        own_doctor(host, &checked.doctor),
+    ]
 }
 
 fn lends(w: &Worker, c: &Checked) -> Check {

@@ -18,6 +18,41 @@ pub enum UnitError {
     Bus(String),
     /// The unit ran and failed: its exit status when known, and how its job ended.
     Failed { status: Option<i32>, result: String },
+    /// Its job did not end within the time given.
+    Timeout(std::time::Duration),
+}
+
+impl UnitError {
+    /// Why `unit` did not do its work, in words: `allowed` names the units polkit must let
+    /// dsv4d's user start (`dsv4-sysfs@*.service`), and `meaning` what an exit code of the
+    /// unit's program says, where it says more than its number.
+    pub fn describe(
+        &self,
+        unit: &str,
+        allowed: &str,
+        meaning: fn(i32) -> Option<&'static str>,
+    ) -> String {
+        match self {
+            UnitError::Refused(text) => format!(
+                "systemd refused to start it ({text}): polkit must let dsv4d's user start \
+                 {allowed} (/usr/share/polkit-1/rules.d/50-dsv4.rules)"
+            ),
+            UnitError::Bus(why) => why.clone(),
+            UnitError::Failed { status, result } => {
+                let why = match status {
+                    Some(code) => {
+                        meaning(*code).map_or_else(|| format!("exit code {code}"), str::to_string)
+                    }
+                    None => format!("the job ended {result}"),
+                };
+                format!("{why} (journalctl -u '{unit}' says more)")
+            }
+            UnitError::Timeout(within) => format!(
+                "{unit} did not finish within {}",
+                dsv4_client::duration::format(*within)
+            ),
+        }
+    }
 }
 
 /// systemd's manager on `bus`.
@@ -31,8 +66,18 @@ pub async fn manager(bus: &zbus::Connection) -> zbus::Result<zbus::Proxy<'static
     .await
 }
 
-/// Starts `unit` and waits for its job to end.
-pub async fn start_and_wait(bus: &zbus::Connection, unit: &str) -> Result<(), UnitError> {
+/// Starts `unit` and waits for its job to end, for at most `within`.
+pub async fn start_and_wait(
+    bus: &zbus::Connection,
+    unit: &str,
+    within: std::time::Duration,
+) -> Result<(), UnitError> {
+    tokio::time::timeout(within, start_and_wait_unbounded(bus, unit))
+        .await
+        .unwrap_or(Err(UnitError::Timeout(within)))
+}
+
+async fn start_and_wait_unbounded(bus: &zbus::Connection, unit: &str) -> Result<(), UnitError> {
     let manager = manager(bus)
         .await
         .map_err(|e| UnitError::Bus(format!("no systemd on the system bus ({e})")))?;

@@ -122,37 +122,52 @@ async fn peer(
         return Err("the key is not one of peers.keys_file".to_string());
     }
     let active = peers.lifecycle.status().profile;
-    if ask.verb == Verb::Check {
-        tracing::info!("peer {from} checks profile {}", ask.profile);
-        let not_lendable = lendable(&config, &ask.profile, &active).err();
-        // A coordinator that leaves meanwhile ends the doctor's run (dropped, it is killed).
-        let doctor = tokio::select! {
-            d = own_doctor(&peers.doctor) => d,
-            _ = tokio::io::AsyncBufReadExt::fill_buf(conn) => {
-                tracing::info!("peer {from} left before its check was done");
-                return Ok(());
-            }
-        };
-        let checked = peer_wire::Checked {
-            version: env!("CARGO_PKG_VERSION").to_string(),
-            active,
-            not_lendable,
-            doctor,
-        };
-        let line = Said::Checked(Box::new(checked.fitted())).line();
-        return peer_wire::write_line(conn, &line)
-            .await
-            .map_err(|e| e.to_string());
-    }
-    lendable(&config, &ask.profile, &active)?;
     match ask.verb {
-        Verb::Hold => hold(conn, from, &ask, peers).await,
-        Verb::Relay | Verb::Check => relay(conn, from, &ask, peers).await,
+        Verb::Check => check(conn, from, &ask, &config, active, peers).await,
+        Verb::Hold => {
+            lendable(&config, &ask.profile, &active)?;
+            hold(conn, from, &ask, peers).await
+        }
+        Verb::Relay => {
+            lendable(&config, &ask.profile, &active)?;
+            relay(conn, from, &ask, peers).await
+        }
     }
 }
 
-/// This box's own doctor (`dsv4d --doctor --part service`, run as this daemon runs, in its
-/// sandbox), summed up.
+/// A check: how this box stands for the profile (whether it could be held now, and its own
+/// doctor's findings), said in one line. A coordinator that leaves meanwhile ends the
+/// doctor's run (dropped, it is killed).
+async fn check(
+    conn: &mut BufReader<TcpStream>,
+    from: SocketAddr,
+    ask: &Ask,
+    config: &Config,
+    active: String,
+    peers: &Peers,
+) -> Result<(), String> {
+    tracing::info!("peer {from} checks profile {}", ask.profile);
+    let not_lendable = lendable(config, &ask.profile, &active).err();
+    let doctor = tokio::select! {
+        d = own_doctor(&peers.doctor) => d,
+        _ = tokio::io::AsyncBufReadExt::fill_buf(conn) => {
+            tracing::info!("peer {from} left before its check was done");
+            return Ok(());
+        }
+    };
+    let checked = peer_wire::Checked {
+        version: env!("CARGO_PKG_VERSION").to_string(),
+        active,
+        not_lendable,
+        doctor,
+    };
+    say(conn, Said::Checked(Box::new(checked.fitted())))
+        .await
+        .map_err(|e| e.to_string())
+}
+
+/// This box's own doctor (`dsv4d --doctor --part box`: the service's checks without this
+/// box's own workers; run as this daemon runs, in its sandbox), summed up.
 async fn own_doctor(d: &SelfDoctor) -> Result<peer_wire::DoctorSummary, String> {
     use dsv4_client::doctor::{Check, Verdict};
     let mut cmd = tokio::process::Command::new(&d.program);

@@ -254,6 +254,20 @@ pub fn proved<'k>(
 }
 
 impl Said {
+    /// Its first word on the line, for a message about a line said out of turn.
+    pub fn word(&self) -> &'static str {
+        match self {
+            Said::Refused(_) => "refused",
+            Said::Loading(_) => "loading",
+            Said::Serving => "serving",
+            Said::Failed(_) => "failed",
+            Said::Alive(_) => "alive",
+            Said::Thermal { .. } => "thermal",
+            Said::Relaying => "relaying",
+            Said::Checked(_) => "checked",
+        }
+    }
+
     /// The line for it (a reason's line ends and control characters made spaces).
     pub fn line(&self) -> String {
         let clean = |why: &str| -> String {
@@ -263,30 +277,23 @@ impl Said {
                 .collect();
             text.chars().take(MAX_LINE - 16).collect()
         };
-        match self {
-            Said::Refused(why) => format!("refused {}", clean(why)),
-            Said::Loading(s) => format!("loading {s}"),
-            Said::Serving => "serving".to_string(),
-            Said::Failed(why) => format!("failed {}", clean(why)),
-            Said::Alive(None) => "alive".to_string(),
-            Said::Alive(Some(report)) => match serde_json::to_string(report) {
-                Ok(json) if json.len() + 6 <= MAX_LINE => format!("alive {json}"),
-                _ => "alive".to_string(),
-            },
-            Said::Thermal { level, message } => {
-                format!(
-                    "thermal {} {}",
-                    clean(level).replace(' ', "-"),
-                    clean(message)
-                )
-            }
-            Said::Relaying => "relaying".to_string(),
-            Said::Checked(checked) => {
-                format!(
-                    "checked {}",
-                    serde_json::to_string(checked).unwrap_or_default()
-                )
-            }
+        let rest = match self {
+            Said::Refused(why) | Said::Failed(why) => Some(clean(why)),
+            Said::Loading(s) => Some(s.to_string()),
+            Said::Serving | Said::Relaying | Said::Alive(None) => None,
+            Said::Alive(Some(report)) => serde_json::to_string(report)
+                .ok()
+                .filter(|json| json.len() + "alive ".len() <= MAX_LINE),
+            Said::Thermal { level, message } => Some(format!(
+                "{} {}",
+                clean(level).replace(' ', "-"),
+                clean(message)
+            )),
+            Said::Checked(checked) => serde_json::to_string(checked).ok(),
+        };
+        match rest {
+            Some(rest) => format!("{} {rest}", self.word()),
+            None => self.word().to_string(),
         }
     }
 

@@ -210,10 +210,7 @@ async fn hold_one(
     let key: Arc<[u8]> = worker_key(&w)?.into();
     let (mut conn, nonce) = reach(&w, &progress, &book).await?;
     book.set(&w.at, "loading", None, None);
-    let ask = peer_wire::ask(&key, &nonce, Verb::Hold, &w.profile);
-    peer_wire::write_line(&mut conn, &ask)
-        .await
-        .map_err(|e| format!("the hold could not be asked: {e}"))?;
+    asked(&mut conn, &key, &nonce, Verb::Hold, &w.profile).await?;
     let since = Instant::now();
     loop {
         // The worker says how its load goes at least every ALIVE_EVERY.
@@ -231,16 +228,10 @@ async fn hold_one(
             Said::Refused(why) => return Err(format!("refused the hold: {why}")),
             Said::Failed(why) => return Err(format!("its engine did not start: {why}")),
             other @ (Said::Relaying | Said::Checked(_)) => {
-                return Err(format!("answered out of turn ({})", said_word(&other)))
+                return Err(format!("answered out of turn ({})", other.word()))
             }
         }
     }
-}
-
-/// A worker's answer's first word, for an error.
-fn said_word(said: &Said) -> String {
-    let line = said.line();
-    line.split(' ').next().unwrap_or_default().to_string()
 }
 
 /// Why a `check` of a worker got no answer: where it stopped.
@@ -260,12 +251,9 @@ pub enum CheckFailed {
 /// a box: a sleeping one is unreachable.
 pub async fn check(w: &Worker) -> Result<peer_wire::Checked, CheckFailed> {
     let key = worker_key(w).map_err(CheckFailed::Key)?;
-    let mut conn = dial(w).await.map_err(CheckFailed::Reach)?;
-    let nonce = greeted(&mut conn).await.map_err(CheckFailed::Reach)?;
-    let ask = peer_wire::ask(&key, &nonce, Verb::Check, &w.profile);
-    peer_wire::write_line(&mut conn, &ask)
+    let mut conn = opened(w, &key, Verb::Check)
         .await
-        .map_err(|e| CheckFailed::Reach(format!("the check could not be asked: {e}")))?;
+        .map_err(CheckFailed::Reach)?;
     // It runs its own doctor first.
     let within = peer_wire::DOCTOR_LIMIT + HANDSHAKE;
     match said(&mut conn, within).await.map_err(CheckFailed::Answer)? {
@@ -273,9 +261,32 @@ pub async fn check(w: &Worker) -> Result<peer_wire::Checked, CheckFailed> {
         Said::Refused(why) => Err(CheckFailed::Refused(why)),
         other => Err(CheckFailed::Answer(format!(
             "answered out of turn ({})",
-            said_word(&other)
+            other.word()
         ))),
     }
+}
+
+/// A connection to worker `w`'s dsv4d on which `verb` is asked, proved with `key` (no
+/// wake: for a box held already, or a check).
+async fn opened(w: &Worker, key: &[u8], verb: Verb) -> Result<Conn, String> {
+    let mut conn = dial(w).await?;
+    let nonce = greeted(&mut conn).await?;
+    asked(&mut conn, key, &nonce, verb, &w.profile).await?;
+    Ok(conn)
+}
+
+/// Asks `verb` on `profile` over `conn`, whose greeting carried `nonce`, proved with `key`.
+async fn asked(
+    conn: &mut Conn,
+    key: &[u8],
+    nonce: &[u8; NONCE_BYTES],
+    verb: Verb,
+    profile: &str,
+) -> Result<(), String> {
+    let ask = peer_wire::ask(key, nonce, verb, profile);
+    peer_wire::write_line(conn, &ask)
+        .await
+        .map_err(|e| format!("the {} could not be asked: {e}", verb.as_str()))
 }
 
 /// The key `w.key_file` holds (its first), read under the key files' rules.
@@ -435,29 +446,15 @@ pub async fn send_wake(wake: &Wake) -> Result<(), String> {
     let bus = zbus::Connection::system()
         .await
         .map_err(|e| format!("{here}, and no system bus to start {unit} ({e})"))?;
-    let started = timeout(
-        CONNECT_TIMEOUT,
-        crate::host::units::start_and_wait(&bus, &unit),
-    );
-    use crate::host::units::UnitError;
-    match started.await {
-        Ok(Ok(())) => Ok(()),
-        Ok(Err(UnitError::Refused(text))) => Err(format!(
-            "{here}; systemd refused to start {unit} ({text}): polkit must let dsv4d's user \
-             start {WAKE_UNIT_PREFIX}*.service (/usr/share/polkit-1/rules.d/50-dsv4.rules)"
-        )),
-        Ok(Err(UnitError::Bus(why))) => Err(format!("{here}; {unit}: {why}")),
-        Ok(Err(UnitError::Failed { status, result })) => Err(format!(
-            "{here}; {unit} failed ({}; journalctl -u '{unit}' says more)",
-            status.map_or(format!("the job ended {result}"), |s| format!(
-                "exit code {s}"
-            ))
-        )),
-        Err(_) => Err(format!(
-            "{here}; {unit} did not finish within {}",
-            duration(CONNECT_TIMEOUT)
-        )),
-    }
+    crate::host::units::start_and_wait(&bus, &unit, CONNECT_TIMEOUT)
+        .await
+        .map_err(|e| {
+            let allowed = format!("{WAKE_UNIT_PREFIX}*.service");
+            format!(
+                "{here}; through {unit}: {}",
+                e.describe(&unit, &allowed, |_| None)
+            )
+        })
 }
 
 /// Why a connection brought no greeting: nothing came (the box may be coming up), or what
@@ -555,7 +552,7 @@ async fn keep(conn: Conn, w: Worker, told: Told) {
                     }
                     Some(Ok(Ok(Said::Failed(why)))) => break format!("its engine ended: {why}"),
                     Some(Ok(Ok(other))) => {
-                        break format!("answered out of turn ({})", other.line());
+                        break format!("answered out of turn ({})", other.word());
                     }
                     Some(Ok(Err(why))) => break why,
                     Some(Err(e)) => break format!("the connection broke: {e}"),
@@ -620,16 +617,11 @@ async fn carry(
     output: &EngineOutput,
 ) -> Result<(), String> {
     let _ = local.set_nodelay(true);
-    let mut remote = dial(w).await?;
-    let nonce = greeted(&mut remote).await?;
-    let ask = peer_wire::ask(key, &nonce, Verb::Relay, &w.profile);
-    peer_wire::write_line(&mut remote, &ask)
-        .await
-        .map_err(|e| format!("the relay could not be asked: {e}"))?;
+    let mut remote = opened(w, key, Verb::Relay).await?;
     match said(&mut remote, HANDSHAKE).await? {
         Said::Relaying => {}
         Said::Refused(why) => return Err(format!("refused the relay: {why}")),
-        other => return Err(format!("answered out of turn ({})", other.line())),
+        other => return Err(format!("answered out of turn ({})", other.word())),
     }
     let (mut from_engine, mut to_engine) = local.split();
     let (mut from_worker, mut to_worker) = tokio::io::split(remote);

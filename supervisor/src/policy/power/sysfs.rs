@@ -21,7 +21,7 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use crate::host::sysroot::SysRoot;
-use crate::host::units::{self, UnitError};
+use crate::host::units;
 
 /// The template unit, `dsv4-sysfs@INSTANCE.service`.
 pub const UNIT_PREFIX: &str = "dsv4-sysfs@";
@@ -317,14 +317,7 @@ impl Writer {
     /// the privileged path. The error says why it failed.
     pub async fn write_through_helper(&self, req: &Request) -> Result<(), String> {
         let bus = self.system_bus().await?;
-        match tokio::time::timeout(HELPER_TIMEOUT, run_helper(&bus, req)).await {
-            Ok(result) => result,
-            Err(_) => Err(format!(
-                "{} did not finish within {}s",
-                req.unit(),
-                HELPER_TIMEOUT.as_secs()
-            )),
-        }
+        run_helper(&bus, req).await
     }
 
     /// Writes `req`; the error names the file, the value and each way that was tried.
@@ -350,8 +343,8 @@ impl Writer {
                 req.unit()
             ));
         };
-        match tokio::time::timeout(HELPER_TIMEOUT, run_helper(&bus, req)).await {
-            Ok(Ok(())) => {
+        match run_helper(&bus, req).await {
+            Ok(()) => {
                 tracing::debug!(
                     "power: {} wrote {:?} to {}",
                     req.unit(),
@@ -360,37 +353,23 @@ impl Writer {
                 );
                 Ok(())
             }
-            Ok(Err(why)) => Err(format!("{what}: {e}; through {}: {why}", req.unit())),
-            Err(_) => Err(format!(
-                "{what}: {e}; {} did not finish within {}s",
-                req.unit(),
-                HELPER_TIMEOUT.as_secs()
-            )),
+            Err(why) => Err(format!("{what}: {e}; through {}: {why}", req.unit())),
         }
     }
 }
 
-/// Starts the helper unit for `req` and waits for its job; the error says why it failed.
+/// Starts the helper unit for `req` and waits for its job (for [`HELPER_TIMEOUT`]); the
+/// error says why it failed.
 async fn run_helper(bus: &zbus::Connection, req: &Request) -> Result<(), String> {
     let unit = req.unit();
-    units::start_and_wait(bus, &unit)
+    let meaning = |code| match code {
+        EXIT_REFUSED => Some("it refused the request"),
+        EXIT_WRITE_FAILED => Some("its write failed"),
+        _ => None,
+    };
+    units::start_and_wait(bus, &unit, HELPER_TIMEOUT)
         .await
-        .map_err(|e| match e {
-            UnitError::Refused(text) => format!(
-                "systemd refused to start it ({text}): polkit must let dsv4d's user start \
-             {UNIT_PREFIX}*{UNIT_SUFFIX} (/usr/share/polkit-1/rules.d/50-dsv4.rules)"
-            ),
-            UnitError::Bus(why) => why,
-            UnitError::Failed { status, result } => {
-                let why = match status {
-                    Some(EXIT_REFUSED) => "it refused the request".to_string(),
-                    Some(EXIT_WRITE_FAILED) => "its write failed".to_string(),
-                    Some(code) => format!("exit code {code}"),
-                    None => format!("the job ended {result}"),
-                };
-                format!("{why} (journalctl -u '{unit}' says more)")
-            }
-        })
+        .map_err(|e| e.describe(&unit, &format!("{UNIT_PREFIX}*{UNIT_SUFFIX}"), meaning))
 }
 
 #[cfg(test)]
