@@ -7,7 +7,10 @@
 //! Each daemon runs under `valgrind --tool=callgrind`; after a warm-up its counters are zeroed
 //! (`callgrind_control -z`), `BENCH_CALLGRIND_REQUESTS` (200) plain chats are sent one by one
 //! on a kept-alive connection and the counters dumped (`callgrind_control -d`), then the same
-//! for `BENCH_CALLGRIND_STREAMS` (50) streamed chats of 64 tokens (66 events each). With
+//! for `BENCH_CALLGRIND_STREAMS` (50) streamed chats of 64 tokens (66 events each). The
+//! engine takes `BENCH_CALLGRIND_TOKEN_MS` (2) per token, so each event arrives alone, as a
+//! real engine's do (a few to a few hundred a second); at 0 they come as fast as the fake
+//! engine writes them and dsv4d, slowed by valgrind, reads dozens at once. With
 //! `BENCH_CALLGRIND_KEEP=DIR` the two dumps are copied there (`<build>-plain.out`,
 //! `<build>-stream.out`), for `callgrind_annotate` to say where the instructions went.
 
@@ -35,19 +38,21 @@ pub async fn run() {
     }
     let requests = env_or::<usize>("BENCH_CALLGRIND_REQUESTS", 200).max(1);
     let streams = env_or::<usize>("BENCH_CALLGRIND_STREAMS", 50).max(1);
+    let token_ms = env_or::<u64>("BENCH_CALLGRIND_TOKEN_MS", 2);
     let mut builds = vec![("dsv4d".to_string(), None)];
     if let Some(bin) = std::env::var_os("BENCH_BASELINE_DSV4D").map(PathBuf::from) {
         builds.push(("dsv4d, baseline".to_string(), Some(bin)));
     }
     let mut counted = Vec::new();
     for (name, bin) in builds {
-        match count(&name, bin.as_deref(), requests, streams).await {
+        match count(&name, bin.as_deref(), (requests, streams), token_ms).await {
             Ok(c) => counted.push(c),
             Err(e) => println!("  {name}: {e}"),
         }
     }
     println!(
-        "  {:<16} {:>16} {:>18}   ({requests} plain requests, {streams} streams of 66 events)",
+        "  {:<16} {:>16} {:>18}   ({requests} plain requests, {streams} streams of 66 events, \
+         {token_ms} ms a token)",
         "build", "Ir per request", "Ir per event"
     );
     for c in &counted {
@@ -57,7 +62,7 @@ pub async fn run() {
         );
         println!(
             "BENCH section=callgrind build={} ir_per_request={:.0} ir_per_event={:.0} \
-             requests={requests} streams={streams}",
+             requests={requests} streams={streams} token_ms={token_ms}",
             c.name.replace(", ", "-"),
             c.per_request,
             c.per_event
@@ -70,8 +75,8 @@ pub async fn run() {
 async fn count(
     name: &str,
     bin: Option<&Path>,
-    requests: usize,
-    streams: usize,
+    (requests, streams): (usize, usize),
+    token_ms: u64,
 ) -> Result<Counted, String> {
     let dir = temp_dir("callgrind");
     let out = dir.path().join("callgrind.out");
@@ -101,6 +106,7 @@ async fn count(
     let setup = Setup::default()
         .engine("idle_timeout", "1h")
         .knob("connections", "keep")
+        .knob("token_ms", &token_ms.to_string())
         .wrapper(&wrapper);
     let d = Daemon::start(&setup);
     let pid = d.child.id();

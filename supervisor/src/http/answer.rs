@@ -2,6 +2,7 @@
 //! request's lease until it ends or is dropped, records the request's timings, and turns an
 //! engine that breaks off into an error event the client can read.
 
+use std::io;
 use std::pin::Pin;
 use std::task::{Context, Poll};
 
@@ -68,8 +69,8 @@ pub struct EngineStream {
 
 /// A stream the engine broke off, between its error event and the failure after it.
 pub enum Broken {
-    Unflushed(hyper::Error),
-    Flushed(hyper::Error),
+    Unflushed(io::Error),
+    Flushed(io::Error),
 }
 
 /// The request's hold on the engine, let go when its body ends however it ends (the last byte,
@@ -152,12 +153,12 @@ impl Relayed for ProxyBody {
 
 impl Body for ProxyBody {
     type Data = Bytes;
-    type Error = hyper::Error;
+    type Error = io::Error;
 
     fn poll_frame(
         mut self: Pin<&mut Self>,
         cx: &mut Context<'_>,
-    ) -> Poll<Option<Result<Frame<Bytes>, hyper::Error>>> {
+    ) -> Poll<Option<Result<Frame<Bytes>, io::Error>>> {
         match &mut *self {
             ProxyBody::Full(b) => Poll::Ready(b.take().map(|b| Ok(Frame::data(b)))),
             ProxyBody::Upstream(body) => Pin::new(body).poll_frame(cx),
@@ -188,12 +189,12 @@ impl Body for ProxyBody {
 
 impl Body for EngineStream {
     type Data = Bytes;
-    type Error = hyper::Error;
+    type Error = io::Error;
 
     fn poll_frame(
         mut self: Pin<&mut Self>,
         cx: &mut Context<'_>,
-    ) -> Poll<Option<Result<Frame<Bytes>, hyper::Error>>> {
+    ) -> Poll<Option<Result<Frame<Bytes>, io::Error>>> {
         let this = &mut *self;
         match this.broken.take() {
             // hyper drops what it has not yet written when a body fails, so the error event
@@ -267,7 +268,7 @@ impl EngineStream {
 
     /// The engine's body ended: what the watch held goes out, and a stream that only the
     /// connection's close ends, cut before its last event, is told as a break.
-    fn end(&mut self) -> Option<Result<Frame<Bytes>, hyper::Error>> {
+    fn end(&mut self) -> Option<Result<Frame<Bytes>, io::Error>> {
         self.drained = true;
         let fed = self.watch.as_mut()?.finish();
         self.tell(&fed);
@@ -298,7 +299,7 @@ impl EngineStream {
     }
 
     /// The engine's body failed with `e`: an event stream tells it in an error event first.
-    fn broke(&mut self, e: hyper::Error) -> Result<Frame<Bytes>, hyper::Error> {
+    fn broke(&mut self, e: io::Error) -> Result<Frame<Bytes>, io::Error> {
         self.tap = None;
         let Some(output) = &self.sse else {
             return Err(e);
@@ -334,8 +335,8 @@ impl Tapped {
     }
 }
 
-/// An error and its causes on one line: hyper's own message is terse ("connection closed
-/// before message completed"), its source says what happened underneath.
+/// An error and its causes on one line: a wrapper's message is often terse, its source says
+/// what happened underneath.
 pub(crate) fn describe(err: &dyn std::error::Error) -> String {
     let mut text = err.to_string();
     let mut cause = err.source();
@@ -351,7 +352,7 @@ pub(crate) fn describe(err: &dyn std::error::Error) -> String {
 
 /// The event that tells a streaming client why its answer broke off, in its protocol's
 /// error shape (each protocol's SDK raises it with this message).
-pub(crate) fn error_event(protocol: ApiProtocol, err: &hyper::Error, tail: &[String]) -> Bytes {
+pub(crate) fn error_event(protocol: ApiProtocol, err: &io::Error, tail: &[String]) -> Bytes {
     api_error_event(
         protocol,
         format!("the engine broke off the answer: {}", describe(err)),
@@ -376,7 +377,7 @@ mod tests {
 
     #[test]
     fn an_error_is_described_with_its_causes_once() {
-        let io = std::io::Error::new(std::io::ErrorKind::ConnectionReset, "reset by peer");
+        let io = io::Error::new(io::ErrorKind::ConnectionReset, "reset by peer");
         let e = UpstreamError::Connect {
             addr: ([127, 0, 0, 1], 9).into(),
             source: io,

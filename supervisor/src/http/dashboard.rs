@@ -372,7 +372,7 @@ impl Events {
     pub fn poll_frame(
         self: Pin<&mut Self>,
         cx: &mut Context<'_>,
-    ) -> Poll<Option<Result<Frame<Bytes>, hyper::Error>>> {
+    ) -> Poll<Option<Result<Frame<Bytes>, std::io::Error>>> {
         self.get_mut()
             .0
             .poll_recv(cx)

@@ -192,7 +192,8 @@ async fn forward(
     parts.version = http::Version::HTTP_11;
     strip_hop_by_hop(&mut parts.headers);
     // The body is here already: nothing for the engine to agree to first, and its length is
-    // what was read (hyper's client sets Content-Length from it), not what the client said.
+    // what was read (the request's head is written with it: lifecycle/engine_wire.rs), not
+    // what the client said.
     parts.headers.remove(header::EXPECT);
     parts.headers.remove(header::CONTENT_LENGTH);
     parts

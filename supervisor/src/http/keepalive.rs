@@ -34,6 +34,7 @@
 //! connection, as for any answer.
 
 use std::future::Future;
+use std::io;
 use std::pin::Pin;
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::task::{Context, Poll};
@@ -127,7 +128,7 @@ pub async fn respond<B>(
     extra: Extra,
 ) -> Response<B>
 where
-    B: Body<Data = Bytes, Error = hyper::Error> + Relayed + Unpin + Send + 'static,
+    B: Body<Data = Bytes, Error = io::Error> + Relayed + Unpin + Send + 'static,
 {
     let Extra { reasoning, opening } = extra;
     let keepalive = |phase| Keepalive {
@@ -189,7 +190,7 @@ fn collect<B>(
     cx: &mut Context<'_>,
 ) -> Poll<Bytes>
 where
-    B: Body<Data = Bytes, Error = hyper::Error> + Unpin,
+    B: Body<Data = Bytes, Error = io::Error> + Unpin,
 {
     loop {
         match Pin::new(&mut *body).poll_frame(cx) {
@@ -360,15 +361,15 @@ impl<B: Relayed> Keepalive<B> {
 
 impl<B> Body for Keepalive<B>
 where
-    B: Body<Data = Bytes, Error = hyper::Error> + Relayed + Unpin,
+    B: Body<Data = Bytes, Error = io::Error> + Relayed + Unpin,
 {
     type Data = Bytes;
-    type Error = hyper::Error;
+    type Error = io::Error;
 
     fn poll_frame(
         mut self: Pin<&mut Self>,
         cx: &mut Context<'_>,
-    ) -> Poll<Option<Result<Frame<Bytes>, hyper::Error>>> {
+    ) -> Poll<Option<Result<Frame<Bytes>, io::Error>>> {
         let this = &mut *self;
         if let Some(first) = this.first.take() {
             return Poll::Ready(Some(Ok(Frame::data(first))));

@@ -10,6 +10,7 @@ pub mod actor;
 pub mod alert;
 pub mod engine_key;
 pub mod engine_ref;
+pub mod engine_wire;
 pub mod gate;
 pub mod holders;
 pub mod leftover;

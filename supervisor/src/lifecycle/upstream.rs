@@ -1,53 +1,50 @@
-//! The connections to one engine generation: a small keep-alive pool of HTTP/1.1 connections
-//! whose driving happens inside the request's own task.
+//! The connections to one engine generation: a small keep-alive pool of HTTP/1.1 connections,
+//! each read and written inside the request's own task.
 //!
 //! Owns: the TCP connections to the engine, the credential every request to it carries (the
-//! engine generation's key, in place of whatever the client sent), the request body on its
-//! way there, and the response body that reads from them. Must not: time out anything (a
+//! engine generation's key, in place of whatever the client sent), the request on its way
+//! there, and the response body that reads from them. Must not: time out anything (a
 //! prefill may keep a response silent for hours), or outlive the engine generation it belongs
 //! to (the pool goes with the last lease).
 //!
 //! Engines close connections whenever they like: llama-server right after the last chunk of
 //! every streamed answer and after 5 s of keep-alive, any server after `max` requests or
 //! when overloaded. Nothing tells the proxy beforehand, so a pooled connection may be dead,
-//! or die while a request is on its way. Three rules keep that from ever reaching a client:
-//! 1. A connection is driven before it is reused and as it goes back to the pool, so a close
-//!    that has already arrived is seen, and one idle past [`IDLE_EXPIRY`] is not reused at all
-//!    (well inside llama-server's 5 s, so its keep-alive timeout never races a request).
+//! or die while a request is on its way. Two rules keep that from ever reaching a client:
+//! 1. A connection is looked at before it is reused, so a close that has already arrived is
+//!    seen, and one idle past [`IDLE_EXPIRY`] is not reused at all (well inside
+//!    llama-server's 5 s, so its keep-alive timeout never races a request).
 //! 2. A request goes on a pooled connection when there is one; if that connection breaks
 //!    before any byte of an answer, the request goes again, once, on a fresh connection (its
 //!    body was read whole beforehand, and the bytes are shared, not copied). A connection the
 //!    engine had already closed has not seen the request, so nothing is done twice.
-//! 3. A connection's driver is dropped the moment it ends, so a request that was waiting on
-//!    it learns at once (hyper resolves the send with the connection's error), instead of
-//!    waiting forever on a connection that no longer exists.
 //!
 //! Why not hyper-util's pooled client: it runs every connection as a task of its own, so each
 //! request and each SSE event crosses two tasks and leaves as a write of its own, and it
 //! retries only requests it never wrote. Measured side by side (`cargo bench -p dsv4-tests
 //! --bench proxy`, same build, 2 cores): streaming 96% of direct here against 71% with the
 //! pooled client, added p50 at concurrency 1 118 us against 135 us (wrk: 112 against 116),
-//! and at 64 clients 0.66 against 0.71 of direct throughput, within that run's noise. Here
-//! the request's task polls the connection itself: a response body hands on every event the
-//! socket already holds in one frame (nothing waits for more; a lone event goes out at once).
+//! and at 64 clients 0.66 against 0.71 of direct throughput, within that run's noise. Why not
+//! hyper's connection driven in this task either: see [`crate::lifecycle::engine_wire`]. A
+//! response body hands on every event the socket already holds in one frame (nothing waits
+//! for more; a lone event goes out at once).
 
 use std::collections::VecDeque;
-use std::future::Future;
-use std::io;
+use std::io::{self, IoSlice};
 use std::net::SocketAddr;
 use std::pin::Pin;
 use std::sync::{Arc, Mutex};
-use std::task::{Context, Poll};
+use std::task::{ready, Context, Poll};
 use std::time::Duration;
 
-use bytes::{Bytes, BytesMut};
-use http::{HeaderMap, Request, Response};
+use bytes::{Buf, Bytes, BytesMut};
+use http::{HeaderMap, Response};
 use http_body::{Body, Frame, SizeHint};
-use http_body_util::Full;
-use hyper::body::Incoming;
-use hyper::client::conn::http1::{Connection, SendRequest};
-use hyper_util::rt::TokioIo;
+use tokio::io::{AsyncRead, AsyncWriteExt, ReadBuf};
+use tokio::net::TcpStream;
 use tokio::time::Instant;
+
+use crate::lifecycle::engine_wire::{self, Decoded, Decoder, Head, Parsed};
 
 /// The header that carries a key without the `Bearer` scheme (as Anthropic-style clients send it).
 /// (A header name made once: looked up by text, it is parsed and hashed at every use.)
@@ -65,38 +62,59 @@ const MAX_IDLE: usize = 128;
 pub const IDLE_EXPIRY: Duration = Duration::from_secs(2);
 /// Largest frame made by joining events that are already there.
 const MAX_JOINED: usize = 64 * 1024;
+/// Room made in a connection's buffer for each read.
+const READ_SIZE: usize = 16 * 1024;
+/// A request body up to this size is sent in one write with its head.
+const ONE_WRITE: usize = 64 * 1024;
 
-/// What goes to the engine: the client's body, read whole beforehand ([`crate::http::intake`]).
-pub type RequestBody = Full<Bytes>;
-
-type Driver = Connection<TokioIo<tokio::net::TcpStream>, RequestBody>;
-
-/// One HTTP/1.1 connection: the handle to send on and the state machine that drives it.
+/// One HTTP/1.1 connection and what has been read from it but not yet taken.
 struct Conn {
-    send: SendRequest<RequestBody>,
-    /// `None` once the connection has ended: dropping the driver is what tells a request
-    /// still queued on `send` that it will never go out.
-    driver: Option<Pin<Box<Driver>>>,
+    io: TcpStream,
+    buf: BytesMut,
     /// When it last went back to the pool.
     idle_since: Instant,
 }
 
 impl Conn {
-    /// Polls the connection; `true` once it has ended (closed, or broken).
-    fn drive(&mut self, cx: &mut Context<'_>) -> bool {
-        let Some(d) = self.driver.as_mut() else {
-            return true;
-        };
-        if d.as_mut().poll(cx).is_ready() {
-            self.driver = None;
-            return true;
+    /// Reads what the socket holds into the buffer: how many bytes (0: closed).
+    fn poll_fill(&mut self, cx: &mut Context<'_>) -> Poll<io::Result<usize>> {
+        if self.buf.capacity() - self.buf.len() < READ_SIZE / 4 {
+            self.buf.reserve(READ_SIZE);
         }
-        false
+        let n = {
+            let mut room = ReadBuf::uninit(self.buf.spare_capacity_mut());
+            ready!(Pin::new(&mut self.io).poll_read(cx, &mut room))?;
+            room.filled().len()
+        };
+        // SAFETY: `poll_read` initialised the first `n` bytes of the spare capacity.
+        unsafe { self.buf.set_len(self.buf.len() + n) };
+        Poll::Ready(Ok(n))
     }
 
-    /// Whether it can take a request now, seeing any close that has already arrived.
+    /// Whether it can take a request now: open, with nothing unread. A close (or bytes
+    /// nobody asked for) that has already arrived is seen.
     fn usable(&mut self, cx: &mut Context<'_>) -> bool {
-        !self.drive(cx) && !self.send.is_closed()
+        self.buf.is_empty() && self.poll_fill(cx).is_pending()
+    }
+
+    /// Writes the request: its head and body in one write when the body is small, else as
+    /// they go.
+    async fn send(&mut self, head: &[u8], body: &[u8]) -> io::Result<()> {
+        let (mut head, mut body) = (head, body);
+        while !head.is_empty() {
+            let parts = [IoSlice::new(head), IoSlice::new(body)];
+            let n = match body.len() <= ONE_WRITE {
+                true => self.io.write_vectored(&parts).await?,
+                false => self.io.write(head).await?,
+            };
+            if n == 0 {
+                return Err(io::ErrorKind::WriteZero.into());
+            }
+            let from_body = n.saturating_sub(head.len());
+            head = &head[n.min(head.len())..];
+            body = &body[from_body..];
+        }
+        self.io.write_all(body).await
     }
 }
 
@@ -109,15 +127,41 @@ pub enum UpstreamError {
         "the engine at {addr} closed the connection after the request was sent, before any \
          byte of an answer"
     )]
-    Closed {
-        addr: SocketAddr,
-        source: hyper::Error,
-    },
+    Closed { addr: SocketAddr, source: io::Error },
     #[error("the engine at {addr} broke the exchange: {source}")]
-    Http {
-        addr: SocketAddr,
-        source: hyper::Error,
-    },
+    Http { addr: SocketAddr, source: io::Error },
+}
+
+/// How an exchange on one connection failed.
+enum Failed {
+    /// The connection went away before any byte of an answer: the engine cannot have
+    /// acted on a request on a connection it had closed, so it may go again.
+    Unanswered(io::Error),
+    /// Anything else: sending again would not help, and the engine may have acted on it.
+    Broken(io::Error),
+}
+
+impl Failed {
+    fn of(e: io::Error, answered: bool) -> Failed {
+        let gone = matches!(
+            e.kind(),
+            io::ErrorKind::ConnectionReset
+                | io::ErrorKind::ConnectionAborted
+                | io::ErrorKind::BrokenPipe
+                | io::ErrorKind::UnexpectedEof
+        );
+        match gone && !answered {
+            true => Failed::Unanswered(e),
+            false => Failed::Broken(e),
+        }
+    }
+
+    fn error(self, addr: SocketAddr) -> UpstreamError {
+        match self {
+            Failed::Unanswered(source) => UpstreamError::Closed { addr, source },
+            Failed::Broken(source) => UpstreamError::Http { addr, source },
+        }
+    }
 }
 
 /// The engine's address, its key and its idle connections.
@@ -137,6 +181,13 @@ impl std::fmt::Debug for Upstream {
             .field("addr", &self.addr)
             .finish_non_exhaustive()
     }
+}
+
+/// A request as it goes on the wire.
+struct Wire {
+    head: BytesMut,
+    body: Bytes,
+    method: http::Method,
 }
 
 impl Upstream {
@@ -195,9 +246,10 @@ impl Upstream {
         }
     }
 
-    /// Gives a connection whose exchange has ended back to the pool, unless it has closed.
-    fn put_idle(&self, mut c: Conn, cx: &mut Context<'_>) {
-        if !c.usable(cx) {
+    /// Gives a connection whose exchange has ended back to the pool, unless something
+    /// nobody asked for is left in it.
+    fn put_idle(&self, mut c: Conn) {
+        if !c.buf.is_empty() {
             return;
         }
         let now = Instant::now();
@@ -216,18 +268,15 @@ impl Upstream {
 
     async fn connect(&self) -> Result<Conn, UpstreamError> {
         let addr = self.addr;
-        let stream = tokio::net::TcpStream::connect(addr)
+        let io = TcpStream::connect(addr)
             .await
             .map_err(|source| UpstreamError::Connect { addr, source })?;
         // systemd-socket-proxyd leaves Nagle on and streamed responses stall 40 ms on a
         // delayed ACK; here both sides of the proxy send at once.
-        let _ = stream.set_nodelay(true);
-        let (send, driver) = hyper::client::conn::http1::handshake(TokioIo::new(stream))
-            .await
-            .map_err(|source| UpstreamError::Http { addr, source })?;
+        let _ = io.set_nodelay(true);
         Ok(Conn {
-            send,
-            driver: Some(Box::pin(driver)),
+            io,
+            buf: BytesMut::new(),
             idle_since: Instant::now(),
         })
     }
@@ -240,162 +289,125 @@ impl Upstream {
         mut parts: http::request::Parts,
         body: Bytes,
     ) -> Result<Response<UpstreamBody>, UpstreamError> {
-        let addr = self.addr;
         self.authorize(&mut parts.headers);
-        let request = |parts: &http::request::Parts| {
-            let mut r = Request::new(Full::new(body.clone()));
-            *r.method_mut() = parts.method.clone();
-            *r.uri_mut() = parts.uri.clone();
-            *r.version_mut() = parts.version;
-            *r.headers_mut() = parts.headers.clone();
-            r
+        let mut head = BytesMut::new();
+        engine_wire::encode_request(&parts, body.len(), &mut head);
+        let wire = Wire {
+            head,
+            body,
+            method: parts.method,
         };
         // A pooled connection first; if it turns out dead before answering, a fresh one.
-        let mut req = request(&parts);
         if let Some(conn) = self.take_idle().await {
-            match self.send(conn, req).await {
-                Sent::Answered(r) => return Ok(r),
-                Sent::Unsent(back, e) => {
-                    tracing::debug!("pooled engine connection was closed, not sent: {e}");
-                    req = back;
-                }
-                Sent::Lost(e) if closed_before_answer(&e) => {
+            match self.exchange(conn, &wire).await {
+                Ok(r) => return Ok(r),
+                Err(Failed::Unanswered(e)) => {
                     tracing::debug!(
-                        "pooled engine connection broke before an answer, sending again: {e}"
+                        "pooled engine connection closed before an answer, sending again: {e}"
                     );
-                    req = request(&parts);
                 }
-                // Not a connection that went away (an answer it could not read, say):
-                // sending again would not help, and the engine may have acted on it.
-                Sent::Lost(source) => return Err(lost(addr, source)),
+                Err(broken) => return Err(broken.error(self.addr)),
             }
         }
         let conn = self.connect().await?;
-        self.send(conn, req).await.answer(addr)
+        self.exchange(conn, &wire)
+            .await
+            .map_err(|f| f.error(self.addr))
     }
 
-    /// Sends on one connection, driving it until the answer's head has arrived.
-    async fn send(self: &Arc<Self>, mut conn: Conn, req: Request<RequestBody>) -> Sent {
-        // Wait until the connection can take a request, driving it meanwhile.
-        let ready = std::future::poll_fn(|cx| {
-            if let Poll::Ready(r) = conn.send.poll_ready(cx) {
-                return Poll::Ready(r);
+    /// Sends on one connection and reads until the answer's head has arrived.
+    async fn exchange(
+        self: &Arc<Self>,
+        mut conn: Conn,
+        wire: &Wire,
+    ) -> Result<Response<UpstreamBody>, Failed> {
+        conn.send(&wire.head, &wire.body)
+            .await
+            .map_err(|e| Failed::of(e, false))?;
+        let mut answered = false;
+        let Head {
+            parts,
+            framing,
+            reusable,
+        } = loop {
+            match engine_wire::parse_head(&conn.buf, &wire.method) {
+                Ok(Parsed::Head(head, n)) => {
+                    conn.buf.advance(n);
+                    break head;
+                }
+                Ok(Parsed::Informational(n)) => {
+                    conn.buf.advance(n);
+                    continue;
+                }
+                Ok(Parsed::Partial) => {}
+                Err(e) => return Err(Failed::Broken(e.into())),
             }
-            if conn.drive(cx) {
-                // `poll_ready` now reports the closed connection.
-                cx.waker().wake_by_ref();
+            match std::future::poll_fn(|cx| conn.poll_fill(cx)).await {
+                Ok(0) => {
+                    let what = match answered {
+                        false => "the engine closed the connection before any byte of an answer",
+                        true => {
+                            "the engine closed the connection in the middle of its answer's head"
+                        }
+                    };
+                    let e = io::Error::new(io::ErrorKind::UnexpectedEof, what);
+                    return Err(Failed::of(e, answered));
+                }
+                Ok(_) => answered = true,
+                Err(e) => return Err(Failed::of(e, answered)),
             }
-            Poll::Pending
-        })
-        .await;
-        if let Err(e) = ready {
-            return Sent::Unsent(req, e);
-        }
-        let mut sent = std::pin::pin!(conn.send.try_send_request(req));
-        let outcome = std::future::poll_fn(|cx| {
-            if let Poll::Ready(r) = sent.as_mut().poll(cx) {
-                return Poll::Ready(r);
-            }
-            if conn.drive(cx) {
-                // The driver is gone, so the send resolves with the connection's end next.
-                cx.waker().wake_by_ref();
-            }
-            Poll::Pending
-        })
-        .await;
-        match outcome {
-            Ok(resp) => {
-                let conn = conn.driver.is_some().then_some(conn);
-                Sent::Answered(resp.map(|body| UpstreamBody::new(body, conn, self.clone())))
-            }
-            Err(mut e) => match e.take_message() {
-                Some(back) => Sent::Unsent(back, e.into_error()),
-                None => Sent::Lost(e.into_error()),
-            },
-        }
+        };
+        let body = UpstreamBody::new(conn, Decoder::new(framing), reusable, self.clone());
+        Ok(Response::from_parts(parts, body))
     }
 }
 
-/// Whether an exchange failed because the connection went away before any answer: closed
-/// (the engine let a kept-alive connection go) or reset (it closed with the request unread).
-fn closed_before_answer(e: &hyper::Error) -> bool {
-    if e.is_incomplete_message() || e.is_closed() || e.is_canceled() {
-        return true;
-    }
-    let mut cause = std::error::Error::source(e);
-    while let Some(c) = cause {
-        if let Some(io) = c.downcast_ref::<io::Error>() {
-            return matches!(
-                io.kind(),
-                io::ErrorKind::ConnectionReset
-                    | io::ErrorKind::ConnectionAborted
-                    | io::ErrorKind::BrokenPipe
-                    | io::ErrorKind::UnexpectedEof
-            );
-        }
-        cause = c.source();
-    }
-    false
-}
-
-/// The error for a request that went out and got no answer.
-fn lost(addr: SocketAddr, source: hyper::Error) -> UpstreamError {
-    if closed_before_answer(&source) {
-        UpstreamError::Closed { addr, source }
-    } else {
-        UpstreamError::Http { addr, source }
-    }
-}
-
-/// How one try on one connection went.
-enum Sent {
-    Answered(Response<UpstreamBody>),
-    /// The request never left: here it is back.
-    Unsent(Request<RequestBody>, hyper::Error),
-    /// The request (or part of it) went out, and the connection broke before an answer.
-    Lost(hyper::Error),
-}
-
-impl Sent {
-    /// The answer, or why there is none, when no other try follows.
-    fn answer(self, addr: SocketAddr) -> Result<Response<UpstreamBody>, UpstreamError> {
-        match self {
-            Sent::Answered(r) => Ok(r),
-            Sent::Unsent(_, source) => Err(UpstreamError::Http { addr, source }),
-            Sent::Lost(source) => Err(lost(addr, source)),
-        }
-    }
-}
-
-/// The engine's response body. Reading it drives its connection; events already received
+/// The engine's response body. Reading it reads its connection; events already received
 /// are joined into one frame.
 pub struct UpstreamBody {
-    body: Incoming,
+    /// `None` once the body has ended or broken.
     conn: Option<Conn>,
+    decoder: Decoder,
+    /// Whether the connection may go back to the pool at the body's end.
+    reusable: bool,
     pool: Arc<Upstream>,
-    trailers: Option<HeaderMap>,
     /// The connection broke after data that has yet to go out: the error comes next.
-    broken: Option<hyper::Error>,
+    broken: Option<io::Error>,
     ended: bool,
 }
 
 impl UpstreamBody {
-    fn new(body: Incoming, conn: Option<Conn>, pool: Arc<Upstream>) -> Self {
-        UpstreamBody {
-            body,
-            conn,
+    fn new(conn: Conn, decoder: Decoder, reusable: bool, pool: Arc<Upstream>) -> Self {
+        let mut body = UpstreamBody {
+            conn: Some(conn),
+            decoder,
+            reusable,
             pool,
-            trailers: None,
             broken: None,
             ended: false,
+        };
+        if body.decoder.done() {
+            body.finish();
+        }
+        body
+    }
+
+    fn finish(&mut self) {
+        self.ended = true;
+        if let Some(c) = self.conn.take().filter(|_| self.reusable) {
+            self.pool.put_idle(c);
         }
     }
 
-    fn finish(&mut self, cx: &mut Context<'_>) {
-        self.ended = true;
-        if let Some(c) = self.conn.take() {
-            self.pool.put_idle(c, cx);
+    /// The connection broke with `e`: what arrived before still goes out first.
+    fn fail(&mut self, e: io::Error, data: &mut Joined) -> Poll<Option<io::Result<Frame<Bytes>>>> {
+        self.conn = None;
+        if let Some(d) = data.take() {
+            self.broken = Some(e);
+            return Poll::Ready(Some(Ok(Frame::data(d))));
         }
+        self.ended = true;
+        Poll::Ready(Some(Err(e)))
     }
 }
 
@@ -436,94 +448,58 @@ impl Joined {
 
 impl Body for UpstreamBody {
     type Data = Bytes;
-    type Error = hyper::Error;
+    type Error = io::Error;
 
     fn poll_frame(
         mut self: Pin<&mut Self>,
         cx: &mut Context<'_>,
-    ) -> Poll<Option<Result<Frame<Bytes>, hyper::Error>>> {
+    ) -> Poll<Option<io::Result<Frame<Bytes>>>> {
         let this = &mut *self;
         if let Some(e) = this.broken.take() {
             this.ended = true;
             return Poll::Ready(Some(Err(e)));
         }
-        if let Some(t) = this.trailers.take() {
-            return Poll::Ready(Some(Ok(Frame::trailers(t))));
-        }
-        if this.ended {
-            return Poll::Ready(None);
-        }
         let mut data = Joined::default();
-        // Whether the body made progress since the connection was last driven: if not,
-        // driving it again cannot help and the frame goes out with what it has.
-        let mut fresh = true;
-        loop {
-            match Pin::new(&mut this.body).poll_frame(cx) {
-                Poll::Ready(Some(Ok(frame))) => match frame.into_data() {
-                    Ok(d) => {
-                        data.push(d);
-                        fresh = true;
-                        if this.body.is_end_stream() {
-                            // A known length reached: no `None` will follow.
-                            this.finish(cx);
-                            break;
-                        }
-                        if data.len() >= MAX_JOINED {
-                            break;
-                        }
-                    }
-                    Err(frame) => {
-                        if let Ok(t) = frame.into_trailers() {
-                            this.trailers = Some(t);
-                        }
+        while let Some(conn) = this.conn.as_mut() {
+            match this.decoder.decode(&mut conn.buf) {
+                Ok(Decoded::Data(d)) => {
+                    data.push(d);
+                    if data.len() >= MAX_JOINED {
                         break;
                     }
+                }
+                Ok(Decoded::Done) => this.finish(),
+                Err(e) => return this.fail(e.into(), &mut data),
+                Ok(Decoded::More) => match conn.poll_fill(cx) {
+                    Poll::Pending => break,
+                    Poll::Ready(Ok(0)) => match this.decoder.closed() {
+                        Ok(()) => {
+                            this.ended = true;
+                            this.conn = None;
+                        }
+                        Err(e) => return this.fail(e, &mut data),
+                    },
+                    Poll::Ready(Ok(_)) => {}
+                    Poll::Ready(Err(e)) => return this.fail(e, &mut data),
                 },
-                Poll::Ready(Some(Err(e))) => {
-                    this.conn = None;
-                    // What arrived before the break still goes out first.
-                    if let Some(d) = data.take() {
-                        this.broken = Some(e);
-                        return Poll::Ready(Some(Ok(Frame::data(d))));
-                    }
-                    this.ended = true;
-                    return Poll::Ready(Some(Err(e)));
-                }
-                Poll::Ready(None) => {
-                    this.finish(cx);
-                    break;
-                }
-                Poll::Pending => {
-                    let Some(conn) = this.conn.as_mut() else {
-                        break;
-                    };
-                    if !fresh {
-                        break;
-                    }
-                    fresh = false;
-                    if conn.drive(cx) {
-                        // The connection ended; the body reports how next time round.
-                        this.conn = None;
-                    }
-                }
             }
         }
         match data.take() {
             Some(d) => Poll::Ready(Some(Ok(Frame::data(d)))),
-            None => match this.trailers.take() {
-                Some(t) => Poll::Ready(Some(Ok(Frame::trailers(t)))),
-                None if this.ended => Poll::Ready(None),
-                None => Poll::Pending,
-            },
+            None if this.ended => Poll::Ready(None),
+            None => Poll::Pending,
         }
     }
 
     fn is_end_stream(&self) -> bool {
-        self.ended && self.trailers.is_none()
+        self.ended && self.broken.is_none()
     }
 
     fn size_hint(&self) -> SizeHint {
-        self.body.size_hint()
+        match self.decoder.remaining() {
+            Some(n) => SizeHint::with_exact(n),
+            None => SizeHint::default(),
+        }
     }
 }
 
