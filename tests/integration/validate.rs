@@ -591,6 +591,21 @@ async fn the_load_is_timed_warm_then_with_the_model_dropped_from_the_page_cache(
         load.cached_before_cold < load.cached_before_warm,
         "{load:?}"
     );
+    // The fake engine reads nothing of its model: dsv4d read it back, as it was before the
+    // test (fincore says so, not dsv4d).
+    assert_eq!(load.read_back, 8 << 20, "{load:?}");
+    let stderr = text(&out.stderr);
+    assert!(stderr.contains("read back into the page cache"), "{stderr}");
+    let out = Command::new("fincore")
+        .args(["--bytes", "--noheadings", "--output", "RES"])
+        .arg(&model)
+        .output()
+        .expect("fincore (util-linux)");
+    let resident: u64 = text(&out.stdout).trim().parse().unwrap_or(0);
+    assert!(
+        resident >= load.cached_before_warm,
+        "the model is not back in the page cache ({resident} bytes): {load:?}"
+    );
     // The switch's start and the cold one: two engines of the validation profile.
     assert_eq!(d.spawns(), spawns + 2, "{load:?}");
     assert!(

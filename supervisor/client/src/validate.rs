@@ -126,6 +126,11 @@ pub struct LoadTest {
     /// Of those bytes, how many the page cache held before each load (`mincore`).
     pub cached_before_warm: u64,
     pub cached_before_cold: u64,
+    /// After the cold load, the bytes read back into the page cache because it held less of
+    /// them than before the test; 0 when the engine's load had read them back itself, or
+    /// when they would not fit in the memory available less `memory.reserve`.
+    #[serde(default)]
+    pub read_back: u64,
     /// How the engine reads its model, as far as its flags say.
     pub method: String,
 }

@@ -553,6 +553,7 @@ impl Validator {
             ),
             ..Progress::default()
         });
+        let read_back = self.read_back(files, before).await;
         let load = dsv4_client::validate::LoadTest {
             warm_seconds: warm,
             cold_seconds: cold,
@@ -560,9 +561,60 @@ impl Validator {
             bytes,
             cached_before_warm: before,
             cached_before_cold,
+            read_back,
             method,
         };
         Ok((lease, load))
+    }
+
+    /// After the cold load: `files` read back into the page cache when it holds less of them
+    /// than `before` the test (the engine may not have read them through it) and they fit in
+    /// the memory available less `memory.reserve`: the bytes read, 0 when none were.
+    async fn read_back(&self, files: &[PathBuf], before: u64) -> u64 {
+        let now = self.cached(files).await;
+        if now >= before {
+            return 0;
+        }
+        let size: u64 = files
+            .iter()
+            .filter_map(|f| std::fs::metadata(f).ok())
+            .map(|m| m.len())
+            .sum();
+        let reserve = self.0.config.borrow().supervisor.memory.reserve;
+        let room = crate::host::hw::meminfo::admissible(&self.0.sysroot)
+            .map(|a| a.saturating_sub(reserve));
+        let (said, bytes) = match room {
+            Some(room) if size - now.min(size) > room => (
+                format!(
+                    "the model's files not read back into the page cache: {} of them are \
+                     missing, and {} is available beyond memory.reserve",
+                    crate::config::format_size(size - now.min(size)),
+                    crate::config::format_size(room)
+                ),
+                0,
+            ),
+            _ => {
+                let asked = files.to_vec();
+                let bytes = tokio::task::spawn_blocking(move || load::read_back(&asked))
+                    .await
+                    .unwrap_or_default();
+                let said = format!(
+                    "the model's {} read back into the page cache: it held {} of them before \
+                     the test, {} after the cold load",
+                    crate::config::format_size(bytes),
+                    crate::config::format_size(before),
+                    crate::config::format_size(now)
+                );
+                (said, bytes)
+            }
+        };
+        self.say(Progress {
+            step: "load".into(),
+            test: Some("load".into()),
+            message: said,
+            ..Progress::default()
+        });
+        bytes
     }
 
     /// How many bytes of `files` the page cache holds.
