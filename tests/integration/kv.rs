@@ -148,6 +148,117 @@ async fn an_idle_stop_keeps_the_long_prefix() {
     );
 }
 
+/// Waits until the last restore of `tiny` has a check newer than `after` (unix s).
+async fn wait_check(d: &Daemon, after: f64) -> Value {
+    let t = Instant::now();
+    loop {
+        let kv = kv_of(d, "tiny").await;
+        let check = &kv["last_restore"]["check"];
+        if check["at"].as_f64().is_some_and(|at| at > after) {
+            return check.clone();
+        }
+        assert!(
+            t.elapsed() < PATIENCE,
+            "no check of the restore: {kv}\n{}",
+            d.log()
+        );
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+}
+
+/// Each restore is checked by the first request that shares its tokens: one that goes on
+/// with the cache on reuses them, and the check says so; one with the cache off reuses
+/// none, and that miss is told in the status, the metrics, the journal and an Alert.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn each_restore_is_checked_by_the_next_request_and_a_miss_is_told() {
+    use futures_util::StreamExt;
+    let bus = PrivateBus::start();
+    let d = Daemon::start(&real_setup("1s").session_bus(&bus));
+    wait_bus_name(&d, &bus).await;
+    let proxy = crate::support::live_proxy(&bus, &d).await;
+    let mut alerts = proxy.receive_alert().await.unwrap();
+    let (_, _, first) = complete(&d, &long_prompt(), true).await;
+    wait_saved(&d, "tiny", PATIENCE).await;
+
+    // The conversation goes on, from the restored cache.
+    let prompt = format!("{}xyz", long_prompt());
+    let (_, cache_n, _) = complete(&d, &prompt, true).await;
+    let good = wait_check(&d, 0.0).await;
+    assert_eq!(good["reused"], cache_n, "{good}");
+    let shared = good["shared"].as_u64().unwrap();
+    assert!(
+        shared >= first * 9 / 10 && shared <= first + 8,
+        "{good}, first prompt {first}"
+    );
+    assert_eq!(good["missed"], false, "{good}");
+    // All of the shared prefix came from the cache (llama-server evaluates again at most the
+    // last token of a prompt it holds whole).
+    assert!(shared.abs_diff(cache_n) <= 1, "{good}");
+
+    // Stopped again when idle, restored at the next start; this request does not use it.
+    wait_saved(&d, "tiny", PATIENCE).await;
+    let (_, cache_n, _) = complete(&d, &prompt, false).await;
+    assert_eq!(cache_n, 0);
+    let miss = wait_check(&d, good["at"].as_f64().unwrap()).await;
+    assert_eq!(miss["reused"], 0, "{miss}");
+    assert_eq!(miss["missed"], true, "{miss}");
+    assert!(miss["shared"].as_u64().unwrap() >= first * 9 / 10, "{miss}");
+    assert_eq!(d.status().await["kv"]["restore_misses_total"], 1);
+    let (_, _, metrics) = d.send("GET", "/metrics", &[], None).await;
+    let metrics = metrics.as_str().unwrap_or_default().to_string();
+    for line in [
+        "dsv4_kv_restore_misses_total 1",
+        "dsv4_kv_restore_reused_tokens{profile=\"tiny\"} 0",
+    ] {
+        assert!(metrics.contains(line), "no {line} in\n{metrics}");
+    }
+    assert!(
+        d.log().contains("the KV checkpoint restore did nothing"),
+        "{}",
+        d.log()
+    );
+    let alert = tokio::time::timeout(PATIENCE, alerts.next())
+        .await
+        .unwrap_or_else(|_| panic!("no Alert\n{}", d.log()))
+        .unwrap();
+    let args = alert.args().unwrap();
+    assert_eq!(args.kind, dsv4_client::AlertKind::Kv);
+    assert!(args.message.contains("profile tiny"), "{}", args.message);
+    assert!(args.message.contains("#26676"), "{}", args.message);
+
+    // Once more: restores that keep missing are the doctor's warning, read from the checks
+    // the daemon kept in its state folder.
+    wait_saved(&d, "tiny", PATIENCE).await;
+    complete(&d, &prompt, false).await;
+    wait_check(&d, miss["at"].as_f64().unwrap()).await;
+    let kept = d.dir().join("state/kv-restore-checks.json");
+    let t = Instant::now();
+    while !std::fs::read_to_string(&kept).is_ok_and(|k| k.matches("\"missed\":true").count() == 2) {
+        assert!(t.elapsed() < PATIENCE, "{} not written", kept.display());
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+    let out = std::process::Command::new(DSV4D)
+        .args(["--doctor", "--part", "service", "--config"])
+        .arg(d.dir().join("supervisor.yaml"))
+        .env("DSV4_LOG", "off")
+        .stdin(std::process::Stdio::null())
+        .output_within(PATIENCE);
+    let checks: Vec<Value> = serde_json::from_slice(&out.stdout)
+        .unwrap_or_else(|e| panic!("no checks ({e}): {}", String::from_utf8_lossy(&out.stderr)));
+    let c = checks
+        .iter()
+        .find(|c| c["id"] == "kv.restore" && c["profile"] == "tiny")
+        .unwrap_or_else(|| panic!("no kv.restore check: {checks:?}"));
+    assert_eq!(c["verdict"], "warn", "{c}");
+    assert!(
+        c["found"]
+            .as_str()
+            .unwrap()
+            .starts_with("the last 2 restores did nothing"),
+        "{c}"
+    );
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_daemon_restart_keeps_the_long_prefix() {
     // No idle stop: the daemon's own shutdown saves.

@@ -9,6 +9,10 @@ pub struct KvStatus {
     pub profiles: Vec<KvProfile>,
     /// Prompt tokens that requests took from a restored cache instead of a prefill.
     pub restored_tokens_total: u64,
+    /// Restores whose check missed: the engine reused less than half of what the first
+    /// request after them shared with the restored tokens.
+    #[serde(default)]
+    pub restore_misses_total: u64,
 }
 
 /// One profile's checkpoints and its last save and restore.
@@ -75,4 +79,21 @@ pub struct KvStep {
     /// `evict`), when it says.
     #[serde(default)]
     pub reason: Option<String>,
+    /// For a restore: what the first request that shared its tokens took from the cache,
+    /// once one has.
+    #[serde(default)]
+    pub check: Option<RestoreCheck>,
+}
+
+/// A restore checked against the first request that shared its tokens: the tokens the
+/// engine took from its cache for it (llama-server's `timings.cache_n`) against the prefix
+/// the request had in common with the restored tokens.
+#[derive(Debug, Clone, Default, PartialEq, Serialize, Deserialize)]
+pub struct RestoreCheck {
+    /// Unix time (s) of the check.
+    pub at: f64,
+    pub reused: u64,
+    pub shared: u64,
+    /// Less than half the shared prefix was reused: the restore did not work.
+    pub missed: bool,
 }

@@ -300,6 +300,8 @@ pub enum AlertKind {
     /// A worker box of this box's engine (`workers:`) said a thermal event of its own, or
     /// went away while the engine ran.
     Worker,
+    /// A KV checkpoint restore the engine did not use: the next request's prefill ran again.
+    Kv,
     /// A kind this client does not know.
     #[serde(other)]
     Other,
@@ -314,6 +316,7 @@ impl AlertKind {
             AlertKind::Power => "power",
             AlertKind::Request => "request",
             AlertKind::Worker => "worker",
+            AlertKind::Kv => "kv",
             AlertKind::Other => "other",
         }
     }

@@ -587,6 +587,13 @@ fn kv_step(step: &KvStep, now: f64) -> String {
     if let Some(reason) = &step.reason {
         s.push_str(&format!(" (reason: {reason})"));
     }
+    if let Some(c) = &step.check {
+        let verdict = if c.missed { "MISSED: " } else { "" };
+        s.push_str(&format!(
+            "; {verdict}the next request reused {} of the {} tokens it shared with it",
+            c.reused, c.shared
+        ));
+    }
     s
 }
 
@@ -1062,10 +1069,26 @@ mod tests {
                     ok: true,
                     engine_said: None,
                     reason: Some("shutdown".into()),
+                    check: None,
                 }),
-                last_restore: None,
+                last_restore: Some(KvStep {
+                    at: now - 60.0,
+                    seconds: 1.5,
+                    tokens: 262_144,
+                    bytes: 3 << 30,
+                    result: "restored".into(),
+                    ok: true,
+                    check: Some(dsv4_client::kv::RestoreCheck {
+                        at: now - 30.0,
+                        reused: 14,
+                        shared: 262_144,
+                        missed: true,
+                    }),
+                    ..KvStep::default()
+                }),
             }],
             restored_tokens_total: 0,
+            restore_misses_total: 1,
         });
         let text = status_table(&s, now);
         assert!(
@@ -1075,6 +1098,13 @@ mod tests {
         assert!(
             text.contains(
                 "last save: saved 262144 tokens, 3.0 GiB in 4.2s, 5m ago (reason: shutdown)"
+            ),
+            "{text}"
+        );
+        assert!(
+            text.contains(
+                "last restore: restored 262144 tokens, 3.0 GiB in 1.5s, 1m ago; MISSED: the \
+                 next request reused 14 of the 262144 tokens it shared with it"
             ),
             "{text}"
         );

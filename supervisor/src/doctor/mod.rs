@@ -14,6 +14,7 @@ pub mod engine;
 pub mod files;
 pub mod flags;
 pub mod kernel;
+pub mod kv;
 pub mod memory;
 pub mod power;
 pub mod workers;
@@ -156,6 +157,7 @@ async fn service(opts: &Options) -> Vec<Check> {
         .ok()
         .and_then(Result::ok);
     out.extend(power::checks(&config, &opts.sysroot, bus).await);
+    out.extend(kv::checks(&config));
     if opts.part != Part::Box {
         out.extend(workers::checks(&config).await);
     }

@@ -321,6 +321,8 @@ pub struct Tapped {
     pub(crate) profile: String,
     pub(crate) path: String,
     pub(crate) started: Instant,
+    /// A KV restore of the profile's that waits for a request sharing its tokens to check it.
+    pub(crate) check: Option<CheckRestore>,
 }
 
 impl Tapped {
@@ -329,8 +331,46 @@ impl Tapped {
             let wall = self.started.elapsed().as_secs_f64();
             let now = dsv4_client::clock::unix_now();
             let resources = self.telemetry.resources(now - wall, now);
+            if let Some(check) = self.check {
+                tokio::spawn(check.run(self.profile.clone(), self.path.clone(), t.cache_n));
+            }
             self.stats
                 .record(self.profile, self.path, &t, wall * 1000.0, Some(resources));
+        }
+    }
+}
+
+/// What checks a KV restore by the request (see [`crate::kv::verify`]): its body, and the
+/// engine that makes its tokens.
+pub struct CheckRestore {
+    pub(crate) lifecycle: crate::lifecycle::Handle,
+    pub(crate) engine: std::sync::Arc<crate::lifecycle::EngineRef>,
+    pub(crate) body: Bytes,
+}
+
+impl CheckRestore {
+    /// The request to `path` of `profile`'s engine had `cache_n` tokens from the cache: the
+    /// restore's check, when the request shares enough with it to say.
+    async fn run(self, profile: String, path: String, cache_n: u64) {
+        use crate::kv::verify;
+        let book = self.lifecycle.kv();
+        let Some(slots) = book.expected(&profile) else {
+            return;
+        };
+        let tokens = match verify::request_tokens(&*self.engine, &path, &self.body).await {
+            Ok(tokens) => tokens,
+            Err(e) => {
+                tracing::debug!("this request cannot check the KV restore: {e}");
+                return;
+            }
+        };
+        let Some((shared, missed)) = verify::judge(&slots, &tokens, cache_n) else {
+            return;
+        };
+        if let Some(message) = book.checked(&profile, cache_n, shared, missed) {
+            self.lifecycle
+                .alerts()
+                .raise(dsv4_client::AlertKind::Kv, message);
         }
     }
 }

@@ -19,7 +19,7 @@ use hyper::body::Incoming;
 use tokio::time::Instant;
 
 use crate::config::Config;
-use crate::http::answer::{describe, EngineStream, ProxyBody, Release, Tapped};
+use crate::http::answer::{describe, CheckRestore, EngineStream, ProxyBody, Release, Tapped};
 use crate::http::body::OnEnd;
 use crate::http::connections;
 use crate::http::ctx::Ctx;
@@ -215,7 +215,7 @@ async fn forward(
             body = asked;
         }
     }
-    let sent_answer = engine.connections.request(parts, body).await;
+    let sent_answer = engine.connections.request(parts, body.clone()).await;
     // Sent: the bytes have left (the upstream kept them only for a second try).
     drop(held.charge);
     match sent_answer {
@@ -226,6 +226,7 @@ async fn forward(
                 route,
                 sent,
                 started,
+                body,
             };
             answer(&ctx, resp, lease, (flight, progress), asked)
         }
@@ -304,6 +305,8 @@ struct Asked {
     /// When it was sent to the engine, and when it came.
     sent: Instant,
     started: Instant,
+    /// Its body as sent, for the check of a KV restore it may make.
+    body: bytes::Bytes,
 }
 
 /// The engine's answer `resp`, on its way to the client with the request's lease, read by
@@ -332,6 +335,15 @@ fn answer(
         true => Count::new(protocol, content_type, asked.sent),
         false => None,
     };
+    let lifecycle = &ctx.parts.lifecycle;
+    let check = lifecycle
+        .kv()
+        .expected(&engine.profile)
+        .map(|_| CheckRestore {
+            lifecycle: lifecycle.clone(),
+            engine: engine.clone(),
+            body: asked.body,
+        });
     let tap = match (asked.tap_path, &count) {
         (Some(path), Some(_)) => Some(Box::new(Tapped {
             stats: ctx.parts.stats.clone(),
@@ -339,6 +351,7 @@ fn answer(
             profile: engine.profile.clone(),
             path,
             started: asked.started,
+            check,
         })),
         _ => None,
     };

@@ -21,9 +21,12 @@
 //! the restore through the engine's slot endpoints `slots.rs`'s; the lifecycle actor runs
 //! those as tasks of the engine's generation.
 
+pub mod checks;
+pub mod engine;
 pub mod key;
 pub mod slots;
 pub mod store;
+pub mod verify;
 
 use std::collections::BTreeMap;
 use std::sync::{Arc, Mutex};
@@ -46,6 +49,11 @@ struct Inner {
     last_restore: BTreeMap<String, KvStep>,
     /// Tokens put back into engines by restores, all told.
     restored: u64,
+    /// Per profile, the tokens of each slot its last restore put back, until a request
+    /// that shares them has checked it ([`verify`]).
+    expected: BTreeMap<String, Arc<Vec<Vec<i32>>>>,
+    /// Restores whose check missed, all told.
+    misses: u64,
 }
 
 /// What the checkpoint steps did; shared by the actor (which writes) and the status and
@@ -81,12 +89,77 @@ impl Book {
         self.inner.lock().unwrap_or_else(|p| p.into_inner())
     }
 
+    /// The engine that was restored is gone: nothing is left to check its restore by.
     pub fn saved(&self, profile: &str, step: KvStep) {
-        self.lock().last_save.insert(profile.to_string(), step);
+        let mut inner = self.lock();
+        inner.expected.remove(profile);
+        inner.last_save.insert(profile.to_string(), step);
     }
 
     pub fn restored(&self, profile: &str, step: KvStep) {
-        self.lock().last_restore.insert(profile.to_string(), step);
+        let mut inner = self.lock();
+        if !step.ok {
+            inner.expected.remove(profile);
+        }
+        inner.last_restore.insert(profile.to_string(), step);
+    }
+
+    /// A restore of `profile` put `slots`' tokens back: the first request that shares them
+    /// checks it.
+    pub fn expect(&self, profile: &str, slots: Vec<Vec<i32>>) {
+        self.lock()
+            .expected
+            .insert(profile.to_string(), Arc::new(slots));
+    }
+
+    /// The tokens `profile`'s last restore put back, while no request has checked it.
+    pub fn expected(&self, profile: &str) -> Option<Arc<Vec<Vec<i32>>>> {
+        self.lock().expected.get(profile).cloned()
+    }
+
+    /// The check of `profile`'s last restore, kept with it; for a miss, a warning (and the
+    /// words of the alert) that say what it cost and why it happens.
+    pub fn checked(&self, profile: &str, reused: u64, shared: u64, missed: bool) -> Option<String> {
+        let check = dsv4_client::kv::RestoreCheck {
+            at: unix_now(),
+            reused,
+            shared,
+            missed,
+        };
+        {
+            let mut inner = self.lock();
+            inner.expected.remove(profile);
+            inner.misses += u64::from(missed);
+            if let Some(step) = inner.last_restore.get_mut(profile) {
+                step.check = Some(check.clone());
+            }
+        }
+        let state_dir = self.config.borrow().supervisor.state_dir.clone();
+        let name = profile.to_string();
+        tokio::task::spawn_blocking(move || {
+            if let Err(e) = checks::record(&state_dir, &name, check) {
+                tracing::warn!(
+                    "cannot keep the check of {name}'s restore in {}: {e}",
+                    checks::path(&state_dir).display()
+                );
+            }
+        });
+        if !missed {
+            tracing::info!(
+                profile,
+                "KV checkpoint restore checked: the next request reused {reused} of the \
+                 {shared} tokens it shared with it"
+            );
+            return None;
+        }
+        let message = format!(
+            "profile {profile}: the KV checkpoint restore did nothing: the next request \
+             shared {shared} tokens with it and the engine reused {reused}, so their prefill \
+             ran again. llama-server's slot restore is known to do this on SWA and hybrid \
+             models (llama.cpp #25913, #28194) and on some dense ones (#26676)"
+        );
+        tracing::warn!("{message}");
+        Some(message)
     }
 
     /// A restore put `tokens` back into an engine: counted once, exactly.
@@ -177,6 +250,7 @@ impl Book {
         KvStatus {
             profiles,
             restored_tokens_total: self.restored_tokens_total(),
+            restore_misses_total: self.lock().misses,
         }
     }
 }
@@ -250,6 +324,7 @@ pub fn engine_saved(saved: KvSaved, said: String) -> KvStep {
         ok: saved.ok,
         engine_said: Some(said),
         reason: saved.reason,
+        check: None,
     }
 }
 

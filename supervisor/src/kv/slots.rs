@@ -8,17 +8,16 @@
 //! answers 400; a truncated slot file aborts the engine (so a checkpoint is checked against
 //! its manifest before it is offered, and one whose restore never ended is set aside).
 
-use std::future::Future;
 use std::path::Path;
 use std::sync::Arc;
 use std::time::Duration;
 
-use bytes::Bytes;
 use dsv4_client::kv::KvStep;
 use serde::Deserialize;
 use serde_json::json;
 use tokio::time::Instant;
 
+use super::engine::Engine;
 use super::key::{FileId, Key};
 use super::store::{Manifest, SlotFile, Store, FORMAT};
 use super::Book;
@@ -81,48 +80,6 @@ struct Saved {
 #[derive(Debug, Deserialize)]
 struct Restored {
     n_restored: u64,
-}
-
-/// A running engine as the slot steps reach it (the lifecycle's `EngineRef`): through its
-/// own API, with its key.
-pub trait Engine: Send + Sync {
-    /// One request of dsv4d's own to the engine (a JSON body when given): the status and the
-    /// whole answer.
-    fn call(
-        &self,
-        method: http::Method,
-        path: &str,
-        body: Option<serde_json::Value>,
-    ) -> impl Future<Output = Result<(http::StatusCode, Bytes), String>> + Send;
-
-    /// Whether the engine has exited, or does within `within` (its exit is seen a moment
-    /// after its connections break).
-    fn gone_within(&self, within: Duration) -> impl Future<Output = bool> + Send;
-
-    /// Whether the engine has exited.
-    fn exited(&self) -> bool;
-
-    /// [`Engine::call`], expecting 200 and JSON of type `T`; an error answer says the
-    /// engine's message.
-    fn call_json<T: serde::de::DeserializeOwned>(
-        &self,
-        method: http::Method,
-        path: &str,
-        body: Option<serde_json::Value>,
-    ) -> impl Future<Output = Result<T, String>> + Send {
-        async move {
-            let (status, bytes) = self.call(method, path, body).await?;
-            if status != http::StatusCode::OK {
-                let text = String::from_utf8_lossy(&bytes);
-                let message = serde_json::from_slice::<serde_json::Value>(&bytes)
-                    .ok()
-                    .and_then(|v| v["error"]["message"].as_str().map(String::from))
-                    .unwrap_or_else(|| text.chars().take(200).collect());
-                return Err(format!("{path}: {status}: {message}"));
-            }
-            serde_json::from_slice(&bytes).map_err(|e| format!("{path}: unexpected answer: {e}"))
-        }
-    }
 }
 
 /// The key of the running engine of `profile`.
@@ -209,6 +166,7 @@ fn step(started: Instant, tokens: u64, bytes: u64, ok: bool, result: String) -> 
         ok,
         engine_said: None,
         reason: None,
+        check: None,
     }
 }
 
@@ -271,6 +229,7 @@ pub async fn restore(
     let _ = on_disk(&store, move |s| s.clear_restoring(&id)).await;
     let tokens: u64 = restored.iter().map(|(_, n)| n).sum();
     book.credit(tokens);
+    expect_check(&book, &profile.name, &kv.dir, &m).await;
     let done = step(started, tokens, m.bytes(), true, "restored".into());
     tracing::info!(
         profile = profile.name,
@@ -282,6 +241,31 @@ pub async fn restore(
         m.profile
     );
     done
+}
+
+/// The tokens of each slot of checkpoint `m` (in folder `dir`), which the first request
+/// that shares them checks the restore by ([`super::verify`]); a slot file whose tokens
+/// cannot be read leaves the restore unchecked, and says so.
+async fn expect_check(book: &Book, profile: &str, dir: &Path, m: &Manifest) {
+    let files: Vec<_> = m.slots.iter().map(|s| dir.join(&s.file)).collect();
+    let read = tokio::task::spawn_blocking(move || {
+        files
+            .iter()
+            .map(|f| {
+                let file = std::fs::File::open(f).map_err(|e| e.to_string())?;
+                super::verify::slot_tokens(std::io::BufReader::new(file))
+            })
+            .collect::<Result<Vec<_>, String>>()
+    })
+    .await;
+    match read {
+        Ok(Ok(slots)) => book.expect(profile, slots),
+        Ok(Err(e)) => tracing::info!(
+            "KV checkpoint {}: its tokens cannot be read ({e}); the restore is not checked",
+            m.id
+        ),
+        Err(e) => tracing::info!("KV checkpoint {}: {e}; the restore is not checked", m.id),
+    }
 }
 
 /// The restore of checkpoint `id` marked in its folder `dir` before it begins: without the

@@ -86,7 +86,7 @@ impl EngineRef {
     }
 }
 
-impl crate::kv::slots::Engine for EngineRef {
+impl crate::kv::engine::Engine for EngineRef {
     async fn call(
         &self,
         method: http::Method,

@@ -168,6 +168,13 @@ fn kv_metrics(reg: &mut Registry, kv: &KvStatus) {
         "How long the last KV checkpoint restore of each profile took.",
         Family::<ProfileLabel, FloatGauge>::default(),
     );
+    let reused = add(
+        reg,
+        "dsv4_kv_restore_reused_tokens",
+        "Of each profile's last KV checkpoint restore, the tokens the engine took from the \
+         cache for the first request that shared them.",
+        Family::<ProfileLabel, Gauge>::default(),
+    );
     for p in &kv.profiles {
         let label = ProfileLabel {
             profile: p.profile.clone(),
@@ -181,8 +188,21 @@ fn kv_metrics(reg: &mut Registry, kv: &KvStatus) {
         }
         if let Some(step) = &p.last_restore {
             restore.get_or_create(&label).set(step.seconds);
+            if let Some(c) = &step.check {
+                reused
+                    .get_or_create(&label)
+                    .set(i64::try_from(c.reused).unwrap_or(i64::MAX));
+            }
         }
     }
+    add(
+        reg,
+        "dsv4_kv_restore_misses",
+        "KV checkpoint restores the engine did not use: the first request that shared the \
+         restored tokens had less than half of them taken from the cache.",
+        Counter::<u64>::default(),
+    )
+    .inc_by(kv.restore_misses_total);
     // OpenMetrics adds `_total` to a counter's samples.
     add(
         reg,
@@ -708,7 +728,7 @@ mod tests {
 
     #[test]
     fn kv_checkpoint_figures_are_exported() {
-        use dsv4_client::kv::{KvCheckpoint, KvProfile, KvStep};
+        use dsv4_client::kv::{KvCheckpoint, KvProfile, KvStep, RestoreCheck};
         let kv = KvStatus {
             profiles: vec![KvProfile {
                 profile: "320k".into(),
@@ -722,11 +742,17 @@ mod tests {
                 }),
                 last_restore: Some(KvStep {
                     seconds: 0.75,
+                    check: Some(RestoreCheck {
+                        reused: 2799,
+                        shared: 2800,
+                        ..RestoreCheck::default()
+                    }),
                     ..KvStep::default()
                 }),
                 ..KvProfile::default()
             }],
             restored_tokens_total: 2802,
+            restore_misses_total: 3,
         };
         let text = render(
             &Status::stopped("320k"),
@@ -743,6 +769,8 @@ mod tests {
             "dsv4_kv_save_seconds{profile=\"320k\"} 2.5",
             "dsv4_kv_restore_seconds{profile=\"320k\"} 0.75",
             "dsv4_kv_restored_tokens_total 2802",
+            "dsv4_kv_restore_reused_tokens{profile=\"320k\"} 2799",
+            "dsv4_kv_restore_misses_total 3",
         ] {
             assert!(got.contains(&line), "no {line} in\n{text}");
         }

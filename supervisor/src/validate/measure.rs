@@ -17,7 +17,7 @@ use http_body_util::BodyExt;
 use serde_json::{json, Value};
 use tokio::time::Instant;
 
-use crate::kv::slots::Engine as _;
+use crate::kv::engine::Engine as _;
 use crate::lifecycle::engine_ref::EngineRef;
 
 use super::{DECODE_PROMPT, DECODE_TOKENS};

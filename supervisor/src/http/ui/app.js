@@ -37,6 +37,12 @@ function ago(at) {
   return brief(Date.now() / 1000 - at) + " ago";
 }
 
+// A restore's check by the first request that shared its tokens (empty until one has).
+function checked(c) {
+  if (!c) return "";
+  return (c.missed ? "; MISSED: " : "; ") + "reused " + c.reused + " of " + c.shared + " shared tokens";
+}
+
 function cell(row, text) {
   const td = document.createElement("td");
   td.textContent = text;
@@ -330,7 +336,7 @@ function showStatus(doc) {
     cell(row, c ? size(c.bytes) : "-");
     cell(row, c ? ago(c.saved_at) : "-");
     cell(row, p.last_save ? p.last_save.result + ", " + ago(p.last_save.at) : "-");
-    cell(row, p.last_restore ? p.last_restore.result + ", " + ago(p.last_restore.at) : "-");
+    cell(row, p.last_restore ? p.last_restore.result + ", " + ago(p.last_restore.at) + checked(p.last_restore.check) : "-");
   }
 
   const th = doc.thermal;

@@ -25,6 +25,7 @@ pub struct Handle {
     pub(super) gate: Arc<Gate>,
     pub(super) loading: watch::Receiver<Option<crate::lifecycle::loading::Loading>>,
     pub(super) workers: crate::lifecycle::workers::WorkerBook,
+    pub(super) alerts: crate::lifecycle::alert::Alerts,
 }
 
 struct CancelOnDrop<'a> {
@@ -58,6 +59,11 @@ impl Handle {
     /// The KV checkpoint steps' record.
     pub fn kv(&self) -> &crate::kv::Book {
         &self.kv
+    }
+
+    /// Where alerts are raised (the notify agent's and `/status`'s).
+    pub fn alerts(&self) -> &crate::lifecycle::alert::Alerts {
+        &self.alerts
     }
 
     /// Waits until the engine is ready (starting it if needed) and takes a lease on it.

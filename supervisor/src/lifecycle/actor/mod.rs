@@ -127,7 +127,7 @@ pub fn spawn(
         status: status_tx,
         figures: figures_tx.clone(),
         shutdown_done: Vec::new(),
-        alerts,
+        alerts: alerts.clone(),
         sysroot,
         key_folder,
         trial,
@@ -160,6 +160,7 @@ pub fn spawn(
         gate,
         loading: loading_rx,
         workers: worker_book,
+        alerts,
     };
     (handle, task)
 }
