@@ -92,3 +92,99 @@ async fn each_start_says_how_much_of_the_model_was_cached_and_keeps_it_with_its_
         .collect();
     assert_eq!(classes, ["cold", "warm"], "{book}");
 }
+
+/// The fake engine's model file of profile 320k made `mib` MiB on the disk, out of the page
+/// cache (the fake engine never reads it: only dsv4d's prewarm can bring it back).
+fn evicted_model(d: &Daemon, mib: usize) -> std::path::PathBuf {
+    let model = d.dir().join("profiles/models/320k.gguf");
+    let mut bytes = b"GGUF".to_vec();
+    bytes.resize(mib << 20, 0);
+    std::fs::write(&model, &bytes).unwrap();
+    std::fs::File::open(&model).unwrap().sync_all().unwrap();
+    evict(&model);
+    model
+}
+
+/// Waits until the daemon's log has a line with `needle`; that line.
+async fn log_line(d: &Daemon, needle: &str) -> String {
+    let t = std::time::Instant::now();
+    loop {
+        if let Some(line) = d.log().lines().find(|l| l.contains(needle)) {
+            return line.to_string();
+        }
+        assert!(t.elapsed() < PATIENCE, "no {needle:?} in\n{}", d.log());
+        tokio::time::sleep(std::time::Duration::from_millis(50)).await;
+    }
+}
+
+/// With `engine.prewarm`, after the idle stop the model evicted while the engine ran is read
+/// back into the page cache, as fincore sees it.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn after_an_idle_stop_prewarm_reads_an_evicted_model_back() {
+    let s = Setup::default()
+        .engine("idle_timeout", "1s")
+        .engine("prewarm", "true");
+    let d = Daemon::start(&s);
+    let model = evicted_model(&d, 32);
+    chat(&d).await;
+    evict(&model);
+    assert!(fincore(&model) < 1 << 20, "{}", fincore(&model));
+    let said = log_line(&d, "prewarm: read ").await;
+    // (Of 32 MiB: read, or found there after the kernel read ahead of a chunk.)
+    assert!(
+        said.contains(" of 32.0 MiB") && said.contains(": done"),
+        "{said}"
+    );
+    let size = std::fs::metadata(&model).unwrap().len();
+    assert_eq!(fincore(&model), size, "{said}");
+    assert_eq!(d.status().await["state"], "stopped");
+}
+
+/// It reads no more than the memory available beyond `memory.reserve` (a fixture meminfo
+/// with 12 MiB beyond it): one chunk of 8 MiB, and it says why it stopped.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn prewarm_stops_at_the_memory_limit() {
+    let tree = fixture_copy("strix-halo");
+    let s = Setup::default()
+        .args(&["--sysroot", tree.path().to_str().unwrap()])
+        .engine("idle_timeout", "1s")
+        .engine("prewarm", "true")
+        .top_level("memory", "{ reserve: 1GiB, return_timeout: 1s }");
+    let d = Daemon::start(&s);
+    let model = evicted_model(&d, 64);
+    chat(&d).await;
+    evict(&model);
+    // While the engine runs, the box's memory runs short: 1 GiB and 12 MiB available.
+    let meminfo = tree.path().join("proc/meminfo");
+    let text = std::fs::read_to_string(&meminfo).unwrap();
+    let text = text.replace(
+        "MemAvailable:   118012544 kB",
+        "MemAvailable:    1060864 kB",
+    );
+    assert!(
+        text.contains("1060864"),
+        "the fixture's MemAvailable changed"
+    );
+    std::fs::write(&meminfo, text).unwrap();
+    let said = log_line(&d, "prewarm: read ").await;
+    assert!(
+        said.contains("read 8.0 MiB of 64.0 MiB")
+            && said
+                .contains("stopped at the memory limit: 12.0 MiB available beyond memory.reserve"),
+        "{said}"
+    );
+    assert!(fincore(&model) < 32 << 20, "{}", fincore(&model));
+}
+
+/// Without `engine.prewarm` nothing is read back.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn without_prewarm_an_evicted_model_stays_out_of_the_page_cache() {
+    let d = Daemon::start(&Setup::default().engine("idle_timeout", "1s"));
+    let model = evicted_model(&d, 32);
+    chat(&d).await;
+    evict(&model);
+    d.wait_state(State::Stopped, PATIENCE).await;
+    tokio::time::sleep(std::time::Duration::from_secs(2)).await;
+    assert!(!d.log().contains("prewarm:"), "{}", d.log());
+    assert!(fincore(&model) < 1 << 20, "{}", fincore(&model));
+}

@@ -596,12 +596,7 @@ async fn the_load_is_timed_warm_then_with_the_model_dropped_from_the_page_cache(
     assert_eq!(load.read_back, 8 << 20, "{load:?}");
     let stderr = text(&out.stderr);
     assert!(stderr.contains("read back into the page cache"), "{stderr}");
-    let out = Command::new("fincore")
-        .args(["--bytes", "--noheadings", "--output", "RES"])
-        .arg(&model)
-        .output()
-        .expect("fincore (util-linux)");
-    let resident: u64 = text(&out.stdout).trim().parse().unwrap_or(0);
+    let resident = fincore(&model);
     assert!(
         resident >= load.cached_before_warm,
         "the model is not back in the page cache ({resident} bytes): {load:?}"

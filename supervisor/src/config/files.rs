@@ -135,6 +135,17 @@ fn check_shards(shown: &Shown, model: &Path) -> Option<String> {
     })
 }
 
+/// The files `profile`'s engine reads at load: the model (every shard) and the vision
+/// projector.
+pub fn load_files(profile: &super::Profile) -> Vec<PathBuf> {
+    let mut files = Vec::new();
+    if let Some(model) = &profile.params.model {
+        files.extend(model_files(model));
+    }
+    files.extend(profile.params.mmproj.iter().cloned());
+    files
+}
+
 /// Every file of the model named `model`: its shards when it is the first of several
 /// (`name-00001-of-00004.gguf`), else itself.
 pub fn model_files(model: &Path) -> Vec<PathBuf> {

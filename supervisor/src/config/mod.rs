@@ -12,7 +12,8 @@
 mod error;
 mod files;
 pub use files::{
-    find_in_path, is_credential, model_files, program_search_path, same_file, shared_key_file,
+    find_in_path, is_credential, load_files, model_files, program_search_path, same_file,
+    shared_key_file,
 };
 mod load;
 pub mod matrix;
@@ -310,6 +311,10 @@ pub struct EngineLimits {
     /// Requests held while the engine starts; beyond that, 503 with Retry-After.
     #[default = 256]
     pub max_waiting: usize,
+    /// After a stop that leaves the engine stopped (the idle stop), once its memory is back,
+    /// read the model's files back into the page cache (see [`crate::host::prewarm`]).
+    #[serde(deserialize_with = "raw::flag")]
+    pub prewarm: bool,
 }
 
 /// `power:`.

@@ -187,6 +187,7 @@ kv_checkpoint: {{ dir: kv, max_size: 40GiB, save_timeout: 90s }}
                 idle_timeout: Duration::from_secs(5400),
                 stop_timeout: Duration::from_secs(30),
                 max_waiting: 8,
+                prewarm: false,
             },
             profiles_dir: profiles_dir.clone(),
             default_profile: "small".into(),
@@ -698,7 +699,7 @@ fn unknown_key_is_reported_with_position_and_path() {
         errors(load_text_only(&file)),
         [
             "supervisor.yaml:4:3: engine.idle_timout: unknown key `idle_timout`, expected one \
-             of `start_timeout`, `idle_timeout`, `stop_timeout`, `max_waiting`; \
+             of `start_timeout`, `idle_timeout`, `stop_timeout`, `max_waiting`, `prewarm`; \
              did you mean `idle_timeout`?",
             "profiles/320k.yaml:3:1: modle: unknown key `modle`, expected one of \
              `description`, `engine`, `command`, `model`, `mmproj`, `context`, `parallel`, \

@@ -9,6 +9,7 @@ pub mod hw;
 pub mod keys;
 pub mod load_times;
 pub mod pagecache;
+pub mod prewarm;
 pub mod regular;
 pub mod run;
 pub mod state_file;

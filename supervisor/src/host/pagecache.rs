@@ -43,11 +43,7 @@ impl Residency {
 pub fn residency(path: &Path) -> std::io::Result<Residency> {
     let file = std::fs::File::open(path)?;
     let size = file.metadata()?.len();
-    let page = nix::unistd::sysconf(nix::unistd::SysconfVar::PAGE_SIZE)
-        .ok()
-        .flatten()
-        .and_then(|p| u64::try_from(p).ok())
-        .unwrap_or(4096);
+    let page = page_size();
     let mut resident = 0u64;
     let mut at = 0u64;
     while at < size {
@@ -59,6 +55,21 @@ pub fn residency(path: &Path) -> std::io::Result<Residency> {
         resident: resident.min(size),
         size,
     })
+}
+
+fn page_size() -> u64 {
+    nix::unistd::sysconf(nix::unistd::SysconfVar::PAGE_SIZE)
+        .ok()
+        .flatten()
+        .and_then(|p| u64::try_from(p).ok())
+        .unwrap_or(4096)
+}
+
+/// The bytes of the `len` bytes of `file` from `at` (a multiple of the page size, at most a
+/// GiB) that are in the page cache, a page counting whole.
+pub fn resident_in(file: &std::fs::File, at: u64, len: u64) -> std::io::Result<u64> {
+    let page = page_size();
+    Ok((window(file, at, len, page)? * page).min(len))
 }
 
 /// The resident pages of the `len` bytes of `file` from `at` (a multiple of the page size).

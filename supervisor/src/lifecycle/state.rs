@@ -528,6 +528,11 @@ impl Machine {
         )
     }
 
+    /// Critically hot: no engine starts (see [`Event::Heat`]).
+    pub fn is_hot(&self) -> bool {
+        self.hot.is_some()
+    }
+
     pub fn phase(&self) -> &Phase {
         &self.phase
     }

@@ -10,19 +10,7 @@
 
 use std::path::PathBuf;
 
-use crate::config::Profile;
 use crate::host::pagecache;
-
-/// The files of `profile` its engine reads at load: the model (every shard) and the vision
-/// projector.
-pub fn files(profile: &Profile) -> Vec<PathBuf> {
-    let mut files = Vec::new();
-    if let Some(model) = &profile.params.model {
-        files.extend(crate::config::model_files(model));
-    }
-    files.extend(profile.params.mmproj.iter().cloned());
-    files
-}
 
 /// Asks the kernel to drop `files` from the page cache: how many bytes they hold in all.
 /// A file that cannot be opened or advised is an error naming it.

@@ -420,7 +420,12 @@ impl Validator {
 
     /// The files of `profile`'s model.
     fn files(&self, profile: &str) -> Vec<PathBuf> {
-        let files = self.0.config.borrow().profile(profile).map(load::files);
+        let files = self
+            .0
+            .config
+            .borrow()
+            .profile(profile)
+            .map(crate::config::load_files);
         files.unwrap_or_default()
     }
 

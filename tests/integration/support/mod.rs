@@ -1275,3 +1275,16 @@ pub async fn post_text(url: &str, headers: &[(&str, &str)], body: &str) -> (u16,
     let bytes = resp.into_body().collect().await.unwrap().to_bytes();
     (status, String::from_utf8_lossy(&bytes).into_owned())
 }
+
+/// Bytes of `path` in the page cache, as `fincore` (util-linux) says: not dsv4d's own figure.
+pub fn fincore(path: &Path) -> u64 {
+    let out = std::process::Command::new("fincore")
+        .args(["--bytes", "--noheadings", "--output", "RES"])
+        .arg(path)
+        .output()
+        .expect("fincore (util-linux)");
+    String::from_utf8_lossy(&out.stdout)
+        .trim()
+        .parse()
+        .unwrap_or(0)
+}

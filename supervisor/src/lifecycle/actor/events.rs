@@ -10,10 +10,10 @@ use nix::sys::signal::Signal;
 use tokio::sync::watch;
 use tokio::time::Instant;
 
-use super::memory::memory_comes_back;
+use super::memory::{memory_comes_back, Prewarm};
 use super::messages::{Command, Internal, PortLook};
 use super::{Actor, Engine, Reply, PORT_TRIES};
-use crate::lifecycle::state::{EngineFailure, Event, Gen, Phase};
+use crate::lifecycle::state::{EngineFailure, Event, Gen, Phase, Then};
 use crate::lifecycle::{ControlError, ERROR_TAIL_LINES};
 
 impl Actor {
@@ -257,9 +257,34 @@ impl Actor {
         };
         let (next_tx, next) = watch::channel(false);
         self.next_spawned = Some(next_tx);
-        tokio::spawn(memory_comes_back(
-            sysroot, before, profile, within, alerts, settled, next,
-        ));
+        let prewarm = self.prewarm_for(e);
+        let next_for_prewarm = next.clone();
+        tokio::spawn(async move {
+            memory_comes_back(sysroot, before, profile, within, alerts, settled, next).await;
+            if let Some(p) = prewarm {
+                p.start(next_for_prewarm);
+            }
+        });
+    }
+
+    /// The model of `e` to read back into the page cache once its memory is back: with
+    /// `engine.prewarm`, after a stop that leaves the engine stopped (the idle stop, an
+    /// operator's), not one for heat.
+    fn prewarm_for(&self, e: &Engine) -> Option<Prewarm> {
+        let stays_stopped = matches!(
+            self.machine.phase(),
+            Phase::Stopping {
+                then: Then::Idle,
+                ..
+            }
+        );
+        let settings = &self.config.supervisor;
+        (settings.engine.prewarm && stays_stopped && !self.machine.is_hot()).then(|| Prewarm {
+            files: crate::config::load_files(&e.spawned),
+            sysroot: self.sysroot.clone(),
+            reserve: settings.memory.reserve,
+            profile: e.spawned.name.clone(),
+        })
     }
 
     /// An engine's end, told in the journal (and, when it was serving, as an alert), and as

@@ -7,6 +7,7 @@ use dsv4_client::AlertKind;
 use tokio::sync::watch;
 use tokio::time::Instant;
 
+use crate::host::prewarm;
 use crate::host::sysroot::SysRoot;
 use crate::lifecycle::alert::Alerts;
 
@@ -120,4 +121,44 @@ pub(super) async fn memory_now_off_thread(sysroot: &SysRoot) -> MemoryFigures {
     tokio::task::spawn_blocking(move || crate::host::hw::memory_now(&root))
         .await
         .unwrap_or_default()
+}
+
+/// A model to read back into the page cache once its engine's memory is back
+/// (`engine.prewarm`, see [`crate::host::prewarm`]).
+pub(super) struct Prewarm {
+    pub files: Vec<std::path::PathBuf>,
+    pub sysroot: SysRoot,
+    pub reserve: u64,
+    pub profile: String,
+}
+
+impl Prewarm {
+    /// Reads on a thread of its own at idle I/O priority, until it is done or `next` says the
+    /// next engine is starting; nothing when it already is.
+    pub(super) fn start(self, next: watch::Receiver<bool>) {
+        if *next.borrow() {
+            return;
+        }
+        let spawned = std::thread::Builder::new()
+            .name("dsv4-prewarm".into())
+            .spawn(move || {
+                if let Err(e) = prewarm::idle_io_priority() {
+                    tracing::debug!("prewarm: the idle I/O class was refused: {e}");
+                }
+                let profile = self.profile;
+                tracing::info!(
+                    profile,
+                    "prewarm: reading the model's files back into the page cache"
+                );
+                let started = || *next.borrow();
+                let r = prewarm::run(&self.files, &self.sysroot, self.reserve, &started);
+                match r.ended {
+                    prewarm::Ended::Failed(_) => tracing::warn!(profile, "prewarm: {}", r.said()),
+                    _ => tracing::info!(profile, "prewarm: {}", r.said()),
+                }
+            });
+        if let Err(e) = spawned {
+            tracing::warn!("prewarm: cannot start its thread: {e}");
+        }
+    }
 }
