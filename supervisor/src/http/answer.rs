@@ -331,8 +331,9 @@ impl Tapped {
             let wall = self.started.elapsed().as_secs_f64();
             let now = dsv4_client::clock::unix_now();
             let resources = self.telemetry.resources(now - wall, now);
-            if let Some(check) = self.check {
-                tokio::spawn(check.run(self.profile.clone(), self.path.clone(), t.cache_n));
+            // (A body dropped as the runtime shuts down has no runtime to check on.)
+            if let (Some(check), Ok(rt)) = (self.check, tokio::runtime::Handle::try_current()) {
+                rt.spawn(check.run(self.profile.clone(), self.path.clone(), t.cache_n));
             }
             self.stats
                 .record(self.profile, self.path, &t, wall * 1000.0, Some(resources));
