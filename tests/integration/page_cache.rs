@@ -137,7 +137,7 @@ async fn after_an_idle_stop_prewarm_reads_an_evicted_model_back() {
     );
     let size = std::fs::metadata(&model).unwrap().len();
     assert_eq!(fincore(&model), size, "{said}");
-    assert_eq!(d.status().await["state"], "stopped");
+    assert_eq!(d.status().await["state"], State::Stopped.as_str());
 }
 
 /// It reads no more than the memory available beyond `memory.reserve` (a fixture meminfo
