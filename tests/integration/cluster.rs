@@ -170,11 +170,8 @@ async fn a_wrong_key_fails_the_start_naming_the_box() {
             && message.contains("peers.keys_file"),
         "{v}"
     );
-    assert!(
-        w.log().contains("the key is not one of peers.keys_file"),
-        "{}",
-        w.log()
-    );
+    // Its lines reach the test a moment after the worker acts: waited for.
+    w.log_with(&["the key is not one of peers.keys_file"]).await;
     assert!(!w.log().contains("starting engine:"), "{}", w.log());
     let status = c.status().await;
     assert_eq!(status["workers"][0]["state"], "lost", "{status}");
@@ -762,7 +759,7 @@ async fn the_coordinators_doctor_checks_each_worker_box() {
             .any(|c| c["id"].as_str().unwrap_or_default().starts_with("workers.")),
         "{alone:#?}"
     );
-    assert!(w.log().contains("checks profile rpc"), "{}", w.log());
+    w.log_with(&["checks profile rpc"]).await;
 
     // A key the worker does not hold: refused, by name.
     let wrong_dir = temp_dir("cluster-wrong-key");

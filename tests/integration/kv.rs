@@ -212,11 +212,7 @@ async fn each_restore_is_checked_by_the_next_request_and_a_miss_is_told() {
     ] {
         assert!(metrics.contains(line), "no {line} in\n{metrics}");
     }
-    assert!(
-        d.log().contains("the KV checkpoint restore did nothing"),
-        "{}",
-        d.log()
-    );
+    d.log_with(&["the KV checkpoint restore did nothing"]).await;
     let alert = tokio::time::timeout(PATIENCE, alerts.next())
         .await
         .unwrap_or_else(|_| panic!("no Alert\n{}", d.log()))
