@@ -2,8 +2,8 @@
 //! decides whether the next engine load is warm or cold. An 80 GiB GGUF loads in seconds
 //! from the page cache and in a minute or more from the disk.
 //!
-//! Owns: the measure, and the two ways a validation's cold-load test changes what the cache
-//! holds ([`evict`], then [`read_in`]). Must not: read the file's data (a map that is never
+//! Owns: the measure, and the eviction of a validation's cold-load test ([`evict`]; reading
+//! back is [`crate::host::prewarm`]'s). Must not: read the file's data (a map that is never
 //! touched faults nothing in), or change what the cache holds for anything else.
 
 use std::os::fd::AsFd;
@@ -106,32 +106,13 @@ fn window(file: &std::fs::File, at: u64, len: u64, page: u64) -> std::io::Result
 }
 
 /// Drops `path`'s pages from the page cache (`POSIX_FADV_DONTNEED`; clean pages only): for
-/// the tests and a validation's cold-load test (which reads them back, [`read_in`]), never
-/// for a load of the user's.
+/// the tests and a validation's cold-load test (which reads them back with
+/// [`crate::host::prewarm::run`]), never for a load of the user's.
 pub fn evict(path: &Path) -> std::io::Result<()> {
     use nix::fcntl::{posix_fadvise, PosixFadviseAdvice};
     let file = std::fs::File::open(path)?;
     posix_fadvise(file.as_fd(), 0, 0, PosixFadviseAdvice::POSIX_FADV_DONTNEED)
         .map_err(std::io::Error::from)
-}
-
-/// Reads `path` through the page cache, so that its pages are there after: how many bytes
-/// were read. For a validation's cold-load test, which gives back what it dropped. (Not
-/// `POSIX_FADV_WILLNEED`: the kernel reads ahead at most its readahead window for it, 8 MiB
-/// of a 24 MiB file here, however large the range asked.)
-pub fn read_in(path: &Path) -> std::io::Result<u64> {
-    use std::io::Read;
-    let mut file = std::fs::File::open(path)?;
-    let mut buf = vec![0u8; 1 << 20];
-    let mut total = 0u64;
-    loop {
-        match file.read(&mut buf) {
-            Ok(0) => return Ok(total),
-            Ok(n) => total += n as u64,
-            Err(e) if e.kind() == std::io::ErrorKind::Interrupted => {}
-            Err(e) => return Err(e),
-        }
-    }
 }
 
 #[cfg(test)]
@@ -184,8 +165,14 @@ mod tests {
         let again = residency(&path).unwrap();
         assert!(again.resident.abs_diff(fincore(&path)) <= page, "{again:?}");
         assert!(again.resident < warm.resident, "{again:?} {warm:?}");
-        // Read back in: warm again.
-        assert_eq!(read_in(&path).unwrap(), size);
+        // Read back in (as a validation's cold-load test does): warm again.
+        let root = crate::host::sysroot::SysRoot::new(concat!(
+            env!("CARGO_MANIFEST_DIR"),
+            "/../tests/fixtures/sysfs/strix-halo"
+        ))
+        .unwrap();
+        let r = crate::host::prewarm::run(std::slice::from_ref(&path), &root, 0, &|| false);
+        assert_eq!(r.read + r.found, size, "{r:?}");
         let back = residency(&path).unwrap();
         assert!(back.percent() > 99.0, "{back:?}");
         assert!(back.resident.abs_diff(fincore(&path)) <= page, "{back:?}");

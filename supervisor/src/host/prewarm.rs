@@ -1,6 +1,6 @@
 //! Reading a model back into the page cache after an idle stop (`engine.prewarm`), so that
 //! the next load is warm: an 80 GiB GGUF loads in seconds from the page cache and in a minute
-//! or more from the disk.
+//! or more from the disk. A validation's cold-load test reads the model back with it too.
 //!
 //! Owns: the reading, on a thread of its own at idle I/O priority, chunk by chunk, and why it
 //! stopped. Must not: push out what the box needs (it reads no more than the memory available

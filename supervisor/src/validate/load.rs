@@ -28,22 +28,6 @@ pub fn drop_from_cache(files: &[PathBuf]) -> Result<u64, String> {
     Ok(bytes)
 }
 
-/// Reads `files` back into the page cache: how many bytes were read. A file that cannot be
-/// read is logged and skipped: the test's figures stand without it.
-pub fn read_back(files: &[PathBuf]) -> u64 {
-    let mut bytes = 0;
-    for path in files {
-        match pagecache::read_in(path) {
-            Ok(len) => bytes += len,
-            Err(e) => tracing::warn!(
-                "validate: cannot read {} back into the page cache: {e}",
-                path.display()
-            ),
-        }
-    }
-    bytes
-}
-
 /// How many bytes of `files` are in the page cache (`mincore`; nothing is read). A file
 /// that cannot be looked at counts as none.
 pub fn cached(files: &[PathBuf]) -> u64 {

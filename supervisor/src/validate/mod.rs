@@ -599,10 +599,19 @@ impl Validator {
                 0,
             ),
             _ => {
-                let asked = files.to_vec();
-                let bytes = tokio::task::spawn_blocking(move || load::read_back(&asked))
-                    .await
-                    .unwrap_or_default();
+                let (asked, root) = (files.to_vec(), self.0.sysroot.clone());
+                let read = tokio::task::spawn_blocking(move || {
+                    crate::host::prewarm::run(&asked, &root, reserve, &|| false)
+                })
+                .await;
+                let bytes = match read {
+                    Ok(r) if r.ended == crate::host::prewarm::Ended::Done => r.read + r.found,
+                    Ok(r) => {
+                        tracing::warn!("validate: the model's files: {}", r.said());
+                        r.read + r.found
+                    }
+                    Err(_) => 0,
+                };
                 let said = format!(
                     "the model's {} read back into the page cache: it held {} of them before \
                      the test, {} after the cold load",
