@@ -91,14 +91,6 @@ impl Reloader {
             }
         };
         let mut watched: Vec<PathBuf> = Vec::new();
-        if let Some(w) = watcher.as_mut() {
-            self.watch_folders(w, &mut watched);
-        }
-        // A change made between the start's load and the watch above was seen by nobody.
-        if self.changed_since_load().await {
-            self.reload("a configuration file changed as dsv4d started")
-                .await;
-        }
         loop {
             if let Some(w) = watcher.as_mut() {
                 self.watch_folders(w, &mut watched);
@@ -117,18 +109,6 @@ impl Reloader {
                 _ = self.config.closed() => return,
             };
             self.reload(why).await;
-        }
-    }
-
-    /// Whether the files now read otherwise than the configuration in force.
-    async fn changed_since_load(&self) -> bool {
-        let path = self.path.clone();
-        let now = tokio::task::spawn_blocking(move || Config::load_for_reload(&path)).await;
-        match now {
-            Ok(Ok(now)) => now != **self.config.borrow(),
-            // A problem is the reload's to tell.
-            Ok(Err(_)) => true,
-            Err(_) => false,
         }
     }
 
@@ -360,55 +340,6 @@ mod tests {
 
     fn ev(kind: EventKind, path: &str) -> notify::Event {
         notify::Event::new(kind).add_path(path.into())
-    }
-
-    /// A copy of a good fixture configuration in a folder of its own.
-    fn good_config() -> (tempfile::TempDir, PathBuf) {
-        let fixture = Path::new(concat!(
-            env!("CARGO_MANIFEST_DIR"),
-            "/../tests/fixtures/config/good/openai"
-        ));
-        let dir = tempfile::tempdir().unwrap();
-        let copy = std::process::Command::new("cp")
-            .arg("-a")
-            .arg(fixture.join("."))
-            .arg(dir.path())
-            .status()
-            .unwrap();
-        assert!(copy.success());
-        let path = dir.path().join("supervisor.yaml");
-        (dir, path)
-    }
-
-    /// A change made between the start's load and the watch (no file event comes for it) is
-    /// applied all the same: the reloader compares the files with the configuration in force
-    /// once it watches.
-    #[tokio::test]
-    async fn a_change_made_before_the_watch_began_is_applied() {
-        let (_dir, path) = good_config();
-        let loaded = Config::load(&path).unwrap();
-        assert_ne!(
-            loaded.supervisor.engine.idle_timeout,
-            Duration::from_secs(7 * 60)
-        );
-        let text = std::fs::read_to_string(&path).unwrap();
-        std::fs::write(&path, format!("{text}engine: {{ idle_timeout: 7m }}\n")).unwrap();
-        let (tx, mut rx) = watch::channel(Arc::new(loaded));
-        let reloader = Reloader {
-            path,
-            config: tx,
-            alerts: Alerts::default(),
-        };
-        tokio::spawn(reloader.run());
-        let applied = tokio::time::timeout(
-            Duration::from_secs(20),
-            rx.wait_for(|c| c.supervisor.engine.idle_timeout == Duration::from_secs(7 * 60)),
-        )
-        .await;
-        assert!(
-            applied.is_ok_and(|r| r.is_ok()),
-            "the change was not applied"
-        );
     }
 
     #[test]
