@@ -195,7 +195,11 @@ async fn a_wrong_key_fails_the_start_naming_the_box() {
         assert!(t.elapsed() < PATIENCE, "{v}\n{}", w.log());
         tokio::time::sleep(Duration::from_millis(200)).await;
     }
-    let reads = w.log().matches("peer keys required: 1 key(s)").count();
+    let reads = w
+        .log_with_count("peer keys required: 1 key(s)", 2)
+        .await
+        .matches("peer keys required: 1 key(s)")
+        .count();
     assert_eq!(
         reads,
         2,

@@ -121,14 +121,18 @@ async fn log_line(d: &Daemon, needle: &str) -> String {
 /// back into the page cache, as fincore sees it.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn after_an_idle_stop_prewarm_reads_an_evicted_model_back() {
-    let s = Setup::default()
-        .engine("idle_timeout", "1s")
-        .engine("prewarm", "true");
-    let d = Daemon::start(&s);
+    let setup = |idle: &str| {
+        Setup::default()
+            .engine("idle_timeout", idle)
+            .engine("prewarm", "true")
+    };
+    let d = Daemon::start(&setup("1h"));
     let model = evicted_model(&d, 32);
     chat(&d).await;
     evict(&model);
     assert!(fincore(&model) < 1 << 20, "{}", fincore(&model));
+    // Only then the idle stop: a timeout of a second, taken at once by a reload.
+    d.reconfigure(&setup("1s")).await;
     let said = log_line(&d, "prewarm: read ").await;
     // (Of 32 MiB: read, or found there after the kernel read ahead of a chunk.)
     assert!(
@@ -145,12 +149,14 @@ async fn after_an_idle_stop_prewarm_reads_an_evicted_model_back() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn prewarm_stops_at_the_memory_limit() {
     let tree = fixture_copy("strix-halo");
-    let s = Setup::default()
-        .args(&["--sysroot", tree.path().to_str().unwrap()])
-        .engine("idle_timeout", "1s")
-        .engine("prewarm", "true")
-        .top_level("memory", "{ reserve: 1GiB, return_timeout: 1s }");
-    let d = Daemon::start(&s);
+    let setup = |idle: &str| {
+        Setup::default()
+            .args(&["--sysroot", tree.path().to_str().unwrap()])
+            .engine("idle_timeout", idle)
+            .engine("prewarm", "true")
+            .top_level("memory", "{ reserve: 1GiB, return_timeout: 1s }")
+    };
+    let d = Daemon::start(&setup("1h"));
     let model = evicted_model(&d, 64);
     chat(&d).await;
     evict(&model);
@@ -166,6 +172,8 @@ async fn prewarm_stops_at_the_memory_limit() {
         "the fixture's MemAvailable changed"
     );
     std::fs::write(&meminfo, text).unwrap();
+    // Only then the idle stop: a timeout of a second, taken at once by a reload.
+    d.reconfigure(&setup("1s")).await;
     let said = log_line(&d, "prewarm: read ").await;
     assert!(
         said.contains("read 8.0 MiB of 64.0 MiB")

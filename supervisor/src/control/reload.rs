@@ -63,6 +63,13 @@ fn relevant(ev: &notify::Event, config_file: &Path, dropins: &Path) -> bool {
     })
 }
 
+/// Logs the folders watched from now on, when they changed.
+fn tell_watched(shown: Option<String>) {
+    if let Some(shown) = shown {
+        tracing::debug!("watching for configuration changes: {shown}");
+    }
+}
+
 impl Reloader {
     /// Runs until the config watch has no receivers left.
     pub async fn run(self) {
@@ -91,19 +98,33 @@ impl Reloader {
             }
         };
         let mut watched: Vec<PathBuf> = Vec::new();
+        let first = watcher
+            .as_mut()
+            .and_then(|w| self.watch_folders(w, &mut watched));
+        // A change made between the start's load and the watch above was seen by nobody. The
+        // watch is told only after this compare: a change made from then on comes as an event.
+        if self.changed_since_load().await {
+            self.reload("a configuration file changed as dsv4d started")
+                .await;
+        }
+        tell_watched(first);
         loop {
-            if let Some(w) = watcher.as_mut() {
-                self.watch_folders(w, &mut watched);
-            }
+            tell_watched(
+                watcher
+                    .as_mut()
+                    .and_then(|w| self.watch_folders(w, &mut watched)),
+            );
             let why = tokio::select! {
                 _ = async { hup.as_mut().unwrap().recv().await }, if hup.is_some() => "SIGHUP",
                 Some(()) = rx.recv() => {
                     while let Ok(Some(())) = tokio::time::timeout(DEBOUNCE, rx.recv()).await {}
                     // A drop-in folder just made is watched before it is read, so that a file
                     // written into it from now on is seen.
-                    if let Some(w) = watcher.as_mut() {
-                        self.watch_folders(w, &mut watched);
-                    }
+                    tell_watched(
+                        watcher
+                            .as_mut()
+                            .and_then(|w| self.watch_folders(w, &mut watched)),
+                    );
                     "a configuration file changed"
                 }
                 _ = self.config.closed() => return,
@@ -112,9 +133,26 @@ impl Reloader {
         }
     }
 
+    /// Whether the files now read otherwise than the configuration in force.
+    async fn changed_since_load(&self) -> bool {
+        let path = self.path.clone();
+        let now = tokio::task::spawn_blocking(move || Config::load_for_reload(&path)).await;
+        match now {
+            Ok(Ok(now)) => now != **self.config.borrow(),
+            // A problem is the reload's to tell.
+            Ok(Err(_)) => true,
+            Err(_) => false,
+        }
+    }
+
     /// Watches the config file's folder, its drop-in folder when there is one, and the
-    /// profiles folder (again, if it moved).
-    fn watch_folders(&self, w: &mut notify::RecommendedWatcher, watched: &mut Vec<PathBuf>) {
+    /// profiles folder (again, if it moved); the folders now watched, for the log, when that
+    /// changed.
+    fn watch_folders(
+        &self,
+        w: &mut notify::RecommendedWatcher,
+        watched: &mut Vec<PathBuf>,
+    ) -> Option<String> {
         let c = self.config.borrow().clone();
         let mut want: Vec<PathBuf> = c.file.parent().map(Path::to_path_buf).into_iter().collect();
         let dropins = c.dropin_dir();
@@ -124,7 +162,7 @@ impl Reloader {
         want.push(c.supervisor.profiles_dir.clone());
         want.dedup();
         if *watched == want {
-            return;
+            return None;
         }
         for old in watched.drain(..) {
             let _ = w.unwatch(&old);
@@ -136,7 +174,7 @@ impl Reloader {
             }
         }
         let shown: Vec<_> = watched.iter().map(|d| d.display().to_string()).collect();
-        tracing::debug!("watching for configuration changes: {}", shown.join(", "));
+        Some(shown.join(", "))
     }
 
     async fn reload(&self, why: &str) {
@@ -340,6 +378,55 @@ mod tests {
 
     fn ev(kind: EventKind, path: &str) -> notify::Event {
         notify::Event::new(kind).add_path(path.into())
+    }
+
+    /// A copy of a good fixture configuration in a folder of its own.
+    fn good_config() -> (tempfile::TempDir, PathBuf) {
+        let fixture = Path::new(concat!(
+            env!("CARGO_MANIFEST_DIR"),
+            "/../tests/fixtures/config/good/openai"
+        ));
+        let dir = tempfile::tempdir().unwrap();
+        let copy = std::process::Command::new("cp")
+            .arg("-a")
+            .arg(fixture.join("."))
+            .arg(dir.path())
+            .status()
+            .unwrap();
+        assert!(copy.success());
+        let path = dir.path().join("supervisor.yaml");
+        (dir, path)
+    }
+
+    /// A change made between the start's load and the watch (no file event comes for it) is
+    /// applied all the same: the reloader compares the files with the configuration in force
+    /// once it watches.
+    #[tokio::test]
+    async fn a_change_made_before_the_watch_began_is_applied() {
+        let (_dir, path) = good_config();
+        let loaded = Config::load(&path).unwrap();
+        assert_ne!(
+            loaded.supervisor.engine.idle_timeout,
+            Duration::from_secs(7 * 60)
+        );
+        let text = std::fs::read_to_string(&path).unwrap();
+        std::fs::write(&path, format!("{text}engine: {{ idle_timeout: 7m }}\n")).unwrap();
+        let (tx, mut rx) = watch::channel(Arc::new(loaded));
+        let reloader = Reloader {
+            path,
+            config: tx,
+            alerts: Alerts::default(),
+        };
+        tokio::spawn(reloader.run());
+        let applied = tokio::time::timeout(
+            Duration::from_secs(20),
+            rx.wait_for(|c| c.supervisor.engine.idle_timeout == Duration::from_secs(7 * 60)),
+        )
+        .await;
+        assert!(
+            applied.is_ok_and(|r| r.is_ok()),
+            "the change was not applied"
+        );
     }
 
     #[test]

@@ -817,6 +817,22 @@ impl Daemon {
         }
     }
 
+    /// The daemon's log once `needle` is in it `n` times or more (for PATIENCE at most).
+    pub async fn log_with_count(&self, needle: &str, n: usize) -> String {
+        let t = Instant::now();
+        loop {
+            let log = self.log();
+            if log.matches(needle).count() >= n {
+                return log;
+            }
+            assert!(
+                t.elapsed() < PATIENCE,
+                "dsv4d never logged {needle:?} {n} times:\n{log}"
+            );
+            tokio::time::sleep(Duration::from_millis(20)).await;
+        }
+    }
+
     /// What the fake engine wrote to its event log (all generations).
     pub fn fake_log(&self) -> String {
         std::fs::read_to_string(&self.fake_log).unwrap_or_default()
