@@ -38,6 +38,7 @@ mod packaging;
 mod page_cache;
 mod port_taken;
 mod power;
+mod prefill_power;
 mod protocol_errors;
 mod protocols;
 mod real_engine;

@@ -255,6 +255,20 @@ async fn every_cell_runs_with_its_settings_in_force_and_the_verdict_is_the_fruga
         )),
         "{snippet}"
     );
+    // Whether power.prefill pays, from the cells that differ from the pick by their CPU
+    // profile alone: said, and in the snippet when it does.
+    let p = v.prefill.clone().expect("no word on power.prefill");
+    assert!(
+        stdout.contains(&format!("long prefills: {}", p.reason)),
+        "{stdout}"
+    );
+    match &p.cpu {
+        Some(cpu) => assert!(
+            snippet.contains(&format!("  prefill: {cpu}\n")),
+            "{snippet}"
+        ),
+        None => assert!(!snippet.contains("prefill:"), "{snippet}"),
+    }
     // The service profile is back, and its engine runs as configured (power-saver held, the
     // GPU on auto), not as the last cell said (balanced, low).
     let st = d.status().await;

@@ -14,7 +14,7 @@ use crate::support::*;
 
 const SEC: Duration = Duration::from_secs(1);
 const DEVICE: &str = "sys/devices/pci0000:00/0000:00:08.1/0000:c5:00.0";
-const POLICIES: &str = "sys/devices/system/cpu/cpufreq";
+pub(crate) const POLICIES: &str = "sys/devices/system/cpu/cpufreq";
 const PPD: (&str, &str, &str) = (
     "net.hadess.PowerProfiles",
     "/net/hadess/PowerProfiles",
@@ -22,7 +22,9 @@ const PPD: (&str, &str, &str) = (
 );
 
 /// A private bus of the system type with a real power-profiles-daemon (its placeholder
-/// driver: power-saver and balanced) and polkitd, which lets root hold and switch profiles.
+/// driver: power-saver and balanced; or with [`SystemBus::with_platform_profile`], its
+/// platform_profile driver on a fixture ACPI platform profile, which has performance too)
+/// and polkitd, which lets root hold and switch profiles.
 pub(crate) struct SystemBus {
     dir: TempDir,
     pub(crate) address: String,
@@ -32,6 +34,28 @@ pub(crate) struct SystemBus {
 
 impl SystemBus {
     pub(crate) async fn start() -> SystemBus {
+        SystemBus::start_with(false).await
+    }
+
+    /// With the ACPI platform profile of a mini PC that has one (`low-power`, `balanced`,
+    /// `performance`), which power-profiles-daemon drives.
+    pub(crate) async fn with_platform_profile() -> SystemBus {
+        SystemBus::start_with(true).await
+    }
+
+    /// The fixture's ACPI platform profile file, as power-profiles-daemon last wrote it.
+    pub(crate) fn platform_profile(&self) -> String {
+        let file = self
+            .dir
+            .path()
+            .join("umock/sys/firmware/acpi/platform_profile");
+        std::fs::read_to_string(file)
+            .unwrap_or_default()
+            .trim()
+            .to_string()
+    }
+
+    async fn start_with(platform_profile: bool) -> SystemBus {
         let dir = temp_dir("system-bus");
         // polkitd drops to its own user: the socket's folder must be traversable.
         std::fs::set_permissions(
@@ -70,6 +94,13 @@ impl SystemBus {
         }
         let umock = dir.path().join("umock");
         std::fs::create_dir_all(&umock).unwrap();
+        if platform_profile {
+            let acpi = umock.join("sys/firmware/acpi");
+            std::fs::create_dir_all(&acpi).unwrap();
+            let choices = "low-power balanced performance\n";
+            std::fs::write(acpi.join("platform_profile_choices"), choices).unwrap();
+            std::fs::write(acpi.join("platform_profile"), "balanced\n").unwrap();
+        }
         let ppd = Command::new("/usr/libexec/power-profiles-daemon")
             .env("DBUS_SYSTEM_BUS_ADDRESS", &address)
             // Keeps its state file out of /var/lib (and its sysfs lookups in the folder).
@@ -331,7 +362,7 @@ async fn live_stop(d: &Daemon) {
 }
 
 /// The bytes of every file under the fixture's cpufreq folder.
-fn cpufreq_files(tree: &Path) -> Vec<(PathBuf, Vec<u8>)> {
+pub(crate) fn cpufreq_files(tree: &Path) -> Vec<(PathBuf, Vec<u8>)> {
     let mut files = Vec::new();
     for policy in std::fs::read_dir(tree.join(POLICIES)).unwrap().flatten() {
         for f in std::fs::read_dir(policy.path()).unwrap().flatten() {
@@ -342,7 +373,7 @@ fn cpufreq_files(tree: &Path) -> Vec<(PathBuf, Vec<u8>)> {
     files
 }
 
-fn read(tree: &Path, file: &str) -> String {
+pub(crate) fn read(tree: &Path, file: &str) -> String {
     std::fs::read_to_string(tree.join(file))
         .unwrap()
         .trim()

@@ -632,6 +632,10 @@ pub struct PowerStatus {
     pub cpu: Option<String>,
     /// Whether a power-profiles-daemon hold is in force.
     pub held: bool,
+    /// Whether `power.prefill`'s profile is in force, for a request long in its prefill
+    /// (absent from older daemons).
+    #[serde(default)]
+    pub prefill: bool,
     /// Something to know about the CPU's profile: why nothing is held, or that the user
     /// chose another profile while it was held (shown until the next start).
     pub cpu_note: Option<String>,

@@ -271,6 +271,73 @@ pub struct Verdict {
     pub pick: u32,
     /// Why that one, in words.
     pub reason: String,
+    /// Whether `power.prefill` pays on this box, from the prefill of the cells that differ
+    /// from the pick by their CPU profile alone (absent from older daemons, and when no
+    /// such cell ran).
+    #[serde(default)]
+    pub prefill: Option<PrefillVerdict>,
+}
+
+/// Whether another CPU profile for long prefills (`power.prefill`) pays.
+#[derive(Debug, Clone, Default, PartialEq, Serialize, Deserialize)]
+pub struct PrefillVerdict {
+    /// The CPU profile to set as `power.prefill`; `None`: it does not pay.
+    pub cpu: Option<String>,
+    pub reason: String,
+}
+
+/// `power.prefill`'s verdict: among the cells of `cells` with the settings of `pick` but
+/// their CPU profile, the fastest prefill; it pays when it is another profile than `pick`'s
+/// and `pick`'s prefill is slower beyond the noise. `None` when `pick` has no CPU profile or
+/// prefill figure, or no such other cell ran.
+pub fn prefill_verdict(cells: &[Cell], pick: &Cell) -> Option<PrefillVerdict> {
+    let own_cpu = pick.settings.cpu.as_deref()?;
+    let own = pick.test("prefill")?;
+    let same_but_cpu = |c: &&Cell| {
+        c.error.is_none()
+            && c.settings.cpu.is_some()
+            && c.settings.gpu == pick.settings.gpu
+            && c.settings.args == pick.settings.args
+    };
+    let others: Vec<(&Cell, &TestResult)> = cells
+        .iter()
+        .filter(same_but_cpu)
+        .filter(|c| c.index != pick.index)
+        .filter_map(|c| Some((c, c.test("prefill")?)))
+        .collect();
+    let (best, fastest) = others
+        .iter()
+        .copied()
+        .reduce(|a, b| if b.1.mean > a.1.mean { b } else { a })?;
+    let cpu = best.settings.cpu.clone().unwrap_or_default();
+    let joules = |t: &TestResult| {
+        t.telemetry
+            .joules_per_token
+            .map_or_else(|| "-".to_string(), |j| format!("{j:.3} J"))
+    };
+    let figures = format!(
+        "prefill {:.1} tok/s on {cpu} (cell {}, {} a token) against {:.1} tok/s on {own_cpu} \
+         ({} a token)",
+        fastest.mean,
+        best.index,
+        joules(fastest),
+        own.mean,
+        joules(own)
+    );
+    let (slower, _) = beyond_noise(fastest, own);
+    Some(match fastest.mean > own.mean && slower {
+        true => PrefillVerdict {
+            reason: format!(
+                "power.prefill: {cpu} pays: {figures}, {:+.0}%",
+                (fastest.mean - own.mean) / own.mean * 100.0
+            ),
+            cpu: Some(cpu),
+        },
+        false => PrefillVerdict {
+            cpu: None,
+            reason: format!("power.prefill does not pay: {figures}, within the noise or slower"),
+        },
+    })
 }
 
 /// The verdict over `cells`: `None` when no cell has a decode figure.
@@ -329,11 +396,16 @@ pub fn verdict(cells: &[Cell]) -> Option<Verdict> {
             ),
         ),
     };
+    let prefill = cells
+        .iter()
+        .find(|c| c.index == pick)
+        .and_then(|c| prefill_verdict(cells, c));
     Some(Verdict {
         fastest: fastest.index,
         within_noise: within.iter().map(|(c, _)| c.index).collect(),
         pick,
         reason,
+        prefill,
     })
 }
 
@@ -542,6 +614,78 @@ mod tests {
         let v = verdict(&[cells[1].clone(), failed]).unwrap();
         assert_eq!(v.pick, 2);
         assert_eq!(verdict(&[]), None);
+    }
+
+    /// `cell`, with a prefill test of `rate` tok/s (three close runs) at `joules` a token.
+    fn with_prefill(mut c: Cell, rate: f64, joules: Option<f64>) -> Cell {
+        let runs = [rate * 0.995, rate, rate * 1.005];
+        let (mean, sd) = mean_sd(&runs);
+        c.tests.push(TestResult {
+            name: "prefill".into(),
+            runs: runs.to_vec(),
+            mean,
+            sd,
+            telemetry: TestTelemetry {
+                joules_per_token: joules,
+                ..TestTelemetry::default()
+            },
+            ..TestResult::default()
+        });
+        c
+    }
+
+    #[test]
+    fn power_prefill_pays_when_another_cpu_profile_prefills_faster_beyond_the_noise() {
+        // Strix Halo's finding: prompt processing 29% faster in performance, decode equal.
+        let cells = [
+            with_prefill(
+                cell(1, "performance", &[16.01, 16.03], Some(102.0)),
+                158.0,
+                Some(0.6),
+            ),
+            with_prefill(
+                cell(2, "power-saver", &[16.00, 16.04], Some(85.0)),
+                122.5,
+                Some(0.7),
+            ),
+        ];
+        let v = verdict(&cells).unwrap();
+        assert_eq!(v.pick, 2);
+        let p = v.prefill.unwrap();
+        assert_eq!(p.cpu.as_deref(), Some("performance"), "{}", p.reason);
+        assert!(
+            p.reason.starts_with(
+                "power.prefill: performance pays: prefill 158.0 tok/s on \
+                 performance (cell 1, 0.600 J a token) against 122.5 tok/s on power-saver \
+                 (0.700 J a token), +29%"
+            ),
+            "{}",
+            p.reason
+        );
+        // Within the noise: it does not pay.
+        let close = [
+            with_prefill(cell(1, "performance", &[16.0], Some(102.0)), 124.0, None),
+            with_prefill(cell(2, "power-saver", &[16.0], Some(85.0)), 122.5, None),
+        ];
+        let p = verdict(&close).unwrap().prefill.unwrap();
+        assert_eq!(p.cpu, None);
+        assert!(
+            p.reason.starts_with("power.prefill does not pay"),
+            "{}",
+            p.reason
+        );
+        // Cells that differ by more than the CPU profile, a failed cell, or none to compare
+        // with: no word on it.
+        let mut other_gpu = cells[0].clone();
+        other_gpu.settings.gpu = Some("high".into());
+        assert_eq!(
+            verdict(&[other_gpu, cells[1].clone()]).unwrap().prefill,
+            None
+        );
+        let mut failed = cells[0].clone();
+        failed.error = Some("the engine went away".into());
+        assert_eq!(verdict(&[failed, cells[1].clone()]).unwrap().prefill, None);
+        assert_eq!(verdict(&cells[1..]).unwrap().prefill, None);
     }
 
     #[test]

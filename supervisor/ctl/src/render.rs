@@ -403,6 +403,9 @@ fn power_rows(rows: &mut Vec<(&str, String)>, p: &PowerStatus) {
         .cpu
         .clone()
         .unwrap_or_else(|| "nothing applied now".into());
+    if p.prefill {
+        cpu.push_str(" (power.prefill, for a long prefill)");
+    }
     if let Some(note) = &p.cpu_note {
         cpu.push_str(&format!("; {note}"));
     }
@@ -746,13 +749,14 @@ pub fn matrix_table(r: &ValidationResult, m: &Matrix) -> String {
         ));
     }
     out.push_str(&format!(
-        "{:<5} {:>16} {:>18} {:>15} {:>7} {:>8} {:>7} {:>10} {:>10}\n",
+        "{:<5} {:>16} {:>18} {:>15} {:>7} {:>8} {:>13} {:>7} {:>10} {:>10}\n",
         "cell",
         "decode tok/s",
         "prefill tok/s",
         "load warm/cold",
         "SoC W",
         "J/token",
+        "prefill J/tok",
         "peak C",
         "throttled",
         "GTT peak"
@@ -762,10 +766,14 @@ pub fn matrix_table(r: &ValidationResult, m: &Matrix) -> String {
         None => "-".into(),
     };
     let or_dash = |v: Option<String>| v.unwrap_or_else(|| "-".into());
+    let joules = |t: Option<&dsv4_client::validate::TestResult>| {
+        t.and_then(|t| t.telemetry.joules_per_token)
+            .map(|j| format!("{j:.3}"))
+    };
     for c in &m.cells {
         let decode = c.test("decode");
         out.push_str(&format!(
-            "{:<5} {:>16} {:>18} {:>15} {:>7} {:>8} {:>7} {:>10} {:>10}\n",
+            "{:<5} {:>16} {:>18} {:>15} {:>7} {:>8} {:>13} {:>7} {:>10} {:>10}\n",
             c.index,
             rate(decode),
             rate(c.test("prefill")),
@@ -775,11 +783,8 @@ pub fn matrix_table(r: &ValidationResult, m: &Matrix) -> String {
                 brief_secs(l.cold_seconds)
             ))),
             or_dash(c.host.soc_power_mean_w.map(|w| format!("{w:.1}"))),
-            or_dash(
-                decode
-                    .and_then(|t| t.telemetry.joules_per_token)
-                    .map(|j| format!("{j:.3}"))
-            ),
+            or_dash(joules(decode)),
+            or_dash(joules(c.test("prefill"))),
             or_dash(c.host.edge_max_c.map(|t| format!("{t:.1}"))),
             brief_secs(c.host.throttle_seconds),
             or_dash(c.host.gtt_peak_bytes.map(gib)),
@@ -797,6 +802,9 @@ pub fn matrix_table(r: &ValidationResult, m: &Matrix) -> String {
                 v.reason,
                 within.join(", ")
             ));
+            if let Some(p) = &v.prefill {
+                out.push_str(&format!("long prefills: {}\n", p.reason));
+            }
         }
         None => out.push_str("verdict: none (no cell has a decode figure)\n"),
     }
@@ -1603,6 +1611,7 @@ hardware    - (no sample yet)
             why: "power-profiles-daemon is on the system bus as net.hadess.PowerProfiles".into(),
             cpu: Some("power-saver held through net.hadess.PowerProfiles".into()),
             held: true,
+            prefill: false,
             cpu_note: None,
             gpu_level: Some(GpuLevel::Auto),
             gpu_note: Some("set to auto (it was low)".into()),

@@ -524,6 +524,7 @@ fn spawn_parts(
     );
     let thermal =
         dsv4::policy::thermal::spawn(config_rx.clone(), telemetry.clone(), lifecycle.clone());
+    let flights = dsv4::observe::flights::Flights::new(alerts.clone());
     let power = dsv4::policy::power::spawn(dsv4::policy::power::Parts {
         config: config_rx.clone(),
         lifecycle: lifecycle.watch_status(),
@@ -531,6 +532,7 @@ fn spawn_parts(
         sysroot: sysroot.clone(),
         alerts: alerts.clone(),
         trial: trial.clone(),
+        flights: flights.clone(),
     });
     let validator = dsv4::validate::Validator::new(
         lifecycle.clone(),
@@ -550,7 +552,7 @@ fn spawn_parts(
         thermal,
         validator: validator.clone(),
         actions: dsv4::actions::Actions::new(lifecycle, validator),
-        flights: dsv4::observe::flights::Flights::new(alerts.clone()),
+        flights,
         holders: Default::default(),
     };
     (parts, actor, redact)

@@ -318,7 +318,7 @@ pub struct EngineLimits {
 }
 
 /// `power:`.
-#[derive(Debug, Clone, PartialEq, Default, Deserialize)]
+#[derive(Debug, Clone, PartialEq, Deserialize, SmartDefault)]
 #[serde(default, deny_unknown_fields)]
 #[serde(expecting = "a mapping of `power` settings")]
 pub struct PowerSettings {
@@ -328,6 +328,13 @@ pub struct PowerSettings {
     /// (power-profiles-daemon when present, else cpufreq).
     #[serde(deserialize_with = "raw::power_method")]
     pub method: Option<PowerMethod>,
+    /// `power.prefill`: the CPU profile while a request has been in its prefill for
+    /// `prefill_after`; `None` (`none`): the CPU stays on `cpu` throughout.
+    #[serde(deserialize_with = "raw::prefill_policy")]
+    pub prefill: Option<CpuPolicy>,
+    #[serde(deserialize_with = "raw::duration")]
+    #[default(Duration::from_secs(30))]
+    pub prefill_after: Duration,
 }
 
 /// `monitor:`, how often to sample temperatures and memory.
@@ -401,6 +408,18 @@ pub enum CpuPolicy {
     Performance,
     /// Leave it alone.
     Keep,
+}
+
+impl CpuPolicy {
+    /// Its name in the configuration.
+    pub fn as_str(self) -> &'static str {
+        match self {
+            CpuPolicy::PowerSaver => "power-saver",
+            CpuPolicy::Balanced => "balanced",
+            CpuPolicy::Performance => "performance",
+            CpuPolicy::Keep => "keep",
+        }
+    }
 }
 
 /// `power.gpu`: the GPU power level while the engine runs.

@@ -181,6 +181,24 @@ pub(crate) fn power_method<'de, D: Deserializer<'de>>(
     })
 }
 
+/// `power.prefill`: `none` is `None` (the CPU stays on `power.cpu`), else a CPU profile that
+/// can be set (`keep` cannot).
+pub(crate) fn prefill_policy<'de, D: Deserializer<'de>>(
+    d: D,
+) -> Read<'de, D, Option<super::CpuPolicy>> {
+    use super::CpuPolicy;
+    parsed(d, |text| match text {
+        "none" => Ok(None),
+        "power-saver" => Ok(Some(CpuPolicy::PowerSaver)),
+        "balanced" => Ok(Some(CpuPolicy::Balanced)),
+        "performance" => Ok(Some(CpuPolicy::Performance)),
+        _ => Err(format!(
+            "unknown variant `{text}`, expected one of `none`, `power-saver`, `balanced`, \
+             `performance`"
+        )),
+    })
+}
+
 pub(crate) fn celsius<'de, D: Deserializer<'de>>(d: D) -> Read<'de, D, f64> {
     parsed(d, parse_temperature)
 }

@@ -115,7 +115,7 @@ profiles_dir: my-profiles
 default_profile: small
 state_dir: state
 exit_when_idle: null
-power: { cpu: performance, gpu: high, method: cpufreq }
+power: { cpu: performance, gpu: high, method: cpufreq, prefill: balanced, prefill_after: 2m }
 monitor: { interval: 500ms, idle_interval: 1m }
 thermal: { warn: 80.5C, critical: 90°C, hysteresis: 2C, on_critical: stop-when-idle }
 memory: { reserve: 4GB }
@@ -197,6 +197,8 @@ kv_checkpoint: {{ dir: kv, max_size: 40GiB, save_timeout: 90s }}
                 cpu: CpuPolicy::Performance,
                 gpu: GpuPolicy::High,
                 method: Some(PowerMethod::Cpufreq),
+                prefill: Some(CpuPolicy::Balanced),
+                prefill_after: Duration::from_secs(120),
             },
             monitor: Monitor {
                 interval: Duration::from_millis(500),
@@ -566,8 +568,21 @@ fn enum_spellings() {
         Ok(PowerSettings {
             cpu: CpuPolicy::Keep,
             gpu: GpuPolicy::High,
-            method: Some(PowerMethod::None)
+            method: Some(PowerMethod::None),
+            ..PowerSettings::default()
         })
+    );
+    // `none` is no prefill profile; `keep` cannot be switched to.
+    assert_eq!(read("prefill: none").map(|p| p.prefill), Ok(None));
+    assert_eq!(read("{}").map(|p| p.prefill), Ok(None));
+    assert_eq!(
+        read("prefill: performance").map(|p| (p.prefill, p.prefill_after)),
+        Ok((Some(CpuPolicy::Performance), Duration::from_secs(30)))
+    );
+    assert_eq!(
+        read("prefill: keep").unwrap_err(),
+        "1:10: prefill: unknown variant `keep`, expected one of `none`, `power-saver`, \
+         `balanced`, `performance`"
     );
     assert_eq!(
         dsv4_yaml::from_str::<OnCritical>("stop-when-idle")

@@ -47,6 +47,8 @@ impl Trial {
         if let Some(t) = self.get().filter(|t| Some(t.profile.as_str()) == profile) {
             power.cpu = t.cpu.unwrap_or(power.cpu);
             power.gpu = t.gpu.unwrap_or(power.gpu);
+            // A cell measures its one CPU profile throughout.
+            power.prefill = None;
         }
         power
     }

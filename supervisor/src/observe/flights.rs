@@ -42,6 +42,15 @@ struct Register {
     /// The number the next request gets, less one.
     count: AtomicU64,
     alerts: Alerts,
+    /// Bumped when a request begins its prefill or ends it (its first event, or its end):
+    /// what [`Flights::oldest_prefill`] says may have changed.
+    prefills: tokio::sync::watch::Sender<u64>,
+}
+
+impl Register {
+    fn prefills_changed(&self) {
+        self.prefills.send_modify(|n| *n = n.wrapping_add(1));
+    }
 }
 
 /// One request in flight.
@@ -132,6 +141,21 @@ impl Flights {
             came,
             long,
         }
+    }
+
+    /// When the request longest in its prefill (with the engine, before the first event of
+    /// its answer) was sent; `None` when none is.
+    pub fn oldest_prefill(&self) -> Option<Instant> {
+        lock(&self.inner.flights)
+            .iter()
+            .filter(|(_, f)| f.now.stage == Stage::Sent)
+            .filter_map(|(_, f)| f.now.sent)
+            .min()
+    }
+
+    /// Changes when [`Flights::oldest_prefill`] may have.
+    pub fn prefills(&self) -> tokio::sync::watch::Receiver<u64> {
+        self.inner.prefills.subscribe()
     }
 
     /// The requests in flight, oldest first, as the status shows them. `loading` is the
@@ -294,6 +318,7 @@ impl Ticket {
             f.now.sent = Some(at);
             None
         });
+        self.register.prefills_changed();
         at
     }
 
@@ -308,6 +333,7 @@ impl Ticket {
 
     /// `events` more events of the answer came (the first ends the prefill).
     pub fn tokens(&self, events: u64) {
+        let mut prefill_ended = false;
         self.with(|f| {
             let now = &mut f.now;
             now.tokens += events;
@@ -315,6 +341,7 @@ impl Ticket {
                 return None;
             }
             now.stage = Stage::Decoding;
+            prefill_ended = true;
             let took = now.sent.map(|s| s.elapsed()).unwrap_or_default();
             now.prefilled = Some(took);
             f.long.filter(|long| took >= *long)?;
@@ -324,14 +351,22 @@ impl Ticket {
                 dsv4_client::duration::brief(took)
             ))
         });
+        if prefill_ended {
+            self.register.prefills_changed();
+        }
     }
 
     /// The answer is complete, or nearly: on its way to the client.
     pub fn ending(&self) {
+        let mut prefill_ended = false;
         self.with(|f| {
+            prefill_ended = f.now.stage == Stage::Sent;
             f.now.stage = Stage::Ending;
             None
         });
+        if prefill_ended {
+            self.register.prefills_changed();
+        }
     }
 
     /// The answer ended (`failed`: with this error). A request whose prefill was long says so.
@@ -367,7 +402,10 @@ impl Ticket {
 
 impl Drop for Ticket {
     fn drop(&mut self) {
-        lock(&self.register.flights).try_remove(self.key);
+        let gone = lock(&self.register.flights).try_remove(self.key);
+        if gone.is_some_and(|f| f.now.stage == Stage::Sent) {
+            self.register.prefills_changed();
+        }
     }
 }
 

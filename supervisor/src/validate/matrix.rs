@@ -45,24 +45,33 @@ pub(super) fn cells(
 /// After the run: the verdict over the cells, and the snippet of settings that says it.
 pub(super) fn conclude(config: &Config, service: &str, m: &mut Matrix) {
     m.verdict = dsv4_client::validate::verdict(&m.cells);
-    m.snippet = m
-        .verdict
-        .as_ref()
-        .and_then(|v| m.cells.iter().find(|c| c.index == v.pick))
-        .map(|c| snippet(config, service, &c.settings));
+    m.snippet = m.verdict.as_ref().and_then(|v| {
+        let cell = m.cells.iter().find(|c| c.index == v.pick)?;
+        let prefill = v.prefill.as_ref().and_then(|p| p.cpu.as_deref());
+        Some(snippet(config, service, &cell.settings, prefill))
+    });
 }
 
 /// The settings of `cell` as YAML, for the `service` profile: `power:` for supervisor.yaml
-/// and the profile's `extra_args` with the cell's added. Never applied by dsv4d.
-pub(crate) fn snippet(config: &Config, service: &str, cell: &CellSettings) -> String {
+/// (with `prefill`, the profile for long prefills, when it pays) and the profile's
+/// `extra_args` with the cell's added. Never applied by dsv4d.
+pub(crate) fn snippet(
+    config: &Config,
+    service: &str,
+    cell: &CellSettings,
+    prefill: Option<&str>,
+) -> String {
     let mut out = String::new();
-    if cell.cpu.is_some() || cell.gpu.is_some() {
+    if cell.cpu.is_some() || cell.gpu.is_some() || prefill.is_some() {
         out.push_str("# supervisor.yaml (or a drop-in in supervisor.yaml.d/)\npower:\n");
         if let Some(cpu) = &cell.cpu {
             out.push_str(&format!("  cpu: {cpu}\n"));
         }
         if let Some(gpu) = &cell.gpu {
             out.push_str(&format!("  gpu: {gpu}\n"));
+        }
+        if let Some(cpu) = prefill {
+            out.push_str(&format!("  prefill: {cpu}\n"));
         }
     }
     let added = cell.added_args();

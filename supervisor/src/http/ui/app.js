@@ -445,7 +445,8 @@ function showMatrix(runs) {
   }
   $("matrix-verdict").textContent = run.profile + ", " + ago(run.started) + ", " + m.cells.length +
     " of " + m.planned + " cells. " +
-    (m.verdict ? "Verdict: cell " + m.verdict.pick + ": " + m.verdict.reason : "No verdict.");
+    (m.verdict ? "Verdict: cell " + m.verdict.pick + ": " + m.verdict.reason +
+      (m.verdict.prefill ? ". Long prefills: " + m.verdict.prefill.reason : "") : "No verdict.");
   $("matrix-snippet").textContent = m.snippet || "";
 }
 

@@ -15,6 +15,7 @@
 pub mod cpufreq;
 pub mod gpu;
 pub mod ppd;
+pub mod prefill;
 pub mod sysfs;
 
 use std::path::{Path, PathBuf};
@@ -24,6 +25,7 @@ use dsv4_client::{AlertKind, PowerStatus};
 use futures_util::StreamExt;
 use serde::{Deserialize, Serialize};
 use tokio::sync::{mpsc, oneshot, watch};
+use tokio::time::Instant;
 
 use crate::config::{Config, CpuPolicy};
 use crate::host::sysroot::SysRoot;
@@ -40,6 +42,7 @@ pub const RESTORE_FILE: &str = "power-restore.json";
 
 /// What the hold says to whoever lists PPD's holds.
 const HOLD_REASON: &str = "dsv4: inference engine running";
+const PREFILL_REASON: &str = "dsv4: a long prefill";
 const HOLD_APP: &str = "dsv4d";
 
 /// What to give back, as written to [`RESTORE_FILE`].
@@ -159,6 +162,8 @@ pub struct Parts {
     /// A validation matrix cell's CPU profile and GPU level, in place of `power:`'s for its
     /// profile's engine.
     pub trial: crate::lifecycle::trial::Trial,
+    /// The requests in flight: how long one has been in its prefill (`power.prefill`).
+    pub flights: crate::observe::flights::Flights,
 }
 
 /// Starts the task: first it gives back what a daemon that crashed had left changed.
@@ -207,7 +212,11 @@ struct Applied {
     /// The settings applied (`power:`, or a matrix cell's).
     wanted: crate::config::PowerSettings,
     method: Method,
+    /// power-profiles-daemon, when that is the method.
+    ppd: Option<Ppd>,
     hold: Option<(Ppd, u32)>,
+    /// `power.prefill`'s profile is in force instead of `power.cpu`'s.
+    prefill: bool,
     /// The user chose a profile while it was held: PPD ended the hold.
     released_by_user: bool,
     restore: Restore,
@@ -280,6 +289,7 @@ struct Task {
 impl Task {
     async fn run(mut self, mut stop: mpsc::Receiver<oneshot::Sender<()>>) {
         let mut telemetry = self.parts.telemetry.watch();
+        let mut prefills = self.parts.flights.prefills();
         let mut released: Option<zbus::proxy::SignalStream<'static>> = None;
         // Once the monitor is gone (it never is, but a closed channel is always ready).
         let mut samples_open = true;
@@ -302,7 +312,11 @@ impl Task {
                 self.undo().await;
                 released = None;
             }
+            let recheck = self.follow_prefill().await;
             tokio::select! {
+                _ = prefills.changed() => {}
+                () = tokio::time::sleep_until(recheck.unwrap_or_else(Instant::now)),
+                    if recheck.is_some() => {}
                 changed = self.parts.lifecycle.changed() => {
                     if changed.is_err() {
                         self.undo().await;
@@ -457,7 +471,7 @@ impl Task {
         let (mut hold, mut released) = (None, None);
         match (method, power.cpu) {
             (_, CpuPolicy::Keep) | (Method::None, _) => {}
-            (Method::Ppd, cpu) => (hold, released) = self.hold_ppd(cpu, ppd).await,
+            (Method::Ppd, cpu) => (hold, released) = self.hold_ppd(cpu, ppd.clone()).await,
             (Method::Cpufreq, cpu) => {
                 self.set_cpufreq(&restore.cpufreq_set, cpu, left_note).await;
             }
@@ -465,7 +479,9 @@ impl Task {
         self.applied = Some(Applied {
             wanted: power.clone(),
             method,
+            ppd,
             hold,
+            prefill: false,
             released_by_user: false,
             restore,
             state_dir,
@@ -486,12 +502,7 @@ impl Task {
         Option<(Ppd, u32)>,
         Option<zbus::proxy::SignalStream<'static>>,
     ) {
-        let profile = match cpu {
-            CpuPolicy::PowerSaver => Some("power-saver"),
-            CpuPolicy::Performance => Some("performance"),
-            _ => None,
-        };
-        let (Some(profile), Some(p)) = (profile, ppd) else {
+        let (Some(profile), Some(p)) = (prefill::ppd_profile(cpu), ppd) else {
             let note = "power-profiles-daemon holds only power-saver and performance: the \
                         balanced profile is left as it is"
                 .to_string();
