@@ -96,11 +96,17 @@ async fn each_start_says_how_much_of_the_model_was_cached_and_keeps_it_with_its_
 /// The fake engine's model file of profile 320k made `mib` MiB on the disk, out of the page
 /// cache (the fake engine never reads it: only dsv4d's prewarm can bring it back).
 fn evicted_model(d: &Daemon, mib: usize) -> std::path::PathBuf {
+    use std::io::Write;
     let model = d.dir().join("profiles/models/320k.gguf");
-    let mut bytes = b"GGUF".to_vec();
-    bytes.resize(mib << 20, 0);
-    std::fs::write(&model, &bytes).unwrap();
-    std::fs::File::open(&model).unwrap().sync_all().unwrap();
+    let mut file = std::fs::File::create(&model).unwrap();
+    let mut mib_of_zeros = vec![0u8; 1 << 20];
+    mib_of_zeros[..4].copy_from_slice(b"GGUF");
+    file.write_all(&mib_of_zeros).unwrap();
+    mib_of_zeros[..4].fill(0);
+    for _ in 1..mib {
+        file.write_all(&mib_of_zeros).unwrap();
+    }
+    file.sync_all().unwrap();
     evict(&model);
     model
 }
@@ -195,4 +201,27 @@ async fn without_prewarm_an_evicted_model_stays_out_of_the_page_cache() {
     tokio::time::sleep(std::time::Duration::from_secs(2)).await;
     assert!(!d.log().contains("prewarm:"), "{}", d.log());
     assert!(fincore(&model) < 1 << 20, "{}", fincore(&model));
+}
+
+/// A start stops a prewarm under way before its next chunk: a model of 512 MiB, evicted,
+/// is being read back when a request comes; the engine starts and the prewarm says why it
+/// stopped, having read less than the whole.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_start_stops_a_prewarm_under_way() {
+    let setup = |idle: &str| {
+        Setup::default()
+            .engine("idle_timeout", idle)
+            .engine("prewarm", "true")
+    };
+    let d = Daemon::start(&setup("1h"));
+    let model = evicted_model(&d, 512);
+    chat(&d).await;
+    evict(&model);
+    d.reconfigure(&setup("1s")).await;
+    log_line(&d, "prewarm: reading the model's files back").await;
+    chat(&d).await;
+    let said = log_line(&d, "prewarm: read ").await;
+    assert!(said.contains(": stopped: a start began"), "{said}");
+    let size = std::fs::metadata(&model).unwrap().len();
+    assert!(fincore(&model) < size, "{said}");
 }
