@@ -38,7 +38,6 @@ use std::path::{Path, PathBuf};
 use std::time::{Duration, Instant};
 
 use dsv4_client::State;
-use http_body_util::BodyExt;
 use serde_json::{json, Value};
 use support::{env_or, Daemon, Setup};
 
@@ -75,26 +74,14 @@ async fn turn(d: &Daemon, messages: &[Value]) -> (Turn, String) {
     let sent = Instant::now();
     let resp = client.request(req).await.unwrap();
     assert_eq!(resp.status(), 200, "{}", d.log());
-    let mut body = resp.into_body();
-    let (mut text, mut answer) = (String::new(), String::new());
-    let mut first = None;
-    while let Some(frame) = body.frame().await {
-        let Ok(data) = frame.unwrap().into_data() else {
-            continue;
-        };
-        text.push_str(&String::from_utf8_lossy(&data));
-        while let Some(end) = text.find("\n\n") {
-            let event: String = text.drain(..end + 2).collect();
-            let Some(json) = event.trim().strip_prefix("data: ") else {
-                continue;
-            };
-            let v: Value = serde_json::from_str(json).unwrap_or_default();
-            if let Some(c) = v["choices"][0]["delta"]["content"].as_str() {
-                first.get_or_insert_with(|| sent.elapsed());
-                answer.push_str(c);
-            }
+    let (mut answer, mut first) = (String::new(), None);
+    support::each_sse_data(resp.into_body(), |v| {
+        if let Some(c) = v["choices"][0]["delta"]["content"].as_str() {
+            first.get_or_insert_with(|| sent.elapsed());
+            answer.push_str(c);
         }
-    }
+    })
+    .await;
     let first = first.unwrap_or_else(|| panic!("no token in the answer:\n{}", d.log()));
     let record = record_after(d, before).await;
     let figure = |k: &str| record[k].as_f64().unwrap_or(f64::NAN);
@@ -247,7 +234,7 @@ async fn round(d: &Daemon, engine: &Engine, case: Case, n: usize) -> Turn {
     let next = format!("And then? {}", "more ".repeat(engine.tokens() / 14 / 5));
     messages.push(json!({"role": "user", "content": next}));
     if matches!(case, Case::Evicted | Case::Prewarmed) {
-        evict(engine.model());
+        support::evict(engine.model());
     }
     let prewarms = d.log().matches("prewarm: read ").count();
     if case != Case::NeverStopped {
@@ -264,18 +251,6 @@ async fn round(d: &Daemon, engine: &Engine, case: Case, n: usize) -> Turn {
         d.log_with_count("prewarm: read ", prewarms + 1).await;
     }
     turn(d, &messages).await.0
-}
-
-/// Drops `path`'s pages from the page cache.
-fn evict(path: &Path) {
-    let file = std::fs::File::open(path).unwrap();
-    nix::fcntl::posix_fadvise(
-        &file,
-        0,
-        0,
-        nix::fcntl::PosixFadviseAdvice::POSIX_FADV_DONTNEED,
-    )
-    .unwrap();
 }
 
 /// The 16K tiny model padded to `mib` MiB, made once in the engine's cache folder.

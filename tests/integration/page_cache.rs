@@ -3,23 +3,9 @@
 //! llama-server on the tiny model padded to 40 MiB, on the disk (not a tmpfs, whose pages
 //! never leave), its pages evicted before one load and read through before the next.
 
-use std::path::Path;
-
 use dsv4_client::State;
 
 use crate::support::*;
-
-/// Drops `path`'s pages from the page cache, as `dsv4d` never does for a user's load.
-fn evict(path: &Path) {
-    let file = std::fs::File::open(path).unwrap();
-    nix::fcntl::posix_fadvise(
-        &file,
-        0,
-        0,
-        nix::fcntl::PosixFadviseAdvice::POSIX_FADV_DONTNEED,
-    )
-    .unwrap();
-}
 
 /// MiB of padding of this test's model.
 const PAD_MIB: u32 = 40;

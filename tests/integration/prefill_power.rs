@@ -7,7 +7,6 @@
 use std::time::{Duration, Instant};
 
 use bytes::Bytes;
-use http_body_util::BodyExt;
 use serde_json::{json, Value};
 use tokio::sync::mpsc;
 
@@ -67,30 +66,19 @@ fn long_stream(d: &Daemon, tag: &str) -> mpsc::UnboundedReceiver<Instant> {
             .header("content-type", "application/json")
             .body(http_body_util::Full::new(Bytes::from(body.to_string())))
             .unwrap();
-        let mut body = client.request(req).await.unwrap().into_body();
-        let mut text = String::new();
-        while let Some(frame) = body.frame().await {
-            let Ok(data) = frame.unwrap().into_data() else {
-                continue;
-            };
-            text.push_str(&String::from_utf8_lossy(&data));
-            while let Some(end) = text.find("\n\n") {
-                let event: String = text.drain(..end + 2).collect();
-                if carries_text(&event) {
-                    let _ = tx.send(Instant::now());
-                }
+        let body = client.request(req).await.unwrap().into_body();
+        each_sse_data(body, |v| {
+            if carries_text(v) {
+                let _ = tx.send(Instant::now());
             }
-        }
+        })
+        .await;
     });
     rx
 }
 
-/// Whether an SSE event is a chunk with answer text.
-fn carries_text(event: &str) -> bool {
-    let Some(json) = event.trim().strip_prefix("data: ") else {
-        return false;
-    };
-    let v: Value = serde_json::from_str(json).unwrap_or_default();
+/// Whether a `data:` event is a chunk with answer text.
+fn carries_text(v: &Value) -> bool {
     v["choices"][0]["delta"]["content"]
         .as_str()
         .is_some_and(|c| !c.is_empty())

@@ -147,6 +147,41 @@ pub fn bench_runtime() -> tokio::runtime::Runtime {
         .expect("a tokio runtime")
 }
 
+/// Drops `path`'s pages from the page cache, as `dsv4d` never does for a user's load (a page
+/// a process maps stays).
+pub fn evict(path: &Path) {
+    let file = std::fs::File::open(path).unwrap();
+    nix::fcntl::posix_fadvise(
+        &file,
+        0,
+        0,
+        nix::fcntl::PosixFadviseAdvice::POSIX_FADV_DONTNEED,
+    )
+    .unwrap();
+}
+
+/// Reads a streamed answer's `body` to its end, calling `on_data` with each `data:` event's
+/// JSON as it comes (`null` for one that is not JSON, as `[DONE]`).
+pub async fn each_sse_data(
+    mut body: hyper::body::Incoming,
+    mut on_data: impl FnMut(&serde_json::Value),
+) {
+    use http_body_util::BodyExt;
+    let mut text = String::new();
+    while let Some(frame) = body.frame().await {
+        let Ok(data) = frame.unwrap().into_data() else {
+            continue;
+        };
+        text.push_str(&String::from_utf8_lossy(&data));
+        while let Some(end) = text.find("\n\n") {
+            let event: String = text.drain(..end + 2).collect();
+            if let Some(json) = event.trim().strip_prefix("data: ") {
+                on_data(&serde_json::from_str(json).unwrap_or_default());
+            }
+        }
+    }
+}
+
 pub fn env_or<T: std::str::FromStr>(name: &str, default: T) -> T {
     std::env::var(name)
         .ok()
