@@ -3,6 +3,8 @@
 //! llama-server on the tiny model padded to 40 MiB, on the disk (not a tmpfs, whose pages
 //! never leave), its pages evicted before one load and read through before the next.
 
+use std::path::PathBuf;
+
 use dsv4_client::State;
 
 use crate::support::*;
@@ -97,34 +99,41 @@ fn evicted_model(d: &Daemon, mib: usize) -> std::path::PathBuf {
     model
 }
 
-/// Waits until the daemon's log has a line with `needle`; that line.
+/// The first line of the daemon's log with `needle`, once there is one.
 async fn log_line(d: &Daemon, needle: &str) -> String {
-    let t = std::time::Instant::now();
-    loop {
-        if let Some(line) = d.log().lines().find(|l| l.contains(needle)) {
-            return line.to_string();
-        }
-        assert!(t.elapsed() < PATIENCE, "no {needle:?} in\n{}", d.log());
-        tokio::time::sleep(std::time::Duration::from_millis(50)).await;
-    }
+    let log = d.log_with(&[needle]).await;
+    log.lines()
+        .find(|l| l.contains(needle))
+        .unwrap()
+        .to_string()
+}
+
+/// A daemon with `engine.prewarm` and the idle timeout `idle`.
+fn prewarm_setup(idle: &str) -> Setup {
+    Setup::default()
+        .engine("idle_timeout", idle)
+        .engine("prewarm", "true")
+}
+
+/// A daemon of `setup(idle)` whose engine served a request, its model made `mib` MiB and
+/// evicted while the engine runs; with an idle timeout of an hour, so that nothing stops
+/// before the test says (by a reload to `setup("1s")`).
+async fn served_then_evicted(setup: impl Fn(&str) -> Setup, mib: usize) -> (Daemon, PathBuf) {
+    let d = Daemon::start(&setup("1h"));
+    let model = evicted_model(&d, mib);
+    chat(&d).await;
+    evict(&model);
+    (d, model)
 }
 
 /// With `engine.prewarm`, after the idle stop the model evicted while the engine ran is read
 /// back into the page cache, as fincore sees it.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn after_an_idle_stop_prewarm_reads_an_evicted_model_back() {
-    let setup = |idle: &str| {
-        Setup::default()
-            .engine("idle_timeout", idle)
-            .engine("prewarm", "true")
-    };
-    let d = Daemon::start(&setup("1h"));
-    let model = evicted_model(&d, 32);
-    chat(&d).await;
-    evict(&model);
+    let (d, model) = served_then_evicted(prewarm_setup, 32).await;
     assert!(fincore(&model) < 1 << 20, "{}", fincore(&model));
     // Only then the idle stop: a timeout of a second, taken at once by a reload.
-    d.reconfigure(&setup("1s")).await;
+    d.reconfigure(&prewarm_setup("1s")).await;
     let said = log_line(&d, "prewarm: read ").await;
     // (Of 32 MiB: read, or found there after the kernel read ahead of a chunk.)
     assert!(
@@ -142,16 +151,11 @@ async fn after_an_idle_stop_prewarm_reads_an_evicted_model_back() {
 async fn prewarm_stops_at_the_memory_limit() {
     let tree = fixture_copy("strix-halo");
     let setup = |idle: &str| {
-        Setup::default()
+        prewarm_setup(idle)
             .args(&["--sysroot", tree.path().to_str().unwrap()])
-            .engine("idle_timeout", idle)
-            .engine("prewarm", "true")
             .top_level("memory", "{ reserve: 1GiB, return_timeout: 1s }")
     };
-    let d = Daemon::start(&setup("1h"));
-    let model = evicted_model(&d, 64);
-    chat(&d).await;
-    evict(&model);
+    let (d, model) = served_then_evicted(setup, 64).await;
     // While the engine runs, the box's memory runs short: 1 GiB and 12 MiB available.
     let meminfo = tree.path().join("proc/meminfo");
     let text = std::fs::read_to_string(&meminfo).unwrap();
@@ -194,16 +198,8 @@ async fn without_prewarm_an_evicted_model_stays_out_of_the_page_cache() {
 /// stopped, having read less than the whole.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_start_stops_a_prewarm_under_way() {
-    let setup = |idle: &str| {
-        Setup::default()
-            .engine("idle_timeout", idle)
-            .engine("prewarm", "true")
-    };
-    let d = Daemon::start(&setup("1h"));
-    let model = evicted_model(&d, 512);
-    chat(&d).await;
-    evict(&model);
-    d.reconfigure(&setup("1s")).await;
+    let (d, model) = served_then_evicted(prewarm_setup, 512).await;
+    d.reconfigure(&prewarm_setup("1s")).await;
     log_line(&d, "prewarm: reading the model's files back").await;
     chat(&d).await;
     let said = log_line(&d, "prewarm: read ").await;

@@ -98,9 +98,7 @@ impl Reloader {
             }
         };
         let mut watched: Vec<PathBuf> = Vec::new();
-        let first = watcher
-            .as_mut()
-            .and_then(|w| self.watch_folders(w, &mut watched));
+        let first = self.watch_folders(watcher.as_mut(), &mut watched);
         // A change made between the start's load and the watch above was seen by nobody. The
         // watch is told only after this compare: a change made from then on comes as an event.
         if self.changed_since_load().await {
@@ -109,22 +107,14 @@ impl Reloader {
         }
         tell_watched(first);
         loop {
-            tell_watched(
-                watcher
-                    .as_mut()
-                    .and_then(|w| self.watch_folders(w, &mut watched)),
-            );
+            tell_watched(self.watch_folders(watcher.as_mut(), &mut watched));
             let why = tokio::select! {
                 _ = async { hup.as_mut().unwrap().recv().await }, if hup.is_some() => "SIGHUP",
                 Some(()) = rx.recv() => {
                     while let Ok(Some(())) = tokio::time::timeout(DEBOUNCE, rx.recv()).await {}
                     // A drop-in folder just made is watched before it is read, so that a file
                     // written into it from now on is seen.
-                    tell_watched(
-                        watcher
-                            .as_mut()
-                            .and_then(|w| self.watch_folders(w, &mut watched)),
-                    );
+                    tell_watched(self.watch_folders(watcher.as_mut(), &mut watched));
                     "a configuration file changed"
                 }
                 _ = self.config.closed() => return,
@@ -146,13 +136,14 @@ impl Reloader {
     }
 
     /// Watches the config file's folder, its drop-in folder when there is one, and the
-    /// profiles folder (again, if it moved); the folders now watched, for the log, when that
-    /// changed.
+    /// profiles folder (again, if it moved), with the watcher when there is one; the folders
+    /// now watched, for the log, when that changed.
     fn watch_folders(
         &self,
-        w: &mut notify::RecommendedWatcher,
+        w: Option<&mut notify::RecommendedWatcher>,
         watched: &mut Vec<PathBuf>,
     ) -> Option<String> {
+        let w = w?;
         let c = self.config.borrow().clone();
         let mut want: Vec<PathBuf> = c.file.parent().map(Path::to_path_buf).into_iter().collect();
         let dropins = c.dropin_dir();

@@ -296,9 +296,19 @@ fn prefill_from_lines(
 
 impl Ticket {
     /// Runs `f` on the request's record; what it returns, an alert to raise once the
-    /// register is let go.
+    /// register is let go. A request that began or ended its prefill says so.
     fn with(&self, f: impl FnOnce(&mut Flight) -> Option<String>) {
-        let alert = lock(&self.register.flights).get_mut(self.key).and_then(f);
+        let (alert, prefill_changed) = match lock(&self.register.flights).get_mut(self.key) {
+            Some(flight) => {
+                let was = flight.now.stage == Stage::Sent;
+                let alert = f(flight);
+                (alert, was != (flight.now.stage == Stage::Sent))
+            }
+            None => (None, false),
+        };
+        if prefill_changed {
+            self.register.prefills_changed();
+        }
         if let Some(message) = alert {
             self.register.alerts.raise(AlertKind::Request, message);
         }
@@ -318,7 +328,6 @@ impl Ticket {
             f.now.sent = Some(at);
             None
         });
-        self.register.prefills_changed();
         at
     }
 
@@ -333,7 +342,6 @@ impl Ticket {
 
     /// `events` more events of the answer came (the first ends the prefill).
     pub fn tokens(&self, events: u64) {
-        let mut prefill_ended = false;
         self.with(|f| {
             let now = &mut f.now;
             now.tokens += events;
@@ -341,7 +349,6 @@ impl Ticket {
                 return None;
             }
             now.stage = Stage::Decoding;
-            prefill_ended = true;
             let took = now.sent.map(|s| s.elapsed()).unwrap_or_default();
             now.prefilled = Some(took);
             f.long.filter(|long| took >= *long)?;
@@ -351,22 +358,14 @@ impl Ticket {
                 dsv4_client::duration::brief(took)
             ))
         });
-        if prefill_ended {
-            self.register.prefills_changed();
-        }
     }
 
     /// The answer is complete, or nearly: on its way to the client.
     pub fn ending(&self) {
-        let mut prefill_ended = false;
         self.with(|f| {
-            prefill_ended = f.now.stage == Stage::Sent;
             f.now.stage = Stage::Ending;
             None
         });
-        if prefill_ended {
-            self.register.prefills_changed();
-        }
     }
 
     /// The answer ended (`failed`: with this error). A request whose prefill was long says so.

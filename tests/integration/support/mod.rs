@@ -837,32 +837,33 @@ impl Daemon {
 
     /// The daemon's log once it has every one of `needles` (for PATIENCE at most).
     pub async fn log_with(&self, needles: &[&str]) -> String {
-        let t = Instant::now();
-        loop {
-            let log = self.log();
+        self.log_until(|log| {
             let missing: Vec<&&str> = needles.iter().filter(|n| !log.contains(**n)).collect();
-            if missing.is_empty() {
-                return log;
-            }
-            assert!(
-                t.elapsed() < PATIENCE,
-                "dsv4d never logged {missing:?}:\n{log}"
-            );
-            tokio::time::sleep(Duration::from_millis(20)).await;
-        }
+            (!missing.is_empty()).then(|| format!("{missing:?}"))
+        })
+        .await
     }
 
     /// The daemon's log once `needle` is in it `n` times or more (for PATIENCE at most).
     pub async fn log_with_count(&self, needle: &str, n: usize) -> String {
+        self.log_until(|log| {
+            (log.matches(needle).count() < n).then(|| format!("{needle:?} {n} times"))
+        })
+        .await
+    }
+
+    /// The daemon's log once `lacks` finds nothing lacking in it (for PATIENCE at most; then
+    /// what it says is lacking is the failure).
+    async fn log_until(&self, lacks: impl Fn(&str) -> Option<String>) -> String {
         let t = Instant::now();
         loop {
             let log = self.log();
-            if log.matches(needle).count() >= n {
+            let Some(lacking) = lacks(&log) else {
                 return log;
-            }
+            };
             assert!(
                 t.elapsed() < PATIENCE,
-                "dsv4d never logged {needle:?} {n} times:\n{log}"
+                "dsv4d never logged {lacking}:\n{log}"
             );
             tokio::time::sleep(Duration::from_millis(20)).await;
         }

@@ -212,9 +212,10 @@ struct Applied {
     /// The settings applied (`power:`, or a matrix cell's).
     wanted: crate::config::PowerSettings,
     method: Method,
-    /// power-profiles-daemon, when that is the method.
+    /// power-profiles-daemon, when that is the method...
     ppd: Option<Ppd>,
-    hold: Option<(Ppd, u32)>,
+    /// ...and the cookie of its hold, while dsv4d holds a profile.
+    hold: Option<u32>,
     /// `power.prefill`'s profile is in force instead of `power.cpu`'s.
     prefill: bool,
     /// The user chose a profile while it was held: PPD ended the hold.
@@ -471,7 +472,7 @@ impl Task {
         let (mut hold, mut released) = (None, None);
         match (method, power.cpu) {
             (_, CpuPolicy::Keep) | (Method::None, _) => {}
-            (Method::Ppd, cpu) => (hold, released) = self.hold_ppd(cpu, ppd.clone()).await,
+            (Method::Ppd, cpu) => (hold, released) = self.hold_ppd(cpu, ppd.as_ref()).await,
             (Method::Cpufreq, cpu) => {
                 self.set_cpufreq(&restore.cpufreq_set, cpu, left_note).await;
             }
@@ -497,11 +498,8 @@ impl Task {
     async fn hold_ppd(
         &mut self,
         cpu: CpuPolicy,
-        ppd: Option<Ppd>,
-    ) -> (
-        Option<(Ppd, u32)>,
-        Option<zbus::proxy::SignalStream<'static>>,
-    ) {
+        ppd: Option<&Ppd>,
+    ) -> (Option<u32>, Option<zbus::proxy::SignalStream<'static>>) {
         let (Some(profile), Some(p)) = (prefill::ppd_profile(cpu), ppd) else {
             let note = "power-profiles-daemon holds only power-saver and performance: the \
                         balanced profile is left as it is"
@@ -521,7 +519,7 @@ impl Task {
                     s.cpu = Some(format!("{profile} held through {}", p.service));
                     s.held = true;
                 });
-                (Some((p, cookie)), released)
+                (Some(cookie), released)
             }
             Err(e) => {
                 let message = format!(
@@ -653,7 +651,7 @@ impl Task {
         let Some(applied) = self.applied.as_mut() else {
             return;
         };
-        if applied.hold.as_ref().map(|(_, c)| *c) != Some(cookie) {
+        if applied.hold != Some(cookie) {
             return;
         }
         applied.hold = None;
@@ -673,8 +671,8 @@ impl Task {
         let Some(applied) = self.applied.take() else {
             return;
         };
-        if let Some((p, cookie)) = &applied.hold {
-            match p.release(*cookie).await {
+        if let (Some(p), Some(cookie)) = (&applied.ppd, applied.hold) {
+            match p.release(cookie).await {
                 Ok(()) => tracing::info!("power: released the hold on {}", p.service),
                 Err(e) => tracing::warn!("power: releasing the hold on {}: {e}", p.service),
             }

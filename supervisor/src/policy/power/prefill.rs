@@ -101,7 +101,7 @@ impl Task {
         };
         let new = match ppd_profile(to) {
             Some(profile) => match ppd.hold(profile, reason, HOLD_APP).await {
-                Ok(cookie) => Some((ppd.clone(), cookie)),
+                Ok(cookie) => Some(cookie),
                 Err(e) => {
                     let message = format!(
                         "power: cannot hold {profile} through {} for {phase}: {e}",
@@ -114,22 +114,18 @@ impl Task {
             },
             None => None,
         };
-        let shown = new
-            .as_ref()
-            .map(|(p, _)| format!("{} held through {}", to.as_str(), p.service));
-        let held = new.is_some();
         let old = self
             .applied
             .as_mut()
             .and_then(|a| std::mem::replace(&mut a.hold, new));
-        if let Some((p, cookie)) = old {
-            if let Err(e) = p.release(cookie).await {
-                tracing::warn!("power: releasing the hold on {}: {e}", p.service);
+        if let Some(cookie) = old {
+            if let Err(e) = ppd.release(cookie).await {
+                tracing::warn!("power: releasing the hold on {}: {e}", ppd.service);
             }
         }
         self.update(|s| {
-            s.cpu = shown;
-            s.held = held;
+            s.cpu = new.map(|_| format!("{} held through {}", to.as_str(), ppd.service));
+            s.held = new.is_some();
         });
         true
     }
