@@ -246,7 +246,7 @@ async fn power_status(d: &Daemon) -> serde_json::Value {
     d.status().await["power"].clone()
 }
 
-async fn wait_power(d: &Daemon, what: &str, ok: impl Fn(&serde_json::Value) -> bool) {
+pub(crate) async fn wait_power(d: &Daemon, what: &str, ok: impl Fn(&serde_json::Value) -> bool) {
     let t = Instant::now();
     loop {
         let p = power_status(d).await;

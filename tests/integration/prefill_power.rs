@@ -10,7 +10,7 @@ use bytes::Bytes;
 use serde_json::{json, Value};
 use tokio::sync::mpsc;
 
-use crate::power::SystemBus;
+use crate::power::{wait_power, SystemBus};
 use crate::support::*;
 
 const PROMPT_TOKENS: usize = 14_000;
@@ -84,6 +84,20 @@ fn carries_text(v: &Value) -> bool {
         .is_some_and(|c| !c.is_empty())
 }
 
+/// Waits until dsv4d alone holds `profile` in power-profiles-daemon (the hold it replaced
+/// is released just after the new one is taken) and the fixture's platform profile is
+/// `platform` (power-profiles-daemon writes it as the profile changes); asserts both.
+async fn held_by_dsv4d_alone(bus: &SystemBus, profile: &str, platform: &str) {
+    let want = [("dsv4d".to_string(), profile.to_string())];
+    let t = Instant::now();
+    while bus.holds().await != want || bus.platform_profile() != platform {
+        assert!(t.elapsed() < PATIENCE, "{:?}", bus.holds().await);
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+    assert_eq!(bus.holds().await, want);
+    assert_eq!(bus.platform_profile(), platform);
+}
+
 async fn power(d: &Daemon) -> Value {
     d.status().await["power"].clone()
 }
@@ -97,11 +111,9 @@ async fn a_long_prefill_holds_performance_and_its_first_token_gives_power_saver_
     // In the prefill, past prefill_after: performance, held by dsv4d alone.
     bus.wait_active("performance", PATIENCE).await;
     assert!(events.is_empty(), "performance came after the first token");
-    assert_eq!(
-        bus.holds().await,
-        [("dsv4d".to_string(), "performance".to_string())]
-    );
-    assert_eq!(bus.platform_profile(), "performance");
+    held_by_dsv4d_alone(&bus, "performance", "performance").await;
+    // The status says so once the hold it replaced is released.
+    wait_power(&d, "on power.prefill", |p| p["prefill"] == true).await;
     let p = power(&d).await;
     assert_eq!(p["prefill"], true, "{p}");
     assert_eq!(
@@ -125,11 +137,8 @@ async fn a_long_prefill_holds_performance_and_its_first_token_gives_power_saver_
         "power-saver came back only at the answer's end ({:?} after its first token)",
         back - first
     );
-    assert_eq!(
-        bus.holds().await,
-        [("dsv4d".to_string(), "power-saver".to_string())]
-    );
-    assert_eq!(bus.platform_profile(), "low-power");
+    held_by_dsv4d_alone(&bus, "power-saver", "low-power").await;
+    wait_power(&d, "back on power.cpu", |p| p["prefill"] == false).await;
     assert_eq!(power(&d).await["prefill"], false);
     d.log_with(&[
         "power: a request has been in its prefill for 1s: the CPU on performance",
@@ -206,11 +215,20 @@ async fn with_cpufreq_a_long_prefill_sets_performance_and_the_stop_gives_all_bac
             &format!("{POLICIES}/policy{i}/energy_performance_preference"),
         )
     };
-    let wait = |want: &'static str| async move {
-        let t = Instant::now();
-        while governor(0) != want {
-            assert!(t.elapsed() < PATIENCE, "policy0's governor is not {want}");
-            tokio::time::sleep(Duration::from_millis(20)).await;
+    // Until the three policies dsv4d sets have `want`'s governor and EPP (written one file
+    // after another) and the status says `prefill` (once they are written).
+    let wait = |want: (&'static str, &'static str), prefill: bool| {
+        let d = &d;
+        async move {
+            let t = Instant::now();
+            loop {
+                let files = (0..3).all(|i| (governor(i), epp(i)) == (want.0.into(), want.1.into()));
+                if files && power(d).await["prefill"] == prefill {
+                    return;
+                }
+                assert!(t.elapsed() < PATIENCE, "not {want:?} and prefill {prefill}");
+                tokio::time::sleep(Duration::from_millis(20)).await;
+            }
         }
     };
     let url = d.url("/v1/chat/completions");
@@ -226,7 +244,7 @@ async fn with_cpufreq_a_long_prefill_sets_performance_and_the_stop_gives_all_bac
             .unwrap();
         client.request(req).await.unwrap().status()
     });
-    wait("performance").await;
+    wait(("performance", "performance"), true).await;
     assert!(!request.is_finished(), "performance came after the answer");
     for i in 0..3 {
         assert_eq!(
@@ -238,7 +256,7 @@ async fn with_cpufreq_a_long_prefill_sets_performance_and_the_stop_gives_all_bac
     assert_eq!(governor(3), "schedutil");
     assert_eq!(power(&d).await["prefill"], true);
     assert_eq!(request.await.unwrap(), 200);
-    wait("powersave").await;
+    wait(("powersave", "power"), false).await;
     for i in 0..3 {
         assert_eq!((governor(i), epp(i)), ("powersave".into(), "power".into()));
     }
