@@ -393,9 +393,10 @@ async fn validating_the_running_profile_never_replaces_its_checkpoint() {
     let generation = d.status().await["generation"].clone();
     let out = ctl(&bus, &["validate", "--profile", "320k", "--runs", "1"]);
     assert_eq!(out.status.code(), Some(0), "{}", text(&out.stderr));
-    // One restart, the load test's cold one; neither engine touched the checkpoint.
+    // Three restarts, the load test's cold one and its two after an idle stop; no engine
+    // touched the checkpoint.
     let after = d.status().await["generation"].as_u64();
-    assert_eq!(after, generation.as_u64().map(|g| g + 1));
+    assert_eq!(after, generation.as_u64().map(|g| g + 3));
     // Its stop saves nothing: the folder is as the user's stop left it.
     let out = ctl(&bus, &["stop"]);
     assert_eq!(out.status.code(), Some(0), "{}", text(&out.stderr));
@@ -591,18 +592,36 @@ async fn the_load_is_timed_warm_then_with_the_model_dropped_from_the_page_cache(
         load.cached_before_cold < load.cached_before_warm,
         "{load:?}"
     );
-    // The fake engine reads nothing of its model: dsv4d read it back, as it was before the
-    // test (fincore says so, not dsv4d).
+    // The fake engine reads nothing of its model: its run leaves none of it in the page
+    // cache for the start after an idle stop, and the prewarm reads all of it back before
+    // the last start, as it was before the test (fincore says so, not dsv4d).
+    assert_eq!(load.cached_after_stop, Some(0), "{load:?}");
     assert_eq!(load.read_back, 8 << 20, "{load:?}");
+    assert_eq!(load.cached_after_prewarm, Some(8 << 20), "{load:?}");
+    assert!(load.after_stop_seconds.is_some_and(|s| s > 0.0), "{load:?}");
+    assert!(load.prewarmed_seconds.is_some_and(|s| s > 0.0), "{load:?}");
     let stderr = text(&out.stderr);
-    assert!(stderr.contains("read back into the page cache"), "{stderr}");
+    assert!(
+        stderr.contains("engine.prewarm before it: read 8.0 MiB of 8.0 MiB"),
+        "{stderr}"
+    );
     let resident = fincore(&model);
     assert!(
         resident >= load.cached_before_warm,
         "the model is not back in the page cache ({resident} bytes): {load:?}"
     );
-    // The switch's start and the cold one: two engines of the validation profile.
-    assert_eq!(d.spawns(), spawns + 2, "{load:?}");
+    // The switch's start, the cold one, and the two after an idle stop: four engines of the
+    // validation profile.
+    assert_eq!(d.spawns(), spawns + 4, "{load:?}");
+    assert!(
+        stdout.contains(&format!(
+            "after an idle stop: {} as the engine's run left the page cache (0 B cached), {} \
+             with engine.prewarm (8.0 MiB read, 8.0 MiB cached)",
+            dsv4_client::duration::brief_secs(load.after_stop_seconds.unwrap()),
+            dsv4_client::duration::brief_secs(load.prewarmed_seconds.unwrap()),
+        )),
+        "{stdout}"
+    );
     assert!(
         stdout.contains(&format!(
             "load: {} with the page cache as it was",
@@ -725,4 +744,13 @@ async fn a_cold_load_of_a_large_model_takes_longer_than_a_warm_one() {
         model.display()
     );
     assert!(load.cold_seconds > load.warm_seconds, "{load:?}");
+    // llama.cpp's mmap reads through the page cache: the cold load's run left the model
+    // there for the start after an idle stop, and the prewarm found it all.
+    let left = load.cached_after_stop.expect("no start after an idle stop");
+    assert!(left >= len / 10 * 9, "{load:?}");
+    assert!(load.read_back <= len / 10, "{load:?}");
+    assert!(
+        load.cached_after_prewarm.unwrap() >= len / 10 * 9,
+        "{load:?}"
+    );
 }

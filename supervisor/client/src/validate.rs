@@ -113,7 +113,8 @@ pub struct TestResult {
 }
 
 /// The load test: the engine's spawn-to-ready time with the page cache as it was (`warm`),
-/// and after the model's files were dropped from it (`cold`).
+/// after the model's files were dropped from it (`cold`), and after an idle stop without and
+/// with `engine.prewarm`.
 #[derive(Debug, Clone, Default, PartialEq, Serialize, Deserialize)]
 pub struct LoadTest {
     /// The load the switch to the profile made (for a validation of the running profile,
@@ -126,9 +127,22 @@ pub struct LoadTest {
     /// Of those bytes, how many the page cache held before each load (`mincore`).
     pub cached_before_warm: u64,
     pub cached_before_cold: u64,
-    /// After the cold load, the bytes read back into the page cache because it held less of
-    /// them than before the test; 0 when the engine's load had read them back itself, or
-    /// when they would not fit in the memory available less `memory.reserve`.
+    /// A start after an idle stop: the cold load's engine stopped as an idle stop stops it and
+    /// started again, with what its run left of the model in the page cache
+    /// (`cached_after_stop`). Not in results of older daemons.
+    #[serde(default)]
+    pub after_stop_seconds: Option<f64>,
+    #[serde(default)]
+    pub cached_after_stop: Option<u64>,
+    /// The same start with `engine.prewarm`: the model's files read back into the page cache
+    /// first (`read_back` bytes, within the memory available less `memory.reserve`), which
+    /// then held `cached_after_prewarm`.
+    #[serde(default)]
+    pub prewarmed_seconds: Option<f64>,
+    #[serde(default)]
+    pub cached_after_prewarm: Option<u64>,
+    /// The bytes the prewarm read: 0 when the page cache held the model already, or when
+    /// none of it fit in the memory available less `memory.reserve`.
     #[serde(default)]
     pub read_back: u64,
     /// How the engine reads its model, as far as its flags say.

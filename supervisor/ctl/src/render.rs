@@ -662,6 +662,23 @@ pub fn validation_table(r: &ValidationResult) -> String {
             size(l.cached_before_cold),
             l.method
         ));
+        if let (Some(stop), Some(left)) = (l.after_stop_seconds, l.cached_after_stop) {
+            out.push_str(&format!(
+                "after an idle stop: {} as the engine's run left the page cache ({} \
+                 cached){}\n",
+                brief_secs(stop),
+                size(left),
+                match (l.prewarmed_seconds, l.cached_after_prewarm) {
+                    (Some(p), Some(c)) => format!(
+                        ", {} with engine.prewarm ({} read, {} cached)",
+                        brief_secs(p),
+                        size(l.read_back),
+                        size(c)
+                    ),
+                    _ => String::new(),
+                }
+            ));
+        }
     }
     for t in &r.tests {
         let m = &t.telemetry;
@@ -749,11 +766,11 @@ pub fn matrix_table(r: &ValidationResult, m: &Matrix) -> String {
         ));
     }
     out.push_str(&format!(
-        "{:<5} {:>16} {:>18} {:>15} {:>7} {:>8} {:>13} {:>7} {:>10} {:>10}\n",
+        "{:<5} {:>16} {:>18} {:>27} {:>7} {:>8} {:>13} {:>7} {:>10} {:>10}\n",
         "cell",
         "decode tok/s",
         "prefill tok/s",
-        "load warm/cold",
+        "load warm/cold/stop/prewarm",
         "SoC W",
         "J/token",
         "prefill J/tok",
@@ -773,15 +790,11 @@ pub fn matrix_table(r: &ValidationResult, m: &Matrix) -> String {
     for c in &m.cells {
         let decode = c.test("decode");
         out.push_str(&format!(
-            "{:<5} {:>16} {:>18} {:>15} {:>7} {:>8} {:>13} {:>7} {:>10} {:>10}\n",
+            "{:<5} {:>16} {:>18} {:>27} {:>7} {:>8} {:>13} {:>7} {:>10} {:>10}\n",
             c.index,
             rate(decode),
             rate(c.test("prefill")),
-            or_dash(c.load.as_ref().map(|l| format!(
-                "{}/{}",
-                brief_secs(l.warm_seconds),
-                brief_secs(l.cold_seconds)
-            ))),
+            or_dash(c.load.as_ref().map(load_cell)),
             or_dash(c.host.soc_power_mean_w.map(|w| format!("{w:.1}"))),
             or_dash(joules(decode)),
             or_dash(joules(c.test("prefill"))),
@@ -815,6 +828,19 @@ pub fn matrix_table(r: &ValidationResult, m: &Matrix) -> String {
         }
     }
     out
+}
+
+/// A cell's load times: warm, cold, after an idle stop, and the same with `engine.prewarm`
+/// (`-` for a figure a result of an older daemon does not have).
+fn load_cell(l: &dsv4_client::validate::LoadTest) -> String {
+    let or_dash = |s: Option<f64>| s.map_or_else(|| "-".to_string(), brief_secs);
+    format!(
+        "{}/{}/{}/{}",
+        brief_secs(l.warm_seconds),
+        brief_secs(l.cold_seconds),
+        or_dash(l.after_stop_seconds),
+        or_dash(l.prewarmed_seconds)
+    )
 }
 
 /// A matrix cell's settings as the table's notes give them, with what was applied and why

@@ -506,8 +506,10 @@ impl Validator {
     /// The load test, around the switch: `before` is what the page cache held of the
     /// model's `files` before it. The warm load is the switch's own (the engine `lease`
     /// holds; for a validation of the running profile, that engine's load). Then the engine
-    /// is stopped, the model's files dropped from the page cache, and the load timed again.
-    /// The lease on the engine the rest of the suite runs on, and the figures.
+    /// is stopped, the model's files dropped from the page cache, and the load timed again;
+    /// then twice more, as a start after an idle stop finds the box: with what the engine's
+    /// run left in the page cache, and after `engine.prewarm`'s reading. The lease on the
+    /// engine the rest of the suite runs on, and the figures.
     async fn load_test(
         &self,
         profile: &str,
@@ -525,40 +527,42 @@ impl Validator {
             (p.engine.describe().load_method)(&args)
         };
         let warm = self.load_seconds(lease.engine.gen).await?;
-        self.say(Progress {
-            step: "load".into(),
-            test: Some("load".into()),
-            value: Some(warm),
-            message: format!(
+        self.say_load(
+            warm,
+            format!(
                 "load with the page cache as it was: {} ({method})",
                 dsv4_client::duration::brief_secs(warm)
             ),
-            ..Progress::default()
-        });
+        );
         // Client requests wait at the validation's gate meanwhile, and the engine is idle
         // (the lease was the only one): a planned stop refuses no one.
-        let gone = lease.engine.gen;
-        drop(lease);
-        self.stopped(gone).await?;
         let dropped = files.to_vec();
-        let bytes = tokio::task::spawn_blocking(move || load::drop_from_cache(&dropped))
-            .await
-            .map_err(|e| e.to_string())??;
-        let cached_before_cold = self.cached(files).await;
-        let lease = self.lease_after(profile, gone).await?;
-        let cold = self.load_seconds(lease.engine.gen).await?;
-        self.say(Progress {
-            step: "load".into(),
-            test: Some("load".into()),
-            value: Some(cold),
-            message: format!(
+        let (lease, cold, cached_before_cold, bytes) = self
+            .reload(profile, lease, files, move || {
+                load::drop_from_cache(&dropped)
+            })
+            .await?;
+        self.say_load(
+            cold,
+            format!(
                 "load after {} dropped from the page cache: {}",
                 crate::config::format_size(bytes),
                 dsv4_client::duration::brief_secs(cold)
             ),
-            ..Progress::default()
-        });
-        let read_back = self.read_back(files, before).await;
+        );
+        let (lease, after_stop, cached_after_stop, ()) =
+            self.reload(profile, lease, files, || Ok(())).await?;
+        self.say_load(
+            after_stop,
+            format!(
+                "load after an idle stop, with the {} of the model its run left in the page \
+                 cache: {}",
+                crate::config::format_size(cached_after_stop),
+                dsv4_client::duration::brief_secs(after_stop)
+            ),
+        );
+        let (lease, prewarmed, cached_after_prewarm, read_back) =
+            self.prewarmed_load(profile, lease, files).await?;
         let load = dsv4_client::validate::LoadTest {
             warm_seconds: warm,
             cold_seconds: cold,
@@ -566,69 +570,85 @@ impl Validator {
             bytes,
             cached_before_warm: before,
             cached_before_cold,
+            after_stop_seconds: Some(after_stop),
+            cached_after_stop: Some(cached_after_stop),
+            prewarmed_seconds: Some(prewarmed),
+            cached_after_prewarm: Some(cached_after_prewarm),
             read_back,
             method,
         };
         Ok((lease, load))
     }
 
-    /// After the cold load: `files` read back into the page cache when it holds less of them
-    /// than `before` the test (the engine may not have read them through it) and they fit in
-    /// the memory available less `memory.reserve`: the bytes read, 0 when none were.
-    async fn read_back(&self, files: &[PathBuf], before: u64) -> u64 {
-        let now = self.cached(files).await;
-        if now >= before {
-            return 0;
-        }
-        let size: u64 = files
-            .iter()
-            .filter_map(|f| std::fs::metadata(f).ok())
-            .map(|m| m.len())
-            .sum();
+    /// The engine of `lease` stopped, `between` done (blocking) while none runs, and the
+    /// profile's engine started again: the lease on the new one, its load time, what the
+    /// page cache held of `files` before it, and what `between` said.
+    async fn reload<T: Send + 'static>(
+        &self,
+        profile: &str,
+        lease: Lease,
+        files: &[PathBuf],
+        between: impl FnOnce() -> Result<T, String> + Send + 'static,
+    ) -> Result<(Lease, f64, u64, T), String> {
+        let gone = lease.engine.gen;
+        drop(lease);
+        self.stopped(gone).await?;
+        let said = tokio::task::spawn_blocking(between)
+            .await
+            .map_err(|e| e.to_string())??;
+        let cached = self.cached(files).await;
+        let lease = self.lease_after(profile, gone).await?;
+        let seconds = self.load_seconds(lease.engine.gen).await?;
+        Ok((lease, seconds, cached, said))
+    }
+
+    /// A start after an idle stop with `engine.prewarm`: the model's `files` read back into
+    /// the page cache as its prewarm reads them (within the memory available less
+    /// `memory.reserve`, stopping at memory pressure), then the load. A validation leaves the
+    /// page cache so, not colder than it found it. The lease, the load time, what the page
+    /// cache held before it, and the bytes read.
+    async fn prewarmed_load(
+        &self,
+        profile: &str,
+        lease: Lease,
+        files: &[PathBuf],
+    ) -> Result<(Lease, f64, u64, u64), String> {
         let reserve = self.0.config.borrow().supervisor.memory.reserve;
-        let room = crate::host::hw::meminfo::admissible(&self.0.sysroot)
-            .map(|a| a.saturating_sub(reserve));
-        let (said, bytes) = match room {
-            Some(room) if size - now.min(size) > room => (
-                format!(
-                    "the model's files not read back into the page cache: {} of them are \
-                     missing, and {} is available beyond memory.reserve",
-                    crate::config::format_size(size - now.min(size)),
-                    crate::config::format_size(room)
-                ),
-                0,
-            ),
-            _ => {
-                let (asked, root) = (files.to_vec(), self.0.sysroot.clone());
-                let read = tokio::task::spawn_blocking(move || {
-                    crate::host::prewarm::run(&asked, &root, reserve, &|| false)
-                })
-                .await;
-                let bytes = match read {
-                    Ok(r) if r.ended == crate::host::prewarm::Ended::Done => r.read + r.found,
-                    Ok(r) => {
-                        tracing::warn!("validate: the model's files: {}", r.said());
-                        r.read + r.found
-                    }
-                    Err(_) => 0,
-                };
-                let said = format!(
-                    "the model's {} read back into the page cache: it held {} of them before \
-                     the test, {} after the cold load",
-                    crate::config::format_size(bytes),
-                    crate::config::format_size(before),
-                    crate::config::format_size(now)
-                );
-                (said, bytes)
-            }
-        };
+        let (asked, root) = (files.to_vec(), self.0.sysroot.clone());
+        let (lease, seconds, cached, read) = self
+            .reload(profile, lease, files, move || {
+                Ok(crate::host::prewarm::run(&asked, &root, reserve, &|| false))
+            })
+            .await?;
+        if let crate::host::prewarm::Ended::Failed(why) = &read.ended {
+            tracing::warn!("validate: engine.prewarm's reading failed: {why}");
+        }
         self.say(Progress {
             step: "load".into(),
             test: Some("load".into()),
-            message: said,
+            message: format!("engine.prewarm before it: {}", read.said()),
             ..Progress::default()
         });
-        bytes
+        self.say_load(
+            seconds,
+            format!(
+                "load after an idle stop with engine.prewarm, the page cache holding {} of \
+                 the model: {}",
+                crate::config::format_size(cached),
+                dsv4_client::duration::brief_secs(seconds)
+            ),
+        );
+        Ok((lease, seconds, cached, read.read))
+    }
+
+    fn say_load(&self, seconds: f64, message: String) {
+        self.say(Progress {
+            step: "load".into(),
+            test: Some("load".into()),
+            value: Some(seconds),
+            message,
+            ..Progress::default()
+        });
     }
 
     /// How many bytes of `files` the page cache holds.
