@@ -9,7 +9,6 @@ use std::time::Duration;
 use crate::support::*;
 use bytes::Bytes;
 use dsv4_client::State;
-use futures_util::StreamExt;
 use http_body_util::{BodyExt, StreamBody};
 use hyper::body::Frame;
 
@@ -433,11 +432,7 @@ async fn a_key_file_made_unusable_then_a_reload_revokes_every_key_with_an_alert(
         assert!(message.contains(&why), "{what}: {message}");
         assert!(message.contains(&shown), "{what}: {message}");
         assert!(headers.contains_key("retry-after"), "{what}: {headers:?}");
-        let alert = tokio::time::timeout(PATIENCE, alerts.next())
-            .await
-            .unwrap_or_else(|_| panic!("{what}: no Alert\n{}", d.log()))
-            .unwrap();
-        let args = alert.args().unwrap();
+        let args = next_alert(&mut alerts, &d).await;
         assert_eq!(args.kind, dsv4_client::AlertKind::Config, "{what}");
         assert!(args.message.contains(&why), "{what}: {}", args.message);
         // A good file back and a reload: the key works again.
@@ -589,11 +584,7 @@ async fn a_reload_never_turns_keys_off() {
     let refused = "it has no api.api_keys_file where the configuration in force has";
     d.log_with(&[refused, "keys are turned off only by a restart"])
         .await;
-    let alert = tokio::time::timeout(PATIENCE, alerts.next())
-        .await
-        .unwrap_or_else(|_| panic!("no Alert\n{}", d.log()))
-        .unwrap();
-    let args = alert.args().unwrap();
+    let args = next_alert(&mut alerts, &d).await;
     assert_eq!(args.kind, dsv4_client::AlertKind::Config);
     assert!(args.message.contains(refused), "{}", args.message);
     std::fs::rename(&aside, &dropin).unwrap();

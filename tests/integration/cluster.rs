@@ -497,7 +497,6 @@ async fn each_box_runs_its_own_power_policy_while_its_part_runs() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_worker_boxs_telemetry_and_heat_reach_the_coordinator() {
     use crate::support::boxes::{coordinator_setup, start_worker, worker_setup};
-    use futures_util::StreamExt;
     const EDGE: &str = "sys/devices/pci0000:00/0000:00:08.1/0000:c5:00.0/hwmon/hwmon3/temp1_input";
     let boxes = Boxes::new(1);
     let keys = Keys::new();
@@ -552,11 +551,7 @@ async fn a_worker_boxs_telemetry_and_heat_reach_the_coordinator() {
 
     // The worker box heats up: the coordinator's desktop hears it, named by box.
     std::fs::write(tree.path().join(EDGE), "91000\n").unwrap();
-    let alert = tokio::time::timeout(PATIENCE, alerts.next())
-        .await
-        .unwrap_or_else(|_| panic!("no Alert\n{}", c.log()))
-        .unwrap();
-    let args = alert.args().unwrap();
+    let args = crate::support::next_alert(&mut alerts, &c).await;
     assert_eq!(args.kind, dsv4_client::AlertKind::Worker);
     assert!(
         args.message.starts_with(&format!("worker box {host}: ")),

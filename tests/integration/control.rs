@@ -503,11 +503,7 @@ async fn an_engine_that_dies_while_serving_raises_an_alert() {
     // A request that makes it die mid-answer does.
     let resp = d.post("/v1/chat/completions", chat(10, false)).await;
     assert_eq!(resp.status(), 502);
-    let alert = tokio::time::timeout(PATIENCE, alerts.next())
-        .await
-        .expect("no Alert signal")
-        .unwrap();
-    let args = alert.args().unwrap();
+    let args = next_alert(&mut alerts, &d).await;
     assert_eq!(args.kind, dsv4_client::AlertKind::Engine);
     assert!(args.message.contains("profile 320k"), "{}", args.message);
     assert!(args.message.contains("exit code 3"), "{}", args.message);

@@ -306,6 +306,74 @@ async fn real_ds4_a_sigtermed_daemon_lets_it_save_and_leaves_nothing_running() {
     assert!(!log.contains("SIGKILL"), "{log}");
 }
 
+/// ds4-server loads its own checkpoints when a prompt's text begins with one: after a stop,
+/// its word on the first load it tries is the restore's check, a load as a good one and a
+/// checkpoint it matched and could not load as a miss, told in the status, the journal and
+/// an Alert.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn real_ds4_a_load_of_its_own_checkpoint_is_checked_and_a_failed_one_told() {
+    let bus = PrivateBus::start();
+    let Some(d) = daemon("real_ds4_a_load_of_its_own_checkpoint", "1s", Some(&bus)) else {
+        return;
+    };
+    wait_bus_name(&d, &bus).await;
+    let proxy = crate::support::live_proxy(&bus, &d).await;
+    let mut alerts = proxy.receive_alert().await.unwrap();
+    let asked = prompt(40);
+    answered(&d, &asked).await;
+    wait_saved(&d, "ds4", PATIENCE).await;
+
+    // The same prompt after the stop: ds4-server finds it on the disk and loads it.
+    let v = answered(&d, &asked).await;
+    let cached = v["usage"]["prompt_tokens_details"]["cached_tokens"]
+        .as_u64()
+        .unwrap();
+    let good = crate::kv::wait_check_of(&d, "ds4", 0.0).await;
+    assert_eq!(
+        good["result"], "loaded by ds4-server for a request",
+        "{good}"
+    );
+    let tokens = good["tokens"].as_u64().unwrap();
+    assert!(tokens >= 16 && tokens <= cached, "{good}, {cached} cached");
+    assert_eq!(good["check"]["reused"], tokens, "{good}");
+    assert_eq!(good["check"]["missed"], false, "{good}");
+    assert!(
+        good["engine_said"]
+            .as_str()
+            .unwrap()
+            .contains("kv cache hit"),
+        "{good}"
+    );
+
+    // Stopped again; each checkpoint's text damaged, so that the one the prompt matches by
+    // its name cannot be loaded.
+    d.wait_state(State::Stopped, PATIENCE).await;
+    let kv = d.dir().join("profiles/kv");
+    for f in std::fs::read_dir(&kv).unwrap().flatten() {
+        let mut bytes = std::fs::read(f.path()).unwrap();
+        // After the 48-byte header and the text's length, the text.
+        bytes[52] ^= 0x20;
+        std::fs::write(f.path(), bytes).unwrap();
+    }
+    answered(&d, &asked).await;
+    let at = good["check"]["at"].as_f64().unwrap();
+    let miss = crate::kv::wait_check_of(&d, "ds4", at).await;
+    assert_eq!(miss["check"]["missed"], true, "{miss}");
+    assert_eq!(miss["check"]["reused"], 0, "{miss}");
+    assert!(miss["check"]["shared"].as_u64().unwrap() >= 16, "{miss}");
+    let result = miss["result"].as_str().unwrap();
+    assert!(result.contains("cached text hash mismatch"), "{miss}");
+    d.log_with(&["the KV checkpoint restore did nothing"]).await;
+    let args = next_alert(&mut alerts, &d).await;
+    assert_eq!(args.kind, dsv4_client::AlertKind::Kv);
+    assert!(
+        args.message
+            .contains("could not load it: cached text hash mismatch"),
+        "{}",
+        args.message
+    );
+}
+
 /// An engine process started directly (no dsv4d), killed by its pid on drop.
 struct Engine {
     child: Child,

@@ -1,6 +1,7 @@
 //! KV checkpoints across stops (`kv_checkpoint`): with the real llama-server and the tiny
 //! model, a long prompt's cache survives an idle stop, a profile switch away and back, and a
-//! daemon restart; a checkpoint for another engine is never restored; a full folder evicts
+//! daemon restart; each restore is checked by the next request that goes on from it, in any
+//! of the APIs; a checkpoint for another engine is never restored; a full folder evicts
 //! the oldest. With the fake engine: a save that stalls does not hold the stop, a failed save
 //! says what the next start does, and
 //! ds4-server's own shutdown save is measured and reported.
@@ -150,12 +151,18 @@ async fn an_idle_stop_keeps_the_long_prefix() {
 
 /// Waits until the last restore of `tiny` has a check newer than `after` (unix s).
 async fn wait_check(d: &Daemon, after: f64) -> Value {
+    wait_check_of(d, "tiny", after).await["check"].clone()
+}
+
+/// Waits until the last restore of `profile` has a check newer than `after` (unix s): that
+/// restore.
+pub(crate) async fn wait_check_of(d: &Daemon, profile: &str, after: f64) -> Value {
     let t = Instant::now();
     loop {
-        let kv = kv_of(d, "tiny").await;
+        let kv = kv_of(d, profile).await;
         let check = &kv["last_restore"]["check"];
         if check["at"].as_f64().is_some_and(|at| at > after) {
-            return check.clone();
+            return kv["last_restore"].clone();
         }
         assert!(
             t.elapsed() < PATIENCE,
@@ -171,7 +178,6 @@ async fn wait_check(d: &Daemon, after: f64) -> Value {
 /// none, and that miss is told in the status, the metrics, the journal and an Alert.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn each_restore_is_checked_by_the_next_request_and_a_miss_is_told() {
-    use futures_util::StreamExt;
     let bus = PrivateBus::start();
     let d = Daemon::start(&real_setup("1s").session_bus(&bus));
     wait_bus_name(&d, &bus).await;
@@ -213,11 +219,7 @@ async fn each_restore_is_checked_by_the_next_request_and_a_miss_is_told() {
         assert!(metrics.contains(line), "no {line} in\n{metrics}");
     }
     d.log_with(&["the KV checkpoint restore did nothing"]).await;
-    let alert = tokio::time::timeout(PATIENCE, alerts.next())
-        .await
-        .unwrap_or_else(|_| panic!("no Alert\n{}", d.log()))
-        .unwrap();
-    let args = alert.args().unwrap();
+    let args = next_alert(&mut alerts, &d).await;
     assert_eq!(args.kind, dsv4_client::AlertKind::Kv);
     assert!(args.message.contains("profile tiny"), "{}", args.message);
     assert!(args.message.contains("#26676"), "{}", args.message);
@@ -253,6 +255,63 @@ async fn each_restore_is_checked_by_the_next_request_and_a_miss_is_told() {
             .starts_with("the last 2 restores did nothing"),
         "{c}"
     );
+}
+
+/// The agents' APIs check a restore too: Claude Code's Anthropic messages and Codex's
+/// Responses requests, each going on with the conversation the restored slot holds, are read
+/// as the engine reads them (the chat llama-server makes of them, through its template), and
+/// the check finds every shared token reused.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_restore_is_checked_by_an_anthropic_and_by_a_responses_request() {
+    let d = Daemon::start(&real_setup("1s"));
+    let text = long_prompt();
+    let said = |v: &Value| {
+        v["content"][0]["text"]
+            .as_str()
+            .unwrap_or_default()
+            .to_string()
+    };
+    let first = json!({"model": "tiny", "max_tokens": 4, "system": "answer",
+        "messages": [{"role": "user", "content": text}]});
+    let (status, _, v) = body_json(d.post("/v1/messages", first).await).await;
+    assert_eq!(status, 200, "{v}");
+    let answer = said(&v);
+    wait_saved(&d, "tiny", PATIENCE).await;
+
+    // Claude Code's next turn: the restored conversation, an answer and a new question.
+    let turn = json!({"model": "tiny", "max_tokens": 4,
+    "system": [{"type": "text", "text": "answer", "cache_control": {"type": "ephemeral"}}],
+    "messages": [
+        {"role": "user", "content": [{"type": "text", "text": text}]},
+        {"role": "assistant", "content": [{"type": "text", "text": answer}]},
+        {"role": "user", "content": "more"},
+    ]});
+    let (status, _, v) = body_json(d.post("/v1/messages", turn).await).await;
+    assert_eq!(status, 200, "{v}");
+    let reused = v["usage"]["cache_read_input_tokens"].as_u64().unwrap();
+    let good = wait_check(&d, 0.0).await;
+    assert_eq!(good["reused"], reused, "{good}");
+    assert_eq!(good["missed"], false, "{good}");
+    let shared = good["shared"].as_u64().unwrap();
+    assert!(shared > 2000 && shared.abs_diff(reused) <= 1, "{good}");
+
+    // Codex's: the same conversation as Responses input items.
+    wait_saved(&d, "tiny", PATIENCE).await;
+    let turn = json!({"model": "tiny", "max_output_tokens": 4, "instructions": "answer",
+    "input": [
+        {"type": "message", "role": "user", "content": [{"type": "input_text", "text": text}]},
+        {"type": "message", "role": "assistant", "content": [{"type": "output_text", "text": answer}]},
+        {"role": "user", "content": "more still"},
+    ]});
+    let (status, _, v) = body_json(d.post("/v1/responses", turn).await).await;
+    assert_eq!(status, 200, "{v}");
+    let reused = v["usage"]["input_tokens_details"]["cached_tokens"]
+        .as_u64()
+        .unwrap();
+    let next = wait_check(&d, good["at"].as_f64().unwrap()).await;
+    assert_eq!(next["reused"], reused, "{next}");
+    assert_eq!(next["missed"], false, "{next}");
+    assert!(next["shared"].as_u64().unwrap() >= shared, "{next}");
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

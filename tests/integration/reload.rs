@@ -6,7 +6,6 @@ use std::time::{Duration, Instant};
 
 use crate::support::*;
 use dsv4_client::State;
-use futures_util::StreamExt;
 use nix::sys::signal::Signal;
 
 async fn wait_log(d: &Daemon, needle: &str, within: Duration) {
@@ -79,11 +78,7 @@ async fn an_invalid_edit_is_rejected_whole_with_an_alert() {
         &d.dir().join("supervisor.yaml"),
         &d.config_text(&bad, "supervisor.yaml"),
     );
-    let alert = tokio::time::timeout(PATIENCE, alerts.next())
-        .await
-        .expect("no Alert signal")
-        .unwrap();
-    let args = alert.args().unwrap();
+    let args = next_alert(&mut alerts, &d).await;
     let (kind, message) = (args.kind, args.message.to_string());
     assert_eq!(kind, dsv4_client::AlertKind::Config);
     assert!(message.contains("supervisor.yaml:"), "{message}");
@@ -119,11 +114,7 @@ async fn a_drop_in_folder_made_while_running_is_watched_and_its_mistakes_placed(
         &dropins.join("10-local.yaml"),
         "engine:\n  idle_timeout: 1s\n  max_waiting: lots\n",
     );
-    let alert = tokio::time::timeout(PATIENCE, alerts.next())
-        .await
-        .expect("no Alert signal")
-        .unwrap();
-    let message = alert.args().unwrap().message.to_string();
+    let message = next_alert(&mut alerts, &d).await.message;
     assert!(
         message.contains("supervisor.yaml.d/10-local.yaml:3:16: engine.max_waiting:"),
         "{message}"
@@ -224,11 +215,7 @@ async fn deleting_the_active_profile_falls_back_to_the_default_with_an_alert() {
     assert_eq!(d.status().await["profile"], "64k");
 
     std::fs::remove_file(d.dir().join("profiles/64k.yaml")).unwrap();
-    let alert = tokio::time::timeout(PATIENCE, alerts.next())
-        .await
-        .unwrap_or_else(|_| panic!("no Alert\n{}", d.log()))
-        .unwrap();
-    let args = alert.args().unwrap();
+    let args = next_alert(&mut alerts, &d).await;
     assert_eq!(args.kind, dsv4_client::AlertKind::Config);
     assert!(
         args.message.contains("64k") && args.message.contains("320k"),

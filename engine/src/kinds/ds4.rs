@@ -12,7 +12,8 @@
 use std::ffi::OsString;
 
 use super::{
-    Argv, Kind, KvKeeping, KvSaved, OwnKv, Prefill, PrefillLine, PrefillReport, ValidationApi,
+    Argv, Kind, KvKeeping, KvSaved, OwnKv, OwnLoad, Prefill, PrefillLine, PrefillReport,
+    ValidationApi,
 };
 use nix::sys::signal::Signal;
 
@@ -54,6 +55,8 @@ pub const KIND: Kind = Kind {
         shown: "ds4-server's own",
         silent_when: "it saves none under 512 tokens",
         saved,
+        loaded,
+        tokens_in,
     }),
     validation: ValidationApi::Streamed,
     prefill: PrefillReport::Lines(prefill_line),
@@ -127,6 +130,54 @@ pub fn saved(lines: &[String]) -> Option<(KvSaved, String)> {
         ..KvSaved::default()
     };
     Some((step, said))
+}
+
+/// What a line of ds4-server's log says of loading a disk KV checkpoint for a request:
+/// `kv cache hit text tokens=N ... load=X ms file=...` when it took it, `kv cache load failed
+/// [RESPPROTO] PATH: WHY load=X ms` when the request's text matched it and it could not
+/// (`ds4_kvstore.c` at 54b36ed).
+pub fn loaded(line: &str) -> Option<OwnLoad> {
+    let rest = &line[line.find("kv cache ")? + "kv cache ".len()..];
+    if let Some(hit) = rest.strip_prefix("hit ") {
+        let words: Vec<&str> = hit.split_whitespace().collect();
+        let field = |name: &str| {
+            words.iter().enumerate().find_map(|(i, w)| {
+                let value = w.strip_prefix(name)?.strip_prefix('=')?;
+                Some((value, words.get(i + 1).copied()))
+            })
+        };
+        let tokens = field("tokens")?.0.parse().ok()?;
+        let seconds = match field("load") {
+            Some((ms, Some("s"))) => ms.parse::<f64>().unwrap_or(0.0),
+            Some((ms, _)) => ms.parse::<f64>().unwrap_or(0.0) / 1000.0,
+            None => 0.0,
+        };
+        return Some(OwnLoad::Loaded { tokens, seconds });
+    }
+    let failed = rest.strip_prefix("load failed")?;
+    let failed = failed
+        .trim_start()
+        .trim_start_matches("RESPPROTO")
+        .trim_start();
+    // `PATH: WHY load=X ms`: the reason is between the path's colon and the time.
+    let (file, why) = failed.split_once(": ").unwrap_or(("", failed));
+    let why = why.rsplit_once(" load=").map_or(why, |(why, _)| why);
+    Some(OwnLoad::Failed {
+        why: why.trim().to_string(),
+        file: file.to_string(),
+    })
+}
+
+/// The tokens a ds4-server checkpoint holds: its header's `KVC` magic, its version, and at
+/// byte 8 the count, little-endian (`ds4_kvstore_fill_header`).
+pub fn tokens_in(path: &std::path::Path) -> Option<u64> {
+    use std::io::Read;
+    let mut head = [0u8; 12];
+    std::fs::File::open(path).ok()?.read_exact(&mut head).ok()?;
+    if &head[..3] != b"KVC" {
+        return None;
+    }
+    Some(u32::from_le_bytes([head[8], head[9], head[10], head[11]]).into())
 }
 
 /// The fields of one of ds4-server's `kv cache ...` lines that dsv4d reports.
@@ -262,6 +313,52 @@ mod tests {
         assert!(said.contains("No space left"));
         // Nothing said about a save (under 512 tokens, ds4 saves nothing and says nothing).
         assert!(saved(&["ds4-server: shutdown requested".to_string()]).is_none());
+    }
+
+    #[test]
+    fn ds4_checkpoint_loads_are_read() {
+        let rows: &[(&str, Option<OwnLoad>)] = &[
+            (
+                "1207 00:00:51 ds4-server: kv cache hit text tokens=314 text=435 quant=2 \
+                 key=token-text load=1.0 ms file=/var/cache/ds4/fdfb.kv",
+                Some(OwnLoad::Loaded {
+                    tokens: 314,
+                    seconds: 0.001,
+                }),
+            ),
+            (
+                "ds4-server: kv cache hit text RESPPROTO tokens=90000 text=1 quant=2 key=x \
+                 load=2.5 s consumed file=/k/a.kv",
+                Some(OwnLoad::Loaded {
+                    tokens: 90000,
+                    seconds: 2.5,
+                }),
+            ),
+            (
+                "1207 00:00:51 ds4-server: kv cache load failed /k/a.kv: cached text hash \
+                 mismatch load=0.2 ms",
+                Some(OwnLoad::Failed {
+                    why: "cached text hash mismatch".into(),
+                    file: "/k/a.kv".into(),
+                }),
+            ),
+            (
+                "ds4-server: kv cache load failed RESPPROTO /k/a.kv: invalid header load=0.1 ms",
+                Some(OwnLoad::Failed {
+                    why: "invalid header".into(),
+                    file: "/k/a.kv".into(),
+                }),
+            ),
+            ("ds4-server: kv cache stored tokens=314 reason=cold", None),
+            (
+                "ds4-server: live kv cache miss live=318 prompt=314 common=314",
+                None,
+            ),
+            ("ds4-server: chat ctx=314..314:0 prompt start", None),
+        ];
+        for (line, want) in rows {
+            assert_eq!(loaded(line), *want, "{line}");
+        }
     }
 
     fn owned(lines: &[&str]) -> Vec<String> {

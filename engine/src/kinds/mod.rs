@@ -108,6 +108,21 @@ pub struct OwnKv {
     /// What the engine said it saved at its shutdown, from its last output lines, and the
     /// line that said it; `None` when it said nothing about it.
     pub saved: fn(&[String]) -> Option<(KvSaved, String)>,
+    /// What a line of its output says of loading one of its checkpoints for a request;
+    /// `None` for a line that says nothing of it.
+    pub loaded: fn(&str) -> Option<OwnLoad>,
+    /// The tokens a checkpoint file holds, from its header.
+    pub tokens_in: fn(&std::path::Path) -> Option<u64>,
+}
+
+/// An engine's word on loading one of its own checkpoints for a request.
+#[derive(Debug, Clone, PartialEq)]
+pub enum OwnLoad {
+    /// It took `tokens` from the checkpoint, in `seconds`.
+    Loaded { tokens: u64, seconds: f64 },
+    /// The checkpoint in `file` matched the request and could not be loaded: the request's
+    /// prefill runs whole. `why` is the engine's reason.
+    Failed { why: String, file: String },
 }
 
 /// A save an engine reported in its output.

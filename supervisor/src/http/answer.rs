@@ -341,38 +341,93 @@ impl Tapped {
     }
 }
 
-/// What checks a KV restore by the request (see [`crate::kv::verify`]): its body, and the
-/// engine that makes its tokens.
+/// What checks a KV restore by the request (see [`crate::kv::verify`]): its body, the
+/// engine that makes its tokens, and where the engine's output stood when it was sent.
 pub struct CheckRestore {
     pub(crate) lifecycle: crate::lifecycle::Handle,
     pub(crate) engine: std::sync::Arc<crate::lifecycle::EngineRef>,
     pub(crate) body: Bytes,
+    pub(crate) mark: u64,
 }
+
+/// Why llama-server's restores may reuse nothing, for the warning of a miss.
+const SLOTS_MISS: &str = "llama-server's slot restore is known to do this on SWA and hybrid \
+    models (llama.cpp #25913, #28194) and on some dense ones (#26676)";
 
 impl CheckRestore {
     /// The request to `path` of `profile`'s engine had `cache_n` tokens from the cache: the
-    /// restore's check, when the request shares enough with it to say.
+    /// restore's check, when the request can say.
     async fn run(self, profile: String, path: String, cache_n: u64) {
-        use crate::kv::verify;
+        use crate::kv::{verify, Expected};
         let book = self.lifecycle.kv();
-        let Some(slots) = book.expected(&profile) else {
-            return;
-        };
-        let tokens = match verify::request_tokens(&*self.engine, &path, &self.body).await {
-            Ok(tokens) => tokens,
-            Err(e) => {
-                tracing::debug!("this request cannot check the KV restore: {e}");
-                return;
+        let message = match book.expected(&profile) {
+            None => return,
+            Some(Expected::Own) => self.own(&profile),
+            Some(Expected::Slots(slots)) => {
+                let tokens = match verify::request_tokens(&*self.engine, &path, &self.body).await {
+                    Ok(tokens) => tokens,
+                    Err(e) => {
+                        tracing::debug!("this request cannot check the KV restore: {e}");
+                        return;
+                    }
+                };
+                let Some((shared, missed)) = verify::judge(&slots, &tokens, cache_n) else {
+                    return;
+                };
+                book.checked(&profile, cache_n, shared, missed.then_some(SLOTS_MISS))
             }
         };
-        let Some((shared, missed)) = verify::judge(&slots, &tokens, cache_n) else {
-            return;
-        };
-        if let Some(message) = book.checked(&profile, cache_n, shared, missed) {
+        if let Some(message) = message {
             self.lifecycle
                 .alerts()
                 .raise(dsv4_client::AlertKind::Kv, message);
         }
+    }
+
+    /// An engine that loads its own checkpoints: what it said of a load while it served the
+    /// request, made the profile's restore and its check; nothing when it tried none.
+    fn own(&self, profile: &str) -> Option<String> {
+        use dsv4_engine::OwnLoad;
+        let own = self.engine.kind.own_kv()?;
+        let (_, lines) = self.engine.output.since(self.mark, 256);
+        let (line, load) = lines
+            .iter()
+            .find_map(|l| (own.loaded)(l).map(|load| (l.trim().to_string(), load)))?;
+        let book = self.lifecycle.kv();
+        let program = self.engine.kind.program;
+        let (step, reused, missed) = match load {
+            OwnLoad::Loaded { tokens, seconds } => {
+                book.credit(tokens);
+                let step = dsv4_client::kv::KvStep {
+                    seconds,
+                    tokens,
+                    result: format!("loaded by {program} for a request"),
+                    ok: true,
+                    ..Default::default()
+                };
+                (step, tokens, None)
+            }
+            OwnLoad::Failed { why, file } => {
+                let step = dsv4_client::kv::KvStep {
+                    result: format!("{program} could not load it: {why}"),
+                    tokens: (own.tokens_in)(std::path::Path::new(&file)).unwrap_or(0),
+                    ..Default::default()
+                };
+                let missed = format!(
+                    "{program} matched the request to one of its checkpoints \
+                    and could not load it: {why}"
+                );
+                (step, 0, Some(missed))
+            }
+        };
+        let step = dsv4_client::kv::KvStep {
+            at: dsv4_client::clock::unix_now(),
+            engine_said: Some(line),
+            ..step
+        };
+        let shared = step.tokens;
+        book.restored(profile, step);
+        book.checked(profile, reused, shared, missed.as_deref())
     }
 }
 

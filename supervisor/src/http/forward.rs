@@ -215,6 +215,8 @@ async fn forward(
             body = asked;
         }
     }
+    // Where the engine's output stands: what it says of this request comes after.
+    let mark = engine.output.written();
     let sent_answer = engine.connections.request(parts, body.clone()).await;
     // Sent: the bytes have left (the upstream kept them only for a second try).
     drop(held.charge);
@@ -227,6 +229,7 @@ async fn forward(
                 sent,
                 started,
                 body,
+                mark,
             };
             answer(&ctx, resp, lease, (flight, progress), asked)
         }
@@ -305,8 +308,10 @@ struct Asked {
     /// When it was sent to the engine, and when it came.
     sent: Instant,
     started: Instant,
-    /// Its body as sent, for the check of a KV restore it may make.
+    /// Its body as sent, and the engine's output line it was sent at, for the check of a KV
+    /// restore it may make.
     body: bytes::Bytes,
+    mark: u64,
 }
 
 /// The engine's answer `resp`, on its way to the client with the request's lease, read by
@@ -343,6 +348,7 @@ fn answer(
             lifecycle: lifecycle.clone(),
             engine: engine.clone(),
             body: asked.body,
+            mark: asked.mark,
         });
     let tap = match (asked.tap_path, &count) {
         (Some(path), Some(_)) => Some(Box::new(Tapped {

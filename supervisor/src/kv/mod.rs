@@ -21,6 +21,7 @@
 //! the restore through the engine's slot endpoints `slots.rs`'s; the lifecycle actor runs
 //! those as tasks of the engine's generation.
 
+pub mod as_chat;
 pub mod checks;
 pub mod engine;
 pub mod key;
@@ -49,11 +50,22 @@ struct Inner {
     last_restore: BTreeMap<String, KvStep>,
     /// Tokens put back into engines by restores, all told.
     restored: u64,
-    /// Per profile, the tokens of each slot its last restore put back, until a request
-    /// that shares them has checked it ([`verify`]).
-    expected: BTreeMap<String, Arc<Vec<Vec<i32>>>>,
+    /// Per profile, what its last restore is checked by, until a request has checked it
+    /// ([`verify`]).
+    expected: BTreeMap<String, Expected>,
     /// Restores whose check missed, all told.
     misses: u64,
+}
+
+/// What a restore is checked by.
+#[derive(Debug, Clone)]
+pub enum Expected {
+    /// The tokens of each slot dsv4d's restore put back: the first request that shares
+    /// them says how many the engine reused.
+    Slots(Arc<Vec<Vec<i32>>>),
+    /// An engine that loads its own checkpoints when a request's prompt matches one (ds4-server
+    /// started with some in its `kv_disk_dir`): its word on the first load it tries.
+    Own,
 }
 
 /// What the checkpoint steps did; shared by the actor (which writes) and the status and
@@ -104,22 +116,27 @@ impl Book {
         inner.last_restore.insert(profile.to_string(), step);
     }
 
-    /// A restore of `profile` put `slots`' tokens back: the first request that shares them
-    /// checks it.
-    pub fn expect(&self, profile: &str, slots: Vec<Vec<i32>>) {
-        self.lock()
-            .expected
-            .insert(profile.to_string(), Arc::new(slots));
+    /// A restore of `profile` was made, or may be by its engine: the first request that can
+    /// say checks it.
+    pub fn expect(&self, profile: &str, check: Expected) {
+        self.lock().expected.insert(profile.to_string(), check);
     }
 
-    /// The tokens `profile`'s last restore put back, while no request has checked it.
-    pub fn expected(&self, profile: &str) -> Option<Arc<Vec<Vec<i32>>>> {
+    /// What checks `profile`'s last restore, while no request has.
+    pub fn expected(&self, profile: &str) -> Option<Expected> {
         self.lock().expected.get(profile).cloned()
     }
 
-    /// The check of `profile`'s last restore, kept with it; for a miss, a warning (and the
-    /// words of the alert) that say what it cost and why it happens.
-    pub fn checked(&self, profile: &str, reused: u64, shared: u64, missed: bool) -> Option<String> {
+    /// The check of `profile`'s last restore, kept with it; for a miss (`why` it happens), a
+    /// warning, and the words of the alert, that say what it cost and why.
+    pub fn checked(
+        &self,
+        profile: &str,
+        reused: u64,
+        shared: u64,
+        missed: Option<&str>,
+    ) -> Option<String> {
+        let (why, missed) = (missed.unwrap_or_default(), missed.is_some());
         let check = dsv4_client::kv::RestoreCheck {
             at: unix_now(),
             reused,
@@ -155,8 +172,7 @@ impl Book {
         let message = format!(
             "profile {profile}: the KV checkpoint restore did nothing: the next request \
              shared {shared} tokens with it and the engine reused {reused}, so their prefill \
-             ran again. llama-server's slot restore is known to do this on SWA and hybrid \
-             models (llama.cpp #25913, #28194) and on some dense ones (#26676)"
+             ran again. {why}"
         );
         tracing::warn!("{message}");
         Some(message)
@@ -329,7 +345,7 @@ pub fn engine_saved(saved: KvSaved, said: String) -> KvStep {
 }
 
 /// Bytes of an engine's own checkpoint files (their names end in `suffix`) in its folder.
-fn own_dir_bytes(dir: &std::path::Path, suffix: &str) -> u64 {
+pub(crate) fn own_dir_bytes(dir: &std::path::Path, suffix: &str) -> u64 {
     let Ok(entries) = std::fs::read_dir(dir) else {
         return 0;
     };

@@ -259,7 +259,7 @@ async fn expect_check(book: &Book, profile: &str, dir: &Path, m: &Manifest) {
     })
     .await;
     match read {
-        Ok(Ok(slots)) => book.expect(profile, slots),
+        Ok(Ok(slots)) => book.expect(profile, super::Expected::Slots(Arc::new(slots))),
         Ok(Err(e)) => tracing::info!(
             "KV checkpoint {}: its tokens cannot be read ({e}); the restore is not checked",
             m.id

@@ -4,8 +4,8 @@
 //! and a dense model reused 14 tokens after one (#26676). A user whose restores do nothing
 //! pays the whole prefill again and would see "restored".
 //!
-//! Owns: reading a slot file's tokens, a request's tokens as the engine makes them
-//! (`/apply-template`, then `/tokenize`), and the verdict. The [`super::Book`] keeps what a
+//! Owns: reading a slot file's tokens, a request's tokens as the engine makes them (the chat
+//! it makes of the request, `/apply-template`, then `/tokenize`), and the verdict. The [`super::Book`] keeps what a
 //! restore expects and what the check found.
 
 use std::io::Read;
@@ -76,8 +76,9 @@ pub fn judge(slots: &[Vec<i32>], request: &[i32], cache_n: u64) -> Option<(u64, 
 }
 
 /// The tokens the engine makes of a request to `path` with `body`, as it does when it serves
-/// it: a chat's messages through its template, a completion's prompt as it is. `Err` for a
-/// request it cannot say (another API, a prompt of several parts).
+/// it: a chat's messages through its template (an Anthropic message or a Responses request
+/// first made the chat the engine makes of it, [`super::as_chat`]), a completion's prompt as
+/// it is. `Err` for a request it cannot say (another API, a prompt of several parts).
 pub async fn request_tokens(
     engine: &impl Engine,
     path: &str,
@@ -85,22 +86,29 @@ pub async fn request_tokens(
 ) -> Result<Vec<i32>, String> {
     let body: Value =
         serde_json::from_slice(body).map_err(|e| format!("the request is not JSON: {e}"))?;
-    let prompt = match path {
-        "/v1/chat/completions" | "/chat/completions" => {
+    let chat = match path {
+        "/v1/chat/completions" | "/chat/completions" => Some(body.clone()),
+        "/v1/messages" => Some(super::as_chat::anthropic(&body)?),
+        "/v1/responses" | "/responses" => Some(super::as_chat::responses(&body)?),
+        _ => None,
+    };
+    let prompt = match (chat, path) {
+        (Some(chat), _) => {
             #[derive(serde::Deserialize)]
             struct Templated {
                 prompt: String,
             }
             let t: Templated = engine
-                .call_json(http::Method::POST, "/apply-template", Some(body))
+                .call_json(http::Method::POST, "/apply-template", Some(chat))
                 .await?;
             Value::String(t.prompt)
         }
-        "/completion" | "/completions" | "/v1/completions" => body
-            .get("prompt")
-            .cloned()
-            .ok_or("the request has no prompt")?,
-        other => return Err(format!("{other} is not a chat or a completion")),
+        (None, "/completion" | "/completions" | "/v1/completions") => {
+            body.get("prompt")
+                .cloned()
+                .ok_or("the request has no prompt")?
+        }
+        (None, other) => return Err(format!("{other} is not a chat or a completion")),
     };
     match prompt {
         Value::String(_) => {}

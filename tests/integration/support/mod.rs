@@ -1278,6 +1278,26 @@ pub async fn live_proxy(bus: &PrivateBus, d: &Daemon) -> dsv4_client::Supervisor
     }
 }
 
+/// What an `Alert` signal said.
+pub struct Alerted {
+    pub kind: dsv4_client::AlertKind,
+    pub message: String,
+}
+
+/// The next `Alert` of `alerts`, within [`PATIENCE`]; none is a failure with `d`'s log.
+pub async fn next_alert(alerts: &mut dsv4_client::AlertStream, d: &Daemon) -> Alerted {
+    use futures_util::StreamExt;
+    let alert = tokio::time::timeout(PATIENCE, alerts.next())
+        .await
+        .unwrap_or_else(|_| panic!("no Alert\n{}", d.log()))
+        .expect("the Alert stream ended");
+    let args = alert.args().expect("an Alert without its arguments");
+    Alerted {
+        kind: args.kind,
+        message: args.message.to_string(),
+    }
+}
+
 /// The `Alert` signals of the daemon `d` serves on `bus`, from once it is there.
 pub async fn alert_stream(bus: &PrivateBus, d: &Daemon) -> dsv4_client::AlertStream {
     live_proxy(bus, d).await.receive_alert().await.unwrap()

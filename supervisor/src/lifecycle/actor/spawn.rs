@@ -132,6 +132,11 @@ impl Actor {
             holds,
             lost: None,
         });
+        if let Some(e) = self.engine.as_ref() {
+            if self.kv_suspended.as_ref() != Some(&e.spawned.name) {
+                super::kv::expect_own_load(&self.kv, e);
+            }
+        }
         None
     }
 
