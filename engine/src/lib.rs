@@ -21,7 +21,8 @@ pub use adapter::{
 pub use child::{EngineChild, ExitReport, OutputTail, SpawnError, SpawnSpec};
 pub use kinds::openai::{check_args, check_key_arg, parse_health, parse_stop_signal};
 pub use kinds::{
-    Kind, KvKeeping, KvSaved, OwnKv, OwnLoad, Prefill, PrefillLine, PrefillReport, ValidationApi,
+    BackendReport, Identify, Kind, KvKeeping, KvSaved, OwnKv, OwnLoad, Prefill, PrefillLine,
+    PrefillReport, ValidationApi,
 };
 pub use redact::{Redactor, Secrets};
 pub use settings::Setting;

@@ -321,6 +321,17 @@ async fn real_ds4_a_load_of_its_own_checkpoint_is_checked_and_a_failed_one_told(
     let mut alerts = proxy.receive_alert().await.unwrap();
     let asked = prompt(40);
     answered(&d, &asked).await;
+    // Its identity: ds4-server has no --version; its log names its backend.
+    let t = std::time::Instant::now();
+    while d.status().await["identity"].is_null() {
+        assert!(t.elapsed() < PATIENCE, "no identity\n{}", d.log());
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+    let id = d.status().await["identity"]["identity"].clone();
+    assert_eq!(id["engine"], "ds4-server", "{id}");
+    assert_eq!(id["backend"], "CPU", "{id}\n{}", d.log());
+    assert!(id["version"].is_null(), "{id}");
+    assert_eq!(id["program"]["sha256"].as_str().unwrap().len(), 64, "{id}");
     wait_saved(&d, "ds4", PATIENCE).await;
 
     // The same prompt after the stop: ds4-server finds it on the disk and loads it.

@@ -23,6 +23,7 @@ mod engine_connections;
 mod engine_key;
 mod escaped_engine;
 mod event_streams;
+mod identity;
 mod idle_exit;
 mod in_flight;
 mod in_flight_shown;

@@ -12,8 +12,8 @@
 use std::ffi::OsString;
 
 use super::{
-    Argv, Kind, KvKeeping, KvSaved, OwnKv, OwnLoad, Prefill, PrefillLine, PrefillReport,
-    ValidationApi,
+    Argv, BackendReport, Identify, Kind, KvKeeping, KvSaved, OwnKv, OwnLoad, Prefill, PrefillLine,
+    PrefillReport, ValidationApi,
 };
 use nix::sys::signal::Signal;
 
@@ -63,7 +63,28 @@ pub const KIND: Kind = Kind {
     settings_argv,
     address_flags: true,
     load_method,
+    identify: Identify {
+        version: None,
+        backend: BackendReport::Log(log_backend),
+    },
 };
+
+/// The backend ds4-server names as it sizes its context (`context buffers 3.58 MiB (ctx=4096,
+/// backend=cpu, ...)`), as it is spelled elsewhere (`cpu` is CPU).
+fn log_backend(line: &str) -> Option<String> {
+    let rest = &line[line.find("backend=")? + "backend=".len()..];
+    let name: String = rest
+        .chars()
+        .take_while(|c| c.is_ascii_alphanumeric())
+        .collect();
+    match name.as_str() {
+        "" => None,
+        "cpu" | "cuda" => Some(name.to_ascii_uppercase()),
+        "metal" => Some("Metal".into()),
+        "rocm" => Some("ROCm".into()),
+        _ => Some(name),
+    }
+}
 
 /// Resident whole by default; `--ssd-streaming` streams the experts from the disk.
 fn load_method(extra_args: &[String]) -> String {
@@ -281,6 +302,18 @@ pub fn prefill_line(line: &str) -> Option<PrefillLine> {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn the_backend_is_read_from_the_log() {
+        let line = "1207 00:00:08 ds4-server: context buffers 3.58 MiB (ctx=4096, backend=cpu, \
+                    prefill_chunk=0)";
+        assert_eq!(log_backend(line).as_deref(), Some("CPU"));
+        assert_eq!(log_backend("x backend=rocm)").as_deref(), Some("ROCm"));
+        assert_eq!(
+            log_backend("ds4-server: chat ctx=0..3:3 prompt start"),
+            None
+        );
+    }
 
     #[test]
     fn the_load_method_follows_ssd_streaming() {

@@ -12,7 +12,10 @@
 use std::ffi::OsString;
 use std::time::Duration;
 
-use super::{after_key, json_number, Argv, Kind, KvKeeping, Prefill, PrefillReport, ValidationApi};
+use super::{
+    after_key, json_number, Argv, BackendReport, Identify, Kind, KvKeeping, Prefill, PrefillReport,
+    ValidationApi,
+};
 use nix::sys::signal::Signal;
 
 use crate::settings::{EngineParams, KeyPassing, Readiness, Setting, Stop};
@@ -59,7 +62,24 @@ pub const KIND: Kind = Kind {
     settings_argv,
     address_flags: true,
     load_method,
+    identify: Identify {
+        version: Some(&["--version"]),
+        backend: BackendReport::Devices {
+            args: &["--list-devices"],
+            read: device_backend,
+        },
+    },
 };
+
+/// The backend of a line of `--list-devices`' list (`  ROCm0: AMD Radeon 8060S ...`,
+/// `  Vulkan0: ...`): the device's name less its number. `None` for the heading and for
+/// `(none)`, which a build for the CPU alone lists.
+pub fn device_backend(line: &str) -> Option<String> {
+    let (device, _) = line.trim().split_once(": ")?;
+    let name = device.trim_end_matches(|c: char| c.is_ascii_digit());
+    let plain = !name.is_empty() && name.chars().all(|c| c.is_ascii_alphanumeric() || c == '_');
+    (plain && name.len() < device.len()).then(|| name.to_string())
+}
 
 /// llama.cpp maps the model by default. Newer builds choose with `-lm`/`--load-mode`
 /// (`auto`, `none`, `mmap`, `mlock`, `mmap+mlock`); older ones with `--no-mmap`, `--mmap`
@@ -143,6 +163,33 @@ pub fn prompt_progress(data: &[u8]) -> Option<Prefill> {
 #[cfg(test)]
 mod progress_tests {
     use super::*;
+
+    #[test]
+    fn the_backend_is_read_from_the_device_list() {
+        let rows: &[(&str, Option<&str>)] = &[
+            (
+                "  ROCm0: AMD Radeon 8060S Graphics (98304 MiB, 97000 MiB free)",
+                Some("ROCm"),
+            ),
+            (
+                "  Vulkan0: AMD Radeon 8060S Graphics (RADV GFX1151) (1 MiB, 1 MiB free)",
+                Some("Vulkan"),
+            ),
+            (
+                "  CUDA1: NVIDIA RTX 4090 (24564 MiB, 24000 MiB free)",
+                Some("CUDA"),
+            ),
+            ("Available devices:", None),
+            ("  (none)", None),
+            (
+                "load_backend: loaded RPC backend from /usr/lib/libggml-rpc.so",
+                None,
+            ),
+        ];
+        for (line, want) in rows {
+            assert_eq!(device_backend(line).as_deref(), *want, "{line}");
+        }
+    }
 
     /// Events as llama-server streams them with `return_progress` (b0-0c1e57098), and the
     /// ones it streams besides.

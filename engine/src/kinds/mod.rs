@@ -62,6 +62,32 @@ pub struct Kind {
     /// How the engine reads its model, as far as the profile's `extra_args` say, in words
     /// for the validation's load test.
     pub load_method: fn(&[String]) -> String,
+    /// How it tells what it is: its version and its backend.
+    pub identify: Identify,
+}
+
+/// How an engine tells its version and its backend, for its identity at each start.
+#[derive(Debug)]
+pub struct Identify {
+    /// Arguments that make the program print its version and exit; `None` when it has none.
+    pub version: Option<&'static [&'static str]>,
+    /// How it names the backend it runs on.
+    pub backend: BackendReport,
+}
+
+/// Where an engine names its backend.
+#[derive(Debug)]
+pub enum BackendReport {
+    /// The program, run with these arguments, lists its devices; `read` names the backend
+    /// of one line of that list (`Vulkan0: ...` is Vulkan); none listed is the CPU.
+    Devices {
+        args: &'static [&'static str],
+        read: fn(&str) -> Option<String>,
+    },
+    /// A line of its log names it (`read`).
+    Log(fn(&str) -> Option<String>),
+    /// Nowhere dsv4d can read.
+    Unknown,
 }
 
 impl Kind {

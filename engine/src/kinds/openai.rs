@@ -14,7 +14,7 @@ use std::ffi::OsString;
 
 use nix::sys::signal::Signal;
 
-use super::{Kind, KvKeeping, PrefillReport, ValidationApi};
+use super::{BackendReport, Identify, Kind, KvKeeping, PrefillReport, ValidationApi};
 use crate::settings::{EngineParams, KeyPassing, Readiness, Setting, Stop};
 
 pub const KIND: Kind = Kind {
@@ -52,6 +52,10 @@ pub const KIND: Kind = Kind {
     settings_argv,
     address_flags: false,
     load_method: |_| "not known: the server's own flags decide".to_string(),
+    identify: Identify {
+        version: None,
+        backend: BackendReport::Unknown,
+    },
 };
 
 /// The placeholders `args` may hold, filled in at each start.

@@ -14,7 +14,7 @@ use std::ffi::OsString;
 
 use nix::sys::signal::Signal;
 
-use super::{Kind, KvKeeping, PrefillReport, ValidationApi};
+use super::{BackendReport, Identify, Kind, KvKeeping, PrefillReport, ValidationApi};
 use crate::settings::{EngineParams, KeyPassing, Readiness, Stop};
 
 pub const KIND: Kind = Kind {
@@ -45,6 +45,10 @@ pub const KIND: Kind = Kind {
         true => "no model of its own: the coordinator's tensors, kept in its file cache (-c)"
             .to_string(),
         false => "no model of its own: the coordinator sends its tensors at each start".to_string(),
+    },
+    identify: Identify {
+        version: None,
+        backend: BackendReport::Unknown,
     },
 };
 

@@ -9,6 +9,7 @@
 pub mod clock;
 pub mod doctor;
 pub mod duration;
+pub mod identity;
 pub mod kv;
 pub mod telemetry;
 pub mod text;
@@ -371,6 +372,10 @@ pub struct EngineStatus {
     /// else the last) started: what made its load warm or cold.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub model_cache: Option<ModelCache>,
+    /// The running engine's identity (once it is ready and known), and what changed since
+    /// its profile's last start.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub identity: Option<identity::IdentityStatus>,
 }
 
 /// The model's files in the page cache at an engine's start.
@@ -444,6 +449,7 @@ impl EngineStatus {
             kv_step: None,
             load_seconds: None,
             model_cache: None,
+            identity: None,
         }
     }
 }

@@ -211,6 +211,9 @@ fn engine_rows(rows: &mut Vec<(&str, String)>, doc: &Status, now: f64) {
     if let Some(c) = &s.model_cache {
         rows.push(("model cache", model_cache(c, s.load_seconds)));
     }
+    if let Some(i) = &s.identity {
+        rows.push(("engine", identity(i)));
+    }
     rows.push(("in flight", s.in_flight.to_string()));
     rows.push(("waiting", s.waiting.to_string()));
     if !doc.in_progress.is_empty() {
@@ -231,6 +234,26 @@ fn engine_rows(rows: &mut Vec<(&str, String)>, doc: &Status, now: f64) {
             .filter(|e| !e.is_empty())
             .map_or_else(dash, str::to_string),
     ));
+}
+
+/// The engine's identity at its start and what changed since its profile's last one:
+/// `llama-server 8123 (0c1e570) (ROCm), kernel 6.18.4; changed since the last start: ...`.
+pub fn identity(i: &dsv4_client::identity::IdentityStatus) -> String {
+    let mut out = i.identity.brief();
+    if let Some(k) = &i.identity.kernel {
+        out.push_str(&format!(", kernel {k}"));
+    }
+    match (i.first, i.changed.is_empty()) {
+        (true, _) => out.push_str("; its profile's first start recorded"),
+        (false, true) => out.push_str("; unchanged since the last start"),
+        (false, false) => {
+            out.push_str("\nchanged since the last start:");
+            for c in &i.changed {
+                out.push_str(&format!("\n  {c}"));
+            }
+        }
+    }
+    out
 }
 
 /// What the page cache held of the model at the start, and how long that load took: `97%
@@ -1019,6 +1042,7 @@ mod tests {
                 engine_key: Some("per-generation secret".into()),
                 kv_step: None,
                 model_cache: None,
+                identity: None,
             },
             requests: Requests {
                 all: Totals {
@@ -1403,6 +1427,37 @@ mod tests {
             table.contains(
                 "model cache  98% of 80.0 GiB in the page cache at the start: a warm load, 12s\n"
             ),
+            "{table}"
+        );
+    }
+
+    #[test]
+    fn the_engines_identity_and_its_changes_are_shown() {
+        let mut s = status();
+        assert!(!status_table(&s, 1_000_000.0).contains("llama-server"));
+        let mut i = dsv4_client::identity::IdentityStatus {
+            profile: "320k".into(),
+            identity: dsv4_client::identity::EngineIdentity {
+                engine: "llama-server".into(),
+                version: Some("8123 (0c1e570)".into()),
+                backend: Some("ROCm".into()),
+                kernel: Some("6.18.4".into()),
+                ..Default::default()
+            },
+            changed: vec![],
+            first: false,
+        };
+        s.engine.identity = Some(i.clone());
+        let table = status_table(&s, 1_000_000.0);
+        let want = "llama-server 8123 (0c1e570) (ROCm), kernel 6.18.4; unchanged since the last \
+                    start\n";
+        assert!(table.contains(want), "{table}");
+        i.changed = vec!["kernel 6.18.3 -> 6.18.4".into()];
+        s.engine.identity = Some(i);
+        let table = status_table(&s, 1_000_000.0);
+        assert!(
+            table.contains("changed since the last start:\n")
+                && table.contains("kernel 6.18.3 -> 6.18.4\n"),
             "{table}"
         );
     }

@@ -6,6 +6,7 @@
 
 pub mod gguf;
 pub mod hw;
+pub mod identity;
 pub mod keys;
 pub mod load_times;
 pub mod pagecache;

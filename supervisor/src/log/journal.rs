@@ -63,6 +63,11 @@ pub fn request_span() -> tracing::Span {
     tracing::info_span!("request", request_id = tracing::field::Empty)
 }
 
+/// The target of dsv4d's events at notice (priority 5: a normal but significant change, such
+/// as an engine that is not the one of the last start): `tracing` has no such level, so these
+/// are info events of this target.
+pub const NOTICE: &str = "dsv4::notice";
+
 /// The syslog priority of a level (3 to 7).
 pub fn priority(level: &tracing::Level) -> u8 {
     match *level {
@@ -155,7 +160,10 @@ where
 
     fn on_event(&self, event: &Event<'_>, ctx: Context<'_, S>) {
         let meta = event.metadata();
-        let priority = priority(meta.level());
+        let priority = match meta.target() {
+            NOTICE => 5,
+            _ => priority(meta.level()),
+        };
         // The spans' fields, the outermost first, so that an inner one's value wins.
         let mut fields = SpanFields::default();
         if let Some(scope) = ctx.event_scope(event) {
@@ -285,6 +293,22 @@ mod tests {
             got.push(String::from_utf8_lossy(&buf[..n]).into_owned());
         }
         got
+    }
+
+    #[test]
+    fn a_notice_is_an_entry_at_priority_5() {
+        let got = entries(|| {
+            tracing::info!(target: NOTICE, "engine changed: a -> b");
+            tracing::info!("engine identity: b");
+        });
+        assert_eq!(got.len(), 2, "{got:#?}");
+        assert!(got[0].contains("PRIORITY=5\n"), "{}", got[0]);
+        assert!(
+            got[0].contains("MESSAGE=engine changed: a -> b\n"),
+            "{}",
+            got[0]
+        );
+        assert!(got[1].contains("PRIORITY=6\n"), "{}", got[1]);
     }
 
     #[test]

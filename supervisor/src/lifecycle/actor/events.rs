@@ -137,6 +137,10 @@ impl Actor {
                 Some(Event::Cancel { waiter })
             }
             Internal::Ready { gen } => Some(Event::Ready { gen }),
+            Internal::Identified { gen, status } => {
+                self.identified(gen, status);
+                None
+            }
             Internal::PortTaken { gen, pid, stranger } => {
                 self.port_taken(gen, pid, stranger);
                 None

@@ -74,6 +74,11 @@ pub(super) enum Internal {
     Ready {
         gen: Gen,
     },
+    /// The identity of the engine of `gen`, read once it served.
+    Identified {
+        gen: Gen,
+        status: Box<dsv4_client::identity::IdentityStatus>,
+    },
     /// Another process listens on the port the engine of `gen` (first process `pid`) was
     /// given: the engine is ended and started again on another port.
     PortTaken {

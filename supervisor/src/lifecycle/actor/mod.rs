@@ -15,6 +15,7 @@
 mod engine;
 mod events;
 mod handle;
+mod identity;
 mod kv;
 mod memory;
 mod messages;
@@ -145,6 +146,7 @@ pub fn spawn(
         holding: None,
         worker_book: worker_book.clone(),
         model_cache: None,
+        identity: None,
     };
     // What a stopped engine's status can say from the configuration (its key, say).
     actor.publish();
@@ -231,6 +233,9 @@ struct Actor {
     /// What the page cache held of the model at the last spawn: the class its load is
     /// estimated and recorded by, and what the status shows.
     model_cache: Option<dsv4_client::ModelCache>,
+    /// The running engine's identity, once read, and what changed since its profile's last
+    /// start.
+    identity: Option<dsv4_client::identity::IdentityStatus>,
 }
 
 enum Reply {

@@ -60,6 +60,7 @@ impl Actor {
                 && old.engine_key.as_deref() == engine_key
                 && old.kv_step == kv_step
                 && old.model_cache == self.model_cache
+                && old.identity == self.identity
         };
         if same_but_figures {
             self.publish_figures(idle_deadline);
@@ -82,6 +83,7 @@ impl Actor {
             engine_key: engine_key.map(String::from),
             kv_step,
             model_cache: self.model_cache,
+            identity: self.identity.clone(),
         };
         let state = status.state;
         let mut state_changed = false;
@@ -105,6 +107,9 @@ impl Actor {
                 let (profile, took) = (e.shared.profile.clone(), e.spawned_at.elapsed());
                 e.load_took = Some(took);
                 self.loaded(profile, took);
+                if let Some(e) = self.engine.as_ref() {
+                    self.identify(e);
+                }
             }
         }
     }

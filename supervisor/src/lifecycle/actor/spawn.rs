@@ -66,6 +66,7 @@ impl Actor {
         // Once a start: a spawn again on another port would find what the first read.
         if port_tries == 0 {
             self.model_cache = model_cache(profile);
+            self.identity = None;
         }
         // The engine's output readers log in its span (see `crate::log::journal`).
         let span = crate::log::journal::engine_span(profile_name, Some(gen));
