@@ -6,7 +6,7 @@
 use std::path::Path;
 use std::time::{Duration, Instant};
 
-use crate::support::real::{cache_dir, engine};
+use crate::support::real::engine;
 use crate::support::*;
 use dsv4_client::State;
 use serde_json::{json, Value};
@@ -24,21 +24,6 @@ fn wrapper(path: &Path, server: &Path, version: Option<&str>) {
     use std::os::unix::fs::PermissionsExt;
     std::fs::set_permissions(&tmp, std::fs::Permissions::from_mode(0o755)).unwrap();
     std::fs::rename(&tmp, path).unwrap();
-}
-
-/// The tiny model with the weights of `seed`, the same shape, at `out`.
-fn tiny_model(out: &Path, seed: u32) {
-    let generator = Path::new(env!("CARGO_MANIFEST_DIR")).join("engine/make_tiny_gguf.py");
-    let tmp = out.with_extension("tmp");
-    let o = std::process::Command::new(cache_dir().join("venv/bin/python"))
-        .arg(&generator)
-        .arg(&tmp)
-        .args(["--seed", &seed.to_string()])
-        .stdin(std::process::Stdio::null())
-        .output()
-        .unwrap();
-    assert!(o.status.success(), "{}", String::from_utf8_lossy(&o.stderr));
-    std::fs::rename(&tmp, out).unwrap();
 }
 
 /// Serves one chat (starting the engine), and returns the identity of the engine that served
@@ -73,7 +58,7 @@ async fn each_start_records_the_engines_identity_and_a_change_is_said() {
     let program = dir.path().join("llama-server");
     let model = dir.path().join("tiny.gguf");
     wrapper(&program, &server, None);
-    tiny_model(&model, 0);
+    crate::support::real::tiny_with_seed(&model, 0);
     let profile = crate::support::real::profile(&model, 1024, "").replace(
         &format!("command: {}", server.display()),
         &format!("command: {}", program.display()),
@@ -121,7 +106,7 @@ async fn each_start_records_the_engines_identity_and_a_change_is_said() {
     d.log_with(&[&format!("engine changed: {said}")]).await;
 
     // Another model file of the same name and shape: other weights, written since.
-    tiny_model(&model, 1);
+    crate::support::real::tiny_with_seed(&model, 1);
     let remade = served_identity(&d).await;
     let changed = remade["changed"].as_array().unwrap();
     assert_eq!(changed.len(), 1, "{remade}");

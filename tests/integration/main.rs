@@ -11,6 +11,7 @@ mod agents;
 mod api_access;
 mod architecture;
 mod bodies;
+mod canary;
 mod cluster;
 mod connections;
 mod control;

@@ -605,9 +605,12 @@ async fn the_load_is_timed_warm_then_with_the_model_dropped_from_the_page_cache(
         stderr.contains("engine.prewarm before it: read 8.0 MiB of 8.0 MiB"),
         "{stderr}"
     );
+    // fincore says so too, once the validation is over: all of it, but for the few pages
+    // the kernel may have taken back meanwhile (tests beside this one read hundreds of MiB;
+    // 17 of its 2,048 pages were seen gone once).
     let resident = fincore(&model);
     assert!(
-        resident >= load.cached_before_warm,
+        resident >= load.cached_before_warm / 10 * 9,
         "the model is not back in the page cache ({resident} bytes): {load:?}"
     );
     // The switch's start, the cold one, and the two after an idle stop: four engines of the

@@ -19,6 +19,12 @@ pub struct ValidateRequest {
     /// Run every cell of the profile's `matrix:` (`dsv4ctl validate --matrix`).
     #[serde(default)]
     pub matrix: bool,
+    /// Only the correctness canary: no load test, no speed tests (`--canary`).
+    #[serde(default)]
+    pub canary_only: bool,
+    /// Record this run's canary as the profile's reference (`--record`), whatever it gives.
+    #[serde(default)]
+    pub record: bool,
     /// Narrows the matrix: for an axis named here, only the values given (`cpu` and `gpu`
     /// values by name, an argument axis's variants by number from 1 or by their arguments
     /// joined with spaces).
@@ -172,6 +178,10 @@ pub struct ValidationResult {
     /// are then empty: each cell has its own).
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub matrix: Option<Matrix>,
+    /// The correctness canary: its run, compared with the profile's reference (or recorded as
+    /// it). Not in results of older daemons.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub canary: Option<CanaryResult>,
     /// Why it ended early, when it did (the tests done so far are kept).
     #[serde(default)]
     pub error: Option<String>,
@@ -761,4 +771,86 @@ mod tests {
         assert_eq!(s.added_args(), vec!["-ub", "2048"]);
         assert_eq!(CellSettings::default().label(), "(the profile as it is)");
     }
+}
+
+/// One token the canary generated: the engine's greedy pick, and its top log-probabilities
+/// when it gives them (the pick among them).
+#[derive(Debug, Clone, Default, PartialEq, Serialize, Deserialize)]
+pub struct CanaryToken {
+    pub text: String,
+    #[serde(default)]
+    pub top: Vec<TopLogprob>,
+}
+
+/// A token among the top of a position, by its id and log-probability.
+#[derive(Debug, Clone, Default, PartialEq, Serialize, Deserialize)]
+pub struct TopLogprob {
+    pub id: i64,
+    pub text: String,
+    pub logprob: f64,
+}
+
+/// One canary prompt and what the engine made of it, greedy.
+#[derive(Debug, Clone, Default, PartialEq, Serialize, Deserialize)]
+pub struct CanaryPrompt {
+    pub prompt: String,
+    /// The generated text.
+    pub text: String,
+    /// Token by token, when the engine says them (llama-server); empty for one that gives
+    /// only the text (ds4-server), which is then compared character by character.
+    #[serde(default)]
+    pub tokens: Vec<CanaryToken>,
+}
+
+/// A canary run: each prompt's answer, on which engine, when.
+#[derive(Debug, Clone, Default, PartialEq, Serialize, Deserialize)]
+pub struct CanaryRun {
+    pub prompts: Vec<CanaryPrompt>,
+    /// The engine's identity in brief (`llama-server 8123 (0c1e570) (ROCm)`).
+    #[serde(default)]
+    pub engine: String,
+    /// Unix time (s).
+    pub at: f64,
+}
+
+/// Where a canary run first left its reference.
+#[derive(Debug, Clone, Default, PartialEq, Serialize, Deserialize)]
+pub struct Drift {
+    /// The prompt's number, from 1, and its text.
+    pub prompt: usize,
+    pub prompt_text: String,
+    /// The generated token's number (a character's, for an engine that gives only text),
+    /// from 0.
+    pub position: usize,
+    pub expected: String,
+    pub got: String,
+}
+
+impl std::fmt::Display for Drift {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        write!(
+            f,
+            "canary drift at prompt {} ({:?}), token {}: expected {}, got {}",
+            self.prompt, self.prompt_text, self.position, self.expected, self.got
+        )
+    }
+}
+
+/// The canary of a validation: its run, against the reference.
+#[derive(Debug, Clone, Default, PartialEq, Serialize, Deserialize)]
+pub struct CanaryResult {
+    pub run: CanaryRun,
+    /// This run became the profile's reference (the first canary of the profile, or
+    /// `--record`).
+    pub recorded: bool,
+    /// The reference compared with: its engine and time.
+    #[serde(default)]
+    pub reference_engine: String,
+    #[serde(default)]
+    pub reference_at: f64,
+    /// The largest difference of a log-probability from the reference that is not a drift.
+    pub tolerance: f64,
+    /// Where it drifted, when it did.
+    #[serde(default)]
+    pub drift: Option<Drift>,
 }

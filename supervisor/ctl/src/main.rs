@@ -201,6 +201,14 @@ enum Command {
         /// --only ub=2
         #[arg(long, value_name = "AXIS=VALUE[,VALUE]", requires = "matrix")]
         only: Vec<dsv4_client::validate::Narrowing>,
+        /// Only the correctness canary (no load or speed tests): fixed prompts, greedy, with
+        /// the engine's top log-probabilities, compared with the profile's reference
+        #[arg(long, conflicts_with = "matrix")]
+        canary: bool,
+        /// Record this run's canary as the profile's reference (the first validation of a
+        /// profile records it by itself)
+        #[arg(long, conflicts_with = "matrix")]
+        record: bool,
     },
     /// List or remove the saved KV caches (checkpoints)
     ///
@@ -382,6 +390,8 @@ async fn run(cli: Cli) -> Result<(), Failure> {
             compare,
             matrix,
             only,
+            canary,
+            record,
         } => {
             let req = dsv4_client::validate::ValidateRequest {
                 profile: Some(profile),
@@ -390,6 +400,8 @@ async fn run(cli: Cli) -> Result<(), Failure> {
                 prefill,
                 matrix,
                 only,
+                canary_only: canary,
+                record,
             };
             validate(&daemon, json, req, compare).await
         }
@@ -816,6 +828,12 @@ fn validation_verdict(
         return Err(Failure::Failed(format!(
             "the validation ended early: {why}; profile {} is active again",
             result.previous_profile
+        )));
+    }
+    if let Some(d) = result.canary.as_ref().and_then(|c| c.drift.as_ref()) {
+        return Err(Failure::Failed(format!(
+            "the answers changed: {d}; if the change is meant (a new model, a fixed \
+             engine), record the new reference with dsv4ctl validate --canary --record"
         )));
     }
     let failed: Vec<String> = result

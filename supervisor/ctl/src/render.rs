@@ -703,6 +703,9 @@ pub fn validation_table(r: &ValidationResult) -> String {
             ));
         }
     }
+    if let Some(c) = &r.canary {
+        out.push_str(&canary_line(c));
+    }
     for t in &r.tests {
         let m = &t.telemetry;
         let mut parts = Vec::new();
@@ -851,6 +854,24 @@ pub fn matrix_table(r: &ValidationResult, m: &Matrix) -> String {
         }
     }
     out
+}
+
+/// The canary of a validation: recorded, as its reference, or where it drifted.
+fn canary_line(c: &dsv4_client::validate::CanaryResult) -> String {
+    let prompts = c.run.prompts.len();
+    match (&c.drift, c.recorded) {
+        (_, true) => format!("canary: {prompts} prompts, recorded as the profile's reference\n"),
+        (None, false) => format!(
+            "canary: {prompts} prompts as the reference of {} (log-probabilities within {})\n",
+            if c.reference_engine.is_empty() {
+                "an earlier run"
+            } else {
+                &c.reference_engine
+            },
+            c.tolerance
+        ),
+        (Some(d), false) => format!("canary: DRIFT: {d}\n"),
+    }
 }
 
 /// A cell's load times: warm, cold, after an idle stop, and the same with `engine.prewarm`

@@ -25,6 +25,10 @@ use crate::host::sysroot::SysRoot;
 /// The longest a `--version` or `--list-devices` run may take (a ROCm build initializes its
 /// runtime to list its devices: about a second).
 const PROBE_TIMEOUT: Duration = Duration::from_secs(20);
+/// The first bytes of a model whose residency says whether it was in the page cache.
+const HEADER_WINDOW: u64 = 16 << 20;
+/// What is hashed of a model file that is not a GGUF one: its start.
+const NOT_GGUF: u64 = 64 << 10;
 
 pub fn path(state_dir: &Path) -> PathBuf {
     state_dir.join("identity.json")
@@ -136,8 +140,8 @@ fn version_of(out: &str) -> Option<String> {
 
 enum Hash {
     Whole,
-    /// A GGUF file's header (its metadata and tensor descriptions); the first MiB of a file
-    /// that is not one.
+    /// A GGUF file's header (its metadata and tensor descriptions); the start of a file that
+    /// is not one.
     Header,
 }
 
@@ -149,23 +153,42 @@ fn stat(path: &Path) -> Option<(u64, (i64, u32))> {
 
 fn mark(path: &Path, hash: Hash) -> FileMark {
     let (size, modified) = stat(path).unwrap_or_default();
-    let upto = match hash {
-        Hash::Whole => u64::MAX,
-        Hash::Header => crate::host::gguf::read(path).map_or(1 << 20, |h| h.header_bytes),
-    };
     FileMark {
         path: path.display().to_string(),
         size,
         modified,
-        sha256: sha256_of(path, upto).unwrap_or_default(),
+        sha256: sha256_of(path, hash).unwrap_or_default(),
     }
 }
 
-/// SHA-256 of the first `upto` bytes of `path`.
-fn sha256_of(path: &Path, upto: u64) -> std::io::Result<String> {
-    let file = std::fs::File::open(path)?;
+/// SHA-256 of `path`, whole or its header. A model's header is read without readahead, and
+/// when none of its first pages were in the page cache, what was read is dropped again: the
+/// identity leaves the page cache as it found the model (an idle stop may have left it out).
+fn sha256_of(path: &Path, hash: Hash) -> std::io::Result<String> {
+    use nix::fcntl::{posix_fadvise, PosixFadviseAdvice};
+    use std::io::{BufReader, Seek};
+    let mut file = std::fs::File::open(path)?;
+    let (upto, cold) = match hash {
+        Hash::Whole => (u64::MAX, false),
+        Hash::Header => {
+            let window = file.metadata()?.len().min(HEADER_WINDOW);
+            let cold = window > 0
+                && crate::host::pagecache::resident_in(&file, 0, window).is_ok_and(|r| r == 0);
+            posix_fadvise(&file, 0, 0, PosixFadviseAdvice::POSIX_FADV_RANDOM)
+                .map_err(std::io::Error::from)?;
+            let header = crate::host::gguf::parse(BufReader::with_capacity(1 << 16, &file));
+            file.rewind()?;
+            (header.map_or(NOT_GGUF, |h| h.header_bytes), cold)
+        }
+    };
     let mut hasher = Sha256::new();
-    std::io::copy(&mut file.take(upto), &mut hasher)?;
+    let read = std::io::copy(&mut (&file).take(upto), &mut hasher)?;
+    if cold {
+        // The parse read ahead of the header by up to its buffer.
+        let len = nix::libc::off_t::try_from(read + (1 << 16)).unwrap_or(0);
+        posix_fadvise(&file, 0, len, PosixFadviseAdvice::POSIX_FADV_DONTNEED)
+            .map_err(std::io::Error::from)?;
+    }
     Ok(hex::encode(hasher.finalize()))
 }
 
@@ -179,7 +202,16 @@ fn probe(program: &Path, args: &[&str], env: &[(String, String)]) -> Option<Stri
         .ok()?
         .block_on(super::run::run_bounded(cmd, PROBE_TIMEOUT));
     match ran {
-        Ok(r) => Some(format!("{}{}", r.stdout, r.stderr)),
+        Ok(r) if r.status.success() => Some(format!("{}{}", r.stdout, r.stderr)),
+        Ok(r) => {
+            tracing::debug!(
+                "{} {}: {}; its answer is not part of the engine's identity",
+                program.display(),
+                args.join(" "),
+                r.status
+            );
+            None
+        }
         Err(e) => {
             tracing::warn!(
                 "{} {}: {e:?}; its answer is not part of the engine's identity",
@@ -346,6 +378,31 @@ mod tests {
             backends(vec!["ROCm".into(), "Vulkan".into()]),
             "ROCm+Vulkan"
         );
+    }
+
+    #[test]
+    fn a_model_out_of_the_page_cache_stays_out_of_it() {
+        use crate::host::pagecache::{evict, residency};
+        // On the disk: a tmpfs file's pages are the file.
+        let dir = tempfile::tempdir_in(concat!(env!("CARGO_MANIFEST_DIR"), "/../target")).unwrap();
+        let path = dir.path().join("m.gguf");
+        let mut bytes = b"GGUF".to_vec();
+        bytes.resize(4 << 20, 1);
+        std::fs::write(&path, &bytes).unwrap();
+        std::fs::File::open(&path).unwrap().sync_all().unwrap();
+        evict(&path).unwrap();
+        assert_eq!(residency(&path).unwrap().resident, 0);
+        let m = mark(&path, Hash::Header);
+        assert_eq!(
+            m.sha256,
+            hex::encode(Sha256::digest(&bytes[..NOT_GGUF as usize]))
+        );
+        assert_eq!(residency(&path).unwrap().resident, 0);
+        // A model in the page cache is left there.
+        let _ = std::fs::read(&path).unwrap();
+        let before = residency(&path).unwrap().resident;
+        mark(&path, Hash::Header);
+        assert_eq!(residency(&path).unwrap().resident, before);
     }
 
     #[test]

@@ -38,6 +38,7 @@ use crate::lifecycle::trial::Trial;
 use crate::observe::monitor::Telemetry;
 use crate::policy::power::PowerPolicy;
 
+mod canary;
 mod load;
 mod matrix;
 mod measure;
@@ -208,6 +209,13 @@ impl Validator {
                      ({most})"
                 )));
             }
+        }
+        if req.matrix && (req.canary_only || req.record) {
+            return Err(StartError::Invalid(
+                "a matrix runs no canary: --canary and --record are for a validation of one \
+                 profile"
+                    .into(),
+            ));
         }
         let cells = match req.matrix {
             true => Some(matrix::cells(&config, &profile, &req)?),
@@ -409,13 +417,98 @@ impl Validator {
             .await
             .map_err(|e| e.to_string())?;
         let lease = self.lease_on(profile).await?;
-        let (lease, load) = self.load_test(profile, lease, &files, before).await?;
-        result.load = Some(load);
+        let lease = match req.canary_only {
+            true => lease,
+            false => {
+                let (lease, load) = self.load_test(profile, lease, &files, before).await?;
+                result.load = Some(load);
+                lease
+            }
+        };
         result.engine_build = build_info(&lease.engine).await.unwrap_or_default();
-        self.tests(profile, req, &lease.engine, &mut result.tests)
-            .await?;
+        if !req.canary_only {
+            self.tests(profile, req, &lease.engine, &mut result.tests)
+                .await?;
+        }
+        result.canary = Some(self.canary(profile, req, &lease.engine).await?);
         drop(lease);
         Ok(())
+    }
+
+    /// The canary on `engine`, compared with `profile`'s reference; recorded as the reference
+    /// when there is none or `req.record` asks it.
+    async fn canary(
+        &self,
+        profile: &str,
+        req: &ValidateRequest,
+        engine: &EngineRef,
+    ) -> Result<dsv4_client::validate::CanaryResult, String> {
+        let config = self.0.config.borrow().clone();
+        let kind = config
+            .profile(profile)
+            .map(|p| p.engine)
+            .unwrap_or_default();
+        let api = Api::of(kind).ok_or("the profile's engine serves no API to measure")?;
+        self.say(Progress {
+            step: "canary".into(),
+            test: Some("canary".into()),
+            message: format!(
+                "canary: {} prompts, {} tokens each, greedy",
+                canary::PROMPTS.len(),
+                canary::TOKENS
+            ),
+            ..Progress::default()
+        });
+        // The engine's identity is read once it serves, beside the suite.
+        let mut status = self.0.lifecycle.watch_status();
+        let known = status.wait_for(|s| s.identity.is_some());
+        let identity = match tokio::time::timeout(Duration::from_secs(30), known).await {
+            Ok(Ok(s)) => s.identity.clone(),
+            _ => None,
+        };
+        let run = dsv4_client::validate::CanaryRun {
+            prompts: canary::run(api, engine).await?,
+            engine: identity.map(|i| i.identity.brief()).unwrap_or_default(),
+            at: dsv4_client::clock::unix_now(),
+        };
+        let state_dir = config.supervisor.state_dir.clone();
+        let reference = match req.record {
+            true => None,
+            false => canary::reference(&state_dir, profile),
+        };
+        let mut result = dsv4_client::validate::CanaryResult {
+            recorded: reference.is_none(),
+            tolerance: canary::TOLERANCE,
+            ..Default::default()
+        };
+        let message = match &reference {
+            Some(r) => {
+                result.reference_engine = r.engine.clone();
+                result.reference_at = r.at;
+                result.drift = canary::drift(r, &run, canary::TOLERANCE);
+                match &result.drift {
+                    Some(d) => format!("{d} (the reference: {})", r.engine),
+                    None => format!("canary: as its reference ({})", r.engine),
+                }
+            }
+            None => {
+                canary::record(&state_dir, profile, &run).map_err(|e| {
+                    format!(
+                        "cannot record the canary's reference in {}: {e}",
+                        state_dir.display()
+                    )
+                })?;
+                format!("canary: recorded as profile {profile}'s reference")
+            }
+        };
+        self.say(Progress {
+            step: "canary".into(),
+            test: Some("canary".into()),
+            message,
+            ..Progress::default()
+        });
+        result.run = run;
+        Ok(result)
     }
 
     /// The files of `profile`'s model.

@@ -333,6 +333,21 @@ where
 }
 
 /// The flag if given, else the environment variable.
+/// As the real programs answer a supervisor's questions of what they are: llama-server
+/// prints its version (on stderr) or its devices (none, for a build for the CPU) and exits;
+/// ds4-server has neither option and says so.
+fn identity_probe(flag: &str) -> ExitCode {
+    if env_knob::<Mode>("MODE").ok().flatten() == Some(Mode::Ds4) {
+        eprintln!("ds4-server: unknown option: {flag}");
+        return ExitCode::from(2);
+    }
+    match flag {
+        "--version" => eprintln!("version: 1 (fake)\nbuilt with rustc for the fake engine"),
+        _ => println!("Available devices:\n  (none)"),
+    }
+    ExitCode::SUCCESS
+}
+
 fn knob<T: FromStr>(flag: Option<T>, name: &str) -> Result<Option<T>, String>
 where
     T::Err: Display,
@@ -652,6 +667,11 @@ async fn run(engine: Arc<Engine>) -> ExitCode {
 
 fn main() -> ExitCode {
     let raw: Vec<String> = std::env::args().collect();
+    if let [_, flag] = raw.as_slice() {
+        if matches!(flag.as_str(), "--version" | "--list-devices") {
+            return identity_probe(flag);
+        }
+    }
     let args = Args::parse_from(normalize_argv(&raw));
     let cfg = match build_config(&args) {
         Ok(c) => c,

@@ -1052,11 +1052,38 @@ async fn generate(engine: &Arc<Engine>, req: Request<Incoming>, flavor: Flavor) 
         predicted_n: job.plan.len(),
         predicted_ms: ms_since(t1),
     };
-    json_response(
-        StatusCode::OK,
-        &job.flavor
-            .full(&meta, &content, job.plan.finish(), &timings),
-    )
+    let mut answer = job
+        .flavor
+        .full(&meta, &content, job.plan.finish(), &timings);
+    // As llama-server: `n_probs` asks each generated token's top log-probabilities.
+    let n_probs = body.get("n_probs").and_then(Value::as_u64).unwrap_or(0);
+    if job.flavor == Flavor::Native && n_probs > 0 {
+        answer["completion_probabilities"] = probabilities(&job, n_probs);
+    }
+    json_response(StatusCode::OK, &answer)
+}
+
+/// llama-server's `completion_probabilities` for the tokens of `job`: each one's id, text,
+/// bytes and log-probability, and the `n` most likely at its position, the pick first. The
+/// figures are the same at every run, as a deterministic engine's are.
+fn probabilities(job: &Job, n: u64) -> Value {
+    let entry = |id: u64, text: &str, logprob: f64| json!({"id": id, "token": text, "bytes": text.as_bytes(), "logprob": logprob});
+    let tokens: Vec<Value> = (0..job.plan.len())
+        .map(|i| {
+            let text = job.plan.token(i);
+            let id = 100 + text.bytes().map(u64::from).sum::<u64>() % 900;
+            let top: Vec<Value> = (0..n)
+                .map(|k| match k {
+                    0 => entry(id, &text, -0.01),
+                    k => entry(id + k, &format!("alt{k}"), -2.0 * k as f64),
+                })
+                .collect();
+            let mut e = entry(id, &text, -0.01);
+            e["top_logprobs"] = Value::Array(top);
+            e
+        })
+        .collect();
+    Value::Array(tokens)
 }
 
 /// Produces one streamed response into `tx`. Stops as soon as a send fails,

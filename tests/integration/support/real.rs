@@ -63,21 +63,32 @@ pub fn rpc_server() -> PathBuf {
 /// generator `tests/engine/prepare` runs, with the venv it made).
 pub fn tiny_with_context(ctx: u32) -> PathBuf {
     let out = cache_dir().join(format!("models/tiny-ctx{ctx}.gguf"));
-    if out.is_file() {
-        return out;
+    if !out.is_file() {
+        generate_tiny(&out, &["--ctx", &ctx.to_string()]);
     }
+    out
+}
+
+/// The tiny model with the weights of `seed`, the same shape (and the same GGUF header), at
+/// `out`: another model file of the same name, as a user's download of a new quantization.
+pub fn tiny_with_seed(out: &Path, seed: u32) {
+    generate_tiny(out, &["--seed", &seed.to_string()]);
+}
+
+/// Runs the tiny model's generator with `args` into `out`, written beside and renamed: a run
+/// cut short leaves no half model.
+fn generate_tiny(out: &Path, args: &[&str]) {
     let tmp = out.with_extension(format!("tmp.{}", std::process::id()));
     let generator = Path::new(env!("CARGO_MANIFEST_DIR")).join("engine/make_tiny_gguf.py");
     let o = Command::new(cache_dir().join("venv/bin/python"))
         .arg(&generator)
         .arg(&tmp)
-        .args(["--ctx", &ctx.to_string()])
+        .args(args)
         .stdin(Stdio::null())
         .output()
         .unwrap_or_else(|e| panic!("cannot run {}: {e}", generator.display()));
     assert!(o.status.success(), "{}", String::from_utf8_lossy(&o.stderr));
-    std::fs::rename(&tmp, &out).unwrap();
-    out
+    std::fs::rename(&tmp, out).unwrap();
 }
 
 /// Arguments every test engine gets: no web page, and one thread. The tests run many engines
