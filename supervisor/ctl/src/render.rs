@@ -675,33 +675,7 @@ pub fn validation_table(r: &ValidationResult) -> String {
         ));
     }
     if let Some(l) = &r.load {
-        out.push_str(&format!(
-            "load: {} with the page cache as it was ({} of {} cached), {} with the \
-             model dropped from it ({} cached); the model is {}\n",
-            brief_secs(l.warm_seconds),
-            size(l.cached_before_warm),
-            size(l.bytes),
-            brief_secs(l.cold_seconds),
-            size(l.cached_before_cold),
-            l.method
-        ));
-        if let (Some(stop), Some(left)) = (l.after_stop_seconds, l.cached_after_stop) {
-            out.push_str(&format!(
-                "after an idle stop: {} as the engine's run left the page cache ({} \
-                 cached){}\n",
-                brief_secs(stop),
-                size(left),
-                match (l.prewarmed_seconds, l.cached_after_prewarm) {
-                    (Some(p), Some(c)) => format!(
-                        ", {} with engine.prewarm ({} read, {} cached)",
-                        brief_secs(p),
-                        size(l.read_back),
-                        size(c)
-                    ),
-                    _ => String::new(),
-                }
-            ));
-        }
+        out.push_str(&load_lines(l));
     }
     if let Some(c) = &r.canary {
         out.push_str(&canary_line(c));
@@ -852,6 +826,40 @@ pub fn matrix_table(r: &ValidationResult, m: &Matrix) -> String {
         for line in snippet.lines() {
             out.push_str(&format!("  {line}\n"));
         }
+    }
+    out
+}
+
+/// The load test's lines of the validation table: warm and cold, then after an idle stop
+/// without and with `engine.prewarm`.
+fn load_lines(l: &dsv4_client::validate::LoadTest) -> String {
+    let mut out = String::new();
+    out.push_str(&format!(
+        "load: {} with the page cache as it was ({} of {} cached), {} with the \
+         model dropped from it ({} cached); the model is {}\n",
+        brief_secs(l.warm_seconds),
+        size(l.cached_before_warm),
+        size(l.bytes),
+        brief_secs(l.cold_seconds),
+        size(l.cached_before_cold),
+        l.method
+    ));
+    if let (Some(stop), Some(left)) = (l.after_stop_seconds, l.cached_after_stop) {
+        out.push_str(&format!(
+            "after an idle stop: {} as the engine's run left the page cache ({} \
+             cached){}\n",
+            brief_secs(stop),
+            size(left),
+            match (l.prewarmed_seconds, l.cached_after_prewarm) {
+                (Some(p), Some(c)) => format!(
+                    ", {} with engine.prewarm ({} read, {} cached)",
+                    brief_secs(p),
+                    size(l.read_back),
+                    size(c)
+                ),
+                _ => String::new(),
+            }
+        ));
     }
     out
 }

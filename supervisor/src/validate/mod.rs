@@ -183,40 +183,7 @@ impl Validator {
                     .collect(),
             });
         }
-        if let Some(p) = config.profile(&profile) {
-            if Api::of(p.engine).is_none() {
-                return Err(StartError::Invalid(format!(
-                    "profile `{profile}` runs {}, which serves no API of its own: it lends \
-                     this box's devices to a coordinator; validate the coordinator's profile \
-                     on its box",
-                    p.engine
-                )));
-            }
-        }
-        if req.runs == 0 || req.runs > MAX_RUNS {
-            return Err(StartError::Invalid(format!(
-                "runs must be between 1 and {MAX_RUNS}"
-            )));
-        }
-        let most = config
-            .profile(&profile)
-            .and_then(|p| p.context())
-            .map_or(10_000_000, u64::from);
-        for (flag, asked) in [("--prefill", req.prefill), ("--long", req.long)] {
-            if asked.is_some_and(|n| n == 0 || n >= most) {
-                return Err(StartError::Invalid(format!(
-                    "{flag} must be at least 1 token and fewer than the profile's context \
-                     ({most})"
-                )));
-            }
-        }
-        if req.matrix && (req.canary_only || req.record) {
-            return Err(StartError::Invalid(
-                "a matrix runs no canary: --canary and --record are for a validation of one \
-                 profile"
-                    .into(),
-            ));
-        }
+        check_request(&config, &profile, &req)?;
         let cells = match req.matrix {
             true => Some(matrix::cells(&config, &profile, &req)?),
             false => None,
@@ -963,6 +930,46 @@ pub fn recover(state_dir: &Path) -> Option<String> {
             None
         }
     }
+}
+
+/// What a validation of `profile` asks, checked before anything changes: an engine that
+/// serves an API, runs and prompt lengths in bounds, no canary in a matrix.
+fn check_request(config: &Config, profile: &str, req: &ValidateRequest) -> Result<(), StartError> {
+    if let Some(p) = config.profile(profile) {
+        if Api::of(p.engine).is_none() {
+            return Err(StartError::Invalid(format!(
+                "profile `{profile}` runs {}, which serves no API of its own: it lends \
+                 this box's devices to a coordinator; validate the coordinator's profile \
+                 on its box",
+                p.engine
+            )));
+        }
+    }
+    if req.runs == 0 || req.runs > MAX_RUNS {
+        return Err(StartError::Invalid(format!(
+            "runs must be between 1 and {MAX_RUNS}"
+        )));
+    }
+    let most = config
+        .profile(profile)
+        .and_then(|p| p.context())
+        .map_or(10_000_000, u64::from);
+    for (flag, asked) in [("--prefill", req.prefill), ("--long", req.long)] {
+        if asked.is_some_and(|n| n == 0 || n >= most) {
+            return Err(StartError::Invalid(format!(
+                "{flag} must be at least 1 token and fewer than the profile's context \
+                 ({most})"
+            )));
+        }
+    }
+    if req.matrix && (req.canary_only || req.record) {
+        return Err(StartError::Invalid(
+            "a matrix runs no canary: --canary and --record are for a validation of one \
+             profile"
+                .into(),
+        ));
+    }
+    Ok(())
 }
 
 #[cfg(test)]

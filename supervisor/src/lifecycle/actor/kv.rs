@@ -180,12 +180,12 @@ impl Actor {
 
 /// An engine that loads its own checkpoints, started with some in its folder: its first word
 /// on loading one checks the restore, as a request's reuse checks dsv4d's own.
-pub(super) fn expect_own_load(book: &crate::kv::Book, e: &Engine) {
-    let kind = e.spawned.engine.describe();
-    let (Some(own), Some(dir)) = (kind.own_kv(), &e.spawned.params.kv_disk_dir) else {
+pub(super) fn expect_own_load(book: &crate::kv::Book, profile: &crate::config::Profile) {
+    let kind = profile.engine.describe();
+    let (Some(own), Some(dir)) = (kind.own_kv(), &profile.params.kv_disk_dir) else {
         return;
     };
     if crate::kv::own_dir_bytes(dir, own.file_suffix) > 0 {
-        book.expect(&e.spawned.name, crate::kv::Expected::Own);
+        book.expect(&profile.name, crate::kv::Expected::Own);
     }
 }

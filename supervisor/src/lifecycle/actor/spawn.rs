@@ -65,8 +65,7 @@ impl Actor {
         let before = self.before_spawn(profile);
         // Once a start: a spawn again on another port would find what the first read.
         if port_tries == 0 {
-            self.model_cache = model_cache(profile);
-            self.identity = None;
+            self.new_start(profile);
         }
         // The engine's output readers log in its span (see `crate::log::journal`).
         let span = crate::log::journal::engine_span(profile_name, Some(gen));
@@ -133,12 +132,18 @@ impl Actor {
             holds,
             lost: None,
         });
-        if let Some(e) = self.engine.as_ref() {
-            if self.kv_suspended.as_ref() != Some(&e.spawned.name) {
-                super::kv::expect_own_load(&self.kv, e);
-            }
-        }
         None
+    }
+
+    /// A start's first spawn (not one again on another port): what the page cache holds of
+    /// the model, no identity until this engine's is read, and the restore the engine may
+    /// make of its own checkpoints, to be checked.
+    fn new_start(&mut self, profile: &crate::config::Profile) {
+        self.model_cache = model_cache(profile);
+        self.identity = None;
+        if self.kv_suspended.as_ref() != Some(&profile.name) {
+            super::kv::expect_own_load(&self.kv, profile);
+        }
     }
 
     /// What the engine of `gen` is spawned with: the profile's settings (and a matrix cell's
