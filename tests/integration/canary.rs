@@ -92,6 +92,17 @@ async fn the_canary_is_recorded_passes_on_the_same_engine_and_drifts_on_other_we
     assert!(said.contains("canary drift at prompt 1"), "{said}");
     assert!(said.contains("--canary --record"), "{said}");
 
+    // The doctor says so, with the fix.
+    let c = doctor_check(&d, "canary", "64k");
+    assert_eq!(c["verdict"], "fail", "{c}");
+    assert!(
+        c["fix"]
+            .as_str()
+            .unwrap()
+            .contains("--profile 64k --canary --record"),
+        "{c}"
+    );
+
     // Recorded again, it is the reference.
     let (code, said, recorded) = canary(&d, &bus, &["--record"]);
     assert_eq!(code, Some(0), "{said}");
@@ -99,6 +110,15 @@ async fn the_canary_is_recorded_passes_on_the_same_engine_and_drifts_on_other_we
     let (code, said, after) = canary(&d, &bus, &[]);
     assert_eq!(code, Some(0), "{said}");
     assert!(after.drift.is_none() && !after.recorded, "{after:?}");
+    let c = doctor_check(&d, "canary", "64k");
+    assert_eq!(c["verdict"], "ok", "{c}");
+    assert!(
+        c["found"]
+            .as_str()
+            .unwrap()
+            .contains("matched its reference"),
+        "{c}"
+    );
 }
 
 /// ds4-server gives no log-probabilities: its canary is its greedy text, recorded then

@@ -235,18 +235,7 @@ async fn each_restore_is_checked_by_the_next_request_and_a_miss_is_told() {
         assert!(t.elapsed() < PATIENCE, "{} not written", kept.display());
         tokio::time::sleep(Duration::from_millis(50)).await;
     }
-    let out = std::process::Command::new(DSV4D)
-        .args(["--doctor", "--part", "service", "--config"])
-        .arg(d.dir().join("supervisor.yaml"))
-        .env("DSV4_LOG", "off")
-        .stdin(std::process::Stdio::null())
-        .output_within(PATIENCE);
-    let checks: Vec<Value> = serde_json::from_slice(&out.stdout)
-        .unwrap_or_else(|e| panic!("no checks ({e}): {}", String::from_utf8_lossy(&out.stderr)));
-    let c = checks
-        .iter()
-        .find(|c| c["id"] == "kv.restore" && c["profile"] == "tiny")
-        .unwrap_or_else(|| panic!("no kv.restore check: {checks:?}"));
+    let c = doctor_check(&d, "kv.restore", "tiny");
     assert_eq!(c["verdict"], "warn", "{c}");
     assert!(
         c["found"]

@@ -809,6 +809,9 @@ pub struct CanaryRun {
     /// The engine's identity in brief (`llama-server 8123 (0c1e570) (ROCm)`).
     #[serde(default)]
     pub engine: String,
+    /// The engine's whole identity at the run, when it was known.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub identity: Option<crate::identity::EngineIdentity>,
     /// Unix time (s).
     pub at: f64,
 }

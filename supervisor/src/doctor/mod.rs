@@ -10,6 +10,7 @@
 //! the fixes it offers as drop-ins are written by `dsv4ctl doctor --fix`.
 
 pub mod access;
+pub mod canary;
 pub mod engine;
 pub mod files;
 pub mod flags;
@@ -158,6 +159,7 @@ async fn service(opts: &Options) -> Vec<Check> {
         .and_then(Result::ok);
     out.extend(power::checks(&config, &opts.sysroot, bus).await);
     out.extend(kv::checks(&config));
+    out.extend(canary::checks(&config));
     if opts.part != Part::Box {
         out.extend(workers::checks(&config).await);
     }

@@ -233,27 +233,8 @@ impl Validator {
 
     /// The saved runs of `profile` (every profile's with `None`), newest first.
     pub fn saved(&self, profile: Option<&str>) -> Vec<ValidationResult> {
-        let dir = self
-            .0
-            .config
-            .borrow()
-            .supervisor
-            .state_dir
-            .join("validations");
-        let Ok(entries) = std::fs::read_dir(&dir) else {
-            return Vec::new();
-        };
-        let mut runs: Vec<ValidationResult> = entries
-            .flatten()
-            .filter(|e| e.path().extension().is_some_and(|x| x == "json"))
-            .filter_map(|e| {
-                let bytes = crate::host::regular::read(&e.path(), RESULT_MAX);
-                serde_json::from_slice(&bytes.ok()?).ok()
-            })
-            .filter(|r: &ValidationResult| profile.is_none_or(|p| r.profile == p))
-            .collect();
-        runs.sort_by(|a, b| b.started.total_cmp(&a.started));
-        runs
+        let state_dir = self.0.config.borrow().supervisor.state_dir.clone();
+        saved_in(&state_dir, profile)
     }
 
     /// After a run that did not end by itself: back to `previous`, the gate open.
@@ -433,9 +414,11 @@ impl Validator {
             Ok(Ok(s)) => s.identity.clone(),
             _ => None,
         };
+        let identity = identity.map(|i| i.identity);
         let run = dsv4_client::validate::CanaryRun {
             prompts: canary::run(api, engine).await?,
-            engine: identity.map(|i| i.identity.brief()).unwrap_or_default(),
+            engine: identity.as_ref().map(|i| i.brief()).unwrap_or_default(),
+            identity,
             at: dsv4_client::clock::unix_now(),
         };
         let state_dir = config.supervisor.state_dir.clone();
@@ -930,6 +913,32 @@ pub fn recover(state_dir: &Path) -> Option<String> {
             None
         }
     }
+}
+
+/// The runs of `profile` (every profile's with `None`) kept in `state_dir`, newest first.
+pub fn saved_in(state_dir: &Path, profile: Option<&str>) -> Vec<ValidationResult> {
+    let Ok(entries) = std::fs::read_dir(state_dir.join("validations")) else {
+        return Vec::new();
+    };
+    let mut runs: Vec<ValidationResult> = entries
+        .flatten()
+        .filter(|e| e.path().extension().is_some_and(|x| x == "json"))
+        .filter_map(|e| {
+            let bytes = crate::host::regular::read(&e.path(), RESULT_MAX);
+            serde_json::from_slice(&bytes.ok()?).ok()
+        })
+        .filter(|r: &ValidationResult| profile.is_none_or(|p| r.profile == p))
+        .collect();
+    runs.sort_by(|a, b| b.started.total_cmp(&a.started));
+    runs
+}
+
+/// The canary's reference of `profile`, when one was recorded.
+pub fn canary_reference(
+    state_dir: &Path,
+    profile: &str,
+) -> Option<dsv4_client::validate::CanaryRun> {
+    canary::reference(state_dir, profile)
 }
 
 /// What a validation of `profile` asks, checked before anything changes: an engine that

@@ -1278,6 +1278,24 @@ pub async fn live_proxy(bus: &PrivateBus, d: &Daemon) -> dsv4_client::Supervisor
     }
 }
 
+/// The doctor's check `id` of `profile`, as `dsv4d --doctor --part service` gives it with the
+/// configuration of `d`.
+pub fn doctor_check(d: &Daemon, id: &str, profile: &str) -> serde_json::Value {
+    let out = std::process::Command::new(DSV4D)
+        .args(["--doctor", "--part", "service", "--config"])
+        .arg(d.dir().join("supervisor.yaml"))
+        .env("DSV4_LOG", "off")
+        .stdin(std::process::Stdio::null())
+        .output_within(PATIENCE);
+    let checks: Vec<serde_json::Value> = serde_json::from_slice(&out.stdout)
+        .unwrap_or_else(|e| panic!("no checks ({e}): {}", String::from_utf8_lossy(&out.stderr)));
+    checks
+        .iter()
+        .find(|c| c["id"] == id && c["profile"] == profile)
+        .cloned()
+        .unwrap_or_else(|| panic!("no {id} check of {profile}: {checks:?}"))
+}
+
 /// What an `Alert` signal said.
 pub struct Alerted {
     pub kind: dsv4_client::AlertKind,
