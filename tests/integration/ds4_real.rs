@@ -317,17 +317,11 @@ async fn real_ds4_a_load_of_its_own_checkpoint_is_checked_and_a_failed_one_told(
         return;
     };
     wait_bus_name(&d, &bus).await;
-    let proxy = crate::support::live_proxy(&bus, &d).await;
-    let mut alerts = proxy.receive_alert().await.unwrap();
+    let mut alerts = alert_stream(&bus, &d).await;
     let asked = prompt(40);
     answered(&d, &asked).await;
     // Its identity: ds4-server has no --version; its log names its backend.
-    let t = std::time::Instant::now();
-    while d.status().await["identity"].is_null() {
-        assert!(t.elapsed() < PATIENCE, "no identity\n{}", d.log());
-        tokio::time::sleep(Duration::from_millis(50)).await;
-    }
-    let id = d.status().await["identity"]["identity"].clone();
+    let id = shown_identity(&d).await["identity"].clone();
     assert_eq!(id["engine"], "ds4-server", "{id}");
     assert_eq!(id["backend"], "CPU", "{id}\n{}", d.log());
     assert!(id["version"].is_null(), "{id}");

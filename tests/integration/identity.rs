@@ -3,13 +3,11 @@
 //! and the kernel, recorded in `state_dir` and shown in the status; the same engine again is
 //! unchanged, and another build or another model file is said ("engine changed: ...").
 
-use std::path::Path;
-use std::time::{Duration, Instant};
-
 use crate::support::real::engine;
 use crate::support::*;
 use dsv4_client::State;
 use serde_json::{json, Value};
+use std::path::Path;
 
 /// A program that runs the real llama-server; with `version`, it answers `--version` so.
 fn wrapper(path: &Path, server: &Path, version: Option<&str>) {
@@ -34,19 +32,7 @@ async fn served_identity(d: &Daemon) -> Value {
     assert_eq!(status, 200, "{v}\n{}", d.log());
     // The engine that served was spawned after the last one's identity was shown, which
     // the spawn took away: the identity shown now is this engine's.
-    let t = Instant::now();
-    let identity = loop {
-        let s = d.status().await;
-        if !s["identity"].is_null() {
-            break s["identity"].clone();
-        }
-        assert!(
-            t.elapsed() < PATIENCE,
-            "no identity in the status: {s}\n{}",
-            d.log()
-        );
-        tokio::time::sleep(Duration::from_millis(50)).await;
-    };
+    let identity = shown_identity(d).await;
     d.wait_state(State::Stopped, PATIENCE).await;
     identity
 }

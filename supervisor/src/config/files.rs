@@ -182,6 +182,20 @@ fn list(items: &[String], max: usize) -> String {
     }
 }
 
+/// The program a profile runs: its `command`, or a bare name looked up as the engine's
+/// spawn looks it up (the profile's `env.PATH`, else `PATH`), by the configuration's own
+/// lookup.
+pub fn resolve_command(profile: &super::Profile) -> PathBuf {
+    let command = &profile.command;
+    let bare = command.components().count() == 1 && !command.is_absolute();
+    let name = command.to_str().filter(|_| bare);
+    name.and_then(|name| {
+        let search = program_search_path(profile.env.get("PATH").map(String::as_str));
+        find_in_path(name, &search)
+    })
+    .unwrap_or_else(|| command.clone())
+}
+
 /// The search path a bare program name of a profile is looked up in: the profile's
 /// `env.PATH` when it sets one (the engine is spawned with it), else the daemon's `PATH`.
 pub fn program_search_path(env_path: Option<&str>) -> OsString {

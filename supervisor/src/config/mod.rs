@@ -12,8 +12,8 @@
 mod error;
 mod files;
 pub use files::{
-    find_in_path, is_credential, load_files, model_files, program_search_path, same_file,
-    shared_key_file,
+    find_in_path, is_credential, load_files, model_files, program_search_path, resolve_command,
+    same_file, shared_key_file,
 };
 mod load;
 pub mod matrix;

@@ -33,21 +33,6 @@ struct Needed {
     profile_file: PathBuf,
 }
 
-/// The program a profile runs: its `command`, or a bare name looked up as the engine's
-/// spawn looks it up (the profile's `env.PATH`, else `PATH`), by the configuration's own
-/// lookup.
-pub fn resolve_command(profile: &Profile) -> PathBuf {
-    let command = &profile.command;
-    let bare = command.components().count() == 1 && !command.is_absolute();
-    let name = command.to_str().filter(|_| bare);
-    name.and_then(|name| {
-        let search =
-            crate::config::program_search_path(profile.env.get("PATH").map(String::as_str));
-        crate::config::find_in_path(name, &search)
-    })
-    .unwrap_or_else(|| command.clone())
-}
-
 fn needed(profile: &Profile) -> Vec<Needed> {
     let item = |id, path: PathBuf, want, key| Needed {
         profile: profile.name.clone(),
@@ -59,7 +44,7 @@ fn needed(profile: &Profile) -> Vec<Needed> {
     };
     let mut out = vec![item(
         "files.command",
-        resolve_command(profile),
+        crate::config::resolve_command(profile),
         EXEC,
         "command",
     )];

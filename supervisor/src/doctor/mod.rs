@@ -125,12 +125,12 @@ async fn service(opts: &Options) -> Vec<Check> {
     let vulkan = config
         .profiles
         .values()
-        .any(|p| engine::is_vulkan(&files::resolve_command(p)));
+        .any(|p| engine::is_vulkan(&crate::config::resolve_command(p)));
     out.extend(files::devices(&opts.sysroot, &who, true, vulkan));
     // Each program once, each model once: profiles often share them.
     let (mut programs, mut models) = (BTreeSet::new(), BTreeSet::new());
     for profile in config.profiles.values() {
-        let command = files::resolve_command(profile);
+        let command = crate::config::resolve_command(profile);
         let runnable = access::check(&who, &command, access::EXEC, true).is_ok();
         if runnable && programs.insert((command.clone(), profile.params.extra_args.clone())) {
             out.extend(engine::checks(profile, &command).await);

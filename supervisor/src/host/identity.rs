@@ -49,11 +49,9 @@ pub fn load(state_dir: &Path) -> BTreeMap<String, EngineIdentity> {
     })
 }
 
-/// Keeps `identity` as `profile`'s last.
-pub fn save(state_dir: &Path, profile: &str, identity: &EngineIdentity) -> std::io::Result<()> {
-    let mut all = load(state_dir);
-    all.insert(profile.to_string(), identity.clone());
-    let text = serde_json::to_vec_pretty(&all).map_err(std::io::Error::other)?;
+/// Keeps `all` as each profile's identity at its last start.
+pub fn save(state_dir: &Path, all: &BTreeMap<String, EngineIdentity>) -> std::io::Result<()> {
+    let text = serde_json::to_vec_pretty(all).map_err(std::io::Error::other)?;
     super::state_file::write_atomic(&path(state_dir), &text)
 }
 

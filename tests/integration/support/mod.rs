@@ -1296,6 +1296,24 @@ pub fn doctor_check(d: &Daemon, id: &str, profile: &str) -> serde_json::Value {
         .unwrap_or_else(|| panic!("no {id} check of {profile}: {checks:?}"))
 }
 
+/// The `identity` part of `d`'s status, once the engine's identity is read (it is read once
+/// the engine serves, beside the answer).
+pub async fn shown_identity(d: &Daemon) -> serde_json::Value {
+    let t = Instant::now();
+    loop {
+        let s = d.status().await;
+        if !s["identity"].is_null() {
+            return s["identity"].clone();
+        }
+        assert!(
+            t.elapsed() < PATIENCE,
+            "no identity in the status: {s}\n{}",
+            d.log()
+        );
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+}
+
 /// What an `Alert` signal said.
 pub struct Alerted {
     pub kind: dsv4_client::AlertKind,

@@ -16,7 +16,7 @@ impl Actor {
         let p = &e.spawned;
         let kind = p.engine.describe();
         let env: Vec<(String, String)> = p.env.clone().into_iter().collect();
-        let program = resolve(&p.command, &env);
+        let program = crate::config::resolve_command(p);
         let models = crate::config::load_files(p);
         let output = e.shared.output.clone();
         let (gen, profile) = (e.shared.gen, p.name.clone());
@@ -55,24 +55,6 @@ impl Actor {
     }
 }
 
-/// The program `command` names: itself when it has a slash, else the first of that name in
-/// the engine's `PATH` (or dsv4d's).
-fn resolve(command: &std::path::Path, env: &[(String, String)]) -> std::path::PathBuf {
-    if command.components().count() > 1 {
-        return command.to_path_buf();
-    }
-    let path = env
-        .iter()
-        .find(|(k, _)| k == "PATH")
-        .map(|(_, v)| v.clone())
-        .or_else(|| std::env::var("PATH").ok())
-        .unwrap_or_default();
-    std::env::split_paths(&path)
-        .map(|dir| dir.join(command))
-        .find(|p| p.is_file())
-        .unwrap_or_else(|| command.to_path_buf())
-}
-
 /// The identity of the engine `started` describes, compared with its profile's last start,
 /// said, and kept as its last.
 fn compared(
@@ -81,7 +63,8 @@ fn compared(
     state_dir: &std::path::Path,
     profile: String,
 ) -> IdentityStatus {
-    let last = identity::load(state_dir).remove(&profile);
+    let mut all = identity::load(state_dir);
+    let last = all.remove(&profile);
     let now = identity::read(started, root, last.as_ref());
     let changed = last
         .as_ref()
@@ -97,7 +80,8 @@ fn compared(
             changed.join("; ")
         ),
     }
-    if let Err(e) = identity::save(state_dir, &profile, &now) {
+    all.insert(profile.clone(), now.clone());
+    if let Err(e) = identity::save(state_dir, &all) {
         tracing::warn!(
             "cannot keep the engine's identity in {}: {e}; the next start will not say what \
              changed",
