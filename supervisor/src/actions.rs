@@ -135,6 +135,18 @@ impl Actions {
         })
     }
 
+    /// Records the drifted canary of `profile` as its reference (`dsv4ctl canary accept`):
+    /// what was done. A held profile serves again.
+    pub fn accept_canary(&self, profile: &str, by: &str) -> Result<String, ActionError> {
+        let done = self
+            .validator
+            .checks()
+            .accept(profile)
+            .map_err(ActionError::Invalid)?;
+        tracing::info!(target: crate::log::journal::NOTICE, profile, "{done}, accepted by {by}");
+        Ok(done)
+    }
+
     /// Ends the running validation (it switches back); `false` when none runs.
     pub fn cancel_validation(&self, by: &str) -> bool {
         let cancelled = self.validator.cancel();

@@ -50,6 +50,7 @@ impl Parts {
     pub async fn status_document(&self) -> Status {
         let engine = self.lifecycle.status();
         let in_progress = self.in_progress(engine.state);
+        let hold = self.config.borrow().supervisor.canary.hold;
         Status {
             engine,
             requests: self.stats.report(5),
@@ -61,6 +62,7 @@ impl Parts {
             in_progress,
             holds: self.holders.list(),
             workers: self.lifecycle.workers(),
+            canary: self.validator.checks().shown(hold),
         }
     }
 

@@ -9,13 +9,17 @@ use dsv4_client::State;
 use serde_json::{json, Value};
 use std::path::Path;
 
-/// A program that runs the real llama-server; with `version`, it answers `--version` so.
-fn wrapper(path: &Path, server: &Path, version: Option<&str>) {
+/// A program that runs the real llama-server, with `more` arguments after the caller's;
+/// with `version`, it answers `--version` so.
+pub(crate) fn wrapper(path: &Path, server: &Path, version: Option<&str>, more: &str) {
     let answer = match version {
         Some(v) => format!("if [ \"$1\" = --version ]; then echo \"version: {v}\"; exit 0; fi\n"),
         None => String::new(),
     };
-    let text = format!("#!/bin/sh\n{answer}exec {} \"$@\"\n", server.display());
+    let text = format!(
+        "#!/bin/sh\n{answer}exec {} \"$@\" {more}\n",
+        server.display()
+    );
     // Written beside and renamed: a program being run cannot be written in place.
     let tmp = path.with_extension("tmp");
     std::fs::write(&tmp, text).unwrap();
@@ -43,7 +47,7 @@ async fn each_start_records_the_engines_identity_and_a_change_is_said() {
     let dir = temp_dir("identity");
     let program = dir.path().join("llama-server");
     let model = dir.path().join("tiny.gguf");
-    wrapper(&program, &server, None);
+    wrapper(&program, &server, None, "");
     crate::support::real::tiny_with_seed(&model, 0);
     let profile = crate::support::real::profile(&model, 1024, "").replace(
         &format!("command: {}", server.display()),
@@ -85,7 +89,7 @@ async fn each_start_records_the_engines_identity_and_a_change_is_said() {
     assert!(!d.log().contains("engine changed"), "{}", d.log());
 
     // Another build: the program says another version.
-    wrapper(&program, &server, Some("9999 (other)"));
+    wrapper(&program, &server, Some("9999 (other)"), "");
     let built = served_identity(&d).await;
     let said = format!("llama-server {version} (CPU) -> llama-server 9999 (other) (CPU)");
     assert_eq!(built["changed"], json!([said]), "{built}");

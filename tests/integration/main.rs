@@ -12,6 +12,7 @@ mod api_access;
 mod architecture;
 mod bodies;
 mod canary;
+mod canary_after_change;
 mod cluster;
 mod connections;
 mod control;

@@ -14,12 +14,12 @@ const DEVICE: &str = "sys/devices/pci0000:00/0000:00:08.1/0000:c5:00.0";
 
 /// One notification as dunst printed it.
 #[derive(Debug, Clone, Default)]
-struct Shown {
-    appname: String,
-    summary: String,
-    body: String,
-    urgency: String,
-    id: String,
+pub(crate) struct Shown {
+    pub(crate) appname: String,
+    pub(crate) summary: String,
+    pub(crate) body: String,
+    pub(crate) urgency: String,
+    pub(crate) id: String,
 }
 
 /// Lines collected from a child's output.
@@ -37,15 +37,15 @@ fn collect(out: impl std::io::Read + Send + 'static) -> Lines {
 }
 
 /// Xvfb and dunst on a session bus of their own; killed on drop.
-struct Desktop {
-    bus: PrivateBus,
+pub(crate) struct Desktop {
+    pub(crate) bus: PrivateBus,
     children: Vec<Child>,
     printed: Lines,
     _xvfb_out: std::process::ChildStdout,
 }
 
 impl Desktop {
-    fn start() -> Desktop {
+    pub(crate) fn start() -> Desktop {
         let bus = PrivateBus::start();
         // Xvfb picks a free display and says which (-displayfd): tests run side by side.
         let mut xvfb = Command::new("Xvfb")
@@ -144,7 +144,7 @@ impl Desktop {
     }
 
     /// Waits for the notification number `n` (from 0) and returns it.
-    fn wait(&self, n: usize, within: Duration) -> Shown {
+    pub(crate) fn wait(&self, n: usize, within: Duration) -> Shown {
         let t = Instant::now();
         loop {
             let all = self.shown();
@@ -170,13 +170,13 @@ impl Drop for Desktop {
 }
 
 /// `dsv4ctl --bus system notify-agent` between the daemon's bus and a desktop's.
-struct Agent {
+pub(crate) struct Agent {
     child: Child,
     log: Lines,
 }
 
 impl Agent {
-    fn start(system: &PrivateBus, session: &str) -> Agent {
+    pub(crate) fn start(system: &PrivateBus, session: &str) -> Agent {
         let mut child = Command::new(DSV4CTL)
             .args(["--bus", "system", "notify-agent"])
             .env("DBUS_SYSTEM_BUS_ADDRESS", &system.address)

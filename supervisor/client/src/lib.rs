@@ -75,6 +75,9 @@ pub trait Supervisor1 {
     fn validate(&self, request: &str) -> zbus::Result<String>;
     /// Ends the running validation; `false` when none runs.
     fn cancel_validation(&self) -> zbus::Result<bool>;
+    /// Records the drifted canary of `profile` as its reference (a profile held by
+    /// `canary.hold` serves again); answers what was done. Root and the `dsv4` group only.
+    fn canary_accept(&self, profile: &str) -> zbus::Result<String>;
     /// The kept validation results of `profile` (all with ""), newest first, as JSON.
     fn validations(&self, profile: &str) -> zbus::Result<String>;
     /// A [`validate::Progress`] of the running validation, as JSON.
@@ -303,6 +306,8 @@ pub enum AlertKind {
     Worker,
     /// A KV checkpoint restore the engine did not use: the next request's prefill ran again.
     Kv,
+    /// The correctness canary, run after the engine changed, drifted from its reference.
+    Canary,
     /// A kind this client does not know.
     #[serde(other)]
     Other,
@@ -318,6 +323,7 @@ impl AlertKind {
             AlertKind::Request => "request",
             AlertKind::Worker => "worker",
             AlertKind::Kv => "kv",
+            AlertKind::Canary => "canary",
             AlertKind::Other => "other",
         }
     }
@@ -487,6 +493,10 @@ pub struct Status {
     /// their order.
     #[serde(default, skip_serializing_if = "Vec::is_empty")]
     pub workers: Vec<WorkerStatus>,
+    /// Each profile's last correctness canary, and the one due or running (none from an
+    /// older daemon).
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub canary: Vec<validate::CanaryCheck>,
 }
 
 /// A worker box of this box's engine, as its hold goes.
@@ -543,6 +553,7 @@ impl Status {
             in_progress: Vec::new(),
             holds: Vec::new(),
             workers: Vec::new(),
+            canary: Vec::new(),
         }
     }
 }
@@ -871,6 +882,7 @@ mod tests {
                 telemetry: None,
                 thermal: None,
             }],
+            canary: Vec::new(),
         };
         let v = serde_json::to_value(&s).unwrap();
         assert_eq!(v["state"], "stopped");

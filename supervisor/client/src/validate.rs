@@ -839,6 +839,102 @@ impl std::fmt::Display for Drift {
     }
 }
 
+/// A profile's last correctness canary: a validation's, or the one dsv4d runs by itself once
+/// the engine is idle after a start that found it changed (`Status.canary`, kept in
+/// `state_dir/canary/checks/`).
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct CanaryCheck {
+    pub profile: String,
+    pub state: CanaryState,
+    /// Unix time (s) it came to that state.
+    pub since: f64,
+    /// What changed in the engine since the canary last ran (why this one runs); empty for a
+    /// validation's.
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub changed: Vec<String>,
+    /// The result, once it ran.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub result: Option<CanaryResult>,
+    /// Why it could not run (`failed`), or why it waits.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub error: Option<String>,
+    /// Requests to the profile are refused until its drift is accepted (`canary.hold`).
+    #[serde(default)]
+    pub held: bool,
+}
+
+/// Where a profile's canary stands.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "lowercase")]
+pub enum CanaryState {
+    /// Due: the engine changed; it runs once no request is in flight or waiting.
+    Waiting,
+    Running,
+    /// As its reference.
+    Passed,
+    /// Not as its reference: `result.drift` says where.
+    Drifted,
+    /// This run is the reference now: the profile's first, `--record`, or an accepted drift
+    /// (`dsv4ctl canary accept`).
+    Recorded,
+    /// It could not run (`error`); it runs again after the next start.
+    Failed,
+}
+
+impl CanaryState {
+    pub fn as_str(self) -> &'static str {
+        match self {
+            CanaryState::Waiting => "waiting",
+            CanaryState::Running => "running",
+            CanaryState::Passed => "passed",
+            CanaryState::Drifted => "drifted",
+            CanaryState::Recorded => "recorded",
+            CanaryState::Failed => "failed",
+        }
+    }
+}
+
+impl std::fmt::Display for CanaryState {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str(self.as_str())
+    }
+}
+
+impl CanaryCheck {
+    /// One line: `drifted since llama-server b6922 (ROCm): canary drift at prompt 1 ...`.
+    pub fn line(&self) -> String {
+        let engine = self.result.as_ref().map(|r| r.run.engine.as_str());
+        let on = engine
+            .filter(|e| !e.is_empty())
+            .map_or(String::new(), |e| format!(" on {e}"));
+        match (
+            self.state,
+            self.result.as_ref().and_then(|r| r.drift.as_ref()),
+        ) {
+            (CanaryState::Drifted, Some(d)) => {
+                let held = if self.held {
+                    "; requests refused until accepted"
+                } else {
+                    ""
+                };
+                format!("drifted{on}: {d}{held}")
+            }
+            (CanaryState::Waiting | CanaryState::Running, _) if !self.changed.is_empty() => {
+                format!(
+                    "{} (the engine changed: {})",
+                    self.state,
+                    self.changed.join("; ")
+                )
+            }
+            (CanaryState::Failed, _) => format!(
+                "failed{on}: {}",
+                self.error.as_deref().unwrap_or("no reason given")
+            ),
+            (state, _) => format!("{state}{on}"),
+        }
+    }
+}
+
 /// The canary of a validation: its run, against the reference.
 #[derive(Debug, Clone, Default, PartialEq, Serialize, Deserialize)]
 pub struct CanaryResult {

@@ -222,6 +222,7 @@ words! {
         ConfigInvalid = "config_invalid",
         EngineFailed = "engine_failed",
         EngineLends = "engine_lends",
+        CanaryDrift = "canary_drift",
         // The dashboard's actions.
         NotFound = "not_found",
         ActionsOff = "actions_off",

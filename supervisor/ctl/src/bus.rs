@@ -121,6 +121,16 @@ impl Daemon {
         })
     }
 
+    /// `CanaryAccept(profile)`: what was done.
+    pub async fn canary_accept(&self, profile: &str) -> Result<String, Failure> {
+        bounded(
+            self.bus,
+            "CanaryAccept()",
+            self.proxy.canary_accept(profile),
+        )
+        .await
+    }
+
     pub async fn start(&self) -> Result<(), Failure> {
         bounded(self.bus, "Start()", self.proxy.start()).await
     }

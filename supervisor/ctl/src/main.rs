@@ -210,6 +210,17 @@ enum Command {
         #[arg(long, conflicts_with = "matrix")]
         record: bool,
     },
+    /// Each profile's correctness canary, or accept a drift
+    ///
+    /// dsv4d runs a profile's canary (docs/validation.md) by itself once the engine is idle
+    /// after a start that found it changed. `canary` (or `canary list`) shows each profile's
+    /// last: passed, drifted (where), or waiting for a quiet engine. `canary accept PROFILE`
+    /// records that profile's drifted run as its reference, when the change is meant; a
+    /// profile held by `canary.hold` serves again (root and the dsv4 group only).
+    Canary {
+        #[command(subcommand)]
+        action: Option<CanaryAction>,
+    },
     /// List or remove the saved KV caches (checkpoints)
     ///
     /// Profiles with kv_checkpoint save their engine's KV cache on every planned stop and
@@ -303,6 +314,17 @@ enum KvAction {
 }
 
 #[derive(Debug, Subcommand)]
+enum CanaryAction {
+    /// Each profile's last canary
+    List,
+    /// Record PROFILE's drifted canary as its reference
+    Accept {
+        #[arg(value_name = "PROFILE")]
+        profile: String,
+    },
+}
+
+#[derive(Debug, Subcommand)]
 enum ConfigAction {
     /// Check FILE (default /etc/dsv4/supervisor.yaml) with its drop-ins
     /// (FILE.d/*.yaml): exit 0 when valid, 1 when not
@@ -382,6 +404,9 @@ async fn run(cli: Cli) -> Result<(), Failure> {
         Command::Logs { follow, lines } => logs(&daemon, json, follow, lines).await,
         Command::Top => top::run(&daemon).await,
         Command::Kv { action } => kv(&daemon, json, action.unwrap_or(KvAction::List)).await,
+        Command::Canary { action } => {
+            canary(&daemon, json, action.unwrap_or(CanaryAction::List)).await
+        }
         Command::Validate {
             profile,
             runs,
@@ -878,6 +903,25 @@ async fn kv(daemon: &Daemon, json: bool, action: KvAction) -> Result<(), Failure
             match json {
                 true => print_json(&gone),
                 false => print(&format!("removed: {}\n", gone.join(", "))),
+            }
+        }
+    }
+}
+
+async fn canary(daemon: &Daemon, json: bool, action: CanaryAction) -> Result<(), Failure> {
+    match action {
+        CanaryAction::List => {
+            let checks = daemon.status().await?.canary;
+            match json {
+                true => print_json(&checks),
+                false => print(&render::canary_lines(&checks)),
+            }
+        }
+        CanaryAction::Accept { profile } => {
+            let done = daemon.canary_accept(&profile).await?;
+            match json {
+                true => print_json(&serde_json::json!({ "accepted": profile, "said": done })),
+                false => print(&format!("{done}\n")),
             }
         }
     }

@@ -118,6 +118,7 @@ pub fn alert(kind: AlertKind, message: &str) -> Note {
         AlertKind::Request => "a long request",
         AlertKind::Worker => "a worker box",
         AlertKind::Kv => "a KV restore did nothing",
+        AlertKind::Canary => "the engine's answers changed",
         AlertKind::Other => "alert",
     };
     // A long request's news is good more often than not; a worker box that cooled is news too.

@@ -214,6 +214,10 @@ fn engine_rows(rows: &mut Vec<(&str, String)>, doc: &Status, now: f64) {
     if let Some(i) = &s.identity {
         rows.push(("engine", identity(i)));
     }
+    if !doc.canary.is_empty() {
+        let lines = canary_lines(&doc.canary);
+        rows.push(("canary", lines.trim_end().to_string()));
+    }
     rows.push(("in flight", s.in_flight.to_string()));
     rows.push(("waiting", s.waiting.to_string()));
     if !doc.in_progress.is_empty() {
@@ -234,6 +238,18 @@ fn engine_rows(rows: &mut Vec<(&str, String)>, doc: &Status, now: f64) {
             .filter(|e| !e.is_empty())
             .map_or_else(dash, str::to_string),
     ));
+}
+
+/// Each profile's last canary, one a line: `320k  drifted on llama-server b6922: ...`.
+pub fn canary_lines(checks: &[dsv4_client::validate::CanaryCheck]) -> String {
+    if checks.is_empty() {
+        return "no canary has run: a profile's first validation records its reference\n".into();
+    }
+    let width = checks.iter().map(|c| c.profile.len()).max().unwrap_or(0);
+    checks
+        .iter()
+        .map(|c| format!("{:width$}  {}\n", c.profile, c.line()))
+        .collect()
 }
 
 /// The engine's identity at its start and what changed since its profile's last one:
@@ -1095,6 +1111,7 @@ mod tests {
             in_progress: Vec::new(),
             holds: Vec::new(),
             workers: Vec::new(),
+            canary: Vec::new(),
             thermal: None,
             kv: None,
         }

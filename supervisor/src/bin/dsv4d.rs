@@ -542,6 +542,8 @@ fn spawn_parts(
         trial,
         power.clone(),
     );
+    // The canary after a change: once an engine that changed is idle.
+    tokio::spawn(validator.clone().canary_after_changes());
     tracing::info!(profile, "ready; the engine starts on the first request");
     let parts = Parts {
         lifecycle: lifecycle.clone(),

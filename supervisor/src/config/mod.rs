@@ -201,6 +201,17 @@ pub struct Supervisor {
     pub memory: Memory,
     pub notify: Notify,
     pub peers: Peers,
+    pub canary: Canary,
+}
+
+/// `canary:`: what a drift of the correctness canary does (see [`crate::validate::after_change`]).
+#[derive(Debug, Clone, PartialEq, Default, Deserialize)]
+#[serde(default, deny_unknown_fields)]
+#[serde(expecting = "a mapping of `canary` settings")]
+pub struct Canary {
+    /// A profile whose canary drifted refuses requests (503 naming the drift) until
+    /// `dsv4ctl canary accept PROFILE` records the new reference.
+    pub hold: bool,
 }
 
 /// `peers:`: where coordinators on other boxes reach this one to hold its profiles, and

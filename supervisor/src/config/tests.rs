@@ -120,6 +120,7 @@ monitor: { interval: 500ms, idle_interval: 1m }
 thermal: { warn: 80.5C, critical: 90°C, hysteresis: 2C, on_critical: stop-when-idle }
 memory: { reserve: 4GB }
 notify: { long_request: 90s }
+canary: { hold: true }
 "#,
     );
     dir.write(
@@ -218,6 +219,7 @@ kv_checkpoint: {{ dir: kv, max_size: 40GiB, save_timeout: 90s }}
                 long_request: Some(Duration::from_secs(90)),
             },
             peers: Default::default(),
+            canary: Canary { hold: true },
         },
         profiles: BTreeMap::from([
             (
@@ -1428,7 +1430,7 @@ fn shipped_policies_document_every_key() {
     let shipped: BTreeMap<String, serde::de::IgnoredAny> =
         dsv4_yaml::from_str(&text).unwrap().unwrap();
     let keys = keys_of::<Supervisor>();
-    assert_eq!(keys.len(), 12);
+    assert_eq!(keys.len(), 13);
     for key in keys {
         assert!(shipped.contains_key(key), "{key}");
     }
@@ -1586,7 +1588,7 @@ fn keys_of<T: serde::de::DeserializeOwned>() -> Vec<&'static str> {
 }
 
 /// The sections of `supervisor.yaml` and the keys of each.
-fn sections() -> [(&'static str, Vec<&'static str>); 7] {
+fn sections() -> [(&'static str, Vec<&'static str>); 8] {
     [
         ("api", keys_of::<Api>()),
         ("engine", keys_of::<EngineLimits>()),
@@ -1595,6 +1597,7 @@ fn sections() -> [(&'static str, Vec<&'static str>); 7] {
         ("thermal", keys_of::<ThermalSettings>()),
         ("memory", keys_of::<Memory>()),
         ("peers", keys_of::<super::Peers>()),
+        ("canary", keys_of::<super::Canary>()),
     ]
 }
 

@@ -269,6 +269,18 @@ impl ControlObject {
         Ok(self.parts.actions.validate(req, &by)?)
     }
 
+    /// Records the drifted canary of `profile` as its reference: a profile held by
+    /// `canary.hold` serves again. Answers what was done.
+    async fn canary_accept(
+        &self,
+        profile: String,
+        #[zbus(header)] header: Header<'_>,
+        #[zbus(connection)] conn: &Connection,
+    ) -> Result<String, Fault> {
+        let by = self.authorize(&header, conn, "CanaryAccept").await?;
+        Ok(self.parts.actions.accept_canary(&profile, &by)?)
+    }
+
     /// Ends the running validation (it switches back to the previous profile).
     async fn cancel_validation(
         &self,

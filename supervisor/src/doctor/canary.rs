@@ -1,9 +1,9 @@
-//! Each profile's correctness canary: its last run against the reference, and whether the
-//! engine changed since the reference was recorded (`state_dir/canary/`, the validations
-//! kept in `state_dir/validations/`, and `state_dir/identity.json`).
+//! Each profile's correctness canary: its last check against the reference, and whether the
+//! engine changed since the canary last ran (`state_dir/canary/`, its `checks/`, and
+//! `state_dir/identity.json`).
 
-use dsv4_client::identity::EngineIdentity;
-use dsv4_client::validate::{CanaryResult, CanaryRun};
+use dsv4_client::identity::{EngineIdentity, IdentityStatus};
+use dsv4_client::validate::{CanaryCheck, CanaryRun, CanaryState};
 use dsv4_engine::ValidationApi;
 
 use super::Check;
@@ -15,63 +15,76 @@ const ID: &str = "canary";
 pub fn checks(config: &Config) -> Vec<Check> {
     let dir = &config.supervisor.state_dir;
     let identities = crate::host::identity::load(dir);
+    let kept = crate::validate::checks::kept_in(dir);
     config
         .profiles
         .values()
         .filter(|p| !matches!(p.engine.describe().validation, ValidationApi::Lends))
         .filter_map(|p| {
             let reference = crate::validate::canary_reference(dir, &p.name)?;
-            let last = crate::validate::saved_in(dir, Some(&p.name))
-                .into_iter()
-                .find_map(|r| r.canary);
+            let last = kept.iter().find(|c| c.profile == p.name);
             let now = identities.get(&p.name);
-            Some(judge(&p.name, &reference, last.as_ref(), now))
+            Some(judge(&p.name, &reference, last, now))
         })
         .collect()
 }
 
-/// The check of `profile` by its canary's `reference`, its `last` run, and the identity of
-/// its engine at its last start (`now`).
+/// The check of `profile` by its canary's `reference`, its `last` check, and the identity
+/// of its engine at its last start (`now`).
 fn judge(
     profile: &str,
     reference: &CanaryRun,
-    last: Option<&CanaryResult>,
+    last: Option<&CanaryCheck>,
     now: Option<&EngineIdentity>,
 ) -> Check {
-    if let Some(d) = last.and_then(|l| l.drift.as_ref()) {
+    let drift = last
+        .filter(|c| c.state == CanaryState::Drifted)
+        .and_then(|c| c.result.as_ref())
+        .and_then(|r| r.drift.as_ref().map(|d| (r, d)));
+    if let Some((result, d)) = drift {
         return Check::fail(
             ID,
             format!(
-                "the last canary drifted from its reference ({}): {d}",
-                reference.engine
+                "the last canary, on {}, drifted from its reference ({}): {d}",
+                result.run.engine, reference.engine
             ),
             format!(
                 "if the change is meant (a new model, a fixed engine), record the new \
-                 reference: dsv4ctl validate --profile {profile} --canary --record; if not, go \
-                 back to the engine and model of the reference ({})",
+                 reference: dsv4ctl canary accept {profile} (or run it again and record it: \
+                 dsv4ctl validate --profile {profile} --canary --record); if not, go back to \
+                 the engine and model of the reference ({}) and run dsv4ctl validate \
+                 --profile {profile} --canary",
                 reference.engine
             ),
         )
         .profile(profile);
     }
-    let changed = match (&reference.identity, now) {
-        (Some(then), Some(now)) => crate::host::identity::changes(then, now),
-        _ => Vec::new(),
-    };
+    let started = now.map(|identity| IdentityStatus {
+        profile: profile.to_string(),
+        identity: identity.clone(),
+        first: false,
+        changed: Vec::new(),
+    });
+    let changed = started
+        .and_then(|s| crate::validate::checks::due(Some(reference), last, &s))
+        .unwrap_or_default();
     if !changed.is_empty() {
         return Check::warn(
             ID,
             format!(
-                "the engine changed since the canary's reference was recorded: {}",
+                "the engine changed since the canary last ran: {}",
                 changed.join("; ")
             ),
-            format!("run the canary on it: dsv4ctl validate --profile {profile} --canary"),
+            format!(
+                "dsv4d runs it once the engine is idle after its next start; or now: dsv4ctl \
+                 validate --profile {profile} --canary"
+            ),
         )
         .profile(profile);
     }
-    let found = match last {
-        Some(l) if !l.recorded => {
-            format!("the last canary matched its reference ({})", l.run.engine)
+    let found = match last.and_then(|c| c.result.as_ref().map(|r| (c.state, r))) {
+        Some((CanaryState::Passed, r)) => {
+            format!("the last canary matched its reference ({})", r.run.engine)
         }
         _ => format!("the canary's reference is recorded ({})", reference.engine),
     };
@@ -82,7 +95,7 @@ fn judge(
 mod tests {
     use super::*;
     use dsv4_client::doctor::Verdict;
-    use dsv4_client::validate::Drift;
+    use dsv4_client::validate::{CanaryResult, Drift};
 
     fn identity(version: &str) -> EngineIdentity {
         EngineIdentity {
@@ -99,18 +112,28 @@ mod tests {
             identity: Some(identity("1")),
             ..CanaryRun::default()
         };
-        let passed = CanaryResult {
-            run: reference.clone(),
-            ..CanaryResult::default()
+        let check = |state, drift: Option<Drift>| CanaryCheck {
+            profile: "320k".into(),
+            state,
+            since: 1.0,
+            changed: Vec::new(),
+            result: Some(CanaryResult {
+                run: reference.clone(),
+                drift,
+                ..CanaryResult::default()
+            }),
+            error: None,
+            held: false,
         };
-        let drifted = CanaryResult {
-            drift: Some(Drift {
+        let passed = check(CanaryState::Passed, None);
+        let drifted = check(
+            CanaryState::Drifted,
+            Some(Drift {
                 prompt: 1,
                 position: 3,
                 ..Drift::default()
             }),
-            ..passed.clone()
-        };
+        );
         let (one, two) = (identity("1"), identity("2"));
         let recorded = judge("320k", &reference, None, Some(&one));
         assert_eq!(recorded.verdict, Verdict::Ok, "{recorded:?}");
@@ -122,6 +145,7 @@ mod tests {
         assert!(bad.found.contains("token 3"), "{bad:?}");
         let fix = bad.fix.unwrap_or_default();
         assert!(fix.contains("--profile 320k --canary --record"), "{fix}");
+        assert!(fix.contains("dsv4ctl canary accept 320k"), "{fix}");
         let moved = judge("320k", &reference, Some(&passed), Some(&two));
         assert_eq!(moved.verdict, Verdict::Warn, "{moved:?}");
         assert!(

@@ -297,6 +297,7 @@ async fn feed(ctx: Arc<Ctx>, tx: mpsc::Sender<Bytes>, _watcher: Watcher) {
     let mut status = ctx.parts.lifecycle.watch_status();
     let mut figures = ctx.parts.lifecycle.watch_figures();
     let mut samples = ctx.parts.telemetry.watch();
+    let mut canary = ctx.parts.validator.checks().watch();
     let mut closing = ctx.closing.subscribe();
     let (mut next_line, _) = ctx.parts.lifecycle.logs(0, 0);
     next_line = next_line.saturating_sub(LOG_LINES as u64);
@@ -304,6 +305,7 @@ async fn feed(ctx: Arc<Ctx>, tx: mpsc::Sender<Bytes>, _watcher: Watcher) {
         status.borrow_and_update();
         figures.borrow_and_update();
         samples.borrow_and_update();
+        canary.borrow_and_update();
         let Ok(busy) = send_status(&ctx, &tx, &mut next_line).await else {
             return;
         };
@@ -322,6 +324,7 @@ async fn feed(ctx: Arc<Ctx>, tx: mpsc::Sender<Bytes>, _watcher: Watcher) {
                 r = status.changed(), if !moved => { moved = true; r.is_ok().then_some(None) }
                 r = figures.changed(), if !moved => { moved = true; r.is_ok().then_some(None) }
                 r = samples.changed(), if !moved => { moved = true; r.is_ok().then_some(None) }
+                r = canary.changed(), if !moved => { moved = true; r.is_ok().then_some(None) }
                 () = &mut tick, if busy && !moved => { moved = true; Some(None) }
                 () = &mut gap, if moved => break,
                 a = alerts.recv() => match a {

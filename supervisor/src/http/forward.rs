@@ -256,7 +256,9 @@ async fn turn(
     if let Some(refused) = lends(
         config.profile(&active).map(|p| p.engine.describe()),
         &active,
-    ) {
+    )
+    .or_else(|| held(ctx, config, &active))
+    {
         return Err(refused.into_response_in(protocol));
     }
     loop {
@@ -272,7 +274,9 @@ async fn turn(
             Ok(lease) => lease,
             Err(refusal) => return Err(ApiError::from(refusal).into_response_in(protocol)),
         };
-        if let Some(refused) = lends(Some(lease.engine.kind), &lease.engine.profile) {
+        if let Some(refused) = lends(Some(lease.engine.kind), &lease.engine.profile)
+            .or_else(|| held(ctx, config, &lease.engine.profile))
+        {
             return Err(refused.into_response_in(protocol));
         }
         if !ctx.parts.validator.running() {
@@ -280,6 +284,18 @@ async fn turn(
         }
         drop(lease);
     }
+}
+
+/// The refusal of a request to `profile` while its canary drifted and `canary.hold` is on.
+fn held(ctx: &Ctx, config: &Config, profile: &str) -> Option<ApiError> {
+    let hold = config.supervisor.canary.hold;
+    let why = ctx.parts.validator.checks().held(profile, hold)?;
+    Some(ApiError::new(
+        StatusCode::SERVICE_UNAVAILABLE,
+        ErrorType::Server,
+        ErrorCode::CanaryDrift,
+        why,
+    ))
 }
 
 /// The refusal of a request to `profile` when its engine serves no API (`kind` lends the

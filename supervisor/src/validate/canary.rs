@@ -35,12 +35,17 @@ pub const TOLERANCE: f64 = 0.1;
 pub async fn run(api: Api, engine: &EngineRef) -> Result<Vec<CanaryPrompt>, String> {
     let mut out = Vec::new();
     for prompt in PROMPTS {
-        out.push(match api {
-            Api::Native => native(engine, prompt).await?,
-            Api::Streamed => text_only(engine, prompt).await?,
-        });
+        out.push(self::prompt(api, engine, prompt).await?);
     }
     Ok(out)
+}
+
+/// One of the canary's prompts on `engine`, through `api`.
+pub async fn prompt(api: Api, engine: &EngineRef, prompt: &str) -> Result<CanaryPrompt, String> {
+    match api {
+        Api::Native => native(engine, prompt).await,
+        Api::Streamed => text_only(engine, prompt).await,
+    }
 }
 
 /// llama-server's `/completion`, greedy, with the top log-probabilities of each position.

@@ -38,7 +38,9 @@ use crate::lifecycle::trial::Trial;
 use crate::observe::monitor::Telemetry;
 use crate::policy::power::PowerPolicy;
 
+mod after_change;
 mod canary;
+pub mod checks;
 mod load;
 mod matrix;
 mod measure;
@@ -85,6 +87,8 @@ struct Inner {
     power: PowerPolicy,
     /// Client requests admitted: a paused matrix resumes once none came for a while.
     admitted: AtomicU64,
+    /// Each profile's last canary, and the one due or running.
+    checks: checks::Checks,
 }
 
 /// The validation runner; cheap to clone.
@@ -121,6 +125,7 @@ impl Validator {
     ) -> Validator {
         let (gate, _) = watch::channel(false);
         let (events, _) = broadcast::channel(256);
+        let checks = checks::Checks::load(&config.borrow().supervisor.state_dir);
         Validator(Arc::new(Inner {
             lifecycle,
             telemetry,
@@ -133,7 +138,13 @@ impl Validator {
             trial,
             power,
             admitted: AtomicU64::new(0),
+            checks,
         }))
+    }
+
+    /// Each profile's last canary, and the one due or running.
+    pub fn checks(&self) -> &checks::Checks {
+        &self.0.checks
     }
 
     pub fn subscribe(&self) -> broadcast::Receiver<ValidationEvent> {
@@ -458,6 +469,7 @@ impl Validator {
             ..Progress::default()
         });
         result.run = run;
+        self.0.checks.validated(profile, &result);
         Ok(result)
     }
 

@@ -358,9 +358,34 @@ function showStatus(doc) {
       "% of " + size(mc.total_bytes) + " at the start (a " + mc["class"] + " load" +
       (doc.load_seconds != null ? ", " + brief(doc.load_seconds) : "") + ")"
     : "";
+  showCanary(doc.canary || []);
   showBoxes(doc.workers || [], doc.holds || []);
   addSample(doc.telemetry);
   drawCharts();
+}
+
+// Each profile's last correctness canary: passed, waiting for a quiet engine after a change,
+// or drifted (where, and whether its requests are refused until accepted).
+function showCanary(checks) {
+  const p = $("canary");
+  p.hidden = checks.length === 0;
+  p.className = checks.some((c) => c.state === "drifted") ? "error" : "";
+  p.textContent = checks.map((c) => {
+    const r = c.result;
+    const on = r && r.run && r.run.engine ? " on " + r.run.engine : "";
+    const d = r && r.drift;
+    let line = "canary " + c.profile + ": " + c.state + on;
+    if (c.state === "drifted" && d) {
+      line += ": answers changed at prompt " + d.prompt + ", token " + d.position +
+        " (expected " + d.expected + ", got " + d.got + ")" +
+        (c.held ? "; requests refused until dsv4ctl canary accept " + c.profile : "");
+    } else if ((c.state === "waiting" || c.state === "running") && c.changed && c.changed.length) {
+      line += " (the engine changed: " + c.changed.join("; ") + ")";
+    } else if (c.state === "failed" && c.error) {
+      line += ": " + c.error;
+    }
+    return line;
+  }).join("\n");
 }
 
 // The boxes this engine spans: each worker box with what it said of itself, and the
