@@ -153,13 +153,24 @@ async fn top_through_a_pipe_prints_a_line_per_sample() {
         .stderr(Stdio::piped())
         .spawn()
         .unwrap();
+    // The samples of the last ten minutes first, oldest first (those taken while the engine
+    // started show the GTT before the writes), then each new one: lines until the first
+    // written GTT shows, a minute of samples at most.
     let mut lines = BufReader::new(child.stdout.take().unwrap()).lines();
     let mut got = Vec::new();
-    for _ in 0..3 {
-        got.push(lines.next().unwrap().unwrap());
+    while got.len() < 600
+        && !got
+            .iter()
+            .any(|l: &String| l.contains("GTT 20.0/112.0 GiB"))
+    {
+        match lines.next() {
+            Some(Ok(l)) => got.push(l),
+            _ => break,
+        }
     }
     let _ = child.kill();
     let _ = child.wait();
+    assert!(got.len() >= 2, "{got:?}");
     for l in &got {
         let state = format!(" UTC  {}  GTT ", State::Ready);
         assert!(l.contains(&state), "{l}");

@@ -92,8 +92,11 @@ pub enum Figures {
 
 /// Which events are the answer's tokens.
 pub enum Tokens {
-    /// Every event with data but the last.
-    Data,
+    /// The events whose data carries text the model generated: a non-empty string under
+    /// `content`, `text`, `reasoning_content` or a tool call's `arguments` (OpenAI's chat and
+    /// completions chunks, llama-server's native events). Not the role's opening chunk, the
+    /// one with the finish reason alone, the usage's, or the end.
+    Text,
     /// The events whose kind ends with this.
     KindEndsWith(&'static str),
 }
@@ -117,7 +120,7 @@ pub static SPECS: [Spec; 3] = [
         last: Last::Done,
         end_name: "[DONE]",
         // (llama-server's progress events are taken out before: `crate::http::watch`.)
-        tokens: Tokens::Data,
+        tokens: Tokens::Text,
         keepalive: KeepAlive::Comments,
         // The last chunk (llama-server's `timings`; `usage` when asked for).
         figures: Figures::Any,
@@ -194,10 +197,38 @@ impl Spec {
     /// Whether `e` is one of the answer's tokens.
     pub fn is_token(&self, e: &Event) -> bool {
         match self.tokens {
-            Tokens::Data => e.has_data && !self.is_end(e),
+            Tokens::Text => e.has_data && carries_text(e.data),
             Tokens::KindEndsWith(end) => e.kind().ends_with(end.as_bytes()),
         }
     }
+}
+
+/// Whether `data` (a JSON object, as the engine wrote it) holds a non-empty string under one
+/// of the keys of generated text. A key in the model's own text cannot match: its quotes
+/// are escaped there.
+fn carries_text(data: &[u8]) -> bool {
+    use memchr::memmem::Finder;
+    // Built once: a one-shot search builds its searcher on every call. Chat's key first.
+    static KEYS: std::sync::LazyLock<[Finder<'static>; 4]> = std::sync::LazyLock::new(|| {
+        [
+            Finder::new(b"\"content\""),
+            Finder::new(b"\"text\""),
+            Finder::new(b"\"reasoning_content\""),
+            Finder::new(b"\"arguments\""),
+        ]
+    });
+    let blank = |b: &u8| matches!(b, b' ' | b'\t' | b'\r' | b'\n');
+    KEYS.iter().any(|key| {
+        key.find_iter(data).any(|at| {
+            let rest = &data[at + key.needle().len()..];
+            let rest = &rest[rest.iter().take_while(|b| blank(b)).count()..];
+            let Some(rest) = rest.strip_prefix(b":") else {
+                return false;
+            };
+            let rest = &rest[rest.iter().take_while(|b| blank(b)).count()..];
+            rest.first() == Some(&b'"') && rest.get(1).is_some_and(|&b| b != b'"')
+        })
+    })
 }
 
 /// What dsv4d knows of an API: its row of [`SPECS`], and what the row says.
@@ -378,6 +409,69 @@ fn responses_event(f: &Failure) -> Bytes {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn an_openai_token_is_an_event_with_generated_text() {
+        let rows: &[(&str, bool)] = &[
+            // llama-server's chat: the role's opening, a token, the finish, the usage.
+            (
+                r#"{"choices":[{"finish_reason":null,"index":0,"delta":{"role":"assistant","content":null}}]}"#,
+                false,
+            ),
+            (
+                r#"{"choices":[{"finish_reason":null,"index":0,"delta":{"content":"x"}}]}"#,
+                true,
+            ),
+            (
+                r#"{"choices":[{"finish_reason":"length","index":0,"delta":{}}],"timings":{}}"#,
+                false,
+            ),
+            (r#"{"choices":[],"usage":{"completion_tokens":12}}"#, false),
+            // Reasoning, a tool call's arguments, completions' text, a spaced writer.
+            (
+                r#"{"choices":[{"delta":{"reasoning_content":"hm"}}]}"#,
+                true,
+            ),
+            (
+                r#"{"choices":[{"delta":{"tool_calls":[{"function":{"arguments":"{\"a"}}]}}]}"#,
+                true,
+            ),
+            (
+                r#"{"choices":[{"delta":{"tool_calls":[{"function":{"name":"f","arguments":""}}]}}]}"#,
+                false,
+            ),
+            (
+                r#"{"choices":[{"text":"abc","index":0,"finish_reason":null}]}"#,
+                true,
+            ),
+            (
+                r#"{"choices":[{"text":"","index":0,"finish_reason":"length"}]}"#,
+                false,
+            ),
+            (
+                r#"{"choices": [{"delta": {"content": "x"}, "finish_reason": "stop"}]}"#,
+                true,
+            ),
+            // llama-server's native events: a token, the last.
+            (r#"{"index":0,"content":"x","stop":false}"#, true),
+            (
+                r#"{"index":0,"content":"","stop":true,"timings":{}}"#,
+                false,
+            ),
+            // The model's text holding a key is escaped: one token, not more, and no more.
+            (
+                r#"{"choices":[{"delta":{"content":"data: {\"content\":\"x\"}"}}]}"#,
+                true,
+            ),
+            (
+                r#"{"choices":[{"delta":{"role":"assistant","refusal":"\"content\":\"x"}}]}"#,
+                false,
+            ),
+        ];
+        for (data, token) in rows {
+            assert_eq!(carries_text(data.as_bytes()), *token, "{data}");
+        }
+    }
 
     #[test]
     fn each_path_has_its_protocol_and_stream() {
