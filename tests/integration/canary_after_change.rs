@@ -181,8 +181,8 @@ async fn other_weights_are_canaried_once_idle_said_everywhere_and_held_until_acc
 }
 
 /// Another build of the engine (a wrapper that says another version and changes the
-/// numbers), started by a run of requests: each is served, the canary waits for the engine
-/// to be idle, then drifts.
+/// numbers), started by two clients' runs of requests: each is served, the canary waits for
+/// the engine to be idle, then drifts.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn another_build_is_canaried_once_the_requests_that_came_first_are_served() {
     let (server, tiny) = engine();
@@ -209,25 +209,39 @@ async fn another_build_is_canaried_once_the_requests_that_came_first_are_served(
     // Another build: another version, and an RMS-norm epsilon that moves every logit.
     let flag = "--override-kv llama.attention.layer_norm_rms_epsilon=float:0.5";
     wrapper(&program, &server, Some("9999 (another build)"), flag);
-    // Requests one after another for 8 s, the first starting the engine.
-    let (t, mut served, mut seen_waiting) = (Instant::now(), 0, false);
-    while t.elapsed() < Duration::from_secs(8) {
-        let (status, _, v) = body_json(d.post("/v1/chat/completions", chat()).await).await;
-        assert_eq!(status, 200, "{v}\n{}", d.log());
-        served += 1;
-        let s = d.status().await;
-        let state = s["canary"][0]["state"].clone();
-        // The validation's check, until the changed engine is known.
-        assert!(
-            state == "recorded" || state == "waiting",
-            "the canary ran between requests: {s}"
-        );
-        seen_waiting |= state == "waiting";
-    }
+    // Two clients, each sending requests one after another for 8 s (the first starts the
+    // engine): some request is in flight all along, a loaded machine's stall of one client
+    // notwithstanding. Meanwhile the status says the canary waits, once the change is known.
+    let deadline = Instant::now() + Duration::from_secs(8);
+    let client = || async {
+        let mut served = 0;
+        while Instant::now() < deadline {
+            let (status, _, v) = body_json(d.post("/v1/chat/completions", chat()).await).await;
+            assert_eq!(status, 200, "{v}\n{}", d.log());
+            served += 1;
+        }
+        served
+    };
+    let watch = async {
+        let mut seen_waiting = false;
+        while Instant::now() < deadline {
+            let s = d.status().await;
+            let state = s["canary"][0]["state"].clone();
+            // The validation's check, until the changed engine is known.
+            assert!(
+                state == "recorded" || state == "waiting",
+                "the canary ran between requests: {s}"
+            );
+            seen_waiting |= state == "waiting";
+            tokio::time::sleep(Duration::from_millis(50)).await;
+        }
+        seen_waiting
+    };
+    let (a, b, seen_waiting) = tokio::join!(client(), client(), watch);
     let last_answer = dsv4_client::clock::unix_now();
     assert!(
         seen_waiting,
-        "the change was not seen while requests came ({served} served)"
+        "the change was not seen while requests came ({a} and {b} served)"
     );
     let check = canary_once(&d, "64k", |c| c["state"] == "drifted").await;
     let began = check["result"]["run"]["at"].as_f64().unwrap();
