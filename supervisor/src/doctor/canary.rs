@@ -66,7 +66,7 @@ fn judge(
         changed: Vec::new(),
     });
     let changed = started
-        .and_then(|s| crate::validate::checks::due(Some(reference), last, &s))
+        .and_then(|s| crate::validate::checks::due(reference, last, &s))
         .unwrap_or_default();
     if !changed.is_empty() {
         return Check::warn(
@@ -94,16 +94,9 @@ fn judge(
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::validate::checks::tests::identity;
     use dsv4_client::doctor::Verdict;
     use dsv4_client::validate::{CanaryResult, Drift};
-
-    fn identity(version: &str) -> EngineIdentity {
-        EngineIdentity {
-            engine: "llama-server".into(),
-            version: Some(version.into()),
-            ..EngineIdentity::default()
-        }
-    }
 
     #[test]
     fn each_canary_state_has_its_verdict_and_fix() {

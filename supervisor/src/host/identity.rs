@@ -51,8 +51,7 @@ pub fn load(state_dir: &Path) -> BTreeMap<String, EngineIdentity> {
 
 /// Keeps `all` as each profile's identity at its last start.
 pub fn save(state_dir: &Path, all: &BTreeMap<String, EngineIdentity>) -> std::io::Result<()> {
-    let text = serde_json::to_vec_pretty(all).map_err(std::io::Error::other)?;
-    super::state_file::write_atomic(&path(state_dir), &text)
+    super::state_file::write_json(&path(state_dir), all)
 }
 
 /// What an engine is started as: its kind's name and way of telling, its program, its

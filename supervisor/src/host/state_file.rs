@@ -50,6 +50,14 @@ pub fn save_keys(state_dir: &Path, settings: &[&str]) -> io::Result<()> {
     write_atomic(&keys_file(state_dir), text.trim_start().as_bytes())
 }
 
+/// Writes `value` as pretty JSON to `path` by [`write_atomic`].
+pub fn write_json(path: &Path, value: &impl serde::Serialize) -> io::Result<()> {
+    write_atomic(
+        path,
+        &serde_json::to_vec_pretty(value).map_err(io::Error::other)?,
+    )
+}
+
 /// Writes `path` atomically and durably, creating its folder when missing: the bytes go to
 /// a temporary file beside it, which is synced, then renamed over it, and the folder is
 /// synced, so that a crash or a power cut leaves the old file or the new one, never half or

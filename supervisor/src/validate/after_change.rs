@@ -60,7 +60,7 @@ impl Validator {
             let reference = canary::reference(&state_dir, &identity.profile);
             let last = self.0.checks.kept(&identity.profile);
             let Some(reference) = reference else { continue };
-            if let Some(changed) = due(Some(&reference), last.as_ref(), &identity) {
+            if let Some(changed) = due(&reference, last.as_ref(), &identity) {
                 self.check_after_change(gen, &identity, changed, &reference)
                     .await;
             }
@@ -137,9 +137,7 @@ impl Validator {
             ..live(CanaryState::Passed, None)
         };
         self.say_check(&check);
-        if let Err(e) = self.0.checks.keep(check) {
-            tracing::warn!(profile, "cannot keep the canary's check: {e}");
-        }
+        self.0.checks.keep(check);
     }
 
     /// The canary's prompts on the engine of `gen`, each run while no user's request is in
@@ -181,28 +179,22 @@ impl Validator {
 
     /// Whether the engine of `gen` is the ready one.
     fn serves(&self, gen: u64) -> bool {
-        let s = self.0.lifecycle.status();
-        s.state == State::Ready && s.generation == Some(gen)
+        ready(&self.0.lifecycle.watch_status().borrow(), gen)
     }
 
     /// Resolves once the engine of `gen` has had no request in flight or waiting, and no
     /// validation, for [`QUIET`]; `Gone` once it is no longer the ready engine.
     async fn quiet(&self, gen: u64) -> Result<(), Stop> {
-        let lifecycle = &self.0.lifecycle;
-        let (mut status, mut figures) = (lifecycle.watch_status(), lifecycle.watch_figures());
+        let mut engine = Engine::new(&self.0.lifecycle);
         loop {
-            status.borrow_and_update();
-            figures.borrow_and_update();
-            if !self.serves(gen) {
-                return Err(Stop::Gone);
-            }
-            let s = lifecycle.status();
-            let idle = s.in_flight == 0 && s.waiting == 0 && !self.running();
-            let quiet = tokio::time::sleep(QUIET);
+            let idle = match engine.look(gen, 0) {
+                Look::Gone => return Err(Stop::Gone),
+                Look::Busy => false,
+                Look::Idle => !self.running(),
+            };
             tokio::select! {
-                () = quiet, if idle => return Ok(()),
-                r = status.changed() => r.map_err(|_| Stop::Gone)?,
-                r = figures.changed() => r.map_err(|_| Stop::Gone)?,
+                () = tokio::time::sleep(QUIET), if idle => return Ok(()),
+                moved = engine.moved() => if !moved { return Err(Stop::Gone) },
             }
         }
     }
@@ -210,20 +202,9 @@ impl Validator {
     /// Resolves when a request came (one more lease than the canary's own, or one waiting),
     /// a validation began, or the engine of `gen` is no longer the ready one.
     async fn user_came(&self, gen: u64) {
-        let lifecycle = &self.0.lifecycle;
-        let (mut status, mut figures) = (lifecycle.watch_status(), lifecycle.watch_figures());
-        loop {
-            status.borrow_and_update();
-            figures.borrow_and_update();
-            let s = lifecycle.status();
-            if s.in_flight > 1 || s.waiting > 0 || self.running() || !self.serves(gen) {
-                return;
-            }
-            let moved = tokio::select! {
-                r = status.changed() => r.is_ok(),
-                r = figures.changed() => r.is_ok(),
-            };
-            if !moved {
+        let mut engine = Engine::new(&self.0.lifecycle);
+        while engine.look(gen, 1) == Look::Idle && !self.running() {
+            if !engine.moved().await {
                 return;
             }
         }
@@ -254,5 +235,57 @@ impl Validator {
             .lifecycle
             .alerts()
             .raise(dsv4_client::AlertKind::Canary, message);
+    }
+}
+
+/// Whether `s` has the engine of `gen` ready.
+fn ready(s: &dsv4_client::EngineStatus, gen: u64) -> bool {
+    s.state == State::Ready && s.generation == Some(gen)
+}
+
+/// The lifecycle's status and its per-request figures, watched by the canary.
+struct Engine {
+    status: tokio::sync::watch::Receiver<dsv4_client::EngineStatus>,
+    figures: crate::lifecycle::gate::FiguresWatch,
+}
+
+/// What the canary sees of the engine it waits on.
+#[derive(Debug, PartialEq)]
+enum Look {
+    /// It is no longer the ready engine.
+    Gone,
+    /// A request is in flight or waiting.
+    Busy,
+    Idle,
+}
+
+impl Engine {
+    fn new(lifecycle: &crate::lifecycle::Handle) -> Engine {
+        Engine {
+            status: lifecycle.watch_status(),
+            figures: lifecycle.watch_figures(),
+        }
+    }
+
+    /// The engine of `gen` as it stands, the canary holding `own` leases on it; taking note,
+    /// so that a later move is told. Read in place: the status is not copied.
+    fn look(&mut self, gen: u64, own: u32) -> Look {
+        self.figures.borrow_and_update();
+        let s = self.status.borrow_and_update();
+        if !ready(&s, gen) {
+            Look::Gone
+        } else if s.in_flight > own || s.waiting > 0 {
+            Look::Busy
+        } else {
+            Look::Idle
+        }
+    }
+
+    /// Resolves when the status or the figures moved; `false` once the lifecycle is gone.
+    async fn moved(&mut self) -> bool {
+        tokio::select! {
+            r = self.status.changed() => r.is_ok(),
+            r = self.figures.changed() => r.is_ok(),
+        }
     }
 }

@@ -200,12 +200,7 @@ pub fn reference(state_dir: &Path, profile: &str) -> Option<CanaryRun> {
 
 /// Keeps `run` as the profile's reference.
 pub fn record(state_dir: &Path, profile: &str, run: &CanaryRun) -> std::io::Result<()> {
-    let file = path(state_dir, profile);
-    if let Some(dir) = file.parent() {
-        std::fs::create_dir_all(dir)?;
-    }
-    let text = serde_json::to_vec_pretty(run).map_err(std::io::Error::other)?;
-    crate::host::state_file::write_atomic(&file, &text)
+    crate::host::state_file::write_json(&path(state_dir, profile), run)
 }
 
 #[cfg(test)]

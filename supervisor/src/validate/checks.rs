@@ -67,15 +67,7 @@ impl Checks {
         self.lock()
             .values()
             .filter_map(|e| e.live.as_ref().or(e.kept.as_ref()))
-            .map(|c| {
-                let mut c = c.clone();
-                if let Some(r) = c.result.as_mut() {
-                    r.run.prompts.clear();
-                    r.run.identity = None;
-                }
-                c.held = hold && c.state == CanaryState::Drifted;
-                c
-            })
+            .map(|c| brief(c, hold))
             .collect()
     }
 
@@ -99,16 +91,19 @@ impl Checks {
         self.moved.send_modify(|n| *n += 1);
     }
 
-    /// Keeps `check`, which ran to its end, as its profile's last.
-    pub fn keep(&self, check: CanaryCheck) -> std::io::Result<()> {
-        let written = write(&self.state_dir, &check);
+    /// Keeps `check`, which ran to its end, as its profile's last (in memory when it cannot
+    /// be written, which is said).
+    pub fn keep(&self, check: CanaryCheck) {
+        let file = checks_dir(&self.state_dir).join(format!("{}.json", check.profile));
+        if let Err(e) = crate::host::state_file::write_json(&file, &check) {
+            tracing::warn!("cannot keep the canary's check in {}: {e}", file.display());
+        }
         let mut entries = self.lock();
         let entry = entries.entry(check.profile.clone()).or_default();
         entry.live = None;
         entry.kept = Some(check);
         drop(entries);
         self.moved.send_modify(|n| *n += 1);
-        written
     }
 
     /// Keeps a validation's canary of `profile`.
@@ -122,16 +117,7 @@ impl Checks {
             error: None,
             held: false,
         };
-        if let Err(e) = self.keep(check) {
-            tracing::warn!(
-                "cannot keep the canary's check in {}: {e}",
-                self.dir().display()
-            );
-        }
-    }
-
-    fn dir(&self) -> PathBuf {
-        checks_dir(&self.state_dir)
+        self.keep(check);
     }
 
     /// What refuses requests to `profile` while `canary.hold` (`hold`) is on: its drift.
@@ -189,12 +175,7 @@ impl Checks {
         }
         check.state = CanaryState::Recorded;
         check.since = dsv4_client::clock::unix_now();
-        if let Err(e) = self.keep(check) {
-            tracing::warn!(
-                "cannot keep the canary's check in {}: {e}",
-                self.dir().display()
-            );
-        }
+        self.keep(check);
         Ok(format!(
             "the canary of profile {profile} on {engine} is its reference now"
         ))
@@ -210,6 +191,31 @@ pub fn state_of(result: &CanaryResult) -> CanaryState {
     }
 }
 
+/// `check` as the status shows it: without its run's tokens and identity (kilobytes a
+/// profile, on every status), `held` while `hold` (`canary.hold`) is on and it drifted.
+fn brief(check: &CanaryCheck, hold: bool) -> CanaryCheck {
+    let result = check.result.as_ref().map(|r| CanaryResult {
+        run: CanaryRun {
+            prompts: Vec::new(),
+            engine: r.run.engine.clone(),
+            identity: None,
+            at: r.run.at,
+        },
+        reference_engine: r.reference_engine.clone(),
+        drift: r.drift.clone(),
+        ..*r
+    });
+    CanaryCheck {
+        profile: check.profile.clone(),
+        state: check.state,
+        since: check.since,
+        changed: check.changed.clone(),
+        result,
+        error: check.error.clone(),
+        held: hold && check.state == CanaryState::Drifted,
+    }
+}
+
 fn shown_engine(engine: &str) -> &str {
     match engine {
         "" => "an engine not identified",
@@ -219,13 +225,13 @@ fn shown_engine(engine: &str) -> &str {
 
 /// Whether the canary is due on an engine whose identity at its start is `now`: what
 /// changed since the canary last ran to its end (`last`), else since the `reference` was
-/// recorded. None without a reference (nothing to compare with), or when nothing changed.
+/// recorded. None when nothing changed. (Without a reference nothing is due: there is
+/// nothing to compare with; the callers have none to pass.)
 pub fn due(
-    reference: Option<&CanaryRun>,
+    reference: &CanaryRun,
     last: Option<&CanaryCheck>,
     now: &IdentityStatus,
 ) -> Option<Vec<String>> {
-    let reference = reference?;
     let last_identity = last
         .and_then(|c| c.result.as_ref())
         .and_then(|r| r.run.identity.as_ref());
@@ -239,14 +245,6 @@ pub fn due(
 
 fn checks_dir(state_dir: &Path) -> PathBuf {
     state_dir.join("canary").join("checks")
-}
-
-fn write(state_dir: &Path, check: &CanaryCheck) -> std::io::Result<()> {
-    let dir = checks_dir(state_dir);
-    std::fs::create_dir_all(&dir)?;
-    let text = serde_json::to_vec_pretty(check).map_err(std::io::Error::other)?;
-    let file = dir.join(format!("{}.json", check.profile));
-    crate::host::state_file::write_atomic(&file, &text)
 }
 
 /// The checks kept in `state_dir`; one that cannot be read is said and left out.
@@ -271,12 +269,13 @@ pub fn kept_in(state_dir: &Path) -> Vec<CanaryCheck> {
 }
 
 #[cfg(test)]
-mod tests {
+pub(crate) mod tests {
     use super::*;
     use dsv4_client::identity::EngineIdentity;
     use dsv4_client::validate::Drift;
 
-    fn identity(version: &str) -> EngineIdentity {
+    /// A llama-server identity that differs from another by its version alone.
+    pub(crate) fn identity(version: &str) -> EngineIdentity {
         EngineIdentity {
             engine: "llama-server".into(),
             version: Some(version.into()),
@@ -332,31 +331,24 @@ mod tests {
         let bare = run_on(None);
         let passed_b2 = check(CanaryState::Passed, "b2", false);
         let drifted_b2 = check(CanaryState::Drifted, "b2", true);
-        type Row<'a> = (
-            Option<&'a CanaryRun>,
-            Option<&'a CanaryCheck>,
-            IdentityStatus,
-            bool,
-        );
+        type Row<'a> = (&'a CanaryRun, Option<&'a CanaryCheck>, IdentityStatus, bool);
         let rows: Vec<Row> = vec![
-            // No reference: nothing to compare with.
-            (None, None, started("b2", &["x"]), false),
             // Against the reference, when the canary never ran since.
-            (Some(&b1), None, started("b1", &[]), false),
-            (Some(&b1), None, started("b2", &[]), true),
+            (&b1, None, started("b1", &[]), false),
+            (&b1, None, started("b2", &[]), true),
             // Against the last check: it ran on b2 already, passed or drifted.
-            (Some(&b1), Some(&passed_b2), started("b2", &[]), false),
-            (Some(&b1), Some(&drifted_b2), started("b2", &[]), false),
-            (Some(&b1), Some(&passed_b2), started("b3", &[]), true),
+            (&b1, Some(&passed_b2), started("b2", &[]), false),
+            (&b1, Some(&drifted_b2), started("b2", &[]), false),
+            (&b1, Some(&passed_b2), started("b3", &[]), true),
             // A reference without an identity: the change since the last start says.
-            (Some(&bare), None, started("b2", &[]), false),
-            (Some(&bare), None, started("b2", &["b1 -> b2"]), true),
+            (&bare, None, started("b2", &[]), false),
+            (&bare, None, started("b2", &["b1 -> b2"]), true),
         ];
         for (i, (reference, last, now, want)) in rows.into_iter().enumerate() {
             let got = due(reference, last, &now);
             assert_eq!(got.is_some(), want, "row {i}: {got:?}");
         }
-        let said = due(Some(&b1), None, &started("b2", &[])).unwrap();
+        let said = due(&b1, None, &started("b2", &[])).unwrap();
         assert_eq!(said, vec!["llama-server b1 -> llama-server b2"]);
     }
 
@@ -368,16 +360,12 @@ mod tests {
         let e = checks.accept("320k").unwrap_err();
         assert!(e.contains("has no canary that ran"), "{e}");
 
-        checks
-            .keep(check(CanaryState::Passed, "b2", false))
-            .unwrap();
+        checks.keep(check(CanaryState::Passed, "b2", false));
         assert_eq!(checks.held("320k", true), None);
         let e = checks.accept("320k").unwrap_err();
         assert!(e.contains("matched its reference"), "{e}");
 
-        checks
-            .keep(check(CanaryState::Drifted, "b2", true))
-            .unwrap();
+        checks.keep(check(CanaryState::Drifted, "b2", true));
         assert_eq!(checks.held("320k", false), None, "hold off");
         let why = checks.held("320k", true).unwrap();
         assert!(
@@ -411,9 +399,7 @@ mod tests {
     fn a_live_check_is_shown_over_the_kept_one_and_not_kept() {
         let dir = tempfile::tempdir().unwrap();
         let checks = Checks::load(dir.path());
-        checks
-            .keep(check(CanaryState::Passed, "b2", false))
-            .unwrap();
+        checks.keep(check(CanaryState::Passed, "b2", false));
         let mut waiting = check(CanaryState::Waiting, "b3", false);
         waiting.result = None;
         waiting.changed = vec!["llama-server b2 -> llama-server b3".into()];
