@@ -342,7 +342,7 @@ impl ControlObject {
     }
 
     async fn list_profiles(&self) -> Result<String, Fault> {
-        let active = self.parts.lifecycle.status().profile;
+        let active = self.parts.lifecycle.profile();
         let list = crate::config::profiles::list(&self.parts.config.borrow(), &active);
         serde_json::to_string(&list).map_err(|e| Fault::failed(e.to_string()))
     }
@@ -361,11 +361,11 @@ impl ControlObject {
 
     #[zbus(property)]
     async fn state(&self) -> String {
-        self.parts.lifecycle.status().state.as_str().to_string()
+        self.parts.lifecycle.state().as_str().to_string()
     }
     #[zbus(property)]
     async fn profile(&self) -> String {
-        self.parts.lifecycle.status().profile
+        self.parts.lifecycle.profile()
     }
     #[zbus(property)]
     async fn engine_profile(&self) -> String {
@@ -410,7 +410,7 @@ impl ControlObject {
     /// watcher reads it when it wants it.
     #[zbus(property(emits_changed_signal = "false"))]
     async fn in_progress(&self) -> zbus::fdo::Result<String> {
-        let state = self.parts.lifecycle.status().state;
+        let state = self.parts.lifecycle.state();
         serde_json::to_string(&self.parts.in_progress(state))
             .map_err(|e| zbus::fdo::Error::Failed(e.to_string()))
     }

@@ -1,4 +1,5 @@
-//! A body that tells how it ended.
+//! Bodies that wrap the answers dsv4d sends: one that tells how it ended, one polled only
+//! when woken.
 //!
 //! [`OnEnd`] wraps any [`Body`] and calls a callback exactly once, with an [`End`]: when the
 //! body completes, when it fails, or when it is dropped before either (the client went away).
@@ -8,10 +9,19 @@
 //! hyper stops polling a body as soon as it reports [`Body::is_end_stream`], so the end is
 //! not always a `None` from `poll_frame`: a body that says it has ended after a frame has
 //! completed there, and one that was empty from the start completes when it is dropped.
+//!
+//! [`Parked`] wraps the whole answer hyper writes. hyper polls a body three times for each
+//! wake-up of its connection (the frame, then twice more to find it pending, see
+//! `Dispatcher::poll_loop`), and a streamed answer's pending poll went down five layers to
+//! the engine's socket and the keep-alive's timer: about 1,000 instructions, for each event
+//! of a stream. Its inner body is polled again only once something it waits on has woken it.
 
 use std::pin::Pin;
-use std::task::{Context, Poll};
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::Arc;
+use std::task::{Context, Poll, Wake, Waker};
 
+use futures_util::task::AtomicWaker;
 use http_body::{Body, Frame, SizeHint};
 
 /// How a body ended.
@@ -114,6 +124,78 @@ impl<B: Body, F: Settle<B>> Drop for OnEnd<B, F> {
             };
             f.settle(how, &mut self.inner);
         }
+    }
+}
+
+/// `inner`, polled again after a `Pending` only once a waker it was given has been woken
+/// (see the module docs). Between, a poll registers the caller's waker and returns
+/// `Pending`, as the inner body would have.
+pub struct Parked<B> {
+    inner: B,
+    bell: Arc<Bell>,
+    /// The waker the inner body is polled with: it rings the bell.
+    waker: Waker,
+    /// The inner body's last poll was `Pending`.
+    asleep: bool,
+}
+
+/// What the inner body's wakers ring: a mark that one was woken, and the waker of the task
+/// that polls the [`Parked`].
+#[derive(Default)]
+struct Bell {
+    rung: AtomicBool,
+    task: AtomicWaker,
+}
+
+impl Wake for Bell {
+    fn wake(self: Arc<Self>) {
+        self.wake_by_ref();
+    }
+
+    fn wake_by_ref(self: &Arc<Self>) {
+        self.rung.store(true, Ordering::Release);
+        self.task.wake();
+    }
+}
+
+impl<B> Parked<B> {
+    pub fn new(inner: B) -> Self {
+        let bell = Arc::new(Bell::default());
+        Parked {
+            inner,
+            waker: Waker::from(bell.clone()),
+            bell,
+            asleep: false,
+        }
+    }
+}
+
+impl<B: Body + Unpin> Body for Parked<B> {
+    type Data = B::Data;
+    type Error = B::Error;
+
+    fn poll_frame(
+        self: Pin<&mut Self>,
+        cx: &mut Context<'_>,
+    ) -> Poll<Option<Result<Frame<B::Data>, B::Error>>> {
+        let this = self.get_mut();
+        // Registered before the bell is read: a wake in between finds this task's waker.
+        this.bell.task.register(cx.waker());
+        let rung = this.bell.rung.swap(false, Ordering::AcqRel);
+        if this.asleep && !rung {
+            return Poll::Pending;
+        }
+        let polled = Pin::new(&mut this.inner).poll_frame(&mut Context::from_waker(&this.waker));
+        this.asleep = polled.is_pending();
+        polled
+    }
+
+    fn is_end_stream(&self) -> bool {
+        self.inner.is_end_stream()
+    }
+
+    fn size_hint(&self) -> SizeHint {
+        self.inner.size_hint()
     }
 }
 
@@ -272,5 +354,135 @@ mod tests {
         poll(&mut b);
         assert_eq!(b.size_hint().exact(), Some(0));
         assert!(b.is_end_stream());
+    }
+
+    /// A body fed through a channel, counting its polls: its waker is kept by the channel,
+    /// as a socket's is by the runtime.
+    struct Fed {
+        rx: tokio::sync::mpsc::UnboundedReceiver<&'static str>,
+        polls: usize,
+    }
+
+    impl Body for Fed {
+        type Data = Bytes;
+        type Error = &'static str;
+
+        fn poll_frame(
+            mut self: Pin<&mut Self>,
+            cx: &mut Context<'_>,
+        ) -> Poll<Option<Result<Frame<Bytes>, &'static str>>> {
+            self.polls += 1;
+            self.rx
+                .poll_recv(cx)
+                .map(|s| s.map(|s| Ok(Frame::data(Bytes::from(s)))))
+        }
+    }
+
+    /// A task's waker that counts its wakes.
+    #[derive(Default)]
+    struct Task(std::sync::atomic::AtomicUsize);
+
+    impl Wake for Task {
+        fn wake(self: Arc<Self>) {
+            self.0.fetch_add(1, Ordering::SeqCst);
+        }
+    }
+
+    fn fed() -> (
+        Parked<Fed>,
+        tokio::sync::mpsc::UnboundedSender<&'static str>,
+    ) {
+        let (tx, rx) = tokio::sync::mpsc::unbounded_channel();
+        (Parked::new(Fed { rx, polls: 0 }), tx)
+    }
+
+    fn poll_with<B: Body<Data = Bytes> + Unpin>(
+        b: &mut B,
+        task: &Arc<Task>,
+    ) -> Poll<Option<Result<Bytes, B::Error>>> {
+        let waker = Waker::from(task.clone());
+        Pin::new(b)
+            .poll_frame(&mut Context::from_waker(&waker))
+            .map(|f| f.map(|r| r.map(|f| f.into_data().unwrap_or_default())))
+    }
+
+    #[test]
+    fn a_parked_body_is_polled_again_only_once_woken() {
+        let task = Arc::new(Task::default());
+        let (mut b, tx) = fed();
+        assert!(poll_with(&mut b, &task).is_pending());
+        assert_eq!(b.inner.polls, 1);
+        for _ in 0..5 {
+            assert!(poll_with(&mut b, &task).is_pending());
+        }
+        assert_eq!(b.inner.polls, 1, "polled again though nothing woke it");
+        tx.send("a").unwrap();
+        assert_eq!(
+            task.0.load(Ordering::SeqCst),
+            1,
+            "the wake did not reach the task"
+        );
+        assert_eq!(
+            poll_with(&mut b, &task),
+            Poll::Ready(Some(Ok(Bytes::from("a"))))
+        );
+        assert_eq!(b.inner.polls, 2);
+        // After a frame the next poll goes in: there may be more.
+        tx.send("b").unwrap();
+        assert_eq!(
+            poll_with(&mut b, &task),
+            Poll::Ready(Some(Ok(Bytes::from("b"))))
+        );
+        assert!(poll_with(&mut b, &task).is_pending());
+        assert_eq!(b.inner.polls, 4);
+        drop(tx);
+        assert_eq!(poll_with(&mut b, &task), Poll::Ready(None));
+    }
+
+    #[test]
+    fn a_parked_body_wakes_the_task_that_polled_it_last() {
+        let (first, last) = (Arc::new(Task::default()), Arc::new(Task::default()));
+        let (mut b, tx) = fed();
+        assert!(poll_with(&mut b, &first).is_pending());
+        assert!(poll_with(&mut b, &last).is_pending());
+        tx.send("a").unwrap();
+        assert_eq!(first.0.load(Ordering::SeqCst), 0);
+        assert_eq!(last.0.load(Ordering::SeqCst), 1);
+        assert_eq!(
+            poll_with(&mut b, &last),
+            Poll::Ready(Some(Ok(Bytes::from("a"))))
+        );
+    }
+
+    /// A body that wakes itself before it says `Pending` (as one does to be polled once more
+    /// after hyper has flushed), then gives `a`.
+    struct Again(bool);
+
+    impl Body for Again {
+        type Data = Bytes;
+        type Error = &'static str;
+
+        fn poll_frame(
+            mut self: Pin<&mut Self>,
+            cx: &mut Context<'_>,
+        ) -> Poll<Option<Result<Frame<Bytes>, &'static str>>> {
+            if std::mem::replace(&mut self.0, true) {
+                return Poll::Ready(Some(Ok(Frame::data(Bytes::from("a")))));
+            }
+            cx.waker().wake_by_ref();
+            Poll::Pending
+        }
+    }
+
+    #[test]
+    fn a_body_that_wakes_itself_while_polled_is_polled_again() {
+        let task = Arc::new(Task::default());
+        let mut b = Parked::new(Again(false));
+        assert!(poll_with(&mut b, &task).is_pending());
+        assert_eq!(task.0.load(Ordering::SeqCst), 1);
+        assert_eq!(
+            poll_with(&mut b, &task),
+            Poll::Ready(Some(Ok(Bytes::from("a"))))
+        );
     }
 }

@@ -252,7 +252,7 @@ async fn turn(
     // A validation that began while this request waited for an engine holds that engine:
     // never a client's. Then back to the validation's gate, to wait for the profile it
     // restores (or 503 past max_waiting, as any request during a validation).
-    let active = ctx.parts.lifecycle.status().profile;
+    let active = ctx.parts.lifecycle.profile();
     if let Some(refused) = lends(
         config.profile(&active).map(|p| p.engine.describe()),
         &active,

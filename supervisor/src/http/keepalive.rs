@@ -267,7 +267,7 @@ impl<B: Relayed> Keepalive<B> {
                     return loading.describe(loading.since.elapsed());
                 }
                 let waited = brief(whole_seconds(self.since.elapsed()));
-                match self.lifecycle.status().state {
+                match self.lifecycle.state() {
                     dsv4_client::State::Ready => {
                         format!("dsv4 waiting for the engine's answer: {waited}")
                     }
@@ -309,7 +309,7 @@ impl<B: Relayed> Keepalive<B> {
             Some(model) => model.clone(),
             None => match self.lifecycle.loading() {
                 Some(loading) => loading.profile,
-                None => self.lifecycle.status().profile,
+                None => self.lifecycle.profile(),
             },
         };
         let created = std::time::SystemTime::now()

@@ -121,7 +121,7 @@ async fn peer(
     if !peer_wire::proved(&ask, &nonce, texts.iter().map(String::as_bytes)) {
         return Err("the key is not one of peers.keys_file".to_string());
     }
-    let active = peers.lifecycle.status().profile;
+    let active = peers.lifecycle.profile();
     match ask.verb {
         Verb::Check => check(conn, from, &ask, &config, active, peers).await,
         Verb::Hold => {

@@ -134,7 +134,7 @@ async fn route(
         // engine's only while it serves.
         (true, path)
             if (req.method() == Method::HEAD || path == "/")
-                && ctx.parts.lifecycle.status().state != dsv4_client::State::Ready =>
+                && ctx.parts.lifecycle.state() != dsv4_client::State::Ready =>
         {
             probed(ctx, req.method(), path)
         }
@@ -258,7 +258,7 @@ pub(crate) fn json_response(status: StatusCode, v: serde_json::Value) -> Respons
 /// `GET /v1/models`: the profiles, from the configuration; needs no engine. OpenAI's list
 /// shape, with what `ListProfiles()` tells about each.
 fn models(ctx: &Ctx) -> serde_json::Value {
-    let active = ctx.parts.lifecycle.status().profile;
+    let active = ctx.parts.lifecycle.profile();
     let data: Vec<_> = crate::config::profiles::list(&ctx.parts.config.borrow(), &active)
         .into_iter()
         .map(|p| {

@@ -14,7 +14,7 @@ use hyper_util::rt::{TokioIo, TokioTimer};
 use tokio::net::TcpListener;
 use tracing::Instrument as _;
 
-use crate::http::body::{End, OnEnd};
+use crate::http::body::{End, OnEnd, Parked};
 use crate::http::connections;
 use crate::http::ctx::Ctx;
 use crate::http::router::handle;
@@ -36,7 +36,8 @@ pub async fn serve(
         // What one connection may hold of a request head it has not finished: hyper's
         // default (about 400 KB) let 60 slow heads take 23 MB (api.max_buffered bounds
         // bodies only). A longer head gets 431.
-        .max_buf_size(connections::HEAD_BUFFER);
+        .max_buf_size(connections::HEAD_BUFFER)
+        .writev(false);
     let connections = ctx.connections.clone();
     // The open-file limit was raised (or not) before the runtime started.
     let fd_cap = connections::fd_cap();
@@ -77,7 +78,8 @@ pub async fn serve(
                     // In flight until its response body ends.
                     let busy = slot.busy();
                     let resp = handle(&ctx, req, &slot).await;
-                    Ok::<_, Infallible>(resp.map(|b| OnEnd::new(b, move |_: End| drop(busy))))
+                    let end = move |_: End| drop(busy);
+                    Ok::<_, Infallible>(resp.map(|b| Parked::new(OnEnd::new(b, end))))
                 }
                 .instrument(span)
             })

@@ -309,7 +309,10 @@ impl Seen<'_> {
         if e.is_comment() {
             return;
         }
-        if let Some(p) = self.progress {
+        let token = self.spec.is_token(e);
+        // A progress event carries no text: an event with text is never looked at as one
+        // (nor taken out with its text).
+        if let Some(p) = self.progress.filter(|_| !token) {
             if let Some(prefill) = p.read(e.data) {
                 self.fed.prefill = Some(prefill);
                 if p.strips() {
@@ -330,7 +333,7 @@ impl Seen<'_> {
             *self.ended = true;
             self.fed.ended = true;
         }
-        if self.spec.is_token(e) {
+        if token {
             self.fed.tokens += 1;
         }
         if let Some(o) = self.opening.as_deref_mut().filter(|o| !o.passing()) {
@@ -420,6 +423,19 @@ mod tests {
                 "{size}"
             );
         }
+    }
+
+    #[test]
+    fn an_event_with_text_is_a_token_and_never_taken_out_as_progress() {
+        // The model's text, or a field beside it, may name the engine's progress key: the
+        // event is the answer's, read as a token and passed whole.
+        let named = "data: {\"choices\":[{\"delta\":{\"content\":\"a\"}}],\
+                     \"prompt_progress\":{\"total\":100,\"cache\":0,\"processed\":100,\
+                     \"time_ms\":1}}\n\n";
+        let all = format!("{}{named}{DONE}", progress_event(50));
+        let r = run(ApiProtocol::OpenAi, Some(true), &[all.as_bytes()]);
+        assert_eq!(r.out, format!("{named}{DONE}"));
+        assert_eq!((r.tokens, r.latest), (1, Some(50)));
     }
 
     #[test]

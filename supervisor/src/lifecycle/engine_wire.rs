@@ -269,9 +269,8 @@ impl Decoder {
         loop {
             match self.state {
                 State::Done => return Ok(Decoded::Done),
-                State::Close | State::Length(_) | State::Data(_) if buf.is_empty() => {
-                    return Ok(Decoded::More)
-                }
+                // Nothing to read (a poll before the engine's next bytes): no search.
+                _ if buf.is_empty() => return Ok(Decoded::More),
                 State::Close => return Ok(Decoded::Data(buf.split().freeze())),
                 State::Length(n) | State::Data(n) => {
                     let (data, left) = take(buf, n);

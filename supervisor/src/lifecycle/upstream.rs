@@ -75,20 +75,34 @@ struct Conn {
     idle_since: Instant,
 }
 
+/// What one read of the socket gave.
+struct Filled {
+    /// Bytes read; 0: the socket is closed.
+    n: usize,
+    /// They were all the socket held: another read now would find nothing.
+    drained: bool,
+}
+
 impl Conn {
-    /// Reads what the socket holds into the buffer: how many bytes (0: closed).
-    fn poll_fill(&mut self, cx: &mut Context<'_>) -> Poll<io::Result<usize>> {
+    /// Reads what the socket holds into the buffer: how many bytes (0: closed), and whether
+    /// that was all it held.
+    fn poll_fill(&mut self, cx: &mut Context<'_>) -> Poll<io::Result<Filled>> {
         if self.buf.capacity() - self.buf.len() < READ_SIZE / 4 {
             self.buf.reserve(READ_SIZE);
         }
-        let n = {
+        let (n, room) = {
             let mut room = ReadBuf::uninit(self.buf.spare_capacity_mut());
             ready!(Pin::new(&mut self.io).poll_read(cx, &mut room))?;
-            room.filled().len()
+            (room.filled().len(), room.capacity())
         };
         // SAFETY: `poll_read` initialised the first `n` bytes of the spare capacity.
         unsafe { self.buf.set_len(self.buf.len() + n) };
-        Poll::Ready(Ok(n))
+        // A read that did not fill the room took all the socket held (as the runtime,
+        // which then waits for the socket's next readiness, reads it too).
+        Poll::Ready(Ok(Filled {
+            n,
+            drained: n < room,
+        }))
     }
 
     /// Whether it can take a request now: open, with nothing unread. A close (or bytes
@@ -343,7 +357,7 @@ impl Upstream {
                 Err(e) => return Err(Failed::Broken(e.into())),
             }
             match std::future::poll_fn(|cx| conn.poll_fill(cx)).await {
-                Ok(0) => {
+                Ok(Filled { n: 0, .. }) => {
                     let what = match answered {
                         false => "the engine closed the connection before any byte of an answer",
                         true => {
@@ -460,6 +474,7 @@ impl Body for UpstreamBody {
             return Poll::Ready(Some(Err(e)));
         }
         let mut data = Joined::default();
+        let mut drained = false;
         while let Some(conn) = this.conn.as_mut() {
             match this.decoder.decode(&mut conn.buf) {
                 Ok(Decoded::Data(d)) => {
@@ -470,16 +485,18 @@ impl Body for UpstreamBody {
                 }
                 Ok(Decoded::Done) => this.finish(),
                 Err(e) => return this.fail(e.into(), &mut data),
+                // What came goes now; the next poll waits for more (an event a read).
+                Ok(Decoded::More) if drained && data.len() > 0 => break,
                 Ok(Decoded::More) => match conn.poll_fill(cx) {
                     Poll::Pending => break,
-                    Poll::Ready(Ok(0)) => match this.decoder.closed() {
+                    Poll::Ready(Ok(Filled { n: 0, .. })) => match this.decoder.closed() {
                         Ok(()) => {
                             this.ended = true;
                             this.conn = None;
                         }
                         Err(e) => return this.fail(e, &mut data),
                     },
-                    Poll::Ready(Ok(_)) => {}
+                    Poll::Ready(Ok(filled)) => drained = filled.drained,
                     Poll::Ready(Err(e)) => return this.fail(e, &mut data),
                 },
             }

@@ -42,14 +42,15 @@ struct Register {
     /// The number the next request gets, less one.
     count: AtomicU64,
     alerts: Alerts,
-    /// Bumped when a request begins its prefill or ends it (its first event, or its end):
-    /// what [`Flights::oldest_prefill`] says may have changed.
-    prefills: tokio::sync::watch::Sender<u64>,
+    /// Told when a request begins its prefill or ends it (its first event, or its end):
+    /// what [`Flights::oldest_prefill`] says may have changed. One listener (the power
+    /// policy's `power.prefill`); a change while it is not waiting is kept for it.
+    prefills: tokio::sync::Notify,
 }
 
 impl Register {
     fn prefills_changed(&self) {
-        self.prefills.send_modify(|n| *n = n.wrapping_add(1));
+        self.prefills.notify_one();
     }
 }
 
@@ -153,9 +154,10 @@ impl Flights {
             .min()
     }
 
-    /// Changes when [`Flights::oldest_prefill`] may have.
-    pub fn prefills(&self) -> tokio::sync::watch::Receiver<u64> {
-        self.inner.prefills.subscribe()
+    /// Ready once [`Flights::oldest_prefill`] may have changed since the last time it was
+    /// (for one listener).
+    pub async fn prefills_changed(&self) {
+        self.inner.prefills.notified().await
     }
 
     /// The requests in flight, oldest first, as the status shows them. `loading` is the
@@ -506,6 +508,28 @@ mod tests {
             assert_eq!(shown.phase, Phase::Waiting);
             assert_eq!(shown.waiting_for, Some(want), "{state:?} {validating}");
         }
+    }
+
+    #[tokio::test]
+    async fn a_prefill_that_begins_or_ends_is_told_even_to_a_listener_not_yet_waiting() {
+        use futures_util::FutureExt;
+        let flights = Flights::default();
+        let told = |f: &Flights| f.prefills_changed().now_or_never().is_some();
+        let t = flights.enter(&uri("/v1/chat/completions"), true, None, Instant::now());
+        assert!(
+            !told(&flights),
+            "a request waiting for the engine is in no prefill"
+        );
+        t.sent(&engine(EngineKind::LlamaServer));
+        assert!(told(&flights));
+        assert!(!told(&flights), "told once per change");
+        t.tokens(1);
+        assert!(told(&flights), "the first token ends the prefill");
+        let later = flights.enter(&uri("/v1/completions"), false, None, Instant::now());
+        later.sent(&engine(EngineKind::LlamaServer));
+        drop(later);
+        assert!(told(&flights), "a request gone in its prefill ends it");
+        assert!(!told(&flights));
     }
 
     #[tokio::test]

@@ -209,7 +209,7 @@ impl Validator {
         drop(slot);
         let this = self.clone();
         let name = profile.clone();
-        let previous = self.0.lifecycle.status().profile;
+        let previous = self.0.lifecycle.profile();
         tokio::spawn(async move {
             let run = {
                 let (this, name, previous) = (this.clone(), name.clone(), previous.clone());
@@ -270,7 +270,7 @@ impl Validator {
     /// shutting down, say) the next start goes back instead.
     async fn switch_back(&self, profile: &str, previous: &str) -> Result<(), String> {
         let lifecycle = &self.0.lifecycle;
-        if lifecycle.status().profile == profile && profile != previous {
+        if lifecycle.profile() == profile && profile != previous {
             self.say(Progress {
                 step: "switching back".into(),
                 message: format!("switching back to profile {previous}"),

@@ -35,6 +35,7 @@ use crate::observe::monitor::Telemetry;
 
 use self::cpufreq::PolicySettings;
 use self::ppd::Ppd;
+use self::prefill::Prefills;
 use self::sysfs::Writer;
 
 /// The file in `state_dir` that says what to give back.
@@ -290,7 +291,7 @@ struct Task {
 impl Task {
     async fn run(mut self, mut stop: mpsc::Receiver<oneshot::Sender<()>>) {
         let mut telemetry = self.parts.telemetry.watch();
-        let mut prefills = self.parts.flights.prefills();
+        let flights = self.parts.flights.clone();
         let mut released: Option<zbus::proxy::SignalStream<'static>> = None;
         // Once the monitor is gone (it never is, but a closed channel is always ready).
         let mut samples_open = true;
@@ -313,9 +314,13 @@ impl Task {
                 self.undo().await;
                 released = None;
             }
-            let recheck = self.follow_prefill().await;
+            // The requests' prefills wake this task only while `power.prefill` is in force.
+            let (following, recheck) = match self.follow_prefill().await {
+                Prefills::Ignored => (false, None),
+                Prefills::Followed { recheck } => (true, recheck),
+            };
             tokio::select! {
-                _ = prefills.changed() => {}
+                () = flights.prefills_changed(), if following => {}
                 () = tokio::time::sleep_until(recheck.unwrap_or_else(Instant::now)),
                     if recheck.is_some() => {}
                 changed = self.parts.lifecycle.changed() => {

@@ -41,13 +41,27 @@ pub(super) fn ppd_profile(cpu: CpuPolicy) -> Option<&'static str> {
     }
 }
 
+/// What the power policy does with the requests' prefills now.
+pub(super) enum Prefills {
+    /// Nothing: no engine with `power.prefill`, or a method that cannot switch, or a hold
+    /// the user released.
+    Ignored,
+    /// Follows them, and looks again at `recheck` if no request's prefill begins or ends
+    /// before.
+    Followed { recheck: Option<Instant> },
+}
+
 impl Task {
-    /// Follows the requests' prefills (see the module's text); when to look again.
-    pub(super) async fn follow_prefill(&mut self) -> Option<Instant> {
-        let applied = self.applied.as_ref()?;
-        let prefill = applied.wanted.prefill?;
+    /// Follows the requests' prefills (see the module's text).
+    pub(super) async fn follow_prefill(&mut self) -> Prefills {
+        let Some(applied) = self.applied.as_ref() else {
+            return Prefills::Ignored;
+        };
+        let Some(prefill) = applied.wanted.prefill else {
+            return Prefills::Ignored;
+        };
         if applied.released_by_user || applied.method == Method::None {
-            return None;
+            return Prefills::Ignored;
         }
         let oldest = self.parts.flights.oldest_prefill();
         let (now_due, recheck) = due(oldest, applied.wanted.prefill_after, Instant::now());
@@ -66,7 +80,7 @@ impl Task {
             };
             self.switch_cpu(to, now_due, &why).await;
         }
-        recheck
+        Prefills::Followed { recheck }
     }
 
     /// The CPU on `to` (`prefill`: as `power.prefill`), through the method in force.
