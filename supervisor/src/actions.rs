@@ -103,7 +103,7 @@ impl Actions {
     /// Removes the KV checkpoints `what` names (`all`, a profile, an id): the ids removed.
     /// Refused while the engine saves or restores one.
     pub async fn drop_kv(&self, what: &str, by: &str) -> Result<Vec<String>, ActionError> {
-        if let Some(step) = self.lifecycle.status().kv_step {
+        if let Some(step) = self.lifecycle.with_status(|s| s.kv_step) {
             return Err(ActionError::Busy(format!(
                 "the engine is {step} its KV checkpoint: try again once it is done"
             )));

@@ -387,23 +387,29 @@ impl ControlObject {
     }
     #[zbus(property)]
     async fn in_flight(&self) -> u32 {
-        self.parts.lifecycle.status().in_flight
+        self.parts.lifecycle.with_status(|s| s.in_flight)
     }
     #[zbus(property)]
     async fn waiting(&self) -> u32 {
-        self.parts.lifecycle.status().waiting as u32
+        self.parts.lifecycle.with_status(|s| s.waiting as u32)
     }
     #[zbus(property)]
     async fn engine_pid(&self) -> u32 {
-        self.parts.lifecycle.status().engine_pid.unwrap_or(0)
+        self.parts
+            .lifecycle
+            .with_status(|s| s.engine_pid.unwrap_or(0))
     }
     #[zbus(property)]
     async fn idle_deadline(&self) -> f64 {
-        self.parts.lifecycle.status().idle_deadline.unwrap_or(0.0)
+        self.parts
+            .lifecycle
+            .with_status(|s| s.idle_deadline.unwrap_or(0.0))
     }
     #[zbus(property)]
     async fn last_error(&self) -> String {
-        self.parts.lifecycle.status().last_error.unwrap_or_default()
+        self.parts
+            .lifecycle
+            .with_status(|s| s.last_error.clone().unwrap_or_default())
     }
     /// The requests in flight with their phases, as the JSON array `in_progress` of the
     /// status. It changes with every token, so no `PropertiesChanged` announces it: a

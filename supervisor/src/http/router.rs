@@ -100,11 +100,11 @@ async fn route(
     if own && req.uri().path() == "/health" {
         // Open to every caller the front admits: it is what a load balancer or a watchdog
         // polls.
-        let s = ctx.parts.lifecycle.status();
-        return json_response(
-            StatusCode::OK,
-            json!({ "status": "ok", "engine": s.state, "profile": s.profile }),
-        );
+        let body = ctx
+            .parts
+            .lifecycle
+            .with_status(|s| json!({ "status": "ok", "engine": s.state, "profile": s.profile }));
+        return json_response(StatusCode::OK, body);
     }
     // The path's protocol, once: its errors are told in its shape.
     let route = Route::of(req.uri().path());
@@ -220,15 +220,16 @@ async fn metrics(ctx: &Ctx) -> Response<ProxyBody> {
 /// says where things are; for any other path, 404 (as llama-server answers a `HEAD` of a path
 /// it does not serve). A `HEAD` gets the head alone.
 fn probed(ctx: &Ctx, method: &Method, path: &str) -> Response<ProxyBody> {
-    let s = ctx.parts.lifecycle.status();
     let (status, text) = match path {
         "/" => (
             StatusCode::OK,
-            format!(
-                "dsv4d: the engine is {} (profile {}); it starts at the first request to the \
-                 APIs under /v1. Status: /status; dashboard: /ui\n",
-                s.state, s.profile
-            ),
+            ctx.parts.lifecycle.with_status(|s| {
+                format!(
+                    "dsv4d: the engine is {} (profile {}); it starts at the first request to \
+                     the APIs under /v1. Status: /status; dashboard: /ui\n",
+                    s.state, s.profile
+                )
+            }),
         ),
         _ => (StatusCode::NOT_FOUND, String::new()),
     };

@@ -179,7 +179,7 @@ impl Validator {
 
     /// Whether the engine of `gen` is the ready one.
     fn serves(&self, gen: u64) -> bool {
-        ready(&self.0.lifecycle.watch_status().borrow(), gen)
+        self.0.lifecycle.with_status(|s| ready(s, gen))
     }
 
     /// Resolves once the engine of `gen` has had no request in flight or waiting, and no
