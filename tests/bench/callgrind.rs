@@ -13,12 +13,18 @@
 //! engine writes them and dsv4d, slowed by valgrind, reads dozens at once. With
 //! `BENCH_CALLGRIND_KEEP=DIR` the two dumps are copied there (`<build>-plain.out`,
 //! `<build>-stream.out`), for `callgrind_annotate` to say where the instructions went.
+//!
+//! Last, nginx with one worker (the proxies section's configuration) is counted the same way
+//! in front of the same kind of engine: the instructions of a proxy written in C for the same
+//! requests, the reference of issue 55's goals.
 
 use std::path::{Path, PathBuf};
 use std::process::Command;
 use std::time::Duration;
 
-use crate::support::{env_or, temp_dir, Daemon, Setup};
+use std::net::SocketAddr;
+
+use crate::support::{env_or, temp_dir, Daemon, EngineSeen, Setup};
 
 /// Any key: dsv4d puts the engine's own in place of what a client sends.
 const AUTH: &str = "Bearer bench";
@@ -26,6 +32,8 @@ const AUTH: &str = "Bearer bench";
 /// What one daemon cost.
 struct Counted {
     name: String,
+    /// The name in the `BENCH` line and the kept dumps' file names.
+    slug: String,
     per_request: f64,
     per_event: f64,
 }
@@ -50,6 +58,10 @@ pub async fn run() {
             Err(e) => println!("  {name}: {e}"),
         }
     }
+    match count_nginx((requests, streams), token_ms).await {
+        Ok(c) => counted.push(c),
+        Err(e) => println!("  nginx (1 worker): {e}"),
+    }
     println!(
         "  {:<16} {:>16} {:>18}   ({requests} plain requests, {streams} streams of 66 events, \
          {token_ms} ms a token)",
@@ -63,11 +75,26 @@ pub async fn run() {
         println!(
             "BENCH section=callgrind build={} ir_per_request={:.0} ir_per_event={:.0} \
              requests={requests} streams={streams} token_ms={token_ms}",
-            c.name.replace(", ", "-"),
-            c.per_request,
-            c.per_event
+            c.slug, c.per_request, c.per_event
         );
     }
+}
+
+/// valgrind's callgrind, writing its dumps to `out` (and `out.N` for each dump asked for).
+fn valgrind(out: &Path) -> Vec<String> {
+    vec![
+        "valgrind".to_string(),
+        "--tool=callgrind".into(),
+        format!("--callgrind-out-file={}", out.display()),
+    ]
+}
+
+/// The setup of every counted route's engine: paced at `token_ms` a token, kept alive.
+fn setup(token_ms: u64) -> Setup {
+    Setup::default()
+        .engine("idle_timeout", "1h")
+        .knob("connections", "keep")
+        .knob("token_ms", &token_ms.to_string())
 }
 
 /// One daemon of `bin` (this build's when `None`) under callgrind: its instructions per plain
@@ -75,16 +102,12 @@ pub async fn run() {
 async fn count(
     name: &str,
     bin: Option<&Path>,
-    (requests, streams): (usize, usize),
+    sizes: (usize, usize),
     token_ms: u64,
 ) -> Result<Counted, String> {
     let dir = temp_dir("callgrind");
     let out = dir.path().join("callgrind.out");
-    let valgrind = [
-        "valgrind".to_string(),
-        "--tool=callgrind".into(),
-        format!("--callgrind-out-file={}", out.display()),
-    ];
+    let valgrind = valgrind(&out);
     let wrapper: Vec<String> = match bin {
         None => valgrind.to_vec(),
         Some(bin) => {
@@ -103,37 +126,65 @@ async fn count(
         }
     };
     let wrapper: Vec<&str> = wrapper.iter().map(String::as_str).collect();
-    let setup = Setup::default()
-        .engine("idle_timeout", "1h")
-        .knob("connections", "keep")
-        .knob("token_ms", &token_ms.to_string())
-        .wrapper(&wrapper);
-    let d = Daemon::start(&setup);
-    let pid = d.child.id();
+    let d = Daemon::start(&setup(token_ms).wrapper(&wrapper));
+    let slug = name.replace(", ", "-");
+    tally((name, &slug), d.child.id(), &out, (d.addr, AUTH), sizes).await
+}
+
+/// nginx (one worker, the proxies section's configuration) under callgrind, in front of an
+/// engine started by a daemon of this build that is not counted: nginx's instructions for
+/// the same requests and the same engine, the floor a proxy in C reaches.
+async fn count_nginx(sizes: (usize, usize), token_ms: u64) -> Result<Counted, String> {
+    let bin = crate::proxies::find_tool("nginx")
+        .ok_or("no nginx (the proxies section installs it; apt-get install nginx)")?;
+    let d = Daemon::start(&setup(token_ms));
+    // The first request starts the engine through the daemon.
     let mut conn = crate::support::one_connection(d.addr).await;
-    let auth = AUTH;
-    // The first request starts the engine; more warm everything up.
+    crate::once(&mut conn, d.addr, AUTH, crate::chat(1, false)).await;
+    let seen = EngineSeen::of(&d).await;
+    let dir = temp_dir("callgrind-nginx");
+    let out = dir.path().join("callgrind.out");
+    let valgrind = valgrind(&out);
+    let valgrind: Vec<&str> = valgrind.iter().map(String::as_str).collect();
+    let (nginx, addr) = crate::proxies::start_nginx(&bin, seen.addr, "1", &valgrind)?;
+    let bearer = seen.bearer();
+    let name = ("nginx (1 worker)", "nginx-w1");
+    tally(name, nginx.pid(), &out, (addr, &bearer), sizes).await
+}
+
+/// The instructions of the process `pid` (under callgrind, dumping to `out`) per plain
+/// request and per streamed event of the requests sent to `addr` with `auth`.
+async fn tally(
+    (name, slug): (&str, &str),
+    pid: u32,
+    out: &Path,
+    (addr, auth): (SocketAddr, &str),
+    (requests, streams): (usize, usize),
+) -> Result<Counted, String> {
+    let mut conn = crate::support::one_connection(addr).await;
+    // The first request through a daemon starts the engine; more warm everything up.
     for _ in 0..20 {
-        crate::once(&mut conn, d.addr, auth, crate::chat(1, false)).await;
-        crate::once(&mut conn, d.addr, auth, crate::chat(64, true)).await;
+        crate::once(&mut conn, addr, auth, crate::chat(1, false)).await;
+        crate::once(&mut conn, addr, auth, crate::chat(64, true)).await;
     }
     control(&["-z"], pid)?;
     for _ in 0..requests {
-        crate::once(&mut conn, d.addr, auth, crate::chat(1, false)).await;
+        crate::once(&mut conn, addr, auth, crate::chat(1, false)).await;
     }
-    let plain = dumped(pid, &out, (name, "plain"))?;
+    let plain = dumped(pid, out, (slug, "plain"))?;
     control(&["-z"], pid)?;
     let mut events = 0;
     for _ in 0..streams {
-        let (_, n) = crate::once(&mut conn, d.addr, auth, crate::chat(64, true)).await;
+        let (_, n) = crate::once(&mut conn, addr, auth, crate::chat(64, true)).await;
         events += n;
     }
-    let streamed = dumped(pid, &out, (name, "stream"))?;
+    let streamed = dumped(pid, out, (slug, "stream"))?;
     if events != streams * 66 {
         return Err(format!("{events} events in {streams} streams, not 66 each"));
     }
     Ok(Counted {
         name: name.to_string(),
+        slug: slug.to_string(),
         per_request: plain as f64 / requests as f64,
         per_event: streamed as f64 / events as f64,
     })
@@ -166,7 +217,7 @@ fn dumped(pid: u32, out: &Path, (build, what): (&str, &str)) -> Result<u64, Stri
             std::thread::sleep(Duration::from_millis(200));
             let text = std::fs::read_to_string(new).map_err(|e| e.to_string())?;
             if let Some(keep) = std::env::var_os("BENCH_CALLGRIND_KEEP") {
-                let name = format!("{}-{what}.out", build.replace(", ", "-"));
+                let name = format!("{build}-{what}.out");
                 let _ = std::fs::create_dir_all(&keep);
                 std::fs::write(Path::new(&keep).join(name), &text).map_err(|e| e.to_string())?;
             }
