@@ -92,7 +92,9 @@ pub fn reasoning_chunk(id: u64, created: u64, model: &str, text: &str) -> Bytes 
 }
 
 /// Whether a request body asks for a streamed answer: a JSON object with `"stream": true`.
-/// A body that does not name `"stream"` is not parsed at all.
+/// Only a body where some `"stream"` is followed by `: true` is parsed: a top-level
+/// `"stream": true` is always written so, and the parse of a chat's body to find
+/// `"stream": false` took 2,100 of a plain request's 53,000 instructions (callgrind).
 pub fn wants_stream(body: &[u8]) -> bool {
     #[derive(serde::Deserialize)]
     struct Flag {
@@ -103,7 +105,13 @@ pub fn wants_stream(body: &[u8]) -> bool {
     // instructions a request, callgrind).
     static STREAM: std::sync::LazyLock<memchr::memmem::Finder<'static>> =
         std::sync::LazyLock::new(|| memchr::memmem::Finder::new(b"\"stream\""));
-    STREAM.find(body).is_some() && serde_json::from_slice::<Flag>(body).is_ok_and(|f| f.stream)
+    let says_true = |at: usize| {
+        let rest = body[at + b"\"stream\"".len()..].trim_ascii_start();
+        rest.strip_prefix(b":")
+            .is_some_and(|v| v.trim_ascii_start().starts_with(b"true"))
+    };
+    STREAM.find_iter(body).any(says_true)
+        && serde_json::from_slice::<Flag>(body).is_ok_and(|f| f.stream)
 }
 
 /// The most of an error body that is quoted.
@@ -290,6 +298,19 @@ mod tests {
             (br#"{"stream":true"#, false),
             (b"", false),
             (br#"["stream"]"#, false),
+            // Spaces and line ends around the colon, as JSON allows.
+            (b"{\"stream\"\n :\r\n\ttrue}", true),
+            // A nested "stream": true that is not the request's own.
+            (
+                br#"{"tools":[{"parameters":{"stream":true}}],"stream":false}"#,
+                false,
+            ),
+            (
+                br#"{"tools":[{"parameters":{"stream":true}}],"stream":true}"#,
+                true,
+            ),
+            // A "stream" that is a value, then the request's own key.
+            (br#"{"model":"stream","stream" : true}"#, true),
         ] {
             assert_eq!(
                 wants_stream(body),
