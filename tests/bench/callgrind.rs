@@ -14,9 +14,9 @@
 //! `BENCH_CALLGRIND_KEEP=DIR` the two dumps are copied there (`<build>-plain.out`,
 //! `<build>-stream.out`), for `callgrind_annotate` to say where the instructions went.
 //!
-//! Last, nginx with one worker (the proxies section's configuration) is counted the same way
-//! in front of the same kind of engine: the instructions of a proxy written in C for the same
-//! requests, the reference of issue 55's goals.
+//! Last, the bare hyper proxy (`tests/bare-proxy`, the floor of dsv4d's stack) and nginx with
+//! one worker (the proxies section's configuration) are counted the same way in front of the
+//! same kind of engine: the reference of issue 55's goals.
 
 use std::path::{Path, PathBuf};
 use std::process::Command;
@@ -24,6 +24,7 @@ use std::time::Duration;
 
 use std::net::SocketAddr;
 
+use crate::proxies::Started;
 use crate::support::{env_or, temp_dir, Daemon, EngineSeen, Setup};
 
 /// Any key: dsv4d puts the engine's own in place of what a client sends.
@@ -58,9 +59,22 @@ pub async fn run() {
             Err(e) => println!("  {name}: {e}"),
         }
     }
-    match count_nginx((requests, streams), token_ms).await {
-        Ok(c) => counted.push(c),
-        Err(e) => println!("  nginx (1 worker): {e}"),
+    // The floor of dsv4d's stack (hyper's server and client, nothing else), and nginx.
+    let bare = |engine, wrapper: &[&str]| crate::proxies::start_bare(engine, wrapper);
+    let nginx = |engine, wrapper: &[&str]| {
+        let bin = crate::proxies::find_tool("nginx")
+            .ok_or("no nginx (the proxies section installs it; apt-get install nginx)")?;
+        crate::proxies::start_nginx(&bin, engine, "1", wrapper)
+    };
+    let sizes = (requests, streams);
+    for c in [
+        count_other(("hyper, bare", "hyper-bare"), bare, sizes, token_ms).await,
+        count_other(("nginx (1 worker)", "nginx-w1"), nginx, sizes, token_ms).await,
+    ] {
+        match c {
+            Ok(c) => counted.push(c),
+            Err(e) => println!("  {e}"),
+        }
     }
     println!(
         "  {:<16} {:>16} {:>18}   ({requests} plain requests, {streams} streams of 66 events, \
@@ -131,25 +145,29 @@ async fn count(
     tally((name, &slug), d.child.id(), &out, (d.addr, AUTH), sizes).await
 }
 
-/// nginx (one worker, the proxies section's configuration) under callgrind, in front of an
-/// engine started by a daemon of this build that is not counted: nginx's instructions for
-/// the same requests and the same engine, the floor a proxy in C reaches.
-async fn count_nginx(sizes: (usize, usize), token_ms: u64) -> Result<Counted, String> {
-    let bin = crate::proxies::find_tool("nginx")
-        .ok_or("no nginx (the proxies section installs it; apt-get install nginx)")?;
+/// Another proxy under callgrind, started by `start` (given the engine and the valgrind
+/// command), in front of an engine started by a daemon of this build that is not counted:
+/// its instructions for the same requests to the same engine.
+async fn count_other(
+    (name, slug): (&str, &str),
+    start: impl FnOnce(SocketAddr, &[&str]) -> Result<(Started, SocketAddr), String>,
+    sizes: (usize, usize),
+    token_ms: u64,
+) -> Result<Counted, String> {
     let d = Daemon::start(&setup(token_ms));
     // The first request starts the engine through the daemon.
     let mut conn = crate::support::one_connection(d.addr).await;
     crate::once(&mut conn, d.addr, AUTH, crate::chat(1, false)).await;
     let seen = EngineSeen::of(&d).await;
-    let dir = temp_dir("callgrind-nginx");
+    let dir = temp_dir("callgrind-other");
     let out = dir.path().join("callgrind.out");
     let valgrind = valgrind(&out);
     let valgrind: Vec<&str> = valgrind.iter().map(String::as_str).collect();
-    let (nginx, addr) = crate::proxies::start_nginx(&bin, seen.addr, "1", &valgrind)?;
+    let (proxy, addr) = start(seen.addr, &valgrind).map_err(|e| format!("{name}: {e}"))?;
     let bearer = seen.bearer();
-    let name = ("nginx (1 worker)", "nginx-w1");
-    tally(name, nginx.pid(), &out, (addr, &bearer), sizes).await
+    tally((name, slug), proxy.pid(), &out, (addr, &bearer), sizes)
+        .await
+        .map_err(|e| format!("{name}: {e}"))
 }
 
 /// The instructions of the process `pid` (under callgrind, dumping to `out`) per plain

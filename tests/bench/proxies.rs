@@ -401,6 +401,18 @@ fn free_port() -> u16 {
         .port()
 }
 
+/// `bin`, or `wrapper` (a command and its arguments) running `bin`.
+fn wrapped(bin: &Path, wrapper: &[&str]) -> Command {
+    match wrapper.split_first() {
+        Some((first, rest)) => {
+            let mut c = Command::new(first);
+            c.args(rest).arg(bin);
+            c
+        }
+        None => Command::new(bin),
+    }
+}
+
 /// nginx as a reverse proxy of `engine`, run by `wrapper` when one is given (valgrind, for
 /// the callgrind section).
 pub(crate) fn start_nginx(
@@ -429,14 +441,7 @@ pub(crate) fn start_nginx(
     );
     let path = dir.path().join("nginx.conf");
     std::fs::write(&path, conf).map_err(|e| e.to_string())?;
-    let mut cmd = match wrapper.split_first() {
-        Some((first, rest)) => {
-            let mut c = Command::new(first);
-            c.args(rest).arg(bin);
-            c
-        }
-        None => Command::new(bin),
-    };
+    let mut cmd = wrapped(bin, wrapper);
     cmd.arg("-p")
         .arg(format!("{d}/"))
         .arg("-c")
@@ -448,9 +453,13 @@ pub(crate) fn start_nginx(
     Ok((p, addr))
 }
 
-fn start_bare(engine: SocketAddr) -> Result<(Started, SocketAddr), String> {
+/// The bare hyper proxy in front of `engine`, run by `wrapper` when one is given.
+pub(crate) fn start_bare(
+    engine: SocketAddr,
+    wrapper: &[&str],
+) -> Result<(Started, SocketAddr), String> {
     let addr = SocketAddr::from(([127, 0, 0, 1], free_port()));
-    let mut cmd = Command::new(env!("CARGO_BIN_EXE_bare-proxy"));
+    let mut cmd = wrapped(Path::new(env!("CARGO_BIN_EXE_bare-proxy")), wrapper);
     cmd.arg(addr.to_string()).arg(engine.to_string());
     let mut p = Started::spawn(cmd, temp_dir("bare"))?;
     wait_listening(addr, &mut p)?;
@@ -606,7 +615,7 @@ pub async fn run() {
     }
     // The floor of dsv4d's own stack: hyper's server and client on one tokio thread, nothing
     // else (tests/bare-proxy).
-    match start_bare(engine) {
+    match start_bare(engine, &[]) {
         Ok((p, addr)) => {
             routes.push(Route {
                 name: "hyper, bare".into(),
