@@ -18,11 +18,10 @@
 //! one worker (the proxies section's configuration) are counted the same way in front of the
 //! same kind of engine: the reference of issue 55's goals.
 
+use std::net::SocketAddr;
 use std::path::{Path, PathBuf};
 use std::process::Command;
 use std::time::Duration;
-
-use std::net::SocketAddr;
 
 use crate::proxies::Started;
 use crate::support::{env_or, temp_dir, Daemon, EngineSeen, Setup};

@@ -17,6 +17,7 @@ pub use dsv4_client::ApiProtocol;
 use serde_json::{json, Value};
 
 use crate::http::events::Event;
+use crate::observe::stats::value_after_key;
 
 /// How the answers at a path stream.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -217,16 +218,10 @@ fn carries_text(data: &[u8]) -> bool {
             Finder::new(b"\"arguments\""),
         ]
     });
-    let blank = |b: &u8| matches!(b, b' ' | b'\t' | b'\r' | b'\n');
     KEYS.iter().any(|key| {
         key.find_iter(data).any(|at| {
-            let rest = &data[at + key.needle().len()..];
-            let rest = &rest[rest.iter().take_while(|b| blank(b)).count()..];
-            let Some(rest) = rest.strip_prefix(b":") else {
-                return false;
-            };
-            let rest = &rest[rest.iter().take_while(|b| blank(b)).count()..];
-            rest.first() == Some(&b'"') && rest.get(1).is_some_and(|&b| b != b'"')
+            value_after_key(&data[at + key.needle().len()..])
+                .is_some_and(|v| v.first() == Some(&b'"') && v.get(1).is_some_and(|&b| b != b'"'))
         })
     })
 }

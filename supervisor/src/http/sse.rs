@@ -12,6 +12,7 @@ use serde_json::{json, Value};
 
 use crate::http::events::Place;
 use crate::http::protocol::{Api, ApiProtocol, Failure};
+use crate::observe::stats::value_after_key;
 
 /// The SSE comment line `: text` for a stream at `place` (which must be [`Place::between`]),
 /// ended so that the stream is between events after it as before: with a blank line, and
@@ -106,9 +107,7 @@ pub fn wants_stream(body: &[u8]) -> bool {
     static STREAM: std::sync::LazyLock<memchr::memmem::Finder<'static>> =
         std::sync::LazyLock::new(|| memchr::memmem::Finder::new(b"\"stream\""));
     let says_true = |at: usize| {
-        let rest = body[at + b"\"stream\"".len()..].trim_ascii_start();
-        rest.strip_prefix(b":")
-            .is_some_and(|v| v.trim_ascii_start().starts_with(b"true"))
+        value_after_key(&body[at + STREAM.needle().len()..]).is_some_and(|v| v.starts_with(b"true"))
     };
     STREAM.find_iter(body).any(says_true)
         && serde_json::from_slice::<Flag>(body).is_ok_and(|f| f.stream)
