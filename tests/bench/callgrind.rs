@@ -121,24 +121,15 @@ async fn count(
     let dir = temp_dir("callgrind");
     let out = dir.path().join("callgrind.out");
     let valgrind = valgrind(&out);
-    let wrapper: Vec<String> = match bin {
-        None => valgrind.to_vec(),
+    let valgrind: Vec<&str> = valgrind.iter().map(String::as_str).collect();
+    let script;
+    let wrapper: Vec<&str> = match bin {
+        None => valgrind,
         Some(bin) => {
-            // The harness appends this build's dsv4d and its arguments: the script drops the
-            // path and runs the other build with the arguments.
-            let script = dir.path().join("baseline-dsv4d");
-            let text = format!(
-                "#!/bin/sh\nshift\nexec {} '{}' \"$@\"\n",
-                valgrind.join(" "),
-                bin.display()
-            );
-            std::fs::write(&script, text).map_err(|e| e.to_string())?;
-            std::fs::set_permissions(&script, std::os::unix::fs::PermissionsExt::from_mode(0o755))
-                .map_err(|e| e.to_string())?;
-            vec![script.display().to_string()]
+            script = crate::proxies::baseline_wrapper(dir.path(), bin, &valgrind)?;
+            vec![&script]
         }
     };
-    let wrapper: Vec<&str> = wrapper.iter().map(String::as_str).collect();
     let d = Daemon::start(&setup(token_ms).wrapper(&wrapper));
     let slug = name.replace(", ", "-");
     tally((name, &slug), d.child.id(), &out, (d.addr, AUTH), sizes).await

@@ -479,6 +479,22 @@ fn start_proxyd(activate: &Path, engine: SocketAddr) -> Result<(Started, SocketA
     Ok((p, addr))
 }
 
+/// A script in `dir` that runs the dsv4d at `bin` (under `prefix`, a command and its
+/// arguments, when given) where the harness runs this build's: the harness appends this
+/// build's path and its arguments, and the script drops the path. Its path.
+pub(crate) fn baseline_wrapper(dir: &Path, bin: &Path, prefix: &[&str]) -> Result<String, String> {
+    let script = dir.join("baseline-dsv4d");
+    let prefix: String = prefix.iter().map(|p| format!("{p} ")).collect();
+    let text = format!(
+        "#!/bin/sh\nshift\nexec {prefix}'{}' \"$@\"\n",
+        bin.display()
+    );
+    std::fs::write(&script, text).map_err(|e| e.to_string())?;
+    std::fs::set_permissions(&script, std::os::unix::fs::PermissionsExt::from_mode(0o755))
+        .map_err(|e| e.to_string())?;
+    Ok(script.display().to_string())
+}
+
 /// A daemon of the build at `bin` (`BENCH_BASELINE_DSV4D`), with `setup`, its engine
 /// started; its wrapper drops the path of this build's dsv4d, which the harness appends.
 async fn start_baseline(setup: &Setup, bin: &Path) -> Result<(Daemon, TempDir), String> {
@@ -486,15 +502,8 @@ async fn start_baseline(setup: &Setup, bin: &Path) -> Result<(Daemon, TempDir), 
         return Err(format!("{} is not a file", bin.display()));
     }
     let dir = temp_dir("baseline");
-    let wrapper = dir.path().join("baseline-dsv4d");
-    let script = format!("#!/bin/sh\nshift\nexec '{}' \"$@\"\n", bin.display());
-    std::fs::write(&wrapper, script).map_err(|e| e.to_string())?;
-    std::fs::set_permissions(
-        &wrapper,
-        std::os::unix::fs::PermissionsExt::from_mode(0o755),
-    )
-    .map_err(|e| e.to_string())?;
-    let d = Daemon::start(&setup.clone().wrapper(&[wrapper.to_str().unwrap()]));
+    let wrapper = baseline_wrapper(dir.path(), bin, &[])?;
+    let d = Daemon::start(&setup.clone().wrapper(&[&wrapper]));
     check(d.addr, None, Duration::from_secs(60)).map_err(|e| format!("did not answer: {e}"))?;
     Ok((d, dir))
 }
